@@ -1,0 +1,1 @@
+"""The ``handle`` command line and dashboard. Nothing else imports this package."""

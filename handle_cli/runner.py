@@ -1,0 +1,194 @@
+"""``handle run``: prepare the run directory, supervise torchrun, show progress and the final summary."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import click
+
+from torch_handle.config import Preset, dump_preset, load_preset
+from torch_handle.rundir import (RunDirError, create_run_dir, read_run_info, update_run_info, write_json_atomic,
+                                 PRESET_FILE)
+from torch_handle.telemetry import EVENTS_FILE, EventReader, RunSummary
+
+EXIT_CODES = {"finished": 0, "failed": 1, "stopped": 130}
+
+
+def prepare_run(preset: str | None, overrides: tuple[str, ...], run_dir: Path | None,
+                resume_dir: Path | None) -> tuple[Preset, Path]:
+    """Validate everything, then create (or reopen) the run directory. Nothing is written on bad input."""
+    if resume_dir is not None:
+        info = read_run_info(resume_dir)
+        if info.get("status") == "running" and _alive(info.get("launcher_pid")):
+            raise RunDirError(f"{resume_dir}: is still running (launcher pid {info['launcher_pid']})")
+        loaded = load_preset(Path(resume_dir) / PRESET_FILE, overrides)
+        _check_data(loaded)
+        if overrides:
+            tmp = Path(resume_dir) / f".{PRESET_FILE}.tmp"
+            tmp.write_text(dump_preset(loaded), encoding="utf-8")
+            os.replace(tmp, Path(resume_dir) / PRESET_FILE)
+        update_run_info(resume_dir, status="running", message="", resumed=info.get("resumed", 0) + 1)
+        return loaded, Path(resume_dir)
+    assert preset is not None
+    loaded = load_preset(preset, overrides)
+    _check_data(loaded)
+    info = {"status": "starting", "name": loaded.run.name, "preset": str(loaded.source),
+            "strategy": loaded.strategy.name, "zero_stage": getattr(loaded.strategy.options, "zero_stage", None),
+            "world_size": loaded.world_size, "steps": loaded.training.steps, "start_time": time.time(),
+            "end_time": None, "restarts": 0}
+    directory = create_run_dir(Path(loaded.run.output_dir), loaded.run.name, dump_preset(loaded), info, run_dir)
+    return loaded, directory
+
+
+def _check_data(preset: Preset) -> None:
+    """Cheap data checks before anything starts (missing paths), through the dataset plugin's own hook."""
+    from torch_handle.plugins import get_registry
+
+    reg = get_registry().get("dataset", preset.data.name)
+    preflight = getattr(reg.factory, "preflight", None)
+    if preflight is not None:
+        preflight(preset.data.options)
+
+
+def _alive(pid: object) -> bool:
+    if not isinstance(pid, int):
+        return False
+    try:
+        os.kill(pid, 0)
+        return True
+    except OSError:
+        return False
+
+
+def _fmt_s(seconds: float | None) -> str:
+    if seconds is None:
+        return "--:--"
+    seconds = int(seconds)
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m:02d}:{s:02d}"
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def progress_line(s: RunSummary) -> str:
+    total = s.steps_total or "?"
+    parts = [f"step {s.step}/{total}"]
+    if s.loss is not None:
+        parts.append(f"loss {s.loss:.4f}")
+    if s.val_loss is not None:
+        parts.append(f"val {s.val_loss:.4f}")
+    if s.tokens_per_s:
+        parts.append(f"{s.tokens_per_s[-1]:,.0f} tok/s")
+    if s.lr is not None:
+        parts.append(f"lr {s.lr:.2e}")
+    parts.append(f"ETA {_fmt_s(s.eta_s())}")
+    return " | ".join(parts)
+
+
+def summary_text(s: RunSummary, run_dir: Path, info: dict) -> str:
+    lines = [f"{info.get('status', '?')}: {run_dir}"]
+    if info.get("message"):
+        lines.append(f"  {info['message']}")
+    if s.loss is not None:
+        lines.append(f"  steps {s.step}   final train loss {s.loss:.4f}"
+                     + (f"   val loss {s.first_val_loss:.4f} -> {s.val_loss:.4f}" if s.val_loss is not None else ""))
+    if s.mean_tokens_per_s:
+        lines.append(f"  mean {s.mean_tokens_per_s:,.0f} tokens/s   elapsed "
+                     f"{_fmt_s((s.last_time or 0) - (s.start_time or 0))}")
+    if info.get("strategy"):
+        stage = f" ZeRO-{info['zero_stage']}" if info.get("zero_stage") is not None else ""
+        lines.append(f"  {info['strategy']}{stage}, world size {info.get('world_size')}, "
+                     f"optimizer {info.get('optimizer')}")
+    for rank, peak in sorted(s.peak_memory.items()):
+        model_state = peak.get("param_bytes", 0) + peak.get("grad_bytes", 0) + peak.get("optimizer_bytes", 0)
+        extra = f"   cuda peak {_fmt_bytes(peak['cuda_max_allocated_bytes'])}" if "cuda_max_allocated_bytes" in peak else ""
+        lines.append(f"  rank {rank}: params {_fmt_bytes(peak.get('param_bytes', 0))}  grads "
+                     f"{_fmt_bytes(peak.get('grad_bytes', 0))}  optimizer {_fmt_bytes(peak.get('optimizer_bytes', 0))}"
+                     f"  (model state {_fmt_bytes(model_state)})  rss {_fmt_bytes(peak.get('rss_bytes', 0))}{extra}")
+    return "\n".join(lines)
+
+
+def supervise(preset: Preset, run_dir: Path, *, quiet: bool = False) -> int:
+    """Run torchrun on ``run_dir`` until it ends; returns the exit code (0 finished, 1 failed, 130 stopped)."""
+    from torch_handle.launch import Launch
+
+    launch = Launch(preset, run_dir)
+    reader = EventReader(Path(run_dir) / EVENTS_FILE)
+    summary = RunSummary(steps_total=preset.training.steps)
+    interrupts = 0
+
+    def on_signal(signum, frame):
+        nonlocal interrupts
+        interrupts += 1
+        if interrupts == 1:
+            launch.request_stop()
+            if not quiet:
+                click.echo("\nstopping after the current step (checkpoint first); press Ctrl-C again to kill",
+                           err=True)
+        else:
+            if not quiet:
+                click.echo("killing the workers", err=True)
+            launch.kill()
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    tty = sys.stdout.isatty() and not quiet
+    last_printed = 0.0
+    if not quiet:
+        click.echo(f"run directory: {run_dir}\nlogs: {run_dir}/logs/rank*.log   dashboard: handle tui {run_dir}")
+    try:
+        launch.start()
+        while True:
+            rc = launch.poll()
+            for event in reader.poll():
+                summary.update(event)
+                if quiet:
+                    continue
+                if event.get("kind") == "log" and event.get("level") in ("warning", "error"):
+                    click.echo(("\r\033[K" if tty else "") + f"{event['level']}: {event.get('message', '')}")
+                elif event.get("kind") == "eval" and not tty:
+                    click.echo(f"step {event.get('step')}: val loss {event.get('val_loss'):.4f}")
+            now = time.monotonic()
+            if tty:
+                click.echo("\r\033[K" + progress_line(summary), nl=False)
+            elif not quiet and summary.step and now - last_printed > 5:
+                click.echo(progress_line(summary))
+                last_printed = now
+            if rc is not None:
+                break
+            time.sleep(0.2)
+        for event in reader.poll():
+            summary.update(event)
+        launch.reap()
+        info = launch.finish(rc)
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+    if not quiet:
+        if tty:
+            click.echo("")
+        click.echo(summary_text(summary, run_dir, info))
+        if info.get("status") == "failed":
+            click.echo(f"error: run failed: {info.get('message', '')} (logs: {run_dir}/logs)", err=True)
+        elif info.get("status") == "stopped":
+            click.echo(f"resume with: handle run --resume {run_dir}")
+    return EXIT_CODES.get(info.get("status"), 1)
+
+
+def spawn_detached(run_dir: Path) -> None:
+    """Start ``handle supervise-run RUN_DIR`` in its own session, so closing the dashboard leaves the run going."""
+    log = open(Path(run_dir) / "logs" / "handle.log", "ab")
+    subprocess.Popen([sys.executable, "-m", "handle_cli", "supervise-run", str(run_dir)], stdin=subprocess.DEVNULL,
+                     stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    log.close()

@@ -1,0 +1,128 @@
+"""Dataset plugins: ``pydoc`` (embedded default), ``text`` (local files), ``parallel`` (translation pairs)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
+
+from torch_handle.config import InvalidValue, param
+from torch_handle.hookspecs import hookimpl
+
+
+@dataclass
+class PydocConfig:
+    """``[data]`` options of ``pydoc``: language modelling on the CPython documentation topics that ship with
+    every Python install (``pydoc_data.topics``), so the default run needs no download."""
+
+    task: ClassVar[str] = "lm"
+    seq_len: int = param(128, ge=2)
+    """Tokens per language-modelling sample."""
+    vocab_size: int = param(4096, ge=260)
+    """BPE vocabulary size (including the 4 special tokens and the 256 byte symbols)."""
+    valid_fraction: float = param(0.05, gt=0.0, le=0.5)
+    """Fraction of the text (its tail) held out for validation."""
+    num_workers: int = param(0, ge=0)
+    """DataLoader worker processes per rank (0: load in the training process; the data is in memory)."""
+
+
+@dataclass
+class TextConfig(PydocConfig):
+    """``[data]`` options of ``text``: language modelling on local UTF-8 text files."""
+
+    path: str = ""
+    """A file, a directory, or a glob of text files (for example 'data/*.txt')."""
+    valid_path: str = ""
+    """Optional separate validation file/glob; when empty, valid_fraction of path is held out."""
+
+    def check(self) -> None:
+        if not self.path:
+            raise InvalidValue("path", "is required: a text file, a directory or a glob")
+
+
+@dataclass
+class ParallelConfig:
+    """``[data]`` options of ``parallel``: translation on aligned ``<split>.<lang>`` files (Multi30k style)."""
+
+    task: ClassVar[str] = "translation"
+    path: str = ""
+    """Directory holding train.<src>/train.<tgt> and valid.<src>/valid.<tgt>."""
+    src_lang: str = "en"
+    """Source-language file suffix."""
+    tgt_lang: str = "de"
+    """Target-language file suffix."""
+    seq_len: int = param(64, ge=4)
+    """Maximum tokens per source or target sentence (longer ones are truncated)."""
+    vocab_size: int = param(8000, ge=260)
+    """Joint BPE vocabulary for both languages."""
+    max_pairs: int = param(0, ge=0)
+    """Use only the first N training pairs (0 = all)."""
+    num_workers: int = param(0, ge=0)
+    """DataLoader worker processes per rank."""
+
+    def check(self) -> None:
+        if not self.path:
+            raise InvalidValue("path", "is required: a directory with train.<src>, train.<tgt>, valid.* files")
+
+
+def _lm_bundle(train_docs, valid_docs, options, ctx, name):
+    from torch_handle.data import DataBundle, LMDataset, encode_stream, load_or_train_tokenizer
+
+    if not "".join(train_docs).strip():
+        from torch_handle.data import DataError
+
+        raise DataError(f"{name}: empty corpus")
+    tok, tok_path = load_or_train_tokenizer(train_docs, options.vocab_size, ctx.cache_dir, is_main=ctx.is_main,
+                                            barrier=ctx.barrier)
+    train = LMDataset(encode_stream(tok, train_docs), options.seq_len, f"{name} (train split)")
+    valid = LMDataset(encode_stream(tok, valid_docs), options.seq_len, f"{name} (validation split)")
+    return DataBundle(train=train, valid=valid, vocab_size=tok.get_vocab_size(), max_len=options.seq_len,
+                      tokenizer_path=tok_path, description=name)
+
+
+def build_pydoc(options: PydocConfig, ctx):
+    from torch_handle.data import pydoc_corpus, split_documents
+
+    train, valid = split_documents(pydoc_corpus(), options.valid_fraction)
+    return _lm_bundle(train, valid, options, ctx, "pydoc_data.topics")
+
+
+def build_text(options: TextConfig, ctx):
+    from torch_handle.data import read_text, split_documents, text_files
+
+    docs = [read_text(f) for f in text_files(options.path)]
+    if options.valid_path:
+        train, valid = docs, [read_text(f) for f in text_files(options.valid_path)]
+    else:
+        train, valid = split_documents(docs, options.valid_fraction)
+    return _lm_bundle(train, valid, options, ctx, options.path)
+
+
+def build_parallel(options: ParallelConfig, ctx):
+    from torch_handle.data import (DataBundle, DataError, TranslationDataset, load_or_train_tokenizer, pad_collate,
+                                   read_parallel)
+
+    root = Path(options.path)
+    if not root.is_dir():
+        raise DataError(f"{root}: no such directory (data.path must hold train.{options.src_lang} etc.)")
+    src, tgt = read_parallel(root, "train", options.src_lang, options.tgt_lang)
+    if options.max_pairs:
+        src, tgt = src[: options.max_pairs], tgt[: options.max_pairs]
+    vsrc, vtgt = read_parallel(root, "valid", options.src_lang, options.tgt_lang)
+    tok, tok_path = load_or_train_tokenizer(src + tgt, options.vocab_size, ctx.cache_dir, is_main=ctx.is_main,
+                                            barrier=ctx.barrier)
+
+    def ids(lines):
+        return [e.ids for e in tok.encode_batch(lines)]
+
+    train = TranslationDataset(ids(src), ids(tgt), options.seq_len)
+    valid = TranslationDataset(ids(vsrc), ids(vtgt), options.seq_len)
+    return DataBundle(train=train, valid=valid, vocab_size=tok.get_vocab_size(), max_len=options.seq_len + 1,
+                      tokenizer_path=tok_path, collate_fn=pad_collate, description=str(root))
+
+
+@hookimpl
+def handle_register_datasets(register):
+    register("pydoc", PydocConfig, build_pydoc, "CPython documentation topics (embedded; no download)")
+    register("text", TextConfig, build_text, "language modelling on local UTF-8 text files")
+    register("parallel", ParallelConfig, build_parallel, "translation on aligned <split>.<lang> files")

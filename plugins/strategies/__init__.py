@@ -1,0 +1,119 @@
+"""Strategy plugins: ``single``, ``ddp``, ``deepspeed`` (ZeRO 0-3, offload) and ``fsdp`` (FSDP2 fully_shard).
+
+This module only declares the options and registers factories; each strategy's torch/DeepSpeed code lives in
+its own module and is imported when a run starts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from torch_handle.config import InvalidValue, param
+from torch_handle.hookspecs import hookimpl
+
+
+@dataclass
+class SingleConfig:
+    """``[strategy]`` with ``name = "single"``: one process, no wrapping."""
+
+
+@dataclass
+class DDPConfig:
+    """``[strategy]`` options of ``ddp`` (torch.nn.parallel.DistributedDataParallel)."""
+
+    bucket_cap_mb: float = param(25.0, gt=0.0)
+    """Gradient bucket size: gradients of one bucket are all-reduced as soon as they are ready (overlap)."""
+    gradient_as_bucket_view: bool = True
+    """Let gradients be views into the buckets (saves one copy of the gradients)."""
+    find_unused_parameters: bool = False
+    """Traverse the graph each step to find parameters without gradients (slower; rarely needed)."""
+
+
+@dataclass
+class DeepSpeedConfig:
+    """``[strategy]`` options of ``deepspeed`` (https://www.deepspeed.ai/docs/config-json/)."""
+
+    zero_stage: int = param(2, ge=0, le=3)
+    """ZeRO stage (Rajbhandari et al. 2020): 0 = data parallel, 1 = shard optimizer state, 2 = also gradients,
+    3 = also parameters."""
+    offload_optimizer: Literal["none", "cpu", "nvme"] = "none"
+    """Keep optimizer state (and its step) on the CPU or NVMe (ZeRO-Offload; stages 1-3)."""
+    offload_param: Literal["none", "cpu", "nvme"] = "none"
+    """Keep parameters on the CPU or NVMe between uses (ZeRO-Infinity; stage 3 only)."""
+    nvme_path: str = ""
+    """Directory for NVMe offload swap files."""
+    overlap_comm: bool = False
+    """Overlap gradient reduction with backward (uses more memory for buckets)."""
+    contiguous_gradients: bool = True
+    """Copy gradients into one contiguous buffer as they are produced (avoids fragmentation)."""
+    reduce_bucket_size: int = param(50_000_000, ge=1)
+    """Elements per gradient reduction bucket."""
+    loss_scale_window: int = param(1000, ge=1)
+    """fp16 dynamic loss scaling: steps without overflow before the scale is raised."""
+    initial_scale_power: int = param(16, ge=0, le=32)
+    """fp16 dynamic loss scaling starts at 2**initial_scale_power."""
+    ds_config: dict[str, Any] = field(default_factory=dict)
+    """Merged verbatim over the generated ds_config (for power users)."""
+
+    def check(self) -> None:
+        if self.offload_param != "none" and self.zero_stage != 3:
+            raise InvalidValue("offload_param", f"needs zero_stage = 3 (got {self.zero_stage})")
+        if self.offload_optimizer != "none" and self.zero_stage == 0:
+            raise InvalidValue("offload_optimizer", "needs zero_stage 1, 2 or 3 (got 0)")
+        if "nvme" in (self.offload_param, self.offload_optimizer) and not self.nvme_path:
+            raise InvalidValue("nvme_path", "is required for nvme offload")
+
+
+@dataclass
+class FSDPConfig:
+    """``[strategy]`` options of ``fsdp`` (FSDP2: torch.distributed.fsdp.fully_shard)."""
+
+    reshard_after_forward: bool = True
+    """Free gathered parameters after forward (ZeRO-3-like); false keeps them until backward (ZeRO-2-like)."""
+
+
+def _check_single(options, preset) -> None:
+    if preset.world_size != 1:
+        raise InvalidValue("launch.nproc_per_node", f"strategy 'single' runs one process (world size "
+                                                    f"{preset.world_size}); use ddp, deepspeed or fsdp")
+
+
+def _check_deepspeed(options: DeepSpeedConfig, preset) -> None:
+    if preset.training.precision == "fp16" and options.ds_config.get("bf16", {}).get("enabled"):
+        raise InvalidValue("ds_config", "bf16.enabled contradicts training.precision = 'fp16'")
+    if preset.training.precision == "bf16" and options.ds_config.get("fp16", {}).get("enabled"):
+        raise InvalidValue("ds_config", "fp16.enabled contradicts training.precision = 'bf16'")
+
+
+def build_single(options, training, ctx):
+    from handle_plugins.strategies.single import SingleStrategy
+
+    return SingleStrategy(options, training, ctx)
+
+
+def build_ddp(options, training, ctx):
+    from handle_plugins.strategies.ddp import DDPStrategy
+
+    return DDPStrategy(options, training, ctx)
+
+
+def build_deepspeed(options, training, ctx):
+    from handle_plugins.strategies.deepspeed import DeepSpeedStrategy
+
+    return DeepSpeedStrategy(options, training, ctx)
+
+
+def build_fsdp(options, training, ctx):
+    from handle_plugins.strategies.fsdp import FSDPStrategy
+
+    return FSDPStrategy(options, training, ctx)
+
+
+@hookimpl
+def handle_register_strategies(register):
+    register("single", SingleConfig, build_single, "one process, no wrapping", _check_single)
+    register("ddp", DDPConfig, build_ddp, "DistributedDataParallel: replicate, all-reduce gradients in buckets")
+    register("deepspeed", DeepSpeedConfig, build_deepspeed, "DeepSpeed ZeRO stages 0-3 with CPU/NVMe offload",
+             _check_deepspeed)
+    register("fsdp", FSDPConfig, build_fsdp, "FSDP2 fully_shard: per-parameter sharding (DTensor)")

@@ -1,0 +1,31 @@
+"""DistributedDataParallel (Li et al. 2020, "PyTorch Distributed"): every rank holds the full model and
+optimizer; gradients are all-reduced in buckets that overlap with backward."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, ContextManager
+
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from handle_plugins.strategies.single import SingleStrategy
+
+
+class DDPStrategy(SingleStrategy):
+    name = "ddp"
+
+    def setup(self, model: torch.nn.Module) -> None:
+        o = self.options
+        device_ids = [self.ctx.local_rank] if self.ctx.device.type == "cuda" else None
+        ddp = DDP(model, device_ids=device_ids, bucket_cap_mb=o.bucket_cap_mb,
+                  gradient_as_bucket_view=o.gradient_as_bucket_view, find_unused_parameters=o.find_unused_parameters)
+        super().setup(ddp)
+
+    def accumulating(self, sync: bool) -> ContextManager:
+        # Skip the all-reduce on all but the last micro-batch: gradients accumulate locally for free.
+        self._sync = sync
+        return contextlib.nullcontext() if sync else self.model.no_sync()
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "bucket_cap_mb": self.options.bucket_cap_mb}

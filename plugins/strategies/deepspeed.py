@@ -1,0 +1,183 @@
+"""DeepSpeed: ZeRO stages 0-3 (Rajbhandari et al. 2020), bf16/fp16, CPU/NVMe offload (Ren et al. 2021).
+
+The ds_config is generated from the preset (micro-batch size, grad_accum, clipping, precision, optimizer, ZeRO
+stage and offload) and ``[strategy.ds_config]`` is merged over it verbatim. The learning-rate schedule is the
+project's own LambdaLR, handed to DeepSpeed so that it steps and checkpoints it with the engine.
+
+Model-state bytes are counted from the tensors this rank really holds: the engine's parameters (their
+``ds_tensor`` shards under ZeRO-3), the gradient buffers of the ZeRO optimizer, and its optimizer state plus the
+fp32 master partitions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import logging
+from pathlib import Path
+from typing import Any, ContextManager, Iterator
+
+import torch
+
+from torch_handle.strategy import Strategy, lr_lambda, optimizer_state_tensors, tensor_bytes
+
+log = logging.getLogger("torch_handle")
+TAG = "ds"
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def build_ds_config(options, training, world_size: int, cuda: bool) -> dict[str, Any]:
+    """The ds_config for this preset (see https://www.deepspeed.ai/docs/config-json/)."""
+    zero: dict[str, Any] = {"stage": options.zero_stage}
+    if options.zero_stage > 0:
+        zero.update(overlap_comm=options.overlap_comm, contiguous_gradients=options.contiguous_gradients,
+                    reduce_bucket_size=options.reduce_bucket_size)
+    for kind in ("optimizer", "param"):
+        device = getattr(options, f"offload_{kind}")
+        if device != "none":
+            zero[f"offload_{kind}"] = {"device": device, "pin_memory": cuda,
+                                       **({"nvme_path": options.nvme_path} if device == "nvme" else {})}
+    adam = {"lr": training.lr, "betas": [training.beta1, training.beta2], "eps": 1e-8,
+            "weight_decay": training.weight_decay, "adam_w_mode": True}
+    if options.offload_optimizer == "none":
+        # torch.optim.AdamW: runs on CPU and GPU without building DeepSpeed's fused kernels. With optimizer
+        # offload DeepSpeed picks its own DeepSpeedCPUAdam (compiled on first use).
+        adam["torch_adam"] = True
+    cfg: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": training.micro_batch_size,
+        "gradient_accumulation_steps": training.grad_accum,
+        "train_batch_size": training.micro_batch_size * training.grad_accum * world_size,
+        "gradient_clipping": training.grad_clip,
+        "optimizer": {"type": "AdamW", "params": adam},
+        "zero_optimization": zero,
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+    if training.precision == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    elif training.precision == "fp16":
+        cfg["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": options.initial_scale_power,
+                       "loss_scale_window": options.loss_scale_window, "hysteresis": 2, "min_loss_scale": 1}
+    return _merge(cfg, options.ds_config)
+
+
+def _tensors(obj: Any, depth: int = 3) -> Iterator[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif depth > 0 and isinstance(obj, (list, tuple)):
+        for x in obj:
+            yield from _tensors(x, depth - 1)
+    elif depth > 0 and isinstance(obj, dict):
+        for x in obj.values():
+            yield from _tensors(x, depth - 1)
+
+
+class DeepSpeedStrategy(Strategy):
+    name = "deepspeed"
+
+    def setup(self, model: torch.nn.Module) -> None:
+        import deepspeed
+
+        self.ds_config = build_ds_config(self.options, self.training, self.ctx.world_size,
+                                         self.ctx.device.type == "cuda")
+        if self.ctx.is_main:
+            log.info("ds_config %s", json.dumps(self.ds_config))
+        deepspeed.init_distributed(dist_backend=self.ctx.backend)  # reuses the initialised process group
+        engine, optimizer, _, scheduler = deepspeed.initialize(
+            model=model, model_parameters=model.parameters(), config=self.ds_config,
+            lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(self.training)))
+        self.engine, self.model, self.optimizer, self.scheduler = engine, engine, optimizer, scheduler
+        log.info("DeepSpeed engine: zero_stage=%d optimizer=%s", engine.zero_optimization_stage(),
+                 type(optimizer).__name__)
+
+    def describe(self) -> dict[str, Any]:
+        inner = getattr(self.optimizer, "optimizer", None)
+        return {"strategy": self.name, "zero_stage": self.engine.zero_optimization_stage(),
+                "optimizer": type(self.optimizer).__name__,
+                "base_optimizer": type(inner).__name__ if inner is not None else None,
+                "offload_optimizer": self.options.offload_optimizer, "offload_param": self.options.offload_param}
+
+    # DeepSpeed casts the model itself (bf16/fp16), so no autocast.
+    def autocast(self) -> ContextManager:
+        return contextlib.nullcontext()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.engine.backward(loss)  # scales by 1/grad_accum itself
+        if not self._sync:
+            self.engine.step()  # not a boundary: DeepSpeed only counts the micro-step
+
+    def step(self) -> float:
+        self.engine.step()  # boundary: reduce, clip, optimizer step, LR schedule step, zero grads
+        norm = self.engine.get_global_grad_norm()
+        return float(norm) if norm is not None else float("nan")
+
+    def skip_step(self) -> None:
+        # DeepSpeed must see the boundary to reset its buffers; a zero learning rate makes the step a no-op on
+        # the weights (AdamW's decoupled decay is scaled by lr too).
+        lrs = [g["lr"] for g in self.optimizer.param_groups]
+        for g in self.optimizer.param_groups:
+            g["lr"] = 0.0
+        self.engine.step()
+        for g, lr in zip(self.optimizer.param_groups, lrs):
+            g["lr"] = lr
+
+    @property
+    def lr(self) -> float:
+        return float(self.engine.get_lr()[0])
+
+    def train(self, mode: bool = True) -> None:
+        self.engine.train(mode)
+
+    # -- memory --------------------------------------------------------------------------------------------------
+    def _zero3(self) -> bool:
+        return self.engine.zero_optimization_stage() == 3
+
+    def param_bytes(self) -> int:
+        params = list(self.engine.module.parameters())
+        if self._zero3():
+            return tensor_bytes(getattr(p, "ds_tensor", None) for p in params)
+        return tensor_bytes(params)
+
+    def _optimizer_attrs(self, want_grads: bool) -> Iterator[torch.Tensor]:
+        for name, value in vars(self.optimizer).items():
+            lname = name.lower()
+            if want_grads and "grad" in lname and "norm" not in lname:
+                yield from _tensors(value)
+            elif not want_grads and "fp32" in lname and "grad" not in lname:
+                yield from _tensors(value)
+
+    def grad_bytes(self) -> int:
+        grads = [p.grad for p in self.engine.module.parameters()]
+        master = [getattr(t, "grad", None) for t in self._optimizer_attrs(want_grads=False)]
+        return tensor_bytes([*grads, *master, *self._optimizer_attrs(want_grads=True)])
+
+    def optimizer_bytes(self) -> int:
+        inner = getattr(self.optimizer, "optimizer", self.optimizer)
+        return tensor_bytes([*optimizer_state_tensors(inner), *self._optimizer_attrs(want_grads=False)])
+
+    # -- checkpoints ---------------------------------------------------------------------------------------------
+    def save(self, ckpt_dir: Path) -> None:
+        # every rank writes its own ZeRO shards; model + optimizer + LR schedule + loss scaler
+        self.engine.save_checkpoint(str(ckpt_dir), tag=TAG)
+
+    def load(self, ckpt_dir: Path) -> None:
+        path, _ = self.engine.load_checkpoint(str(ckpt_dir), tag=TAG, load_optimizer_states=True,
+                                              load_lr_scheduler_states=True)
+        if path is None:
+            raise RuntimeError(f"DeepSpeed could not load the checkpoint in {ckpt_dir}")
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        if self._zero3():
+            state = self.engine._zero3_consolidated_16bit_state_dict()  # collective: every rank calls it
+        else:
+            state = self.engine.module.state_dict() if self.ctx.is_main else None
+        if not self.ctx.is_main or state is None:
+            return None
+        return {k: v.detach().cpu() for k, v in state.items()}

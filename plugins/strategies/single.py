@@ -1,0 +1,48 @@
+"""One process: the model as it is, AdamW, optional autocast (and GradScaler for fp16)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from torch_handle.strategy import Strategy
+
+
+class SingleStrategy(Strategy):
+    name = "single"
+
+    def setup(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.optimizer = self.build_optimizer(model.parameters())
+        self.scheduler = self.build_scheduler(self.optimizer)
+        # fp16 needs loss scaling to keep small gradients representable (Micikevicius et al. 2018)
+        self.scaler = torch.amp.GradScaler(self.ctx.device.type) if self.training.precision == "fp16" else None
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss = loss / self.training.grad_accum
+        (self.scaler.scale(loss) if self.scaler else loss).backward()
+
+    def step(self) -> float:
+        if self.scaler is None:
+            return super().step()
+        self.scaler.unscale_(self.optimizer)
+        max_norm = self.training.grad_clip if self.training.grad_clip > 0 else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(grad_norm)
+
+    def save(self, ckpt_dir: Path) -> None:
+        super().save(ckpt_dir)
+        if self.scaler is not None and self.ctx.is_main:
+            torch.save(self.scaler.state_dict(), Path(ckpt_dir) / "scaler.pt")
+
+    def load(self, ckpt_dir: Path) -> None:
+        super().load(ckpt_dir)
+        if self.scaler is not None:
+            from torch_handle.checkpoint import safe_load
+
+            self.scaler.load_state_dict(safe_load(Path(ckpt_dir) / "scaler.pt"))

@@ -1,0 +1,68 @@
+"""Model plugin ``transformer``: the project's from-scratch Transformer (``torch_handle.model``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from torch_handle.config import InvalidValue, param
+from torch_handle.hookspecs import hookimpl
+
+
+@dataclass
+class TransformerConfig:
+    """``[model]`` options of the ``transformer`` plugin."""
+
+    kind: Literal["decoder", "encoder-decoder"] = "decoder"
+    """decoder = decoder-only language model; encoder-decoder = translation (Vaswani et al. 2017)."""
+    d_model: int = param(128, ge=8)
+    """Width of the residual stream."""
+    n_heads: int = param(4, ge=1)
+    """Attention heads; must divide d_model."""
+    n_layers: int = param(2, ge=1)
+    """Layers (for encoder-decoder: in the encoder and in the decoder each)."""
+    d_ff: int = param(512, ge=1)
+    """Hidden width of the position-wise feed-forward network."""
+    dropout: float = param(0.1, ge=0.0, le=0.9)
+    """Dropout on embeddings, attention weights and residual branches."""
+    activation: Literal["relu", "gelu"] = "gelu"
+    """Feed-forward activation."""
+    norm_first: bool = False
+    """False: post-LN as in Vaswani et al. 2017; true: pre-LN (Xiong et al. 2020), steadier when deep."""
+    tie_embeddings: bool = True
+    """Share the token embedding with the output projection (Press & Wolf 2017)."""
+    activation_checkpointing: bool = False
+    """Recompute each layer's activations in backward (torch.utils.checkpoint, use_reentrant=False)."""
+    attention: Literal["sdpa", "reference"] = "sdpa"
+    """sdpa = torch's fused scaled_dot_product_attention; reference = explicit softmax(QK^T/sqrt(d_k))V."""
+    fused_qkv: bool = True
+    """One (d_model, 3*d_model) projection for Q, K, V instead of three."""
+
+    def check(self) -> None:
+        if self.d_model % self.n_heads:
+            raise InvalidValue("n_heads", f"{self.n_heads} does not divide d_model={self.d_model}")
+
+
+def check_preset(options: TransformerConfig, preset) -> None:
+    data_kind = getattr(preset.data.options, "task", None)
+    wanted = {"lm": "decoder", "translation": "encoder-decoder"}.get(data_kind)
+    if wanted and options.kind != wanted:
+        raise InvalidValue("kind", f"{options.kind!r} cannot train on data {preset.data.name!r} "
+                                   f"({data_kind}); use kind = {wanted!r}")
+
+
+def build(options: TransformerConfig, vocab_size: int, pad_id: int, max_len: int):
+    from torch_handle.model import build_transformer
+
+    return build_transformer(
+        vocab_size, kind=options.kind, d_model=options.d_model, n_heads=options.n_heads, n_layers=options.n_layers,
+        d_ff=options.d_ff, dropout=options.dropout, activation=options.activation, norm_first=options.norm_first,
+        tie_embeddings=options.tie_embeddings, max_len=max_len, pad_id=pad_id,
+        activation_checkpointing=options.activation_checkpointing, attention=options.attention,
+        fused_qkv=options.fused_qkv)
+
+
+@hookimpl
+def handle_register_models(register):
+    register("transformer", TransformerConfig, build, "from-scratch Transformer (decoder-only or encoder-decoder)",
+             check_preset)

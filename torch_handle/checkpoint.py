@@ -1,0 +1,177 @@
+"""Checkpoints: atomic step directories with a manifest, RNG capture, and loading that cannot run code.
+
+Layout of ``checkpoints/step-<N>/``: whatever the strategy writes (its own format: DeepSpeed's
+``save_checkpoint`` directory, or ``model.pt``/``optim.pt`` for single/DDP), ``trainer-rank<R>.pt`` with the
+step, the data position and the RNG states of rank R, and ``manifest.json`` (files, sizes, SHA-256, step),
+written last. Every rank writes into ``.tmp-step-<N>/``; after a barrier rank 0 writes the manifest and renames
+the directory into place, so a crash mid-save never leaves a directory that looks complete.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pickle
+import random
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from torch_handle.errors import CheckpointError
+
+MANIFEST = "manifest.json"
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step}"
+
+
+def tmp_dir_for(root: Path, step: int) -> Path:
+    return Path(root) / f".tmp-{step_dir_name(step)}"
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def finalize(root: Path, step: int, keep_last: int) -> Path:
+    """Rank 0, after every rank wrote into the temporary directory: manifest, rename, prune old ones."""
+    tmp = tmp_dir_for(root, step)
+    files = {}
+    for p in sorted(tmp.rglob("*")):
+        if p.is_file():
+            files[str(p.relative_to(tmp))] = {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+    (tmp / MANIFEST).write_text(json.dumps({"step": step, "files": files}, indent=1), encoding="utf-8")
+    final = Path(root) / step_dir_name(step)
+    if final.exists():  # a restarted run reached the same step again: the new one wins
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    for old in list_checkpoints(root)[:-keep_last]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def list_checkpoints(root: Path) -> list[Path]:
+    """Step directories under ``root``, oldest first (complete or not)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir()]
+    return [p for _, p in sorted(found)]
+
+
+def verify(path: Path, *, checksums: bool = True) -> None:
+    """Check a checkpoint directory against its manifest.
+
+    Raises:
+        CheckpointError: naming the first missing, truncated or corrupt file.
+    """
+    try:
+        manifest = json.loads((Path(path) / MANIFEST).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        raise CheckpointError(f"{path}: no readable {MANIFEST} (incomplete checkpoint)") from None
+    for rel, meta in manifest.get("files", {}).items():
+        f = Path(path) / rel
+        if not f.is_file():
+            raise CheckpointError(f"{path}: {rel} is missing")
+        if f.stat().st_size != meta["bytes"]:
+            raise CheckpointError(f"{path}: {rel} has {f.stat().st_size} bytes, manifest says {meta['bytes']}")
+        if checksums and _sha256(f) != meta["sha256"]:
+            raise CheckpointError(f"{path}: {rel} does not match its checksum")
+
+
+def newest_valid(root: Path) -> tuple[Path | None, list[str]]:
+    """The newest checkpoint that verifies, and a message for each newer one that was skipped."""
+    skipped = []
+    for path in reversed(list_checkpoints(root)):
+        try:
+            verify(path)
+            return path, skipped
+        except CheckpointError as e:
+            skipped.append(f"skipping {e}")
+    return None, skipped
+
+
+def safe_load(path: Path, map_location: Any = "cpu") -> Any:
+    """``torch.load(..., weights_only=True)``: tensors and plain containers only; a pickle that would run code
+    is refused.
+
+    Raises:
+        CheckpointError: for a file that is not a safe checkpoint.
+    """
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else "unsafe pickle"
+        raise CheckpointError(f"{path}: refused to load, it is not a plain-tensor checkpoint ({first})") from None
+    except (OSError, RuntimeError, EOFError) as e:
+        raise CheckpointError(f"{path}: cannot be read ({type(e).__name__}: {str(e).splitlines()[0]})") from None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# RNG and data position: what makes a resumed run continue with the same batches and the same dropout masks.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def rng_state() -> dict[str, Any]:
+    """RNG states of torch (CPU and CUDA), Python and NumPy, as weights_only-loadable values."""
+    py = random.getstate()
+    np_state = np.random.get_state()
+    state = {
+        "torch": torch.get_rng_state(),
+        "python": [py[0], torch.tensor(py[1], dtype=torch.int64), py[2]],
+        "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]],
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(int(x) for x in internal.tolist()), gauss))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), int(pos), int(has_gauss), float(cached)))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+@dataclass
+class TrainerState:
+    """Per-rank loop state saved with every checkpoint."""
+
+    step: int
+    epoch: int
+    batch_in_epoch: int
+    """Micro-batches of this epoch already consumed by this rank."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch,
+                "rng": rng_state()}
+
+
+def save_trainer_state(ckpt_dir: Path, rank: int, state: TrainerState) -> None:
+    torch.save(state.to_dict(), Path(ckpt_dir) / f"trainer-rank{rank}.pt")
+
+
+def load_trainer_state(ckpt_dir: Path, rank: int) -> TrainerState:
+    """Restore RNG states and return the loop position of ``rank``.
+
+    Raises:
+        CheckpointError: when the file is missing or unsafe.
+    """
+    data = safe_load(Path(ckpt_dir) / f"trainer-rank{rank}.pt")
+    set_rng_state(data["rng"])
+    return TrainerState(step=int(data["step"]), epoch=int(data["epoch"]), batch_in_epoch=int(data["batch_in_epoch"]))

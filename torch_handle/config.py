@@ -1,0 +1,574 @@
+"""Presets: TOML files composed into typed, validated dataclasses.
+
+A preset has one table per concern. `[run]`, `[training]` and `[launch]` are owned by the core and described
+by the dataclasses below; `[model]`, `[data]`, `[strategy]` and `[profiler]` each carry a `name` that picks a
+plugin, and the rest of the table is validated against the dataclass that plugin registered. Defaults live in
+the dataclasses, so a preset holds only what differs from them.
+
+Precedence: ``--set`` overrides > the preset file > the presets it ``extends`` > dataclass defaults.
+
+Every problem is raised as :class:`PresetError`, whose ``str()`` is one line naming the file, the line where
+it could be found, the ``table.key`` and what would be valid.
+
+This module imports neither torch nor any plugin code, so validating a preset is instant.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import functools
+import inspect
+import re
+import sys
+import textwrap
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+__all__ = [
+    "PresetError",
+    "InvalidValue",
+    "RunConfig",
+    "TrainingConfig",
+    "LaunchConfig",
+    "PluginSection",
+    "Preset",
+    "load_preset",
+    "preset_from_dict",
+    "preset_to_dict",
+    "dump_preset",
+    "parse_override",
+    "build_section",
+    "field_docs",
+    "param",
+]
+
+
+class PresetError(Exception):
+    """A preset problem; ``str(err)`` is one line: ``FILE[:LINE]: TABLE.KEY: WHAT (valid: ...)``."""
+
+    def __init__(self, message: str, *, file: str | Path | None = None, key: str | None = None,
+                 line: int | None = None):
+        self.message, self.file, self.key, self.line = message, file, key, line
+        super().__init__(str(self))
+
+    def __str__(self) -> str:
+        where = ""
+        if self.file is not None:
+            where = f"{self.file}:{self.line}: " if self.line else f"{self.file}: "
+        key = f"{self.key}: " if self.key else ""
+        return f"{where}{key}{self.message}"
+
+
+class InvalidValue(ValueError):
+    """Raised by a section's ``check()`` for a value that is out of range; ``key`` is the offending field."""
+
+    def __init__(self, key: str, message: str):
+        self.key, self.message = key, message
+        super().__init__(f"{key}: {message}")
+
+
+def param(default: Any = dataclasses.MISSING, *, ge: float | None = None, gt: float | None = None,
+          le: float | None = None, default_factory: Any = dataclasses.MISSING) -> Any:
+    """A dataclass field with a numeric range that validation enforces (``ge``: >=, ``gt``: >, ``le``: <=)."""
+    metadata = {k: v for k, v in (("ge", ge), ("gt", gt), ("le", le)) if v is not None}
+    if default_factory is not dataclasses.MISSING:
+        return field(default_factory=default_factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Core sections. The string under each field is its documentation (shown by `handle presets show --docs`).
+# --------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class RunConfig:
+    """``[run]``: what the run is called and where it writes."""
+
+    name: str = "handle"
+    """Run name; the run directory is ``<output_dir>/<name>-<UTC timestamp>``."""
+    output_dir: str = "runs"
+    """Directory that holds run directories (relative to the working directory)."""
+    seed: int = param(1234, ge=0)
+    """Seed for torch, Python and NumPy on every rank (the data order depends on it too)."""
+
+    def check(self) -> None:
+        if not re.fullmatch(r"[A-Za-z0-9._-]+", self.name):
+            raise InvalidValue("name", f"{self.name!r} must use only letters, digits, '.', '_' and '-'")
+
+
+@dataclass
+class TrainingConfig:
+    """``[training]``: the optimisation loop, shared by every strategy."""
+
+    steps: int = param(200, ge=1)
+    """Optimizer steps to run (each step consumes micro_batch_size * grad_accum * world_size samples)."""
+    micro_batch_size: int = param(8, ge=1)
+    """Samples per rank per forward/backward."""
+    grad_accum: int = param(1, ge=1)
+    """Micro-batches accumulated before each optimizer step."""
+    lr: float = param(1e-3, gt=0.0)
+    """Peak learning rate of AdamW."""
+    min_lr_ratio: float = param(0.1, ge=0.0, le=1.0)
+    """Final learning rate as a fraction of lr (cosine and linear schedules)."""
+    warmup_steps: int = param(20, ge=0)
+    """Linear warm-up from 0 to lr over this many steps."""
+    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    """Learning-rate decay after warm-up."""
+    weight_decay: float = param(0.01, ge=0.0)
+    """Decoupled weight decay of AdamW (Loshchilov & Hutter 2019)."""
+    beta1: float = param(0.9, ge=0.0, le=1.0)
+    """AdamW beta1."""
+    beta2: float = param(0.95, ge=0.0, le=1.0)
+    """AdamW beta2."""
+    grad_clip: float = param(1.0, ge=0.0)
+    """Clip the global gradient norm to this value; 0 disables clipping."""
+    precision: Literal["fp32", "bf16", "fp16"] = "bf16"
+    """Compute precision: bf16 and fp16 keep fp32 master weights; fp16 uses dynamic loss scaling."""
+    eval_every: int = param(50, ge=0)
+    """Evaluate on the validation split every N steps (and at the end); 0 = only at the end."""
+    eval_steps: int = param(10, ge=1)
+    """Validation micro-batches per rank for each evaluation."""
+    log_every: int = param(10, ge=1)
+    """Every N steps, gather per-rank memory into the step event."""
+    checkpoint_every: int = param(100, ge=0)
+    """Write a checkpoint every N steps (and at the end); 0 = only at the end."""
+    keep_last: int = param(2, ge=1)
+    """How many checkpoints to keep; older ones are deleted once a newer one is complete."""
+    on_nan: Literal["stop", "skip"] = "stop"
+    """On a non-finite loss: stop the run as failed, or skip that update."""
+
+
+@dataclass
+class LaunchConfig:
+    """``[launch]``: how torchrun starts the workers."""
+
+    nproc_per_node: int = param(1, ge=1)
+    """Worker processes on this node (one per GPU on CUDA)."""
+    nnodes: int = param(1, ge=1)
+    """Number of nodes; every node runs `handle run` with its own node_rank."""
+    node_rank: int = param(0, ge=0)
+    """Rank of this node, 0 .. nnodes-1."""
+    rdzv_endpoint: str = ""
+    """host:port of the rendezvous for multi-node runs; empty on one node (a free port is chosen)."""
+    max_restarts: int = param(0, ge=0)
+    """How often torchrun restarts the worker group after a failure; each restart resumes from a checkpoint."""
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """torch.distributed backend: auto = nccl with CUDA, gloo without."""
+    timeout_s: int = param(600, ge=10)
+    """Timeout of collective operations in seconds; a lost peer ends in an error instead of a hang."""
+
+    def check(self) -> None:
+        if self.node_rank >= self.nnodes:
+            raise InvalidValue("node_rank", f"{self.node_rank} must be below nnodes ({self.nnodes})")
+        if self.nnodes > 1 and not self.rdzv_endpoint:
+            raise InvalidValue("rdzv_endpoint", "is required when nnodes > 1 (for example 'node0:29400')")
+        if self.rdzv_endpoint and not re.fullmatch(r"[^\s:]+:\d{1,5}", self.rdzv_endpoint):
+            raise InvalidValue("rdzv_endpoint", f"{self.rdzv_endpoint!r} must look like 'host:port'")
+
+
+@dataclass
+class PluginSection:
+    """A ``[model]``/``[data]``/``[strategy]``/``[profiler]`` table: the plugin ``name`` and its options."""
+
+    name: str
+    options: Any
+    """An instance of the dataclass that the plugin registered for its section."""
+
+
+PLUGIN_TABLES: dict[str, str] = {"model": "model", "data": "dataset", "strategy": "strategy", "profiler": "profiler"}
+"""Preset table -> plugin kind."""
+
+DEFAULT_PLUGINS: dict[str, str] = {"model": "transformer", "data": "pydoc", "strategy": "single", "profiler": "none"}
+CORE_TABLES: dict[str, type] = {"run": RunConfig, "training": TrainingConfig, "launch": LaunchConfig}
+TABLE_ORDER = ("run", "model", "data", "training", "strategy", "launch", "profiler")
+
+
+@dataclass
+class Preset:
+    """A fully resolved and validated preset."""
+
+    run: RunConfig
+    model: PluginSection
+    data: PluginSection
+    training: TrainingConfig
+    strategy: PluginSection
+    launch: LaunchConfig
+    profiler: PluginSection
+    source: str = "<preset>"
+    """Where the preset came from (for messages)."""
+
+    @property
+    def world_size(self) -> int:
+        return self.launch.nproc_per_node * self.launch.nnodes
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Typed coercion of TOML values against dataclass annotations.
+# --------------------------------------------------------------------------------------------------------------
+
+
+@functools.cache
+def field_docs(cls: type) -> dict[str, str]:
+    """The attribute docstrings of a dataclass (the string literal under each field), by field name."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    except (OSError, TypeError, SyntaxError):
+        return {}
+    body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
+    docs: dict[str, str] = {}
+    for node, nxt in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(nxt, ast.Expr)
+                and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)):
+            docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    if origin is not None:
+        return getattr(origin, "__name__", str(tp))
+    return {"str": "a string", "int": "an integer", "float": "a number", "bool": "true or false",
+            "dict": "a table", "list": "a list", "NoneType": "none"}.get(getattr(tp, "__name__", ""), str(tp))
+
+
+def _coerce(value: Any, tp: Any) -> Any:
+    """Return ``value`` converted to annotation ``tp`` or raise ``TypeError``/``ValueError`` saying what is valid."""
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value in choices and type(value) is type(choices[0]):
+            return value
+        raise ValueError(f"{value!r} is not one of {', '.join(repr(c) for c in choices)}")
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg)
+            except (TypeError, ValueError) as e:
+                errors.append(str(e))
+        raise TypeError(f"expected {_type_name(tp)}, got {value!r}")
+    if tp is Any:
+        return value
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    elif origin is dict or tp is dict:
+        if isinstance(value, dict):
+            return dict(value)
+    elif origin is list or tp is list:
+        if isinstance(value, list):
+            (item_tp,) = typing.get_args(tp) or (Any,)
+            return [_coerce(v, item_tp) for v in value]
+    else:  # pragma: no cover - a plugin used an annotation we do not support
+        raise TypeError(f"unsupported field type {tp!r}")
+    raise TypeError(f"expected {_type_name(tp)}, got {value!r}")
+
+
+def _check_range(name: str, value: Any, metadata: typing.Mapping[str, Any]) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return
+    if "ge" in metadata and value < metadata["ge"]:
+        raise InvalidValue(name, f"{value!r} must be >= {metadata['ge']}")
+    if "gt" in metadata and value <= metadata["gt"]:
+        raise InvalidValue(name, f"{value!r} must be > {metadata['gt']}")
+    if "le" in metadata and value > metadata["le"]:
+        raise InvalidValue(name, f"{value!r} must be <= {metadata['le']}")
+
+
+def _suggest(key: str, valid: typing.Iterable[str]) -> str:
+    close = difflib.get_close_matches(key, list(valid), n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def build_section(cls: type, table: str, values: dict[str, Any], *, allowed_extra: typing.Iterable[str] = ()) -> Any:
+    """Build dataclass ``cls`` from a TOML table, checking keys, types and ranges.
+
+    Raises:
+        PresetError: with ``key = "table.field"``, for an unknown key, a wrong type or an out-of-range value.
+    """
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in values.items():
+        if key in allowed_extra:
+            continue
+        if key not in fields:
+            valid = sorted(fields)
+            raise PresetError(f"unknown key{_suggest(key, valid)} (valid: {', '.join(valid)})", key=f"{table}.{key}")
+        try:
+            kwargs[key] = _coerce(value, hints[key])
+            _check_range(key, kwargs[key], fields[key].metadata)
+        except InvalidValue as e:
+            raise PresetError(e.message, key=f"{table}.{key}") from None
+        except (TypeError, ValueError) as e:
+            raise PresetError(str(e), key=f"{table}.{key}") from None
+    missing = [n for n, f in fields.items() if n not in kwargs and f.default is dataclasses.MISSING
+               and f.default_factory is dataclasses.MISSING]
+    if missing:
+        raise PresetError(f"missing required key(s): {', '.join(missing)}", key=table)
+    obj = cls(**kwargs)
+    check = getattr(obj, "check", None)
+    if check is not None:
+        try:
+            check()
+        except InvalidValue as e:
+            raise PresetError(e.message, key=f"{table}.{e.key}") from None
+    return obj
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Files: TOML, extends, overrides.
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise PresetError("no such preset file", file=path) from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise PresetError(f"cannot read preset: {e}", file=path) from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        # tomllib's message ends with "(at line L, column C)"
+        m = re.search(r"\(at line (\d+), column (\d+)\)", str(e))
+        msg = re.sub(r"\s*\(at line \d+, column \d+\)", "", str(e))
+        if m:
+            msg += f" (column {m.group(2)})"
+        raise PresetError(f"TOML syntax error: {msg}", file=path, line=int(m.group(1)) if m else None) from None
+
+
+def _deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def resolve_preset_path(spec: str | Path, *, relative_to: Path | None = None) -> Path:
+    """A preset given as a path, or as a bare name (``zero2``) looked up in ``./presets``."""
+    p = Path(spec)
+    if relative_to is not None and not p.is_absolute():
+        p = relative_to / p
+    if p.exists() or p.suffix == ".toml":
+        return p
+    for candidate in (Path("presets") / f"{spec}.toml",):
+        if candidate.exists():
+            return candidate
+    return p
+
+
+def _load_layers(path: Path, chain: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """Read ``path`` and merge it over the preset it ``extends`` (recursively)."""
+    resolved = path.resolve()
+    if resolved in chain:
+        cycle = " -> ".join(str(p.name) for p in (*chain, resolved))
+        raise PresetError(f"extends cycle: {cycle}", file=path, key="extends")
+    data = _read_toml(path)
+    parent = data.pop("extends", None)
+    if parent is None:
+        return data
+    if not isinstance(parent, str):
+        raise PresetError(f"expected a file name, got {parent!r}", file=path, key="extends")
+    parent_path = resolve_preset_path(parent, relative_to=path.parent)
+    if not parent_path.exists():
+        raise PresetError(f"extends target {parent!r} does not exist (looked for {parent_path})", file=path,
+                          key="extends")
+    return _deep_merge(_load_layers(parent_path, (*chain, resolved)), data)
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """Parse ``table.key=value`` (value in TOML syntax, bare words taken as strings).
+
+    Raises:
+        PresetError: when there is no ``=`` or no ``table.key``.
+    """
+    if "=" not in text:
+        raise PresetError(f"--set {text!r}: expected TABLE.KEY=VALUE, for example training.steps=50")
+    dotted, raw = text.split("=", 1)
+    keys = [k.strip() for k in dotted.split(".")]
+    if len(keys) < 2 or not all(keys):
+        raise PresetError(f"--set {text!r}: expected TABLE.KEY=VALUE, for example training.steps=50")
+    raw = raw.strip()
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw  # a bare word such as `zero2` or `cpu`
+    return keys, value
+
+
+def _apply_override(data: dict[str, Any], keys: list[str], value: Any) -> None:
+    node = data
+    for k in keys[:-1]:
+        child = node.setdefault(k, {})
+        if not isinstance(child, dict):
+            raise PresetError(f"--set: {'.'.join(keys)}: {k!r} is a value, not a table")
+        node = child
+    node[keys[-1]] = value
+
+
+def _find_line(path: Path, table: str, key: str | None) -> int | None:
+    """Best-effort line number of ``[table] key`` in a TOML file (tomllib does not keep positions)."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError):
+        return None
+    current = ""
+    table_line = None
+    for i, line in enumerate(lines, 1):
+        s = line.strip()
+        m = re.match(r"^\[\s*([^\]]+?)\s*\]", s)
+        if m:
+            current = m.group(1)
+            if current == table and table_line is None:
+                table_line = i
+            continue
+        if key and current == table and re.match(rf"^{re.escape(key)}\s*=", s):
+            return i
+        if key and not current and re.match(rf"^{re.escape(table)}\.{re.escape(key)}\s*=", s):
+            return i
+    return table_line
+
+
+def preset_from_dict(data: dict[str, Any], registry: Any = None, *, source: str = "<preset>") -> Preset:
+    """Validate a merged preset mapping into a :class:`Preset`.
+
+    ``registry`` is a :class:`torch_handle.plugins.PluginRegistry` (loaded on demand when None); plugin tables
+    are validated against the dataclass of the plugin their ``name`` picks.
+
+    Raises:
+        PresetError: for the first problem found (without file/line; :func:`load_preset` adds those).
+    """
+    if registry is None:
+        from torch_handle.plugins import get_registry
+
+        registry = get_registry()
+    unknown = [k for k in data if k not in CORE_TABLES and k not in PLUGIN_TABLES]
+    if unknown:
+        valid = list(TABLE_ORDER)
+        raise PresetError(f"unknown table{_suggest(unknown[0], valid)} (valid: {', '.join(valid)}, extends)",
+                          key=unknown[0])
+    sections: dict[str, Any] = {}
+    for table, cls in CORE_TABLES.items():
+        values = data.get(table, {})
+        if not isinstance(values, dict):
+            raise PresetError("expected a table", key=table)
+        sections[table] = build_section(cls, table, values)
+    for table, kind in PLUGIN_TABLES.items():
+        values = data.get(table, {})
+        if not isinstance(values, dict):
+            raise PresetError("expected a table", key=table)
+        name = values.get("name", DEFAULT_PLUGINS[table])
+        if not isinstance(name, str):
+            raise PresetError(f"expected a plugin name, got {name!r}", key=f"{table}.name")
+        plugin = registry.get(kind, name, key=f"{table}.name")
+        options = build_section(plugin.config_cls, table, values, allowed_extra=("name",))
+        sections[table] = PluginSection(name=name, options=options)
+    preset = Preset(**sections, source=source)
+    _check_cross(preset, registry)
+    return preset
+
+
+def _check_cross(preset: Preset, registry: Any) -> None:
+    """Checks that span tables; each plugin may add its own through ``check_preset``."""
+    for table, kind in PLUGIN_TABLES.items():
+        section: PluginSection = getattr(preset, table)
+        hook = registry.get(kind, section.name).check_preset
+        if hook is None:
+            continue
+        try:
+            hook(section.options, preset)
+        except InvalidValue as e:
+            key = e.key if "." in e.key else f"{table}.{e.key}"
+            raise PresetError(e.message, key=key) from None
+
+
+def load_preset(path: str | Path, overrides: typing.Sequence[str] = (), registry: Any = None) -> Preset:
+    """Load a preset file, apply ``extends`` and ``--set`` overrides, and validate it.
+
+    Raises:
+        PresetError: one line naming the file, the line (when it can be found), the key and what is valid.
+    """
+    path = resolve_preset_path(path)
+    data = _load_layers(path)
+    parsed = [parse_override(o) for o in overrides]
+    for keys, value in parsed:
+        _apply_override(data, keys, value)
+    try:
+        return preset_from_dict(data, registry, source=str(path))
+    except PresetError as e:
+        if e.file is None:
+            e.file = path
+            if e.key and not any(e.key == ".".join(k) for k, _ in parsed):
+                table, _, key = e.key.partition(".")
+                e.line = _find_line(path, table, key.split(".")[0] or None)
+            elif e.key:
+                e.file = f"{path} (--set)"
+        raise
+
+
+def preset_to_dict(preset: Preset) -> dict[str, Any]:
+    """The fully resolved preset as a TOML-ready mapping (every key, defaults included)."""
+    out: dict[str, Any] = {}
+    for table in TABLE_ORDER:
+        section = getattr(preset, table)
+        if isinstance(section, PluginSection):
+            out[table] = {"name": section.name, **_drop_none(dataclasses.asdict(section.options))}
+        else:
+            out[table] = _drop_none(dataclasses.asdict(section))
+    return out
+
+
+def _drop_none(d: dict[str, Any]) -> dict[str, Any]:
+    # TOML has no null: an unset optional is simply left out, and reads back as its default (None).
+    return {k: (_drop_none(v) if isinstance(v, dict) else v) for k, v in d.items() if v is not None}
+
+
+def dump_preset(preset: Preset) -> str:
+    """The fully resolved preset as TOML text; ``load_preset`` of this text gives back an equal preset."""
+    import tomli_w
+
+    return tomli_w.dumps(preset_to_dict(preset))
+
+
+def preset_description(path: Path) -> str:
+    """The first comment line of a preset file (its one-line description)."""
+    try:
+        for line in Path(path).read_text(encoding="utf-8").splitlines():
+            if line.startswith("#"):
+                return line.lstrip("# ").strip()
+            if line.strip():
+                break
+    except OSError:
+        pass
+    return ""

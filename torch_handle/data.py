@@ -1,0 +1,261 @@
+"""Data: corpora, the BPE tokenizer, token datasets and a resumable distributed sampler.
+
+- Corpora: the embedded default (the CPython documentation topics in ``pydoc_data.topics``, which every Python
+  install ships), local text files (a glob), and aligned parallel files for translation.
+- Tokenizer: byte-level BPE trained with HF ``tokenizers`` on the training split only, with ``<pad>``,
+  ``<bos>``, ``<eos>``, ``<unk>`` special tokens; cached by content hash and reused. Rank 0 builds it while the
+  other ranks wait at a barrier.
+- Datasets return dicts of LongTensors whose keys match the model's forward arguments, plus ``labels``
+  (``IGNORE_INDEX`` where no loss is taken).
+"""
+
+from __future__ import annotations
+
+import glob as globlib
+import hashlib
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+from torch.utils.data import Dataset, DistributedSampler
+
+from torch_handle.errors import DataError
+
+SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<unk>"]
+PAD_ID, BOS_ID, EOS_ID, UNK_ID = range(4)
+IGNORE_INDEX = -100
+TOKENIZER_VERSION = "bpe-bytelevel-v1"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Corpora
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def pydoc_corpus() -> list[str]:
+    """The CPython documentation topics shipped in the standard library (about 0.47 MB of English prose and
+    code), one document per topic in a fixed order."""
+    from pydoc_data.topics import topics
+
+    return [topics[k] for k in sorted(topics)]
+
+
+def read_text(path: Path) -> str:
+    """Read a UTF-8 file.
+
+    Raises:
+        DataError: naming the file and the byte offset of undecodable bytes.
+    """
+    try:
+        raw = Path(path).read_bytes()
+    except FileNotFoundError:
+        raise DataError(f"{path}: no such file") from None
+    except OSError as e:
+        raise DataError(f"{path}: cannot read ({e.strerror})") from None
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path}: not UTF-8 text (undecodable byte at offset {e.start})") from None
+
+
+def text_files(pattern: str) -> list[Path]:
+    """Files matching a glob (or one file / every file in a directory).
+
+    Raises:
+        DataError: when nothing matches.
+    """
+    p = Path(pattern).expanduser()
+    if p.is_dir():
+        files = sorted(f for f in p.iterdir() if f.is_file() and not f.name.startswith("."))
+    elif p.is_file():
+        files = [p]
+    else:
+        files = sorted(Path(f) for f in globlib.glob(str(p), recursive=True) if Path(f).is_file())
+    if not files:
+        raise DataError(f"{pattern}: no files match")
+    return files
+
+
+def split_documents(docs: Sequence[str], valid_fraction: float) -> tuple[list[str], list[str]]:
+    """Split by characters: the last ``valid_fraction`` of the concatenated text is the validation split (a
+    contiguous tail, so no sentence is in both)."""
+    text = "\n\n".join(docs)
+    cut = int(len(text) * (1 - valid_fraction))
+    # move the cut to a line boundary
+    nl = text.rfind("\n", 0, cut)
+    cut = nl + 1 if nl > 0 else cut
+    return [text[:cut]], [text[cut:]]
+
+
+def read_parallel(directory: Path, split: str, src_lang: str, tgt_lang: str) -> tuple[list[str], list[str]]:
+    """Aligned ``<split>.<src>`` / ``<split>.<tgt>`` files, one sentence per line.
+
+    Raises:
+        DataError: for a missing file, or files whose line counts differ (naming both files and counts).
+    """
+    src_path, tgt_path = Path(directory) / f"{split}.{src_lang}", Path(directory) / f"{split}.{tgt_lang}"
+    src, tgt = read_text(src_path).splitlines(), read_text(tgt_path).splitlines()
+    if len(src) != len(tgt):
+        raise DataError(f"{src_path} has {len(src)} lines but {tgt_path} has {len(tgt)}: parallel files must align")
+    if not src:
+        raise DataError(f"{src_path}: empty corpus")
+    return src, tgt
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Tokenizer
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def corpus_fingerprint(texts: Sequence[str], vocab_size: int) -> str:
+    h = hashlib.sha256(f"{TOKENIZER_VERSION}:{vocab_size}".encode())
+    for t in texts:
+        h.update(hashlib.sha256(t.encode("utf-8", "surrogatepass")).digest())
+    return h.hexdigest()[:16]
+
+
+def train_tokenizer(texts: Sequence[str], vocab_size: int):
+    """Train a byte-level BPE tokenizer (Sennrich et al. 2016; GPT-2's byte-level variant) on ``texts``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts, trainer=trainer)
+    return tok
+
+
+def load_or_train_tokenizer(texts: Sequence[str], vocab_size: int, cache_dir: Path, *, is_main: bool,
+                            barrier: Callable[[], None]):
+    """The tokenizer for ``texts``: from ``cache_dir`` when one with the same fingerprint exists, else trained by
+    rank 0 (written atomically) while the other ranks wait at ``barrier``."""
+    from tokenizers import Tokenizer
+
+    path = Path(cache_dir) / f"tokenizer-{corpus_fingerprint(texts, vocab_size)}.json"
+    if is_main and not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tok = train_tokenizer(texts, vocab_size)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tok.save(str(tmp))
+        os.replace(tmp, path)
+    barrier()
+    return Tokenizer.from_file(str(path)), path
+
+
+def encode_stream(tokenizer, texts: Sequence[str]) -> torch.Tensor:
+    """Concatenate documents into one stream of token ids, each document ended by ``<eos>``. Shape (N,) int64."""
+    ids: list[int] = []
+    for text in texts:
+        # encode line-blocks in batches: tokenizers parallelises a batch in Rust
+        chunks = [c for c in text.split("\n\n") if c]
+        for enc in tokenizer.encode_batch(chunks):
+            ids.extend(enc.ids)
+            ids.append(EOS_ID)
+    return torch.tensor(ids, dtype=torch.long)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Datasets
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class LMDataset(Dataset):
+    """Non-overlapping windows of ``seq_len + 1`` tokens from one token stream.
+
+    Item: ``{"input_ids": (seq_len,), "labels": (seq_len,)}``, labels shifted by one.
+
+    Raises:
+        DataError: when the stream is too short for a single window.
+    """
+
+    def __init__(self, tokens: torch.Tensor, seq_len: int, name: str = "corpus"):
+        if tokens.numel() < seq_len + 1:
+            raise DataError(f"{name}: {tokens.numel()} tokens is too small for one sample of seq_len={seq_len}")
+        self.tokens, self.seq_len = tokens, seq_len
+        self.n = (tokens.numel() - 1) // seq_len
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        chunk = self.tokens[i * self.seq_len: (i + 1) * self.seq_len + 1]
+        return {"input_ids": chunk[:-1], "labels": chunk[1:]}
+
+
+class TranslationDataset(Dataset):
+    """Sentence pairs for an encoder-decoder: source ``tokens + <eos>``; target input ``<bos> + tokens``,
+    labels ``tokens + <eos>``; each truncated to ``max_len``.
+
+    Item: ``{"src_ids": (S,), "tgt_ids": (T,), "labels": (T,)}`` of varying lengths (see :func:`pad_collate`).
+    """
+
+    def __init__(self, src_ids: list[list[int]], tgt_ids: list[list[int]], max_len: int):
+        self.pairs = [(s[: max_len - 1] + [EOS_ID], t[: max_len - 1]) for s, t in zip(src_ids, tgt_ids)]
+
+    def __len__(self) -> int:
+        return len(self.pairs)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        src, tgt = self.pairs[i]
+        return {"src_ids": torch.tensor(src), "tgt_ids": torch.tensor([BOS_ID, *tgt]),
+                "labels": torch.tensor([*tgt, EOS_ID])}
+
+
+def pad_collate(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Right-pad every key to the longest item: ids with ``<pad>``, labels with ``IGNORE_INDEX``. (B, L_max)."""
+    out = {}
+    for key in items[0]:
+        fill = IGNORE_INDEX if key == "labels" else PAD_ID
+        out[key] = torch.nn.utils.rnn.pad_sequence([it[key] for it in items], batch_first=True, padding_value=fill)
+    return out
+
+
+@dataclass
+class DataBundle:
+    """What a dataset plugin returns."""
+
+    train: Dataset
+    valid: Dataset
+    vocab_size: int
+    """Size of the tokenizer's vocabulary (the model's embedding rows)."""
+    max_len: int
+    """Longest sequence the model will see (positional-encoding length)."""
+    tokenizer_path: Path | None = None
+    collate_fn: Callable[[list[dict[str, torch.Tensor]]], dict[str, torch.Tensor]] | None = None
+    pad_id: int = PAD_ID
+    description: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class DataContext:
+    """What the worker hands a dataset plugin."""
+
+    cache_dir: Path
+    """Where tokenizers (and other derived files) are cached across runs."""
+    is_main: bool
+    barrier: Callable[[], None]
+
+
+class ResumableDistributedSampler(DistributedSampler):
+    """``DistributedSampler`` that can start part-way into an epoch, for exact resume.
+
+    ``set_epoch(e)`` must be called every epoch (as with the parent: it seeds the shuffle). ``skip(n)`` drops
+    the first ``n`` indices of this rank for the current epoch only.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._skip = 0
+
+    def skip(self, n: int) -> None:
+        self._skip = n
+
+    def __iter__(self) -> Iterator[int]:
+        indices = list(super().__iter__())
+        skip, self._skip = self._skip, 0
+        return iter(indices[skip:])

@@ -1,0 +1,42 @@
+"""Hook specifications of the ``handle`` plugin system (pluggy).
+
+A plugin is a module (or object) exposed through the ``handle`` entry-point group; the built-in plugins use the
+same group. Each hook receives a ``register`` callback, so the core owns naming and duplicate detection:
+
+    from torch_handle.hookspecs import hookimpl
+
+    @hookimpl
+    def handle_register_strategies(register):
+        register("my-strategy", MyStrategyConfig, build_my_strategy, "one-line description")
+
+``register(name, config_cls, factory, description="")`` takes the name that a preset's ``name`` key selects,
+the dataclass that validates the rest of that preset table, and a factory called on every rank when a run
+starts (its arguments depend on the kind; see ``docs/plugins.md``). Hooks are called once, in the ``handle``
+process and in every worker, when the plugin registry is first built. Keep module import cheap: import torch
+inside the factory, not at module level, so ``handle --help`` and preset validation stay instant.
+"""
+
+import pluggy
+
+hookspec = pluggy.HookspecMarker("handle")
+hookimpl = pluggy.HookimplMarker("handle")
+
+
+@hookspec
+def handle_register_models(register):
+    """Register model plugins: ``factory(options, vocab_size: int, pad_id: int, max_len: int) -> nn.Module``."""
+
+
+@hookspec
+def handle_register_datasets(register):
+    """Register dataset plugins: ``factory(options, ctx: DataContext) -> DataBundle`` (train/valid + tokenizer)."""
+
+
+@hookspec
+def handle_register_strategies(register):
+    """Register strategy plugins: ``factory(options, training, ctx: DistContext) -> Strategy``."""
+
+
+@hookspec
+def handle_register_profilers(register):
+    """Register profiler plugins: ``factory(options, trace_dir: Path, rank: int) -> Profiler``."""

@@ -1,0 +1,159 @@
+"""Start and supervise ``torchrun`` for a run directory.
+
+``Launch`` starts ``python -m torch.distributed.run ... -m torch_handle.worker RUN_DIR`` in its own session, so
+a Ctrl-C in the terminal reaches only ``handle run``, which then decides: the first one asks the workers to
+finish their step, checkpoint and exit (the STOP file); a second one terminates them. No worker outlives the
+launcher: torchrun gets SIGTERM if the launcher dies (PR_SET_PDEATHSIG), each worker gets SIGKILL if torchrun
+dies, and the launcher kills any process of the tree it has seen that is still alive at the end.
+
+No torch import here: the CLI stays instant.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from torch_handle.config import Preset
+from torch_handle.rundir import STOP_FILE, read_run_info, update_run_info
+
+FINAL_STATUSES = ("finished", "failed", "stopped")
+
+
+def torchrun_command(preset: Preset, run_dir: Path, python: str = sys.executable) -> list[str]:
+    """The torchrun command line for ``preset`` (see ``torchrun --help``)."""
+    launch = preset.launch
+    cmd = [python, "-m", "torch.distributed.run", f"--nproc_per_node={launch.nproc_per_node}",
+           f"--nnodes={launch.nnodes}", f"--node_rank={launch.node_rank}", f"--max_restarts={launch.max_restarts}"]
+    if launch.nnodes == 1 and not launch.rdzv_endpoint:
+        # a free port chosen by torchrun: two runs on one machine never collide
+        cmd += ["--rdzv_backend=c10d", "--rdzv_endpoint=localhost:0", f"--rdzv_id={Path(run_dir).name}"]
+    else:
+        cmd += ["--rdzv_backend=c10d", f"--rdzv_endpoint={launch.rdzv_endpoint}", f"--rdzv_id={preset.run.name}"]
+    cmd += ["--monitor_interval=0.5", "-m", "torch_handle.worker", str(run_dir)]
+    return cmd
+
+
+def _parent_death_sigterm() -> None:  # runs in the child between fork and exec
+    try:
+        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+class Launch:
+    """One supervised torchrun."""
+
+    def __init__(self, preset: Preset, run_dir: Path, env: dict[str, str] | None = None):
+        self.preset, self.run_dir = preset, Path(run_dir)
+        self.cmd = torchrun_command(preset, run_dir)
+        self.env = {**os.environ, **(env or {})}
+        # One thread per worker by default: with nproc_per_node processes on few cores, oversubscribing
+        # intra-op threads is slower. Users may override OMP_NUM_THREADS.
+        cores = os.cpu_count() or 1
+        self.env.setdefault("OMP_NUM_THREADS", str(max(1, cores // max(1, preset.launch.nproc_per_node))))
+        self.env.setdefault("PYTHONUNBUFFERED", "1")
+        self.proc: subprocess.Popen | None = None
+        self.seen: dict[int, psutil.Process] = {}
+        self.stop_requested = False
+        self.killed = False
+
+    def start(self) -> None:
+        (self.run_dir / STOP_FILE).unlink(missing_ok=True)
+        log = open(self.run_dir / "logs" / "launcher.log", "ab")
+        log.write(f"$ {' '.join(self.cmd)}\n".encode())
+        log.flush()
+        self.proc = subprocess.Popen(self.cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                     env=self.env, start_new_session=True, preexec_fn=_parent_death_sigterm)
+        log.close()
+        update_run_info(self.run_dir, status="running", launcher_pid=os.getpid(), torchrun_pid=self.proc.pid,
+                        start_time=read_run_info(self.run_dir).get("start_time") or time.time(), end_time=None)
+
+    def poll(self) -> int | None:
+        """The exit code once torchrun has exited; meanwhile remembers every process of its tree."""
+        assert self.proc is not None
+        try:
+            parent = psutil.Process(self.proc.pid)
+            for p in [parent, *parent.children(recursive=True)]:
+                self.seen.setdefault(p.pid, p)
+        except psutil.Error:
+            pass
+        return self.proc.poll()
+
+    def request_stop(self) -> None:
+        """First Ctrl-C: workers finish the current step, write a checkpoint and exit."""
+        self.stop_requested = True
+        (self.run_dir / STOP_FILE).touch()
+
+    def kill(self, grace_s: float = 5.0) -> None:
+        """Second Ctrl-C (or a failure): SIGTERM the tree, SIGKILL whatever is left after ``grace_s``."""
+        self.killed = True
+        self.poll()
+        procs = [p for p in self.seen.values() if p.is_running()]
+        for p in procs:
+            try:
+                p.send_signal(signal.SIGTERM)
+            except psutil.Error:
+                pass
+        _, alive = psutil.wait_procs(procs, timeout=grace_s)
+        for p in alive:
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+        psutil.wait_procs(alive, timeout=2)
+
+    def reap(self) -> None:
+        """After torchrun exited: make sure no process of its tree is left."""
+        alive = [p for p in self.seen.values() if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        if alive:
+            self.kill(grace_s=2.0)
+
+    def finish(self, returncode: int) -> dict[str, Any]:
+        """Settle run.json after torchrun exited: the worker's own status, or failed with the cause."""
+        (self.run_dir / STOP_FILE).unlink(missing_ok=True)
+        info = read_run_info(self.run_dir)
+        status = info.get("status")
+        if status in FINAL_STATUSES and not (status == "finished" and returncode != 0):
+            return info
+        if self.killed:
+            status, message = "stopped", "stopped by user (workers terminated)"
+        else:
+            status, message = "failed", failure_message(self.run_dir) or f"torchrun exited with code {returncode}"
+        return update_run_info(self.run_dir, status=status, message=message, end_time=time.time())
+
+
+_ERROR_LINE = re.compile(r"^(\S+ \S+) rank(\d+) ERROR torch_handle: (.*)$")
+_EXC_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt)\b.*")
+
+
+def failure_message(run_dir: Path) -> str:
+    """The first error any rank logged (later ones are usually the others noticing it), one line."""
+    found: list[tuple[str, str]] = []
+    fallback = ""
+    for log in sorted((Path(run_dir) / "logs").glob("rank*.log")):
+        try:
+            lines = log.read_text(encoding="utf-8", errors="replace").splitlines()
+        except OSError:
+            continue
+        for line in lines:
+            if m := _ERROR_LINE.match(line):
+                found.append((m.group(1), m.group(3)))
+        if not fallback:
+            exc = [ln for ln in lines if _EXC_LINE.match(ln)]
+            if exc:
+                fallback = f"{log.stem}: {exc[-1]}"
+    if found:
+        # a peer's "connection closed" is a consequence; prefer an error that is not about the collective
+        primary = [f for f in found if not re.search(r"Connection closed|Broken pipe|gloo|NCCL|timed out", f[1])]
+        return min(primary or found)[1][:500]
+    return fallback[:500]

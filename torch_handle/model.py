@@ -1,0 +1,906 @@
+"""A from-scratch Transformer, written to be read top to bottom.
+
+Building blocks, then two models that share them:
+
+* ``SinusoidalPositionalEncoding`` -- fixed sin/cos position table (Vaswani et al. 2017, §3.5).
+* ``MultiHeadAttention``           -- scaled dot-product attention over H heads (Vaswani et al. 2017, §3.2).
+* ``PositionwiseFeedForward``      -- two linear layers with a nonlinearity in between (§3.3).
+* ``EncoderLayer`` / ``DecoderLayer`` -- attention + FFN sub-layers, each wrapped in a residual
+  connection and LayerNorm, either post-LN (the original paper) or pre-LN (Xiong et al. 2020,
+  "On Layer Normalization in the Transformer Architecture").
+* ``DecoderLM``      -- GPT-style decoder-only language model.
+* ``EncoderDecoder`` -- the original encoder-decoder Transformer with a shared vocabulary.
+
+Shape letters used throughout: B batch, T query/target length, S key/source length,
+C = d_model channels, H heads, d_k = C // H channels per head, V vocabulary size.
+
+Only ``torch`` and the standard library are imported, so this file can be lifted out on its own.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+__all__ = [
+    "ATTENTION_IMPLS",
+    "ACTIVATIONS",
+    "MODEL_KINDS",
+    "SinusoidalPositionalEncoding",
+    "scaled_dot_product_attention_reference",
+    "MultiHeadAttention",
+    "PositionwiseFeedForward",
+    "EncoderLayer",
+    "DecoderLayer",
+    "DecoderLM",
+    "EncoderDecoder",
+    "build_transformer",
+]
+
+AttentionImpl = Literal["sdpa", "reference"]
+Activation = Literal["relu", "gelu"]
+
+ATTENTION_IMPLS: tuple[str, ...] = ("sdpa", "reference")
+ACTIVATIONS: tuple[str, ...] = ("relu", "gelu")
+
+
+def _check_choice(name: str, value: str, valid: tuple[str, ...]) -> None:
+    if value not in valid:
+        raise ValueError(f"unknown {name} {value!r}; expected one of {', '.join(map(repr, valid))}")
+
+
+# --------------------------------------------------------------------------------------------
+# Positional encoding
+# --------------------------------------------------------------------------------------------
+
+
+class SinusoidalPositionalEncoding(nn.Module):
+    """Fixed sinusoidal position table (Vaswani et al. 2017, §3.5)::
+
+        PE[pos, 2i]   = sin(pos / 10000^(2i / d_model))
+        PE[pos, 2i+1] = cos(pos / 10000^(2i / d_model))
+
+    The table is a persistent buffer: it is saved in the ``state_dict`` and follows the module
+    through ``.to(device)`` / ``.to(dtype)``, but it is not a parameter, so no optimizer sees it.
+
+    Args:
+        d_model: embedding width C.
+        max_len: longest sequence the table covers.
+
+    Shape:
+        forward(x): x is (B, T, C) float; returns (B, T, C) in x's dtype.
+
+    Raises:
+        ValueError: if T > max_len.
+    """
+
+    pe: Tensor
+
+    def __init__(self, d_model: int, max_len: int = 5000) -> None:
+        super().__init__()
+        self.d_model = d_model
+        self.max_len = max_len
+        # Computed in float64 so large positions keep their precision before the float32 cast.
+        position = torch.arange(max_len, dtype=torch.float64).unsqueeze(1)  # (max_len, 1)
+        div_term = torch.exp(
+            torch.arange(0, d_model, 2, dtype=torch.float64) * (-math.log(10000.0) / d_model)
+        )  # (ceil(C/2),)
+        pe = torch.zeros(max_len, d_model, dtype=torch.float64)
+        pe[:, 0::2] = torch.sin(position * div_term)
+        pe[:, 1::2] = torch.cos(position * div_term[: d_model // 2])  # odd C has one fewer cos column
+        self.register_buffer("pe", pe.to(torch.float32), persistent=True)  # (max_len, C)
+
+    def forward(self, x: Tensor) -> Tensor:
+        B, T, C = x.shape
+        if T > self.max_len:
+            raise ValueError(f"sequence length {T} exceeds positional-encoding max_len {self.max_len}")
+        return x + self.pe[:T].to(x.dtype)  # (T, C) broadcasts over B
+
+    def extra_repr(self) -> str:
+        return f"d_model={self.d_model}, max_len={self.max_len}"
+
+
+# --------------------------------------------------------------------------------------------
+# Attention
+# --------------------------------------------------------------------------------------------
+
+
+def _unmask_empty_rows(mask: Tensor) -> tuple[Tensor, Tensor]:
+    """Let rows that may attend to nothing attend to everything, and report which they were.
+
+    A query whose keys are all masked (e.g. a left-padded position under a causal mask) would
+    otherwise get softmax over all -inf = NaN, and the NaN would leak into gradients. Attending
+    everywhere keeps the arithmetic finite; the caller then zeroes those rows' outputs so the
+    result does not depend on the padding's contents.
+    """
+    empty_rows = ~mask.any(dim=-1, keepdim=True)  # (..., T, 1)
+    return mask | empty_rows, empty_rows
+
+
+def scaled_dot_product_attention_reference(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+) -> Tensor:
+    """softmax(Q Kᵀ / √d_k) V, written out (Vaswani et al. 2017, eq. 1).
+
+    The explicit twin of ``torch.nn.functional.scaled_dot_product_attention``; kept for
+    readability and as a correctness oracle for the fused kernel.
+
+    Args:
+        q: (B, H, T, d_k) float.
+        k: (B, H, S, d_k), same dtype as q.
+        v: (B, H, S, d_v), same dtype as q.
+        mask: optional bool tensor broadcastable to (B, H, T, S); True = may attend (the same
+            convention as ``F.scaled_dot_product_attention``).
+        dropout_p: dropout on the attention weights; pass 0.0 at eval time.
+
+    Returns:
+        (B, H, T, d_v) in q's dtype. Query rows whose keys are all masked return zeros rather
+        than NaN.
+    """
+    d_k = q.size(-1)
+    scores = q @ k.transpose(-2, -1) / math.sqrt(d_k)  # (B, H, T, S)
+    empty_rows = None
+    if mask is not None:
+        mask, empty_rows = _unmask_empty_rows(mask)
+        scores = scores.masked_fill(~mask, float("-inf"))
+    weights = torch.softmax(scores, dim=-1)  # (B, H, T, S), each row sums to 1
+    if dropout_p > 0.0:
+        weights = F.dropout(weights, p=dropout_p)
+    out = weights @ v  # (B, H, T, d_v)
+    if empty_rows is not None:
+        out = out.masked_fill(empty_rows, 0.0)
+    return out
+
+
+def _attention_mask(
+    key_padding_mask: Tensor | None, causal: bool, T: int, S: int, device: torch.device
+) -> Tensor | None:
+    """Combine causal and key-padding masks into one bool mask, True = may attend.
+
+    Returns None when nothing is masked, else a tensor broadcastable to (B, H, T, S). The causal
+    mask is aligned top-left (query t sees keys 0..t), matching SDPA's ``is_causal``.
+    """
+    mask = None
+    if causal:
+        mask = torch.ones(T, S, dtype=torch.bool, device=device).tril()  # (T, S)
+    if key_padding_mask is not None:
+        keep = ~key_padding_mask[:, None, None, :]  # (B, 1, 1, S)
+        mask = keep if mask is None else mask & keep  # (B, 1, T, S)
+    return mask
+
+
+class MultiHeadAttention(nn.Module):
+    """Multi-head scaled dot-product attention (Vaswani et al. 2017, §3.2.2).
+
+    Q, K and V are projected, split into H heads of width d_k = d_model / H, attended
+    independently, concatenated, and projected back by ``out_proj``.
+
+    Args:
+        d_model: model width C.
+        n_heads: number of heads H; must divide d_model.
+        dropout: dropout on the attention weights (training only).
+        fused_qkv: keep Q/K/V projections in one ``qkv_proj`` Linear(C, 3C) -- one matmul for
+            self-attention -- instead of separate ``q_proj`` / ``k_proj`` / ``v_proj``. The fused
+            weight is laid out [W_q; W_k; W_v], like ``nn.MultiheadAttention.in_proj_weight``.
+        bias: whether the projections have biases.
+        attention: default kernel, ``"sdpa"`` (``F.scaled_dot_product_attention``) or
+            ``"reference"`` (``scaled_dot_product_attention_reference``). Both give the same
+            result; the attribute ``self.attention`` may be changed at any time.
+
+    Raises:
+        ValueError: if d_model is not divisible by n_heads, or for an unknown ``attention``.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        dropout: float = 0.0,
+        fused_qkv: bool = True,
+        bias: bool = True,
+        attention: AttentionImpl = "sdpa",
+    ) -> None:
+        super().__init__()
+        if d_model % n_heads != 0:
+            raise ValueError(
+                f"d_model ({d_model}) must be divisible by n_heads ({n_heads}) "
+                "so every head gets the same width"
+            )
+        _check_choice("attention", attention, ATTENTION_IMPLS)
+        self.d_model = d_model
+        self.n_heads = n_heads
+        self.d_k = d_model // n_heads
+        self.dropout = dropout
+        self.fused_qkv = fused_qkv
+        self.attention = attention
+        if fused_qkv:
+            self.qkv_proj = nn.Linear(d_model, 3 * d_model, bias=bias)
+        else:
+            self.q_proj = nn.Linear(d_model, d_model, bias=bias)
+            self.k_proj = nn.Linear(d_model, d_model, bias=bias)
+            self.v_proj = nn.Linear(d_model, d_model, bias=bias)
+        self.out_proj = nn.Linear(d_model, d_model, bias=bias)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Xavier-uniform weights and zero biases, as in the original Transformer.
+
+        The fused weight is initialised one (C, C) block at a time so fused and separate
+        projections start from the same distribution.
+        """
+        if self.fused_qkv:
+            projections = [self.qkv_proj, self.out_proj]
+            weights = [*self.qkv_proj.weight.data.chunk(3, dim=0), self.out_proj.weight.data]
+        else:
+            projections = [self.q_proj, self.k_proj, self.v_proj, self.out_proj]
+            weights = [proj.weight.data for proj in projections]
+        for weight in weights:
+            nn.init.xavier_uniform_(weight)  # chunks are views, so this writes into qkv_proj
+        for proj in projections:
+            if proj.bias is not None:
+                nn.init.zeros_(proj.bias)
+
+    def _project_qkv(self, query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Input projections; each result is (B, len, C)."""
+        if not self.fused_qkv:
+            return self.q_proj(query), self.k_proj(key), self.v_proj(value)
+        if query is key and key is value:
+            # Self-attention: one (C -> 3C) matmul instead of three.
+            return self.qkv_proj(query).chunk(3, dim=-1)
+        # Cross-attention: the inputs differ, so slice the fused weight [W_q; W_k; W_v] by rows.
+        C = self.d_model
+        weight, bias = self.qkv_proj.weight, self.qkv_proj.bias  # (3C, C), (3C,)
+
+        def project(x: Tensor, rows: slice) -> Tensor:
+            return F.linear(x, weight[rows], None if bias is None else bias[rows])
+
+        q = project(query, slice(0, C))
+        if key is value:
+            # Encoder memory feeds both K and V: still one matmul for the pair.
+            k, v = project(key, slice(C, 3 * C)).chunk(2, dim=-1)
+        else:
+            k, v = project(key, slice(C, 2 * C)), project(value, slice(2 * C, 3 * C))
+        return q, k, v
+
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor | None = None,
+        value: Tensor | None = None,
+        *,
+        key_padding_mask: Tensor | None = None,
+        causal: bool = False,
+        attention: AttentionImpl | None = None,
+    ) -> Tensor:
+        """Attend from ``query`` to ``key``/``value``.
+
+        Args:
+            query: (B, T, C) float.
+            key: (B, S, C); defaults to ``query`` (self-attention).
+            value: (B, S, C); defaults to ``key``.
+            key_padding_mask: optional bool (B, S), True = padding (ignored as a key), the same
+                convention as ``nn.MultiheadAttention``.
+            causal: if True, query t may only attend to keys 0..t (top-left aligned).
+            attention: ``"sdpa"`` or ``"reference"``; defaults to ``self.attention``.
+
+        Returns:
+            (B, T, C) in query's dtype. A query row whose keys are all masked yields the output
+            projection of a zero vector (i.e. the out_proj bias), never NaN.
+
+        Raises:
+            ValueError: for an unknown ``attention``, or a key_padding_mask that is not bool (B, S).
+        """
+        key = query if key is None else key
+        value = key if value is None else value
+        impl = self.attention if attention is None else attention
+        _check_choice("attention", impl, ATTENTION_IMPLS)
+
+        B, T, C = query.shape
+        S = key.shape[1]
+        H, d_k = self.n_heads, self.d_k
+        if key_padding_mask is not None and (
+            key_padding_mask.dtype != torch.bool or key_padding_mask.shape != (B, S)
+        ):
+            raise ValueError(
+                f"key_padding_mask must be a bool tensor of shape {(B, S)}, got "
+                f"{key_padding_mask.dtype} {tuple(key_padding_mask.shape)}"
+            )
+
+        q, k, v = self._project_qkv(query, key, value)  # (B, T, C), (B, S, C), (B, S, C)
+        q = q.view(B, T, H, d_k).transpose(1, 2)  # (B, H, T, d_k)
+        k = k.view(B, S, H, d_k).transpose(1, 2)  # (B, H, S, d_k)
+        v = v.view(B, S, H, d_k).transpose(1, 2)  # (B, H, S, d_k)
+
+        dropout_p = self.dropout if self.training else 0.0
+        if impl == "sdpa" and key_padding_mask is None:
+            # No mask tensor needed: is_causal lets SDPA pick its fastest (flash) kernel.
+            out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=causal)
+        else:
+            mask = _attention_mask(key_padding_mask, causal, T, S, query.device)  # (B|1, 1, T, S) | None
+            empty_rows = None
+            if key_padding_mask is not None:
+                # Only padding can empty a row (causal always leaves key 0); see _unmask_empty_rows.
+                mask, empty_rows = _unmask_empty_rows(mask)
+            if impl == "sdpa":
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
+            else:
+                out = scaled_dot_product_attention_reference(q, k, v, mask, dropout_p)
+            if empty_rows is not None:
+                out = out.masked_fill(empty_rows, 0.0)
+        # out: (B, H, T, d_k)
+        out = out.transpose(1, 2).reshape(B, T, C)  # (B, T, H * d_k): heads concatenated
+        return self.out_proj(out)
+
+    def extra_repr(self) -> str:
+        return (
+            f"d_model={self.d_model}, n_heads={self.n_heads}, dropout={self.dropout}, "
+            f"fused_qkv={self.fused_qkv}, attention={self.attention!r}"
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# Feed-forward and layers
+# --------------------------------------------------------------------------------------------
+
+
+class PositionwiseFeedForward(nn.Module):
+    """FFN(x) = W2 · dropout(act(W1 x + b1)) + b2, applied to every position independently
+    (Vaswani et al. 2017, §3.3).
+
+    Args:
+        d_model: model width C.
+        d_ff: hidden width (4C in most models).
+        dropout: dropout on the hidden activations.
+        activation: ``"relu"`` (the paper) or ``"gelu"`` (exact erf form, as in
+            ``nn.TransformerEncoderLayer``).
+
+    Shape:
+        (B, T, C) -> (B, T, C).
+
+    Raises:
+        ValueError: for an unknown activation.
+    """
+
+    def __init__(self, d_model: int, d_ff: int, dropout: float = 0.0, activation: Activation = "relu") -> None:
+        super().__init__()
+        _check_choice("activation", activation, ACTIVATIONS)
+        self.activation = activation
+        self.linear1 = nn.Linear(d_model, d_ff)
+        self.linear2 = nn.Linear(d_ff, d_model)
+        self.dropout = nn.Dropout(dropout)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        for linear in (self.linear1, self.linear2):
+            nn.init.xavier_uniform_(linear.weight)
+            nn.init.zeros_(linear.bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        act = F.relu if self.activation == "relu" else F.gelu
+        return self.linear2(self.dropout(act(self.linear1(x))))  # (B, T, d_ff) inside
+
+
+class EncoderLayer(nn.Module):
+    """Self-attention + feed-forward, each a residual sub-layer with LayerNorm.
+
+    ``norm_first=False`` is the original post-LN layer, x = LN(x + sublayer(x))
+    (Vaswani et al. 2017, §3.1); ``norm_first=True`` is pre-LN, x = x + sublayer(LN(x)), which
+    trains stably without learning-rate warm-up (Xiong et al. 2020). Computes the same function
+    as ``nn.TransformerEncoderLayer(batch_first=True)`` with the same settings.
+
+    Args:
+        d_model, n_heads, d_ff: widths; n_heads must divide d_model.
+        dropout: used on attention weights, FFN hidden units and both residual branches.
+        activation: ``"relu"`` or ``"gelu"``.
+        norm_first: pre-LN if True, post-LN if False.
+        attention: default attention kernel (``"sdpa"`` / ``"reference"``).
+        fused_qkv: see ``MultiHeadAttention``.
+        layer_norm_eps: LayerNorm epsilon.
+
+    Shape:
+        forward(x (B, T, C), key_padding_mask bool (B, T) True = pad) -> (B, T, C).
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        d_ff: int,
+        dropout: float = 0.0,
+        activation: Activation = "relu",
+        norm_first: bool = False,
+        attention: AttentionImpl = "sdpa",
+        fused_qkv: bool = True,
+        layer_norm_eps: float = 1e-5,
+    ) -> None:
+        super().__init__()
+        _check_choice("attention", attention, ATTENTION_IMPLS)
+        self.norm_first = norm_first
+        self.attention = attention
+        self.self_attn = MultiHeadAttention(d_model, n_heads, dropout, fused_qkv=fused_qkv, attention=attention)
+        self.ff = PositionwiseFeedForward(d_model, d_ff, dropout, activation)
+        self.self_attn_norm = nn.LayerNorm(d_model, eps=layer_norm_eps)
+        self.ff_norm = nn.LayerNorm(d_model, eps=layer_norm_eps)
+        self.dropout = nn.Dropout(dropout)  # residual dropout, reused: it holds no state
+
+    def forward(
+        self,
+        x: Tensor,
+        *,
+        key_padding_mask: Tensor | None = None,
+        attention: AttentionImpl | None = None,
+    ) -> Tensor:
+        impl = self.attention if attention is None else attention
+
+        def self_attn(h: Tensor) -> Tensor:
+            return self.dropout(self.self_attn(h, h, h, key_padding_mask=key_padding_mask, attention=impl))
+
+        def ff(h: Tensor) -> Tensor:
+            return self.dropout(self.ff(h))
+
+        if self.norm_first:
+            x = x + self_attn(self.self_attn_norm(x))
+            x = x + ff(self.ff_norm(x))
+        else:
+            x = self.self_attn_norm(x + self_attn(x))
+            x = self.ff_norm(x + ff(x))
+        return x  # (B, T, C)
+
+
+class DecoderLayer(nn.Module):
+    """Causal self-attention, optional cross-attention to encoder memory, then feed-forward.
+
+    Residual + LayerNorm wiring as in ``EncoderLayer`` (post-LN: Vaswani et al. 2017; pre-LN:
+    Xiong et al. 2020). With ``cross_attention=True`` this computes the same function as
+    ``nn.TransformerDecoderLayer(batch_first=True)`` given a causal ``tgt_mask``; with
+    ``cross_attention=False`` it is a GPT-style decoder block.
+
+    Args:
+        d_model, n_heads, d_ff, dropout, activation, norm_first, attention, fused_qkv,
+        layer_norm_eps: as for ``EncoderLayer``.
+        cross_attention: add a cross-attention sub-layer over encoder memory.
+
+    Shape:
+        forward(x (B, T, C), memory (B, S, C) | None) -> (B, T, C).
+
+    Raises:
+        ValueError (from forward): memory missing when the layer has cross-attention, or given
+        when it has none.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        d_ff: int,
+        dropout: float = 0.0,
+        activation: Activation = "relu",
+        norm_first: bool = False,
+        cross_attention: bool = True,
+        attention: AttentionImpl = "sdpa",
+        fused_qkv: bool = True,
+        layer_norm_eps: float = 1e-5,
+    ) -> None:
+        super().__init__()
+        _check_choice("attention", attention, ATTENTION_IMPLS)
+        self.norm_first = norm_first
+        self.attention = attention
+        self.self_attn = MultiHeadAttention(d_model, n_heads, dropout, fused_qkv=fused_qkv, attention=attention)
+        self.self_attn_norm = nn.LayerNorm(d_model, eps=layer_norm_eps)
+        self.cross_attn: MultiHeadAttention | None = None
+        self.cross_attn_norm: nn.LayerNorm | None = None
+        if cross_attention:
+            self.cross_attn = MultiHeadAttention(d_model, n_heads, dropout, fused_qkv=fused_qkv, attention=attention)
+            self.cross_attn_norm = nn.LayerNorm(d_model, eps=layer_norm_eps)
+        self.ff = PositionwiseFeedForward(d_model, d_ff, dropout, activation)
+        self.ff_norm = nn.LayerNorm(d_model, eps=layer_norm_eps)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(
+        self,
+        x: Tensor,
+        memory: Tensor | None = None,
+        *,
+        key_padding_mask: Tensor | None = None,
+        memory_key_padding_mask: Tensor | None = None,
+        causal: bool = True,
+        attention: AttentionImpl | None = None,
+    ) -> Tensor:
+        """
+        Args:
+            x: (B, T, C) target-side hidden states.
+            memory: (B, S, C) encoder output; required iff the layer has cross-attention.
+            key_padding_mask: bool (B, T), True = padded target position.
+            memory_key_padding_mask: bool (B, S), True = padded source position.
+            causal: mask future target positions (leave True except for experiments).
+            attention: kernel override; defaults to ``self.attention``.
+
+        Returns:
+            (B, T, C).
+        """
+        if (memory is None) != (self.cross_attn is None):
+            raise ValueError(
+                "memory must be given exactly when the DecoderLayer has cross-attention "
+                f"(cross_attention={self.cross_attn is not None}, memory given={memory is not None})"
+            )
+        impl = self.attention if attention is None else attention
+
+        def self_attn(h: Tensor) -> Tensor:
+            out = self.self_attn(h, h, h, key_padding_mask=key_padding_mask, causal=causal, attention=impl)
+            return self.dropout(out)
+
+        def cross_attn(h: Tensor) -> Tensor:
+            out = self.cross_attn(h, memory, memory, key_padding_mask=memory_key_padding_mask, attention=impl)
+            return self.dropout(out)
+
+        def ff(h: Tensor) -> Tensor:
+            return self.dropout(self.ff(h))
+
+        if self.norm_first:
+            x = x + self_attn(self.self_attn_norm(x))
+            if self.cross_attn is not None:
+                x = x + cross_attn(self.cross_attn_norm(x))
+            x = x + ff(self.ff_norm(x))
+        else:
+            x = self.self_attn_norm(x + self_attn(x))
+            if self.cross_attn is not None:
+                x = self.cross_attn_norm(x + cross_attn(x))
+            x = self.ff_norm(x + ff(x))
+        return x  # (B, T, C)
+
+
+# --------------------------------------------------------------------------------------------
+# Models
+# --------------------------------------------------------------------------------------------
+
+
+class _TransformerModel(nn.Module):
+    """What DecoderLM and EncoderDecoder share: token embedding + positional encoding on the
+    way in, optional tied output projection on the way out, checkpointing, init and accounting.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int,
+        d_model: int,
+        n_heads: int,
+        d_ff: int,
+        *,
+        dropout: float,
+        activation: Activation,
+        norm_first: bool,
+        tie_embeddings: bool,
+        max_len: int,
+        pad_id: int | None,
+        activation_checkpointing: bool,
+        attention: AttentionImpl,
+        fused_qkv: bool,
+    ) -> None:
+        super().__init__()
+        if d_model % n_heads != 0:
+            raise ValueError(f"d_model ({d_model}) must be divisible by n_heads ({n_heads})")
+        _check_choice("attention", attention, ATTENTION_IMPLS)
+        _check_choice("activation", activation, ACTIVATIONS)
+        self.vocab_size = vocab_size
+        self.d_model = d_model
+        self.n_heads = n_heads
+        self.d_ff = d_ff
+        self.norm_first = norm_first
+        self.tie_embeddings = tie_embeddings
+        self.max_len = max_len
+        self.pad_id = pad_id
+        self.activation_checkpointing = activation_checkpointing
+        # Read on every forward and passed down, so changing it switches every layer at once.
+        self.attention = attention
+        self._layer_kwargs = dict(
+            dropout=dropout,
+            activation=activation,
+            norm_first=norm_first,
+            attention=attention,
+            fused_qkv=fused_qkv,
+        )
+
+        self.embed = nn.Embedding(vocab_size, d_model)
+        self.pos_encoding = SinusoidalPositionalEncoding(d_model, max_len)
+        self.embed_dropout = nn.Dropout(dropout)
+
+    @property
+    def n_layers_total(self) -> int:
+        """Number of Transformer layers (encoder + decoder)."""
+        raise NotImplementedError
+
+    def _make_lm_head(self) -> nn.Linear:
+        """Output projection C -> V; subclasses create it after their layers so the module
+        tree reads in data-flow order."""
+        lm_head = nn.Linear(self.d_model, self.vocab_size, bias=False)
+        if self.tie_embeddings:
+            # Press & Wolf 2017; Vaswani et al. 2017 §3.4: one matrix for input and output.
+            lm_head.weight = self.embed.weight
+        return lm_head
+
+    def _reset_parameters(self) -> None:
+        """Embedding (and untied output) weights ~ N(0, d_model^-0.5).
+
+        With the √d_model input scaling this gives unit-variance token embeddings, and with a
+        tied head it keeps initial logits O(1). The layers initialise themselves (Xavier).
+        Only torch's global RNG is used, so the same seed builds the same model.
+        """
+        std = self.d_model**-0.5
+        nn.init.normal_(self.embed.weight, mean=0.0, std=std)
+        if not self.tie_embeddings:
+            nn.init.normal_(self.lm_head.weight, mean=0.0, std=std)
+
+    def _embed(self, ids: Tensor) -> Tensor:
+        """(B, T) token ids -> (B, T, C): scaled embedding + position, then dropout (§3.4)."""
+        x = self.embed(ids) * math.sqrt(self.d_model)  # (B, T, C)
+        return self.embed_dropout(self.pos_encoding(x))
+
+    def _padding_mask(self, ids: Tensor) -> Tensor | None:
+        """bool (B, T), True where ids == pad_id; None when the model has no pad_id."""
+        return None if self.pad_id is None else ids == self.pad_id
+
+    def _run_layer(self, layer: nn.Module, *args, **kwargs) -> Tensor:
+        """Call ``layer``; with activation checkpointing on (and training), store only its input
+        and recompute its activations in the backward pass -- trades ~1 extra forward for
+        O(n_layers) less activation memory."""
+        if self.activation_checkpointing and self.training:
+            return checkpoint(layer, *args, use_reentrant=False, **kwargs)
+        return layer(*args, **kwargs)
+
+    def num_params(self, exclude_embeddings: bool = False) -> int:
+        """Number of trainable parameters, each shared tensor counted once.
+
+        Args:
+            exclude_embeddings: leave out the token-embedding table (the positional table is a
+                buffer and never counted). With tied embeddings this also removes the output
+                projection, since it is the same tensor -- Kaplan et al. 2020's
+                "non-embedding parameters".
+        """
+        n = sum(p.numel() for p in self.parameters())  # parameters() de-duplicates tied weights
+        if exclude_embeddings:
+            n -= self.embed.weight.numel()
+        return n
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs (forward + backward) per token, PaLM appendix B (Chowdhery et al. 2022),
+        after Kaplan et al. 2020::
+
+            6 N + 12 · L · d_model · seq_len
+
+        6N covers the matmuls with the weights (2 FLOPs per multiply-add, ×3 for forward plus
+        the backward's two matmuls); the second term covers the attention scores QKᵀ and the
+        weighted sum with V over a context of ``seq_len`` keys in each of L layers.
+
+        N counts the parameters that take part in a matmul: every parameter except the input
+        embedding table, which is only indexed. With tied embeddings that table *is* the output
+        projection, so it counts once -- N == ``num_params()``. L is ``n_layers_total``. For
+        the encoder-decoder, "per token" means per target token with source and target both
+        ``seq_len`` long; the cross-attention score term is not included (a small undercount).
+        """
+        n_matmul = self.num_params(exclude_embeddings=True)
+        if self.tie_embeddings:
+            n_matmul += self.lm_head.weight.numel()
+        return 6.0 * n_matmul + 12.0 * self.n_layers_total * self.d_model * seq_len
+
+
+class DecoderLM(_TransformerModel):
+    """Decoder-only (GPT-style) causal language model.
+
+    ids -> embed·√C + PE -> dropout -> n_layers × DecoderLayer(causal, no cross-attention)
+    -> final LayerNorm (pre-LN only; Xiong et al. 2020) -> lm_head -> logits.
+
+    Args:
+        vocab_size: V.
+        d_model, n_heads, n_layers, d_ff: sizes; n_heads must divide d_model.
+        dropout: embedding, attention, FFN and residual dropout.
+        activation: ``"relu"`` or ``"gelu"``.
+        norm_first: pre-LN (True) or post-LN (False).
+        tie_embeddings: share the embedding matrix with ``lm_head``.
+        max_len: longest sequence accepted (positional-table size).
+        pad_id: token id treated as padding (masked as a key); None disables padding masks.
+        activation_checkpointing: recompute each layer in backward while training.
+        attention: ``"sdpa"`` or ``"reference"``; settable later via ``model.attention``.
+        fused_qkv: one Q/K/V projection per attention layer.
+
+    Raises:
+        ValueError: d_model % n_heads != 0, unknown activation/attention; from forward,
+        sequences longer than max_len.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int,
+        d_model: int,
+        n_heads: int,
+        n_layers: int,
+        d_ff: int,
+        *,
+        dropout: float = 0.1,
+        activation: Activation = "gelu",
+        norm_first: bool = True,
+        tie_embeddings: bool = True,
+        max_len: int = 1024,
+        pad_id: int | None = None,
+        activation_checkpointing: bool = False,
+        attention: AttentionImpl = "sdpa",
+        fused_qkv: bool = True,
+    ) -> None:
+        super().__init__(
+            vocab_size,
+            d_model,
+            n_heads,
+            d_ff,
+            dropout=dropout,
+            activation=activation,
+            norm_first=norm_first,
+            tie_embeddings=tie_embeddings,
+            max_len=max_len,
+            pad_id=pad_id,
+            activation_checkpointing=activation_checkpointing,
+            attention=attention,
+            fused_qkv=fused_qkv,
+        )
+        self.n_layers = n_layers
+        self.layers = nn.ModuleList(
+            DecoderLayer(d_model, n_heads, d_ff, cross_attention=False, **self._layer_kwargs)
+            for _ in range(n_layers)
+        )
+        # Pre-LN leaves the residual stream un-normalised, so normalise once before the head.
+        self.final_norm = nn.LayerNorm(d_model) if norm_first else nn.Identity()
+        self.lm_head = self._make_lm_head()
+        self._reset_parameters()
+
+    @property
+    def n_layers_total(self) -> int:
+        return self.n_layers
+
+    def forward(self, input_ids: Tensor) -> Tensor:
+        """
+        Args:
+            input_ids: LongTensor (B, T) with T <= max_len.
+
+        Returns:
+            logits: float32 (B, T, V); position t predicts token t + 1.
+        """
+        B, T = input_ids.shape
+        padding_mask = self._padding_mask(input_ids)  # (B, T) or None
+        x = self._embed(input_ids)  # (B, T, C)
+        for layer in self.layers:
+            x = self._run_layer(layer, x, key_padding_mask=padding_mask, attention=self.attention)
+        x = self.final_norm(x)
+        return self.lm_head(x).float()  # (B, T, V); float32 even under autocast, for the loss
+
+
+class EncoderDecoder(_TransformerModel):
+    """The original encoder-decoder Transformer (Vaswani et al. 2017, fig. 1), with one
+    vocabulary shared by source and target (one embedding, also the output projection when
+    tied, §3.4).
+
+    Encoder: n_layers × EncoderLayer over the source, with a source padding mask.
+    Decoder: n_layers × DecoderLayer (causal self-attention with target padding mask,
+    cross-attention to the encoder output with the source padding mask, FFN).
+    Pre-LN models add a final LayerNorm to each stack.
+
+    Args: as for ``DecoderLM``; n_layers is per stack (2·n_layers layers in all).
+
+    Raises:
+        ValueError: as for ``DecoderLM``.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int,
+        d_model: int,
+        n_heads: int,
+        n_layers: int,
+        d_ff: int,
+        *,
+        dropout: float = 0.1,
+        activation: Activation = "relu",
+        norm_first: bool = False,
+        tie_embeddings: bool = True,
+        max_len: int = 1024,
+        pad_id: int | None = None,
+        activation_checkpointing: bool = False,
+        attention: AttentionImpl = "sdpa",
+        fused_qkv: bool = True,
+    ) -> None:
+        super().__init__(
+            vocab_size,
+            d_model,
+            n_heads,
+            d_ff,
+            dropout=dropout,
+            activation=activation,
+            norm_first=norm_first,
+            tie_embeddings=tie_embeddings,
+            max_len=max_len,
+            pad_id=pad_id,
+            activation_checkpointing=activation_checkpointing,
+            attention=attention,
+            fused_qkv=fused_qkv,
+        )
+        self.n_layers = n_layers
+        self.encoder_layers = nn.ModuleList(
+            EncoderLayer(d_model, n_heads, d_ff, **self._layer_kwargs) for _ in range(n_layers)
+        )
+        self.decoder_layers = nn.ModuleList(
+            DecoderLayer(d_model, n_heads, d_ff, cross_attention=True, **self._layer_kwargs)
+            for _ in range(n_layers)
+        )
+        self.encoder_norm = nn.LayerNorm(d_model) if norm_first else nn.Identity()
+        self.decoder_norm = nn.LayerNorm(d_model) if norm_first else nn.Identity()
+        self.lm_head = self._make_lm_head()
+        self._reset_parameters()
+
+    @property
+    def n_layers_total(self) -> int:
+        return 2 * self.n_layers
+
+    def encode(self, src_ids: Tensor) -> tuple[Tensor, Tensor | None]:
+        """src_ids LongTensor (B, S) -> (memory (B, S, C), source padding mask bool (B, S) or None)."""
+        src_padding_mask = self._padding_mask(src_ids)  # (B, S) or None
+        x = self._embed(src_ids)  # (B, S, C)
+        for layer in self.encoder_layers:
+            x = self._run_layer(layer, x, key_padding_mask=src_padding_mask, attention=self.attention)
+        return self.encoder_norm(x), src_padding_mask
+
+    def decode(self, tgt_ids: Tensor, memory: Tensor, src_padding_mask: Tensor | None = None) -> Tensor:
+        """tgt_ids LongTensor (B, T), memory (B, S, C) -> logits float32 (B, T, V)."""
+        tgt_padding_mask = self._padding_mask(tgt_ids)  # (B, T) or None
+        x = self._embed(tgt_ids)  # (B, T, C)
+        for layer in self.decoder_layers:
+            x = self._run_layer(
+                layer,
+                x,
+                memory,
+                key_padding_mask=tgt_padding_mask,
+                memory_key_padding_mask=src_padding_mask,
+                attention=self.attention,
+            )
+        x = self.decoder_norm(x)
+        return self.lm_head(x).float()  # (B, T, V)
+
+    def forward(self, src_ids: Tensor, tgt_ids: Tensor) -> Tensor:
+        """
+        Args:
+            src_ids: LongTensor (B, S), S <= max_len.
+            tgt_ids: LongTensor (B, T), T <= max_len (teacher-forced decoder input).
+
+        Returns:
+            logits: float32 (B, T, V); position t predicts target token t + 1.
+        """
+        memory, src_padding_mask = self.encode(src_ids)  # (B, S, C)
+        return self.decode(tgt_ids, memory, src_padding_mask)
+
+
+MODEL_KINDS: dict[str, type[_TransformerModel]] = {
+    "decoder": DecoderLM,
+    "encoder-decoder": EncoderDecoder,
+}
+
+
+def build_transformer(vocab_size: int, *, kind: str = "decoder", **kwargs) -> DecoderLM | EncoderDecoder:
+    """Build a model by name.
+
+    Args:
+        vocab_size: V.
+        kind: ``"decoder"`` (``DecoderLM``) or ``"encoder-decoder"`` (``EncoderDecoder``).
+        **kwargs: the model's remaining arguments (d_model, n_heads, n_layers, d_ff, ...).
+
+    Raises:
+        ValueError: for an unknown kind (the message lists the valid ones), plus anything the
+        model's constructor raises.
+    """
+    if kind not in MODEL_KINDS:
+        raise ValueError(f"unknown model kind {kind!r}; expected one of {', '.join(map(repr, MODEL_KINDS))}")
+    return MODEL_KINDS[kind](vocab_size, **kwargs)

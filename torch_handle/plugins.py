@@ -1,0 +1,175 @@
+"""The plugin registry: loads the ``handle`` entry points with pluggy and resolves preset names to plugins.
+
+Every plugin, built-in or not, is loaded inside its own error boundary: one that fails to import or declares a
+misspelled hook is recorded as failed (with a one-line reason) and skipped, and every other plugin and command
+keeps working. ``HANDLE_LOAD_PLUGINS`` (comma-separated entry-point names; empty = none) limits which external
+plugins are loaded, so a user can always recover from a broken one. The built-ins always load.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import pluggy
+
+from torch_handle import hookspecs
+from torch_handle.config import PresetError
+
+ENTRY_POINT_GROUP = "handle"
+CORE_DISTRIBUTION = "torch-handle"
+KINDS = ("model", "dataset", "strategy", "profiler")
+_HOOK_OF_KIND = {
+    "model": "handle_register_models",
+    "dataset": "handle_register_datasets",
+    "strategy": "handle_register_strategies",
+    "profiler": "handle_register_profilers",
+}
+
+
+@dataclass
+class Registration:
+    """One name a plugin registered for one kind."""
+
+    kind: str
+    name: str
+    config_cls: type
+    factory: Callable[..., Any]
+    description: str = ""
+    check_preset: Callable[[Any, Any], None] | None = None
+    """Optional ``check(options, preset)`` raising ``InvalidValue`` for settings that span tables."""
+    plugin: str = ""
+    """Name of the plugin (entry point) that registered it."""
+
+
+@dataclass
+class PluginInfo:
+    """A loaded (or failed) plugin, as ``handle plugins list`` shows it."""
+
+    name: str
+    distribution: str
+    version: str
+    builtin: bool
+    status: str = "loaded"
+    """``loaded`` or ``failed``."""
+    error: str = ""
+    registered: dict[str, list[str]] = field(default_factory=dict)
+    """kind -> names this plugin registered."""
+
+
+class PluginRegistry:
+    """Plugins by kind and name, plus the record of every plugin that was tried."""
+
+    def __init__(self) -> None:
+        self.pm = pluggy.PluginManager("handle")
+        self.pm.add_hookspecs(hookspecs)
+        self.registrations: dict[str, dict[str, Registration]] = {k: {} for k in KINDS}
+        self.plugins: dict[str, PluginInfo] = {}
+
+    # -- loading -------------------------------------------------------------------------------------------------
+    def add_plugin(self, obj: Any, info: PluginInfo) -> None:
+        """Register one plugin object and collect its registrations; failures are recorded, never raised."""
+        self.plugins[info.name] = info
+        try:
+            self.pm.register(obj, name=info.name)
+            self.pm.check_pending()  # a misspelled hook name is an error, not silence
+        except Exception as e:  # noqa: BLE001 - the error boundary is the point
+            self._fail(info, obj, f"bad hook: {_one_line(e)}")
+            return
+        for kind, hook_name in _HOOK_OF_KIND.items():
+            impls = [i for i in getattr(self.pm.hook, hook_name).get_hookimpls() if i.plugin is obj]
+            for impl in impls:
+                try:
+                    impl.function(register=self._register_fn(kind, info))
+                except Exception as e:  # noqa: BLE001
+                    self._fail(info, obj, f"{hook_name} raised {_one_line(e)}")
+                    return
+
+    def _register_fn(self, kind: str, info: PluginInfo) -> Callable[..., None]:
+        def register(name: str, config_cls: type, factory: Callable[..., Any], description: str = "",
+                     check_preset: Callable[[Any, Any], None] | None = None) -> None:
+            if name in self.registrations[kind]:
+                other = self.registrations[kind][name].plugin
+                raise ValueError(f"{kind} {name!r} is already registered by plugin {other!r}")
+            self.registrations[kind][name] = Registration(kind, name, config_cls, factory, description,
+                                                          check_preset, info.name)
+            info.registered.setdefault(kind, []).append(name)
+
+        return register
+
+    def _fail(self, info: PluginInfo, obj: Any, reason: str) -> None:
+        info.status, info.error = "failed", reason
+        for kind, names in info.registered.items():
+            for name in names:
+                self.registrations[kind].pop(name, None)
+        info.registered = {}
+        if obj is not None and self.pm.is_registered(obj):
+            self.pm.unregister(obj)
+
+    # -- lookup --------------------------------------------------------------------------------------------------
+    def get(self, kind: str, name: str, *, key: str | None = None) -> Registration:
+        """The registration of ``name`` for ``kind``.
+
+        Raises:
+            PresetError: naming the available plugins, or the cause when the plugin that provides it failed.
+        """
+        try:
+            return self.registrations[kind][name]
+        except KeyError:
+            pass
+        for info in self.plugins.values():
+            if info.status == "failed" and name in (info.name, *info.name.split(".")):
+                raise PresetError(f"{kind} plugin {name!r} failed to load: {info.error}", key=key)
+        available = ", ".join(sorted(self.registrations[kind])) or "none"
+        raise PresetError(f"unknown {kind} {name!r} (available: {available})", key=key)
+
+    def names(self, kind: str) -> list[str]:
+        return sorted(self.registrations[kind])
+
+
+def _one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+def _allowed_external() -> set[str] | None:
+    raw = os.environ.get("HANDLE_LOAD_PLUGINS")
+    if raw is None:
+        return None
+    return {p.strip() for p in raw.split(",") if p.strip()}
+
+
+def load_registry() -> PluginRegistry:
+    """Build a registry from the ``handle`` entry-point group (built-in plugins included)."""
+    registry = PluginRegistry()
+    allowed = _allowed_external()
+    for ep in sorted(md.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
+        dist = ep.dist.name if ep.dist is not None else "?"
+        builtin = dist == CORE_DISTRIBUTION
+        if not builtin and allowed is not None and ep.name not in allowed:
+            continue
+        info = PluginInfo(name=ep.name, distribution=dist, version=ep.dist.version if ep.dist else "?",
+                          builtin=builtin)
+        try:
+            obj = ep.load()
+        except BaseException as e:  # noqa: BLE001 - SystemExit from a plugin must not end the CLI either
+            if isinstance(e, KeyboardInterrupt):
+                raise
+            registry.plugins[info.name] = info
+            registry._fail(info, None, f"import failed: {_one_line(e)}")
+            continue
+        registry.add_plugin(obj, info)
+    return registry
+
+
+_REGISTRY: PluginRegistry | None = None
+
+
+def get_registry() -> PluginRegistry:
+    """The process-wide registry, loaded on first use."""
+    global _REGISTRY
+    if _REGISTRY is None:
+        _REGISTRY = load_registry()
+    return _REGISTRY

@@ -1,0 +1,208 @@
+"""The contract between the training loop and a parallel strategy (single, DDP, DeepSpeed, FSDP2, plugins).
+
+The loop owns data, loss, telemetry and checkpoint timing; the strategy owns how the model and optimizer are
+wrapped, how gradients are synchronised and stepped, and how its state is saved. One optimizer step is:
+
+    for i, micro_batch in enumerate(micro_batches):
+        with strategy.accumulating(sync=(i == last)), strategy.autocast():
+            loss = loss_fn(strategy.model(**inputs), labels)
+        strategy.backward(loss)            # loss: mean over this micro-batch's tokens, unscaled
+    grad_norm = strategy.step()            # clip, optimizer step, LR schedule step, zero grads
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ContextManager, Iterable
+
+import torch
+import torch.distributed as dist
+
+from torch_handle.config import TrainingConfig
+
+
+@dataclass
+class DistContext:
+    """Where this process sits: from torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE)."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+    backend: str
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return dist.is_available() and dist.is_initialized()
+
+    def barrier(self) -> None:
+        if self.distributed:
+            dist.barrier()
+
+
+def lr_lambda(training: TrainingConfig):
+    """Multiplier of the peak lr at optimizer step ``s`` (0-based): linear warm-up, then cosine/linear decay to
+    ``min_lr_ratio`` at ``training.steps`` (Loshchilov & Hutter 2017 for cosine)."""
+    warmup, total, floor = training.warmup_steps, training.steps, training.min_lr_ratio
+
+    def f(s: int) -> float:
+        if s < warmup:
+            return (s + 1) / (warmup + 1)
+        if training.schedule == "constant" or total <= warmup:
+            return 1.0
+        progress = min(1.0, (s - warmup) / max(1, total - warmup))
+        decay = 0.5 * (1 + math.cos(math.pi * progress)) if training.schedule == "cosine" else 1 - progress
+        return floor + (1 - floor) * decay
+
+    return f
+
+
+def tensor_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
+    """Bytes of the distinct storages behind ``tensors``.
+
+    Counting storages rather than tensors is what makes the figure honest: parameters that are views into one
+    flat buffer (DeepSpeed, FSDP) count that buffer once, and a shard counts only the shard it owns.
+    """
+    seen: set[int] = set()
+    total = 0
+    for t in tensors:
+        if t is None or not isinstance(t, torch.Tensor) or t.numel() == 0:
+            continue
+        storage = t.untyped_storage()
+        if storage.data_ptr() in seen:
+            continue
+        seen.add(storage.data_ptr())
+        total += storage.nbytes()
+    return total
+
+
+def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+
+
+class Strategy:
+    """Base class of strategies. Subclasses implement ``setup`` and may override the rest."""
+
+    name = "base"
+
+    def __init__(self, options: Any, training: TrainingConfig, ctx: DistContext):
+        self.options, self.training, self.ctx = options, training, ctx
+        self.model: torch.nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
+        self._sync = True
+
+    # -- set-up --------------------------------------------------------------------------------------------------
+    def setup(self, model: torch.nn.Module) -> None:
+        """Wrap ``model`` (already on ``ctx.device``, same initial weights on every rank) and build the optimizer."""
+        raise NotImplementedError
+
+    def build_optimizer(self, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        t = self.training
+        fused = self.ctx.device.type == "cuda"
+        return torch.optim.AdamW(params, lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8, weight_decay=t.weight_decay,
+                                 fused=fused or None)
+
+    def build_scheduler(self, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(self.training))
+
+    def describe(self) -> dict[str, Any]:
+        """Facts for run.json and the dashboard (e.g. ``zero_stage``, the optimizer class in use)."""
+        return {"strategy": self.name, "optimizer": type(self.optimizer).__name__ if self.optimizer else None}
+
+    # -- the step ------------------------------------------------------------------------------------------------
+    def autocast(self) -> ContextManager:
+        """Mixed precision for single/DDP: autocast to bf16/fp16 with fp32 master weights."""
+        p = self.training.precision
+        if p == "fp32":
+            return contextlib.nullcontext()
+        dtype = torch.bfloat16 if p == "bf16" else torch.float16
+        return torch.autocast(self.ctx.device.type, dtype=dtype)
+
+    def accumulating(self, sync: bool) -> ContextManager:
+        """Context of one micro-batch; ``sync`` is false for all but the last micro-batch of a step."""
+        self._sync = sync
+        return contextlib.nullcontext()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        (loss / self.training.grad_accum).backward()
+
+    def step(self) -> float:
+        """Clip, step the optimizer and the LR schedule, zero the gradients; return the pre-clip grad norm."""
+        assert self.model is not None and self.optimizer is not None and self.scheduler is not None
+        max_norm = self.training.grad_clip if self.training.grad_clip > 0 else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP2
+            grad_norm = grad_norm.full_tensor()
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(grad_norm)
+
+    def skip_step(self) -> None:
+        """Drop the accumulated gradients without updating (``on_nan = "skip"``)."""
+        assert self.optimizer is not None
+        self.optimizer.zero_grad(set_to_none=True)
+
+    @property
+    def lr(self) -> float:
+        assert self.optimizer is not None
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def train(self, mode: bool = True) -> None:
+        assert self.model is not None
+        self.model.train(mode)
+
+    # -- memory --------------------------------------------------------------------------------------------------
+    def grad_bytes(self) -> int:
+        """Bytes of gradients this rank holds (called after backward, before ``step``)."""
+        assert self.model is not None
+        return tensor_bytes(p.grad for p in self.model.parameters())
+
+    def param_bytes(self) -> int:
+        """Bytes of model parameters this rank holds (its shard under ZeRO-3/FSDP)."""
+        assert self.model is not None
+        return tensor_bytes(self.model.parameters())
+
+    def optimizer_bytes(self) -> int:
+        """Bytes of optimizer state plus any fp32 master copy this rank holds (called after ``step``)."""
+        assert self.optimizer is not None
+        return tensor_bytes(optimizer_state_tensors(self.optimizer))
+
+    # -- checkpoints ---------------------------------------------------------------------------------------------
+    def unwrapped(self) -> torch.nn.Module:
+        assert self.model is not None
+        return getattr(self.model, "module", self.model)
+
+    def save(self, ckpt_dir: Path) -> None:
+        """Called on every rank with the (shared) temporary checkpoint directory."""
+        if self.ctx.is_main:
+            torch.save(self.unwrapped().state_dict(), Path(ckpt_dir) / "model.pt")
+            torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()},
+                       Path(ckpt_dir) / "optim.pt")
+
+    def load(self, ckpt_dir: Path) -> None:
+        from torch_handle.checkpoint import safe_load
+
+        self.unwrapped().load_state_dict(safe_load(Path(ckpt_dir) / "model.pt", self.ctx.device))
+        state = safe_load(Path(ckpt_dir) / "optim.pt", self.ctx.device)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """The full fp32/bf16 weights on rank 0 (None elsewhere); called on every rank (ZeRO-3 gathers)."""
+        if not self.ctx.is_main:
+            return None
+        return {k: v.detach().cpu() for k, v in self.unwrapped().state_dict().items()}
+
+
+def env_flag(name: str) -> bool:
+    return os.environ.get(name, "").lower() in ("1", "true", "yes")

@@ -1,0 +1,324 @@
+"""The training loop that runs on every rank (started by ``torch_handle.worker`` under torchrun).
+
+``Trainer`` builds data, model and strategy from the preset, resumes from the newest valid checkpoint, and runs
+``train_step`` until ``training.steps``; rank 0 alone writes telemetry, run.json and the manifest. Each
+component gets only its own preset section.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import random
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import psutil
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.utils.data import DataLoader
+
+from torch_handle import checkpoint as ckpt
+from torch_handle.config import Preset
+from torch_handle.data import IGNORE_INDEX, DataBundle, DataContext, ResumableDistributedSampler
+from torch_handle.plugins import PluginRegistry
+from torch_handle.rundir import RUN_FILE, STOP_FILE, update_run_info
+from torch_handle.strategy import DistContext, Strategy
+from torch_handle.telemetry import EVENTS_FILE, EventWriter, NullEventWriter
+
+log = logging.getLogger("torch_handle")
+
+
+class StopRequested(Exception):
+    """Raised after the checkpoint that follows a stop request (first Ctrl-C on ``handle run``)."""
+
+
+class NonFiniteLoss(Exception):
+    """The loss was NaN/inf and ``on_nan = "stop"``."""
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Token-mean cross-entropy in fp32. logits (B, T, V), labels (B, T) -> (scalar loss, tokens counted)."""
+    n_tokens = int((labels != IGNORE_INDEX).sum())
+    loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX)
+    return loss, n_tokens
+
+
+class Trainer:
+    """Owns one rank's run: build, resume, loop, evaluate, checkpoint, export, close."""
+
+    def __init__(self, preset: Preset, run_dir: Path, ctx: DistContext, registry: PluginRegistry):
+        self.preset, self.run_dir, self.ctx, self.registry = preset, Path(run_dir), ctx, registry
+        self.training = preset.training
+        self.events = EventWriter(self.run_dir / EVENTS_FILE) if ctx.is_main else NullEventWriter()
+        self.step = 0
+        self.epoch = 0
+        self.batch_in_epoch = 0
+        self.restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        self.tb = None
+
+    # -- build ---------------------------------------------------------------------------------------------------
+    def build(self) -> None:
+        p, ctx = self.preset, self.ctx
+        seed_everything(p.run.seed)
+        data_plugin = self.registry.get("dataset", p.data.name)
+        cache_dir = Path(p.run.output_dir) / ".cache"
+        self.data: DataBundle = data_plugin.factory(
+            p.data.options, DataContext(cache_dir=cache_dir, is_main=ctx.is_main, barrier=ctx.barrier))
+        if ctx.is_main and self.data.tokenizer_path is not None:
+            shutil.copyfile(self.data.tokenizer_path, self.run_dir / "tokenizer.json")
+
+        # Same seed on every rank: identical initial weights (DDP would broadcast them anyway; ZeRO-3 must not
+        # rely on that).
+        torch.manual_seed(p.run.seed)
+        model_plugin = self.registry.get("model", p.model.name)
+        model = model_plugin.factory(p.model.options, self.data.vocab_size, self.data.pad_id, self.data.max_len)
+        self.model_info = {
+            "params": sum(t.numel() for t in model.parameters()),
+            "flops_per_token": float(model.flops_per_token(self.data.max_len)) if hasattr(model, "flops_per_token") else None,
+        }
+        model.to(ctx.device)
+        # From here on each rank draws its own dropout masks.
+        seed_everything(p.run.seed + 1000 * ctx.rank)
+
+        strategy_plugin = self.registry.get("strategy", p.strategy.name)
+        self.strategy: Strategy = strategy_plugin.factory(p.strategy.options, self.training, ctx)
+        self.strategy.setup(model)
+
+        t = self.training
+        self.train_sampler = ResumableDistributedSampler(self.data.train, num_replicas=ctx.world_size,
+                                                         rank=ctx.rank, shuffle=True, seed=p.run.seed, drop_last=True)
+        self.valid_sampler = ResumableDistributedSampler(self.data.valid, num_replicas=ctx.world_size,
+                                                         rank=ctx.rank, shuffle=False, drop_last=True)
+        if len(self.train_sampler) < t.micro_batch_size:
+            raise ValueError(f"training split has {len(self.data.train)} samples: too few for one batch of "
+                             f"micro_batch_size={t.micro_batch_size} on each of {ctx.world_size} ranks")
+        self.train_loader = self._loader(self.data.train, self.train_sampler)
+        self.valid_loader = self._loader(self.data.valid, self.valid_sampler)
+        self.tokens_per_micro_batch = None
+        self.profiler = self.registry.get("profiler", p.profiler.name).factory(
+            p.profiler.options, self.run_dir / "traces", ctx.rank)
+
+        if ctx.is_main:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tb = SummaryWriter(str(self.run_dir / "tensorboard"))
+            except Exception as e:  # noqa: BLE001 - TensorBoard is a nice-to-have sink, never a reason to fail
+                log.warning("tensorboard disabled: %s", e)
+
+    def _loader(self, dataset: Any, sampler: ResumableDistributedSampler) -> DataLoader:
+        # A private generator: creating a DataLoader iterator must not draw from the global torch RNG, or a
+        # resumed run would see different dropout masks than an uninterrupted one.
+        nw = getattr(self.preset.data.options, "num_workers", 0)
+        return DataLoader(dataset, batch_size=self.training.micro_batch_size, sampler=sampler, drop_last=True,
+                          num_workers=nw, collate_fn=self.data.collate_fn,
+                          pin_memory=self.ctx.device.type == "cuda",
+                          generator=torch.Generator().manual_seed(self.preset.run.seed),
+                          persistent_workers=nw > 0)
+
+    # -- resume --------------------------------------------------------------------------------------------------
+    def maybe_resume(self) -> None:
+        root = self.run_dir / "checkpoints"
+        found: list[Any] = [None, []]
+        if self.ctx.is_main:
+            path, skipped = ckpt.newest_valid(root)
+            found = [str(path) if path else None, skipped]
+        if self.ctx.distributed:
+            dist.broadcast_object_list(found, src=0)
+        path, skipped = found
+        for message in skipped:
+            log.warning(message)
+            self.events.emit("log", level="warning", message=message)
+        if path is None:
+            return
+        self.strategy.load(Path(path))
+        state = ckpt.load_trainer_state(Path(path), self.ctx.rank)
+        self.step, self.epoch, self.batch_in_epoch = state.step, state.epoch, state.batch_in_epoch
+        message = f"resumed from {Path(path).relative_to(self.run_dir)} at step {self.step}"
+        log.info(message)
+        self.events.emit("log", level="info", message=message)
+
+    # -- loop ----------------------------------------------------------------------------------------------------
+    def batches(self) -> Iterator[dict[str, torch.Tensor]]:
+        """Micro-batches forever, epoch after epoch, starting at the saved position."""
+        while True:
+            self.train_sampler.set_epoch(self.epoch)
+            self.train_sampler.skip(self.batch_in_epoch * self.training.micro_batch_size)
+            for batch in self.train_loader:
+                self.batch_in_epoch += 1
+                yield {k: v.to(self.ctx.device, non_blocking=True) for k, v in batch.items()}
+            self.epoch += 1
+            self.batch_in_epoch = 0
+
+    def forward_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
+        labels = batch.pop("labels")
+        with self.strategy.autocast():
+            logits = self.strategy.model(**batch)
+        return loss_fn(logits, labels)
+
+    def train_step(self, batches: Iterator[dict[str, torch.Tensor]]) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        t = self.training
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        tokens = 0
+        for i in range(t.grad_accum):
+            batch = next(batches)
+            with self.strategy.accumulating(sync=i == t.grad_accum - 1):
+                loss, n = self.forward_loss(batch)
+                self.strategy.backward(loss)
+            loss_sum += loss.detach().double().cpu() * n
+            tokens += n
+        # One small all-reduce carries the global loss, token count and the stop request (rank 0 reads the
+        # STOP file), so every rank agrees on them without another collective.
+        stop = float(self.ctx.is_main and (self.run_dir / STOP_FILE).exists())
+        stats = torch.stack([loss_sum, torch.tensor(float(tokens), dtype=torch.float64),
+                             torch.tensor(stop, dtype=torch.float64)])
+        if self.ctx.distributed:
+            dist.all_reduce(stats)
+        loss_value = float(stats[0] / stats[1])
+        record: dict[str, Any] = {"step": self.step + 1, "loss": loss_value, "tokens": int(stats[1])}
+        log_memory = (self.step + 1) % t.log_every == 0 or self.step == 0
+        grad_bytes = self.strategy.grad_bytes() if log_memory else 0
+        if not math.isfinite(loss_value):
+            if t.on_nan == "stop":
+                raise NonFiniteLoss(f"non-finite loss ({loss_value}) at step {self.step + 1}")
+            self.strategy.skip_step()
+            record["skipped"] = True
+            grad_norm = float("nan")
+        else:
+            grad_norm = self.strategy.step()
+        if self.ctx.device.type == "cuda":
+            torch.cuda.synchronize()  # honest step time: wait for the kernels we launched
+        self.step += 1
+        dt = time.perf_counter() - t0
+        record.update(lr=self.strategy.lr, grad_norm=grad_norm, step_time_s=dt, tokens_per_s=record["tokens"] / dt)
+        if self.model_info["flops_per_token"]:
+            record["tflops"] = self.model_info["flops_per_token"] * record["tokens_per_s"] / 1e12
+        if log_memory:
+            record["memory"] = self.gather_memory(grad_bytes)
+        record["stop"] = bool(stats[2] > 0)
+        return record
+
+    def gather_memory(self, grad_bytes: int) -> list[dict[str, int]] | None:
+        mem = {"rank": self.ctx.rank, "param_bytes": self.strategy.param_bytes(), "grad_bytes": grad_bytes,
+               "optimizer_bytes": self.strategy.optimizer_bytes(), "rss_bytes": psutil.Process().memory_info().rss}
+        if self.ctx.device.type == "cuda":
+            mem.update(cuda_allocated_bytes=torch.cuda.memory_allocated(),
+                       cuda_max_allocated_bytes=torch.cuda.max_memory_allocated(),
+                       cuda_reserved_bytes=torch.cuda.memory_reserved())
+        if not self.ctx.distributed:
+            return [mem]
+        gathered: list[Any] = [None] * self.ctx.world_size
+        dist.all_gather_object(gathered, mem)
+        return gathered if self.ctx.is_main else None
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        self.strategy.train(False)
+        total = torch.zeros(2, dtype=torch.float64)
+        for i, batch in enumerate(self.valid_loader):
+            if i >= self.training.eval_steps:
+                break
+            batch = {k: v.to(self.ctx.device, non_blocking=True) for k, v in batch.items()}
+            loss, n = self.forward_loss(batch)
+            total += torch.tensor([float(loss) * n, n], dtype=torch.float64)
+        if self.ctx.distributed:
+            dist.all_reduce(total)
+        self.strategy.train(True)
+        return float(total[0] / total[1]) if total[1] > 0 else float("nan")
+
+    def save_checkpoint(self) -> None:
+        root = self.run_dir / "checkpoints"
+        tmp = ckpt.tmp_dir_for(root, self.step)
+        if self.ctx.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        self.ctx.barrier()
+        self.strategy.save(tmp)
+        ckpt.save_trainer_state(tmp, self.ctx.rank, ckpt.TrainerState(self.step, self.epoch, self.batch_in_epoch))
+        self.ctx.barrier()
+        if self.ctx.is_main:
+            final = ckpt.finalize(root, self.step, self.training.keep_last)
+            self.events.emit("checkpoint", step=self.step, path=str(final.relative_to(self.run_dir)))
+        self.ctx.barrier()
+
+    def export(self) -> None:
+        """Final weights as ``model.safetensors`` (rank 0; every rank takes part in gathering them)."""
+        state = self.strategy.full_state_dict()
+        if state is None:
+            return
+        from safetensors.torch import save_file
+
+        # tied weights share storage, which safetensors refuses: store each tensor on its own
+        tensors = {k: v.detach().contiguous().clone() for k, v in state.items()}
+        tmp = self.run_dir / ".model.safetensors.tmp"
+        save_file(tensors, str(tmp), metadata={"step": str(self.step), "preset": "preset.toml"})
+        os.replace(tmp, self.run_dir / "model.safetensors")
+
+    def _emit_step(self, record: dict[str, Any]) -> None:
+        record.pop("stop", None)
+        self.events.emit("step", **record)
+        if self.tb is not None:
+            for k in ("loss", "lr", "grad_norm", "tokens_per_s", "step_time_s"):
+                self.tb.add_scalar(f"train/{k}", record[k], record["step"])
+
+    def train(self) -> str:
+        """Run to ``training.steps``; returns the final status (``finished`` or ``stopped``)."""
+        t = self.training
+        info = {"status": "running", "world_size": self.ctx.world_size, **self.strategy.describe(),
+                "model_params": self.model_info["params"], "steps": t.steps, "restart": self.restart}
+        if self.ctx.is_main:
+            fields = dict(info)
+            if self.restart:
+                fields["restarts"] = self.restart
+            update_run_info(self.run_dir, **fields)
+            self.events.emit("status", **info)
+            log.info("strategy %s", json.dumps(self.strategy.describe()))
+        batches = self.batches()
+        status = "finished"
+        self.strategy.train(True)
+        if self.step == 0:
+            # the untrained baseline, so the first eval shows where learning started
+            self.events.emit("eval", step=0, val_loss=self.evaluate())
+        with self.profiler:
+            while self.step < t.steps:
+                record = self.train_step(batches)
+                stop = record["stop"]
+                self._emit_step(record)
+                self.profiler.step()
+                last = self.step == t.steps
+                if last or (t.eval_every and self.step % t.eval_every == 0):
+                    val = self.evaluate()
+                    self.events.emit("eval", step=self.step, val_loss=val)
+                    if self.tb is not None:
+                        self.tb.add_scalar("valid/loss", val, self.step)
+                if last or stop or (t.checkpoint_every and self.step % t.checkpoint_every == 0):
+                    self.save_checkpoint()
+                if stop and not last:
+                    status = "stopped"
+                    break
+        if status == "finished":
+            self.export()
+        return status
+
+    def close(self, status: str, message: str = "") -> None:
+        if self.ctx.is_main:
+            self.events.emit("status", status=status, step=self.step, **({"message": message} if message else {}))
+            update_run_info(self.run_dir, status=status, end_time=time.time(), step=self.step,
+                            **({"message": message} if message else {}))
+        self.events.close()
+        if self.tb is not None:
+            self.tb.close()

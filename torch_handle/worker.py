@@ -1,0 +1,127 @@
+"""Entry point of one worker process: ``python -m torch_handle.worker RUN_DIR``, started by torchrun.
+
+Each rank: checks torchrun's environment, sends its output to ``logs/rank<N>.log``, ties its life to its
+parent (so no worker outlives torchrun), initialises the process group (gloo on CPU, nccl with CUDA), builds
+and runs the :class:`~torch_handle.trainer.Trainer`, and exits 0 when the run finished or was stopped.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import datetime
+import logging
+import os
+import signal
+import sys
+import traceback
+from pathlib import Path
+
+USAGE = ("torch_handle.worker is started by torchrun, not by hand (RANK/WORLD_SIZE/LOCAL_RANK are not set).\n"
+         "Start a run with:  handle run PRESET    (for example: handle run presets/zero2.toml)")
+
+TORCHRUN_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _die_with_parent() -> None:
+    """Linux: deliver SIGKILL to this process when its parent (torchrun's agent) dies, even by SIGKILL."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        PR_SET_PDEATHSIG = 1
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() == 1:  # the parent is already gone
+            os._exit(1)
+    except OSError:
+        pass
+
+
+def _redirect_output(log_path: Path) -> None:
+    """Point fds 1 and 2 at the rank's log (so C++/NCCL/DeepSpeed output lands there too)."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o666)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    sys.stdout = open(1, "w", buffering=1, encoding="utf-8", closefd=False)
+    sys.stderr = open(2, "w", buffering=1, encoding="utf-8", closefd=False)
+
+
+def init_distributed(backend_choice: str, timeout_s: int):
+    """Initialise the default process group from torchrun's environment and return a DistContext."""
+    import torch
+    import torch.distributed as dist
+
+    from torch_handle.strategy import DistContext
+
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    world_size = int(os.environ["WORLD_SIZE"])
+    cuda = torch.cuda.is_available()
+    backend = backend_choice if backend_choice != "auto" else ("nccl" if cuda else "gloo")
+    if cuda and backend == "nccl":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s),
+                            **({"device_id": device} if device.type == "cuda" else {}))
+    return DistContext(rank=rank, local_rank=local_rank, world_size=world_size, device=device, backend=backend)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    missing = [k for k in TORCHRUN_ENV if k not in os.environ]
+    if missing or len(argv) != 1:
+        print(USAGE, file=sys.stderr)
+        return 2
+    run_dir = Path(argv[0])
+    rank = int(os.environ["RANK"])
+    _die_with_parent()
+    _redirect_output(run_dir / "logs" / f"rank{rank}.log")
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s")
+    log = logging.getLogger("torch_handle")
+    log.info("worker pid %d rank %d/%s restart %d", os.getpid(), rank, os.environ["WORLD_SIZE"], restart)
+
+    from torch_handle.config import load_preset
+    from torch_handle.plugins import get_registry
+    from torch_handle.trainer import NonFiniteLoss, Trainer
+
+    registry = get_registry()
+    preset = load_preset(run_dir / "preset.toml", registry=registry)
+    ctx = init_distributed(preset.launch.backend, preset.launch.timeout_s)
+    trainer = Trainer(preset, run_dir, ctx, registry)
+    status, message, code = "failed", "", 1
+    try:
+        trainer.build()
+        trainer.maybe_resume()
+        status = trainer.train()
+        code = 0
+    except NonFiniteLoss as e:
+        message = str(e)
+        log.error("%s", message)
+    except Exception as e:
+        message = f"rank {rank}: {type(e).__name__}: {e}".splitlines()[0]
+        traceback.print_exc()
+        log.error("%s", message)
+    finally:
+        # A failure on another rank surfaces here as a collective error; rank 0 records the run as failed
+        # only when this is the last attempt (torchrun may restart the group).
+        final = status if code == 0 else "failed"
+        last_attempt = restart >= preset.launch.max_restarts
+        if code == 0 or last_attempt:
+            trainer.close(final, message)
+        else:
+            trainer.close("restarting", message)
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - best effort on the way out
+                pass
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
