@@ -6,6 +6,10 @@ plugin, and the rest of the table is validated against the dataclass that plugin
 the dataclasses, so a preset holds only what differs from them.
 
 Precedence: ``--set`` overrides > the preset file > the presets it ``extends`` > dataclass defaults.
+A layer (a file or ``--set``) that switches a plugin table to another plugin ``name`` starts that table afresh:
+the options inherited for the previous plugin are dropped (``--set strategy.name=ddp`` on a ZeRO preset works).
+``--set`` values are typed by the field they set: a bare word is a string, and a field that takes a string
+keeps the text as written (``--set run.name=2024`` is the name "2024").
 
 Every problem is raised as :class:`PresetError`, whose ``str()`` is one line naming the file, the line where
 it could be found, the ``table.key`` and what would be valid.
@@ -20,6 +24,7 @@ import dataclasses
 import difflib
 import functools
 import inspect
+import math
 import re
 import sys
 import textwrap
@@ -277,6 +282,8 @@ def _coerce(value: Any, tp: Any) -> Any:
             return value
     elif tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if not math.isfinite(value):
+                raise ValueError(f"{value!r} is not a finite number")
             return float(value)
     elif tp is str:
         if isinstance(value, str):
@@ -322,7 +329,7 @@ def build_section(cls: type, table: str, values: dict[str, Any], *, allowed_extr
         if key in allowed_extra:
             continue
         if key not in fields:
-            valid = sorted(fields)
+            valid = sorted({*fields, *allowed_extra})
             raise PresetError(f"unknown key{_suggest(key, valid)} (valid: {', '.join(valid)})", key=f"{table}.{key}")
         try:
             kwargs[key] = _coerce(value, hints[key])
@@ -355,8 +362,10 @@ def _read_toml(path: Path) -> dict[str, Any]:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise PresetError("no such preset file", file=path) from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise PresetError(f"cannot read preset: {e}", file=path) from None
+    except UnicodeDecodeError as e:
+        raise PresetError(f"not UTF-8 text (undecodable byte at offset {e.start})", file=path) from None
+    except OSError as e:
+        raise PresetError(f"cannot read preset: {e.strerror or e}", file=path) from None
     try:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
@@ -375,6 +384,26 @@ def _deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _plugin_name(table: str, values: Any) -> Any:
+    return values.get("name", DEFAULT_PLUGINS[table]) if isinstance(values, dict) else None
+
+
+def _merge_layer(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """``_deep_merge`` of one preset layer over another, except that a plugin table whose ``name`` switches to a
+    different plugin replaces the inherited table (its options belonged to the other plugin)."""
+    base = dict(base)
+    for table in PLUGIN_TABLES:
+        child = over.get(table)
+        if isinstance(child, dict) and "name" in child and child["name"] != _plugin_name(table, base.get(table)):
+            base.pop(table, None)
+    return _deep_merge(base, over)
+
+
+def _available_presets() -> str:
+    names = sorted(p.stem for p in Path("presets").glob("*.toml")) if Path("presets").is_dir() else []
+    return f" (presets in ./presets: {', '.join(names)})" if names else ""
+
+
 def resolve_preset_path(spec: str | Path, *, relative_to: Path | None = None) -> Path:
     """A preset given as a path, or as a bare name (``zero2``) looked up in ``./presets``."""
     p = Path(spec)
@@ -382,29 +411,74 @@ def resolve_preset_path(spec: str | Path, *, relative_to: Path | None = None) ->
         p = relative_to / p
     if p.exists() or p.suffix == ".toml":
         return p
-    for candidate in (Path("presets") / f"{spec}.toml",):
+    if relative_to is None:
+        candidate = Path("presets") / f"{spec}.toml"
         if candidate.exists():
             return candidate
     return p
 
 
-def _load_layers(path: Path, chain: tuple[Path, ...] = ()) -> dict[str, Any]:
-    """Read ``path`` and merge it over the preset it ``extends`` (recursively)."""
+def _top_line(path: Path, key: str) -> int | None:
+    """Line of a top-level ``key = ...`` (before the first table header)."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError):
+        return None
+    for i, line in enumerate(lines, 1):
+        s = line.strip()
+        if s.startswith("["):
+            return None
+        if re.match(rf"^{re.escape(key)}\s*=", s):
+            return i
+    return None
+
+
+def _load_layers(path: Path, chain: tuple[Path, ...] = (), layers: list | None = None) -> dict[str, Any]:
+    """Read ``path`` and merge it over the preset it ``extends`` (recursively).
+
+    ``layers``, when given, receives ``(file, table mapping)`` for every file read, base first.
+    """
     resolved = path.resolve()
-    if resolved in chain:
-        cycle = " -> ".join(str(p.name) for p in (*chain, resolved))
-        raise PresetError(f"extends cycle: {cycle}", file=path, key="extends")
+    chain = (*chain, resolved)
     data = _read_toml(path)
     parent = data.pop("extends", None)
-    if parent is None:
-        return data
-    if not isinstance(parent, str):
-        raise PresetError(f"expected a file name, got {parent!r}", file=path, key="extends")
-    parent_path = resolve_preset_path(parent, relative_to=path.parent)
-    if not parent_path.exists():
-        raise PresetError(f"extends target {parent!r} does not exist (looked for {parent_path})", file=path,
-                          key="extends")
-    return _deep_merge(_load_layers(parent_path, (*chain, resolved)), data)
+    merged = data
+    if parent is not None:
+        if not isinstance(parent, str):
+            raise PresetError(f"expected a file name, got {parent!r}", file=path, key="extends",
+                              line=_top_line(path, "extends"))
+        parent_path = resolve_preset_path(parent, relative_to=path.parent)
+        if parent_path.resolve() in chain:
+            cycle = " -> ".join(p.name for p in (*chain, parent_path.resolve()))
+            raise PresetError(f"extends cycle: {cycle}", file=path, key="extends", line=_top_line(path, "extends"))
+        if not parent_path.is_file():
+            what = "is not a file" if parent_path.exists() else "does not exist"
+            raise PresetError(f"extends target {parent!r} {what} (looked for {parent_path}, relative to this file)",
+                              file=path, key="extends", line=_top_line(path, "extends"))
+        merged = _merge_layer(_load_layers(parent_path, chain, layers), data)
+    if layers is not None:
+        layers.append((path, data))
+    return merged
+
+
+_OVERRIDE_HELP = "expected TABLE.KEY=VALUE, for example training.steps=50"
+
+
+def _split_override(text: str) -> tuple[list[str], str]:
+    if "=" not in text:
+        raise PresetError(f"--set {text!r}: {_OVERRIDE_HELP}")
+    dotted, raw = text.split("=", 1)
+    keys = [k.strip() for k in dotted.split(".")]
+    if len(keys) < 2 or not all(keys):
+        raise PresetError(f"--set {text!r}: {_OVERRIDE_HELP}")
+    return keys, raw.strip()
+
+
+def _parse_value(raw: str) -> Any:
+    try:
+        return tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return raw  # a bare word such as `zero2` or `cpu`
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
@@ -413,32 +487,68 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     Raises:
         PresetError: when there is no ``=`` or no ``table.key``.
     """
-    if "=" not in text:
-        raise PresetError(f"--set {text!r}: expected TABLE.KEY=VALUE, for example training.steps=50")
-    dotted, raw = text.split("=", 1)
-    keys = [k.strip() for k in dotted.split(".")]
-    if len(keys) < 2 or not all(keys):
-        raise PresetError(f"--set {text!r}: expected TABLE.KEY=VALUE, for example training.steps=50")
-    raw = raw.strip()
+    keys, raw = _split_override(text)
+    return keys, _parse_value(raw)
+
+
+def _takes_string(tp: Any) -> bool:
+    origin = typing.get_origin(tp)
+    if tp is str:
+        return True
+    if origin is Literal:
+        return any(isinstance(a, str) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return any(_takes_string(a) for a in typing.get_args(tp))
+    return False
+
+
+def _field_type(data: dict[str, Any], keys: list[str], registry: Any) -> Any:
+    """The annotation of the field ``keys`` sets (``table.key``), or None when it is not known (yet)."""
+    if len(keys) != 2:
+        return None
+    table, key = keys
+    if table in PLUGIN_TABLES:
+        if key == "name":
+            return str
+        name = _plugin_name(table, data.get(table))
+        regs = getattr(registry, "registrations", {}).get(PLUGIN_TABLES[table], {})
+        reg = regs.get(name) if isinstance(name, str) else None
+        cls = getattr(reg, "config_cls", None)
+    else:
+        cls = CORE_TABLES.get(table)
+    if cls is None or not dataclasses.is_dataclass(cls):
+        return None
     try:
-        value = tomllib.loads(f"v = {raw}")["v"]
-    except tomllib.TOMLDecodeError:
-        value = raw  # a bare word such as `zero2` or `cpu`
-    return keys, value
+        return typing.get_type_hints(cls).get(key)
+    except Exception:  # noqa: BLE001 - a broken plugin annotation is reported by validation
+        return None
+
+
+def _typed_value(raw: str, value: Any, tp: Any) -> Any:
+    """A bare ``--set`` value for a string field is the text as written (``123``, ``true``, ``2024-01-01``)."""
+    if tp is not None and not isinstance(value, (str, list, dict)) and _takes_string(tp):
+        return raw
+    return value
 
 
 def _apply_override(data: dict[str, Any], keys: list[str], value: Any) -> None:
     node = data
-    for k in keys[:-1]:
+    for i, k in enumerate(keys[:-1]):
         child = node.setdefault(k, {})
         if not isinstance(child, dict):
-            raise PresetError(f"--set: {'.'.join(keys)}: {k!r} is a value, not a table")
+            raise PresetError(f"{'.'.join(keys[: i + 1])} is a value, not a table", file="--set",
+                              key=".".join(keys))
         node = child
     node[keys[-1]] = value
 
 
+def _key_pattern(key: str) -> str:
+    return rf"""^(?:{re.escape(key)}|"{re.escape(key)}"|'{re.escape(key)}')\s*[=.]"""
+
+
 def _find_line(path: Path, table: str, key: str | None) -> int | None:
-    """Best-effort line number of ``[table] key`` in a TOML file (tomllib does not keep positions)."""
+    """Best-effort line number of ``[table] key`` in a TOML file (tomllib does not keep positions); the line of
+    the ``[table]`` header when the key is not there."""
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError):
@@ -449,15 +559,47 @@ def _find_line(path: Path, table: str, key: str | None) -> int | None:
         s = line.strip()
         m = re.match(r"^\[\s*([^\]]+?)\s*\]", s)
         if m:
-            current = m.group(1)
+            current = re.sub(r"\s*\.\s*", ".", m.group(1))
             if current == table and table_line is None:
                 table_line = i
+            if key and (current == f"{table}.{key}" or current.startswith(f"{table}.{key}.")):
+                return i
             continue
-        if key and current == table and re.match(rf"^{re.escape(key)}\s*=", s):
+        if key and current == table and re.match(_key_pattern(key), s):
             return i
-        if key and not current and re.match(rf"^{re.escape(table)}\.{re.escape(key)}\s*=", s):
+        if not current and re.match(_key_pattern(f"{table}.{key}" if key else table), s):
             return i
     return table_line
+
+
+def _has_key(data: dict[str, Any], dotted: str) -> bool:
+    node: Any = data
+    for k in dotted.split("."):
+        if not isinstance(node, dict) or k not in node:
+            return False
+        node = node[k]
+    return True
+
+
+def _locate(err: PresetError, layers: list[tuple[Path, dict[str, Any]]],
+            overrides: list[tuple[list[str], Any]]) -> None:
+    """Fill in the file (and line) of an error raised without one: the ``--set`` that gave the value, else the
+    most derived preset file that holds the key, else the preset that was loaded."""
+    top = layers[-1][0]
+    if not err.key:
+        err.file = top
+        return
+    for keys, _ in overrides:
+        dotted = ".".join(keys)
+        if dotted == err.key or dotted.startswith(err.key + ".") or err.key.startswith(dotted + "."):
+            err.file = f"{top} (--set)"
+            return
+    table, _, key = err.key.partition(".")
+    for path, data in reversed(layers):
+        if _has_key(data, err.key):
+            err.file, err.line = path, _find_line(path, table, key.split(".")[0] or None)
+            return
+    err.file, err.line = top, _find_line(top, table, None)
 
 
 def preset_from_dict(data: dict[str, Any], registry: Any = None, *, source: str = "<preset>") -> Preset:
@@ -503,7 +645,8 @@ def _check_cross(preset: Preset, registry: Any) -> None:
     """Checks that span tables; each plugin may add its own through ``check_preset``."""
     for table, kind in PLUGIN_TABLES.items():
         section: PluginSection = getattr(preset, table)
-        hook = registry.get(kind, section.name).check_preset
+        registration = registry.get(kind, section.name)
+        hook = registration.check_preset
         if hook is None:
             continue
         try:
@@ -511,6 +654,10 @@ def _check_cross(preset: Preset, registry: Any) -> None:
         except InvalidValue as e:
             key = e.key if "." in e.key else f"{table}.{e.key}"
             raise PresetError(e.message, key=key) from None
+        except Exception as e:  # noqa: BLE001 - a bug in a plugin's check is still one line, naming the plugin
+            text = " ".join(str(e).split())
+            raise PresetError(f"the check of {kind} {section.name!r} (plugin {registration.plugin!r}) failed: "
+                              f"{type(e).__name__}: {text}", key=f"{table}.name") from None
 
 
 def load_preset(path: str | Path, overrides: typing.Sequence[str] = (), registry: Any = None) -> Preset:
@@ -520,20 +667,39 @@ def load_preset(path: str | Path, overrides: typing.Sequence[str] = (), registry
         PresetError: one line naming the file, the line (when it can be found), the key and what is valid.
     """
     path = resolve_preset_path(path)
-    data = _load_layers(path)
-    parsed = [parse_override(o) for o in overrides]
-    for keys, value in parsed:
-        _apply_override(data, keys, value)
+    if not path.exists():
+        raise PresetError(f"no such preset file{_available_presets()}", file=path)
+    if not path.is_file():
+        raise PresetError("not a preset file (a directory?)", file=path)
+    layers: list[tuple[Path, dict[str, Any]]] = []
+    data = _load_layers(path, layers=layers)
+    split = [_split_override(o) for o in overrides]
+    parsed: list[tuple[list[str], Any]] = []
+    if split:
+        if registry is None:
+            from torch_handle.plugins import get_registry
+
+            registry = get_registry()
+        # Plugin switches first (they reset their table), then every other key, typed by its field.
+        ordered = sorted(split, key=lambda kr: not (len(kr[0]) == 2 and kr[0][0] in PLUGIN_TABLES
+                                                   and kr[0][1] == "name"))
+        for keys, raw in ordered:
+            value = _typed_value(raw, _parse_value(raw), _field_type(data, keys, registry))
+            table = keys[0]
+            if (len(keys) == 2 and table in PLUGIN_TABLES and keys[1] == "name" and isinstance(data.get(table), dict)
+                    and value != _plugin_name(table, data[table])):
+                data[table] = {}
+            try:
+                _apply_override(data, keys, value)
+            except PresetError as e:
+                e.file = f"{path} (--set)"
+                raise
+            parsed.append((keys, value))
     try:
         return preset_from_dict(data, registry, source=str(path))
     except PresetError as e:
         if e.file is None:
-            e.file = path
-            if e.key and not any(e.key == ".".join(k) for k, _ in parsed):
-                table, _, key = e.key.partition(".")
-                e.line = _find_line(path, table, key.split(".")[0] or None)
-            elif e.key:
-                e.file = f"{path} (--set)"
+            _locate(e, layers, parsed)
         raise
 
 

@@ -156,4 +156,18 @@ def failure_message(run_dir: Path) -> str:
         # a peer's "connection closed" is a consequence; prefer an error that is not about the collective
         primary = [f for f in found if not re.search(r"Connection closed|Broken pipe|gloo|NCCL|timed out", f[1])]
         return min(primary or found)[1][:500]
-    return fallback[:500]
+    return (fallback or _torchrun_root_cause(Path(run_dir) / "logs" / "launcher.log"))[:500]
+
+
+def _torchrun_root_cause(path: Path) -> str:
+    """torchrun's own "Root Cause" summary (a rank killed by a signal leaves no Python error)."""
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return ""
+    _, _, cause = text.rpartition("Root Cause")
+    rank = re.search(r"rank\s*:\s*(\d+)", cause)
+    exit_line = re.search(r"exitcode\s*:\s*(.+)", cause)
+    if not rank or not exit_line:
+        return ""
+    return f"rank {rank.group(1)} exited with code {exit_line.group(1).strip()}"

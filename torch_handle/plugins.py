@@ -8,8 +8,11 @@ plugins are loaded, so a user can always recover from a broken one. The built-in
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import importlib.metadata as md
 import os
+import typing
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -67,6 +70,8 @@ class PluginRegistry:
         self.pm.add_hookspecs(hookspecs)
         self.registrations: dict[str, dict[str, Registration]] = {k: {} for k in KINDS}
         self.plugins: dict[str, PluginInfo] = {}
+        self.lost: dict[tuple[str, str], str] = {}
+        """(kind, name) -> plugin: names a plugin registered before it failed (so a preset gets the cause)."""
 
     # -- loading -------------------------------------------------------------------------------------------------
     def add_plugin(self, obj: Any, info: PluginInfo) -> None:
@@ -86,13 +91,26 @@ class PluginRegistry:
                 except Exception as e:  # noqa: BLE001
                     self._fail(info, obj, f"{hook_name} raised {_one_line(e)}")
                     return
+        for kind, names in info.registered.items():
+            for name in names:
+                self.lost.pop((kind, name), None)
 
     def _register_fn(self, kind: str, info: PluginInfo) -> Callable[..., None]:
         def register(name: str, config_cls: type, factory: Callable[..., Any], description: str = "",
                      check_preset: Callable[[Any, Any], None] | None = None) -> None:
+            if not isinstance(name, str) or not name:
+                raise TypeError(f"{kind} name must be a non-empty string, got {name!r}")
+            self.lost[(kind, name)] = info.name  # until the plugin is done: if it fails, the name points at it
             if name in self.registrations[kind]:
                 other = self.registrations[kind][name].plugin
                 raise ValueError(f"{kind} {name!r} is already registered by plugin {other!r}")
+            if not (isinstance(config_cls, type) and dataclasses.is_dataclass(config_cls)):
+                raise TypeError(f"{kind} {name!r}: config_cls must be a dataclass, got {config_cls!r}")
+            typing.get_type_hints(config_cls)  # an annotation that cannot be resolved fails the plugin now
+            if not callable(factory):
+                raise TypeError(f"{kind} {name!r}: factory must be callable, got {factory!r}")
+            if check_preset is not None and not callable(check_preset):
+                raise TypeError(f"{kind} {name!r}: check_preset must be callable, got {check_preset!r}")
             self.registrations[kind][name] = Registration(kind, name, config_cls, factory, description,
                                                           check_preset, info.name)
             info.registered.setdefault(kind, []).append(name)
@@ -119,11 +137,19 @@ class PluginRegistry:
             return self.registrations[kind][name]
         except KeyError:
             pass
+        owner = self.plugins.get(self.lost.get((kind, name), ""))
+        if owner is not None and owner.status == "failed":
+            raise PresetError(f"{kind} {name!r} is provided by plugin {owner.name!r}, which failed to load: "
+                              f"{owner.error}", key=key)
         for info in self.plugins.values():
             if info.status == "failed" and name in (info.name, *info.name.split(".")):
                 raise PresetError(f"{kind} plugin {name!r} failed to load: {info.error}", key=key)
-        available = ", ".join(sorted(self.registrations[kind])) or "none"
-        raise PresetError(f"unknown {kind} {name!r} (available: {available})", key=key)
+        known = sorted(self.registrations[kind])
+        close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        failed = [i.name for i in self.plugins.values() if i.status == "failed"]
+        also = f"; plugins that failed to load: {', '.join(failed)}" if failed else ""
+        raise PresetError(f"unknown {kind} {name!r}{hint} (available: {', '.join(known) or 'none'}{also})", key=key)
 
     def names(self, kind: str) -> list[str]:
         return sorted(self.registrations[kind])

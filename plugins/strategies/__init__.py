@@ -80,10 +80,33 @@ def _check_single(options, preset) -> None:
 
 
 def _check_deepspeed(options: DeepSpeedConfig, preset) -> None:
-    if preset.training.precision == "fp16" and options.ds_config.get("bf16", {}).get("enabled"):
-        raise InvalidValue("ds_config", "bf16.enabled contradicts training.precision = 'fp16'")
-    if preset.training.precision == "bf16" and options.ds_config.get("fp16", {}).get("enabled"):
-        raise InvalidValue("ds_config", "fp16.enabled contradicts training.precision = 'bf16'")
+    ds = options.ds_config
+    precision = preset.training.precision
+    for mode in ("fp16", "bf16"):
+        section = ds.get(mode)
+        if section is None:
+            continue
+        if not isinstance(section, dict):
+            raise InvalidValue("ds_config", f"{mode} must be a table (for example {mode}.enabled = true), "
+                                            f"got {section!r}")
+        if section.get("enabled") and precision != mode:
+            raise InvalidValue("ds_config", f"{mode}.enabled contradicts training.precision = {precision!r} "
+                                            f"(set training.precision = {mode!r} instead)")
+    zero = ds.get("zero_optimization")
+    if zero is not None and not isinstance(zero, dict):
+        raise InvalidValue("ds_config", f"zero_optimization must be a table, got {zero!r}")
+    if isinstance(zero, dict) and "stage" in zero and zero["stage"] != options.zero_stage:
+        raise InvalidValue("ds_config", f"zero_optimization.stage = {zero['stage']!r} contradicts zero_stage = "
+                                        f"{options.zero_stage} (set strategy.zero_stage instead)")
+    training = preset.training
+    implied = {"train_micro_batch_size_per_gpu": ("micro_batch_size", training.micro_batch_size),
+               "gradient_accumulation_steps": ("grad_accum", training.grad_accum),
+               "train_batch_size": ("micro_batch_size * grad_accum * world size",
+                                    training.micro_batch_size * training.grad_accum * preset.world_size)}
+    for key, (source, value) in implied.items():
+        if key in ds and ds[key] != value:
+            raise InvalidValue("ds_config", f"{key} = {ds[key]!r} contradicts training.{source} = {value} "
+                                            f"(set it in [training] instead)")
 
 
 def build_single(options, training, ctx):
