@@ -29,7 +29,7 @@ class HandleGroup(click.Group):
         try:
             return super().invoke(ctx)
         except USER_ERRORS as e:
-            if os.environ.get("HANDLE_DEBUG") or (ctx.params or {}).get("debug"):
+            if os.environ.get("HANDLE_DEBUG") or "--debug" in sys.argv:
                 raise
             fail(str(e))
 

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import codecs
+import glob as globlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
 from torch_handle.config import InvalidValue, param
+from torch_handle.errors import DataError
 from torch_handle.hookspecs import hookimpl
 
 
@@ -63,6 +66,95 @@ class ParallelConfig:
     def check(self) -> None:
         if not self.path:
             raise InvalidValue("path", "is required: a directory with train.<src>, train.<tgt>, valid.* files")
+        for key in ("src_lang", "tgt_lang"):
+            lang = getattr(self, key)
+            if not lang or "/" in lang or lang.startswith("."):
+                raise InvalidValue(key, f"{lang!r} must be a file suffix such as 'en'")
+        if self.src_lang == self.tgt_lang:
+            raise InvalidValue("tgt_lang", f"{self.tgt_lang!r} must differ from src_lang")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Pre-flight checks: run by `handle run` before anything starts (no torch import). They find missing paths,
+# misaligned files and bytes that are not UTF-8 in what they read, with the same one-line messages as the
+# loaders (torch_handle.data). Files are read in full up to PREFLIGHT_BYTES in all; beyond that only the first
+# bytes of each file are checked and the loaders report what is left when the run starts.
+# --------------------------------------------------------------------------------------------------------------
+
+PREFLIGHT_BYTES = 64 << 20
+_HEAD_BYTES = 1 << 20
+
+
+class _Budget:
+    def __init__(self, total: int | None = None):
+        self.left = PREFLIGHT_BYTES if total is None else total
+
+
+def _match_files(pattern: str) -> list[Path]:
+    """Same selection as ``torch_handle.data.text_files``: one file, every visible file of a directory, or a glob."""
+    p = Path(pattern).expanduser()
+    if p.is_dir():
+        files = sorted(f for f in p.iterdir() if f.is_file() and not f.name.startswith("."))
+    elif p.is_file():
+        files = [p]
+    else:
+        files = sorted(Path(f) for f in globlib.glob(str(p), recursive=True) if Path(f).is_file())
+    if not files:
+        raise DataError(f"{pattern}: no files match")
+    return files
+
+
+def _preflight_read(path: Path, budget: _Budget) -> str | None:
+    """Check that ``path`` is readable UTF-8; its text when it was read in full (within the budget), else None."""
+    try:
+        size = path.stat().st_size
+        whole = size <= budget.left
+        with open(path, "rb") as f:
+            raw = f.read(size if whole else _HEAD_BYTES)
+    except FileNotFoundError:
+        raise DataError(f"{path}: no such file") from None
+    except OSError as e:
+        raise DataError(f"{path}: cannot read ({e.strerror or e})") from None
+    if whole:
+        budget.left -= len(raw)
+    try:
+        text, _ = codecs.utf_8_decode(raw, "strict", whole)
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path}: not UTF-8 text (undecodable byte at offset {e.start})") from None
+    return text if whole else None
+
+
+def preflight_text(options: TextConfig) -> None:
+    """``text``: every file that path (and valid_path) selects exists, is UTF-8, and the corpus is not empty."""
+    budget = _Budget()
+    texts = [_preflight_read(f, budget) for f in _match_files(options.path)]
+    if all(t is not None for t in texts) and not "".join(texts).strip():
+        raise DataError(f"{options.path}: empty corpus")
+    if options.valid_path:
+        for f in _match_files(options.valid_path):
+            _preflight_read(f, budget)
+
+
+def preflight_parallel(options: ParallelConfig) -> None:
+    """``parallel``: the directory and its train/valid files exist, are UTF-8, and each pair has equal line counts."""
+    root = Path(options.path)
+    if not root.is_dir():
+        raise DataError(f"{root}: no such directory (data.path must hold train.{options.src_lang} etc.)")
+    budget = _Budget()
+    for split in ("train", "valid"):
+        src_path, tgt_path = root / f"{split}.{options.src_lang}", root / f"{split}.{options.tgt_lang}"
+        for p in (src_path, tgt_path):
+            if not p.is_file():
+                raise DataError(f"{p}: no such file (data.path must hold {split}.{options.src_lang} and "
+                                f"{split}.{options.tgt_lang})")
+        src, tgt = _preflight_read(src_path, budget), _preflight_read(tgt_path, budget)
+        if src is None or tgt is None:
+            continue
+        n_src, n_tgt = len(src.splitlines()), len(tgt.splitlines())
+        if n_src != n_tgt:
+            raise DataError(f"{src_path} has {n_src} lines but {tgt_path} has {n_tgt}: parallel files must align")
+        if not n_src:
+            raise DataError(f"{src_path}: empty corpus")
 
 
 def _lm_bundle(train_docs, valid_docs, options, ctx, name):
@@ -119,6 +211,10 @@ def build_parallel(options: ParallelConfig, ctx):
     valid = TranslationDataset(ids(vsrc), ids(vtgt), options.seq_len)
     return DataBundle(train=train, valid=valid, vocab_size=tok.get_vocab_size(), max_len=options.seq_len + 1,
                       tokenizer_path=tok_path, collate_fn=pad_collate, description=str(root))
+
+
+build_text.preflight = preflight_text
+build_parallel.preflight = preflight_parallel
 
 
 @hookimpl

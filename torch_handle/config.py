@@ -25,6 +25,7 @@ import difflib
 import functools
 import inspect
 import math
+import os
 import re
 import sys
 import textwrap
@@ -110,6 +111,9 @@ class RunConfig:
     def check(self) -> None:
         if not re.fullmatch(r"[A-Za-z0-9._-]+", self.name):
             raise InvalidValue("name", f"{self.name!r} must use only letters, digits, '.', '_' and '-'")
+        if self.name[0] in ".-":
+            # a hidden run directory would be skipped by `handle tui`; a leading '-' reads as an option
+            raise InvalidValue("name", f"{self.name!r} must not start with '.' or '-'")
 
 
 @dataclass
@@ -178,8 +182,11 @@ class LaunchConfig:
             raise InvalidValue("node_rank", f"{self.node_rank} must be below nnodes ({self.nnodes})")
         if self.nnodes > 1 and not self.rdzv_endpoint:
             raise InvalidValue("rdzv_endpoint", "is required when nnodes > 1 (for example 'node0:29400')")
-        if self.rdzv_endpoint and not re.fullmatch(r"[^\s:]+:\d{1,5}", self.rdzv_endpoint):
-            raise InvalidValue("rdzv_endpoint", f"{self.rdzv_endpoint!r} must look like 'host:port'")
+        if self.rdzv_endpoint:
+            m = re.fullmatch(r"(?:[^\s:\[\]]+|\[[0-9A-Fa-f:.]+\]):(\d{1,5})", self.rdzv_endpoint)
+            if not m or not 1 <= int(m.group(1)) <= 65535:
+                raise InvalidValue("rdzv_endpoint", f"{self.rdzv_endpoint!r} must look like 'host:port' "
+                                                    f"(port 1-65535)")
 
 
 @dataclass
@@ -385,6 +392,9 @@ def _deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
 
 
 def _plugin_name(table: str, values: Any) -> Any:
+    """The plugin a (merged) table selects: its ``name``, else the default; None when it is not a table."""
+    if values is None:
+        return DEFAULT_PLUGINS[table]
     return values.get("name", DEFAULT_PLUGINS[table]) if isinstance(values, dict) else None
 
 
@@ -448,6 +458,9 @@ def _load_layers(path: Path, chain: tuple[Path, ...] = (), layers: list | None =
             raise PresetError(f"expected a file name, got {parent!r}", file=path, key="extends",
                               line=_top_line(path, "extends"))
         parent_path = resolve_preset_path(parent, relative_to=path.parent)
+        tidy = Path(os.path.normpath(parent_path))
+        if tidy != parent_path and tidy.resolve() == parent_path.resolve():
+            parent_path = tidy  # `sub/../base.toml` reads as `base.toml` in messages
         if parent_path.resolve() in chain:
             cycle = " -> ".join(p.name for p in (*chain, parent_path.resolve()))
             raise PresetError(f"extends cycle: {cycle}", file=path, key="extends", line=_top_line(path, "extends"))
@@ -525,9 +538,20 @@ def _field_type(data: dict[str, Any], keys: list[str], registry: Any) -> Any:
 
 
 def _typed_value(raw: str, value: Any, tp: Any) -> Any:
-    """A bare ``--set`` value for a string field is the text as written (``123``, ``true``, ``2024-01-01``)."""
-    if tp is not None and not isinstance(value, (str, list, dict)) and _takes_string(tp):
+    """A bare ``--set`` value read as the field's type: the text as written for a string field (``123``,
+    ``true``, ``2024-01-01``), Python's float syntax for a number (``.001``), any case of true/false for a bool."""
+    if tp is None:
+        return value
+    if not isinstance(value, (str, list, dict)) and _takes_string(tp):
         return raw
+    if isinstance(value, str) and value == raw:  # a bare word TOML could not read
+        if tp is float:
+            try:
+                return float(raw)
+            except ValueError:
+                pass
+        if tp is bool and raw.lower() in ("true", "false"):
+            return raw.lower() == "true"
     return value
 
 
@@ -668,7 +692,8 @@ def load_preset(path: str | Path, overrides: typing.Sequence[str] = (), registry
     """
     path = resolve_preset_path(path)
     if not path.exists():
-        raise PresetError(f"no such preset file{_available_presets()}", file=path)
+        hint = _available_presets() if path.parent in (Path("."), Path("presets")) else ""
+        raise PresetError(f"no such preset file{hint}", file=path)
     if not path.is_file():
         raise PresetError("not a preset file (a directory?)", file=path)
     layers: list[tuple[Path, dict[str, Any]]] = []

@@ -48,12 +48,18 @@ def read_run_info(run_dir: Path) -> dict[str, Any]:
         RunDirError: when ``run_dir`` is not a run directory.
     """
     path = Path(run_dir) / RUN_FILE
+    if not Path(run_dir).is_dir():
+        what = "no such directory" if not Path(run_dir).exists() else "not a directory"
+        raise RunDirError(f"{run_dir}: not a run directory ({what})")
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        info = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise RunDirError(f"{run_dir}: not a run directory (no {RUN_FILE})") from None
     except (OSError, ValueError) as e:
-        raise RunDirError(f"{path}: unreadable ({e})") from None
+        raise RunDirError(f"{path}: unreadable ({' '.join(str(e).split())})") from None
+    if not isinstance(info, dict):
+        raise RunDirError(f"{path}: unreadable (expected a JSON object, got {type(info).__name__})")
+    return info
 
 
 def update_run_info(run_dir: Path, **fields: Any) -> dict[str, Any]:
@@ -78,10 +84,12 @@ def create_run_dir(output_dir: Path, name: str, preset_toml: str, info: dict[str
         RunDirError: when the output directory cannot be written or ``run_dir`` exists already.
     """
     output_dir = Path(output_dir)
+    if output_dir.exists() and not output_dir.is_dir():
+        raise RunDirError(f"{output_dir}: output directory is a file, not a directory (set [run] output_dir)")
     try:
         output_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise RunDirError(f"{output_dir}: cannot create output directory ({e.strerror})") from None
+        raise RunDirError(f"{output_dir}: cannot create output directory ({e.strerror or e})") from None
     if not os.access(output_dir, os.W_OK | os.X_OK):
         raise RunDirError(f"{output_dir}: output directory is not writable")
     if run_dir is not None and Path(run_dir).exists():
