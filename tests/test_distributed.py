@@ -173,6 +173,63 @@ def test_sigint_then_resume_reproduces_the_uninterrupted_losses(base, tmp_path):
     assert (run_dir / "model.safetensors").stat().st_size > 0
 
 
+def _worker(run_dir: Path, rank: int) -> psutil.Process | None:
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            cmdline = " ".join(p.info["cmdline"] or [])
+            if ("torch_handle.worker" in cmdline and str(run_dir) in cmdline and "distributed.run" not in cmdline
+                    and p.environ().get("RANK") == str(rank)):
+                return p
+        except psutil.Error:
+            pass
+    return None
+
+
+@pytest.mark.parametrize("strategy", [["strategy.name=deepspeed", "strategy.zero_stage=2"], ["strategy.name=ddp"]],
+                         ids=["zero2", "ddp"])
+def test_sigkilled_worker_is_restarted_and_resumes_exactly(base, tmp_path, strategy):
+    """max_restarts=1: a worker SIGKILLed at a random step; torchrun restarts the group, every rank resumes from
+    the newest checkpoint by itself, and the losses after the restart equal an uninterrupted run's."""
+    import random
+
+    common = [str(base), *[x for s in [*strategy, "training.steps=24", "training.checkpoint_every=5",
+                                       "training.micro_batch_size=16", "data.seq_len=64", "launch.max_restarts=1"]
+                           for x in ("--set", s)]]
+    full = step_losses(run_dir_of(handle("run", *common, "--set", "run.name=uninterrupted")))
+    kill_at = random.Random().randint(6, 18)
+    run_dir = tmp_path / "killed"
+    proc = subprocess.Popen([sys.executable, "-m", "handle_cli", "run", *common, "--run-dir", str(run_dir)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    killed = None
+    deadline = time.monotonic() + 240
+    while proc.poll() is None and time.monotonic() < deadline:
+        if killed is None and (run_dir / "events.jsonl").exists() and any(
+                e["step"] >= kill_at for e in events(run_dir, "step")):
+            victim = _worker(run_dir, rank=random.Random().randint(0, 1))
+            if victim is not None:
+                killed = max(e["step"] for e in events(run_dir, "step"))
+                victim.kill()
+        time.sleep(0.02)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, f"{out}\n{err}"
+    assert killed is not None
+    info = json.loads((run_dir / "run.json").read_text())
+    assert info["status"] == "finished" and info["restarts"] == 1 and not info["message"]
+    statuses = [e["status"] for e in events(run_dir, "status")]
+    assert statuses[-1] == "finished" and statuses.count("running") == 2
+    resumed_from = [e["message"] for e in events(run_dir, "log") if e["message"].startswith("resumed from")]
+    assert len(resumed_from) == 1
+    resume_step = int(resumed_from[0].rsplit(" ", 1)[1])
+    assert killed - resume_step <= 5, "recomputed more than checkpoint_every steps"
+    after = {}
+    for e in events(run_dir, "step"):
+        after[e["step"]] = e["loss"]  # the last occurrence of a step is the one after the restart
+    assert sorted(after) == list(range(1, 25))
+    for step in range(resume_step + 1, 25):
+        assert abs(after[step] - full[step]) <= 1e-5 * abs(full[step]), (step, after[step], full[step])
+    assert_no_workers(run_dir)
+
+
 def test_failing_worker_fails_the_run_with_its_error_and_leaves_no_process(base, tmp_path):
     run_dir = tmp_path / "fails"
     proc = handle("run", str(base), "--set", "training.micro_batch_size=100000", "--run-dir", str(run_dir),

@@ -317,8 +317,7 @@ class Trainer:
     def close(self, status: str, message: str = "") -> None:
         if self.ctx.is_main:
             self.events.emit("status", status=status, step=self.step, **({"message": message} if message else {}))
-            update_run_info(self.run_dir, status=status, end_time=time.time(), step=self.step,
-                            **({"message": message} if message else {}))
+            update_run_info(self.run_dir, status=status, end_time=time.time(), step=self.step, message=message)
         self.events.close()
         if self.tb is not None:
             self.tb.close()

@@ -47,6 +47,21 @@ def _redirect_output(log_path: Path) -> None:
     sys.stderr = open(2, "w", buffering=1, encoding="utf-8", closefd=False)
 
 
+def _attempt_store(rank: int, world_size: int, timeout: datetime.timedelta):
+    """The rendezvous store of this attempt, namespaced by torchrun's restart count.
+
+    torchrun's agent keeps one TCPStore across restarts, and the process group's keys (each rank's gloo
+    address) are not namespaced by attempt: after a restart the ranks would read their peers' dead addresses
+    from the previous attempt and fail with "connection refused". A prefix per attempt fixes that.
+    """
+    from torch.distributed import PrefixStore, TCPStore
+
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                     is_master=not agent_store and rank == 0, timeout=timeout, multi_tenant=not agent_store)
+    return PrefixStore(f"handle/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+
+
 def init_distributed(backend_choice: str, timeout_s: int):
     """Initialise the default process group from torchrun's environment and return a DistContext."""
     import torch
@@ -63,7 +78,9 @@ def init_distributed(backend_choice: str, timeout_s: int):
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s),
+    timeout = datetime.timedelta(seconds=timeout_s)
+    dist.init_process_group(backend=backend, timeout=timeout, store=_attempt_store(rank, world_size, timeout),
+                            rank=rank, world_size=world_size,
                             **({"device_id": device} if device.type == "cuda" else {}))
     return DistContext(rank=rank, local_rank=local_rank, world_size=world_size, device=device, backend=backend)
 
