@@ -57,7 +57,7 @@ def test_a_pickle_that_would_run_code_is_refused(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     path = tmp_path / "trainer-rank0.pt"
     with open(path, "wb") as f:
-        pickle.dump({"step": 1, "evil": _Payload()}, f)
+        pickle.dump({"step": 1, "evil": _Payload()}, f, protocol=2)
     with pytest.raises(CheckpointError, match="refused to load"):
         ckpt.safe_load(path)
     assert not (tmp_path / "PWNED").exists()
@@ -72,3 +72,15 @@ def test_rng_state_round_trips_through_a_weights_only_file(tmp_path):
     loaded = ckpt.load_trainer_state(tmp_path, 0)
     assert (loaded.step, loaded.epoch, loaded.batch_in_epoch) == (5, 1, 7)
     assert (random.random(), float(np.random.rand()), float(torch.rand(()))) == expected
+
+
+def test_verify_weights_only_refuses_a_code_payload_in_a_library_checkpoint(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    good, bad = tmp_path / "good.pt", tmp_path / "bad.pt"
+    torch.save({"w": torch.ones(2), "meta": {"step": 3}}, good)
+    with open(bad, "wb") as f:
+        pickle.dump([_Payload()], f, protocol=2)
+    ckpt.verify_weights_only([good])
+    with pytest.raises(CheckpointError, match=r"bad.pt: refused to load.*(?i:unsupported global)"):
+        ckpt.verify_weights_only([good, bad])
+    assert not (tmp_path / "PWNED").exists()

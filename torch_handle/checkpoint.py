@@ -113,10 +113,23 @@ def safe_load(path: Path, map_location: Any = "cpu") -> Any:
     try:
         return torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else "unsafe pickle"
-        raise CheckpointError(f"{path}: refused to load, it is not a plain-tensor checkpoint ({first})") from None
+        found = re.search(r"(Unsupported global: GLOBAL [\w.]+|unsupported GLOBAL [\w.]+|Unsupported operand \S+)", str(e))
+        reason = found.group(1) if found else "unsafe pickle"
+        raise CheckpointError(f"{path}: refused to load, it is not a plain-tensor checkpoint ({reason})") from None
     except (OSError, RuntimeError, EOFError) as e:
         raise CheckpointError(f"{path}: cannot be read ({type(e).__name__}: {str(e).splitlines()[0]})") from None
+
+
+def verify_weights_only(paths: list[Path], allowed_globals: list[Any] = ()) -> None:
+    """Check that pickle files written by another library (DeepSpeed) hold only tensors, plain containers and
+    the ``allowed_globals`` data classes, before that library loads them with a full unpickler.
+
+    Raises:
+        CheckpointError: naming the file and the global it refused.
+    """
+    for path in paths:
+        with torch.serialization.safe_globals(list(allowed_globals)):
+            safe_load(path)
 
 
 # ---------------------------------------------------------------------------------------------------------------

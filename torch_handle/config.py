@@ -763,3 +763,107 @@ def preset_description(path: Path) -> str:
     except OSError:
         pass
     return ""
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Every problem at once (``handle validate``).
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _table_problems(cls: type, table: str, values: dict[str, Any], allowed_extra: tuple[str, ...] = ()
+                    ) -> list[PresetError]:
+    """Every key-level problem of one table (unknown keys, types, ranges, missing keys); the ``check()``
+    problem when there is no key-level one."""
+    try:
+        build_section(cls, table, values, allowed_extra=allowed_extra)
+        return []
+    except PresetError as e:
+        first = e
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    errors: list[PresetError] = []
+    for key, value in values.items():
+        if key in allowed_extra:
+            continue
+        if key not in fields:
+            valid = sorted({*fields, *allowed_extra})
+            errors.append(PresetError(f"unknown key{_suggest(key, valid)} (valid: {', '.join(valid)})",
+                                      key=f"{table}.{key}"))
+            continue
+        try:
+            _check_range(key, _coerce(value, hints[key]), fields[key].metadata)
+        except InvalidValue as e:
+            errors.append(PresetError(e.message, key=f"{table}.{key}"))
+        except (TypeError, ValueError) as e:
+            errors.append(PresetError(str(e), key=f"{table}.{key}"))
+    missing = [n for n, f in fields.items() if n not in values and f.default is dataclasses.MISSING
+               and f.default_factory is dataclasses.MISSING]
+    if missing:
+        errors.append(PresetError(f"missing required key(s): {', '.join(missing)}", key=table))
+    return errors or [first]
+
+
+def preset_problems(path: str | Path, overrides: typing.Sequence[str] = (), registry: Any = None
+                    ) -> tuple[Preset | None, list[PresetError]]:
+    """:func:`load_preset`, but reporting every problem at once: ``(preset, [])`` when it is valid, else
+    ``(None, errors)``. Each table is validated on its own; a problem in the file itself (TOML syntax,
+    ``extends``, a malformed ``--set``) is reported alone, and the checks that span tables run only once every
+    table is valid."""
+    try:
+        return load_preset(path, overrides, registry), []
+    except PresetError as e:
+        first = e
+    try:  # the same layering as load_preset; a problem here is the only one reported
+        path = resolve_preset_path(path)
+        layers: list[tuple[Path, dict[str, Any]]] = []
+        data = _load_layers(path, layers=layers)
+        split = [_split_override(o) for o in overrides]
+        if registry is None:
+            from torch_handle.plugins import get_registry
+
+            registry = get_registry()
+        parsed: list[tuple[list[str], Any]] = []
+        ordered = sorted(split, key=lambda kr: not (len(kr[0]) == 2 and kr[0][0] in PLUGIN_TABLES
+                                                   and kr[0][1] == "name"))
+        for keys, raw in ordered:
+            value = _typed_value(raw, _parse_value(raw), _field_type(data, keys, registry))
+            table = keys[0]
+            if (len(keys) == 2 and table in PLUGIN_TABLES and keys[1] == "name" and isinstance(data.get(table), dict)
+                    and value != _plugin_name(table, data[table])):
+                data[table] = {}
+            _apply_override(data, keys, value)
+            parsed.append((keys, value))
+    except PresetError:
+        return None, [first]
+    errors: list[PresetError] = []
+    for key in data:
+        if key not in CORE_TABLES and key not in PLUGIN_TABLES:
+            valid = list(TABLE_ORDER)
+            errors.append(PresetError(f"unknown table{_suggest(key, valid)} (valid: {', '.join(valid)}, extends)",
+                                      key=key))
+    for table in TABLE_ORDER:
+        values = data.get(table, {})
+        if not isinstance(values, dict):
+            errors.append(PresetError("expected a table", key=table))
+            continue
+        if table in CORE_TABLES:
+            errors += _table_problems(CORE_TABLES[table], table, values)
+            continue
+        name = values.get("name", DEFAULT_PLUGINS[table])
+        if not isinstance(name, str):
+            errors.append(PresetError(f"expected a plugin name, got {name!r}", key=f"{table}.name"))
+            continue
+        try:
+            plugin = registry.get(PLUGIN_TABLES[table], name, key=f"{table}.name")
+        except PresetError as e:
+            errors.append(e)
+            continue
+        errors += _table_problems(plugin.config_cls, table, values, ("name",))
+    for e in errors:
+        if e.file is None:
+            _locate(e, layers, parsed)
+    if not errors:
+        return None, [first]  # a check that spans tables
+    if str(first) not in {str(e) for e in errors}:
+        errors.insert(0, first)
+    return None, errors

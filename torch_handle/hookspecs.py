@@ -40,3 +40,24 @@ def handle_register_strategies(register):
 @hookspec
 def handle_register_profilers(register):
     """Register profiler plugins: ``factory(options, trace_dir: Path, rank: int) -> Profiler``."""
+
+
+@hookspec
+def handle_register_presets(register):
+    """Contribute presets: ``register(directory)`` with a directory of ``*.toml`` presets shipped by the plugin.
+
+    ``handle presets list`` shows them, and ``handle run NAME`` / ``validate`` / ``presets show`` find a bare
+    NAME there when ``./presets/NAME.toml`` does not exist. ``extends`` inside them resolves relative to their
+    own directory. A directory that does not exist fails the plugin.
+    """
+
+
+@hookspec
+def handle_register_commands(register):
+    """Contribute CLI commands: ``register(command)`` with a ``click.Command`` (or ``click.Group``).
+
+    The command appears as ``handle <command.name>``. It can never shadow a core command (``run``, ``validate``,
+    ``plugins``, ...): such a command is refused, the rest of the plugin keeps working, and ``handle plugins
+    list`` reports the refusal. Two plugins registering the same command name: the second plugin fails, as for
+    any duplicate name.
+    """

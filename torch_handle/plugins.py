@@ -4,6 +4,10 @@ Every plugin, built-in or not, is loaded inside its own error boundary: one that
 misspelled hook is recorded as failed (with a one-line reason) and skipped, and every other plugin and command
 keeps working. ``HANDLE_LOAD_PLUGINS`` (comma-separated entry-point names; empty = none) limits which external
 plugins are loaded, so a user can always recover from a broken one. The built-ins always load.
+
+Besides models, datasets, strategies and profilers, a plugin may contribute preset directories
+(``handle_register_presets``) and click commands (``handle_register_commands``); both are collected inside the
+same error boundary. Whether a command may be used (never in place of a core command) is the CLI's decision.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import importlib.metadata as md
 import os
 import typing
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 import pluggy
@@ -30,6 +35,8 @@ _HOOK_OF_KIND = {
     "strategy": "handle_register_strategies",
     "profiler": "handle_register_profilers",
 }
+_EXTRA_HOOKS = ("handle_register_presets", "handle_register_commands")
+"""Hooks that contribute something other than a kind: preset directories and CLI commands."""
 
 
 @dataclass
@@ -60,6 +67,12 @@ class PluginInfo:
     error: str = ""
     registered: dict[str, list[str]] = field(default_factory=dict)
     """kind -> names this plugin registered."""
+    presets: list[str] = field(default_factory=list)
+    """Preset directories this plugin contributed (``handle_register_presets``)."""
+    commands: list[str] = field(default_factory=list)
+    """CLI command names this plugin contributed (``handle_register_commands``)."""
+    notes: list[str] = field(default_factory=list)
+    """Problems that did not fail the plugin (for example a command refused because a core command has its name)."""
 
 
 class PluginRegistry:
@@ -72,6 +85,12 @@ class PluginRegistry:
         self.plugins: dict[str, PluginInfo] = {}
         self.lost: dict[tuple[str, str], str] = {}
         """(kind, name) -> plugin: names a plugin registered before it failed (so a preset gets the cause)."""
+        self.preset_dirs: list[tuple[str, Path]] = []
+        """(plugin, directory) of every preset directory a loaded plugin contributed, in load order."""
+        self.commands: dict[str, tuple[str, Any]] = {}
+        """command name -> (plugin, click command) contributed by loaded plugins."""
+        self.skipped: dict[str, PluginInfo] = {}
+        """External plugins not loaded (not imported) because ``HANDLE_LOAD_PLUGINS`` leaves them out."""
 
     # -- loading -------------------------------------------------------------------------------------------------
     def add_plugin(self, obj: Any, info: PluginInfo) -> None:
@@ -88,6 +107,15 @@ class PluginRegistry:
             for impl in impls:
                 try:
                     impl.function(register=self._register_fn(kind, info))
+                except Exception as e:  # noqa: BLE001
+                    self._fail(info, obj, f"{hook_name} raised {_one_line(e)}")
+                    return
+        for hook_name in _EXTRA_HOOKS:
+            impls = [i for i in getattr(self.pm.hook, hook_name).get_hookimpls() if i.plugin is obj]
+            make = self._presets_fn if hook_name == "handle_register_presets" else self._commands_fn
+            for impl in impls:
+                try:
+                    impl.function(register=make(info))
                 except Exception as e:  # noqa: BLE001
                     self._fail(info, obj, f"{hook_name} raised {_one_line(e)}")
                     return
@@ -117,12 +145,44 @@ class PluginRegistry:
 
         return register
 
+    def _presets_fn(self, info: PluginInfo) -> Callable[..., None]:
+        def register(directory: str | os.PathLike) -> None:
+            if not isinstance(directory, (str, os.PathLike)):
+                raise TypeError(f"presets directory must be a path, got {directory!r}")
+            path = Path(directory).expanduser().resolve()
+            if not path.is_dir():
+                raise NotADirectoryError(f"presets directory {str(path)!r} does not exist")
+            if str(path) not in info.presets:
+                info.presets.append(str(path))
+                self.preset_dirs.append((info.name, path))
+
+        return register
+
+    def _commands_fn(self, info: PluginInfo) -> Callable[..., None]:
+        def register(command: Any) -> None:
+            # duck-typed click.Command: this library does not import click
+            name = getattr(command, "name", None)
+            if not isinstance(name, str) or not name or not callable(getattr(command, "main", None)) \
+                    or not callable(getattr(command, "invoke", None)):
+                raise TypeError(f"expected a click command with a name, got {command!r}")
+            if name in self.commands:
+                raise ValueError(f"command {name!r} is already registered by plugin {self.commands[name][0]!r}")
+            self.commands[name] = (info.name, command)
+            info.commands.append(name)
+
+        return register
+
     def _fail(self, info: PluginInfo, obj: Any, reason: str) -> None:
         info.status, info.error = "failed", reason
         for kind, names in info.registered.items():
             for name in names:
                 self.registrations[kind].pop(name, None)
         info.registered = {}
+        self.preset_dirs = [(p, d) for p, d in self.preset_dirs if p != info.name]
+        for name in info.commands:
+            if self.commands.get(name, ("",))[0] == info.name:
+                del self.commands[name]
+        info.presets, info.commands = [], []
         if obj is not None and self.pm.is_registered(obj):
             self.pm.unregister(obj)
 
@@ -149,6 +209,8 @@ class PluginRegistry:
         hint = f"; did you mean {close[0]!r}?" if close else ""
         failed = [i.name for i in self.plugins.values() if i.status == "failed"]
         also = f"; plugins that failed to load: {', '.join(failed)}" if failed else ""
+        if self.skipped:
+            also += f"; not loaded because of HANDLE_LOAD_PLUGINS: {', '.join(sorted(self.skipped))}"
         raise PresetError(f"unknown {kind} {name!r}{hint} (available: {', '.join(known) or 'none'}{also})", key=key)
 
     def names(self, kind: str) -> list[str]:
@@ -174,10 +236,12 @@ def load_registry() -> PluginRegistry:
     for ep in sorted(md.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
         dist = ep.dist.name if ep.dist is not None else "?"
         builtin = dist == CORE_DISTRIBUTION
-        if not builtin and allowed is not None and ep.name not in allowed:
-            continue
         info = PluginInfo(name=ep.name, distribution=dist, version=ep.dist.version if ep.dist else "?",
                           builtin=builtin)
+        if not builtin and allowed is not None and ep.name not in allowed:
+            info.status, info.error = "skipped", "not in HANDLE_LOAD_PLUGINS"
+            registry.skipped[info.name] = info
+            continue
         try:
             obj = ep.load()
         except BaseException as e:  # noqa: BLE001 - SystemExit from a plugin must not end the CLI either

@@ -20,6 +20,7 @@ from typing import Any, ContextManager, Iterator
 
 import torch
 
+from torch_handle.checkpoint import verify_weights_only
 from torch_handle.strategy import Strategy, lr_lambda, optimizer_state_tensors, tensor_bytes
 
 log = logging.getLogger("torch_handle")
@@ -77,6 +78,15 @@ def _tensors(obj: Any, depth: int = 3) -> Iterator[torch.Tensor]:
     elif depth > 0 and isinstance(obj, dict):
         for x in obj.values():
             yield from _tensors(x, depth - 1)
+
+
+def _deepspeed_safe_globals() -> list[Any]:
+    """The plain data classes DeepSpeed pickles into its checkpoints (nothing callable with side effects)."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
 
 
 class DeepSpeedStrategy(Strategy):
@@ -168,6 +178,8 @@ class DeepSpeedStrategy(Strategy):
         self.engine.save_checkpoint(str(ckpt_dir), tag=TAG)
 
     def load(self, ckpt_dir: Path) -> None:
+        # DeepSpeed unpickles its files with weights_only=False; prove first that they hold no code.
+        verify_weights_only(sorted(Path(ckpt_dir).rglob("*.pt")), _deepspeed_safe_globals())
         path, _ = self.engine.load_checkpoint(str(ckpt_dir), tag=TAG, load_optimizer_states=True,
                                               load_lr_scheduler_states=True)
         if path is None:
