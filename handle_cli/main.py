@@ -21,17 +21,73 @@ EXIT_STOPPED = 130
 
 
 class HandleGroup(click.Group):
-    """Runs commands inside one error boundary: expected errors become one line on stderr and exit code 2."""
+    """Runs commands inside one error boundary: expected errors become one line on stderr and exit code 2.
+
+    Plugins may add commands (``handle_register_commands``); they are looked up only after the core commands,
+    so a plugin can never shadow a core command (``handle plugins list`` reports such a refusal). A plugin
+    command that crashes is one line naming the plugin, exit code 1 (``HANDLE_DEBUG=1``: the traceback).
+    """
 
     def invoke(self, ctx: click.Context):
         from torch_handle.errors import USER_ERRORS
 
+        debug = os.environ.get("HANDLE_DEBUG") or "--debug" in sys.argv
         try:
             return super().invoke(ctx)
         except USER_ERRORS as e:
-            if os.environ.get("HANDLE_DEBUG") or "--debug" in sys.argv:
+            if debug:
                 raise
             fail(str(e))
+        except (click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort, SystemExit,
+                KeyboardInterrupt):
+            raise
+        except Exception as e:
+            name = ctx.invoked_subcommand
+            if debug or name is None or name in self.commands:
+                raise
+            plugin = self._plugin_commands().get(name, ("?", None))[0]
+            text = " ".join(str(e).split())
+            fail(f"command {name!r} of plugin {plugin!r} failed: {type(e).__name__}"
+                 f"{': ' + text if text else ''}", code=EXIT_FAILED)
+
+    def _plugin_commands(self) -> dict:
+        try:
+            from torch_handle.plugins import get_registry
+
+            from handle_cli.plugins_cmd import accepted_commands
+
+            return accepted_commands(get_registry(), set(self.commands))
+        except Exception:  # noqa: BLE001 - the core commands must keep working whatever a plugin does
+            return {}
+
+    def get_command(self, ctx: click.Context, cmd_name: str):
+        core = super().get_command(ctx, cmd_name)
+        if core is not None:
+            return core
+        entry = self._plugin_commands().get(cmd_name)
+        return entry[1] if entry else None
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return [*super().list_commands(ctx), *sorted(self._plugin_commands())]
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        core, extra = [], []
+        plugin_cmds = self._plugin_commands()
+        for name in self.list_commands(ctx):
+            cmd = self.get_command(ctx, name)
+            if cmd is None or cmd.hidden:
+                continue
+            if name in self.commands:
+                core.append((name, cmd.get_short_help_str(limit=formatter.width - 6 - len(name))))
+            else:
+                short = cmd.get_short_help_str(limit=formatter.width - 6 - len(name))
+                extra.append((name, f"{short} [plugin {plugin_cmds[name][0]}]".strip()))
+        if core:
+            with formatter.section("Commands"):
+                formatter.write_dl(core)
+        if extra:
+            with formatter.section("Plugin commands"):
+                formatter.write_dl(extra)
 
 
 def fail(message: str, code: int = EXIT_BAD_INPUT) -> NoReturn:
@@ -48,6 +104,10 @@ def cli() -> None:
     Quick start:
       handle run presets/zero2.toml          # 2 workers, DeepSpeed ZeRO-2, on CPU or GPU
       handle tui                             # dashboard of the newest run
+      handle env --check-dist 2              # can this machine run 2 processes?
+      handle plugins list                    # strategies, models, datasets, profilers
+
+    HANDLE_LOAD_PLUGINS=a,b limits the external plugins that load (empty: none); see `handle plugins --help`.
     """
 
 
@@ -78,6 +138,10 @@ def run(preset: str | None, overrides: tuple[str, ...], run_dir: Path | None, re
         fail("missing PRESET (for example: handle run presets/zero2.toml), or --resume RUN_DIR")
     if preset is not None and resume_dir is not None:
         fail("give either PRESET or --resume RUN_DIR, not both (use --set to change a resumed run)")
+    if preset is not None:
+        from handle_cli.presets_cmd import resolve_preset_spec
+
+        preset = resolve_preset_spec(preset)  # a bare NAME not in ./presets may be a plugin's preset
     loaded, directory = prepare_run(preset, overrides, run_dir, resume_dir)
     if tui:
         from handle_cli.runner import spawn_detached
@@ -102,43 +166,17 @@ def supervise_run(run_dir: Path) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# presets and validation
+# presets, validation, plugins, environment (their own modules; click and the standard library only at import)
 # ---------------------------------------------------------------------------------------------------------------
 
+from handle_cli.env_cmd import env  # noqa: E402
+from handle_cli.plugins_cmd import plugins  # noqa: E402
+from handle_cli.presets_cmd import presets, presets_list, presets_new, presets_show, validate  # noqa: E402,F401
 
-@cli.command()
-@click.argument("preset")
-@click.option("--set", "overrides", multiple=True, metavar="TABLE.KEY=VALUE", help="Override a preset key.")
-def validate(preset: str, overrides: tuple[str, ...]) -> None:
-    """Check PRESET and every plugin section without starting anything."""
-    from torch_handle.config import load_preset
-
-    p = load_preset(preset, overrides)
-    click.echo(f"{p.source}: ok ({p.strategy.name}, world size {p.world_size}, {p.training.steps} steps)")
-
-
-@cli.group()
-def presets() -> None:
-    """Show and list presets."""
-
-
-@presets.command("show")
-@click.argument("preset")
-@click.option("--set", "overrides", multiple=True, metavar="TABLE.KEY=VALUE", help="Override a preset key.")
-def presets_show(preset: str, overrides: tuple[str, ...]) -> None:
-    """Print the fully resolved PRESET (defaults + extends + overrides) as TOML, exactly as a run uses it."""
-    from torch_handle.config import dump_preset, load_preset
-
-    click.echo(dump_preset(load_preset(preset, overrides)), nl=False)
-
-
-@presets.command("list")
-def presets_list() -> None:
-    """Presets in ./presets, each with its one-line description."""
-    from torch_handle.config import preset_description
-
-    for path in sorted(Path("presets").glob("*.toml")):
-        click.echo(f"{path.stem:<16} {preset_description(path)}")
+cli.add_command(validate)
+cli.add_command(presets)
+cli.add_command(plugins)
+cli.add_command(env)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -862,6 +862,8 @@ def preset_problems(path: str | Path, overrides: typing.Sequence[str] = (), regi
     for e in errors:
         if e.file is None:
             _locate(e, layers, parsed)
+    tables = {t: i for i, t in enumerate(TABLE_ORDER)}
+    errors.sort(key=lambda e: (tables.get((e.key or "").split(".")[0], -1), e.line or 10**9))
     if not errors:
         return None, [first]  # a check that spans tables
     if str(first) not in {str(e) for e in errors}:

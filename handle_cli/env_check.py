@@ -1,0 +1,108 @@
+"""Worker of ``handle env --check-dist N``: run under torchrun on every rank.
+
+Each rank initialises the process group (nccl with one GPU per local rank, else gloo), all-reduces its rank + 1
+and checks the sum N(N+1)/2, then times a 4 MiB all-reduce. Rank 0 prints one line ``HANDLE_ENV_CHECK {json}``.
+Exit code 0 when every rank saw the right sums, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import time
+from datetime import timedelta
+
+MARKER = "HANDLE_ENV_CHECK "
+ERROR_MARKER = "HANDLE_ENV_CHECK_ERROR "
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m handle_cli.env_check")
+    ap.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto")
+    ap.add_argument("--timeout", type=int, default=60, help="Collective timeout in seconds.")
+    args = ap.parse_args(argv)
+
+    t_start = time.perf_counter()
+    import torch
+    import torch.distributed as dist
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    backend = args.backend
+    if backend == "auto":
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        backend = "nccl" if gpus >= local_world and dist.is_nccl_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+
+    t0 = time.perf_counter()
+    kwargs = {"device_id": device} if device.type == "cuda" else {}
+    dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout), **kwargs)
+    init_s = time.perf_counter() - t0
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    # 1. the correctness check: sum of rank + 1 over all ranks
+    x = torch.tensor([float(rank + 1)], dtype=torch.float64, device=device)
+    t0 = time.perf_counter()
+    dist.all_reduce(x)
+    sync()
+    small_s = time.perf_counter() - t0
+    expected = world * (world + 1) / 2
+    got = float(x.item())
+
+    # 2. a 4 MiB all-reduce (fp32): every element must be the sum of the ranks
+    n = 1 << 20
+    big = torch.full((n,), float(rank), dtype=torch.float32, device=device)
+    dist.all_reduce(big)  # warm-up (connection set-up, algorithm choice)
+    big.fill_(float(rank))
+    sync()
+    t0 = time.perf_counter()
+    dist.all_reduce(big)
+    sync()
+    big_s = time.perf_counter() - t0
+    big_ok = bool(torch.all(big == float(world * (world - 1) // 2)).item())
+
+    ok = got == expected and big_ok
+    flags = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(flags, op=dist.ReduceOp.MIN)  # every rank agrees on the verdict
+    all_ok = bool(flags.item())
+    hosts: list[str | None] = [None] * world
+    dist.all_gather_object(hosts, socket.gethostname())
+    if rank == 0:
+        size_mb = n * 4 / 2**20
+        # ring all-reduce moves 2(N-1)/N of the buffer per rank ("bus bandwidth", as nccl-tests report it)
+        bus = size_mb * 2 * (world - 1) / world / big_s if big_s > 0 and world > 1 else None
+        result = {"ok": all_ok, "world_size": world, "backend": backend, "device": str(device),
+                  "sum": got, "expected": expected, "large_allreduce_ok": big_ok, "init_s": round(init_s, 4),
+                  "allreduce_small_s": round(small_s, 6), "allreduce_mib": size_mb,
+                  "allreduce_large_s": round(big_s, 6),
+                  "bus_bandwidth_mib_s": round(bus, 1) if bus is not None else None,
+                  "hosts": sorted(set(h for h in hosts if h)), "torch": torch.__version__,
+                  "worker_s": round(time.perf_counter() - t_start, 3)}
+        print(MARKER + json.dumps(result), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0 if all_ok else 1
+
+
+def _guarded() -> int:
+    try:
+        return main()
+    except Exception as e:  # noqa: BLE001 - one line for `handle env`, then the traceback for the log
+        text = " ".join(str(e).split())
+        print(f"{ERROR_MARKER}rank {os.environ.get('RANK', '?')}: {type(e).__name__}: {text}"[:2000], flush=True)
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(_guarded())

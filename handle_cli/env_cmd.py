@@ -1,0 +1,303 @@
+"""``handle env``: what this environment can run (versions, CUDA/NCCL, backends, plugins), and
+``--check-dist N``: a real N-process all-reduce under torchrun.
+
+torch is imported inside the command only; deepspeed is never imported (its version comes from the package
+metadata: importing it takes seconds and prints).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+import click
+
+ENV_VARS = ("HANDLE_LOAD_PLUGINS", "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "NCCL_DEBUG", "NCCL_SOCKET_IFNAME",
+            "GLOO_SOCKET_IFNAME", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return md.version(dist)
+    except md.PackageNotFoundError:
+        return None
+
+
+def _one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+def torch_info() -> dict[str, Any]:
+    try:
+        import torch
+        import torch.distributed as dist
+    except Exception as e:  # noqa: BLE001 - report, do not crash
+        return {"version": None, "error": _one_line(e)}
+    info: dict[str, Any] = {"version": torch.__version__, "cuda_build": torch.version.cuda,
+                            "hip_build": getattr(torch.version, "hip", None), "threads": torch.get_num_threads()}
+    cuda = torch.cuda.is_available()
+    info["cuda_available"] = cuda
+    info["cuda_devices"] = []
+    if cuda:
+        for i in range(torch.cuda.device_count()):
+            p = torch.cuda.get_device_properties(i)
+            info["cuda_devices"].append({"index": i, "name": p.name, "memory_bytes": p.total_memory,
+                                         "capability": f"{p.major}.{p.minor}"})
+        info["cudnn"] = torch.backends.cudnn.version()
+        info["bf16_supported"] = torch.cuda.is_bf16_supported()
+    nccl_version = None
+    try:
+        if torch.cuda.is_available() or torch.version.cuda:
+            v = torch.cuda.nccl.version()
+            nccl_version = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
+    except Exception:  # noqa: BLE001 - a build without NCCL
+        nccl_version = None
+    info["nccl_version"] = nccl_version
+    available = dist.is_available()
+    info["distributed"] = available
+    info["backends"] = {
+        "gloo": available and dist.is_gloo_available(),
+        "nccl": available and dist.is_nccl_available(),
+        "mpi": available and dist.is_mpi_available(),
+        "ucc": available and bool(getattr(dist, "is_ucc_available", lambda: False)()),
+    }
+    info["default_backend"] = "nccl" if cuda and info["backends"]["nccl"] else "gloo"
+    return info
+
+
+def plugins_info() -> dict[str, Any]:
+    from torch_handle.plugins import get_registry
+
+    reg = get_registry()
+    return {
+        "loaded": sorted(n for n, i in reg.plugins.items() if i.status == "loaded"),
+        "failed": [{"name": n, "distribution": i.distribution, "error": i.error}
+                   for n, i in sorted(reg.plugins.items()) if i.status == "failed"],
+        "skipped": sorted(reg.skipped),
+    }
+
+
+def collect_env() -> dict[str, Any]:
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        usable = os.cpu_count()
+    return {
+        "python": {"version": platform.python_version(), "implementation": platform.python_implementation(),
+                   "executable": sys.executable, "prefix": sys.prefix},
+        "platform": platform.platform(),
+        "torch_handle": _version("torch-handle"),
+        "torch": torch_info(),
+        "deepspeed": _version("deepspeed"),
+        "cpu": {"count": os.cpu_count(), "usable": usable, "machine": platform.machine()},
+        "plugins": plugins_info(),
+        "env": {k: os.environ[k] for k in ENV_VARS if k in os.environ},
+    }
+
+
+def env_text(info: dict[str, Any]) -> list[str]:
+    t = info["torch"]
+    rows = [("python", f"{info['python']['version']} ({info['python']['executable']})"),
+            ("platform", info["platform"]),
+            ("torch-handle", info["torch_handle"] or "not installed")]
+    if t.get("version") is None:
+        rows.append(("torch", f"cannot be imported: {t.get('error')}"))
+    else:
+        rows.append(("torch", t["version"]))
+    rows.append(("deepspeed", info["deepspeed"] or "not installed"))
+    if t.get("version") is not None:
+        if t["cuda_available"]:
+            devs = ", ".join(f"{d['index']}: {d['name']} ({d['memory_bytes'] / 2**30:.0f} GiB)"
+                             for d in t["cuda_devices"])
+            rows.append(("CUDA", f"{t['cuda_build']}, {len(t['cuda_devices'])} device(s): {devs}"))
+        else:
+            why = f"built for CUDA {t['cuda_build']}, but no device is visible" if t["cuda_build"] \
+                else "torch is a CPU build"
+            rows.append(("CUDA", f"not available ({why})"))
+        rows.append(("NCCL", t["nccl_version"] or "not available"))
+        rows.append(("backends", ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in t["backends"].items())
+                     + f"; default {t['default_backend']}"))
+    cpu = info["cpu"]
+    rows.append(("CPUs", f"{cpu['count']} ({cpu['usable']} usable by this process), {cpu['machine']}"))
+    p = info["plugins"]
+    text = f"{len(p['loaded'])} loaded ({', '.join(p['loaded'])}), {len(p['failed'])} failed"
+    if p["failed"]:
+        text += ": " + "; ".join(f"{f['name']}: {f['error']}" for f in p["failed"])
+    if p["skipped"]:
+        text += f"; not loaded (HANDLE_LOAD_PLUGINS): {', '.join(p['skipped'])}"
+    rows.append(("plugins", text))
+    for k, v in info["env"].items():
+        rows.append((k, repr(v)))
+    return [f"{k:<13} {v}" for k, v in rows]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# --check-dist N
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def check_dist(nproc: int, backend: str = "auto", timeout_s: float = 120.0) -> dict[str, Any]:
+    """Run ``handle_cli.env_check`` on ``nproc`` processes with torchrun; never leaves a process behind.
+
+    Returns a dict with ``ok``, ``wall_s``, ``returncode``, the workers' result (when rank 0 got that far) and,
+    on failure, ``error`` and the tail of the output.
+    """
+    import psutil
+
+    from torch_handle.launch import _parent_death_sigterm
+
+    from handle_cli.env_check import ERROR_MARKER, MARKER
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           "--monitor_interval=0.5", "-m", "handle_cli.env_check", "--backend", backend,
+           "--timeout", str(max(10, int(timeout_s)))]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.setdefault("OMP_NUM_THREADS", "1")
+    seen: dict[int, psutil.Process] = {}
+    t0 = time.perf_counter()
+    with tempfile.TemporaryFile(mode="w+b") as out:
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True, preexec_fn=_parent_death_sigterm)
+        timed_out = interrupted = False
+        try:
+            while proc.poll() is None:
+                try:
+                    parent = psutil.Process(proc.pid)
+                    for p in [parent, *parent.children(recursive=True)]:
+                        seen.setdefault(p.pid, p)
+                except psutil.Error:
+                    pass
+                if time.perf_counter() - t0 > timeout_s:
+                    timed_out = True
+                    break
+                time.sleep(0.05)
+        except KeyboardInterrupt:
+            interrupted = True
+        finally:
+            _kill_all(proc, seen)
+        wall = time.perf_counter() - t0
+        out.seek(0)
+        text = out.read().decode("utf-8", "replace")
+    result: dict[str, Any] = {"nproc": nproc, "ok": False, "wall_s": round(wall, 3), "returncode": proc.returncode,
+                              "command": cmd}
+    worker_errors = []
+    for line in text.splitlines():
+        if line.startswith(MARKER):
+            result["result"] = json.loads(line[len(MARKER):])
+        elif line.startswith(ERROR_MARKER):
+            worker_errors.append(line[len(ERROR_MARKER):])
+    if interrupted:
+        raise KeyboardInterrupt
+    if timed_out:
+        result["error"] = f"timed out after {timeout_s:.0f} s (workers stopped)"
+    elif proc.returncode != 0:
+        result["error"] = f"torchrun exited {proc.returncode}" + (f"; {worker_errors[0]}" if worker_errors else "")
+    elif "result" not in result:
+        result["error"] = "rank 0 printed no result"
+    elif not result["result"]["ok"]:
+        r = result["result"]
+        result["error"] = f"wrong all-reduce result: sum {r['sum']} (expected {r['expected']}), " \
+                          f"4 MiB all-reduce {'ok' if r['large_allreduce_ok'] else 'wrong'}"
+    else:
+        result["ok"] = True
+    if not result["ok"]:
+        result["worker_errors"] = worker_errors
+        result["output_tail"] = "\n".join(line for line in text.splitlines() if not line.startswith(MARKER))[-3000:]
+    return result
+
+
+def _kill_all(proc: subprocess.Popen, seen: dict) -> None:
+    """SIGTERM torchrun's whole tree (and its session), SIGKILL what is left after 5 s; reap torchrun."""
+    import psutil
+
+    try:
+        for p in psutil.Process(proc.pid).children(recursive=True):
+            seen.setdefault(p.pid, p)
+    except psutil.Error:
+        pass
+    alive = [p for p in seen.values() if _running(p)]
+    if proc.poll() is None or alive:
+        for p in alive:
+            try:
+                p.send_signal(signal.SIGTERM)
+            except psutil.Error:
+                pass
+        _, alive = psutil.wait_procs(alive, timeout=5)
+        for p in alive:
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+        psutil.wait_procs(alive, timeout=2)
+    try:
+        proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:  # pragma: no cover
+        proc.kill()
+        proc.wait()
+
+
+def _running(p: Any) -> bool:
+    import psutil
+
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def check_text(r: dict[str, Any]) -> list[str]:
+    if r["ok"]:
+        w = r["result"]
+        bw = f", ~{w['bus_bandwidth_mib_s']:,.0f} MiB/s bus bandwidth" if w.get("bus_bandwidth_mib_s") else ""
+        return [f"check-dist: ok: {w['world_size']} processes, backend {w['backend']} ({w['device']}), "
+                f"all_reduce sum {w['sum']:g} == {w['expected']:g}",
+                f"  init {w['init_s']:.2f} s, all_reduce {w['allreduce_small_s'] * 1e3:.2f} ms, "
+                f"{w['allreduce_mib']:g} MiB all_reduce {w['allreduce_large_s'] * 1e3:.1f} ms{bw}; "
+                f"total {r['wall_s']:.2f} s (torchrun start-up included)"]
+    lines = [f"check-dist: FAILED with {r['nproc']} processes after {r['wall_s']:.2f} s: {r['error']}"]
+    tail = r.get("output_tail", "").strip()
+    if tail:
+        lines += ["--- output (tail) ---", *tail.splitlines()[-40:]]
+    return lines
+
+
+@click.command("env")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option("--check-dist", "nproc", type=click.IntRange(1, 256), metavar="N",
+              help="Also start N processes with torchrun that all-reduce a tensor and check the sum.")
+@click.option("--backend", type=click.Choice(["auto", "gloo", "nccl"]), default="auto", show_default=True,
+              help="Backend of --check-dist: auto = nccl with one GPU per process, else gloo.")
+@click.option("--timeout", "timeout_s", type=click.IntRange(10, 3600), default=120, show_default=True,
+              help="Seconds before --check-dist gives up (every process is stopped).")
+def env(as_json: bool, nproc: int | None, backend: str, timeout_s: int) -> None:
+    """Python, torch, DeepSpeed, CUDA/NCCL, CPUs, distributed backends and plugins of this environment.
+
+    With --check-dist N: a real N-process run (torchrun, --standalone) that initialises the process group,
+    all-reduces a tensor and verifies the sum; prints the result and the time, exits 1 on failure.
+    """
+    info = collect_env()
+    if nproc is not None:
+        try:
+            info["check_dist"] = check_dist(nproc, backend, timeout_s)
+        except KeyboardInterrupt:
+            click.echo("check-dist: stopped", err=True)
+            sys.exit(130)
+    if as_json:
+        click.echo(json.dumps(info, indent=2, default=str))
+    else:
+        for line in env_text(info):
+            click.echo(line)
+        if nproc is not None:
+            for line in check_text(info["check_dist"]):
+                click.echo(line)
+    if nproc is not None and not info["check_dist"]["ok"]:
+        sys.exit(1)

@@ -1,0 +1,165 @@
+"""``handle validate`` and ``handle presets``: check, show, list and create presets.
+
+Presets come from ``./presets`` and from plugins (``handle_register_presets``). A bare NAME is looked up as
+``./presets/NAME.toml`` first, then in the plugins' preset directories.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+from pathlib import Path
+
+import click
+
+OVERRIDE = click.option("--set", "overrides", multiple=True, metavar="TABLE.KEY=VALUE",
+                        help="Override a preset key, typed by its field (repeatable).")
+
+
+def resolve_preset_spec(spec: str) -> str:
+    """``spec`` unchanged when it is a path or a preset of ./presets; else the file of a plugin preset NAME."""
+    p = Path(spec)
+    if p.exists() or p.suffix == ".toml" or os.sep in spec or "/" in spec:
+        return spec
+    if (Path("presets") / f"{spec}.toml").exists():
+        return spec
+    for _, path, _ in plugin_presets():
+        if path.stem == spec:
+            return str(path)
+    return spec
+
+
+def plugin_presets() -> list[tuple[str, Path, str]]:
+    """(plugin, file, description) of every preset a loaded plugin contributes."""
+    from torch_handle.config import preset_description
+    from torch_handle.plugins import get_registry
+
+    out = []
+    for plugin, directory in get_registry().preset_dirs:
+        for path in sorted(directory.glob("*.toml")):
+            out.append((plugin, path, preset_description(path)))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# handle validate
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@click.command()
+@click.argument("preset")
+@OVERRIDE
+def validate(preset: str, overrides: tuple[str, ...]) -> None:
+    """Check PRESET and every plugin section without starting anything.
+
+    Every problem is reported at once, one line each (each table is checked on its own; checks that span
+    tables run once every table is valid), then the dataset plugin's pre-flight check (paths exist, UTF-8).
+    Exit code 2 when there is any problem.
+    """
+    from torch_handle.config import load_preset, preset_problems
+    from torch_handle.plugins import get_registry
+
+    spec = resolve_preset_spec(preset)
+    if os.environ.get("HANDLE_DEBUG"):
+        p = load_preset(spec, overrides)  # the traceback of the first problem
+    else:
+        p, problems = preset_problems(spec, overrides)
+        if problems:
+            for e in problems:
+                click.echo(f"error: {e}", err=True)
+            sys.exit(2)
+    preflight = getattr(get_registry().get("dataset", p.data.name).factory, "preflight", None)
+    if preflight is not None:
+        preflight(p.data.options)  # DataError: one line, exit 2 (HandleGroup)
+    click.echo(f"{p.source}: ok ({p.strategy.name}, world size {p.world_size}, {p.training.steps} steps)")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# handle presets
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@click.group()
+def presets() -> None:
+    """List, show and create presets."""
+
+
+@presets.command("show")
+@click.argument("preset")
+@OVERRIDE
+def presets_show(preset: str, overrides: tuple[str, ...]) -> None:
+    """Print the fully resolved PRESET (defaults + extends + overrides) as TOML, exactly as a run uses it."""
+    from torch_handle.config import dump_preset, load_preset
+
+    click.echo(dump_preset(load_preset(resolve_preset_spec(preset), overrides)), nl=False)
+
+
+@presets.command("list")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def presets_list(as_json: bool) -> None:
+    """Presets in ./presets and those of plugins, each with its one-line description."""
+    from torch_handle.config import preset_description
+
+    local = [(None, p, preset_description(p)) for p in sorted(Path("presets").glob("*.toml"))]
+    local_names = {p.stem for _, p, _ in local}
+    rows = [*local, *plugin_presets()]
+    if as_json:
+        click.echo(json.dumps([{"name": p.stem, "path": str(p), "description": d, "plugin": plugin,
+                                "shadowed": plugin is not None and p.stem in local_names}
+                               for plugin, p, d in rows], indent=2))
+        return
+    for plugin, path, desc in rows:
+        if plugin is None:
+            click.echo(f"{path.stem:<16} {desc}")
+        else:
+            where = f"plugin {plugin}" if path.stem not in local_names else f"plugin {plugin}; use {path}"
+            click.echo(f"{path.stem:<16} {desc} ({where})")
+
+
+NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
+@presets.command("new")
+@click.argument("name")
+@click.option("--from", "base", default="zero2", show_default=True, metavar="PRESET",
+              help="The preset to extend (a name in ./presets, a plugin preset or a path).")
+@click.option("--dir", "directory", default="presets", show_default=True, type=click.Path(path_type=Path),
+              help="Where to write NAME.toml.")
+@click.option("--description", help="The one-line description (the first comment line).")
+def presets_new(name: str, base: str, directory: Path, description: str | None) -> None:
+    """Write presets/NAME.toml: `extends` PRESET and sets `[run] name = NAME`; never overwrites a file."""
+    from torch_handle.config import PresetError, load_preset, preset_description, resolve_preset_path
+
+    from handle_cli.main import fail
+
+    if name.endswith(".toml"):
+        name = name[: -len(".toml")]
+    if not NAME_RE.fullmatch(name):
+        fail(f"{name!r}: a preset name uses only letters, digits, '.', '_' and '-' and starts with a letter or digit")
+    target = directory / f"{name}.toml"
+    if target.exists():
+        fail(f"{target}: already exists; refusing to overwrite it (choose another NAME or delete the file)")
+    base_path = resolve_preset_path(resolve_preset_spec(base))
+    load_preset(base_path)  # the base must be valid (PresetError: one line, exit 2)
+    directory.mkdir(parents=True, exist_ok=True)
+    rel = os.path.relpath(base_path.resolve(), directory.resolve())
+    # a relative path keeps the preset movable with its base; far away (another tree, a plugin) it is absolute
+    extends = rel if not rel.startswith(os.pardir + os.sep + os.pardir) else str(base_path.resolve())
+    desc = description or f"{name}: based on {base_path.stem} ({preset_description(base_path) or 'no description'})"
+    text = (f"# {' '.join(desc.split())}\n"
+            f"extends = {json.dumps(Path(extends).as_posix())}\n\n"
+            f"[run]\n"
+            f"name = {json.dumps(name)}\n")
+    try:
+        with open(target, "x", encoding="utf-8") as f:
+            f.write(text)
+    except FileExistsError:
+        fail(f"{target}: already exists; refusing to overwrite it")
+    try:
+        load_preset(target)
+    except PresetError:
+        target.unlink()
+        raise
+    click.echo(f"wrote {target} (extends {Path(extends).as_posix()}); change it, then: handle run {target}")
