@@ -186,13 +186,14 @@ cli.add_command(env)
 
 @cli.command()
 @click.argument("run_dir", required=False, type=click.Path(path_type=Path))
-@click.option("--output-dir", default="runs", show_default=True, type=click.Path(path_type=Path),
+@click.option("--output-dir", default=None, type=click.Path(path_type=Path),
               help="Where to look for runs.")
 def tui(run_dir: Path | None, output_dir: Path) -> None:
-    """Live dashboard of RUN_DIR (default: the newest run under --output-dir)."""
+    """Live dashboard of RUN_DIR (default: the newest run under --output-dir, default ./runs)."""
     from torch_handle.rundir import newest_run, read_run_info
 
     if run_dir is None:
+        output_dir = output_dir or Path("runs")
         run_dir = newest_run(output_dir)
         if run_dir is None:
             fail(f"{output_dir}: no runs yet (start one with: handle run presets/zero2.toml)")
@@ -200,7 +201,7 @@ def tui(run_dir: Path | None, output_dir: Path) -> None:
         read_run_info(run_dir)  # a clear error when it is not a run
     from handle_cli.tui import run_app
 
-    run_app(run_dir, output_dir=output_dir)
+    run_app(run_dir, output_dir=output_dir or Path(run_dir).parent)
 
 
 def main() -> None:  # pragma: no cover

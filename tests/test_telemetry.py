@@ -46,3 +46,13 @@ def test_summary_tracks_progress_memory_peaks_and_eta():
     assert s.peak_memory[0]["param_bytes"] == 40
     assert s.eta_s() == 3.0
     assert s.mean_tokens_per_s == 3500.0
+
+
+def test_summary_ignores_fields_of_the_wrong_type():
+    s = RunSummary()
+    for bad in ({"kind": "step", "step": "x", "loss": "nan?", "tokens_per_s": "fast", "memory": "x"},
+                {"kind": "step", "step": 2, "memory": [{"rank": "a"}, 3, {"rank": 1, "rss_bytes": "big"}]},
+                {"kind": "eval", "val_loss": None}, {"kind": "status", "status": 5, "steps": "ten"}):
+        s.update(bad)
+    assert s.step == 2 and s.loss is None and s.val_loss is None and s.mean_tokens_per_s is None
+    assert s.peak_memory == {1: {}}

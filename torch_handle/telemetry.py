@@ -6,7 +6,7 @@ time and replay its history, needs no open port, and works on the shared filesys
 Schema (one JSON object per line; every event has ``seq`` (int, increasing, never reused across restarts),
 ``time`` (unix seconds) and ``kind``):
 
-- ``status``: ``status`` (running|finished|failed|stopped|restarted), optional ``message``, ``world_size``,
+- ``status``: ``status`` (running|finished|failed|stopped|restarting), optional ``message``, ``world_size``,
   ``strategy``, ``zero_stage``, ``steps`` (total), ``restart`` (count).
 - ``step``: ``step``, ``loss``, ``lr``, ``grad_norm``, ``tokens_per_s`` (global), ``step_time_s``, ``tokens``
   (global tokens in this step), and every ``log_every`` steps ``memory``: a list with one object per rank:
@@ -163,6 +163,10 @@ def read_events(path: Path) -> list[dict[str, Any]]:
     return EventReader(path).poll()
 
 
+def _number(value: Any, default: float | None = None) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else default
+
+
 @dataclass
 class RunSummary:
     """What a run's events add up to (used by the progress line, the final summary and the dashboard)."""
@@ -183,33 +187,39 @@ class RunSummary:
     last_time: float | None = None
 
     def update(self, event: dict[str, Any]) -> None:
+        """Fold one event in; fields of the wrong type are ignored (a reader must survive any file)."""
         kind = event.get("kind")
-        t = event.get("time")
-        if isinstance(t, (int, float)):
+        t = _number(event.get("time"))
+        if t is not None:
             self.start_time = t if self.start_time is None else self.start_time
             self.last_time = t
         if kind == "status":
-            self.status = event.get("status", self.status)
-            self.message = event.get("message", "")
-            if event.get("steps"):
+            if isinstance(event.get("status"), str):
+                self.status = event["status"]
+            self.message = str(event.get("message") or "")
+            if isinstance(event.get("steps"), int):
                 self.steps_total = event["steps"]
         elif kind == "step":
-            self.step = event.get("step", self.step)
-            self.loss = event.get("loss", self.loss)
-            self.lr = event.get("lr", self.lr)
-            if event.get("tokens_per_s") is not None:
-                self.tokens_per_s.append(event["tokens_per_s"])
-            if event.get("step_time_s") is not None:
-                self.step_time_s.append(event["step_time_s"])
-            for mem in event.get("memory") or []:
-                peak = self.peak_memory.setdefault(int(mem.get("rank", 0)), {})
+            if isinstance(event.get("step"), int):
+                self.step = event["step"]
+            self.loss = _number(event.get("loss"), self.loss)
+            self.lr = _number(event.get("lr"), self.lr)
+            for key, series in (("tokens_per_s", self.tokens_per_s), ("step_time_s", self.step_time_s)):
+                if (value := _number(event.get(key))) is not None:
+                    series.append(value)
+            memory = event.get("memory")
+            for mem in memory if isinstance(memory, list) else []:
+                if not isinstance(mem, dict) or not isinstance(mem.get("rank", 0), int):
+                    continue
+                peak = self.peak_memory.setdefault(mem.get("rank", 0), {})
                 for k, v in mem.items():
-                    if k != "rank" and isinstance(v, (int, float)):
+                    if k != "rank" and (v := _number(v)) is not None:
                         peak[k] = max(peak.get(k, 0), int(v))
         elif kind == "eval":
-            if self.first_val_loss is None:
-                self.first_val_loss = event.get("val_loss")
-            self.val_loss = event.get("val_loss")
+            val = _number(event.get("val_loss"))
+            if val is not None:
+                self.first_val_loss = val if self.first_val_loss is None else self.first_val_loss
+                self.val_loss = val
 
     @property
     def mean_tokens_per_s(self) -> float | None:

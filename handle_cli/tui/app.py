@@ -1,0 +1,302 @@
+"""The dashboard app: a background thread tails the run directory and posts batches; the app thread draws.
+
+Flow: :meth:`HandleDashboard._tail` (a thread worker) calls :meth:`RunTailer.poll` every ``poll_interval``
+seconds and posts one :class:`RunUpdate` per non-empty poll (all events of that poll in one message, so a fast
+run cannot flood the app). The app applies the batch to its :class:`RunState` and marks panels dirty; panels
+are redrawn at most ``1 / MAX_REDRAW_HZ`` apart. Pausing stops the polling; resuming catches up in one batch.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+from textual import work
+from textual.app import App, ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical
+from textual.message import Message
+from textual.widgets import Footer
+from textual.worker import get_current_worker
+
+from torch_handle.rundir import RunDirError, read_run_info
+
+from handle_cli.tui.model import Batch, RunState, RunTailer, clean
+from handle_cli.tui.screens import HelpScreen, RunPicker
+from handle_cli.tui.widgets import Chart, LogPanel, MemoryBars, Series, StatusHeader
+
+
+class RunUpdate(Message):
+    """What one poll of the run directory found (posted from the tailing thread)."""
+
+    def __init__(self, generation: int, batch: Batch):
+        super().__init__()
+        self.generation = generation
+        self.batch = batch
+
+
+class TailError(Message):
+    def __init__(self, generation: int, error: str):
+        super().__init__()
+        self.generation = generation
+        self.error = error
+
+
+COMPACT_HEIGHT = 32
+"""Below this many rows the log panel is hidden until ``l`` (80x24 shows the four charts)."""
+
+
+class HandleDashboard(App[None]):
+    TITLE = "handle tui"
+    ENABLE_COMMAND_PALETTE = False  # keeps the footer to the dashboard's own keys
+    CSS = """
+    Screen { layout: vertical; }
+    #charts { height: 1fr; }
+    .row { height: 1fr; }
+    #memory-panel { width: 1fr; height: 1fr; border: round $primary 50%; border-title-color: $text;
+                    border-title-style: bold; overflow-y: auto; }
+    #logs { height: 12; }
+    Screen.-compact #logs { display: none; }
+    Screen.-logs #charts { display: none; }
+    Screen.-logs #logs { display: block; height: 1fr; }
+    """
+    BINDINGS = [
+        Binding("q", "quit", "Quit"),
+        Binding("question_mark", "help", "Help", key_display="?"),
+        Binding("r", "runs", "Runs"),
+        Binding("l", "logs", "Logs"),
+        Binding("p", "pause", "Pause"),
+    ]
+    MAX_REDRAW_HZ = 10.0
+    MAX_LOG_LINES_PER_BATCH = 300
+
+    def __init__(self, run_dir: Path, output_dir: Path | None = None, *, poll_interval: float = 0.1):
+        super().__init__()
+        self.run_dir = Path(run_dir)
+        dirs = [Path(output_dir)] if output_dir is not None else []
+        if not any(_same(d, self.run_dir.parent) for d in dirs):
+            dirs.append(self.run_dir.parent)
+        self.output_dirs = dirs
+        self.poll_interval = poll_interval
+        self.state = RunState(self.run_dir)
+        self.generation = 0
+        self.paused = False
+        self._resume = threading.Event()
+        self._resume.set()
+        self._dirty = False
+        self._last_redraw = 0.0
+        self._redraw_timer = None
+        self.bad_line_count = 0
+        self.batches_applied = 0
+        self.redraws = 0
+        self.last_applied_at = 0.0
+        """``time.time()`` of the newest poll drawn (for latency measurements)."""
+
+    # -- layout ----------------------------------------------------------------------------------------------
+
+    def compose(self) -> ComposeResult:
+        yield StatusHeader(id="header")
+        with Vertical(id="charts"):
+            with Horizontal(classes="row"):
+                yield Chart("loss", id="loss")
+                yield Chart("throughput", id="throughput")
+            with Horizontal(classes="row"):
+                yield Chart("learning rate", id="lr")
+                with Vertical(id="memory-panel"):
+                    yield MemoryBars(id="memory")
+        yield LogPanel(id="logs")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        # kept references: updates keep flowing while the picker or help screen is on top
+        self.header_widget = self.query_one(StatusHeader)
+        self.log_panel = self.query_one(LogPanel)
+        self.charts = {name: self.query_one(f"#{name}", Chart) for name in ("loss", "throughput", "lr")}
+        self.memory_bars = self.query_one(MemoryBars)
+        self.query_one("#memory-panel").border_title = "memory per rank"
+        self.state.info = _read_info(self.run_dir)  # the header is right from the first frame
+        self._apply_size()
+        self._redraw()
+        self._start_tailing()
+
+    def on_resize(self) -> None:
+        if self._main_screen_ready():
+            self._apply_size()
+
+    def _apply_size(self) -> None:
+        self.header_widget.screen.set_class(self.size.height < COMPACT_HEIGHT, "-compact")
+
+    # -- tailing ---------------------------------------------------------------------------------------------
+
+    def _start_tailing(self) -> None:
+        self.generation += 1
+        self._tail(self.generation, RunTailer(self.run_dir))
+
+    @work(thread=True, exclusive=True, group="tail", exit_on_error=False)
+    def _tail(self, generation: int, tailer: RunTailer) -> None:
+        worker = get_current_worker()
+        failures = 0
+        while not worker.is_cancelled:
+            if not self._resume.wait(0.05):
+                continue
+            try:
+                batch = tailer.poll()
+                failures = 0
+            except Exception as e:  # noqa: BLE001 - an unreadable file must not end the dashboard
+                failures += 1
+                if failures == 1:
+                    self.post_message(TailError(generation, f"{type(e).__name__}: {e}"))
+                batch = None
+            if batch and not worker.is_cancelled:
+                self.post_message(RunUpdate(generation, batch))
+            deadline = time.monotonic() + self.poll_interval
+            while not worker.is_cancelled and (left := deadline - time.monotonic()) > 0:
+                time.sleep(min(left, 0.05))
+
+    def on_run_update(self, message: RunUpdate) -> None:
+        if message.generation != self.generation or not self._main_screen_ready():
+            return  # from the run we switched away from, or the app is closing
+        batch = message.batch
+        state = self.state
+        first = self.batches_applied == 0
+        logs = self.log_panel
+        was_final = state.status in ("finished", "failed", "stopped")
+        if batch.info is not None:
+            state.info = batch.info
+        for notice in state.apply(batch.events):
+            logs.add_notice(notice)
+        for bad in batch.bad_lines:
+            self.bad_line_count += 1
+            logs.add("!", "bold yellow", f"events.jsonl line {bad.line_no} skipped ({bad.error}): {bad.text}",
+                     "yellow")
+        if batch.bad_lines:
+            n = len(batch.bad_lines)
+            self.notify(f"{n} unreadable line{'s' if n != 1 else ''} in events.jsonl skipped (see logs)",
+                        severity="warning", timeout=4, markup=False)
+        lines = batch.logs
+        if len(lines) > self.MAX_LOG_LINES_PER_BATCH:  # a chatty log cannot stall the screen
+            skipped = len(lines) - self.MAX_LOG_LINES_PER_BATCH
+            lines = lines[-self.MAX_LOG_LINES_PER_BATCH:]
+            logs.add("…", "dim", f"{skipped} earlier log lines not shown (see {self.run_dir}/logs)", "dim")
+        for line in lines:
+            logs.add_log(line.source, line.text, line.error)
+        status = state.status
+        if not first and not was_final and status in ("failed", "stopped"):
+            self.notify(f"run {status}: {state.message}" if state.message else f"run {status}",
+                        severity="error" if status == "failed" else "warning", timeout=6, markup=False)
+        self.batches_applied += 1
+        self.last_applied_at = batch.polled_at
+        self._mark_dirty()
+
+    def on_tail_error(self, message: TailError) -> None:
+        if message.generation == self.generation and self._main_screen_ready():
+            self.log_panel.add("!", "bold red", f"reading the run failed: {clean(message.error)}", "red")
+
+    # -- drawing ---------------------------------------------------------------------------------------------
+
+    def _mark_dirty(self) -> None:
+        self._dirty = True
+        if self._redraw_timer is not None:
+            return
+        wait = self._last_redraw + 1.0 / self.MAX_REDRAW_HZ - time.monotonic()
+        if wait <= 0:
+            self._redraw()
+        else:
+            self._redraw_timer = self.set_timer(wait, self._timer_redraw)
+
+    def _timer_redraw(self) -> None:
+        self._redraw_timer = None
+        if self._dirty:
+            self._redraw()
+
+    def _main_screen_ready(self) -> bool:
+        """False before mount and while the app shuts down (a timer or a message can outlive the widgets)."""
+        header = getattr(self, "header_widget", None)
+        return header is not None and header.is_attached
+
+    def _redraw(self) -> None:
+        if not self._main_screen_ready():
+            return
+        self._dirty = False
+        self._last_redraw = time.monotonic()
+        self.redraws += 1
+        s = self.state
+        self.header_widget.show(s, paused=self.paused, bad_lines=self.bad_line_count)
+        self.charts["loss"].set_series([
+            Series("train", s.steps, s.loss, "cyan"),
+            Series("val", s.val_steps, s.val_loss, "orange", marker="hd"),
+        ])
+        self.charts["throughput"].set_series([
+            Series("tokens/s", s.steps, s.tokens_per_s, "green"),
+            Series("s/step", s.steps, s.step_time_s, "magenta", yside="right"),
+        ])
+        self.charts["lr"].set_series([Series("lr", s.steps, s.lr, "yellow")])
+        self.memory_bars.set_memory(s.memory)
+        self.title = f"handle tui: {clean(s.run_dir.name, 80)}"
+
+    # -- actions ---------------------------------------------------------------------------------------------
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        if action in ("logs", "runs", "help") and len(self.screen_stack) > 1:
+            return False  # only on the main screen (the picker and help have their own keys)
+        return True
+
+    def action_help(self) -> None:
+        if not isinstance(self.screen, HelpScreen):
+            self.push_screen(HelpScreen())
+
+    def action_runs(self) -> None:
+        if not isinstance(self.screen, RunPicker):
+            self.push_screen(RunPicker(self.output_dirs, self.run_dir), self._picked)
+
+    def _picked(self, path: Path | None) -> None:
+        if path is not None and not _same(path, self.run_dir):
+            self.switch_run(path)
+
+    def switch_run(self, run_dir: Path) -> None:
+        """Show another run: drop the old state, replay the new run's history, follow it."""
+        self.workers.cancel_group(self, "tail")
+        self.run_dir = Path(run_dir)
+        self.state = RunState(self.run_dir, info=_read_info(self.run_dir))
+        self.bad_line_count = 0
+        self.batches_applied = 0
+        self.log_panel.reset()
+        self._redraw()
+        self._start_tailing()
+
+    def action_logs(self) -> None:
+        screen = self.log_panel.screen
+        expanded = not screen.has_class("-logs")
+        screen.set_class(expanded, "-logs")
+        logs = self.log_panel
+        if expanded:
+            logs.focus()
+            logs.scroll_end(animate=False)
+        else:
+            self.set_focus(None)
+
+    def action_pause(self) -> None:
+        self.paused = not self.paused
+        if self.paused:
+            self._resume.clear()
+        else:
+            self._resume.set()
+        self.notify("following paused: press p to resume" if self.paused else "following resumed", timeout=2,
+                    markup=False)
+        self._redraw()
+
+
+def _read_info(run_dir: Path) -> dict:
+    try:
+        info = read_run_info(run_dir)
+    except RunDirError:
+        return {}
+    return info if isinstance(info, dict) else {}
+
+
+def _same(a: Path, b: Path) -> bool:
+    try:
+        return Path(a).resolve() == Path(b).resolve()
+    except OSError:  # pragma: no cover
+        return False

@@ -1,0 +1,142 @@
+"""The run picker (``r``) and the help screen (``?``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Vertical
+from textual.screen import ModalScreen, Screen
+from textual.widgets import DataTable, Footer, Static
+
+from handle_cli.tui.model import RunRow, run_rows
+from handle_cli.tui.widgets import STATUS_STYLES
+
+COLUMNS = ("run", "status", "strategy", "world", "steps", "loss", "started")
+NARROW = 100
+"""Below this width the strategy and start time are abbreviated so that 80 columns show every column."""
+
+
+class RunPicker(Screen[Path | None]):
+    """Runs under the output directory, newest first; Enter switches the dashboard to the selected one."""
+
+    BINDINGS = [
+        Binding("escape,r", "close", "Back"),
+        Binding("enter", "select", "Open", show=True, priority=False),
+        Binding("q", "app.quit", "Quit"),
+    ]
+    DEFAULT_CSS = """
+    RunPicker { layout: vertical; }
+    RunPicker #picker-title { height: 1; padding: 0 1; background: $panel; text-style: bold; }
+    RunPicker DataTable { height: 1fr; }
+    """
+    REFRESH_S = 2.0
+
+    def __init__(self, output_dirs: list[Path], current: Path):
+        super().__init__()
+        self.output_dirs = output_dirs
+        self.current = Path(current)
+        self.rows: list[RunRow] = []
+
+    def compose(self) -> ComposeResult:
+        dirs = ", ".join(str(d) for d in self.output_dirs)
+        yield Static(Text(f"runs under {dirs} · times in UTC · Enter: open · Esc: back", no_wrap=True,
+                          overflow="ellipsis"), id="picker-title")
+        table: DataTable = DataTable(cursor_type="row", zebra_stripes=True)
+        table.add_columns(*COLUMNS)
+        yield table
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.reload(select_current=True)
+        self.set_interval(self.REFRESH_S, self.reload)
+        self.query_one(DataTable).focus()
+
+    def _is_current(self, path: Path) -> bool:
+        try:
+            return path.resolve() == self.current.resolve()
+        except OSError:  # pragma: no cover
+            return False
+
+    def reload(self, select_current: bool = False) -> None:
+        table = self.query_one(DataTable)
+        keep = None
+        if not select_current and self.rows and 0 <= table.cursor_row < len(self.rows):
+            keep = self.rows[table.cursor_row].path
+        self.rows = run_rows(self.output_dirs)
+        table.clear()
+        target = 0
+        narrow = self.app.size.width < NARROW
+        for i, row in enumerate(self.rows):
+            current = self._is_current(row.path)
+            strategy = row.strategy.replace("deepspeed ", "ds ") if narrow else row.strategy
+            started = row.started[5:] if narrow and row.started != "-" else row.started
+            table.add_row(
+                Text(("▶ " if current else "  ") + row.name, "bold" if current else ""),
+                Text(f" {row.status} ", STATUS_STYLES.get(row.status, "")),
+                Text(strategy), Text(row.world_size, justify="right"), Text(row.steps, justify="right"),
+                Text(row.last_loss, justify="right"), Text(started),
+                key=str(row.path),
+            )
+            if (keep is not None and row.path == keep) or (keep is None and current):
+                target = i
+        if self.rows:
+            table.move_cursor(row=target, animate=False)
+        else:
+            self.query_one("#picker-title", Static).update(
+                Text(f"no runs under {', '.join(str(d) for d in self.output_dirs)} (Esc: back)"))
+
+    def on_resize(self) -> None:
+        self.reload()
+
+    def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:
+        event.stop()
+        self._choose(event.cursor_row)
+
+    def action_select(self) -> None:
+        self._choose(self.query_one(DataTable).cursor_row)
+
+    def _choose(self, index: int) -> None:
+        if 0 <= index < len(self.rows):
+            self.dismiss(self.rows[index].path)
+
+    def action_close(self) -> None:
+        self.dismiss(None)
+
+
+HELP = """\
+[b]handle tui[/b]: live dashboard of a training run
+
+  [b]?[/b]  this help                [b]q[/b]    quit (the run keeps going)
+  [b]r[/b]  runs: pick another run   [b]l[/b]    logs: expand/collapse
+  [b]p[/b]  pause/resume following   [b]Esc[/b]  close this screen
+
+Panels: loss (train, validation); throughput (tokens/s,
+step time); learning rate; memory per rank (params, grads,
+optimizer state stacked; RSS; on GPU CUDA allocated and
+reserved, peak as │); logs of rank 0 and of any rank that
+logged an error. Elapsed and ETA come from event times.
+While paused, events wait on disk; resuming catches up."""
+
+
+class HelpScreen(ModalScreen[None]):
+    BINDINGS = [Binding("escape,question_mark,q", "close", "Close")]
+    DEFAULT_CSS = """
+    HelpScreen { align: center middle; }
+    HelpScreen > Vertical { width: auto; max-width: 90%; height: auto; max-height: 90%; border: round $accent;
+                            background: $surface; padding: 0 1; }
+    HelpScreen Static { width: auto; }
+    """
+
+    def compose(self) -> ComposeResult:
+        with Vertical():
+            yield Static(HELP)  # fixed text: markup is ours, nothing from a run goes in here
+
+    def on_key(self, event) -> None:  # noqa: ANN001 - any key closes help
+        event.stop()
+        self.dismiss(None)
+
+    def action_close(self) -> None:
+        self.dismiss(None)
