@@ -152,22 +152,26 @@ def failure_message(run_dir: Path) -> str:
             exc = [ln for ln in lines if _EXC_LINE.match(ln)]
             if exc:
                 fallback = f"{log.stem}: {exc[-1]}"
+    # A peer's "connection closed" is a consequence; an error that is not about the collective is the cause.
+    primary = [f for f in found if not re.search(r"Connection (closed|reset)|Broken pipe|gloo|NCCL|timed out", f[1])]
+    if primary:
+        return min(primary)[1][:500]
+    killed = _torchrun_signal_death(Path(run_dir) / "logs" / "launcher.log")
+    if killed:  # a rank killed by a signal leaves no Python error of its own
+        return killed
     if found:
-        # a peer's "connection closed" is a consequence; prefer an error that is not about the collective
-        primary = [f for f in found if not re.search(r"Connection closed|Broken pipe|gloo|NCCL|timed out", f[1])]
-        return min(primary or found)[1][:500]
-    return (fallback or _torchrun_root_cause(Path(run_dir) / "logs" / "launcher.log"))[:500]
+        return min(found)[1][:500]
+    return fallback[:500]
 
 
-def _torchrun_root_cause(path: Path) -> str:
-    """torchrun's own "Root Cause" summary (a rank killed by a signal leaves no Python error)."""
+def _torchrun_signal_death(path: Path) -> str:
+    """From torchrun's last failure report: the first rank that died of a signal (SIGKILL, SIGSEGV, ...)."""
     try:
         text = path.read_text(encoding="utf-8", errors="replace")
     except OSError:
         return ""
-    _, _, cause = text.rpartition("Root Cause")
-    rank = re.search(r"rank\s*:\s*(\d+)", cause)
-    exit_line = re.search(r"exitcode\s*:\s*(.+)", cause)
-    if not rank or not exit_line:
-        return ""
-    return f"rank {rank.group(1)} exited with code {exit_line.group(1).strip()}"
+    _, _, report = text.rpartition("Failures:")
+    for rank, code, rest in re.findall(r"rank\s*:\s*(\d+)[^\n]*\n\s*exitcode\s*:\s*(-\d+)([^\n]*)", report):
+        sig = re.search(r"\((SIG\w+)\)", rest)
+        return f"rank {rank} was killed by {sig.group(1) if sig else 'a signal'} (exit code {code})"
+    return ""
