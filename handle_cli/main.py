@@ -7,9 +7,7 @@ answers instantly.
 from __future__ import annotations
 
 import os
-import signal
 import sys
-import time
 from pathlib import Path
 from typing import NoReturn
 

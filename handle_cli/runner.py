@@ -12,8 +12,7 @@ from pathlib import Path
 import click
 
 from torch_handle.config import Preset, dump_preset, load_preset
-from torch_handle.rundir import (RunDirError, create_run_dir, read_run_info, update_run_info, write_json_atomic,
-                                 PRESET_FILE)
+from torch_handle.rundir import PRESET_FILE, RunDirError, create_run_dir, read_run_info, update_run_info
 from torch_handle.telemetry import EVENTS_FILE, EventReader, RunSummary
 
 EXIT_CODES = {"finished": 0, "failed": 1, "stopped": 130}

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import codecs
-import glob as globlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
 from torch_handle.config import InvalidValue, param
+from torch_handle.corpus import pydoc_corpus, read_parallel, read_text, split_documents, text_files
 from torch_handle.errors import DataError
 from torch_handle.hookspecs import hookimpl
 
@@ -90,20 +90,6 @@ class _Budget:
         self.left = PREFLIGHT_BYTES if total is None else total
 
 
-def _match_files(pattern: str) -> list[Path]:
-    """Same selection as ``torch_handle.data.text_files``: one file, every visible file of a directory, or a glob."""
-    p = Path(pattern).expanduser()
-    if p.is_dir():
-        files = sorted(f for f in p.iterdir() if f.is_file() and not f.name.startswith("."))
-    elif p.is_file():
-        files = [p]
-    else:
-        files = sorted(Path(f) for f in globlib.glob(str(p), recursive=True) if Path(f).is_file())
-    if not files:
-        raise DataError(f"{pattern}: no files match")
-    return files
-
-
 def _preflight_read(path: Path, budget: _Budget) -> str | None:
     """Check that ``path`` is readable UTF-8; its text when it was read in full (within the budget), else None."""
     try:
@@ -127,11 +113,11 @@ def _preflight_read(path: Path, budget: _Budget) -> str | None:
 def preflight_text(options: TextConfig) -> None:
     """``text``: every file that path (and valid_path) selects exists, is UTF-8, and the corpus is not empty."""
     budget = _Budget()
-    texts = [_preflight_read(f, budget) for f in _match_files(options.path)]
+    texts = [_preflight_read(f, budget) for f in text_files(options.path)]
     if all(t is not None for t in texts) and not "".join(texts).strip():
         raise DataError(f"{options.path}: empty corpus")
     if options.valid_path:
-        for f in _match_files(options.valid_path):
+        for f in text_files(options.valid_path):
             _preflight_read(f, budget)
 
 
@@ -161,8 +147,6 @@ def _lm_bundle(train_docs, valid_docs, options, ctx, name):
     from torch_handle.data import DataBundle, LMDataset, encode_stream, load_or_train_tokenizer
 
     if not "".join(train_docs).strip():
-        from torch_handle.data import DataError
-
         raise DataError(f"{name}: empty corpus")
     tok, tok_path = load_or_train_tokenizer(train_docs, options.vocab_size, ctx.cache_dir, is_main=ctx.is_main,
                                             barrier=ctx.barrier)
@@ -173,15 +157,11 @@ def _lm_bundle(train_docs, valid_docs, options, ctx, name):
 
 
 def build_pydoc(options: PydocConfig, ctx):
-    from torch_handle.data import pydoc_corpus, split_documents
-
     train, valid = split_documents(pydoc_corpus(), options.valid_fraction)
     return _lm_bundle(train, valid, options, ctx, "pydoc_data.topics")
 
 
 def build_text(options: TextConfig, ctx):
-    from torch_handle.data import read_text, split_documents, text_files
-
     docs = [read_text(f) for f in text_files(options.path)]
     if options.valid_path:
         train, valid = docs, [read_text(f) for f in text_files(options.valid_path)]
@@ -191,8 +171,7 @@ def build_text(options: TextConfig, ctx):
 
 
 def build_parallel(options: ParallelConfig, ctx):
-    from torch_handle.data import (DataBundle, DataError, TranslationDataset, load_or_train_tokenizer, pad_collate,
-                                   read_parallel)
+    from torch_handle.data import DataBundle, TranslationDataset, load_or_train_tokenizer, pad_collate
 
     root = Path(options.path)
     if not root.is_dir():

@@ -440,7 +440,7 @@ def test_preflight_parallel(tmp_path):
 
 def test_preflight_messages_match_the_loaders(tmp_path):
     """The pre-flight and the loader that runs in the workers say the same thing about the same file."""
-    data = pytest.importorskip("torch_handle.data")
+    from torch_handle import corpus as data
     (tmp_path / "bad.txt").write_bytes("héllo\n".encode() + b"\xfe")
     opts = _data_options(tmp_path, ["data.name=text", f"data.path={tmp_path / 'bad.txt'}"])
     with pytest.raises(DataError) as ours:

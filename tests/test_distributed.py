@@ -153,7 +153,6 @@ def test_sigint_then_resume_reproduces_the_uninterrupted_losses(base, tmp_path):
     full = step_losses(run_dir_of(handle("run", *common, "--set", "run.name=full")))
 
     run_dir = tmp_path / "interrupted"
-    t0 = time.monotonic()
     proc = _run_until_step_then_sigint([*common, "--run-dir", str(run_dir)], run_dir, at_step=20)
     assert proc.returncode == 130, proc.stderr
     assert_no_workers(run_dir)

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import torch
 
+from torch_handle.corpus import read_text, split_documents
 from torch_handle.data import (SPECIAL_TOKENS, DataBundle, DataContext, LMDataset, encode_stream,
-                               load_or_train_tokenizer, read_text, split_documents)
+                               load_or_train_tokenizer)
 from torch_handle.errors import DataError
 
 
