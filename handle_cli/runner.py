@@ -73,6 +73,10 @@ def _fmt_s(seconds: float | None) -> str:
     return f"{h}:{m:02d}:{s:02d}" if h else f"{m:02d}:{s:02d}"
 
 
+def _fmt_loss(value: object) -> str:
+    return f"{value:.4f}" if isinstance(value, (int, float)) else "n/a (not finite)"
+
+
 def _fmt_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
@@ -157,7 +161,7 @@ def supervise(preset: Preset, run_dir: Path, *, quiet: bool = False) -> int:
                 if event.get("kind") == "log" and event.get("level") in ("warning", "error"):
                     click.echo(("\r\033[K" if tty else "") + f"{event['level']}: {event.get('message', '')}")
                 elif event.get("kind") == "eval" and not tty:
-                    click.echo(f"step {event.get('step')}: val loss {event.get('val_loss'):.4f}")
+                    click.echo(f"step {event.get('step')}: val loss {_fmt_loss(event.get('val_loss'))}")
             now = time.monotonic()
             if tty:
                 click.echo("\r\033[K" + progress_line(summary), nl=False)

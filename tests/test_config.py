@@ -581,3 +581,10 @@ def test_check_preset_bug_in_a_plugin_is_one_line(tmp_path):
 def test_invalid_value_carries_the_key():
     e = InvalidValue("steps", "must be positive")
     assert (e.key, e.message, str(e)) == ("steps", "must be positive", "steps: must be positive")
+
+
+def test_nccl_needs_a_cuda_device_per_process(repo_root):
+    torch = pytest.importorskip("torch")
+    n = torch.cuda.device_count()
+    with pytest.raises(PresetError, match=rf"launch.nproc_per_node: {n + 1} processes but {n} CUDA device"):
+        load_preset(repo_root / "presets" / "ddp.toml", ["launch.backend=nccl", f"launch.nproc_per_node={n + 1}"])

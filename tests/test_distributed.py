@@ -257,3 +257,24 @@ def test_worker_module_without_torchrun_says_how_to_launch():
                           env=env, timeout=60)
     assert proc.returncode == 2
     assert "handle run PRESET" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("on_nan", ["stop", "skip"])
+def test_a_diverging_run_stops_or_skips_non_finite_steps(base, tmp_path, on_nan):
+    """lr = 1e30 makes the loss non-finite at step 2: "stop" fails the run naming the step, "skip" records the
+    skipped updates and finishes."""
+    run_dir = tmp_path / on_nan
+    proc = handle("run", str(base), "--run-dir", str(run_dir), "--set", "training.lr=1e30", "--set", "training.grad_clip=0",
+                  "--set", "training.warmup_steps=0", "--set", f"training.on_nan={on_nan}", "--set", "training.steps=4",
+                  check=False)
+    info = json.loads((run_dir / "run.json").read_text())
+    steps = events(run_dir, "step")
+    if on_nan == "stop":
+        assert proc.returncode == 1 and info["status"] == "failed"
+        assert "non-finite loss (nan) at step 2" in info["message"] and "at step 2" in proc.stderr
+        assert [e["step"] for e in steps] == [1]
+    else:
+        assert proc.returncode == 0 and info["status"] == "finished"
+        assert [e.get("skipped", False) for e in steps] == [False, True, True, True]
+        assert all(e["loss"] is None for e in steps[1:])
+    assert_no_workers(run_dir)

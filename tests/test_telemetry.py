@@ -56,3 +56,13 @@ def test_summary_ignores_fields_of_the_wrong_type():
         s.update(bad)
     assert s.step == 2 and s.loss is None and s.val_loss is None and s.mean_tokens_per_s is None
     assert s.peak_memory == {1: {}}
+
+
+def test_non_finite_figures_are_written_as_null(tmp_path):
+    path = tmp_path / "events.jsonl"
+    w = EventWriter(path)
+    w.emit("step", step=1, loss=float("nan"), grad_norm=float("inf"), skipped=True)
+    w.close()
+    line = path.read_text()
+    assert "NaN" not in line and "Infinity" not in line
+    assert json.loads(line)["loss"] is None

@@ -187,6 +187,13 @@ class LaunchConfig:
             if not m or not 1 <= int(m.group(1)) <= 65535:
                 raise InvalidValue("rdzv_endpoint", f"{self.rdzv_endpoint!r} must look like 'host:port' "
                                                     f"(port 1-65535)")
+        if self.backend == "nccl":
+            import torch  # only for an explicit nccl choice: validation stays torch-free otherwise
+
+            devices = torch.cuda.device_count()
+            if self.nproc_per_node > devices:
+                raise InvalidValue("nproc_per_node", f"{self.nproc_per_node} processes but {devices} CUDA device(s) "
+                                                     f"visible: nccl needs one device per process (or use gloo)")
 
 
 @dataclass

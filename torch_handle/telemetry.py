@@ -8,7 +8,7 @@ Schema (one JSON object per line; every event has ``seq`` (int, increasing, neve
 
 - ``status``: ``status`` (running|finished|failed|stopped|restarting), optional ``message``, ``world_size``,
   ``strategy``, ``zero_stage``, ``steps`` (total), ``restart`` (count).
-- ``step``: ``step``, ``loss``, ``lr``, ``grad_norm``, ``tokens_per_s`` (global), ``step_time_s``, ``tokens``
+- ``step``: ``step``, ``loss`` (null when not finite; then ``skipped`` is true with ``on_nan = "skip"``), ``lr``, ``grad_norm``, ``tokens_per_s`` (global), ``step_time_s``, ``tokens``
   (global tokens in this step), and every ``log_every`` steps ``memory``: a list with one object per rank:
   ``rank``, ``param_bytes``, ``grad_bytes``, ``optimizer_bytes``, ``rss_bytes`` and on CUDA
   ``cuda_allocated_bytes``, ``cuda_max_allocated_bytes``, ``cuda_reserved_bytes``.
@@ -22,6 +22,7 @@ This module imports neither torch nor any UI library.
 from __future__ import annotations
 
 import json
+import math
 import os
 import queue
 import threading
@@ -67,13 +68,15 @@ class EventWriter:
         self._thread.start()
 
     def emit(self, kind: str, **fields: Any) -> None:
+        # strict JSON has no NaN/Infinity: a non-finite figure (a diverged loss) is written as null
+        fields = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in fields.items()}
         event = {"seq": self._seq, "time": round(time.time(), 3), "kind": kind, **fields}
         self._seq += 1
         self._queue.put(event)
 
     def _drain(self) -> None:
         while (event := self._queue.get()) is not None:
-            self._file.write(json.dumps(event, separators=(",", ":"), allow_nan=True) + "\n")
+            self._file.write(json.dumps(event, separators=(",", ":"), allow_nan=False) + "\n")
             self._file.flush()
 
     def close(self) -> None:
