@@ -15,6 +15,8 @@ from torch_handle.config import Preset, dump_preset, load_preset
 from torch_handle.rundir import PRESET_FILE, RunDirError, create_run_dir, read_run_info, update_run_info
 from torch_handle.telemetry import EVENTS_FILE, EventReader, RunSummary
 
+from handle_cli.tui.model import clean  # text from logs and events never reaches the terminal raw
+
 EXIT_CODES = {"finished": 0, "failed": 1, "stopped": 130}
 
 
@@ -103,7 +105,7 @@ def progress_line(s: RunSummary) -> str:
 def summary_text(s: RunSummary, run_dir: Path, info: dict) -> str:
     lines = [f"{info.get('status', '?')}: {run_dir}"]
     if info.get("message"):
-        lines.append(f"  {info['message']}")
+        lines.append(f"  {clean(info['message'])}")
     if s.loss is not None:
         lines.append(f"  steps {s.step}   final train loss {s.loss:.4f}"
                      + (f"   val loss {s.first_val_loss:.4f} -> {s.val_loss:.4f}" if s.val_loss is not None else ""))
@@ -159,7 +161,7 @@ def supervise(preset: Preset, run_dir: Path, *, quiet: bool = False) -> int:
                 if quiet:
                     continue
                 if event.get("kind") == "log" and event.get("level") in ("warning", "error"):
-                    click.echo(("\r\033[K" if tty else "") + f"{event['level']}: {event.get('message', '')}")
+                    click.echo(("\r\033[K" if tty else "") + f"{clean(event['level'])}: {clean(event.get('message', ''))}")
                 elif event.get("kind") == "eval" and not tty:
                     click.echo(f"step {event.get('step')}: val loss {_fmt_loss(event.get('val_loss'))}")
             now = time.monotonic()
@@ -183,7 +185,7 @@ def supervise(preset: Preset, run_dir: Path, *, quiet: bool = False) -> int:
             click.echo("")
         click.echo(summary_text(summary, run_dir, info))
         if info.get("status") == "failed":
-            click.echo(f"error: run failed: {info.get('message', '')} (logs: {run_dir}/logs)", err=True)
+            click.echo(f"error: run failed: {clean(info.get('message', ''))} (logs: {run_dir}/logs)", err=True)
         elif info.get("status") == "stopped":
             click.echo(f"resume with: handle run --resume {run_dir}")
     return EXIT_CODES.get(info.get("status"), 1)

@@ -278,3 +278,16 @@ def test_a_diverging_run_stops_or_skips_non_finite_steps(base, tmp_path, on_nan)
         assert [e.get("skipped", False) for e in steps] == [False, True, True, True]
         assert all(e["loss"] is None for e in steps[1:])
     assert_no_workers(run_dir)
+
+
+def test_two_runs_started_together_do_not_collide(base):
+    """Same preset, same name, same second: distinct run directories and rendezvous ports, both finish."""
+    args = [sys.executable, "-m", "handle_cli", "run", str(base), "--set", "training.steps=3", "--set",
+            "run.name=twin"]
+    procs = [subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=240) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    dirs = {run_dir_of(subprocess.CompletedProcess([], 0, out, err)) for out, err in outs}
+    assert len(dirs) == 2
+    for d in dirs:
+        assert json.loads((d / "run.json").read_text())["status"] == "finished"
