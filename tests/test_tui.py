@@ -450,3 +450,32 @@ def test_snapshot_run_picker(runs: Path, snap_compare) -> None:
         await pilot.pause()
 
     assert snap_compare(HandleDashboard(runs / "zero2-finished", runs), terminal_size=SIZE, run_before=open_picker)
+
+
+@async_test
+async def test_a_dashboard_reattached_mid_run_shows_the_whole_history(tmp_path: Path) -> None:
+    """Close the dashboard while the run goes on, open a new one: every event is there, seq without a gap, and
+    the run's files are exactly as the writer left them (the dashboard only reads)."""
+    run, _ = make_live_run(tmp_path)
+    events = run / "events.jsonl"
+    app = HandleDashboard(run, poll_interval=0.05)
+    async with app.run_test(size=SIZE) as pilot:
+        await loaded(pilot)
+        append(events, json.dumps(step_event(4)) + "\n")
+        await wait_for(pilot, lambda: "step 4/100" in header(app), what="step 4")
+    for step in range(5, 9):  # the run goes on while no dashboard is attached
+        append(events, json.dumps(step_event(step)) + "\n")
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    app = HandleDashboard(run, poll_interval=0.05)
+    async with app.run_test(size=SIZE) as pilot:
+        await loaded(pilot)
+        await wait_for(pilot, lambda: "step 8/100" in header(app), what="step 8")
+        assert app.state.steps == list(range(1, 9))
+        assert app.state.last_seq == 8 and app.state.n_events == 9 and app.state.seq_gaps == 0
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
+
+
+def test_a_gap_in_seq_is_reported(tmp_path: Path) -> None:
+    state = RunState(tmp_path)
+    notices = state.apply([{"seq": 0, "kind": "status", "status": "running"}, {"seq": 3, "kind": "step", "step": 1}])
+    assert state.seq_gaps == 1 and any("events 1..2 are missing" in n.text for n in notices)

@@ -155,6 +155,9 @@ class RunState:
     first_time: float | None = None
     last_time: float | None = None
     n_events: int = 0
+    last_seq: int | None = None
+    seq_gaps: int = 0
+    """Times ``seq`` jumped forward (events missing from the file); 0 for a complete history."""
     bad_lines: list[BadLine] = field(default_factory=list)
     last_checkpoint: str | None = None
 
@@ -173,6 +176,12 @@ class RunState:
 
     def _apply_one(self, event: dict[str, Any], notices: list[Notice]) -> None:
         self.n_events += 1
+        seq = _int(event.get("seq"))
+        if seq is not None:
+            if self.last_seq is not None and seq > self.last_seq + 1:
+                self.seq_gaps += 1
+                notices.append(Notice("warning", f"events {self.last_seq + 1}..{seq - 1} are missing from the file"))
+            self.last_seq = seq
         kind = event.get("kind")
         t = _num(event.get("time"))
         if t is not None:
