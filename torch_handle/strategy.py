@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ContextManager, Iterable
@@ -203,6 +202,3 @@ class Strategy:
             return None
         return {k: v.detach().cpu() for k, v in self.unwrapped().state_dict().items()}
 
-
-def env_flag(name: str) -> bool:
-    return os.environ.get(name, "").lower() in ("1", "true", "yes")

@@ -107,7 +107,6 @@ class Trainer:
                              f"micro_batch_size={t.micro_batch_size} on each of {ctx.world_size} ranks")
         self.train_loader = self._loader(self.data.train, self.train_sampler)
         self.valid_loader = self._loader(self.data.valid, self.valid_sampler)
-        self.tokens_per_micro_batch = None
         self.profiler = self.registry.get("profiler", p.profiler.name).factory(
             p.profiler.options, self.run_dir / "traces", ctx.rank)
 
