@@ -116,9 +116,17 @@ def preflight_text(options: TextConfig) -> None:
     texts = [_preflight_read(f, budget) for f in text_files(options.path)]
     if all(t is not None for t in texts) and not "".join(texts).strip():
         raise DataError(f"{options.path}: empty corpus")
-    if options.valid_path:
-        for f in text_files(options.valid_path):
-            _preflight_read(f, budget)
+    valid = [_preflight_read(f, budget) for f in text_files(options.valid_path)] if options.valid_path else None
+    if any(t is None for t in [*texts, *(valid or [])]):
+        return  # too large to read here in full: the loaders check the rest
+    if valid is None:
+        texts, valid = split_documents(texts, options.valid_fraction)
+    # Byte-level BPE gives at most one token per byte, so fewer bytes than seq_len + 1 can never fill a sample.
+    for split, parts in (("train", texts), ("validation", valid)):
+        n_bytes = sum(len(t.encode("utf-8")) for t in parts)
+        if n_bytes < options.seq_len + 1:
+            raise DataError(f"{options.path} ({split} split): {n_bytes} bytes is too small for one sample of "
+                            f"seq_len={options.seq_len} (lower seq_len or add text)")
 
 
 def preflight_parallel(options: ParallelConfig) -> None:

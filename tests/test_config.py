@@ -388,10 +388,10 @@ def _preflight(preset):
 
 
 def test_preflight_text(tmp_path):
-    write(tmp_path / "corpus" / "a.txt", "hello world\n")
+    write(tmp_path / "corpus" / "a.txt", "hello world\n" * 20)
     write(tmp_path / "corpus" / ".hidden", "\xff")
-    _preflight(_data_options(tmp_path, ["data.name=text", f"data.path={tmp_path / 'corpus'}"]))
-    _preflight(_data_options(tmp_path, ["data.name=text", f"data.path={tmp_path}/corpus/*.txt",
+    _preflight(_data_options(tmp_path, ["data.name=text", f"data.path={tmp_path / 'corpus'}", "data.seq_len=4"]))
+    _preflight(_data_options(tmp_path, ["data.name=text", f"data.path={tmp_path}/corpus/*.txt", "data.seq_len=4",
                                         f"data.valid_path={tmp_path}/corpus/a.txt"]))
     (tmp_path / "corpus" / "b.txt").write_bytes(b"ok\n\xc3\x28 bad")
     with pytest.raises(DataError, match=r"b\.txt: not UTF-8 text \(undecodable byte at offset 3\)"):
