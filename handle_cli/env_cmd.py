@@ -11,7 +11,6 @@ import importlib.metadata as md
 import json
 import os
 import platform
-import signal
 import subprocess
 import sys
 import tempfile
@@ -219,39 +218,19 @@ def _kill_all(proc: subprocess.Popen, seen: dict) -> None:
     """SIGTERM torchrun's whole tree (and its session), SIGKILL what is left after 5 s; reap torchrun."""
     import psutil
 
+    from torch_handle.launch import terminate
+
     try:
         for p in psutil.Process(proc.pid).children(recursive=True):
             seen.setdefault(p.pid, p)
     except psutil.Error:
         pass
-    alive = [p for p in seen.values() if _running(p)]
-    if proc.poll() is None or alive:
-        for p in alive:
-            try:
-                p.send_signal(signal.SIGTERM)
-            except psutil.Error:
-                pass
-        _, alive = psutil.wait_procs(alive, timeout=5)
-        for p in alive:
-            try:
-                p.kill()
-            except psutil.Error:
-                pass
-        psutil.wait_procs(alive, timeout=2)
+    terminate(list(seen.values()), grace_s=5.0)
     try:
         proc.wait(timeout=5)
     except subprocess.TimeoutExpired:  # pragma: no cover
         proc.kill()
         proc.wait()
-
-
-def _running(p: Any) -> bool:
-    import psutil
-
-    try:
-        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
 
 
 def check_text(r: dict[str, Any]) -> list[str]:

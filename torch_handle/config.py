@@ -691,6 +691,38 @@ def _check_cross(preset: Preset, registry: Any) -> None:
                               f"{type(e).__name__}: {text}", key=f"{table}.name") from None
 
 
+def _apply_overrides(data: dict[str, Any], overrides: typing.Sequence[str], registry: Any, path: Path
+                     ) -> list[tuple[list[str], Any]]:
+    """Apply ``--set`` overrides to the merged preset mapping, each typed by its field; returns them parsed.
+
+    Plugin switches (``table.name=...``) go first, because they reset their table: the options in it belonged
+    to the other plugin.
+    """
+    split = [_split_override(o) for o in overrides]
+    if not split:
+        return []
+    if registry is None:
+        from torch_handle.plugins import get_registry
+
+        registry = get_registry()
+    ordered = sorted(split, key=lambda kr: not (len(kr[0]) == 2 and kr[0][0] in PLUGIN_TABLES
+                                               and kr[0][1] == "name"))
+    parsed: list[tuple[list[str], Any]] = []
+    for keys, raw in ordered:
+        value = _typed_value(raw, _parse_value(raw), _field_type(data, keys, registry))
+        table = keys[0]
+        if (len(keys) == 2 and table in PLUGIN_TABLES and keys[1] == "name" and isinstance(data.get(table), dict)
+                and value != _plugin_name(table, data[table])):
+            data[table] = {}
+        try:
+            _apply_override(data, keys, value)
+        except PresetError as e:
+            e.file = f"{path} (--set)"
+            raise
+        parsed.append((keys, value))
+    return parsed
+
+
 def load_preset(path: str | Path, overrides: typing.Sequence[str] = (), registry: Any = None) -> Preset:
     """Load a preset file, apply ``extends`` and ``--set`` overrides, and validate it.
 
@@ -705,28 +737,7 @@ def load_preset(path: str | Path, overrides: typing.Sequence[str] = (), registry
         raise PresetError("not a preset file (a directory?)", file=path)
     layers: list[tuple[Path, dict[str, Any]]] = []
     data = _load_layers(path, layers=layers)
-    split = [_split_override(o) for o in overrides]
-    parsed: list[tuple[list[str], Any]] = []
-    if split:
-        if registry is None:
-            from torch_handle.plugins import get_registry
-
-            registry = get_registry()
-        # Plugin switches first (they reset their table), then every other key, typed by its field.
-        ordered = sorted(split, key=lambda kr: not (len(kr[0]) == 2 and kr[0][0] in PLUGIN_TABLES
-                                                   and kr[0][1] == "name"))
-        for keys, raw in ordered:
-            value = _typed_value(raw, _parse_value(raw), _field_type(data, keys, registry))
-            table = keys[0]
-            if (len(keys) == 2 and table in PLUGIN_TABLES and keys[1] == "name" and isinstance(data.get(table), dict)
-                    and value != _plugin_name(table, data[table])):
-                data[table] = {}
-            try:
-                _apply_override(data, keys, value)
-            except PresetError as e:
-                e.file = f"{path} (--set)"
-                raise
-            parsed.append((keys, value))
+    parsed = _apply_overrides(data, overrides, registry, path)
     try:
         return preset_from_dict(data, registry, source=str(path))
     except PresetError as e:
@@ -816,6 +827,10 @@ def preset_problems(path: str | Path, overrides: typing.Sequence[str] = (), regi
     ``(None, errors)``. Each table is validated on its own; a problem in the file itself (TOML syntax,
     ``extends``, a malformed ``--set``) is reported alone, and the checks that span tables run only once every
     table is valid."""
+    if registry is None:
+        from torch_handle.plugins import get_registry
+
+        registry = get_registry()
     try:
         return load_preset(path, overrides, registry), []
     except PresetError as e:
@@ -824,22 +839,7 @@ def preset_problems(path: str | Path, overrides: typing.Sequence[str] = (), regi
         path = resolve_preset_path(path)
         layers: list[tuple[Path, dict[str, Any]]] = []
         data = _load_layers(path, layers=layers)
-        split = [_split_override(o) for o in overrides]
-        if registry is None:
-            from torch_handle.plugins import get_registry
-
-            registry = get_registry()
-        parsed: list[tuple[list[str], Any]] = []
-        ordered = sorted(split, key=lambda kr: not (len(kr[0]) == 2 and kr[0][0] in PLUGIN_TABLES
-                                                   and kr[0][1] == "name"))
-        for keys, raw in ordered:
-            value = _typed_value(raw, _parse_value(raw), _field_type(data, keys, registry))
-            table = keys[0]
-            if (len(keys) == 2 and table in PLUGIN_TABLES and keys[1] == "name" and isinstance(data.get(table), dict)
-                    and value != _plugin_name(table, data[table])):
-                data[table] = {}
-            _apply_override(data, keys, value)
-            parsed.append((keys, value))
+        parsed = _apply_overrides(data, overrides, registry, path)
     except PresetError:
         return None, [first]
     errors: list[PresetError] = []

@@ -50,6 +50,31 @@ def _parent_death_sigterm() -> None:  # runs in the child between fork and exec
         pass
 
 
+def is_alive(p: psutil.Process) -> bool:
+    """Running and not a zombie (a zombie has exited; it only waits to be reaped)."""
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def terminate(procs: list[psutil.Process], grace_s: float = 5.0) -> None:
+    """SIGTERM ``procs``, then SIGKILL whatever is still alive after ``grace_s``."""
+    procs = [p for p in procs if is_alive(p)]
+    for p in procs:
+        try:
+            p.send_signal(signal.SIGTERM)
+        except psutil.Error:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=grace_s)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(alive, timeout=2)
+
+
 class Launch:
     """One supervised torchrun."""
 
@@ -98,25 +123,11 @@ class Launch:
         """Second Ctrl-C (or a failure): SIGTERM the tree, SIGKILL whatever is left after ``grace_s``."""
         self.killed = True
         self.poll()
-        procs = [p for p in self.seen.values() if p.is_running()]
-        for p in procs:
-            try:
-                p.send_signal(signal.SIGTERM)
-            except psutil.Error:
-                pass
-        _, alive = psutil.wait_procs(procs, timeout=grace_s)
-        for p in alive:
-            try:
-                p.kill()
-            except psutil.Error:
-                pass
-        psutil.wait_procs(alive, timeout=2)
+        terminate(list(self.seen.values()), grace_s)
 
     def reap(self) -> None:
         """After torchrun exited: make sure no process of its tree is left."""
-        alive = [p for p in self.seen.values() if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-        if alive:
-            self.kill(grace_s=2.0)
+        terminate(list(self.seen.values()), grace_s=2.0)  # not a user's kill: the status stays the workers' own
 
     def finish(self, returncode: int) -> dict[str, Any]:
         """Settle run.json after torchrun exited: the worker's own status, or failed with the cause."""
