@@ -18,38 +18,15 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tests.helpers import tiny_preset
+
 pytestmark = pytest.mark.dist
-
-TINY = """
-[run]
-output_dir = "{out}"
-[model]
-d_model = 64
-n_heads = 4
-n_layers = 2
-d_ff = 128
-[data]
-seq_len = 32
-vocab_size = 512
-[training]
-steps = 10
-micro_batch_size = 4
-precision = "fp32"
-eval_every = 0
-checkpoint_every = 0
-log_every = 5
-[strategy]
-name = "ddp"
-[launch]
-nproc_per_node = 2
-"""
-
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("dist")
     path = root / "tiny.toml"
-    path.write_text(TINY.format(out=root / "runs"))
+    path.write_text(tiny_preset(root / "runs"))
     return path
 
 

@@ -22,35 +22,12 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import tiny_preset
+
 REPO = Path(__file__).resolve().parents[1]
 ZERO2 = REPO / "presets" / "zero2.toml"
 SHAKESPEARE = REPO / "plugins" / "examples" / "handle-shakespeare"
 HEAVY = ("torch", "textual", "deepspeed")
-
-TINY = """
-[run]
-output_dir = "{out}"
-[model]
-d_model = 64
-n_heads = 4
-n_layers = 2
-d_ff = 128
-[data]
-seq_len = 32
-vocab_size = 512
-[training]
-steps = 3
-micro_batch_size = 4
-precision = "fp32"
-eval_every = 0
-checkpoint_every = 0
-log_every = 1
-[strategy]
-name = "{strategy}"
-[launch]
-nproc_per_node = 2
-"""
-
 
 def _env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("HANDLE_LOAD_PLUGINS", "HANDLE_DEBUG")}
@@ -202,8 +179,8 @@ TMP_DDP = {
             def describe(self):
                 return {**super().describe(), "marker": self.options.marker}
     ''',
-    "presets/tmp-tiny.toml": "# A tiny 2-process run with the tmp-ddp strategy.\n" + TINY.format(out="unused",
-                                                                                                 strategy="tmp-ddp"),
+    "presets/tmp-tiny.toml": "# A tiny 2-process run with the tmp-ddp strategy.\n" + tiny_preset(
+        "unused", steps=3, strategy="tmp-ddp", log_every=1),
 }
 
 
@@ -245,7 +222,7 @@ def test_strategy_plugin_install_list_run_uninstall(py, tmp_path):
         # a real 2-process run with the plugin's strategy, from the plugin's preset
         out = tmp_path / "runs"
         t0 = time.monotonic()
-        run = ok(handle(py, "run", "tmp-tiny", "--set", f"run.output_dir={out}", cwd=tmp_path, timeout=300))
+        ok(handle(py, "run", "tmp-tiny", "--set", f"run.output_dir={out}", cwd=tmp_path, timeout=300))
         (run_dir,) = [d for d in out.iterdir() if not d.name.startswith(".")]
         info = json.loads((run_dir / "run.json").read_text())
         assert (info["status"], info["strategy"], info["world_size"]) == ("finished", "tmp-ddp", 2), info

@@ -49,9 +49,10 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """Token-mean cross-entropy in fp32. logits (B, T, V), labels (B, T) -> (scalar loss, tokens counted)."""
-    n_tokens = int((labels != IGNORE_INDEX).sum())
+def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-mean cross-entropy in fp32. logits (B, T, V), labels (B, T) -> (scalar loss, tokens counted as a
+    scalar tensor on the same device: counting must not force a host sync)."""
+    n_tokens = (labels != IGNORE_INDEX).sum()
     loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX)
     return loss, n_tokens
 
@@ -171,22 +172,21 @@ class Trainer:
     def train_step(self, batches: Iterator[dict[str, torch.Tensor]]) -> dict[str, Any]:
         t0 = time.perf_counter()
         t = self.training
-        loss_sum = torch.zeros((), dtype=torch.float64)
-        tokens = 0
+        # [loss * tokens, tokens, stop] stays on the device until the one sync below (nccl needs it there too)
+        stats = torch.zeros(3, dtype=torch.float64, device=self.ctx.device)
         for i in range(t.grad_accum):
             batch = next(batches)
             with self.strategy.accumulating(sync=i == t.grad_accum - 1):
                 loss, n = self.forward_loss(batch)
                 self.strategy.backward(loss)
-            loss_sum += loss.detach().double().cpu() * n
-            tokens += n
+            stats[0] += loss.detach().double() * n
+            stats[1] += n
         # One small all-reduce carries the global loss, token count and the stop request (rank 0 reads the
         # STOP file), so every rank agrees on them without another collective.
-        stop = float(self.ctx.is_main and (self.run_dir / STOP_FILE).exists())
-        stats = torch.stack([loss_sum, torch.tensor(float(tokens), dtype=torch.float64),
-                             torch.tensor(stop, dtype=torch.float64)])
+        stats[2] = float(self.ctx.is_main and (self.run_dir / STOP_FILE).exists())
         if self.ctx.distributed:
             dist.all_reduce(stats)
+        stats = stats.cpu()
         loss_value = float(stats[0] / stats[1])
         record: dict[str, Any] = {"step": self.step + 1, "loss": loss_value, "tokens": int(stats[1])}
         log_memory = (self.step + 1) % t.log_every == 0 or self.step == 0
@@ -227,15 +227,17 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> float:
         self.strategy.train(False)
-        total = torch.zeros(2, dtype=torch.float64)
+        total = torch.zeros(2, dtype=torch.float64, device=self.ctx.device)
         for i, batch in enumerate(self.valid_loader):
             if i >= self.training.eval_steps:
                 break
             batch = {k: v.to(self.ctx.device, non_blocking=True) for k, v in batch.items()}
             loss, n = self.forward_loss(batch)
-            total += torch.tensor([float(loss) * n, n], dtype=torch.float64)
+            total[0] += loss.double() * n
+            total[1] += n
         if self.ctx.distributed:
             dist.all_reduce(total)
+        total = total.cpu()
         self.strategy.train(True)
         return float(total[0] / total[1]) if total[1] > 0 else float("nan")
 
