@@ -74,7 +74,7 @@ def torch_info() -> dict[str, Any]:
 
 
 def plugins_info() -> dict[str, Any]:
-    from torch_handle.plugins import get_registry
+    from torch_handle.registry import get_registry
 
     reg = get_registry()
     return {

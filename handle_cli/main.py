@@ -9,13 +9,9 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import NoReturn
-
 import click
 
-EXIT_BAD_INPUT = 2
-EXIT_FAILED = 1
-EXIT_STOPPED = 130
+from handle_cli.common import EXIT_FAILED, fail
 
 
 class HandleGroup(click.Group):
@@ -50,7 +46,7 @@ class HandleGroup(click.Group):
 
     def _plugin_commands(self) -> dict:
         try:
-            from torch_handle.plugins import get_registry
+            from torch_handle.registry import get_registry
 
             from handle_cli.plugins_cmd import accepted_commands
 
@@ -86,11 +82,6 @@ class HandleGroup(click.Group):
         if extra:
             with formatter.section("Plugin commands"):
                 formatter.write_dl(extra)
-
-
-def fail(message: str, code: int = EXIT_BAD_INPUT) -> NoReturn:
-    click.echo(f"error: {message}", err=True)
-    sys.exit(code)
 
 
 @click.group(cls=HandleGroup, context_settings={"help_option_names": ["-h", "--help"]})

@@ -17,6 +17,8 @@ from typing import Any
 
 import click
 
+from handle_cli.common import fail
+
 KINDS = ("model", "dataset", "strategy", "profiler")
 CORE_DISTRIBUTION = "torch-handle"
 
@@ -137,7 +139,7 @@ def plugins_list(ctx: click.Context, as_json: bool, kind: str | None) -> None:
 
     Exits 0 even when some plugins failed to load (their reason is shown).
     """
-    from torch_handle.plugins import get_registry
+    from torch_handle.registry import get_registry
 
     registry = get_registry()
     data = listing(registry, _core_commands(ctx))
@@ -296,8 +298,6 @@ def plugins_uninstall(names: tuple[str, ...], yes: bool) -> None:
     Only distributions that provide a `handle` plugin are removed, and never torch-handle itself (its built-in
     plugins cannot be uninstalled; HANDLE_LOAD_PLUGINS only limits external ones).
     """
-    from handle_cli.main import fail
-
     eps = _entry_points()
     by_dist: dict[str, list[str]] = {}
     for plugin, (dist, _) in eps.items():

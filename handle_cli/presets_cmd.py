@@ -14,6 +14,8 @@ from pathlib import Path
 
 import click
 
+from handle_cli.common import fail
+
 OVERRIDE = click.option("--set", "overrides", multiple=True, metavar="TABLE.KEY=VALUE",
                         help="Override a preset key, typed by its field (repeatable).")
 
@@ -34,7 +36,7 @@ def resolve_preset_spec(spec: str) -> str:
 def plugin_presets() -> list[tuple[str, Path, str]]:
     """(plugin, file, description) of every preset a loaded plugin contributes."""
     from torch_handle.config import preset_description
-    from torch_handle.plugins import get_registry
+    from torch_handle.registry import get_registry
 
     out = []
     for plugin, directory in get_registry().preset_dirs:
@@ -59,7 +61,7 @@ def validate(preset: str, overrides: tuple[str, ...]) -> None:
     Exit code 2 when there is any problem.
     """
     from torch_handle.config import load_preset, preset_problems
-    from torch_handle.plugins import get_registry
+    from torch_handle.registry import get_registry
 
     spec = resolve_preset_spec(preset)
     if os.environ.get("HANDLE_DEBUG"):
@@ -131,8 +133,6 @@ NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 def presets_new(name: str, base: str, directory: Path, description: str | None) -> None:
     """Write presets/NAME.toml: `extends` PRESET and sets `[run] name = NAME`; never overwrites a file."""
     from torch_handle.config import PresetError, load_preset, preset_description, resolve_preset_path
-
-    from handle_cli.main import fail
 
     if name.endswith(".toml"):
         name = name[: -len(".toml")]

@@ -11,13 +11,14 @@ from pathlib import Path
 
 import click
 
+from handle_cli.common import EXIT_FAILED, EXIT_FINISHED, EXIT_STOPPED
 from torch_handle.config import Preset, dump_preset, load_preset
 from torch_handle.rundir import PRESET_FILE, RunDirError, create_run_dir, read_run_info, update_run_info
 from torch_handle.telemetry import EVENTS_FILE, EventReader, RunSummary
+from torch_handle.text import clean, fmt_bytes, fmt_duration  # text from logs and events never reaches the terminal raw
 
-from handle_cli.tui.model import clean  # text from logs and events never reaches the terminal raw
 
-EXIT_CODES = {"finished": 0, "failed": 1, "stopped": 130}
+EXIT_CODES = {"finished": EXIT_FINISHED, "failed": EXIT_FAILED, "stopped": EXIT_STOPPED}
 
 
 def prepare_run(preset: str | None, overrides: tuple[str, ...], run_dir: Path | None,
@@ -48,7 +49,7 @@ def prepare_run(preset: str | None, overrides: tuple[str, ...], run_dir: Path | 
 
 def _check_data(preset: Preset) -> None:
     """Cheap data checks before anything starts (missing paths), through the dataset plugin's own hook."""
-    from torch_handle.plugins import get_registry
+    from torch_handle.registry import get_registry
 
     reg = get_registry().get("dataset", preset.data.name)
     preflight = getattr(reg.factory, "preflight", None)
@@ -66,25 +67,8 @@ def _alive(pid: object) -> bool:
         return False
 
 
-def _fmt_s(seconds: float | None) -> str:
-    if seconds is None:
-        return "--:--"
-    seconds = int(seconds)
-    h, rem = divmod(seconds, 3600)
-    m, s = divmod(rem, 60)
-    return f"{h}:{m:02d}:{s:02d}" if h else f"{m:02d}:{s:02d}"
-
-
 def _fmt_loss(value: object) -> str:
     return f"{value:.4f}" if isinstance(value, (int, float)) else "n/a (not finite)"
-
-
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
 
 
 def progress_line(s: RunSummary) -> str:
@@ -98,7 +82,7 @@ def progress_line(s: RunSummary) -> str:
         parts.append(f"{s.tokens_per_s[-1]:,.0f} tok/s")
     if s.lr is not None:
         parts.append(f"lr {s.lr:.2e}")
-    parts.append(f"ETA {_fmt_s(s.eta_s())}")
+    parts.append(f"ETA {fmt_duration(s.eta_s())}")
     return " | ".join(parts)
 
 
@@ -111,17 +95,17 @@ def summary_text(s: RunSummary, run_dir: Path, info: dict) -> str:
                      + (f"   val loss {s.first_val_loss:.4f} -> {s.val_loss:.4f}" if s.val_loss is not None else ""))
     if s.mean_tokens_per_s:
         lines.append(f"  mean {s.mean_tokens_per_s:,.0f} tokens/s   elapsed "
-                     f"{_fmt_s((s.last_time or 0) - (s.start_time or 0))}")
+                     f"{fmt_duration((s.last_time or 0) - (s.start_time or 0))}")
     if info.get("strategy"):
         stage = f" ZeRO-{info['zero_stage']}" if info.get("zero_stage") is not None else ""
         lines.append(f"  {info['strategy']}{stage}, world size {info.get('world_size')}, "
                      f"optimizer {info.get('optimizer')}")
     for rank, peak in sorted(s.peak_memory.items()):
         model_state = peak.get("param_bytes", 0) + peak.get("grad_bytes", 0) + peak.get("optimizer_bytes", 0)
-        extra = f"   cuda peak {_fmt_bytes(peak['cuda_max_allocated_bytes'])}" if "cuda_max_allocated_bytes" in peak else ""
-        lines.append(f"  rank {rank}: params {_fmt_bytes(peak.get('param_bytes', 0))}  grads "
-                     f"{_fmt_bytes(peak.get('grad_bytes', 0))}  optimizer {_fmt_bytes(peak.get('optimizer_bytes', 0))}"
-                     f"  (model state {_fmt_bytes(model_state)})  rss {_fmt_bytes(peak.get('rss_bytes', 0))}{extra}")
+        extra = f"   cuda peak {fmt_bytes(peak['cuda_max_allocated_bytes'])}" if "cuda_max_allocated_bytes" in peak else ""
+        lines.append(f"  rank {rank}: params {fmt_bytes(peak.get('param_bytes', 0))}  grads "
+                     f"{fmt_bytes(peak.get('grad_bytes', 0))}  optimizer {fmt_bytes(peak.get('optimizer_bytes', 0))}"
+                     f"  (model state {fmt_bytes(model_state)})  rss {fmt_bytes(peak.get('rss_bytes', 0))}{extra}")
     return "\n".join(lines)
 
 

@@ -7,10 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
-from torch_handle.config import InvalidValue, param
-from torch_handle.corpus import pydoc_corpus, read_parallel, read_text, split_documents, text_files
-from torch_handle.errors import DataError
-from torch_handle.hookspecs import hookimpl
+from torch_handle.api import (DataError, InvalidValue, hookimpl, param, pydoc_corpus, read_parallel, read_text,
+                              split_documents, text_files)
 
 
 @dataclass
@@ -152,7 +150,7 @@ def preflight_parallel(options: ParallelConfig) -> None:
 
 
 def _lm_bundle(train_docs, valid_docs, options, ctx, name):
-    from torch_handle.data import DataBundle, LMDataset, encode_stream, load_or_train_tokenizer
+    from torch_handle.api import DataBundle, LMDataset, encode_stream, load_or_train_tokenizer
 
     if not "".join(train_docs).strip():
         raise DataError(f"{name}: empty corpus")
@@ -179,7 +177,7 @@ def build_text(options: TextConfig, ctx):
 
 
 def build_parallel(options: ParallelConfig, ctx):
-    from torch_handle.data import DataBundle, TranslationDataset, load_or_train_tokenizer, pad_collate
+    from torch_handle.api import DataBundle, TranslationDataset, load_or_train_tokenizer, pad_collate
 
     root = Path(options.path)
     if not root.is_dir():

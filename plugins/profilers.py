@@ -5,8 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from torch_handle.config import param
-from torch_handle.hookspecs import hookimpl
+from torch_handle.api import hookimpl, param
 
 
 @dataclass

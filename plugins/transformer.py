@@ -5,8 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from torch_handle.config import InvalidValue, param
-from torch_handle.hookspecs import hookimpl
+from torch_handle.api import InvalidValue, hookimpl, param
 
 
 @dataclass

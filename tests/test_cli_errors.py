@@ -254,8 +254,8 @@ class BrokenStrategies:
 
 
 def test_run_with_a_strategy_of_a_failed_plugin(runner, tmp_path, monkeypatch):
-    import torch_handle.plugins as plugins
-    from torch_handle.plugins import PluginInfo, load_registry
+    import torch_handle.registry as plugins
+    from torch_handle.registry import PluginInfo, load_registry
 
     registry = load_registry()
     registry.add_plugin(BrokenStrategies(), PluginInfo("turbo-plugin", "turbo-dist", "1.0", builtin=False))

@@ -27,7 +27,7 @@ from torch_handle.config import (
 )
 from torch_handle.errors import DataError
 from torch_handle.hookspecs import hookimpl
-from torch_handle.plugins import PluginInfo, PluginRegistry, get_registry, load_registry
+from torch_handle.registry import PluginInfo, PluginRegistry, get_registry, load_registry
 
 REPO = Path(__file__).resolve().parents[1]
 PRESETS = sorted((REPO / "presets").glob("*.toml"))

@@ -1,9 +1,7 @@
-"""Presets: TOML files composed into typed, validated dataclasses.
+"""Presets: TOML files composed into the typed, validated dataclasses of :mod:`torch_handle.schema`.
 
-A preset has one table per concern. `[run]`, `[training]` and `[launch]` are owned by the core and described
-by the dataclasses below; `[model]`, `[data]`, `[strategy]` and `[profiler]` each carry a `name` that picks a
-plugin, and the rest of the table is validated against the dataclass that plugin registered. Defaults live in
-the dataclasses, so a preset holds only what differs from them.
+This module is the loader: TOML, ``extends``, ``--set``, the validation walk and line finding. The schema (one
+dataclass per table, defaults, field docs) is :mod:`torch_handle.schema`; its names are re-exported here.
 
 Precedence: ``--set`` overrides > the preset file > the presets it ``extends`` > dataclass defaults.
 A layer (a file or ``--set``) that switches a plugin table to another plugin ``name`` starts that table afresh:
@@ -19,19 +17,14 @@ This module imports neither torch nor any plugin code, so validating a preset is
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import difflib
-import functools
-import inspect
 import math
 import os
 import re
 import sys
-import textwrap
 import types
 import typing
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -39,6 +32,11 @@ if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
+
+from torch_handle.errors import InvalidValue, PresetError
+from torch_handle.registry import PluginRegistry, get_registry
+from torch_handle.schema import (CORE_TABLES, DEFAULT_PLUGINS, PLUGIN_TABLES, TABLE_ORDER, LaunchConfig, PluginSection,
+                                  Preset, RunConfig, TrainingConfig, field_docs, param)
 
 __all__ = [
     "PresetError",
@@ -59,198 +57,9 @@ __all__ = [
 ]
 
 
-class PresetError(Exception):
-    """A preset problem; ``str(err)`` is one line: ``FILE[:LINE]: TABLE.KEY: WHAT (valid: ...)``."""
-
-    def __init__(self, message: str, *, file: str | Path | None = None, key: str | None = None,
-                 line: int | None = None):
-        self.message, self.file, self.key, self.line = message, file, key, line
-        super().__init__(str(self))
-
-    def __str__(self) -> str:
-        where = ""
-        if self.file is not None:
-            where = f"{self.file}:{self.line}: " if self.line else f"{self.file}: "
-        key = f"{self.key}: " if self.key else ""
-        return f"{where}{key}{self.message}"
-
-
-class InvalidValue(ValueError):
-    """Raised by a section's ``check()`` for a value that is out of range; ``key`` is the offending field."""
-
-    def __init__(self, key: str, message: str):
-        self.key, self.message = key, message
-        super().__init__(f"{key}: {message}")
-
-
-def param(default: Any = dataclasses.MISSING, *, ge: float | None = None, gt: float | None = None,
-          le: float | None = None, default_factory: Any = dataclasses.MISSING) -> Any:
-    """A dataclass field with a numeric range that validation enforces (``ge``: >=, ``gt``: >, ``le``: <=)."""
-    metadata = {k: v for k, v in (("ge", ge), ("gt", gt), ("le", le)) if v is not None}
-    if default_factory is not dataclasses.MISSING:
-        return field(default_factory=default_factory, metadata=metadata)
-    return field(default=default, metadata=metadata)
-
-
-# --------------------------------------------------------------------------------------------------------------
-# Core sections. The string under each field is its documentation (shown by `handle presets show --docs`).
-# --------------------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class RunConfig:
-    """``[run]``: what the run is called and where it writes."""
-
-    name: str = "handle"
-    """Run name; the run directory is ``<output_dir>/<name>-<UTC timestamp>``."""
-    output_dir: str = "runs"
-    """Directory that holds run directories (relative to the working directory)."""
-    seed: int = param(1234, ge=0)
-    """Seed for torch, Python and NumPy on every rank (the data order depends on it too)."""
-
-    def check(self) -> None:
-        if not re.fullmatch(r"[A-Za-z0-9._-]+", self.name):
-            raise InvalidValue("name", f"{self.name!r} must use only letters, digits, '.', '_' and '-'")
-        if self.name[0] in ".-":
-            # a hidden run directory would be skipped by `handle tui`; a leading '-' reads as an option
-            raise InvalidValue("name", f"{self.name!r} must not start with '.' or '-'")
-
-
-@dataclass
-class TrainingConfig:
-    """``[training]``: the optimisation loop, shared by every strategy."""
-
-    steps: int = param(200, ge=1)
-    """Optimizer steps to run (each step consumes micro_batch_size * grad_accum * world_size samples)."""
-    micro_batch_size: int = param(8, ge=1)
-    """Samples per rank per forward/backward."""
-    grad_accum: int = param(1, ge=1)
-    """Micro-batches accumulated before each optimizer step."""
-    lr: float = param(1e-3, gt=0.0)
-    """Peak learning rate of AdamW."""
-    min_lr_ratio: float = param(0.1, ge=0.0, le=1.0)
-    """Final learning rate as a fraction of lr (cosine and linear schedules)."""
-    warmup_steps: int = param(20, ge=0)
-    """Linear warm-up from 0 to lr over this many steps."""
-    schedule: Literal["cosine", "linear", "constant"] = "cosine"
-    """Learning-rate decay after warm-up."""
-    weight_decay: float = param(0.01, ge=0.0)
-    """Decoupled weight decay of AdamW (Loshchilov & Hutter 2019)."""
-    beta1: float = param(0.9, ge=0.0, le=1.0)
-    """AdamW beta1."""
-    beta2: float = param(0.95, ge=0.0, le=1.0)
-    """AdamW beta2."""
-    grad_clip: float = param(1.0, ge=0.0)
-    """Clip the global gradient norm to this value; 0 disables clipping."""
-    precision: Literal["fp32", "bf16", "fp16"] = "bf16"
-    """Compute precision: bf16 and fp16 keep fp32 master weights; fp16 uses dynamic loss scaling."""
-    eval_every: int = param(50, ge=0)
-    """Evaluate on the validation split every N steps (and at the end); 0 = only at the end."""
-    eval_steps: int = param(10, ge=1)
-    """Validation micro-batches per rank for each evaluation."""
-    log_every: int = param(10, ge=1)
-    """Every N steps, gather per-rank memory into the step event."""
-    checkpoint_every: int = param(100, ge=0)
-    """Write a checkpoint every N steps (and at the end); 0 = only at the end."""
-    keep_last: int = param(2, ge=1)
-    """How many checkpoints to keep; older ones are deleted once a newer one is complete."""
-    on_nan: Literal["stop", "skip"] = "stop"
-    """On a non-finite loss: stop the run as failed, or skip that update."""
-
-
-@dataclass
-class LaunchConfig:
-    """``[launch]``: how torchrun starts the workers."""
-
-    nproc_per_node: int = param(1, ge=1)
-    """Worker processes on this node (one per GPU on CUDA)."""
-    nnodes: int = param(1, ge=1)
-    """Number of nodes; every node runs `handle run` with its own node_rank."""
-    node_rank: int = param(0, ge=0)
-    """Rank of this node, 0 .. nnodes-1."""
-    rdzv_endpoint: str = ""
-    """host:port of the rendezvous for multi-node runs; empty on one node (a free port is chosen)."""
-    max_restarts: int = param(0, ge=0)
-    """How often torchrun restarts the worker group after a failure; each restart resumes from a checkpoint."""
-    backend: Literal["auto", "gloo", "nccl"] = "auto"
-    """torch.distributed backend: auto = nccl with CUDA, gloo without."""
-    timeout_s: int = param(600, ge=10)
-    """Timeout of collective operations in seconds; a lost peer ends in an error instead of a hang."""
-
-    def check(self) -> None:
-        if self.node_rank >= self.nnodes:
-            raise InvalidValue("node_rank", f"{self.node_rank} must be below nnodes ({self.nnodes})")
-        if self.nnodes > 1 and not self.rdzv_endpoint:
-            raise InvalidValue("rdzv_endpoint", "is required when nnodes > 1 (for example 'node0:29400')")
-        if self.rdzv_endpoint:
-            m = re.fullmatch(r"(?:[^\s:\[\]]+|\[[0-9A-Fa-f:.]+\]):(\d{1,5})", self.rdzv_endpoint)
-            if not m or not 1 <= int(m.group(1)) <= 65535:
-                raise InvalidValue("rdzv_endpoint", f"{self.rdzv_endpoint!r} must look like 'host:port' "
-                                                    f"(port 1-65535)")
-        if self.backend == "nccl":
-            import torch  # only for an explicit nccl choice: validation stays torch-free otherwise
-
-            devices = torch.cuda.device_count()
-            if self.nproc_per_node > devices:
-                raise InvalidValue("nproc_per_node", f"{self.nproc_per_node} processes but {devices} CUDA device(s) "
-                                                     f"visible: nccl needs one device per process (or use gloo)")
-
-
-@dataclass
-class PluginSection:
-    """A ``[model]``/``[data]``/``[strategy]``/``[profiler]`` table: the plugin ``name`` and its options."""
-
-    name: str
-    options: Any
-    """An instance of the dataclass that the plugin registered for its section."""
-
-
-PLUGIN_TABLES: dict[str, str] = {"model": "model", "data": "dataset", "strategy": "strategy", "profiler": "profiler"}
-"""Preset table -> plugin kind."""
-
-DEFAULT_PLUGINS: dict[str, str] = {"model": "transformer", "data": "pydoc", "strategy": "single", "profiler": "none"}
-CORE_TABLES: dict[str, type] = {"run": RunConfig, "training": TrainingConfig, "launch": LaunchConfig}
-TABLE_ORDER = ("run", "model", "data", "training", "strategy", "launch", "profiler")
-
-
-@dataclass
-class Preset:
-    """A fully resolved and validated preset."""
-
-    run: RunConfig
-    model: PluginSection
-    data: PluginSection
-    training: TrainingConfig
-    strategy: PluginSection
-    launch: LaunchConfig
-    profiler: PluginSection
-    source: str = "<preset>"
-    """Where the preset came from (for messages)."""
-
-    @property
-    def world_size(self) -> int:
-        return self.launch.nproc_per_node * self.launch.nnodes
-
-
 # --------------------------------------------------------------------------------------------------------------
 # Typed coercion of TOML values against dataclass annotations.
 # --------------------------------------------------------------------------------------------------------------
-
-
-@functools.cache
-def field_docs(cls: type) -> dict[str, str]:
-    """The attribute docstrings of a dataclass (the string literal under each field), by field name."""
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    except (OSError, TypeError, SyntaxError):
-        return {}
-    body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
-    docs: dict[str, str] = {}
-    for node, nxt in zip(body, body[1:]):
-        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(nxt, ast.Expr)
-                and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)):
-            docs[node.target.id] = " ".join(nxt.value.value.split())
-    return docs
 
 
 def _type_name(tp: Any) -> str:
@@ -522,7 +331,7 @@ def _takes_string(tp: Any) -> bool:
     return False
 
 
-def _field_type(data: dict[str, Any], keys: list[str], registry: Any) -> Any:
+def _field_type(data: dict[str, Any], keys: list[str], registry: PluginRegistry) -> Any:
     """The annotation of the field ``keys`` sets (``table.key``), or None when it is not known (yet)."""
     if len(keys) != 2:
         return None
@@ -633,18 +442,16 @@ def _locate(err: PresetError, layers: list[tuple[Path, dict[str, Any]]],
     err.file, err.line = top, _find_line(top, table, None)
 
 
-def preset_from_dict(data: dict[str, Any], registry: Any = None, *, source: str = "<preset>") -> Preset:
+def preset_from_dict(data: dict[str, Any], registry: PluginRegistry | None = None, *, source: str = "<preset>") -> Preset:
     """Validate a merged preset mapping into a :class:`Preset`.
 
-    ``registry`` is a :class:`torch_handle.plugins.PluginRegistry` (loaded on demand when None); plugin tables
+    ``registry`` is a :class:`torch_handle.registry.PluginRegistry` (loaded on demand when None); plugin tables
     are validated against the dataclass of the plugin their ``name`` picks.
 
     Raises:
         PresetError: for the first problem found (without file/line; :func:`load_preset` adds those).
     """
     if registry is None:
-        from torch_handle.plugins import get_registry
-
         registry = get_registry()
     unknown = [k for k in data if k not in CORE_TABLES and k not in PLUGIN_TABLES]
     if unknown:
@@ -672,7 +479,7 @@ def preset_from_dict(data: dict[str, Any], registry: Any = None, *, source: str 
     return preset
 
 
-def _check_cross(preset: Preset, registry: Any) -> None:
+def _check_cross(preset: Preset, registry: PluginRegistry) -> None:
     """Checks that span tables; each plugin may add its own through ``check_preset``."""
     for table, kind in PLUGIN_TABLES.items():
         section: PluginSection = getattr(preset, table)
@@ -691,7 +498,7 @@ def _check_cross(preset: Preset, registry: Any) -> None:
                               f"{type(e).__name__}: {text}", key=f"{table}.name") from None
 
 
-def _apply_overrides(data: dict[str, Any], overrides: typing.Sequence[str], registry: Any, path: Path
+def _apply_overrides(data: dict[str, Any], overrides: typing.Sequence[str], registry: PluginRegistry | None, path: Path
                      ) -> list[tuple[list[str], Any]]:
     """Apply ``--set`` overrides to the merged preset mapping, each typed by its field; returns them parsed.
 
@@ -702,8 +509,6 @@ def _apply_overrides(data: dict[str, Any], overrides: typing.Sequence[str], regi
     if not split:
         return []
     if registry is None:
-        from torch_handle.plugins import get_registry
-
         registry = get_registry()
     ordered = sorted(split, key=lambda kr: not (len(kr[0]) == 2 and kr[0][0] in PLUGIN_TABLES
                                                and kr[0][1] == "name"))
@@ -723,7 +528,7 @@ def _apply_overrides(data: dict[str, Any], overrides: typing.Sequence[str], regi
     return parsed
 
 
-def load_preset(path: str | Path, overrides: typing.Sequence[str] = (), registry: Any = None) -> Preset:
+def load_preset(path: str | Path, overrides: typing.Sequence[str] = (), registry: PluginRegistry | None = None) -> Preset:
     """Load a preset file, apply ``extends`` and ``--set`` overrides, and validate it.
 
     Raises:
@@ -821,15 +626,13 @@ def _table_problems(cls: type, table: str, values: dict[str, Any], allowed_extra
     return errors or [first]
 
 
-def preset_problems(path: str | Path, overrides: typing.Sequence[str] = (), registry: Any = None
+def preset_problems(path: str | Path, overrides: typing.Sequence[str] = (), registry: PluginRegistry | None = None
                     ) -> tuple[Preset | None, list[PresetError]]:
     """:func:`load_preset`, but reporting every problem at once: ``(preset, [])`` when it is valid, else
     ``(None, errors)``. Each table is validated on its own; a problem in the file itself (TOML syntax,
     ``extends``, a malformed ``--set``) is reported alone, and the checks that span tables run only once every
     table is valid."""
     if registry is None:
-        from torch_handle.plugins import get_registry
-
         registry = get_registry()
     try:
         return load_preset(path, overrides, registry), []

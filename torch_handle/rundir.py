@@ -22,16 +22,13 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from torch_handle.errors import RunDirError
+
 PRESET_FILE = "preset.toml"
 RUN_FILE = "run.json"
 STOP_FILE = "STOP"
 """Created by ``handle run`` on the first Ctrl-C: the workers finish the step, checkpoint and exit."""
 
-STATUSES = ("running", "finished", "failed", "stopped")
-
-
-class RunDirError(Exception):
-    """An unusable run or output directory; ``str()`` is one line."""
 
 
 def write_json_atomic(path: Path, data: dict[str, Any]) -> None:

@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader
 from torch_handle import checkpoint as ckpt
 from torch_handle.config import Preset
 from torch_handle.data import IGNORE_INDEX, DataBundle, DataContext, ResumableDistributedSampler
-from torch_handle.plugins import PluginRegistry
+from torch_handle.registry import PluginRegistry
 from torch_handle.rundir import STOP_FILE, update_run_info
 from torch_handle.strategy import DistContext, Strategy
 from torch_handle.telemetry import EVENTS_FILE, EventWriter, NullEventWriter

@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     log.info("worker pid %d rank %d/%s restart %d", os.getpid(), rank, os.environ["WORLD_SIZE"], restart)
 
     from torch_handle.config import load_preset
-    from torch_handle.plugins import get_registry
+    from torch_handle.registry import get_registry
     from torch_handle.trainer import NonFiniteLoss, Trainer
 
     registry = get_registry()

@@ -21,8 +21,9 @@ from textual.widgets import Footer
 from textual.worker import get_current_worker
 
 from torch_handle.rundir import RunDirError, read_run_info
+from torch_handle.text import clean
 
-from handle_cli.tui.model import Batch, RunState, RunTailer, clean
+from handle_cli.tui.model import Batch, RunState, RunTailer
 from handle_cli.tui.screens import HelpScreen, RunPicker
 from handle_cli.tui.widgets import Chart, LogPanel, MemoryBars, Series, StatusHeader
 

@@ -14,90 +14,15 @@ import re
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Iterable
 
 from torch_handle.rundir import RUN_FILE, RunDirError, list_runs, read_run_info
 from torch_handle.telemetry import EVENTS_FILE, BadLine, EventReader
+from torch_handle.text import clean, fmt_float, fmt_time, strategy_label
 
 FINAL_STATUSES = ("finished", "failed", "stopped")
 RESTART_STATUSES = ("restarting", "restarted")
-
-# ---------------------------------------------------------------------------------------------------------------
-# text hygiene and formatting
-# ---------------------------------------------------------------------------------------------------------------
-
-_ANSI = re.compile(
-    r"\x1b\[[0-?]*[ -/]*[@-~]"  # CSI (colours, cursor moves, ...)
-    r"|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)?"  # OSC (titles, hyperlinks)
-    r"|\x1b[PX^_][^\x1b]*(?:\x1b\\)?"  # DCS, SOS, PM, APC strings
-    r"|\x1b[@-Z\\-_]?"  # any other escape (and a lone ESC)
-    r"|\x9b[0-?]*[ -/]*[@-~]"  # 8-bit CSI
-)
-_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
-
-
-def clean(text: Any, limit: int = 2000) -> str:
-    """``text`` made safe to show: no escape sequences or control characters, one line, at most ``limit`` chars.
-
-    A carriage return keeps what a terminal would show (the text after the last one), tabs become spaces.
-    The result still has to be shown as plain text (``rich.text.Text``), never parsed as markup.
-    """
-    s = text if isinstance(text, str) else str(text)
-    s = _ANSI.sub("", s)
-    if "\r" in s:
-        parts = [p for p in s.split("\r") if p.strip()]
-        s = parts[-1] if parts else ""
-    s = s.replace("\t", "    ").replace("\n", " ")
-    s = _CONTROL.sub("", s)
-    return s if len(s) <= limit else s[: limit - 1] + "…"
-
-
-def fmt_duration(seconds: float | None) -> str:
-    if seconds is None or not math.isfinite(seconds):
-        return "--:--"
-    seconds = int(max(0, seconds))
-    h, rem = divmod(seconds, 3600)
-    m, s = divmod(rem, 60)
-    return f"{h}:{m:02d}:{s:02d}" if h else f"{m:02d}:{s:02d}"
-
-
-def fmt_bytes(n: float | None) -> str:
-    if n is None:
-        return "-"
-    n = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"  # pragma: no cover
-
-
-def fmt_float(x: float | None, digits: int = 4) -> str:
-    if x is None:
-        return "-"
-    if not math.isfinite(x):
-        return str(x)
-    return f"{x:.{digits}f}"
-
-
-def fmt_time(t: Any) -> str:
-    """A unix time as ``YYYY-MM-DD HH:MM`` in UTC (the zone run directory names use; deterministic in tests)."""
-    try:
-        return datetime.fromtimestamp(float(t), timezone.utc).strftime("%Y-%m-%d %H:%M")
-    except (TypeError, ValueError, OverflowError, OSError):
-        return "-"
-
-
-def strategy_label(strategy: Any, zero_stage: Any) -> str:
-    if not strategy:
-        return "-"
-    label = clean(strategy, 40)
-    if zero_stage is not None and zero_stage != "":
-        label += f" ZeRO-{clean(zero_stage, 8)}"
-    return label
-
 
 def _num(x: Any) -> float | None:
     """A finite float, or None (bools, strings, NaN, inf and missing values all give None)."""

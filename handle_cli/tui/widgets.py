@@ -13,7 +13,9 @@ from textual.widget import Widget
 from textual.widgets import RichLog
 from textual_plotext import PlotextPlot
 
-from handle_cli.tui.model import (Notice, RunState, clean, fmt_bytes, fmt_duration, fmt_float)
+from torch_handle.text import clean, fmt_bytes, fmt_duration, fmt_float
+
+from handle_cli.tui.model import Notice, RunState
 
 STATUS_STYLES = {
     "running": "bold black on green",

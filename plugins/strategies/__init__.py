@@ -9,8 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from torch_handle.config import InvalidValue, param
-from torch_handle.hookspecs import hookimpl
+from torch_handle.api import InvalidValue, hookimpl, param
 
 
 @dataclass

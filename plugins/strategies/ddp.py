@@ -7,9 +7,8 @@ import contextlib
 from typing import Any, ContextManager
 
 import torch
-from torch.nn.parallel import DistributedDataParallel as DDP
-
 from handle_plugins.strategies.single import SingleStrategy
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 
 class DDPStrategy(SingleStrategy):

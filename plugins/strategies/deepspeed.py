@@ -20,8 +20,10 @@ from typing import Any, ContextManager, Iterator
 
 import torch
 
-from torch_handle.checkpoint import verify_weights_only
-from torch_handle.strategy import Strategy, lr_lambda, optimizer_state_tensors, tensor_bytes
+from torch_handle.api import Strategy, lr_lambda, optimizer_state_tensors, tensor_bytes
+from torch_handle.checkpoint import (
+    verify_weights_only,  # built-in: guards DeepSpeed's own torch.load
+)
 
 log = logging.getLogger("torch_handle")
 TAG = "ds"

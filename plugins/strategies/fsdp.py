@@ -9,7 +9,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from torch_handle.strategy import Strategy, optimizer_state_tensors, tensor_bytes
+from torch_handle.api import Strategy, optimizer_state_tensors, tensor_bytes
 
 
 def _local(t: Any) -> Any:
@@ -77,7 +77,7 @@ class FSDPStrategy(Strategy):
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
-        from torch_handle.checkpoint import safe_load
+        from torch_handle.api import safe_load
 
         model_sd, optim_sd = self._state()
         state = {"model": model_sd, "optim": optim_sd}

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from torch_handle.strategy import Strategy
+from torch_handle.api import Strategy
 
 
 class SingleStrategy(Strategy):
@@ -43,6 +43,6 @@ class SingleStrategy(Strategy):
     def load(self, ckpt_dir: Path) -> None:
         super().load(ckpt_dir)
         if self.scaler is not None:
-            from torch_handle.checkpoint import safe_load
+            from torch_handle.api import safe_load
 
             self.scaler.load_state_dict(safe_load(Path(ckpt_dir) / "scaler.pt"))

@@ -8,10 +8,8 @@ from pathlib import Path
 
 import torch
 
-from torch_handle.corpus import read_text, split_documents
-from torch_handle.data import (SPECIAL_TOKENS, DataBundle, DataContext, LMDataset, encode_stream,
-                               load_or_train_tokenizer)
-from torch_handle.errors import DataError
+from torch_handle.api import (SPECIAL_TOKENS, DataBundle, DataContext, DataError, LMDataset, encode_stream,
+                              load_or_train_tokenizer, read_text, split_documents)
 
 
 def char_tokenizer(train_text: str, cache_dir: Path, *, is_main: bool, barrier):

@@ -9,10 +9,8 @@ from typing import ClassVar, Literal
 
 import click
 
-from torch_handle.config import InvalidValue, param
-from torch_handle.hookspecs import hookimpl
-
 from handle_shakespeare import SAMPLE
+from torch_handle.api import InvalidValue, hookimpl, param
 
 
 @dataclass
@@ -55,7 +53,7 @@ def build(options: ShakespeareConfig, ctx):
 
 def preflight(options: ShakespeareConfig) -> None:
     """Run by ``handle run`` / ``handle validate`` before anything starts: the file exists and is UTF-8."""
-    from torch_handle.errors import DataError
+    from torch_handle.api import DataError
 
     f = options.file
     try:

@@ -24,7 +24,7 @@ from typing import Any, Callable
 import pluggy
 
 from torch_handle import hookspecs
-from torch_handle.config import PresetError
+from torch_handle.errors import PresetError
 
 ENTRY_POINT_GROUP = "handle"
 CORE_DISTRIBUTION = "torch-handle"

@@ -1,0 +1,166 @@
+"""The import graph of the project, read from source with ``ast``: no cycles, no upward imports.
+
+Every import counts, also one inside a function: a cycle hidden by a lazy import is still a cycle (it is what
+made the registry ``Any``-typed before). The layers, top to bottom:
+
+    handle_cli      click commands and the dashboard; nothing else imports it
+    handle_plugins  the built-in plugins (plugins/); they depend on torch_handle, never the reverse
+    torch_handle    the library: no click, no textual
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = {"torch_handle": ROOT / "torch_handle", "handle_cli": ROOT / "handle_cli",
+            "handle_plugins": ROOT / "plugins"}
+
+
+def _modules() -> dict[str, Path]:
+    """Dotted module name -> source file, for the three packages (the example plugin is a separate project)."""
+    out = {}
+    for package, root in PACKAGES.items():
+        for path in root.rglob("*.py"):
+            rel = path.relative_to(root)
+            if rel.parts[0] == "examples":
+                continue
+            parts = [package, *rel.with_suffix("").parts]
+            if parts[-1] == "__init__":
+                parts.pop()
+            out[".".join(parts)] = path
+    return out
+
+
+def _imports(module: str, path: Path, known: set[str]) -> set[str]:
+    """Project modules that ``module`` imports anywhere in its source (``from a import b`` names a.b when b
+    is a module)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+    is_package = path.name == "__init__.py"
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative import
+                anchor = module.split(".") if is_package else module.split(".")[:-1]
+                anchor = anchor[: len(anchor) - (node.level - 1)]
+                base = ".".join([*anchor, base] if base else anchor)
+            names = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base for alias in node.names]
+        else:
+            continue
+        for name in names:
+            while name and name not in known:  # `import torch_handle.x.y` where only torch_handle.x is ours
+                name = name.rpartition(".")[0]
+            if name and name != module:
+                found.add(name)
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    modules = _modules()
+    known = set(modules)
+    return {m: _imports(m, p, known) for m, p in modules.items()}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def _external(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def test_the_graph_is_read() -> None:
+    graph = import_graph()
+    # a few edges that exist: if the reader broke, the other tests would pass vacuously
+    assert "torch_handle.errors" in graph["torch_handle.config"]
+    assert "torch_handle.registry" in graph["torch_handle.config"]
+    assert "torch_handle.api" in graph["handle_plugins.transformer"]
+    assert "handle_cli.common" in graph["handle_cli.main"]
+    assert "handle_plugins.strategies.single" in graph["handle_plugins.strategies.ddp"]
+
+
+def test_no_import_cycles() -> None:
+    cycles = _cycles(import_graph())
+    assert not cycles, "import cycles: " + "; ".join(" <-> ".join(c) for c in cycles)
+
+
+def test_cycle_detection_finds_a_planted_cycle() -> None:
+    graph = import_graph()
+    graph["torch_handle.errors"] = {"torch_handle.config"}
+    assert any({"torch_handle.config", "torch_handle.errors"} <= set(c) for c in _cycles(graph))
+
+
+@pytest.mark.parametrize("lower", ["torch_handle", "handle_plugins"])
+def test_no_upward_imports(lower: str) -> None:
+    above = {"torch_handle": ("handle_cli", "handle_plugins"), "handle_plugins": ("handle_cli",)}[lower]
+    bad = sorted(f"{m} -> {d}" for m, deps in import_graph().items() if m.split(".")[0] == lower
+                 for d in deps if d.split(".")[0] in above)
+    assert not bad, bad
+
+
+def test_errors_is_a_leaf() -> None:
+    assert import_graph()["torch_handle.errors"] == set()
+
+
+def test_library_imports_neither_click_nor_textual() -> None:
+    for module, path in sorted(_modules().items()):
+        if module.split(".")[0] == "torch_handle":
+            assert not _external(path) & {"click", "textual", "textual_plotext", "rich"}, module
+
+
+def test_example_plugin_imports_only_the_public_module() -> None:
+    """Third-party plugins get one import: ``torch_handle.api`` (the example plugin is what authors copy)."""
+    example = ROOT / "plugins" / "examples" / "handle-shakespeare" / "handle_shakespeare"
+    used = set()
+    for path in example.rglob("*.py"):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("torch_handle"):
+                used.add(node.module)
+            elif isinstance(node, ast.Import):
+                used |= {a.name for a in node.names if a.name.startswith("torch_handle")}
+    assert used == {"torch_handle.api"}, used

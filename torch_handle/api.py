@@ -1,0 +1,83 @@
+"""The one module a plugin imports: ``from torch_handle.api import hookimpl, param, InvalidValue, ...``.
+
+Everything a model, dataset, strategy, profiler or sink plugin needs is re-exported here, and only what is
+here is promised to stay stable. Importing this module is cheap (no torch): the names that live in torch
+modules (``Strategy``, ``DistContext``, ``DataBundle``, ...) are imported when first used (PEP 562), so a
+plugin's module can ``from torch_handle import api`` at the top and still keep ``handle --help`` and preset
+validation instant; ``from torch_handle.api import Strategy`` at module level imports torch, so do that in the
+module the factory imports (see ``docs/plugins.md``).
+
+Hooks (each receives ``register``; see :mod:`torch_handle.hookspecs`):
+
+- ``handle_register_models``      ``register(name, config_cls, factory, description, check_preset=None)``,
+  ``factory(options, vocab_size, pad_id, max_len) -> nn.Module``
+- ``handle_register_datasets``    ``register(..., preflight=None)``, ``factory(options, ctx: DataContext) ->
+  DataBundle``; ``preflight(options)`` checks paths before anything starts and raises :class:`DataError`
+- ``handle_register_strategies``  ``factory(options, training, ctx: DistContext, model) -> Strategy``
+- ``handle_register_profilers``   ``factory(options, trace_dir, rank) -> context manager with step()``
+- ``handle_register_sinks``       ``register(name, factory, description)``, ``factory(run_dir, preset) -> Sink
+  | None``
+- ``handle_register_presets``, ``handle_register_commands``
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from torch_handle.errors import CheckpointError, DataError, InvalidValue, PresetError
+from torch_handle.hookspecs import hookimpl
+from torch_handle.schema import Preset, TrainingConfig, field_docs, param
+
+if TYPE_CHECKING:  # pragma: no cover - for type checkers and editors only (names resolved lazily below)
+    from torch_handle.checkpoint import safe_load
+    from torch_handle.corpus import pydoc_corpus, read_parallel, read_text, split_documents, text_files
+    from torch_handle.data import (IGNORE_INDEX, SPECIAL_TOKENS, DataBundle, DataContext, LMDataset, TranslationDataset,
+                                   encode_stream, load_or_train_tokenizer, pad_collate)
+    from torch_handle.strategy import DistContext, Strategy, lr_lambda, optimizer_state_tensors, tensor_bytes
+    from torch_handle.telemetry import Sink  # noqa: F401
+
+_LAZY: dict[str, str] = {
+    # the strategy contract (torch)
+    "Strategy": "torch_handle.strategy",
+    "DistContext": "torch_handle.strategy",
+    "lr_lambda": "torch_handle.strategy",
+    "tensor_bytes": "torch_handle.strategy",
+    "optimizer_state_tensors": "torch_handle.strategy",
+    # datasets (torch, tokenizers)
+    "DataBundle": "torch_handle.data",
+    "DataContext": "torch_handle.data",
+    "LMDataset": "torch_handle.data",
+    "TranslationDataset": "torch_handle.data",
+    "encode_stream": "torch_handle.data",
+    "load_or_train_tokenizer": "torch_handle.data",
+    "pad_collate": "torch_handle.data",
+    "SPECIAL_TOKENS": "torch_handle.data",
+    "IGNORE_INDEX": "torch_handle.data",
+    # corpora as text (no torch, but kept lazy with the rest of the data names)
+    "read_text": "torch_handle.corpus",
+    "read_parallel": "torch_handle.corpus",
+    "split_documents": "torch_handle.corpus",
+    "text_files": "torch_handle.corpus",
+    "pydoc_corpus": "torch_handle.corpus",
+    # checkpoints
+    "safe_load": "torch_handle.checkpoint",
+    # telemetry sinks
+    "Sink": "torch_handle.telemetry",
+}
+
+__all__ = ["hookimpl", "param", "field_docs", "InvalidValue", "PresetError", "DataError", "CheckpointError",
+           "Preset", "TrainingConfig", *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'torch_handle.api' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # resolved once
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

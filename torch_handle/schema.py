@@ -1,0 +1,188 @@
+"""The preset schema: one dataclass per table, each field documented by the string under it.
+
+``[run]``, ``[training]`` and ``[launch]`` are the core's tables, described here. ``[model]``, ``[data]``,
+``[strategy]`` and ``[profiler]`` each carry a ``name`` that picks a plugin; the rest of such a table is validated
+against the dataclass that plugin registered (:class:`PluginSection` holds both). Defaults live in the dataclasses,
+so a preset holds only what differs from them. The loader (TOML, ``extends``, ``--set``, the validation walk and
+line finding) is :mod:`torch_handle.config`; this module only describes, as torchtitan keeps ``job_config.py``
+apart from its config manager.
+
+Standard library only, so reading the schema (``handle presets show --docs``) is instant.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import functools
+import inspect
+import re
+import textwrap
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from torch_handle.errors import InvalidValue
+
+def param(default: Any = dataclasses.MISSING, *, ge: float | None = None, gt: float | None = None,
+          le: float | None = None, default_factory: Any = dataclasses.MISSING) -> Any:
+    """A dataclass field with a numeric range that validation enforces (``ge``: >=, ``gt``: >, ``le``: <=)."""
+    metadata = {k: v for k, v in (("ge", ge), ("gt", gt), ("le", le)) if v is not None}
+    if default_factory is not dataclasses.MISSING:
+        return field(default_factory=default_factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Core sections. The string under each field is its documentation (shown by `handle presets show --docs`).
+# --------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class RunConfig:
+    """``[run]``: what the run is called and where it writes."""
+
+    name: str = "handle"
+    """Run name; the run directory is ``<output_dir>/<name>-<UTC timestamp>``."""
+    output_dir: str = "runs"
+    """Directory that holds run directories (relative to the working directory)."""
+    seed: int = param(1234, ge=0)
+    """Seed for torch, Python and NumPy on every rank (the data order depends on it too)."""
+
+    def check(self) -> None:
+        if not re.fullmatch(r"[A-Za-z0-9._-]+", self.name):
+            raise InvalidValue("name", f"{self.name!r} must use only letters, digits, '.', '_' and '-'")
+        if self.name[0] in ".-":
+            # a hidden run directory would be skipped by `handle tui`; a leading '-' reads as an option
+            raise InvalidValue("name", f"{self.name!r} must not start with '.' or '-'")
+
+
+@dataclass
+class TrainingConfig:
+    """``[training]``: the optimisation loop, shared by every strategy."""
+
+    steps: int = param(200, ge=1)
+    """Optimizer steps to run (each step consumes micro_batch_size * grad_accum * world_size samples)."""
+    micro_batch_size: int = param(8, ge=1)
+    """Samples per rank per forward/backward."""
+    grad_accum: int = param(1, ge=1)
+    """Micro-batches accumulated before each optimizer step."""
+    lr: float = param(1e-3, gt=0.0)
+    """Peak learning rate of AdamW."""
+    min_lr_ratio: float = param(0.1, ge=0.0, le=1.0)
+    """Final learning rate as a fraction of lr (cosine and linear schedules)."""
+    warmup_steps: int = param(20, ge=0)
+    """Linear warm-up from 0 to lr over this many steps."""
+    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    """Learning-rate decay after warm-up."""
+    weight_decay: float = param(0.01, ge=0.0)
+    """Decoupled weight decay of AdamW (Loshchilov & Hutter 2019)."""
+    beta1: float = param(0.9, ge=0.0, le=1.0)
+    """AdamW beta1."""
+    beta2: float = param(0.95, ge=0.0, le=1.0)
+    """AdamW beta2."""
+    grad_clip: float = param(1.0, ge=0.0)
+    """Clip the global gradient norm to this value; 0 disables clipping."""
+    precision: Literal["fp32", "bf16", "fp16"] = "bf16"
+    """Compute precision: bf16 and fp16 keep fp32 master weights; fp16 uses dynamic loss scaling."""
+    eval_every: int = param(50, ge=0)
+    """Evaluate on the validation split every N steps (and at the end); 0 = only at the end."""
+    eval_steps: int = param(10, ge=1)
+    """Validation micro-batches per rank for each evaluation."""
+    log_every: int = param(10, ge=1)
+    """Every N steps, gather per-rank memory into the step event."""
+    checkpoint_every: int = param(100, ge=0)
+    """Write a checkpoint every N steps (and at the end); 0 = only at the end."""
+    keep_last: int = param(2, ge=1)
+    """How many checkpoints to keep; older ones are deleted once a newer one is complete."""
+    on_nan: Literal["stop", "skip"] = "stop"
+    """On a non-finite loss: stop the run as failed, or skip that update."""
+
+
+@dataclass
+class LaunchConfig:
+    """``[launch]``: how torchrun starts the workers."""
+
+    nproc_per_node: int = param(1, ge=1)
+    """Worker processes on this node (one per GPU on CUDA)."""
+    nnodes: int = param(1, ge=1)
+    """Number of nodes; every node runs `handle run` with its own node_rank."""
+    node_rank: int = param(0, ge=0)
+    """Rank of this node, 0 .. nnodes-1."""
+    rdzv_endpoint: str = ""
+    """host:port of the rendezvous for multi-node runs; empty on one node (a free port is chosen)."""
+    max_restarts: int = param(0, ge=0)
+    """How often torchrun restarts the worker group after a failure; each restart resumes from a checkpoint."""
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """torch.distributed backend: auto = nccl with CUDA, gloo without."""
+    timeout_s: int = param(600, ge=10)
+    """Timeout of collective operations in seconds; a lost peer ends in an error instead of a hang."""
+
+    def check(self) -> None:
+        if self.node_rank >= self.nnodes:
+            raise InvalidValue("node_rank", f"{self.node_rank} must be below nnodes ({self.nnodes})")
+        if self.nnodes > 1 and not self.rdzv_endpoint:
+            raise InvalidValue("rdzv_endpoint", "is required when nnodes > 1 (for example 'node0:29400')")
+        if self.rdzv_endpoint:
+            m = re.fullmatch(r"(?:[^\s:\[\]]+|\[[0-9A-Fa-f:.]+\]):(\d{1,5})", self.rdzv_endpoint)
+            if not m or not 1 <= int(m.group(1)) <= 65535:
+                raise InvalidValue("rdzv_endpoint", f"{self.rdzv_endpoint!r} must look like 'host:port' "
+                                                    f"(port 1-65535)")
+        if self.backend == "nccl":
+            import torch  # only for an explicit nccl choice: validation stays torch-free otherwise
+
+            devices = torch.cuda.device_count()
+            if self.nproc_per_node > devices:
+                raise InvalidValue("nproc_per_node", f"{self.nproc_per_node} processes but {devices} CUDA device(s) "
+                                                     f"visible: nccl needs one device per process (or use gloo)")
+
+
+@dataclass
+class PluginSection:
+    """A ``[model]``/``[data]``/``[strategy]``/``[profiler]`` table: the plugin ``name`` and its options."""
+
+    name: str
+    options: Any
+    """An instance of the dataclass that the plugin registered for its section."""
+
+
+PLUGIN_TABLES: dict[str, str] = {"model": "model", "data": "dataset", "strategy": "strategy", "profiler": "profiler"}
+"""Preset table -> plugin kind."""
+
+DEFAULT_PLUGINS: dict[str, str] = {"model": "transformer", "data": "pydoc", "strategy": "single", "profiler": "none"}
+CORE_TABLES: dict[str, type] = {"run": RunConfig, "training": TrainingConfig, "launch": LaunchConfig}
+TABLE_ORDER = ("run", "model", "data", "training", "strategy", "launch", "profiler")
+
+
+@dataclass
+class Preset:
+    """A fully resolved and validated preset."""
+
+    run: RunConfig
+    model: PluginSection
+    data: PluginSection
+    training: TrainingConfig
+    strategy: PluginSection
+    launch: LaunchConfig
+    profiler: PluginSection
+    source: str = "<preset>"
+    """Where the preset came from (for messages)."""
+
+    @property
+    def world_size(self) -> int:
+        return self.launch.nproc_per_node * self.launch.nnodes
+
+
+@functools.cache
+def field_docs(cls: type) -> dict[str, str]:
+    """The attribute docstrings of a dataclass (the string literal under each field), by field name."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    except (OSError, TypeError, SyntaxError):
+        return {}
+    body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
+    docs: dict[str, str] = {}
+    for node, nxt in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(nxt, ast.Expr)
+                and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)):
+            docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
