@@ -9,14 +9,30 @@ the options inherited for the previous plugin are dropped (``--set strategy.name
 ``--set`` values are typed by the field they set: a bare word is a string, and a field that takes a string
 keeps the text as written (``--set run.name=2024`` is the name "2024").
 
-Every problem is raised as :class:`PresetError`, whose ``str()`` is one line naming the file, the line where
-it could be found, the ``table.key`` and what would be valid.
+Loading is two steps, each written once:
+
+1. Compose (:func:`_compose`): read the file and its ``extends`` chain (each file once), merge them and apply
+   ``--set``. A problem here (a missing file, TOML syntax, ``extends``, a malformed ``--set``) stops everything
+   and is reported alone.
+2. Walk (:func:`_walk`) the merged mapping, collecting every problem: unknown tables; then each core table
+   (run, training, launch) and each plugin table (model, data, strategy, profiler; its ``name`` looked up in
+   the registry first) through :func:`_section`, which lists every unknown key, wrong type and out-of-range
+   value, then the missing keys, and only for a table without any of those builds the dataclass and runs its
+   ``check()``; last, only when every table is valid, the plugins' cross-table ``check_preset`` hooks (the
+   first problem there is the only one).
+
+:func:`load_preset` raises the first problem of the walk, :func:`preset_problems` (``handle validate``) returns
+them all, sorted by table and line, and :func:`preset_from_dict` walks a mapping that is already composed.
+Every problem is a :class:`PresetError`, whose ``str()`` is one line naming the file, the line where it could
+be found (:func:`_locate`: the ``--set`` or the most derived file that set the key), the ``table.key`` and what
+would be valid.
 
 This module imports neither torch nor any plugin code, so validating a preset is instant.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import math
@@ -34,7 +50,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 from torch_handle.errors import InvalidValue, PresetError
-from torch_handle.registry import PluginRegistry, get_registry
+from torch_handle.registry import PluginRegistry, Registration, get_registry
 from torch_handle.schema import (CORE_TABLES, DEFAULT_PLUGINS, PLUGIN_TABLES, TABLE_ORDER, LaunchConfig, PluginSection,
                                   Preset, RunConfig, TrainingConfig, field_docs, param)
 
@@ -47,11 +63,12 @@ __all__ = [
     "PluginSection",
     "Preset",
     "load_preset",
+    "preset_problems",
     "preset_from_dict",
     "preset_to_dict",
     "dump_preset",
     "parse_override",
-    "build_section",
+    "deep_merge",
     "field_docs",
     "param",
 ]
@@ -139,45 +156,63 @@ def _suggest(key: str, valid: typing.Iterable[str]) -> str:
     return f"; did you mean {close[0]!r}?" if close else ""
 
 
-def build_section(cls: type, table: str, values: dict[str, Any], *, allowed_extra: typing.Iterable[str] = ()) -> Any:
-    """Build dataclass ``cls`` from a TOML table, checking keys, types and ranges.
+def _section(cls: type, table: str, values: dict[str, Any], allowed_extra: tuple[str, ...] = ()
+             ) -> tuple[Any, list[PresetError]]:
+    """Check one table against dataclass ``cls``: ``(instance, [])`` when it is valid, else ``(None, problems)``.
+
+    The problems are every key-level one, in the table's order (an unknown key, a wrong type, an out-of-range
+    value), then the missing required keys; only a table without any of those is built and its ``check()`` run,
+    whose ``InvalidValue`` is then the one problem. Each is a :class:`PresetError` keyed ``table.key``, without a
+    file (the caller locates it). ``allowed_extra`` keys (a plugin table's ``name``) are skipped.
 
     Raises:
-        PresetError: with ``key = "table.field"``, for an unknown key, a wrong type or an out-of-range value.
+        Exception: whatever building ``cls`` or its ``check()`` raises besides ``InvalidValue`` (a bug, not a
+            preset problem; the walk names the plugin).
     """
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
-    kwargs = {}
+    kwargs: dict[str, Any] = {}
+    problems: list[PresetError] = []
     for key, value in values.items():
         if key in allowed_extra:
             continue
         if key not in fields:
             valid = sorted({*fields, *allowed_extra})
-            raise PresetError(f"unknown key{_suggest(key, valid)} (valid: {', '.join(valid)})", key=f"{table}.{key}")
+            problems.append(PresetError(f"unknown key{_suggest(key, valid)} (valid: {', '.join(valid)})",
+                                        key=f"{table}.{key}"))
+            continue
         try:
             kwargs[key] = _coerce(value, hints[key])
             _check_range(key, kwargs[key], fields[key].metadata)
         except InvalidValue as e:
-            raise PresetError(e.message, key=f"{table}.{key}") from None
+            problems.append(PresetError(e.message, key=f"{table}.{key}"))
         except (TypeError, ValueError) as e:
-            raise PresetError(str(e), key=f"{table}.{key}") from None
-    missing = [n for n, f in fields.items() if n not in kwargs and f.default is dataclasses.MISSING
-               and f.default_factory is dataclasses.MISSING]
+            problems.append(PresetError(str(e), key=f"{table}.{key}"))
+    missing = [n for n, f in fields.items() if (n not in values or n in allowed_extra)
+               and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
     if missing:
-        raise PresetError(f"missing required key(s): {', '.join(missing)}", key=table)
-    obj = cls(**kwargs)
-    check = getattr(obj, "check", None)
-    if check is not None:
-        try:
+        problems.append(PresetError(f"missing required key(s): {', '.join(missing)}", key=table))
+    if problems:
+        return None, problems
+    try:
+        obj = cls(**kwargs)
+        check = getattr(obj, "check", None)
+        if check is not None:
             check()
-        except InvalidValue as e:
-            raise PresetError(e.message, key=f"{table}.{e.key}") from None
-    return obj
+    except InvalidValue as e:
+        return None, [PresetError(e.message, key=f"{table}.{e.key}")]
+    return obj, []
 
 
 # --------------------------------------------------------------------------------------------------------------
 # Files: TOML, extends, overrides.
 # --------------------------------------------------------------------------------------------------------------
+
+
+_Layers = list[tuple[Path, dict[str, Any]]]
+"""``(file, the tables that file itself sets)`` for every preset file of an ``extends`` chain, base first."""
+_Overrides = list[tuple[list[str], Any]]
+"""The ``--set`` overrides as applied: ``(["table", "key", ...], typed value)``, in the order applied."""
 
 
 def _read_toml(path: Path) -> dict[str, Any]:
@@ -200,10 +235,12 @@ def _read_toml(path: Path) -> dict[str, Any]:
         raise PresetError(f"TOML syntax error: {msg}", file=path, line=int(m.group(1)) if m else None) from None
 
 
-def _deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
-    out = dict(base)
+def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """A new mapping: ``base`` with ``over`` merged in, tables (dicts) merged key by key and ``over`` winning
+    everywhere else. It shares no table or list with either argument, so changing it changes neither."""
+    out = copy.deepcopy(base)
     for k, v in over.items():
-        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+        out[k] = deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else copy.deepcopy(v)
     return out
 
 
@@ -215,14 +252,11 @@ def _plugin_name(table: str, values: Any) -> Any:
 
 
 def _merge_layer(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
-    """``_deep_merge`` of one preset layer over another, except that a plugin table whose ``name`` switches to a
-    different plugin replaces the inherited table (its options belonged to the other plugin)."""
-    base = dict(base)
-    for table in PLUGIN_TABLES:
-        child = over.get(table)
-        if isinstance(child, dict) and "name" in child and child["name"] != _plugin_name(table, base.get(table)):
-            base.pop(table, None)
-    return _deep_merge(base, over)
+    """:func:`deep_merge` of one preset layer over another, except that a plugin table whose ``name`` switches to
+    a different plugin replaces the inherited table (its options belonged to the other plugin)."""
+    switched = {table for table in PLUGIN_TABLES if isinstance(over.get(table), dict) and "name" in over[table]
+                and over[table]["name"] != _plugin_name(table, base.get(table))}
+    return deep_merge({k: v for k, v in base.items() if k not in switched}, over)
 
 
 def _available_presets() -> str:
@@ -259,10 +293,12 @@ def _top_line(path: Path, key: str) -> int | None:
     return None
 
 
-def _load_layers(path: Path, chain: tuple[Path, ...] = (), layers: list | None = None) -> dict[str, Any]:
-    """Read ``path`` and merge it over the preset it ``extends`` (recursively).
+def _load_layers(path: Path, layers: _Layers, chain: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """Read ``path`` and merge it over the preset it ``extends`` (recursively); ``layers`` receives
+    ``(file, its own tables)`` for every file read, base first.
 
-    ``layers``, when given, receives ``(file, table mapping)`` for every file read, base first.
+    Raises:
+        PresetError: with the file (and the line of ``extends``): unreadable, not TOML, or a bad ``extends``.
     """
     resolved = path.resolve()
     chain = (*chain, resolved)
@@ -284,9 +320,8 @@ def _load_layers(path: Path, chain: tuple[Path, ...] = (), layers: list | None =
             what = "is not a file" if parent_path.exists() else "does not exist"
             raise PresetError(f"extends target {parent!r} {what} (looked for {parent_path}, relative to this file)",
                               file=path, key="extends", line=_top_line(path, "extends"))
-        merged = _merge_layer(_load_layers(parent_path, chain, layers), data)
-    if layers is not None:
-        layers.append((path, data))
+        merged = _merge_layer(_load_layers(parent_path, layers, chain), data)
+    layers.append((path, data))
     return merged
 
 
@@ -382,6 +417,36 @@ def _apply_override(data: dict[str, Any], keys: list[str], value: Any) -> None:
     node[keys[-1]] = value
 
 
+def _apply_overrides(data: dict[str, Any], overrides: typing.Sequence[str], registry: PluginRegistry | None, path: Path
+                     ) -> _Overrides:
+    """Apply ``--set`` overrides to the merged preset mapping, each typed by its field; returns them parsed.
+
+    Plugin switches (``table.name=...``) go first, because they reset their table: the options in it belonged
+    to the other plugin.
+    """
+    split = [_split_override(o) for o in overrides]
+    if not split:
+        return []
+    if registry is None:
+        registry = get_registry()
+    ordered = sorted(split, key=lambda kr: not (len(kr[0]) == 2 and kr[0][0] in PLUGIN_TABLES
+                                               and kr[0][1] == "name"))
+    parsed: _Overrides = []
+    for keys, raw in ordered:
+        value = _typed_value(raw, _parse_value(raw), _field_type(data, keys, registry))
+        table = keys[0]
+        if (len(keys) == 2 and table in PLUGIN_TABLES and keys[1] == "name" and isinstance(data.get(table), dict)
+                and value != _plugin_name(table, data[table])):
+            data[table] = {}
+        try:
+            _apply_override(data, keys, value)
+        except PresetError as e:
+            e.file = f"{path} (--set)"
+            raise
+        parsed.append((keys, value))
+    return parsed
+
+
 def _key_pattern(key: str) -> str:
     return rf"""^(?:{re.escape(key)}|"{re.escape(key)}"|'{re.escape(key)}')\s*[=.]"""
 
@@ -421,8 +486,7 @@ def _has_key(data: dict[str, Any], dotted: str) -> bool:
     return True
 
 
-def _locate(err: PresetError, layers: list[tuple[Path, dict[str, Any]]],
-            overrides: list[tuple[list[str], Any]]) -> None:
+def _locate(err: PresetError, layers: _Layers, overrides: _Overrides) -> None:
     """Fill in the file (and line) of an error raised without one: the ``--set`` that gave the value, else the
     most derived preset file that holds the key, else the preset that was loaded."""
     top = layers[-1][0]
@@ -442,97 +506,34 @@ def _locate(err: PresetError, layers: list[tuple[Path, dict[str, Any]]],
     err.file, err.line = top, _find_line(top, table, None)
 
 
-def preset_from_dict(data: dict[str, Any], registry: PluginRegistry | None = None, *, source: str = "<preset>") -> Preset:
-    """Validate a merged preset mapping into a :class:`Preset`.
-
-    ``registry`` is a :class:`torch_handle.registry.PluginRegistry` (loaded on demand when None); plugin tables
-    are validated against the dataclass of the plugin their ``name`` picks.
-
-    Raises:
-        PresetError: for the first problem found (without file/line; :func:`load_preset` adds those).
-    """
-    if registry is None:
-        registry = get_registry()
-    unknown = [k for k in data if k not in CORE_TABLES and k not in PLUGIN_TABLES]
-    if unknown:
-        valid = list(TABLE_ORDER)
-        raise PresetError(f"unknown table{_suggest(unknown[0], valid)} (valid: {', '.join(valid)}, extends)",
-                          key=unknown[0])
-    sections: dict[str, Any] = {}
-    for table, cls in CORE_TABLES.items():
-        values = data.get(table, {})
-        if not isinstance(values, dict):
-            raise PresetError("expected a table", key=table)
-        sections[table] = build_section(cls, table, values)
-    for table, kind in PLUGIN_TABLES.items():
-        values = data.get(table, {})
-        if not isinstance(values, dict):
-            raise PresetError("expected a table", key=table)
-        name = values.get("name", DEFAULT_PLUGINS[table])
-        if not isinstance(name, str):
-            raise PresetError(f"expected a plugin name, got {name!r}", key=f"{table}.name")
-        plugin = registry.get(kind, name, key=f"{table}.name")
-        options = build_section(plugin.config_cls, table, values, allowed_extra=("name",))
-        sections[table] = PluginSection(name=name, options=options)
-    preset = Preset(**sections, source=source)
-    _check_cross(preset, registry)
-    return preset
+# --------------------------------------------------------------------------------------------------------------
+# The walk: compose once, validate every table, collect every problem.
+# --------------------------------------------------------------------------------------------------------------
 
 
-def _check_cross(preset: Preset, registry: PluginRegistry) -> None:
-    """Checks that span tables; each plugin may add its own through ``check_preset``."""
-    for table, kind in PLUGIN_TABLES.items():
-        section: PluginSection = getattr(preset, table)
-        registration = registry.get(kind, section.name)
-        hook = registration.check_preset
-        if hook is None:
-            continue
-        try:
-            hook(section.options, preset)
-        except InvalidValue as e:
-            key = e.key if "." in e.key else f"{table}.{e.key}"
-            raise PresetError(e.message, key=key) from None
-        except Exception as e:  # noqa: BLE001 - a bug in a plugin's check is still one line, naming the plugin
-            text = " ".join(str(e).split())
-            raise PresetError(f"the check of {kind} {section.name!r} (plugin {registration.plugin!r}) failed: "
-                              f"{type(e).__name__}: {text}", key=f"{table}.name") from None
+@dataclasses.dataclass
+class _Composed:
+    """A preset file with its ``extends`` chain merged and its ``--set`` overrides applied: what the walk checks."""
+
+    path: Path
+    data: dict[str, Any]
+    """The merged mapping."""
+    layers: _Layers
+    overrides: _Overrides
+
+    def locate(self, err: PresetError) -> PresetError:
+        """``err``, given the file and line that set its key when it has no file yet (see :func:`_locate`)."""
+        if err.file is None:
+            _locate(err, self.layers, self.overrides)
+        return err
 
 
-def _apply_overrides(data: dict[str, Any], overrides: typing.Sequence[str], registry: PluginRegistry | None, path: Path
-                     ) -> list[tuple[list[str], Any]]:
-    """Apply ``--set`` overrides to the merged preset mapping, each typed by its field; returns them parsed.
-
-    Plugin switches (``table.name=...``) go first, because they reset their table: the options in it belonged
-    to the other plugin.
-    """
-    split = [_split_override(o) for o in overrides]
-    if not split:
-        return []
-    if registry is None:
-        registry = get_registry()
-    ordered = sorted(split, key=lambda kr: not (len(kr[0]) == 2 and kr[0][0] in PLUGIN_TABLES
-                                               and kr[0][1] == "name"))
-    parsed: list[tuple[list[str], Any]] = []
-    for keys, raw in ordered:
-        value = _typed_value(raw, _parse_value(raw), _field_type(data, keys, registry))
-        table = keys[0]
-        if (len(keys) == 2 and table in PLUGIN_TABLES and keys[1] == "name" and isinstance(data.get(table), dict)
-                and value != _plugin_name(table, data[table])):
-            data[table] = {}
-        try:
-            _apply_override(data, keys, value)
-        except PresetError as e:
-            e.file = f"{path} (--set)"
-            raise
-        parsed.append((keys, value))
-    return parsed
-
-
-def load_preset(path: str | Path, overrides: typing.Sequence[str] = (), registry: PluginRegistry | None = None) -> Preset:
-    """Load a preset file, apply ``extends`` and ``--set`` overrides, and validate it.
+def _compose(path: str | Path, overrides: typing.Sequence[str], registry: PluginRegistry | None) -> _Composed:
+    """Read a preset file (a path, or a name in ``./presets``) and its ``extends`` chain, and apply ``--set``.
 
     Raises:
-        PresetError: one line naming the file, the line (when it can be found), the key and what is valid.
+        PresetError: a problem of the file itself (missing, unreadable, TOML syntax, ``extends``) or a malformed
+            ``--set``: nothing can be validated past it, so it is always reported alone.
     """
     path = resolve_preset_path(path)
     if not path.exists():
@@ -540,15 +541,129 @@ def load_preset(path: str | Path, overrides: typing.Sequence[str] = (), registry
         raise PresetError(f"no such preset file{hint}", file=path)
     if not path.is_file():
         raise PresetError("not a preset file (a directory?)", file=path)
-    layers: list[tuple[Path, dict[str, Any]]] = []
-    data = _load_layers(path, layers=layers)
-    parsed = _apply_overrides(data, overrides, registry, path)
+    layers: _Layers = []
+    data = _load_layers(path, layers)
+    return _Composed(path, data, layers, _apply_overrides(data, overrides, registry, path))
+
+
+def _plugin_bug(table: str, registration: Registration, e: Exception) -> PresetError:
+    """A plugin's check that raised something other than ``InvalidValue``: still one line, naming the plugin."""
+    text = " ".join(str(e).split())
+    return PresetError(f"the check of {registration.kind} {registration.name!r} (plugin {registration.plugin!r}) "
+                       f"failed: {type(e).__name__}: {text}", key=f"{table}.name")
+
+
+def _walk(data: dict[str, Any], registry: PluginRegistry | None, source: str
+          ) -> tuple[Preset | None, list[PresetError]]:
+    """Validate a merged preset mapping: ``(preset, [])``, or ``(None, every problem)`` in the order found.
+
+    The order is that of the first problem :func:`load_preset` reports: unknown tables; the core tables (run,
+    training, launch), then the plugin tables (model, data, strategy, profiler; the plugin ``name`` is looked up
+    first), each table's problems as :func:`_section` gives them; last, only when every table is valid, the
+    cross-table ``check_preset`` hooks, of which the first problem is the only one (later hooks may rely on
+    what earlier ones check). The problems carry no file yet. ``registry``: the process-wide one when None.
+    """
+    if registry is None:
+        registry = get_registry()
+    valid_tables = list(TABLE_ORDER)
+    problems = [PresetError(f"unknown table{_suggest(key, valid_tables)} (valid: {', '.join(valid_tables)}, extends)",
+                            key=key) for key in data if key not in CORE_TABLES and key not in PLUGIN_TABLES]
+    sections: dict[str, Any] = {}
+    registrations: dict[str, Registration] = {}
+    for table in (*CORE_TABLES, *PLUGIN_TABLES):
+        values = data.get(table, {})
+        if not isinstance(values, dict):
+            problems.append(PresetError("expected a table", key=table))
+            continue
+        if table in CORE_TABLES:
+            section, found = _section(CORE_TABLES[table], table, values)
+        else:
+            name = values.get("name", DEFAULT_PLUGINS[table])
+            if not isinstance(name, str):
+                problems.append(PresetError(f"expected a plugin name, got {name!r}", key=f"{table}.name"))
+                continue
+            try:
+                registrations[table] = registration = registry.get(PLUGIN_TABLES[table], name, key=f"{table}.name")
+            except PresetError as e:
+                problems.append(e)
+                continue
+            try:
+                options, found = _section(registration.config_cls, table, values, ("name",))
+            except Exception as e:  # noqa: BLE001 - a bug in a plugin's config is one problem, naming the plugin
+                options, found = None, [_plugin_bug(table, registration, e)]
+            section = None if options is None else PluginSection(name=name, options=options)
+        problems += found
+        if section is not None:
+            sections[table] = section
+    if problems:
+        return None, problems
+    preset = Preset(**sections, source=source)
+    for table, registration in registrations.items():
+        if registration.check_preset is None:
+            continue
+        try:
+            registration.check_preset(sections[table].options, preset)
+        except InvalidValue as e:
+            return None, [PresetError(e.message, key=e.key if "." in e.key else f"{table}.{e.key}")]
+        except Exception as e:  # noqa: BLE001 - a bug in a plugin's check is still one line, naming the plugin
+            return None, [_plugin_bug(table, registration, e)]
+    return preset, []
+
+
+def preset_from_dict(data: dict[str, Any], registry: PluginRegistry | None = None, *, source: str = "<preset>"
+                     ) -> Preset:
+    """Validate a merged preset mapping into a :class:`Preset` (the walk of :func:`load_preset`, without files).
+
+    ``registry`` is the plugin registry (the process-wide one when None); plugin tables are validated against
+    the dataclass of the plugin their ``name`` picks.
+
+    Raises:
+        PresetError: the first problem found, without file or line (:func:`load_preset` adds those).
+    """
+    preset, problems = _walk(data, registry, source)
+    if problems:
+        raise problems[0]
+    return preset
+
+
+def load_preset(path: str | Path, overrides: typing.Sequence[str] = (), registry: PluginRegistry | None = None
+                ) -> Preset:
+    """Load a preset file, apply ``extends`` and ``--set`` overrides, and validate it.
+
+    Raises:
+        PresetError: the first problem (see :func:`_walk` for the order), one line naming the file, the line
+            (when it can be found), the key and what is valid.
+    """
+    composed = _compose(path, overrides, registry)
+    preset, problems = _walk(composed.data, registry, str(composed.path))
+    if problems:
+        raise composed.locate(problems[0])
+    return preset
+
+
+def preset_problems(path: str | Path, overrides: typing.Sequence[str] = (), registry: PluginRegistry | None = None
+                    ) -> tuple[Preset | None, list[PresetError]]:
+    """:func:`load_preset`, but reporting every problem at once: ``(preset, [])`` when it is valid, else
+    ``(None, problems)`` sorted by table (in :data:`TABLE_ORDER`, unknown tables first), then by line.
+
+    The file is read once. A problem of the file itself (missing, TOML syntax, ``extends``, a malformed
+    ``--set``) is reported alone, and so is that of a check that spans tables (those run only once every table
+    is valid). The first problem :func:`load_preset` raises is always in the list, not always first.
+    Raises nothing for a preset problem.
+    """
     try:
-        return preset_from_dict(data, registry, source=str(path))
+        composed = _compose(path, overrides, registry)
     except PresetError as e:
-        if e.file is None:
-            _locate(e, layers, parsed)
-        raise
+        return None, [e]
+    preset, problems = _walk(composed.data, registry, str(composed.path))
+    tables = {t: i for i, t in enumerate(TABLE_ORDER)}
+    located = [composed.locate(e) for e in problems]
+    return preset, sorted(located, key=lambda e: (tables.get((e.key or "").split(".")[0], -1), e.line or 10**9))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Output: the resolved preset as TOML.
+# --------------------------------------------------------------------------------------------------------------
 
 
 def preset_to_dict(preset: Preset) -> dict[str, Any]:
@@ -586,96 +701,3 @@ def preset_description(path: Path) -> str:
     except OSError:
         pass
     return ""
-
-
-# --------------------------------------------------------------------------------------------------------------
-# Every problem at once (``handle validate``).
-# --------------------------------------------------------------------------------------------------------------
-
-
-def _table_problems(cls: type, table: str, values: dict[str, Any], allowed_extra: tuple[str, ...] = ()
-                    ) -> list[PresetError]:
-    """Every key-level problem of one table (unknown keys, types, ranges, missing keys); the ``check()``
-    problem when there is no key-level one."""
-    try:
-        build_section(cls, table, values, allowed_extra=allowed_extra)
-        return []
-    except PresetError as e:
-        first = e
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    errors: list[PresetError] = []
-    for key, value in values.items():
-        if key in allowed_extra:
-            continue
-        if key not in fields:
-            valid = sorted({*fields, *allowed_extra})
-            errors.append(PresetError(f"unknown key{_suggest(key, valid)} (valid: {', '.join(valid)})",
-                                      key=f"{table}.{key}"))
-            continue
-        try:
-            _check_range(key, _coerce(value, hints[key]), fields[key].metadata)
-        except InvalidValue as e:
-            errors.append(PresetError(e.message, key=f"{table}.{key}"))
-        except (TypeError, ValueError) as e:
-            errors.append(PresetError(str(e), key=f"{table}.{key}"))
-    missing = [n for n, f in fields.items() if n not in values and f.default is dataclasses.MISSING
-               and f.default_factory is dataclasses.MISSING]
-    if missing:
-        errors.append(PresetError(f"missing required key(s): {', '.join(missing)}", key=table))
-    return errors or [first]
-
-
-def preset_problems(path: str | Path, overrides: typing.Sequence[str] = (), registry: PluginRegistry | None = None
-                    ) -> tuple[Preset | None, list[PresetError]]:
-    """:func:`load_preset`, but reporting every problem at once: ``(preset, [])`` when it is valid, else
-    ``(None, errors)``. Each table is validated on its own; a problem in the file itself (TOML syntax,
-    ``extends``, a malformed ``--set``) is reported alone, and the checks that span tables run only once every
-    table is valid."""
-    if registry is None:
-        registry = get_registry()
-    try:
-        return load_preset(path, overrides, registry), []
-    except PresetError as e:
-        first = e
-    try:  # the same layering as load_preset; a problem here is the only one reported
-        path = resolve_preset_path(path)
-        layers: list[tuple[Path, dict[str, Any]]] = []
-        data = _load_layers(path, layers=layers)
-        parsed = _apply_overrides(data, overrides, registry, path)
-    except PresetError:
-        return None, [first]
-    errors: list[PresetError] = []
-    for key in data:
-        if key not in CORE_TABLES and key not in PLUGIN_TABLES:
-            valid = list(TABLE_ORDER)
-            errors.append(PresetError(f"unknown table{_suggest(key, valid)} (valid: {', '.join(valid)}, extends)",
-                                      key=key))
-    for table in TABLE_ORDER:
-        values = data.get(table, {})
-        if not isinstance(values, dict):
-            errors.append(PresetError("expected a table", key=table))
-            continue
-        if table in CORE_TABLES:
-            errors += _table_problems(CORE_TABLES[table], table, values)
-            continue
-        name = values.get("name", DEFAULT_PLUGINS[table])
-        if not isinstance(name, str):
-            errors.append(PresetError(f"expected a plugin name, got {name!r}", key=f"{table}.name"))
-            continue
-        try:
-            plugin = registry.get(PLUGIN_TABLES[table], name, key=f"{table}.name")
-        except PresetError as e:
-            errors.append(e)
-            continue
-        errors += _table_problems(plugin.config_cls, table, values, ("name",))
-    for e in errors:
-        if e.file is None:
-            _locate(e, layers, parsed)
-    tables = {t: i for i, t in enumerate(TABLE_ORDER)}
-    errors.sort(key=lambda e: (tables.get((e.key or "").split(".")[0], -1), e.line or 10**9))
-    if not errors:
-        return None, [first]  # a check that spans tables
-    if str(first) not in {str(e) for e in errors}:
-        errors.insert(0, first)
-    return None, errors

@@ -1,0 +1,115 @@
+"""The training loop in this process: a gloo process group of world size 1, a tiny Transformer on real text,
+two optimizer steps, then a resume. What a torchrun worker does, without starting one (about 2 s)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from torch_handle.config import dump_preset, load_preset
+from torch_handle.corpus import pydoc_corpus
+from torch_handle.registry import get_registry
+from torch_handle.rundir import STOP_FILE, create_run_dir, read_run_info
+from torch_handle.strategy import DistContext
+from torch_handle.trainer import Trainer
+
+VOCAB = 300
+
+
+@pytest.fixture
+def process_group(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    yield DistContext(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), backend="gloo")
+    dist.destroy_process_group()
+
+
+def _preset(tmp_path: Path, steps: int):
+    corpus = tmp_path / "corpus.txt"
+    if not corpus.exists():
+        corpus.write_text("\n\n".join(pydoc_corpus())[:60_000], encoding="utf-8")
+    text = f"""
+[run]
+output_dir = "{tmp_path / 'runs'}"
+[model]
+d_model = 32
+n_heads = 2
+n_layers = 1
+d_ff = 64
+dropout = 0.0
+[data]
+name = "text"
+path = "{corpus}"
+seq_len = 16
+vocab_size = {VOCAB}
+[training]
+steps = {steps}
+micro_batch_size = 4
+grad_accum = 2
+precision = "fp32"
+eval_every = 0
+eval_steps = 2
+log_every = 1
+warmup_steps = 0
+lr = 0.01
+"""
+    path = tmp_path / "p.toml"
+    path.write_text(text, encoding="utf-8")
+    return load_preset(path)
+
+
+def _events(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+
+
+def _train(preset, run_dir: Path, ctx: DistContext) -> str:
+    trainer = Trainer(preset, run_dir, ctx, get_registry())
+    trainer.build()
+    trainer.maybe_resume()
+    status = trainer.train()
+    trainer.close(status)
+    return status
+
+
+def test_one_step_writes_what_a_run_writes(tmp_path, process_group):
+    preset = _preset(tmp_path, steps=2)
+    run_dir = create_run_dir(tmp_path / "runs", "unit", dump_preset(preset), {"status": "starting"})
+
+    assert _train(preset, run_dir, process_group) == "finished"
+    events = _events(run_dir)
+    steps = [e for e in events if e["kind"] == "step"]
+    assert [e["step"] for e in steps] == [1, 2]
+    # 2 micro-batches of 4 samples of 16 tokens, every token a label
+    assert all(e["tokens"] == 2 * 4 * 16 for e in steps)
+    # an untrained model predicts close to uniformly: cross-entropy near ln(vocab)
+    first = steps[0]["loss"]
+    assert abs(first - math.log(VOCAB)) < 1.0, first  # a sum instead of a mean, or a wrong label shift, is far off
+    assert steps[0]["memory"][0]["param_bytes"] > 0 and steps[0]["grad_norm"] > 0
+    assert steps[0]["step_time_s"] > 0 and steps[0]["tokens_per_s"] > 0
+    assert [e["step"] for e in events if e["kind"] == "eval"] == [0, 2]
+    assert [e["step"] for e in events if e["kind"] == "checkpoint"] == [2]
+    assert (run_dir / "checkpoints" / "step-2" / "manifest.json").is_file()
+    assert (run_dir / "model.safetensors").is_file() and (run_dir / "tokenizer.json").is_file()
+    assert read_run_info(run_dir)["status"] == "finished"
+
+
+def test_stop_then_resume_gives_the_uninterrupted_losses(tmp_path, process_group):
+    preset = _preset(tmp_path, steps=3)
+    straight_dir = create_run_dir(tmp_path / "runs", "straight", dump_preset(preset), {"status": "starting"})
+    assert _train(preset, straight_dir, process_group) == "finished"
+    straight = [e["loss"] for e in _events(straight_dir) if e["kind"] == "step"]
+
+    run_dir = create_run_dir(tmp_path / "runs", "stopped", dump_preset(preset), {"status": "starting"})
+    (run_dir / STOP_FILE).touch()  # what the first Ctrl-C of `handle run` does: stop after this step
+    assert _train(preset, run_dir, process_group) == "stopped"
+    assert [e["step"] for e in _events(run_dir) if e["kind"] == "checkpoint"] == [1]
+    (run_dir / STOP_FILE).unlink()
+    assert _train(preset, run_dir, process_group) == "finished"
+    resumed = [e for e in _events(run_dir) if e["kind"] == "step"]
+    assert [e["step"] for e in resumed] == [1, 2, 3]
+    assert [e["loss"] for e in resumed] == pytest.approx(straight, rel=1e-6, abs=0)
+    assert straight[2] < straight[0]  # lr 0.01 without warm-up: it learns
