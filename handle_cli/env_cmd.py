@@ -19,6 +19,8 @@ from typing import Any
 
 import click
 
+from torch_handle.text import one_line
+
 ENV_VARS = ("HANDLE_LOAD_PLUGINS", "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "NCCL_DEBUG", "NCCL_SOCKET_IFNAME",
             "GLOO_SOCKET_IFNAME", "MASTER_ADDR", "MASTER_PORT")
 
@@ -30,17 +32,12 @@ def _version(dist: str) -> str | None:
         return None
 
 
-def _one_line(e: BaseException) -> str:
-    text = " ".join(str(e).split())
-    return f"{type(e).__name__}: {text}" if text else type(e).__name__
-
-
 def torch_info() -> dict[str, Any]:
     try:
         import torch
         import torch.distributed as dist
     except Exception as e:  # noqa: BLE001 - report, do not crash
-        return {"version": None, "error": _one_line(e)}
+        return {"version": None, "error": one_line(e)}
     info: dict[str, Any] = {"version": torch.__version__, "cuda_build": torch.version.cuda,
                             "hip_build": getattr(torch.version, "hip", None), "threads": torch.get_num_threads()}
     cuda = torch.cuda.is_available()
@@ -152,7 +149,7 @@ def check_dist(nproc: int, backend: str = "auto", timeout_s: float = 120.0) -> d
     """
     import psutil
 
-    from torch_handle.launch import _parent_death_sigterm
+    from torch_handle.launch import die_with_parent
 
     from handle_cli.env_check import ERROR_MARKER, MARKER
 
@@ -165,7 +162,7 @@ def check_dist(nproc: int, backend: str = "auto", timeout_s: float = 120.0) -> d
     t0 = time.perf_counter()
     with tempfile.TemporaryFile(mode="w+b") as out:
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True, preexec_fn=_parent_death_sigterm)
+                                start_new_session=True, preexec_fn=die_with_parent)
         timed_out = interrupted = False
         try:
             while proc.poll() is None:

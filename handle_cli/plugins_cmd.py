@@ -19,7 +19,8 @@ import click
 
 from handle_cli.common import fail
 
-KINDS = ("model", "dataset", "strategy", "profiler")
+KINDS = ("model", "dataset", "strategy", "profiler", "sink")
+"""What a plugin can register by name; a sink is not selected by a preset: every registered one runs."""
 CORE_DISTRIBUTION = "torch-handle"
 
 LOAD_PLUGINS_HELP = """\b
@@ -76,13 +77,13 @@ def plugins() -> None:
     """List, install and uninstall plugins.
 
     A plugin is a module registered under the `handle` entry-point group of a Python distribution; it can add
-    models, datasets, strategies, profilers, presets and commands (see docs/plugins.md).
+    models, datasets, strategies, profilers, telemetry sinks, presets and commands (see docs/plugins.md).
     """
 
 
 def plugin_record(info: Any, registry: Any) -> dict[str, Any]:
     """One plugin as ``handle plugins list --json`` shows it."""
-    regs = registry.registrations
+    regs = {**registry.registrations, "sink": registry.sinks}
     registers = {k: list(info.registered[k]) for k in KINDS if info.registered.get(k)}
     return {
         "name": info.name,

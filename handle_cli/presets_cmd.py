@@ -72,7 +72,7 @@ def validate(preset: str, overrides: tuple[str, ...]) -> None:
             for e in problems:
                 click.echo(f"error: {e}", err=True)
             sys.exit(2)
-    preflight = getattr(get_registry().get("dataset", p.data.name).factory, "preflight", None)
+    preflight = get_registry().get("dataset", p.data.name).preflight
     if preflight is not None:
         preflight(p.data.options)  # DataError: one line, exit 2 (HandleGroup)
     click.echo(f"{p.source}: ok ({p.strategy.name}, world size {p.world_size}, {p.training.steps} steps)")

@@ -14,11 +14,12 @@ import click
 from handle_cli.common import EXIT_FAILED, EXIT_FINISHED, EXIT_STOPPED
 from torch_handle.config import Preset, dump_preset, load_preset
 from torch_handle.rundir import PRESET_FILE, RunDirError, create_run_dir, read_run_info, update_run_info
-from torch_handle.telemetry import EVENTS_FILE, EventReader, RunSummary
+from torch_handle.events import EventReader, Kind, Level, RunState, Status
+from torch_handle.telemetry import EVENTS_FILE
 from torch_handle.text import clean, fmt_bytes, fmt_duration  # text from logs and events never reaches the terminal raw
 
 
-EXIT_CODES = {"finished": EXIT_FINISHED, "failed": EXIT_FAILED, "stopped": EXIT_STOPPED}
+EXIT_CODES = {Status.FINISHED: EXIT_FINISHED, Status.FAILED: EXIT_FAILED, Status.STOPPED: EXIT_STOPPED}
 
 
 def prepare_run(preset: str | None, overrides: tuple[str, ...], run_dir: Path | None,
@@ -26,7 +27,7 @@ def prepare_run(preset: str | None, overrides: tuple[str, ...], run_dir: Path | 
     """Validate everything, then create (or reopen) the run directory. Nothing is written on bad input."""
     if resume_dir is not None:
         info = read_run_info(resume_dir)
-        if info.get("status") == "running" and _alive(info.get("launcher_pid")):
+        if info.get("status") == Status.RUNNING and _alive(info.get("launcher_pid")):
             raise RunDirError(f"{resume_dir}: is still running (launcher pid {info['launcher_pid']})")
         loaded = load_preset(Path(resume_dir) / PRESET_FILE, overrides)
         _check_data(loaded)
@@ -34,12 +35,12 @@ def prepare_run(preset: str | None, overrides: tuple[str, ...], run_dir: Path | 
             tmp = Path(resume_dir) / f".{PRESET_FILE}.tmp"
             tmp.write_text(dump_preset(loaded), encoding="utf-8")
             os.replace(tmp, Path(resume_dir) / PRESET_FILE)
-        update_run_info(resume_dir, status="running", message="", resumed=info.get("resumed", 0) + 1)
+        update_run_info(resume_dir, status=Status.RUNNING, message="", resumed=info.get("resumed", 0) + 1)
         return loaded, Path(resume_dir)
     assert preset is not None
     loaded = load_preset(preset, overrides)
     _check_data(loaded)
-    info = {"status": "starting", "name": loaded.run.name, "preset": str(loaded.source),
+    info = {"status": Status.STARTING, "name": loaded.run.name, "preset": str(loaded.source),
             "strategy": loaded.strategy.name, "zero_stage": getattr(loaded.strategy.options, "zero_stage", None),
             "world_size": loaded.world_size, "steps": loaded.training.steps, "start_time": time.time(),
             "end_time": None, "restarts": 0}
@@ -51,8 +52,7 @@ def _check_data(preset: Preset) -> None:
     """Cheap data checks before anything starts (missing paths), through the dataset plugin's own hook."""
     from torch_handle.registry import get_registry
 
-    reg = get_registry().get("dataset", preset.data.name)
-    preflight = getattr(reg.factory, "preflight", None)
+    preflight = get_registry().get("dataset", preset.data.name).preflight
     if preflight is not None:
         preflight(preset.data.options)
 
@@ -71,38 +71,44 @@ def _fmt_loss(value: object) -> str:
     return f"{value:.4f}" if isinstance(value, (int, float)) else "n/a (not finite)"
 
 
-def progress_line(s: RunSummary) -> str:
+def progress_line(s: RunState) -> str:
+    """``step 5/10 | loss 2.5000 | val 2.6000 | 1,234 tok/s | lr 1.00e-03 | ETA 00:05`` (parts without a value
+    yet are left out; the ETA is the time left at the recent step times, ``--:--`` until there is one)."""
     total = s.steps_total or "?"
     parts = [f"step {s.step}/{total}"]
-    if s.loss is not None:
-        parts.append(f"loss {s.loss:.4f}")
-    if s.val_loss is not None:
-        parts.append(f"val {s.val_loss:.4f}")
-    if s.tokens_per_s:
-        parts.append(f"{s.tokens_per_s[-1]:,.0f} tok/s")
-    if s.lr is not None:
-        parts.append(f"lr {s.lr:.2e}")
-    parts.append(f"ETA {fmt_duration(s.eta_s())}")
+    if (loss := s.last_loss) is not None:
+        parts.append(f"loss {loss:.4f}")
+    if (val := s.last_val_loss) is not None:
+        parts.append(f"val {val:.4f}")
+    if (tokens_per_s := s.last(s.tokens_per_s)) is not None:
+        parts.append(f"{tokens_per_s:,.0f} tok/s")
+    if (lr := s.last(s.lr)) is not None:
+        parts.append(f"lr {lr:.2e}")
+    parts.append(f"ETA {fmt_duration(s.time_left_s())}")
     return " | ".join(parts)
 
 
-def summary_text(s: RunSummary, run_dir: Path, info: dict) -> str:
+def summary_text(s: RunState, run_dir: Path, info: dict) -> str:
+    """The final summary: status and message from ``info`` (run.json), figures from the events; cleaned text."""
     lines = [f"{info.get('status', '?')}: {run_dir}"]
     if info.get("message"):
         lines.append(f"  {clean(info['message'])}")
-    if s.loss is not None:
-        lines.append(f"  steps {s.step}   final train loss {s.loss:.4f}"
-                     + (f"   val loss {s.first_val_loss:.4f} -> {s.val_loss:.4f}" if s.val_loss is not None else ""))
+    if (loss := s.last_loss) is not None:
+        val = s.last_val_loss
+        lines.append(f"  steps {s.step}   final train loss {loss:.4f}"
+                     + (f"   val loss {s.first_val_loss:.4f} -> {val:.4f}" if val is not None else ""))
     if s.mean_tokens_per_s:
+        # elapsed: from the first event to the last one (a resumed run counts its earlier attempts too)
         lines.append(f"  mean {s.mean_tokens_per_s:,.0f} tokens/s   elapsed "
-                     f"{fmt_duration((s.last_time or 0) - (s.start_time or 0))}")
+                     f"{fmt_duration((s.last_time or 0) - (s.first_time or 0))}")
     if info.get("strategy"):
         stage = f" ZeRO-{info['zero_stage']}" if info.get("zero_stage") is not None else ""
         lines.append(f"  {info['strategy']}{stage}, world size {info.get('world_size')}, "
                      f"optimizer {info.get('optimizer')}")
     for rank, peak in sorted(s.peak_memory.items()):
         model_state = peak.get("param_bytes", 0) + peak.get("grad_bytes", 0) + peak.get("optimizer_bytes", 0)
-        extra = f"   cuda peak {fmt_bytes(peak['cuda_max_allocated_bytes'])}" if "cuda_max_allocated_bytes" in peak else ""
+        cuda = peak.get("cuda_max_allocated_bytes")
+        extra = f"   cuda peak {fmt_bytes(cuda)}" if cuda is not None else ""
         lines.append(f"  rank {rank}: params {fmt_bytes(peak.get('param_bytes', 0))}  grads "
                      f"{fmt_bytes(peak.get('grad_bytes', 0))}  optimizer {fmt_bytes(peak.get('optimizer_bytes', 0))}"
                      f"  (model state {fmt_bytes(model_state)})  rss {fmt_bytes(peak.get('rss_bytes', 0))}{extra}")
@@ -115,7 +121,8 @@ def supervise(preset: Preset, run_dir: Path, *, quiet: bool = False) -> int:
 
     launch = Launch(preset, run_dir)
     reader = EventReader(Path(run_dir) / EVENTS_FILE)
-    summary = RunSummary(steps_total=preset.training.steps)
+    # the preset's total until the workers report theirs; no status from run.json: the summary's is the launcher's
+    state = RunState(Path(run_dir), info={"steps": preset.training.steps})
     interrupts = 0
 
     def on_signal(signum, frame):
@@ -140,25 +147,24 @@ def supervise(preset: Preset, run_dir: Path, *, quiet: bool = False) -> int:
         launch.start()
         while True:
             rc = launch.poll()
-            for event in reader.poll():
-                summary.update(event)
-                if quiet:
-                    continue
-                if event.get("kind") == "log" and event.get("level") in ("warning", "error"):
-                    click.echo(("\r\033[K" if tty else "") + f"{clean(event['level'])}: {clean(event.get('message', ''))}")
-                elif event.get("kind") == "eval" and not tty:
+            events = reader.poll()
+            state.apply(events)
+            for event in [] if quiet else events:
+                if event.get("kind") == Kind.LOG and event.get("level") in (Level.WARNING, Level.ERROR):
+                    click.echo(("\r\033[K" if tty else "")
+                               + f"{clean(event['level'])}: {clean(event.get('message', ''))}")
+                elif event.get("kind") == Kind.EVAL and not tty:
                     click.echo(f"step {event.get('step')}: val loss {_fmt_loss(event.get('val_loss'))}")
             now = time.monotonic()
             if tty:
-                click.echo("\r\033[K" + progress_line(summary), nl=False)
-            elif not quiet and summary.step and now - last_printed > 5:
-                click.echo(progress_line(summary))
+                click.echo("\r\033[K" + progress_line(state), nl=False)
+            elif not quiet and state.step and now - last_printed > 5:
+                click.echo(progress_line(state))
                 last_printed = now
             if rc is not None:
                 break
             time.sleep(0.2)
-        for event in reader.poll():
-            summary.update(event)
+        state.apply(reader.poll())
         launch.reap()
         info = launch.finish(rc)
     finally:
@@ -167,10 +173,10 @@ def supervise(preset: Preset, run_dir: Path, *, quiet: bool = False) -> int:
     if not quiet:
         if tty:
             click.echo("")
-        click.echo(summary_text(summary, run_dir, info))
-        if info.get("status") == "failed":
+        click.echo(summary_text(state, run_dir, info))
+        if info.get("status") == Status.FAILED:
             click.echo(f"error: run failed: {clean(info.get('message', ''))} (logs: {run_dir}/logs)", err=True)
-        elif info.get("status") == "stopped":
+        elif info.get("status") == Status.STOPPED:
             click.echo(f"resume with: handle run --resume {run_dir}")
     return EXIT_CODES.get(info.get("status"), 1)
 

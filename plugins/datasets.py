@@ -198,12 +198,10 @@ def build_parallel(options: ParallelConfig, ctx):
                       tokenizer_path=tok_path, collate_fn=pad_collate, description=str(root))
 
 
-build_text.preflight = preflight_text
-build_parallel.preflight = preflight_parallel
-
-
 @hookimpl
 def handle_register_datasets(register):
     register("pydoc", PydocConfig, build_pydoc, "CPython documentation topics (embedded; no download)")
-    register("text", TextConfig, build_text, "language modelling on local UTF-8 text files")
-    register("parallel", ParallelConfig, build_parallel, "translation on aligned <split>.<lang> files")
+    register("text", TextConfig, build_text, "language modelling on local UTF-8 text files",
+             preflight=preflight_text)
+    register("parallel", ParallelConfig, build_parallel, "translation on aligned <split>.<lang> files",
+             preflight=preflight_parallel)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Literal
 
 from torch_handle.api import InvalidValue, hookimpl, param
@@ -10,7 +10,8 @@ from torch_handle.api import InvalidValue, hookimpl, param
 
 @dataclass
 class TransformerConfig:
-    """``[model]`` options of the ``transformer`` plugin."""
+    """``[model]`` options of the ``transformer`` plugin: ``kind`` picks the class, every other field is the
+    ``torch_handle.model.TransformerArgs`` field of the same name (``build`` passes them on by name)."""
 
     kind: Literal["decoder", "encoder-decoder"] = "decoder"
     """decoder = decoder-only language model; encoder-decoder = translation (Vaswani et al. 2017)."""
@@ -51,14 +52,13 @@ def check_preset(options: TransformerConfig, preset) -> None:
 
 
 def build(options: TransformerConfig, vocab_size: int, pad_id: int, max_len: int):
-    from torch_handle.model import build_transformer
+    """``factory(options, vocab_size, pad_id, max_len) -> nn.Module``: every option but ``kind`` is the
+    ``TransformerArgs`` field of the same name; the dataset supplies vocab_size, pad_id and max_len."""
+    from torch_handle.model import TransformerArgs, build_transformer
 
-    return build_transformer(
-        vocab_size, kind=options.kind, d_model=options.d_model, n_heads=options.n_heads, n_layers=options.n_layers,
-        d_ff=options.d_ff, dropout=options.dropout, activation=options.activation, norm_first=options.norm_first,
-        tie_embeddings=options.tie_embeddings, max_len=max_len, pad_id=pad_id,
-        activation_checkpointing=options.activation_checkpointing, attention=options.attention,
-        fused_qkv=options.fused_qkv)
+    shared = {f.name: getattr(options, f.name) for f in fields(options) if f.name != "kind"}
+    args = TransformerArgs(vocab_size=vocab_size, pad_id=pad_id, max_len=max_len, **shared)
+    return build_transformer(args, kind=options.kind)
 
 
 @hookimpl

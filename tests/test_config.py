@@ -121,7 +121,8 @@ def test_extends_is_relative_to_the_file_not_the_cwd(tmp_path, monkeypatch):
 
 
 def test_extends_merges_nested_tables(tmp_path):
-    write(tmp_path / "base.toml", '[strategy]\nname = "deepspeed"\n[strategy.ds_config]\na = 1\n[strategy.ds_config.b]\nc = 2\n')
+    write(tmp_path / "base.toml",
+          '[strategy]\nname = "deepspeed"\n[strategy.ds_config]\na = 1\n[strategy.ds_config.b]\nc = 2\n')
     child = write(tmp_path / "child.toml", 'extends = "base.toml"\n[strategy.ds_config.b]\nd = 3\n')
     assert load_preset(child).strategy.options.ds_config == {"a": 1, "b": {"c": 2, "d": 3}}
 
@@ -144,7 +145,8 @@ def test_extends_cycle_and_self_and_missing(tmp_path):
     assert str(e).startswith(f"{tmp_path / 'b.toml'}:2: extends:")
     me = write(tmp_path / "me.toml", 'extends = "me.toml"\n')
     assert "extends cycle: me.toml -> me.toml" in str(err(me))
-    lost = write(tmp_path / "lost.toml", '[run]\nname = "x"\n') and write(tmp_path / "lost.toml", 'extends = "gone.toml"\n')
+    lost = (write(tmp_path / "lost.toml", '[run]\nname = "x"\n')
+            and write(tmp_path / "lost.toml", 'extends = "gone.toml"\n'))
     e = err(lost)
     assert str(e).startswith(f"{lost}:1: extends:") and "'gone.toml' does not exist" in str(e)
     bad = write(tmp_path / "bad.toml", "extends = 3\n")
@@ -230,7 +232,8 @@ def test_parse_override():
 
 
 @pytest.mark.parametrize("body, overrides, where, parts", [
-    ("[training]\nsteps = 5\nstepz = 3\n", [], ":3: training.stepz:", ["unknown key", "did you mean 'steps'?", "valid:"]),
+    ("[training]\nsteps = 5\nstepz = 3\n", [], ":3: training.stepz:",
+     ["unknown key", "did you mean 'steps'?", "valid:"]),
     ("[training]\nlr = 0.1\n", ["training.stpes=3"], " (--set): training.stpes:", ["did you mean 'steps'?"]),
     ("\n[trainig]\nsteps = 3\n", [], ":2: trainig:", ["unknown table", "did you mean 'training'?"]),
     ("", ["trainig.steps=3"], " (--set): trainig:", ["did you mean 'training'?"]),
@@ -384,7 +387,7 @@ def _data_options(tmp_path, overrides):
 
 
 def _preflight(preset):
-    return get_registry().get("dataset", preset.data.name).factory.preflight(preset.data.options)
+    return get_registry().get("dataset", preset.data.name).preflight(preset.data.options)
 
 
 def test_preflight_text(tmp_path):

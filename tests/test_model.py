@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections import Counter
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from torch_handle.model import (
     EncoderLayer,
     MultiHeadAttention,
     SinusoidalPositionalEncoding,
+    TransformerArgs,
     build_transformer,
     scaled_dot_product_attention_reference,
 )
@@ -27,9 +29,34 @@ ATOL = 1e-5
 TINY = dict(d_model=D, n_heads=H, n_layers=2, d_ff=FF, dropout=0.0, max_len=64)
 
 
+def tiny(vocab_size: int = V, **overrides) -> TransformerArgs:
+    """TransformerArgs of the tiny test models, with ``overrides``."""
+    return TransformerArgs(vocab_size, **{**TINY, **overrides})
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch) -> Counter:
+    """Counts the attention-kernel calls torch_handle.model makes, by kernel: both kernels give the same
+    numbers, so only the count shows which one ran."""
+    calls: Counter = Counter()
+    real_sdpa, real_reference = F.scaled_dot_product_attention, M.scaled_dot_product_attention_reference
+
+    def sdpa(*args, **kwargs):
+        calls["sdpa"] += 1
+        return real_sdpa(*args, **kwargs)
+
+    def reference(*args, **kwargs):
+        calls["reference"] += 1
+        return real_reference(*args, **kwargs)
+
+    monkeypatch.setattr(M.F, "scaled_dot_product_attention", sdpa)
+    monkeypatch.setattr(M, "scaled_dot_product_attention_reference", reference)
+    return calls
 
 
 # ---------------------------------------------------------------------------------------------
@@ -144,13 +171,18 @@ def test_mha_self_attention_defaults_key_value_to_query():
 
 @pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("causal", [False, True])
-def test_sdpa_equals_reference(fused, causal):
+def test_sdpa_equals_reference(fused, causal, kernel_calls):
     mha = randomize_(MultiHeadAttention(D, H, fused_qkv=fused)).eval()
     x = torch.randn(3, 9, D)
     kpm = right_padding_mask([9, 4, 2], 9)
     for mask in (None, kpm):
-        a = mha(x, key_padding_mask=mask, causal=causal, attention="sdpa")
-        b = mha(x, key_padding_mask=mask, causal=causal, attention="reference")
+        kernel_calls.clear()
+        mha.attention = "sdpa"
+        a = mha(x, key_padding_mask=mask, causal=causal)
+        assert kernel_calls == {"sdpa": 1}  # the selected kernel ran, the other did not
+        mha.attention = "reference"
+        b = mha(x, key_padding_mask=mask, causal=causal)
+        assert kernel_calls == {"sdpa": 1, "reference": 1}
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
 
 
@@ -174,7 +206,8 @@ def test_fully_masked_rows_are_finite_and_agree():
     kpm = torch.tensor([[True, True, False, False, False, False], [False] * 6])
     outs = {}
     for impl in ("sdpa", "reference"):
-        out = mha(x, key_padding_mask=kpm, causal=True, attention=impl)
+        mha.attention = impl
+        out = mha(x, key_padding_mask=kpm, causal=True)
         assert torch.isfinite(out).all()
         (grad,) = torch.autograd.grad(out.square().sum(), x)
         assert torch.isfinite(grad).all()
@@ -198,7 +231,8 @@ def test_mha_rejects_bad_config_and_inputs():
     with pytest.raises(ValueError, match="key_padding_mask"):
         mha(x, key_padding_mask=torch.zeros(2, 3))  # float, not bool
     with pytest.raises(ValueError, match="attention"):
-        mha(x, attention="nope")
+        mha.attention = "nope"
+    assert mha.attention == "sdpa"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -209,7 +243,7 @@ def test_mha_rejects_bad_config_and_inputs():
 @pytest.mark.parametrize("attention", ["sdpa", "reference"])
 @pytest.mark.parametrize("norm_first", [True, False])
 def test_decoder_lm_is_causal(attention, norm_first):
-    lm = DecoderLM(V, **TINY, norm_first=norm_first, attention=attention).eval()
+    lm = DecoderLM(tiny(norm_first=norm_first, attention=attention)).eval()
     ids = torch.randint(0, V, (2, 12))
     t = 5
     changed = ids.clone()
@@ -223,7 +257,7 @@ def test_decoder_lm_is_causal(attention, norm_first):
 
 @pytest.mark.parametrize("attention", ["sdpa", "reference"])
 def test_encoder_decoder_target_is_causal(attention):
-    model = EncoderDecoder(V, **TINY, attention=attention).eval()
+    model = EncoderDecoder(tiny(attention=attention)).eval()
     src = torch.randint(0, V, (2, 9))
     tgt = torch.randint(0, V, (2, 10))
     t = 3
@@ -243,7 +277,7 @@ def test_encoder_decoder_target_is_causal(attention):
 @pytest.mark.parametrize("norm_first", [True, False])
 def test_source_padding_does_not_change_outputs(attention, norm_first):
     pad = 0
-    model = EncoderDecoder(V, **TINY, pad_id=pad, norm_first=norm_first, attention=attention).eval()
+    model = EncoderDecoder(tiny(pad_id=pad, norm_first=norm_first, attention=attention)).eval()
     src = torch.randint(1, V, (2, 6))
     tgt = torch.randint(1, V, (2, 7))
     padded_src = torch.cat([src, torch.full((2, 4), pad)], dim=1)
@@ -256,7 +290,7 @@ def test_source_padding_does_not_change_outputs(attention, norm_first):
 @pytest.mark.parametrize("attention", ["sdpa", "reference"])
 def test_target_and_lm_padding_does_not_change_real_positions(attention):
     pad = 0
-    lm = DecoderLM(V, **TINY, pad_id=pad, attention=attention).eval()
+    lm = DecoderLM(tiny(pad_id=pad, attention=attention)).eval()
     ids = torch.randint(1, V, (2, 8))
     padded = torch.cat([ids, torch.full((2, 3), pad)], dim=1)
     left_padded = torch.cat([torch.full((2, 3), pad), ids], dim=1)
@@ -266,7 +300,7 @@ def test_target_and_lm_padding_does_not_change_real_positions(attention):
     # Left padding shifts positions (so values change) but must stay finite.
     assert torch.isfinite(c).all()
 
-    model = EncoderDecoder(V, **TINY, pad_id=pad, attention=attention).eval()
+    model = EncoderDecoder(tiny(pad_id=pad, attention=attention)).eval()
     src = torch.randint(1, V, (2, 5))
     with torch.no_grad():
         a = model(src, ids)
@@ -301,7 +335,7 @@ def test_positional_encoding_buffer():
     assert meta.pe.device.type == "meta"
 
     # In a full model it is a buffer of the model too, and survives a state_dict round trip.
-    lm = DecoderLM(V, **TINY)
+    lm = DecoderLM(tiny())
     assert "pos_encoding.pe" in lm.state_dict()
     assert all("pos_encoding" not in name for name, _ in lm.named_parameters())
 
@@ -321,18 +355,18 @@ def test_positional_encoding_odd_width():
 
 @pytest.mark.parametrize("kind", ["decoder", "encoder-decoder"])
 def test_activation_checkpointing_same_loss_and_grads(kind, monkeypatch):
-    calls = []
+    calls, checkpointed = [], []
     real_checkpoint = M.checkpoint
 
     def counting_checkpoint(fn, *args, **kwargs):
         calls.append(kwargs.get("use_reentrant"))
+        checkpointed.append(fn)
         return real_checkpoint(fn, *args, **kwargs)
 
     monkeypatch.setattr(M, "checkpoint", counting_checkpoint)
 
-    kwargs = dict(TINY, pad_id=0)
-    plain = build_transformer(V, kind=kind, **kwargs).train()
-    ckpt = build_transformer(V, kind=kind, activation_checkpointing=True, **kwargs).train()
+    plain = build_transformer(tiny(pad_id=0), kind=kind).train()
+    ckpt = build_transformer(tiny(pad_id=0, activation_checkpointing=True), kind=kind).train()
     ckpt.load_state_dict(plain.state_dict())
 
     src = torch.randint(0, V, (3, 8))
@@ -346,6 +380,7 @@ def test_activation_checkpointing_same_loss_and_grads(kind, monkeypatch):
 
     n_layers = plain.n_layers_total
     assert calls == [False] * n_layers  # every layer, non-reentrant, only in the checkpointed model
+    assert checkpointed == ckpt.blocks()  # the checkpoint units are the model's blocks, in order
     torch.testing.assert_close(losses[0], losses[1])
     for (name, p), (_, q) in zip(plain.named_parameters(), ckpt.named_parameters()):
         torch.testing.assert_close(p.grad, q.grad, msg=name)
@@ -354,6 +389,15 @@ def test_activation_checkpointing_same_loss_and_grads(kind, monkeypatch):
     with torch.no_grad():
         ckpt.eval()(tgt) if kind == "decoder" else ckpt.eval()(src, tgt)
     assert calls == []  # no checkpointing at eval time
+
+
+def test_blocks_are_the_repeated_layers_in_forward_order():
+    lm = build_transformer(tiny(n_layers=3), kind="decoder")
+    assert lm.blocks() == list(lm.layers) and all(isinstance(b, DecoderLayer) for b in lm.blocks())
+    ed = build_transformer(tiny(n_layers=3), kind="encoder-decoder")
+    assert ed.blocks() == [*ed.encoder_layers, *ed.decoder_layers]
+    assert [type(b) for b in ed.blocks()] == [EncoderLayer] * 3 + [DecoderLayer] * 3
+    assert (lm.n_layers_total, ed.n_layers_total) == (3, 6)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -426,8 +470,8 @@ def test_decoder_layer_memory_must_match_cross_attention():
 
 @pytest.mark.parametrize("kind", ["decoder", "encoder-decoder"])
 def test_tied_embeddings_and_param_count(kind):
-    tied = build_transformer(V, kind=kind, **TINY, tie_embeddings=True)
-    untied = build_transformer(V, kind=kind, **TINY, tie_embeddings=False)
+    tied = build_transformer(tiny(tie_embeddings=True), kind=kind)
+    untied = build_transformer(tiny(tie_embeddings=False), kind=kind)
     assert tied.lm_head.weight is tied.embed.weight
     assert tied.lm_head.weight.data_ptr() == tied.embed.weight.data_ptr()
     assert untied.lm_head.weight.data_ptr() != untied.embed.weight.data_ptr()
@@ -448,7 +492,7 @@ def test_tied_embeddings_and_param_count(kind):
 @pytest.mark.parametrize("kind,layers", [("decoder", 2), ("encoder-decoder", 4)])
 @pytest.mark.parametrize("tie", [True, False])
 def test_flops_per_token(kind, layers, tie):
-    model = build_transformer(V, kind=kind, **TINY, tie_embeddings=tie)
+    model = build_transformer(tiny(tie_embeddings=tie), kind=kind)
     assert model.n_layers_total == layers
     n_matmul = model.num_params(exclude_embeddings=True) + (V * D if tie else 0)
     seq_len = 32
@@ -459,46 +503,69 @@ def test_flops_per_token(kind, layers, tie):
 
 def test_errors():
     with pytest.raises(ValueError, match="divisible"):
-        DecoderLM(V, d_model=10, n_heads=4, n_layers=1, d_ff=8)
+        DecoderLM(TransformerArgs(V, d_model=10, n_heads=4, n_layers=1, d_ff=8))
     with pytest.raises(ValueError, match="divisible"):
-        build_transformer(V, kind="encoder-decoder", d_model=10, n_heads=3, n_layers=1, d_ff=8)
+        build_transformer(TransformerArgs(V, d_model=10, n_heads=3, n_layers=1, d_ff=8), kind="encoder-decoder")
     with pytest.raises(ValueError, match=r"'decoder'.*'encoder-decoder'"):
-        build_transformer(V, kind="encoder-only", **TINY)
+        build_transformer(tiny(), kind="encoder-only")
     with pytest.raises(ValueError, match="activation"):
-        DecoderLM(V, **TINY, activation="swish")
+        DecoderLM(tiny(activation="swish"))
+    with pytest.raises(ValueError, match="attention"):
+        EncoderDecoder(tiny(attention="flash"))
     with pytest.raises(ValueError, match="max_len"):
-        DecoderLM(V, **dict(TINY, max_len=4))(torch.zeros(1, 5, dtype=torch.long))
+        DecoderLM(tiny(max_len=4))(torch.zeros(1, 5, dtype=torch.long))
 
 
 @pytest.mark.parametrize("kind", ["decoder", "encoder-decoder"])
 def test_init_is_deterministic_and_scaled(kind):
     torch.manual_seed(123)
-    a = build_transformer(V, kind=kind, **TINY)
+    a = build_transformer(tiny(), kind=kind)
     torch.manual_seed(123)
-    b = build_transformer(V, kind=kind, **TINY)
+    b = build_transformer(tiny(), kind=kind)
     for (name, p), q in zip(a.state_dict().items(), b.state_dict().values()):
         assert torch.equal(p, q), name
-    big = build_transformer(1000, kind=kind, **dict(TINY, d_model=64))
+    big = build_transformer(tiny(1000, d_model=64), kind=kind)
     assert big.embed.weight.std().item() == pytest.approx(64**-0.5, rel=0.05)
     for name, module in big.named_modules():
         if isinstance(module, nn.Linear) and module is not big.lm_head and module.bias is not None:
             assert torch.count_nonzero(module.bias) == 0, name
 
 
-def test_attention_switch_propagates():
-    lm = DecoderLM(V, **TINY, pad_id=0).eval()
-    ids = torch.randint(0, V, (2, 10))
+@pytest.mark.parametrize("kind,n_attention", [("decoder", 2), ("encoder-decoder", 6)])
+def test_attention_switch_propagates(kind, n_attention, kernel_calls):
+    """``model.attention = ...`` switches every attention module (2 self-attention layers; 2 encoder
+    self-, 2 decoder self- and 2 cross-attention), checked by which kernel actually runs."""
+    model = build_transformer(tiny(pad_id=0), kind=kind).eval()
+    ids = torch.randint(1, V, (2, 10))
     ids[1, 7:] = 0
-    with torch.no_grad():
-        a = lm(ids)
-        lm.attention = "reference"
-        b = lm(ids)
+
+    def run():
+        kernel_calls.clear()
+        with torch.no_grad():
+            return model(ids) if kind == "decoder" else model(ids, ids)
+
+    a = run()
+    assert model.attention == "sdpa" and kernel_calls == {"sdpa": n_attention}
+    model.attention = "reference"
+    b = run()
+    assert model.attention == "reference" and kernel_calls == {"reference": n_attention}
     torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+    with pytest.raises(ValueError, match="attention"):
+        model.attention = "flash"
+    run()
+    assert model.attention == "reference" and kernel_calls == {"reference": n_attention}  # nothing changed
+
+    built = build_transformer(tiny(pad_id=0, attention="reference"), kind=kind).eval()
+    kernel_calls.clear()
+    with torch.no_grad():
+        built(ids) if kind == "decoder" else built(ids, ids)
+    assert kernel_calls == {"reference": n_attention}  # TransformerArgs.attention selects the initial kernel
 
 
 def test_separate_qkv_model_runs():
     for kind in ("decoder", "encoder-decoder"):
-        model = build_transformer(V, kind=kind, **TINY, fused_qkv=False).eval()
+        model = build_transformer(tiny(fused_qkv=False), kind=kind).eval()
         assert not any("qkv_proj" in name for name, _ in model.named_parameters())
         ids = torch.randint(0, V, (2, 5))
         out = model(ids) if kind == "decoder" else model(ids, ids)
@@ -511,7 +578,7 @@ def test_separate_qkv_model_runs():
 
 
 def test_decoder_lm_overfits_fixed_batch():
-    lm = DecoderLM(32, d_model=32, n_heads=4, n_layers=2, d_ff=64, dropout=0.0, max_len=32).train()
+    lm = DecoderLM(TransformerArgs(32, d_model=32, n_heads=4, n_layers=2, d_ff=64, dropout=0.0, max_len=32)).train()
     ids = torch.randint(0, 32, (4, 16))
     opt = torch.optim.Adam(lm.parameters(), lr=3e-3)
     losses = []
@@ -527,7 +594,7 @@ def test_decoder_lm_overfits_fixed_batch():
 
 def test_embedding_is_scaled_and_positioned():
     """Token embeddings are multiplied by √d_model before the positions are added (§3.4)."""
-    lm = DecoderLM(V, **TINY).eval()
+    lm = DecoderLM(tiny()).eval()
     ids = torch.randint(0, V, (2, 6))
     expected = lm.embed(ids) * math.sqrt(D) + lm.pos_encoding.pe[:6]
     torch.testing.assert_close(lm._embed(ids), expected)

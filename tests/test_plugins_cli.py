@@ -128,10 +128,10 @@ TMP_DDP = {
             """Written to run.json, to prove this strategy ran."""
 
 
-        def build(options, training, ctx):
+        def build(options, training, ctx, model):
             from handle_tmpddp.strategy import TmpDDPStrategy
 
-            return TmpDDPStrategy(options, training, ctx)
+            return TmpDDPStrategy(options, training, ctx, model)
 
 
         @hookimpl

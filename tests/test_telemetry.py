@@ -1,10 +1,22 @@
-"""events.jsonl: the writer's seq numbering and flushing, the reader's handling of growing and bad files."""
+"""events.jsonl: the writer's seq numbering and flushing, the reader's handling of growing and bad files, the fold
+that ``handle run`` prints from; telemetry sinks in a real run (TensorBoard, and one that raises)."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
-from torch_handle.telemetry import EventReader, EventWriter, RunSummary, last_seq
+import pytest
+from click.testing import CliRunner
+
+from handle_cli.main import cli
+from tests.helpers import tiny_preset
+from torch_handle.events import EventReader, RunState
+from torch_handle.telemetry import EventWriter, last_seq
 
 
 def test_writer_numbers_events_and_continues_after_reopen(tmp_path):
@@ -34,27 +46,27 @@ def test_reader_waits_for_a_partial_line_and_reports_bad_lines(tmp_path):
     assert [b.line_no for b in reader.bad_lines] == [3, 4]
 
 
-def test_summary_tracks_progress_memory_peaks_and_eta():
-    s = RunSummary()
-    s.update({"kind": "status", "status": "running", "steps": 10, "time": 100.0})
+def test_summary_tracks_progress_memory_peaks_and_eta(tmp_path):
+    s = RunState(tmp_path)
+    s.apply([{"kind": "status", "status": "running", "steps": 10, "time": 100.0}])
     for step in range(1, 5):
-        s.update({"kind": "step", "step": step, "loss": 5.0 - step, "lr": 1e-3, "tokens_per_s": 1000.0 * step,
+        s.apply([{"kind": "step", "step": step, "loss": 5.0 - step, "lr": 1e-3, "tokens_per_s": 1000.0 * step,
                   "step_time_s": 0.5, "time": 100.0 + step,
-                  "memory": [{"rank": 0, "param_bytes": 10 * step, "rss_bytes": 5}]})
-    s.update({"kind": "eval", "step": 4, "val_loss": 1.5})
-    assert (s.step, s.loss, s.val_loss) == (4, 1.0, 1.5)
+                  "memory": [{"rank": 0, "param_bytes": 10 * step, "rss_bytes": 5}]}])
+    s.apply([{"kind": "eval", "step": 4, "val_loss": 1.5}])
+    assert (s.step, s.last_loss, s.last_val_loss) == (4, 1.0, 1.5)
     assert s.peak_memory[0]["param_bytes"] == 40
     assert s.eta_s() == 3.0
     assert s.mean_tokens_per_s == 3500.0
 
 
-def test_summary_ignores_fields_of_the_wrong_type():
-    s = RunSummary()
+def test_summary_ignores_fields_of_the_wrong_type(tmp_path):
+    s = RunState(tmp_path)
     for bad in ({"kind": "step", "step": "x", "loss": "nan?", "tokens_per_s": "fast", "memory": "x"},
                 {"kind": "step", "step": 2, "memory": [{"rank": "a"}, 3, {"rank": 1, "rss_bytes": "big"}]},
                 {"kind": "eval", "val_loss": None}, {"kind": "status", "status": 5, "steps": "ten"}):
-        s.update(bad)
-    assert s.step == 2 and s.loss is None and s.val_loss is None and s.mean_tokens_per_s is None
+        s.apply([bad])
+    assert s.step == 2 and s.last_loss is None and s.last_val_loss is None and s.mean_tokens_per_s is None
     assert s.peak_memory == {1: {}}
 
 
@@ -66,3 +78,103 @@ def test_non_finite_figures_are_written_as_null(tmp_path):
     line = path.read_text()
     assert "NaN" not in line and "Infinity" not in line
     assert json.loads(line)["loss"] is None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# sinks in real runs
+# ---------------------------------------------------------------------------------------------------------------
+
+RAISING_SINK = '''
+    """A sink that raises on every event (what a broken metrics service looks like to a run)."""
+
+    from torch_handle.api import Sink, hookimpl
+
+
+    class Raising(Sink):
+        def emit(self, event):
+            raise RuntimeError(f"cannot send event {event['seq']}")
+
+
+    @hookimpl
+    def handle_register_sinks(register):
+        register("raising", lambda run_dir, preset: Raising(), "raises on every event")
+'''
+
+
+def raising_sink_site(root: Path) -> Path:
+    """A directory that, on PYTHONPATH, adds the plugin ``raising`` (entry point group ``handle``) without
+    installing anything: importlib.metadata finds the ``.dist-info`` on sys.path."""
+    site = root / "site"
+    info = site / "handle_raising_sink-0.0.1.dist-info"
+    info.mkdir(parents=True)
+    (site / "handle_raising_sink.py").write_text(textwrap.dedent(RAISING_SINK))
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: handle-raising-sink\nVersion: 0.0.1\n")
+    (info / "entry_points.txt").write_text("[handle]\nraising = handle_raising_sink\n")
+    return site
+
+
+def handle_env(pythonpath: Path | None = None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("HANDLE_LOAD_PLUGINS", "PYTHONPATH")}
+    if pythonpath is not None:
+        env["PYTHONPATH"] = str(pythonpath)
+    return env
+
+
+def tensorboard_scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir / "tensorboard"))
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def test_plugins_list_shows_the_tensorboard_sink():
+    result = CliRunner().invoke(cli, ["plugins", "list", "--json"])
+    assert result.exit_code == 0, result.output
+    sinks = {p["name"]: p for p in json.loads(result.output)["plugins"]}["sinks"]
+    assert sinks["status"] == "loaded" and sinks["builtin"] and sinks["registers"] == {"sink": ["tensorboard"]}
+    assert "TensorBoard" in sinks["descriptions"]["sink"]["tensorboard"]
+    result = CliRunner().invoke(cli, ["plugins", "list", "--kind", "sink"])
+    assert result.exit_code == 0 and any(line.split()[:2] == ["tensorboard", "sinks"]
+                                         for line in result.output.splitlines()), result.output
+
+
+@pytest.mark.dist
+def test_a_sink_that_raises_on_every_event_changes_neither_losses_nor_exit_code(tmp_path):
+    """The same tiny run (single process, fp32) with and without a plugin whose sink raises on every event: the
+    same losses exactly, exit code 0, one warning in events.jsonl; TensorBoard still gets its scalars."""
+    preset = tmp_path / "tiny.toml"
+    preset.write_text(tiny_preset(tmp_path / "runs", steps=4, strategy="single", log_every=2))
+    site = raising_sink_site(tmp_path)
+    listed = subprocess.run([sys.executable, "-m", "handle_cli", "plugins", "list", "--json"], capture_output=True,
+                            text=True, timeout=120, env=handle_env(site))
+    plugins = {p["name"]: p for p in json.loads(listed.stdout)["plugins"]}
+    assert plugins["raising"]["registers"] == {"sink": ["raising"]}, listed.stdout
+    runs = {}
+    for name, pythonpath in (("plain", None), ("raising", site)):
+        proc = subprocess.run([sys.executable, "-m", "handle_cli", "run", str(preset), "--set", f"run.name={name}",
+                               "--set", "launch.nproc_per_node=1", "--set", "training.eval_every=2"],
+                              capture_output=True, text=True, timeout=300, env=handle_env(pythonpath))
+        assert proc.returncode == 0, f"{name}: exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+        run_dir = Path(next(ln for ln in proc.stdout.splitlines() if ln.startswith("run directory: ")).split(": ")[1])
+        events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+        runs[name] = (proc, run_dir, events)
+    losses = {name: {e["step"]: e["loss"] for e in events if e["kind"] == "step"} for name, (_, _, events) in
+              runs.items()}
+    assert sorted(losses["plain"]) == [1, 2, 3, 4] and losses["raising"] == losses["plain"]
+
+    def warnings(events):
+        return [e["message"] for e in events if e["kind"] == "log" and e["level"] == "warning"]
+
+    proc, run_dir, events = runs["raising"]
+    assert warnings(runs["plain"][2]) == []
+    assert warnings(events) == ["sink 'raising' disabled: RuntimeError: cannot send event 0 (in emit)"]
+    assert "warning: sink 'raising' disabled" in proc.stdout
+    assert json.loads((run_dir / "run.json").read_text())["status"] == "finished"
+    for name, (_, run_dir, events) in runs.items():  # TensorBoard: the same scalars at the same steps as before
+        scalars = tensorboard_scalars(run_dir)
+        assert sorted(scalars) == ["train/grad_norm", "train/loss", "train/lr", "train/step_time_s",
+                                   "train/tokens_per_s", "valid/loss"], name
+        assert [s for s, _ in scalars["train/loss"]] == [1, 2, 3, 4]
+        assert [v for _, v in scalars["train/loss"]] == pytest.approx([losses[name][s] for s in (1, 2, 3, 4)])
+        assert [s for s, _ in scalars["valid/loss"]] == [2, 4]  # the step-0 baseline is in events.jsonl only

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from handle_cli.tui.app import HandleDashboard
-from handle_cli.tui.model import LogTail, RunState, run_rows
+from handle_cli.tui.model import LogTail, run_rows
+from torch_handle.events import RunState
 from torch_handle.text import clean
 from handle_cli.tui.screens import HelpScreen, RunPicker
 from handle_cli.tui.widgets import Chart, LogPanel, MemoryBars, nice_ticks, tick_labels

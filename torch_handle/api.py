@@ -34,8 +34,10 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and editors only (name
     from torch_handle.corpus import pydoc_corpus, read_parallel, read_text, split_documents, text_files
     from torch_handle.data import (IGNORE_INDEX, SPECIAL_TOKENS, DataBundle, DataContext, LMDataset, TranslationDataset,
                                    encode_stream, load_or_train_tokenizer, pad_collate)
+    from torch_handle.config import deep_merge
+    from torch_handle.events import Kind, Status
     from torch_handle.strategy import DistContext, Strategy, lr_lambda, optimizer_state_tensors, tensor_bytes
-    from torch_handle.telemetry import Sink  # noqa: F401
+    from torch_handle.telemetry import Sink
 
 _LAZY: dict[str, str] = {
     # the strategy contract (torch)
@@ -60,10 +62,14 @@ _LAZY: dict[str, str] = {
     "split_documents": "torch_handle.corpus",
     "text_files": "torch_handle.corpus",
     "pydoc_corpus": "torch_handle.corpus",
+    # merging option tables (ds_config over the generated one)
+    "deep_merge": "torch_handle.config",
     # checkpoints
     "safe_load": "torch_handle.checkpoint",
-    # telemetry sinks
+    # telemetry sinks (standard library only)
     "Sink": "torch_handle.telemetry",
+    "Kind": "torch_handle.events",
+    "Status": "torch_handle.events",
 }
 
 __all__ = ["hookimpl", "param", "field_docs", "InvalidValue", "PresetError", "DataError", "CheckpointError",

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
@@ -149,10 +149,13 @@ class DataBundle:
     max_len: int
     """Longest sequence the model will see (positional-encoding length)."""
     tokenizer_path: Path | None = None
+    """A ``tokenizers`` JSON file, copied into the run directory as ``tokenizer.json``."""
     collate_fn: Callable[[list[dict[str, torch.Tensor]]], dict[str, torch.Tensor]] | None = None
+    """Batches the samples (None: default stacking; ``pad_collate`` for variable lengths)."""
     pad_id: int = PAD_ID
+    """Token id of padding (the model's attention mask and ``pad_collate`` use it)."""
     description: str = ""
-    extra: dict[str, Any] = field(default_factory=dict)
+    """Where the data came from, for the rank logs (``data <description>: N train / M validation samples``)."""
 
 
 @dataclass

@@ -9,9 +9,10 @@ same group. Each hook receives a ``register`` callback, so the core owns naming 
     def handle_register_strategies(register):
         register("my-strategy", MyStrategyConfig, build_my_strategy, "one-line description")
 
-``register(name, config_cls, factory, description="")`` takes the name that a preset's ``name`` key selects,
-the dataclass that validates the rest of that preset table, and a factory called on every rank when a run
-starts (its arguments depend on the kind; see ``docs/plugins.md``). Hooks are called once, in the ``handle``
+For models, datasets, strategies and profilers, ``register(name, config_cls, factory, description="")`` takes
+the name that a preset's ``name`` key selects, the dataclass that validates the rest of that preset table, and a
+factory called on every rank when a run starts (its arguments depend on the kind; see ``docs/plugins.md``).
+Sinks, presets and commands register differently (see their hooks). Hooks are called once, in the ``handle``
 process and in every worker, when the plugin registry is first built. Keep module import cheap: import torch
 inside the factory, not at module level, so ``handle --help`` and preset validation stay instant.
 """
@@ -29,12 +30,16 @@ def handle_register_models(register):
 
 @hookspec
 def handle_register_datasets(register):
-    """Register dataset plugins: ``factory(options, ctx: DataContext) -> DataBundle`` (train/valid + tokenizer)."""
+    """Register dataset plugins: ``factory(options, ctx: DataContext) -> DataBundle`` (train/valid + tokenizer).
+
+    ``register(..., preflight=fn)`` (datasets only): ``fn(options)`` checks the input cheaply in the ``handle``
+    process before ``handle run`` / ``handle validate`` go further, raising ``DataError``.
+    """
 
 
 @hookspec
 def handle_register_strategies(register):
-    """Register strategy plugins: ``factory(options, training, ctx: DistContext) -> Strategy``."""
+    """Register strategy plugins: ``factory(options, training, ctx: DistContext, model) -> Strategy``."""
 
 
 @hookspec
@@ -60,4 +65,17 @@ def handle_register_commands(register):
     ``plugins``, ...): such a command is refused, the rest of the plugin keeps working, and ``handle plugins
     list`` reports the refusal. Two plugins registering the same command name: the second plugin fails, as for
     any duplicate name.
+    """
+
+
+@hookspec
+def handle_register_sinks(register):
+    """Register telemetry sinks: ``register(name, factory, description="")`` (no config class: a sink has no
+    preset table), ``factory(run_dir: Path, preset: Preset) -> Sink | None``.
+
+    On rank 0 only, once the run is built, every registered factory is called; the sink it returns gets every
+    later event (``Sink.emit(event: dict)``, after the event was written to ``events.jsonl``) and ``close()`` at
+    the end; None means the sink has nothing to do for this run (for example, a setting it needs is absent).
+    A sink that raises in its factory, ``emit`` or ``close`` is disabled with one warning ``log`` event; the run
+    goes on unchanged. See :class:`torch_handle.telemetry.Sink`.
     """

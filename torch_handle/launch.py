@@ -24,9 +24,8 @@ from typing import Any
 import psutil
 
 from torch_handle.config import Preset
+from torch_handle.events import Status
 from torch_handle.rundir import STOP_FILE, read_run_info, update_run_info
-
-FINAL_STATUSES = ("finished", "failed", "stopped")
 
 
 def torchrun_command(preset: Preset, run_dir: Path, python: str = sys.executable) -> list[str]:
@@ -43,11 +42,16 @@ def torchrun_command(preset: Preset, run_dir: Path, python: str = sys.executable
     return cmd
 
 
-def _parent_death_sigterm() -> None:  # runs in the child between fork and exec
+def die_with_parent(sig: int = signal.SIGTERM) -> None:
+    """Linux: have the kernel send ``sig`` to this process when its parent dies, even by SIGKILL
+    (``prctl(PR_SET_PDEATHSIG)``, see prctl(2)); a no-op where libc has no prctl. Safe between fork and exec
+    (``preexec_fn``). A process that calls it after its parent is already gone exits at once."""
     try:
-        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
+        ctypes.CDLL("libc.so.6").prctl(1, sig)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() == 1:  # orphaned before the call: no signal will come
+        os._exit(1)
 
 
 def is_alive(p: psutil.Process) -> bool:
@@ -98,9 +102,9 @@ class Launch:
         log.write(f"$ {' '.join(self.cmd)}\n".encode())
         log.flush()
         self.proc = subprocess.Popen(self.cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                     env=self.env, start_new_session=True, preexec_fn=_parent_death_sigterm)
+                                     env=self.env, start_new_session=True, preexec_fn=die_with_parent)
         log.close()
-        update_run_info(self.run_dir, status="running", launcher_pid=os.getpid(), torchrun_pid=self.proc.pid,
+        update_run_info(self.run_dir, status=Status.RUNNING, launcher_pid=os.getpid(), torchrun_pid=self.proc.pid,
                         start_time=read_run_info(self.run_dir).get("start_time") or time.time(), end_time=None)
 
     def poll(self) -> int | None:
@@ -134,12 +138,12 @@ class Launch:
         (self.run_dir / STOP_FILE).unlink(missing_ok=True)
         info = read_run_info(self.run_dir)
         status = info.get("status")
-        if status in FINAL_STATUSES and not (status == "finished" and returncode != 0):
+        if status in Status.FINAL and not (status == Status.FINISHED and returncode != 0):
             return info
         if self.killed:
-            status, message = "stopped", "stopped by user (workers terminated)"
+            status, message = Status.STOPPED, "stopped by user (workers terminated)"
         else:
-            status, message = "failed", failure_message(self.run_dir) or f"torchrun exited with code {returncode}"
+            status, message = Status.FAILED, failure_message(self.run_dir) or f"torchrun exited with code {returncode}"
         return update_run_info(self.run_dir, status=status, message=message, end_time=time.time())
 
 

@@ -1,6 +1,6 @@
 """A from-scratch Transformer, written to be read top to bottom.
 
-Building blocks, then two models that share them:
+Building blocks, then two models that share them and one set of arguments:
 
 * ``SinusoidalPositionalEncoding`` -- fixed sin/cos position table (Vaswani et al. 2017, §3.5).
 * ``MultiHeadAttention``           -- scaled dot-product attention over H heads (Vaswani et al. 2017, §3.2).
@@ -8,8 +8,14 @@ Building blocks, then two models that share them:
 * ``EncoderLayer`` / ``DecoderLayer`` -- attention + FFN sub-layers, each wrapped in a residual
   connection and LayerNorm, either post-LN (the original paper) or pre-LN (Xiong et al. 2020,
   "On Layer Normalization in the Transformer Architecture").
+* ``TransformerArgs`` -- every size and switch of a model, in one dataclass (like nanoGPT's ``GPTConfig``).
 * ``DecoderLM``      -- GPT-style decoder-only language model.
 * ``EncoderDecoder`` -- the original encoder-decoder Transformer with a shared vocabulary.
+
+Both models declare their repeated layers with ``blocks()``: each block is checkpointed on its own
+(``activation_checkpointing``) and is the unit a sharding wrapper such as FSDP2 gathers and frees.
+The attention kernel (``"sdpa"`` or ``"reference"``) is an attribute of ``MultiHeadAttention``, checked
+in one place (its setter); ``model.attention = "reference"`` switches every attention module at once.
 
 Shape letters used throughout: B batch, T query/target length, S key/source length,
 C = d_model channels, H heads, d_k = C // H channels per head, V vocabulary size.
@@ -20,6 +26,7 @@ Only ``torch`` and the standard library are imported, so this file can be lifted
 from __future__ import annotations
 
 import math
+from dataclasses import KW_ONLY, dataclass
 from typing import Literal
 
 import torch
@@ -37,6 +44,7 @@ __all__ = [
     "PositionwiseFeedForward",
     "EncoderLayer",
     "DecoderLayer",
+    "TransformerArgs",
     "DecoderLM",
     "EncoderDecoder",
     "build_transformer",
@@ -192,12 +200,13 @@ class MultiHeadAttention(nn.Module):
             self-attention -- instead of separate ``q_proj`` / ``k_proj`` / ``v_proj``. The fused
             weight is laid out [W_q; W_k; W_v], like ``nn.MultiheadAttention.in_proj_weight``.
         bias: whether the projections have biases.
-        attention: default kernel, ``"sdpa"`` (``F.scaled_dot_product_attention``) or
+        attention: the kernel, ``"sdpa"`` (``F.scaled_dot_product_attention``) or
             ``"reference"`` (``scaled_dot_product_attention_reference``). Both give the same
             result; the attribute ``self.attention`` may be changed at any time.
 
     Raises:
-        ValueError: if d_model is not divisible by n_heads, or for an unknown ``attention``.
+        ValueError: if d_model is not divisible by n_heads, or for an unknown ``attention``
+        (when constructed or when ``self.attention`` is assigned).
     """
 
     def __init__(
@@ -215,13 +224,12 @@ class MultiHeadAttention(nn.Module):
                 f"d_model ({d_model}) must be divisible by n_heads ({n_heads}) "
                 "so every head gets the same width"
             )
-        _check_choice("attention", attention, ATTENTION_IMPLS)
         self.d_model = d_model
         self.n_heads = n_heads
         self.d_k = d_model // n_heads
         self.dropout = dropout
         self.fused_qkv = fused_qkv
-        self.attention = attention
+        self.attention = attention  # validated by the setter below
         if fused_qkv:
             self.qkv_proj = nn.Linear(d_model, 3 * d_model, bias=bias)
         else:
@@ -230,6 +238,17 @@ class MultiHeadAttention(nn.Module):
             self.v_proj = nn.Linear(d_model, d_model, bias=bias)
         self.out_proj = nn.Linear(d_model, d_model, bias=bias)
         self.reset_parameters()
+
+    @property
+    def attention(self) -> AttentionImpl:
+        """The kernel ``forward`` uses: ``"sdpa"`` or ``"reference"``."""
+        return self._attention
+
+    @attention.setter
+    def attention(self, impl: AttentionImpl) -> None:
+        # The one place the kernel is checked: at construction and at every switch.
+        _check_choice("attention", impl, ATTENTION_IMPLS)
+        self._attention = impl
 
     def reset_parameters(self) -> None:
         """Xavier-uniform weights and zero biases, as in the original Transformer.
@@ -279,9 +298,8 @@ class MultiHeadAttention(nn.Module):
         *,
         key_padding_mask: Tensor | None = None,
         causal: bool = False,
-        attention: AttentionImpl | None = None,
     ) -> Tensor:
-        """Attend from ``query`` to ``key``/``value``.
+        """Attend from ``query`` to ``key``/``value`` with the kernel ``self.attention``.
 
         Args:
             query: (B, T, C) float.
@@ -290,19 +308,17 @@ class MultiHeadAttention(nn.Module):
             key_padding_mask: optional bool (B, S), True = padding (ignored as a key), the same
                 convention as ``nn.MultiheadAttention``.
             causal: if True, query t may only attend to keys 0..t (top-left aligned).
-            attention: ``"sdpa"`` or ``"reference"``; defaults to ``self.attention``.
 
         Returns:
             (B, T, C) in query's dtype. A query row whose keys are all masked yields the output
             projection of a zero vector (i.e. the out_proj bias), never NaN.
 
         Raises:
-            ValueError: for an unknown ``attention``, or a key_padding_mask that is not bool (B, S).
+            ValueError: for a key_padding_mask that is not bool (B, S).
         """
         key = query if key is None else key
         value = key if value is None else value
-        impl = self.attention if attention is None else attention
-        _check_choice("attention", impl, ATTENTION_IMPLS)
+        impl = self.attention
 
         B, T, C = query.shape
         S = key.shape[1]
@@ -402,7 +418,7 @@ class EncoderLayer(nn.Module):
         dropout: used on attention weights, FFN hidden units and both residual branches.
         activation: ``"relu"`` or ``"gelu"``.
         norm_first: pre-LN if True, post-LN if False.
-        attention: default attention kernel (``"sdpa"`` / ``"reference"``).
+        attention: attention kernel (``"sdpa"`` / ``"reference"``), kept by ``self_attn``.
         fused_qkv: see ``MultiHeadAttention``.
         layer_norm_eps: LayerNorm epsilon.
 
@@ -423,26 +439,16 @@ class EncoderLayer(nn.Module):
         layer_norm_eps: float = 1e-5,
     ) -> None:
         super().__init__()
-        _check_choice("attention", attention, ATTENTION_IMPLS)
         self.norm_first = norm_first
-        self.attention = attention
         self.self_attn = MultiHeadAttention(d_model, n_heads, dropout, fused_qkv=fused_qkv, attention=attention)
         self.ff = PositionwiseFeedForward(d_model, d_ff, dropout, activation)
         self.self_attn_norm = nn.LayerNorm(d_model, eps=layer_norm_eps)
         self.ff_norm = nn.LayerNorm(d_model, eps=layer_norm_eps)
         self.dropout = nn.Dropout(dropout)  # residual dropout, reused: it holds no state
 
-    def forward(
-        self,
-        x: Tensor,
-        *,
-        key_padding_mask: Tensor | None = None,
-        attention: AttentionImpl | None = None,
-    ) -> Tensor:
-        impl = self.attention if attention is None else attention
-
+    def forward(self, x: Tensor, *, key_padding_mask: Tensor | None = None) -> Tensor:
         def self_attn(h: Tensor) -> Tensor:
-            return self.dropout(self.self_attn(h, h, h, key_padding_mask=key_padding_mask, attention=impl))
+            return self.dropout(self.self_attn(h, h, h, key_padding_mask=key_padding_mask))
 
         def ff(h: Tensor) -> Tensor:
             return self.dropout(self.ff(h))
@@ -491,9 +497,7 @@ class DecoderLayer(nn.Module):
         layer_norm_eps: float = 1e-5,
     ) -> None:
         super().__init__()
-        _check_choice("attention", attention, ATTENTION_IMPLS)
         self.norm_first = norm_first
-        self.attention = attention
         self.self_attn = MultiHeadAttention(d_model, n_heads, dropout, fused_qkv=fused_qkv, attention=attention)
         self.self_attn_norm = nn.LayerNorm(d_model, eps=layer_norm_eps)
         self.cross_attn: MultiHeadAttention | None = None
@@ -513,7 +517,6 @@ class DecoderLayer(nn.Module):
         key_padding_mask: Tensor | None = None,
         memory_key_padding_mask: Tensor | None = None,
         causal: bool = True,
-        attention: AttentionImpl | None = None,
     ) -> Tensor:
         """
         Args:
@@ -522,7 +525,6 @@ class DecoderLayer(nn.Module):
             key_padding_mask: bool (B, T), True = padded target position.
             memory_key_padding_mask: bool (B, S), True = padded source position.
             causal: mask future target positions (leave True except for experiments).
-            attention: kernel override; defaults to ``self.attention``.
 
         Returns:
             (B, T, C).
@@ -532,15 +534,12 @@ class DecoderLayer(nn.Module):
                 "memory must be given exactly when the DecoderLayer has cross-attention "
                 f"(cross_attention={self.cross_attn is not None}, memory given={memory is not None})"
             )
-        impl = self.attention if attention is None else attention
 
         def self_attn(h: Tensor) -> Tensor:
-            out = self.self_attn(h, h, h, key_padding_mask=key_padding_mask, causal=causal, attention=impl)
-            return self.dropout(out)
+            return self.dropout(self.self_attn(h, h, h, key_padding_mask=key_padding_mask, causal=causal))
 
         def cross_attn(h: Tensor) -> Tensor:
-            out = self.cross_attn(h, memory, memory, key_padding_mask=memory_key_padding_mask, attention=impl)
-            return self.dropout(out)
+            return self.dropout(self.cross_attn(h, memory, memory, key_padding_mask=memory_key_padding_mask))
 
         def ff(h: Tensor) -> Tensor:
             return self.dropout(self.ff(h))
@@ -563,66 +562,103 @@ class DecoderLayer(nn.Module):
 # --------------------------------------------------------------------------------------------
 
 
-class _TransformerModel(nn.Module):
-    """What DecoderLM and EncoderDecoder share: token embedding + positional encoding on the
-    way in, optional tied output projection on the way out, checkpointing, init and accounting.
+@dataclass(frozen=True)
+class TransformerArgs:
+    """Everything that shapes a ``DecoderLM`` or ``EncoderDecoder``, in one place (the role of
+    nanoGPT's ``GPTConfig``). Frozen: it describes how the model was built; switch the attention
+    kernel of a built model with ``model.attention = ...``.
+
+    The defaults describe a pre-LN GELU stack (GPT-2 style); the original Transformer
+    (Vaswani et al. 2017) is ``activation="relu", norm_first=False``. Nothing is checked here:
+    each building block checks its own arguments when the model is constructed.
     """
 
-    def __init__(
-        self,
-        vocab_size: int,
-        d_model: int,
-        n_heads: int,
-        d_ff: int,
-        *,
-        dropout: float,
-        activation: Activation,
-        norm_first: bool,
-        tie_embeddings: bool,
-        max_len: int,
-        pad_id: int | None,
-        activation_checkpointing: bool,
-        attention: AttentionImpl,
-        fused_qkv: bool,
-    ) -> None:
-        super().__init__()
-        if d_model % n_heads != 0:
-            raise ValueError(f"d_model ({d_model}) must be divisible by n_heads ({n_heads})")
-        _check_choice("attention", attention, ATTENTION_IMPLS)
-        _check_choice("activation", activation, ACTIVATIONS)
-        self.vocab_size = vocab_size
-        self.d_model = d_model
-        self.n_heads = n_heads
-        self.d_ff = d_ff
-        self.norm_first = norm_first
-        self.tie_embeddings = tie_embeddings
-        self.max_len = max_len
-        self.pad_id = pad_id
-        self.activation_checkpointing = activation_checkpointing
-        # Read on every forward and passed down, so changing it switches every layer at once.
-        self.attention = attention
-        self._layer_kwargs = dict(
-            dropout=dropout,
-            activation=activation,
-            norm_first=norm_first,
-            attention=attention,
-            fused_qkv=fused_qkv,
-        )
+    vocab_size: int
+    """V: size of the (shared) token vocabulary."""
+    d_model: int
+    """C: width of the residual stream."""
+    n_heads: int
+    """H: attention heads; must divide d_model."""
+    n_layers: int
+    """Layers per stack (the encoder-decoder has two stacks, 2·n_layers layers in all)."""
+    d_ff: int
+    """Hidden width of the position-wise feed-forward network."""
+    _: KW_ONLY
+    dropout: float = 0.1
+    """Embedding, attention-weight, FFN and residual dropout."""
+    activation: Activation = "gelu"
+    """Feed-forward nonlinearity: ``"relu"`` or ``"gelu"``."""
+    norm_first: bool = True
+    """Pre-LN (True; Xiong et al. 2020) or post-LN (False; Vaswani et al. 2017)."""
+    tie_embeddings: bool = True
+    """Share the embedding matrix with the output projection (Press & Wolf 2017)."""
+    max_len: int = 1024
+    """Longest sequence accepted (positional-table size)."""
+    pad_id: int | None = None
+    """Token id masked out as a key; None disables padding masks."""
+    activation_checkpointing: bool = False
+    """Recompute each block's activations in backward while training."""
+    attention: AttentionImpl = "sdpa"
+    """Initial attention kernel, ``"sdpa"`` or ``"reference"``."""
+    fused_qkv: bool = True
+    """One Q/K/V projection per attention module (see ``MultiHeadAttention``)."""
 
-        self.embed = nn.Embedding(vocab_size, d_model)
-        self.pos_encoding = SinusoidalPositionalEncoding(d_model, max_len)
-        self.embed_dropout = nn.Dropout(dropout)
+
+class _TransformerModel(nn.Module):
+    """What DecoderLM and EncoderDecoder share: token embedding + positional encoding on the
+    way in, optional tied output projection on the way out, the block list (``blocks``) with
+    per-block activation checkpointing, the attention switch, init and accounting.
+
+    ``self.args`` is the ``TransformerArgs`` the model was built from.
+    """
+
+    def __init__(self, args: TransformerArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.embed = nn.Embedding(args.vocab_size, args.d_model)
+        self.pos_encoding = SinusoidalPositionalEncoding(args.d_model, args.max_len)
+        self.embed_dropout = nn.Dropout(args.dropout)
+
+    def _layer_kwargs(self) -> dict:
+        """The ``TransformerArgs`` every ``EncoderLayer`` / ``DecoderLayer`` takes."""
+        a = self.args
+        return dict(dropout=a.dropout, activation=a.activation, norm_first=a.norm_first, attention=a.attention,
+                    fused_qkv=a.fused_qkv)
+
+    def blocks(self) -> list[nn.Module]:
+        """The repeated Transformer layers, in forward order.
+
+        Each is run through ``_run_block`` (so it is checkpointed on its own when
+        ``args.activation_checkpointing`` is set), and a sharding wrapper may make each its own unit
+        (the ``fsdp`` strategy calls ``fully_shard`` on every block, then on the whole model).
+        """
+        raise NotImplementedError
 
     @property
     def n_layers_total(self) -> int:
-        """Number of Transformer layers (encoder + decoder)."""
-        raise NotImplementedError
+        """Number of Transformer layers (encoder + decoder): ``len(self.blocks())``."""
+        return len(self.blocks())
+
+    @property
+    def attention(self) -> AttentionImpl:
+        """Attention kernel of the model's ``MultiHeadAttention`` modules, ``"sdpa"`` or ``"reference"``.
+
+        Assigning it switches every attention module at once (each checks the name: an unknown one
+        raises ValueError before anything changed).
+        """
+        return next(m for m in self.modules() if isinstance(m, MultiHeadAttention)).attention
+
+    @attention.setter
+    def attention(self, impl: AttentionImpl) -> None:
+        for module in self.modules():
+            if isinstance(module, MultiHeadAttention):
+                module.attention = impl
 
     def _make_lm_head(self) -> nn.Linear:
         """Output projection C -> V; subclasses create it after their layers so the module
         tree reads in data-flow order."""
-        lm_head = nn.Linear(self.d_model, self.vocab_size, bias=False)
-        if self.tie_embeddings:
+        lm_head = nn.Linear(self.args.d_model, self.args.vocab_size, bias=False)
+        if self.args.tie_embeddings:
             # Press & Wolf 2017; Vaswani et al. 2017 §3.4: one matrix for input and output.
             lm_head.weight = self.embed.weight
         return lm_head
@@ -634,27 +670,28 @@ class _TransformerModel(nn.Module):
         tied head it keeps initial logits O(1). The layers initialise themselves (Xavier).
         Only torch's global RNG is used, so the same seed builds the same model.
         """
-        std = self.d_model**-0.5
+        std = self.args.d_model**-0.5
         nn.init.normal_(self.embed.weight, mean=0.0, std=std)
-        if not self.tie_embeddings:
+        if not self.args.tie_embeddings:
             nn.init.normal_(self.lm_head.weight, mean=0.0, std=std)
 
     def _embed(self, ids: Tensor) -> Tensor:
         """(B, T) token ids -> (B, T, C): scaled embedding + position, then dropout (§3.4)."""
-        x = self.embed(ids) * math.sqrt(self.d_model)  # (B, T, C)
+        x = self.embed(ids) * math.sqrt(self.args.d_model)  # (B, T, C)
         return self.embed_dropout(self.pos_encoding(x))
 
     def _padding_mask(self, ids: Tensor) -> Tensor | None:
         """bool (B, T), True where ids == pad_id; None when the model has no pad_id."""
-        return None if self.pad_id is None else ids == self.pad_id
+        return None if self.args.pad_id is None else ids == self.args.pad_id
 
-    def _run_layer(self, layer: nn.Module, *args, **kwargs) -> Tensor:
-        """Call ``layer``; with activation checkpointing on (and training), store only its input
-        and recompute its activations in the backward pass -- trades ~1 extra forward for
-        O(n_layers) less activation memory."""
-        if self.activation_checkpointing and self.training:
-            return checkpoint(layer, *args, use_reentrant=False, **kwargs)
-        return layer(*args, **kwargs)
+    def _run_block(self, block: nn.Module, *args, **kwargs) -> Tensor:
+        """Call ``block`` (one of ``blocks()``); with activation checkpointing on (and training),
+        store only its input and recompute its activations in the backward pass -- trades ~1 extra
+        forward for O(n_layers) less activation memory (Chen et al. 2016, "Training Deep Nets with
+        Sublinear Memory Cost")."""
+        if self.args.activation_checkpointing and self.training:
+            return checkpoint(block, *args, use_reentrant=False, **kwargs)
+        return block(*args, **kwargs)
 
     def num_params(self, exclude_embeddings: bool = False) -> int:
         """Number of trainable parameters, each shared tensor counted once.
@@ -687,9 +724,9 @@ class _TransformerModel(nn.Module):
         ``seq_len`` long; the cross-attention score term is not included (a small undercount).
         """
         n_matmul = self.num_params(exclude_embeddings=True)
-        if self.tie_embeddings:
+        if self.args.tie_embeddings:
             n_matmul += self.lm_head.weight.numel()
-        return 6.0 * n_matmul + 12.0 * self.n_layers_total * self.d_model * seq_len
+        return 6.0 * n_matmul + 12.0 * self.n_layers_total * self.args.d_model * seq_len
 
 
 class DecoderLM(_TransformerModel):
@@ -699,69 +736,26 @@ class DecoderLM(_TransformerModel):
     -> final LayerNorm (pre-LN only; Xiong et al. 2020) -> lm_head -> logits.
 
     Args:
-        vocab_size: V.
-        d_model, n_heads, n_layers, d_ff: sizes; n_heads must divide d_model.
-        dropout: embedding, attention, FFN and residual dropout.
-        activation: ``"relu"`` or ``"gelu"``.
-        norm_first: pre-LN (True) or post-LN (False).
-        tie_embeddings: share the embedding matrix with ``lm_head``.
-        max_len: longest sequence accepted (positional-table size).
-        pad_id: token id treated as padding (masked as a key); None disables padding masks.
-        activation_checkpointing: recompute each layer in backward while training.
-        attention: ``"sdpa"`` or ``"reference"``; settable later via ``model.attention``.
-        fused_qkv: one Q/K/V projection per attention layer.
+        args: sizes and switches (``TransformerArgs``).
 
     Raises:
         ValueError: d_model % n_heads != 0, unknown activation/attention; from forward,
         sequences longer than max_len.
     """
 
-    def __init__(
-        self,
-        vocab_size: int,
-        d_model: int,
-        n_heads: int,
-        n_layers: int,
-        d_ff: int,
-        *,
-        dropout: float = 0.1,
-        activation: Activation = "gelu",
-        norm_first: bool = True,
-        tie_embeddings: bool = True,
-        max_len: int = 1024,
-        pad_id: int | None = None,
-        activation_checkpointing: bool = False,
-        attention: AttentionImpl = "sdpa",
-        fused_qkv: bool = True,
-    ) -> None:
-        super().__init__(
-            vocab_size,
-            d_model,
-            n_heads,
-            d_ff,
-            dropout=dropout,
-            activation=activation,
-            norm_first=norm_first,
-            tie_embeddings=tie_embeddings,
-            max_len=max_len,
-            pad_id=pad_id,
-            activation_checkpointing=activation_checkpointing,
-            attention=attention,
-            fused_qkv=fused_qkv,
-        )
-        self.n_layers = n_layers
+    def __init__(self, args: TransformerArgs) -> None:
+        super().__init__(args)
+        sizes = (args.d_model, args.n_heads, args.d_ff)
         self.layers = nn.ModuleList(
-            DecoderLayer(d_model, n_heads, d_ff, cross_attention=False, **self._layer_kwargs)
-            for _ in range(n_layers)
+            DecoderLayer(*sizes, cross_attention=False, **self._layer_kwargs()) for _ in range(args.n_layers)
         )
         # Pre-LN leaves the residual stream un-normalised, so normalise once before the head.
-        self.final_norm = nn.LayerNorm(d_model) if norm_first else nn.Identity()
+        self.final_norm = nn.LayerNorm(args.d_model) if args.norm_first else nn.Identity()
         self.lm_head = self._make_lm_head()
         self._reset_parameters()
 
-    @property
-    def n_layers_total(self) -> int:
-        return self.n_layers
+    def blocks(self) -> list[nn.Module]:
+        return list(self.layers)
 
     def forward(self, input_ids: Tensor) -> Tensor:
         """
@@ -771,11 +765,10 @@ class DecoderLM(_TransformerModel):
         Returns:
             logits: float32 (B, T, V); position t predicts token t + 1.
         """
-        B, T = input_ids.shape
         padding_mask = self._padding_mask(input_ids)  # (B, T) or None
         x = self._embed(input_ids)  # (B, T, C)
         for layer in self.layers:
-            x = self._run_layer(layer, x, key_padding_mask=padding_mask, attention=self.attention)
+            x = self._run_block(layer, x, key_padding_mask=padding_mask)
         x = self.final_norm(x)
         return self.lm_head(x).float()  # (B, T, V); float32 even under autocast, for the loss
 
@@ -790,68 +783,35 @@ class EncoderDecoder(_TransformerModel):
     cross-attention to the encoder output with the source padding mask, FFN).
     Pre-LN models add a final LayerNorm to each stack.
 
-    Args: as for ``DecoderLM``; n_layers is per stack (2·n_layers layers in all).
+    Args:
+        args: as for ``DecoderLM``; ``args.n_layers`` is per stack (2·n_layers layers in all).
+        The paper's model is ``activation="relu", norm_first=False``.
 
     Raises:
         ValueError: as for ``DecoderLM``.
     """
 
-    def __init__(
-        self,
-        vocab_size: int,
-        d_model: int,
-        n_heads: int,
-        n_layers: int,
-        d_ff: int,
-        *,
-        dropout: float = 0.1,
-        activation: Activation = "relu",
-        norm_first: bool = False,
-        tie_embeddings: bool = True,
-        max_len: int = 1024,
-        pad_id: int | None = None,
-        activation_checkpointing: bool = False,
-        attention: AttentionImpl = "sdpa",
-        fused_qkv: bool = True,
-    ) -> None:
-        super().__init__(
-            vocab_size,
-            d_model,
-            n_heads,
-            d_ff,
-            dropout=dropout,
-            activation=activation,
-            norm_first=norm_first,
-            tie_embeddings=tie_embeddings,
-            max_len=max_len,
-            pad_id=pad_id,
-            activation_checkpointing=activation_checkpointing,
-            attention=attention,
-            fused_qkv=fused_qkv,
-        )
-        self.n_layers = n_layers
-        self.encoder_layers = nn.ModuleList(
-            EncoderLayer(d_model, n_heads, d_ff, **self._layer_kwargs) for _ in range(n_layers)
-        )
+    def __init__(self, args: TransformerArgs) -> None:
+        super().__init__(args)
+        sizes = (args.d_model, args.n_heads, args.d_ff)
+        self.encoder_layers = nn.ModuleList(EncoderLayer(*sizes, **self._layer_kwargs()) for _ in range(args.n_layers))
         self.decoder_layers = nn.ModuleList(
-            DecoderLayer(d_model, n_heads, d_ff, cross_attention=True, **self._layer_kwargs)
-            for _ in range(n_layers)
+            DecoderLayer(*sizes, cross_attention=True, **self._layer_kwargs()) for _ in range(args.n_layers)
         )
-        self.encoder_norm = nn.LayerNorm(d_model) if norm_first else nn.Identity()
-        self.decoder_norm = nn.LayerNorm(d_model) if norm_first else nn.Identity()
+        self.encoder_norm = nn.LayerNorm(args.d_model) if args.norm_first else nn.Identity()
+        self.decoder_norm = nn.LayerNorm(args.d_model) if args.norm_first else nn.Identity()
         self.lm_head = self._make_lm_head()
         self._reset_parameters()
 
-    @property
-    def n_layers_total(self) -> int:
-        return 2 * self.n_layers
+    def blocks(self) -> list[nn.Module]:
+        return [*self.encoder_layers, *self.decoder_layers]
 
     def encode(self, src_ids: Tensor) -> tuple[Tensor, Tensor | None]:
         """src_ids LongTensor (B, S) -> (memory (B, S, C), source padding mask bool (B, S) or None)."""
         src_padding_mask = self._padding_mask(src_ids)  # (B, S) or None
         x = self._embed(src_ids)  # (B, S, C)
         for layer in self.encoder_layers:
-            x = self._run_layer(layer, x, key_padding_mask=src_padding_mask, attention=self.attention)
+            x = self._run_block(layer, x, key_padding_mask=src_padding_mask)
         return self.encoder_norm(x), src_padding_mask
 
     def decode(self, tgt_ids: Tensor, memory: Tensor, src_padding_mask: Tensor | None = None) -> Tensor:
@@ -859,13 +819,8 @@ class EncoderDecoder(_TransformerModel):
         tgt_padding_mask = self._padding_mask(tgt_ids)  # (B, T) or None
         x = self._embed(tgt_ids)  # (B, T, C)
         for layer in self.decoder_layers:
-            x = self._run_layer(
-                layer,
-                x,
-                memory,
-                key_padding_mask=tgt_padding_mask,
-                memory_key_padding_mask=src_padding_mask,
-                attention=self.attention,
+            x = self._run_block(
+                layer, x, memory, key_padding_mask=tgt_padding_mask, memory_key_padding_mask=src_padding_mask
             )
         x = self.decoder_norm(x)
         return self.lm_head(x).float()  # (B, T, V)
@@ -889,13 +844,12 @@ MODEL_KINDS: dict[str, type[_TransformerModel]] = {
 }
 
 
-def build_transformer(vocab_size: int, *, kind: str = "decoder", **kwargs) -> DecoderLM | EncoderDecoder:
-    """Build a model by name.
+def build_transformer(args: TransformerArgs, kind: str = "decoder") -> DecoderLM | EncoderDecoder:
+    """Build the model ``kind`` names from ``args``.
 
     Args:
-        vocab_size: V.
+        args: sizes and switches (``TransformerArgs``).
         kind: ``"decoder"`` (``DecoderLM``) or ``"encoder-decoder"`` (``EncoderDecoder``).
-        **kwargs: the model's remaining arguments (d_model, n_heads, n_layers, d_ff, ...).
 
     Raises:
         ValueError: for an unknown kind (the message lists the valid ones), plus anything the
@@ -903,4 +857,4 @@ def build_transformer(vocab_size: int, *, kind: str = "decoder", **kwargs) -> De
     """
     if kind not in MODEL_KINDS:
         raise ValueError(f"unknown model kind {kind!r}; expected one of {', '.join(map(repr, MODEL_KINDS))}")
-    return MODEL_KINDS[kind](vocab_size, **kwargs)
+    return MODEL_KINDS[kind](args)

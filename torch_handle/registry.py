@@ -6,8 +6,9 @@ keeps working. ``HANDLE_LOAD_PLUGINS`` (comma-separated entry-point names; empty
 plugins are loaded, so a user can always recover from a broken one. The built-ins always load.
 
 Besides models, datasets, strategies and profilers, a plugin may contribute preset directories
-(``handle_register_presets``) and click commands (``handle_register_commands``); both are collected inside the
-same error boundary. Whether a command may be used (never in place of a core command) is the CLI's decision.
+(``handle_register_presets``), click commands (``handle_register_commands``) and telemetry sinks
+(``handle_register_sinks``); all are collected inside the same error boundary. Whether a command may be used
+(never in place of a core command) is the CLI's decision.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import pluggy
 
 from torch_handle import hookspecs
 from torch_handle.errors import PresetError
+from torch_handle.text import one_line
 
 ENTRY_POINT_GROUP = "handle"
 CORE_DISTRIBUTION = "torch-handle"
@@ -35,8 +37,10 @@ _HOOK_OF_KIND = {
     "strategy": "handle_register_strategies",
     "profiler": "handle_register_profilers",
 }
-_EXTRA_HOOKS = ("handle_register_presets", "handle_register_commands")
-"""Hooks that contribute something other than a kind: preset directories and CLI commands."""
+_EXTRA_HOOKS = {"handle_register_presets": "_presets_fn", "handle_register_commands": "_commands_fn",
+                "handle_register_sinks": "_sinks_fn"}
+"""Hooks that contribute something other than a kind (preset directories, CLI commands, telemetry sinks) ->
+the method that makes their ``register`` callback."""
 
 
 @dataclass
@@ -52,6 +56,9 @@ class Registration:
     """Optional ``check(options, preset)`` raising ``InvalidValue`` for settings that span tables."""
     plugin: str = ""
     """Name of the plugin (entry point) that registered it."""
+    preflight: Callable[[Any], None] | None = None
+    """Optional ``preflight(options)`` run by ``handle run`` / ``handle validate`` in the ``handle`` process before
+    anything starts (datasets: paths exist, text decodes), raising ``DataError``."""
 
 
 @dataclass
@@ -75,6 +82,18 @@ class PluginInfo:
     """Problems that did not fail the plugin (for example a command refused because a core command has its name)."""
 
 
+@dataclass
+class SinkRegistration:
+    """A telemetry sink a plugin registered (``handle_register_sinks``); no preset table selects it: every
+    registered sink is opened on rank 0 of every run (see :class:`torch_handle.telemetry.Sink`)."""
+
+    name: str
+    factory: Callable[..., Any]
+    """``factory(run_dir: Path, preset) -> Sink | None``."""
+    description: str = ""
+    plugin: str = ""
+
+
 class PluginRegistry:
     """Plugins by kind and name, plus the record of every plugin that was tried."""
 
@@ -91,6 +110,8 @@ class PluginRegistry:
         """command name -> (plugin, click command) contributed by loaded plugins."""
         self.skipped: dict[str, PluginInfo] = {}
         """External plugins not loaded (not imported) because ``HANDLE_LOAD_PLUGINS`` leaves them out."""
+        self.sinks: dict[str, SinkRegistration] = {}
+        """sink name -> registration, in load order (listed in the plugins' ``registered["sink"]``)."""
 
     # -- loading -------------------------------------------------------------------------------------------------
     def add_plugin(self, obj: Any, info: PluginInfo) -> None:
@@ -100,7 +121,7 @@ class PluginRegistry:
             self.pm.register(obj, name=info.name)
             self.pm.check_pending()  # a misspelled hook name is an error, not silence
         except Exception as e:  # noqa: BLE001 - the error boundary is the point
-            self._fail(info, obj, f"bad hook: {_one_line(e)}")
+            self._fail(info, obj, f"bad hook: {one_line(e)}")
             return
         for kind, hook_name in _HOOK_OF_KIND.items():
             impls = [i for i in getattr(self.pm.hook, hook_name).get_hookimpls() if i.plugin is obj]
@@ -108,16 +129,16 @@ class PluginRegistry:
                 try:
                     impl.function(register=self._register_fn(kind, info))
                 except Exception as e:  # noqa: BLE001
-                    self._fail(info, obj, f"{hook_name} raised {_one_line(e)}")
+                    self._fail(info, obj, f"{hook_name} raised {one_line(e)}")
                     return
         for hook_name in _EXTRA_HOOKS:
             impls = [i for i in getattr(self.pm.hook, hook_name).get_hookimpls() if i.plugin is obj]
-            make = self._presets_fn if hook_name == "handle_register_presets" else self._commands_fn
+            make = getattr(self, _EXTRA_HOOKS[hook_name])
             for impl in impls:
                 try:
                     impl.function(register=make(info))
                 except Exception as e:  # noqa: BLE001
-                    self._fail(info, obj, f"{hook_name} raised {_one_line(e)}")
+                    self._fail(info, obj, f"{hook_name} raised {one_line(e)}")
                     return
         for kind, names in info.registered.items():
             for name in names:
@@ -125,7 +146,8 @@ class PluginRegistry:
 
     def _register_fn(self, kind: str, info: PluginInfo) -> Callable[..., None]:
         def register(name: str, config_cls: type, factory: Callable[..., Any], description: str = "",
-                     check_preset: Callable[[Any, Any], None] | None = None) -> None:
+                     check_preset: Callable[[Any, Any], None] | None = None,
+                     preflight: Callable[[Any], None] | None = None) -> None:
             if not isinstance(name, str) or not name:
                 raise TypeError(f"{kind} name must be a non-empty string, got {name!r}")
             self.lost[(kind, name)] = info.name  # until the plugin is done: if it fails, the name points at it
@@ -137,10 +159,13 @@ class PluginRegistry:
             typing.get_type_hints(config_cls)  # an annotation that cannot be resolved fails the plugin now
             if not callable(factory):
                 raise TypeError(f"{kind} {name!r}: factory must be callable, got {factory!r}")
-            if check_preset is not None and not callable(check_preset):
-                raise TypeError(f"{kind} {name!r}: check_preset must be callable, got {check_preset!r}")
+            for hook_name, hook in (("check_preset", check_preset), ("preflight", preflight)):
+                if hook is not None and not callable(hook):
+                    raise TypeError(f"{kind} {name!r}: {hook_name} must be callable, got {hook!r}")
+            if preflight is not None and kind != "dataset":
+                raise TypeError(f"{kind} {name!r}: preflight is only run for datasets")
             self.registrations[kind][name] = Registration(kind, name, config_cls, factory, description,
-                                                          check_preset, info.name)
+                                                          check_preset, info.name, preflight)
             info.registered.setdefault(kind, []).append(name)
 
         return register
@@ -172,8 +197,23 @@ class PluginRegistry:
 
         return register
 
+    def _sinks_fn(self, info: PluginInfo) -> Callable[..., None]:
+        def register(name: str, factory: Callable[..., Any], description: str = "") -> None:
+            if not isinstance(name, str) or not name:
+                raise TypeError(f"sink name must be a non-empty string, got {name!r}")
+            if name in self.sinks:
+                raise ValueError(f"sink {name!r} is already registered by plugin {self.sinks[name].plugin!r}")
+            if not callable(factory):
+                raise TypeError(f"sink {name!r}: factory must be callable, got {factory!r}")
+            self.sinks[name] = SinkRegistration(name, factory, str(description), info.name)
+            info.registered.setdefault("sink", []).append(name)
+
+        return register
+
     def _fail(self, info: PluginInfo, obj: Any, reason: str) -> None:
         info.status, info.error = "failed", reason
+        for name in info.registered.pop("sink", []):
+            self.sinks.pop(name, None)
         for kind, names in info.registered.items():
             for name in names:
                 self.registrations[kind].pop(name, None)
@@ -217,11 +257,6 @@ class PluginRegistry:
         return sorted(self.registrations[kind])
 
 
-def _one_line(e: BaseException) -> str:
-    text = " ".join(str(e).split())
-    return f"{type(e).__name__}: {text}" if text else type(e).__name__
-
-
 def _allowed_external() -> set[str] | None:
     raw = os.environ.get("HANDLE_LOAD_PLUGINS")
     if raw is None:
@@ -248,7 +283,7 @@ def load_registry() -> PluginRegistry:
             if isinstance(e, KeyboardInterrupt):
                 raise
             registry.plugins[info.name] = info
-            registry._fail(info, None, f"import failed: {_one_line(e)}")
+            registry._fail(info, None, f"import failed: {one_line(e)}")
             continue
         registry.add_plugin(obj, info)
     return registry

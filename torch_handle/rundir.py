@@ -3,7 +3,7 @@
     runs/<name>-<UTC timestamp>/
         preset.toml     the fully resolved preset (what actually ran)
         run.json        status, strategy, world size, pids, times, restarts
-        events.jsonl    rank-0 telemetry (see torch_handle.telemetry)
+        events.jsonl    rank-0 telemetry (schema: torch_handle.events; written by torch_handle.telemetry)
         logs/           rank<N>.log per rank, launcher.log for torchrun itself
         checkpoints/    step-<N>/ written atomically, newest complete one wins
         tokenizer.json  the BPE tokenizer the run used

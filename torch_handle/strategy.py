@@ -1,7 +1,9 @@
 """The contract between the training loop and a parallel strategy (single, DDP, DeepSpeed, FSDP2, plugins).
 
 The loop owns data, loss, telemetry and checkpoint timing; the strategy owns how the model and optimizer are
-wrapped, how gradients are synchronised and stepped, and how its state is saved. One optimizer step is:
+wrapped, how gradients are synchronised and stepped, and how its state is saved. A strategy is built with its
+model -- ``factory(options, training, ctx, model) -> Strategy`` -- and its constructor wraps the model and builds
+the optimizer and LR schedule, so ``model``, ``optimizer`` and ``scheduler`` are always set. One optimizer step is:
 
     for i, micro_batch in enumerate(micro_batches):
         with strategy.accumulating(sync=(i == last)), strategy.autocast():
@@ -88,34 +90,48 @@ def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tens
 
 
 class Strategy:
-    """Base class of strategies. Subclasses implement ``setup`` and may override the rest."""
+    """Base class of strategies: one process, the model as it is, AdamW and the project's LR schedule.
+
+    The constructor calls three hooks, in order, that subclasses override as needed:
+    ``wrap(model) -> nn.Module`` (e.g. DDP, fully_shard), ``build_optimizer(params)`` with the wrapped model's
+    parameters, ``build_scheduler(optimizer)``. A subclass that needs more state sets it before calling
+    ``super().__init__`` if the hooks read it, after it otherwise.
+
+    Args:
+        options: the strategy's ``[strategy]`` options (its registered dataclass).
+        training: the ``[training]`` table.
+        ctx: this rank's place in the process group (already initialised).
+        model: the model, already on ``ctx.device`` with the same initial weights on every rank.
+    """
 
     name = "base"
 
-    def __init__(self, options: Any, training: TrainingConfig, ctx: DistContext):
+    def __init__(self, options: Any, training: TrainingConfig, ctx: DistContext, model: torch.nn.Module):
         self.options, self.training, self.ctx = options, training, ctx
-        self.model: torch.nn.Module | None = None
-        self.optimizer: torch.optim.Optimizer | None = None
-        self.scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
         self._sync = True
+        self.model: torch.nn.Module = self.wrap(model)
+        self.optimizer: torch.optim.Optimizer = self.build_optimizer(self.model.parameters())
+        self.scheduler: torch.optim.lr_scheduler.LRScheduler = self.build_scheduler(self.optimizer)
 
-    # -- set-up --------------------------------------------------------------------------------------------------
-    def setup(self, model: torch.nn.Module) -> None:
-        """Wrap ``model`` (already on ``ctx.device``, same initial weights on every rank) and build the optimizer."""
-        raise NotImplementedError
+    # -- set-up (called by the constructor) ----------------------------------------------------------------------
+    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The module the loop calls: ``model`` wrapped (DDP, an engine) or changed in place (fully_shard)."""
+        return model
 
     def build_optimizer(self, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        """AdamW from ``[training]`` (Loshchilov & Hutter 2019), fused on CUDA."""
         t = self.training
         fused = self.ctx.device.type == "cuda"
         return torch.optim.AdamW(params, lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8, weight_decay=t.weight_decay,
                                  fused=fused or None)
 
     def build_scheduler(self, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+        """Warm-up then cosine/linear decay (``lr_lambda``), stepped once per optimizer step."""
         return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(self.training))
 
     def describe(self) -> dict[str, Any]:
         """Facts for run.json and the dashboard (e.g. ``zero_stage``, the optimizer class in use)."""
-        return {"strategy": self.name, "optimizer": type(self.optimizer).__name__ if self.optimizer else None}
+        return {"strategy": self.name, "optimizer": type(self.optimizer).__name__}
 
     # -- the step ------------------------------------------------------------------------------------------------
     def autocast(self) -> ContextManager:
@@ -136,7 +152,6 @@ class Strategy:
 
     def step(self) -> float:
         """Clip, step the optimizer and the LR schedule, zero the gradients; return the pre-clip grad norm."""
-        assert self.model is not None and self.optimizer is not None and self.scheduler is not None
         max_norm = self.training.grad_clip if self.training.grad_clip > 0 else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
         if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP2
@@ -148,37 +163,30 @@ class Strategy:
 
     def skip_step(self) -> None:
         """Drop the accumulated gradients without updating (``on_nan = "skip"``)."""
-        assert self.optimizer is not None
         self.optimizer.zero_grad(set_to_none=True)
 
     @property
     def lr(self) -> float:
-        assert self.optimizer is not None
         return float(self.optimizer.param_groups[0]["lr"])
 
     def train(self, mode: bool = True) -> None:
-        assert self.model is not None
         self.model.train(mode)
 
     # -- memory --------------------------------------------------------------------------------------------------
     def grad_bytes(self) -> int:
         """Bytes of gradients this rank holds (called after backward, before ``step``)."""
-        assert self.model is not None
         return tensor_bytes(p.grad for p in self.model.parameters())
 
     def param_bytes(self) -> int:
         """Bytes of model parameters this rank holds (its shard under ZeRO-3/FSDP)."""
-        assert self.model is not None
         return tensor_bytes(self.model.parameters())
 
     def optimizer_bytes(self) -> int:
         """Bytes of optimizer state plus any fp32 master copy this rank holds (called after ``step``)."""
-        assert self.optimizer is not None
         return tensor_bytes(optimizer_state_tensors(self.optimizer))
 
     # -- checkpoints ---------------------------------------------------------------------------------------------
     def unwrapped(self) -> torch.nn.Module:
-        assert self.model is not None
         return getattr(self.model, "module", self.model)
 
     def save(self, ckpt_dir: Path) -> None:

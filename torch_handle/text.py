@@ -37,6 +37,12 @@ def clean(text: Any, limit: int = 2000) -> str:
     return s if len(s) <= limit else s[: limit - 1] + "…"
 
 
+def one_line(e: BaseException) -> str:
+    """An exception as ``Type: message`` on one line (whitespace collapsed); just ``Type`` without a message."""
+    text = " ".join(str(e).split())
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
 def fmt_duration(seconds: float | None) -> str:
     if seconds is None or not math.isfinite(seconds):
         return "--:--"

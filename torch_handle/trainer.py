@@ -30,6 +30,7 @@ from torch_handle.data import IGNORE_INDEX, DataBundle, DataContext, ResumableDi
 from torch_handle.registry import PluginRegistry
 from torch_handle.rundir import STOP_FILE, update_run_info
 from torch_handle.strategy import DistContext, Strategy
+from torch_handle.events import Kind, Level, Status
 from torch_handle.telemetry import EVENTS_FILE, EventWriter, NullEventWriter
 
 log = logging.getLogger("torch_handle")
@@ -68,7 +69,6 @@ class Trainer:
         self.epoch = 0
         self.batch_in_epoch = 0
         self.restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-        self.tb = None
 
     # -- build ---------------------------------------------------------------------------------------------------
     def build(self) -> None:
@@ -80,23 +80,24 @@ class Trainer:
             p.data.options, DataContext(cache_dir=cache_dir, is_main=ctx.is_main, barrier=ctx.barrier))
         if ctx.is_main and self.data.tokenizer_path is not None:
             shutil.copyfile(self.data.tokenizer_path, self.run_dir / "tokenizer.json")
+        log.info("data %s: %d train / %d validation samples, vocabulary %d, max_len %d",
+                 self.data.description or p.data.name, len(self.data.train), len(self.data.valid),
+                 self.data.vocab_size, self.data.max_len)
 
         # Same seed on every rank: identical initial weights (DDP would broadcast them anyway; ZeRO-3 must not
         # rely on that).
         torch.manual_seed(p.run.seed)
         model_plugin = self.registry.get("model", p.model.name)
         model = model_plugin.factory(p.model.options, self.data.vocab_size, self.data.pad_id, self.data.max_len)
-        self.model_info = {
-            "params": sum(t.numel() for t in model.parameters()),
-            "flops_per_token": float(model.flops_per_token(self.data.max_len)) if hasattr(model, "flops_per_token") else None,
-        }
+        flops = getattr(model, "flops_per_token", None)  # optional part of the model contract
+        self.model_info = {"params": sum(t.numel() for t in model.parameters()),
+                           "flops_per_token": float(flops(self.data.max_len)) if flops is not None else None}
         model.to(ctx.device)
         # From here on each rank draws its own dropout masks.
         seed_everything(p.run.seed + 1000 * ctx.rank)
 
         strategy_plugin = self.registry.get("strategy", p.strategy.name)
-        self.strategy: Strategy = strategy_plugin.factory(p.strategy.options, self.training, ctx)
-        self.strategy.setup(model)
+        self.strategy: Strategy = strategy_plugin.factory(p.strategy.options, self.training, ctx, model)
 
         t = self.training
         self.train_sampler = ResumableDistributedSampler(self.data.train, num_replicas=ctx.world_size,
@@ -111,13 +112,8 @@ class Trainer:
         self.profiler = self.registry.get("profiler", p.profiler.name).factory(
             p.profiler.options, self.run_dir / "traces", ctx.rank)
 
-        if ctx.is_main:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-
-                self.tb = SummaryWriter(str(self.run_dir / "tensorboard"))
-            except Exception as e:  # noqa: BLE001 - TensorBoard is a nice-to-have sink, never a reason to fail
-                log.warning("tensorboard disabled: %s", e)
+        # telemetry sinks (TensorBoard, ...) on rank 0; one that fails is disabled with a warning, never fatal
+        self.events.open_sinks({n: r.factory for n, r in self.registry.sinks.items()}, self.run_dir, p)
 
     def _loader(self, dataset: Any, sampler: ResumableDistributedSampler) -> DataLoader:
         # A private generator: creating a DataLoader iterator must not draw from the global torch RNG, or a
@@ -141,7 +137,7 @@ class Trainer:
         path, skipped = found
         for message in skipped:
             log.warning(message)
-            self.events.emit("log", level="warning", message=message)
+            self.events.emit(Kind.LOG, level=Level.WARNING, message=message)
         if path is None:
             return
         self.strategy.load(Path(path))
@@ -149,7 +145,7 @@ class Trainer:
         self.step, self.epoch, self.batch_in_epoch = state.step, state.epoch, state.batch_in_epoch
         message = f"resumed from {Path(path).relative_to(self.run_dir)} at step {self.step}"
         log.info(message)
-        self.events.emit("log", level="info", message=message)
+        self.events.emit(Kind.LOG, level=Level.INFO, message=message)
 
     # -- loop ----------------------------------------------------------------------------------------------------
     def batches(self) -> Iterator[dict[str, torch.Tensor]]:
@@ -253,7 +249,7 @@ class Trainer:
         self.ctx.barrier()
         if self.ctx.is_main:
             final = ckpt.finalize(root, self.step, self.training.keep_last)
-            self.events.emit("checkpoint", step=self.step, path=str(final.relative_to(self.run_dir)))
+            self.events.emit(Kind.CHECKPOINT, step=self.step, path=str(final.relative_to(self.run_dir)))
         self.ctx.barrier()
 
     def export(self) -> None:
@@ -271,29 +267,26 @@ class Trainer:
 
     def _emit_step(self, record: dict[str, Any]) -> None:
         record.pop("stop", None)
-        self.events.emit("step", **record)
-        if self.tb is not None:
-            for k in ("loss", "lr", "grad_norm", "tokens_per_s", "step_time_s"):
-                self.tb.add_scalar(f"train/{k}", record[k], record["step"])
+        self.events.emit(Kind.STEP, **record)
 
     def train(self) -> str:
         """Run to ``training.steps``; returns the final status (``finished`` or ``stopped``)."""
         t = self.training
-        info = {"status": "running", "world_size": self.ctx.world_size, **self.strategy.describe(),
+        info = {"status": Status.RUNNING, "world_size": self.ctx.world_size, **self.strategy.describe(),
                 "model_params": self.model_info["params"], "steps": t.steps, "restart": self.restart}
         if self.ctx.is_main:
             fields = dict(info)
             if self.restart:
                 fields["restarts"] = self.restart
             update_run_info(self.run_dir, **fields)
-            self.events.emit("status", **info)
+            self.events.emit(Kind.STATUS, **info)
             log.info("strategy %s", json.dumps(self.strategy.describe()))
         batches = self.batches()
-        status = "finished"
+        status = Status.FINISHED
         self.strategy.train(True)
         if self.step == 0:
             # the untrained baseline, so the first eval shows where learning started
-            self.events.emit("eval", step=0, val_loss=self.evaluate())
+            self.events.emit(Kind.EVAL, step=0, val_loss=self.evaluate())
         with self.profiler:
             while self.step < t.steps:
                 record = self.train_step(batches)
@@ -303,22 +296,18 @@ class Trainer:
                 last = self.step == t.steps
                 if last or (t.eval_every and self.step % t.eval_every == 0):
                     val = self.evaluate()
-                    self.events.emit("eval", step=self.step, val_loss=val)
-                    if self.tb is not None:
-                        self.tb.add_scalar("valid/loss", val, self.step)
+                    self.events.emit(Kind.EVAL, step=self.step, val_loss=val)
                 if last or stop or (t.checkpoint_every and self.step % t.checkpoint_every == 0):
                     self.save_checkpoint()
                 if stop and not last:
-                    status = "stopped"
+                    status = Status.STOPPED
                     break
-        if status == "finished":
+        if status == Status.FINISHED:
             self.export()
         return status
 
     def close(self, status: str, message: str = "") -> None:
         if self.ctx.is_main:
-            self.events.emit("status", status=status, step=self.step, **({"message": message} if message else {}))
+            self.events.emit(Kind.STATUS, status=status, step=self.step, **({"message": message} if message else {}))
             update_run_info(self.run_dir, status=status, end_time=time.time(), step=self.step, message=message)
-        self.events.close()
-        if self.tb is not None:
-            self.tb.close()
+        self.events.close()  # closes the sinks too

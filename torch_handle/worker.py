@@ -7,7 +7,6 @@ and runs the :class:`~torch_handle.trainer.Trainer`, and exits 0 when the run fi
 
 from __future__ import annotations
 
-import ctypes
 import datetime
 import logging
 import os
@@ -20,18 +19,6 @@ USAGE = ("torch_handle.worker is started by torchrun, not by hand (RANK/WORLD_SI
          "Start a run with:  handle run PRESET    (for example: handle run presets/zero2.toml)")
 
 TORCHRUN_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
-
-def _die_with_parent() -> None:
-    """Linux: deliver SIGKILL to this process when its parent (torchrun's agent) dies, even by SIGKILL."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        PR_SET_PDEATHSIG = 1
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-        if os.getppid() == 1:  # the parent is already gone
-            os._exit(1)
-    except OSError:
-        pass
 
 
 def _redirect_output(log_path: Path) -> None:
@@ -93,7 +80,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     run_dir = Path(argv[0])
     rank = int(os.environ["RANK"])
-    _die_with_parent()
+    from torch_handle.launch import die_with_parent
+
+    die_with_parent(signal.SIGKILL)  # torchrun's agent dies -> this worker dies, even when the agent is SIGKILLed
     _redirect_output(run_dir / "logs" / f"rank{rank}.log")
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s")
@@ -101,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     log.info("worker pid %d rank %d/%s restart %d", os.getpid(), rank, os.environ["WORLD_SIZE"], restart)
 
     from torch_handle.config import load_preset
+    from torch_handle.events import Status
     from torch_handle.registry import get_registry
     from torch_handle.trainer import NonFiniteLoss, Trainer
 
@@ -108,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     preset = load_preset(run_dir / "preset.toml", registry=registry)
     ctx = init_distributed(preset.launch.backend, preset.launch.timeout_s)
     trainer = Trainer(preset, run_dir, ctx, registry)
-    status, message, code = "failed", "", 1
+    status, message, code = Status.FAILED, "", 1
     try:
         trainer.build()
         trainer.maybe_resume()
@@ -124,12 +114,12 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         # A failure on another rank surfaces here as a collective error; rank 0 records the run as failed
         # only when this is the last attempt (torchrun may restart the group).
-        final = status if code == 0 else "failed"
+        final = status if code == 0 else Status.FAILED
         last_attempt = restart >= preset.launch.max_restarts
         if code == 0 or last_attempt:
             trainer.close(final, message)
         else:
-            trainer.close("restarting", message)
+            trainer.close(Status.RESTARTING, message)
         import torch.distributed as dist
 
         if dist.is_initialized():

@@ -20,10 +20,11 @@ from textual.message import Message
 from textual.widgets import Footer
 from textual.worker import get_current_worker
 
+from torch_handle.events import RunState, Status
 from torch_handle.rundir import RunDirError, read_run_info
 from torch_handle.text import clean
 
-from handle_cli.tui.model import Batch, RunState, RunTailer
+from handle_cli.tui.model import Batch, RunTailer
 from handle_cli.tui.screens import HelpScreen, RunPicker
 from handle_cli.tui.widgets import Chart, LogPanel, MemoryBars, Series, StatusHeader
 
@@ -162,7 +163,7 @@ class HandleDashboard(App[None]):
         state = self.state
         first = self.batches_applied == 0
         logs = self.log_panel
-        was_final = state.status in ("finished", "failed", "stopped")
+        was_final = state.status in Status.FINAL
         if batch.info is not None:
             state.info = batch.info
         for notice in state.apply(batch.events):
@@ -183,9 +184,9 @@ class HandleDashboard(App[None]):
         for line in lines:
             logs.add_log(line.source, line.text, line.error)
         status = state.status
-        if not first and not was_final and status in ("failed", "stopped"):
+        if not first and not was_final and status in (Status.FAILED, Status.STOPPED):
             self.notify(f"run {status}: {state.message}" if state.message else f"run {status}",
-                        severity="error" if status == "failed" else "warning", timeout=6, markup=False)
+                        severity="error" if status == Status.FAILED else "warning", timeout=6, markup=False)
         self.batches_applied += 1
         self.last_applied_at = batch.polled_at
         self._mark_dirty()

@@ -13,19 +13,18 @@ from textual.widget import Widget
 from textual.widgets import RichLog
 from textual_plotext import PlotextPlot
 
+from torch_handle.events import Level, Notice, RunState, Status
 from torch_handle.text import clean, fmt_bytes, fmt_duration, fmt_float
 
-from handle_cli.tui.model import Notice, RunState
-
 STATUS_STYLES = {
-    "running": "bold black on green",
-    "finished": "bold white on blue",
-    "failed": "bold white on red",
-    "stopped": "bold black on yellow",
-    "restarting": "bold black on magenta",
-    "starting": "bold black on cyan",
+    Status.RUNNING: "bold black on green",
+    Status.FINISHED: "bold white on blue",
+    Status.FAILED: "bold white on red",
+    Status.STOPPED: "bold black on yellow",
+    Status.RESTARTING: "bold black on magenta",
+    Status.STARTING: "bold black on cyan",
 }
-MESSAGE_STYLES = {"failed": "bold red", "stopped": "yellow", "restarting": "magenta"}
+MESSAGE_STYLES = {Status.FAILED: "bold red", Status.STOPPED: "yellow", Status.RESTARTING: "magenta"}
 
 
 def fit(pieces: list[tuple[int, Text]], width: int) -> Text:
@@ -118,7 +117,7 @@ class StatusHeader(Widget):
         lines = [fit(p1, width), fit(p2, width)]
         message = state.message
         if message and status in MESSAGE_STYLES:
-            line = Text(("error: " if status == "failed" else "") + message, MESSAGE_STYLES[status],
+            line = Text(("error: " if status == Status.FAILED else "") + message, MESSAGE_STYLES[status],
                         no_wrap=True, overflow="ellipsis", end="")
             line.truncate(width, overflow="ellipsis")
             lines.append(line)
@@ -366,7 +365,7 @@ class MemoryBars(Widget):
         return self.render().plain.splitlines()
 
 
-LEVEL_STYLES = {"error": "bold red", "warning": "yellow", "info": "cyan"}
+LEVEL_STYLES = {Level.ERROR: "bold red", Level.WARNING: "yellow", Level.INFO: "cyan"}
 SOURCE_STYLES = ["green", "cyan", "magenta", "yellow", "blue", "bright_green", "bright_cyan", "bright_magenta"]
 
 

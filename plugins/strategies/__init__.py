@@ -108,28 +108,28 @@ def _check_deepspeed(options: DeepSpeedConfig, preset) -> None:
                                             f"(set it in [training] instead)")
 
 
-def build_single(options, training, ctx):
+def build_single(options, training, ctx, model):
     from handle_plugins.strategies.single import SingleStrategy
 
-    return SingleStrategy(options, training, ctx)
+    return SingleStrategy(options, training, ctx, model)
 
 
-def build_ddp(options, training, ctx):
+def build_ddp(options, training, ctx, model):
     from handle_plugins.strategies.ddp import DDPStrategy
 
-    return DDPStrategy(options, training, ctx)
+    return DDPStrategy(options, training, ctx, model)
 
 
-def build_deepspeed(options, training, ctx):
+def build_deepspeed(options, training, ctx, model):
     from handle_plugins.strategies.deepspeed import DeepSpeedStrategy
 
-    return DeepSpeedStrategy(options, training, ctx)
+    return DeepSpeedStrategy(options, training, ctx, model)
 
 
-def build_fsdp(options, training, ctx):
+def build_fsdp(options, training, ctx, model):
     from handle_plugins.strategies.fsdp import FSDPStrategy
 
-    return FSDPStrategy(options, training, ctx)
+    return FSDPStrategy(options, training, ctx, model)
 
 
 @hookimpl

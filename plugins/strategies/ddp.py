@@ -14,12 +14,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 class DDPStrategy(SingleStrategy):
     name = "ddp"
 
-    def setup(self, model: torch.nn.Module) -> None:
+    def wrap(self, model: torch.nn.Module) -> DDP:
         o = self.options
         device_ids = [self.ctx.local_rank] if self.ctx.device.type == "cuda" else None
-        ddp = DDP(model, device_ids=device_ids, bucket_cap_mb=o.bucket_cap_mb,
-                  gradient_as_bucket_view=o.gradient_as_bucket_view, find_unused_parameters=o.find_unused_parameters)
-        super().setup(ddp)
+        return DDP(model, device_ids=device_ids, bucket_cap_mb=o.bucket_cap_mb,
+                   gradient_as_bucket_view=o.gradient_as_bucket_view, find_unused_parameters=o.find_unused_parameters)
 
     def accumulating(self, sync: bool) -> ContextManager:
         # Skip the all-reduce on all but the last micro-batch: gradients accumulate locally for free.

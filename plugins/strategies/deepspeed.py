@@ -12,7 +12,6 @@ fp32 master partitions.
 from __future__ import annotations
 
 import contextlib
-import copy
 import json
 import logging
 from pathlib import Path
@@ -20,20 +19,11 @@ from typing import Any, ContextManager, Iterator
 
 import torch
 
-from torch_handle.api import Strategy, lr_lambda, optimizer_state_tensors, tensor_bytes
-from torch_handle.checkpoint import (
-    verify_weights_only,  # built-in: guards DeepSpeed's own torch.load
-)
+from torch_handle.api import Strategy, deep_merge, lr_lambda, optimizer_state_tensors, tensor_bytes
+from torch_handle.checkpoint import verify_weights_only  # built-in: guards DeepSpeed's own torch.load
 
 log = logging.getLogger("torch_handle")
 TAG = "ds"
-
-
-def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
-    out = copy.deepcopy(base)
-    for k, v in over.items():
-        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
 
 
 def build_ds_config(options, training, world_size: int, cuda: bool) -> dict[str, Any]:
@@ -68,7 +58,7 @@ def build_ds_config(options, training, world_size: int, cuda: bool) -> dict[str,
     elif training.precision == "fp16":
         cfg["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": options.initial_scale_power,
                        "loss_scale_window": options.loss_scale_window, "hysteresis": 2, "min_loss_scale": 1}
-    return _merge(cfg, options.ds_config)
+    return deep_merge(cfg, options.ds_config)
 
 
 def _tensors(obj: Any, depth: int = 3) -> Iterator[torch.Tensor]:
@@ -92,9 +82,12 @@ def _deepspeed_safe_globals() -> list[Any]:
 
 
 class DeepSpeedStrategy(Strategy):
+    """``deepspeed.initialize`` builds the engine, its (ZeRO) optimizer and the LR schedule together: ``wrap``
+    makes the engine, and ``build_optimizer`` / ``build_scheduler`` hand back the ones the engine built."""
+
     name = "deepspeed"
 
-    def setup(self, model: torch.nn.Module) -> None:
+    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         import deepspeed
 
         self.ds_config = build_ds_config(self.options, self.training, self.ctx.world_size,
@@ -102,12 +95,18 @@ class DeepSpeedStrategy(Strategy):
         if self.ctx.is_main:
             log.info("ds_config %s", json.dumps(self.ds_config))
         deepspeed.init_distributed(dist_backend=self.ctx.backend)  # reuses the initialised process group
-        engine, optimizer, _, scheduler = deepspeed.initialize(
+        self.engine, optimizer, _, _ = deepspeed.initialize(
             model=model, model_parameters=model.parameters(), config=self.ds_config,
             lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(self.training)))
-        self.engine, self.model, self.optimizer, self.scheduler = engine, engine, optimizer, scheduler
-        log.info("DeepSpeed engine: zero_stage=%d optimizer=%s", engine.zero_optimization_stage(),
+        log.info("DeepSpeed engine: zero_stage=%d optimizer=%s", self.engine.zero_optimization_stage(),
                  type(optimizer).__name__)
+        return self.engine
+
+    def build_optimizer(self, params) -> torch.optim.Optimizer:
+        return self.engine.optimizer  # ZeRO's optimizer (wrapping AdamW) from the ds_config
+
+    def build_scheduler(self, optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+        return self.engine.lr_scheduler  # the LambdaLR above, stepped and checkpointed by the engine
 
     def describe(self) -> dict[str, Any]:
         inner = getattr(self.optimizer, "optimizer", None)

@@ -1,8 +1,10 @@
 """FSDP2 (``torch.distributed.fsdp.fully_shard``; Zhao et al. 2023): parameters, gradients and optimizer state
-sharded per parameter as DTensors, each Transformer layer its own communication unit."""
+sharded per parameter as DTensors, each of the model's blocks (``model.blocks()``, e.g. a Transformer layer) its
+own communication unit."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -10,6 +12,8 @@ import torch
 import torch.distributed as dist
 
 from torch_handle.api import Strategy, optimizer_state_tensors, tensor_bytes
+
+log = logging.getLogger("torch_handle")
 
 
 def _local(t: Any) -> Any:
@@ -19,7 +23,12 @@ def _local(t: Any) -> Any:
 class FSDPStrategy(Strategy):
     name = "fsdp"
 
-    def setup(self, model: torch.nn.Module) -> None:
+    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        """``fully_shard`` each of ``model.blocks()`` (one all-gather/reduce-scatter per block), then the model.
+
+        A model without a ``blocks()`` method is sharded as one unit -- every parameter gathered for the whole
+        forward, which defeats most of FSDP's memory saving -- with a logged warning.
+        """
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         mp = None
@@ -28,13 +37,14 @@ class FSDPStrategy(Strategy):
             mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
         kwargs = {"reshard_after_forward": self.options.reshard_after_forward,
                   **({"mp_policy": mp} if mp is not None else {})}
-        for module in model.modules():  # each layer is one all-gather/reduce-scatter unit
-            if type(module).__name__ in ("EncoderLayer", "DecoderLayer"):
-                fully_shard(module, **kwargs)
+        blocks = model.blocks() if callable(getattr(model, "blocks", None)) else []
+        if not blocks and self.ctx.is_main:
+            log.warning("fsdp: %s has no blocks() (its repeated layers), so it is sharded as one unit: all of its "
+                        "parameters are gathered for the whole forward and backward", type(model).__name__)
+        for block in blocks:
+            fully_shard(block, **kwargs)
         fully_shard(model, **kwargs)
-        self.model = model
-        self.optimizer = self.build_optimizer(model.parameters())
-        self.scheduler = self.build_scheduler(self.optimizer)
+        return model
 
     def autocast(self):
         import contextlib

@@ -12,12 +12,10 @@ from torch_handle.api import Strategy
 class SingleStrategy(Strategy):
     name = "single"
 
-    def setup(self, model: torch.nn.Module) -> None:
-        self.model = model
-        self.optimizer = self.build_optimizer(model.parameters())
-        self.scheduler = self.build_scheduler(self.optimizer)
+    def __init__(self, options, training, ctx, model: torch.nn.Module) -> None:
+        super().__init__(options, training, ctx, model)
         # fp16 needs loss scaling to keep small gradients representable (Micikevicius et al. 2018)
-        self.scaler = torch.amp.GradScaler(self.ctx.device.type) if self.training.precision == "fp16" else None
+        self.scaler = torch.amp.GradScaler(ctx.device.type) if training.precision == "fp16" else None
 
     def backward(self, loss: torch.Tensor) -> None:
         loss = loss / self.training.grad_accum

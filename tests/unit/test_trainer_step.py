@@ -4,6 +4,7 @@ two optimizer steps, then a resume. What a torchrun worker does, without startin
 from __future__ import annotations
 
 import json
+import logging
 import math
 from pathlib import Path
 
@@ -75,11 +76,14 @@ def _train(preset, run_dir: Path, ctx: DistContext) -> str:
     return status
 
 
-def test_one_step_writes_what_a_run_writes(tmp_path, process_group):
+def test_one_step_writes_what_a_run_writes(tmp_path, process_group, caplog):
     preset = _preset(tmp_path, steps=2)
     run_dir = create_run_dir(tmp_path / "runs", "unit", dump_preset(preset), {"status": "starting"})
 
-    assert _train(preset, run_dir, process_group) == "finished"
+    with caplog.at_level(logging.INFO, logger="torch_handle"):
+        assert _train(preset, run_dir, process_group) == "finished"
+    # the dataset's description reaches the rank log
+    assert any(r.getMessage().startswith(f"data {tmp_path / 'corpus.txt'}: ") for r in caplog.records)
     events = _events(run_dir)
     steps = [e for e in events if e["kind"] == "step"]
     assert [e["step"] for e in steps] == [1, 2]

@@ -68,13 +68,10 @@ def preflight(options: ShakespeareConfig) -> None:
         raise DataError(f"{f}: empty corpus")
 
 
-build.preflight = preflight  # the convention of torch-handle's own dataset plugins
-
-
 @hookimpl
 def handle_register_datasets(register):
     register("shakespeare", ShakespeareConfig, build, "character-level (or BPE) LM on a text file; "
-             "default: 12 sonnets")
+             "default: 12 sonnets", preflight=preflight)
 
 
 @hookimpl

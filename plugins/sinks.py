@@ -1,0 +1,48 @@
+"""Telemetry sink plugins: ``tensorboard`` (scalars in ``<run_dir>/tensorboard``, for ``tensorboard --logdir``).
+
+Importing this module is cheap: TensorBoard (and torch) are imported by the factory, on rank 0 of a run.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+from torch_handle.api import Kind, Sink, hookimpl
+
+TRAIN_SCALARS = ("loss", "lr", "grad_norm", "tokens_per_s", "step_time_s")
+"""Fields of ``step`` events written as ``train/<field>``."""
+
+
+class TensorBoardSink(Sink):
+    """``train/<field>`` for every step, ``valid/loss`` for every eval after step 0 (the untrained baseline at
+    step 0 is in events.jsonl only); x axis: the step, wall time: the event's time."""
+
+    def __init__(self, writer: Any):
+        self.writer = writer
+
+    def emit(self, event: dict[str, Any]) -> None:
+        kind, step, t = event.get("kind"), event.get("step"), event.get("time")
+        if kind == Kind.STEP:
+            for key in TRAIN_SCALARS:
+                if key in event:  # non-finite figures arrive as None: TensorBoard shows them as NaN
+                    value = event[key]
+                    self.writer.add_scalar(f"train/{key}", math.nan if value is None else value, step, walltime=t)
+        elif kind == Kind.EVAL and step:
+            value = event.get("val_loss")
+            self.writer.add_scalar("valid/loss", math.nan if value is None else value, step, walltime=t)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def build_tensorboard(run_dir: Path, preset: Any) -> TensorBoardSink:
+    from torch.utils.tensorboard import SummaryWriter
+
+    return TensorBoardSink(SummaryWriter(str(Path(run_dir) / "tensorboard")))
+
+
+@hookimpl
+def handle_register_sinks(register):
+    register("tensorboard", build_tensorboard, "TensorBoard scalars (train/*, valid/loss) in <run_dir>/tensorboard")

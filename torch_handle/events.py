@@ -1,0 +1,518 @@
+"""The events of a run: their schema as constants, the one reader of growing files, and the one fold into state.
+
+Rank 0 appends one JSON object per line to ``events.jsonl`` (:class:`torch_handle.telemetry.EventWriter`). Every
+event has ``seq`` (int, increasing, never reused across restarts), ``time`` (unix seconds) and ``kind``:
+
+- ``status``: ``status`` (running|finished|failed|stopped|restarting), optional ``message``, ``world_size``,
+  ``strategy``, ``zero_stage``, ``steps`` (total), ``restart`` (count), ``step`` (on the final one).
+- ``step``: ``step``, ``loss`` (null when not finite; then ``skipped`` is true with ``on_nan = "skip"``), ``lr``,
+  ``grad_norm``, ``tokens_per_s`` (global), ``step_time_s``, ``tokens`` (global tokens in this step),
+  optionally ``tflops``, and every ``log_every`` steps ``memory``: a list with one object per rank: ``rank``,
+  ``param_bytes``, ``grad_bytes``, ``optimizer_bytes``, ``rss_bytes`` and on CUDA ``cuda_allocated_bytes``,
+  ``cuda_max_allocated_bytes``, ``cuda_reserved_bytes``.
+- ``eval``: ``step``, ``val_loss`` (step 0: the untrained baseline).
+- ``checkpoint``: ``step``, ``path`` (relative to the run directory).
+- ``log``: ``level`` (info|warning|error), ``message``.
+
+Readers (``handle run``'s progress line and summary, the dashboard, the run picker) use this module:
+:class:`Tail` reads the complete new lines of any growing file (events and logs), :class:`EventReader` turns
+them into events, :func:`tail_events` reads only the end of a file, and :class:`RunState` folds events (plus
+``run.json``) into what a run amounts to. A reader must survive any file: bad lines and fields of the wrong type
+are skipped and reported, never raised.
+
+Standard library only (and :mod:`torch_handle.text`): no torch, no UI library.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+from torch_handle.text import clean, strategy_label
+
+
+class Kind:
+    """The ``kind`` of an event."""
+
+    STATUS = "status"
+    STEP = "step"
+    EVAL = "eval"
+    CHECKPOINT = "checkpoint"
+    LOG = "log"
+
+
+class Status:
+    """Run statuses, in ``status`` events and in ``run.json``."""
+
+    STARTING = "starting"
+    """run.json only: the run directory exists, torchrun has not started yet."""
+    RUNNING = "running"
+    FINISHED = "finished"
+    FAILED = "failed"
+    STOPPED = "stopped"
+    RESTARTING = "restarting"
+    """A worker failed and torchrun restarts the group (``launch.max_restarts``)."""
+    RESTARTED = "restarted"
+    """Read as :attr:`RESTARTING` (older files)."""
+    UNREADABLE = "unreadable"
+    """Never written: what the run picker shows for a run.json it cannot read."""
+    FINAL = (FINISHED, FAILED, STOPPED)
+    """Statuses after which nothing more happens to the run (until ``--resume``)."""
+    RESTART = (RESTARTING, RESTARTED)
+
+
+class Level:
+    """The ``level`` of a ``log`` event."""
+
+    INFO = "info"
+    WARNING = "warning"
+    ERROR = "error"
+
+
+def number(x: Any) -> float | None:
+    """A finite float, or None (bools, strings, NaN, inf and missing values all give None)."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return None
+    x = float(x)
+    return x if math.isfinite(x) else None
+
+
+def integer(x: Any) -> int | None:
+    """:func:`number` as an int (truncated), or None."""
+    v = number(x)
+    return int(v) if v is not None else None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# reading growing files
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class Tail:
+    """Incremental reader of the complete lines appended to a file that may still be growing.
+
+    ``poll()`` returns the lines (bytes, without the newline) completed since the previous call. A partial last
+    line (a writer caught mid-write) is kept until its newline arrives, unless it grows past ``max_line`` bytes
+    (a runaway line): then it is returned as it is. A file that shrinks or is replaced (another inode) is read
+    again from its start. With ``start_near_end`` (bytes), the first poll starts that far before the end and
+    skips the line it lands in, unless it lands on a line's start. ``max_read`` caps the bytes read per poll
+    (None: everything new). A missing or unreadable file gives no lines, never an error.
+    """
+
+    def __init__(self, path: Path, *, start_near_end: int | None = None, max_read: int | None = None,
+                 max_line: int = 16 * 1024 * 1024):
+        self.path = Path(path)
+        self.start_near_end = start_near_end
+        self.max_read = max_read
+        self.max_line = max_line
+        self.line_no = 0
+        """Lines returned since the (last) start of the file, blank ones included."""
+        self._offset: int | None = None
+        self._inode: tuple[int, int] | None = None
+        self._partial = b""
+        self._skip_to_newline = False
+
+    def _restart(self, offset: int, skip: bool) -> None:
+        self._offset, self._partial, self._skip_to_newline, self.line_no = offset, b"", skip, 0
+
+    def poll(self) -> list[bytes]:
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return []
+        inode, size = (st.st_dev, st.st_ino), st.st_size
+        if self._offset is None:
+            near = self.start_near_end
+            if near is not None and size > near:
+                # one byte early: when that byte is a newline, the line at ``size - near`` is complete
+                self._restart(size - near - 1, skip=True)
+            else:
+                self._restart(0, skip=False)
+        elif size < self._offset or inode != self._inode:  # truncated or replaced: start over
+            self._restart(0, skip=False)
+        self._inode = inode
+        assert self._offset is not None
+        if size == self._offset:
+            return []
+        n = size - self._offset if self.max_read is None else min(size - self._offset, self.max_read)
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self._offset)
+                chunk = f.read(n)
+        except OSError:
+            return []
+        self._offset += len(chunk)
+        if self._skip_to_newline:
+            cut = chunk.find(b"\n")
+            if cut < 0:
+                return []
+            chunk, self._skip_to_newline = chunk[cut + 1:], False
+        lines = (self._partial + chunk).split(b"\n")
+        self._partial = lines.pop()  # b"" when the chunk ended with a newline
+        if len(self._partial) > self.max_line:
+            lines.append(self._partial)
+            self._partial = b""
+        self.line_no += len(lines)
+        return lines
+
+
+@dataclass
+class BadLine:
+    """A line of ``events.jsonl`` that is not a JSON object (reported, never fatal)."""
+
+    line_no: int
+    text: str
+    error: str
+
+
+class EventReader:
+    """Incremental reader of an ``events.jsonl`` that may still be growing (a :class:`Tail` from the start).
+
+    ``poll()`` returns the complete new events since the previous call. Lines that are not JSON objects are
+    collected in ``bad_lines`` (line numbers from 1) instead of raising.
+    """
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self._tail = Tail(self.path)
+        self.bad_lines: list[BadLine] = []
+
+    def poll(self) -> list[dict[str, Any]]:
+        lines = self._tail.poll()
+        events = []
+        for line_no, raw in enumerate(lines, self._tail.line_no - len(lines) + 1):
+            if not raw.strip():
+                continue
+            try:
+                event = json.loads(raw)
+                if not isinstance(event, dict):
+                    raise ValueError("not a JSON object")
+            except ValueError as e:
+                self.bad_lines.append(BadLine(line_no, raw.decode("utf-8", "replace")[:200], str(e)))
+                continue
+            events.append(event)
+        return events
+
+
+def read_tail(path: Path, nbytes: int = 65536) -> list[bytes]:
+    """The lines in the last ``nbytes`` of a file, without the first one when it is cut (the last one is
+    included even without its newline); ``[]`` when the file is missing or unreadable."""
+    try:
+        with open(path, "rb") as f:
+            size = f.seek(0, os.SEEK_END)
+            start = max(0, size - nbytes)
+            f.seek(max(0, start - 1))
+            data = f.read()
+    except OSError:
+        return []
+    if start > 0:
+        data = data.partition(b"\n")[2]  # the byte before ``start`` tells whether the first line is whole
+    lines = data.split(b"\n")
+    if lines and not lines[-1]:
+        lines.pop()
+    return lines
+
+
+def tail_events(path: Path, nbytes: int = 65536) -> list[dict[str, Any]]:
+    """The events (JSON objects) in the last ``nbytes`` of an events file, oldest first; other lines skipped."""
+    out = []
+    for line in read_tail(path, nbytes):
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(event, dict):
+            out.append(event)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the fold: events (+ run.json) -> run state
+# ---------------------------------------------------------------------------------------------------------------
+
+MEMORY_KEYS = ("param_bytes", "grad_bytes", "optimizer_bytes", "rss_bytes",
+               "cuda_allocated_bytes", "cuda_max_allocated_bytes", "cuda_reserved_bytes")
+
+
+@dataclass
+class Notice:
+    """A line for a log panel that comes from the events, not from a log file."""
+
+    level: str  # info | warning | error
+    text: str
+
+
+@dataclass
+class RunState:
+    """What a run amounts to, built by applying its events in order (``info``: the contents of run.json).
+
+    Series are indexed like ``steps``: a restart that resumes from an earlier checkpoint truncates them (the new
+    attempt wins). Values that are missing, of the wrong type or not finite are kept as None in the series and
+    never raise. Used by ``handle run`` (progress line, summary) and by the dashboard.
+    """
+
+    run_dir: Path
+    info: dict[str, Any] = field(default_factory=dict)
+    steps: list[int] = field(default_factory=list)
+    loss: list[float | None] = field(default_factory=list)
+    lr: list[float | None] = field(default_factory=list)
+    tokens_per_s: list[float | None] = field(default_factory=list)
+    step_time_s: list[float | None] = field(default_factory=list)
+    val_steps: list[int] = field(default_factory=list)
+    val_loss: list[float | None] = field(default_factory=list)
+    grad_norm: float | None = None
+    memory: dict[int, dict[str, int]] = field(default_factory=dict)
+    """rank -> the latest memory figures (bytes)."""
+    peak_memory: dict[int, dict[str, int]] = field(default_factory=dict)
+    """rank -> the largest value seen of each memory figure (bytes), across restarts."""
+    event_status: str | None = None
+    event_message: str = ""
+    event_steps_total: int | None = None
+    event_world_size: int | None = None
+    event_strategy: str | None = None
+    event_zero_stage: Any = None
+    restarts_seen: int = 0
+    first_time: float | None = None
+    last_time: float | None = None
+    """Unix times of the first and the newest event."""
+    n_events: int = 0
+    last_seq: int | None = None
+    seq_gaps: int = 0
+    """Times ``seq`` jumped forward (events missing from the file); 0 for a complete history."""
+    bad_lines: list[BadLine] = field(default_factory=list)
+    last_checkpoint: str | None = None
+    tokens_per_s_head: list[float] = field(default_factory=list)
+    """The first 2 tokens/s figures applied (warm-up), for :attr:`mean_tokens_per_s`."""
+    tokens_per_s_sum: float = 0.0
+    tokens_per_s_count: int = 0
+    """Sum and count of the tokens/s figures applied after the first 2 (restarts do not remove any)."""
+
+    # -- applying --------------------------------------------------------------------------------------------
+
+    def apply(self, events: Iterable[dict[str, Any]]) -> list[Notice]:
+        """Apply events in order; returns the notices they produce (log events, restarts, failures)."""
+        notices: list[Notice] = []
+        for event in events:
+            try:
+                self._apply_one(event, notices)
+            except Exception as e:  # noqa: BLE001 - a malformed event is reported, never fatal
+                notices.append(Notice(Level.WARNING, f"event seq {clean(event.get('seq'), 20)} skipped: "
+                                                     f"{type(e).__name__}: {clean(e, 200)}"))
+        return notices
+
+    def _apply_one(self, event: dict[str, Any], notices: list[Notice]) -> None:
+        self.n_events += 1
+        seq = integer(event.get("seq"))
+        if seq is not None:
+            if self.last_seq is not None and seq > self.last_seq + 1:
+                self.seq_gaps += 1
+                notices.append(Notice(Level.WARNING,
+                                      f"events {self.last_seq + 1}..{seq - 1} are missing from the file"))
+            self.last_seq = seq
+        kind = event.get("kind")
+        t = number(event.get("time"))
+        if t is not None:
+            self.first_time = t if self.first_time is None else self.first_time
+            self.last_time = t
+        if kind == Kind.STEP:
+            self._apply_step(event)
+        elif kind == Kind.EVAL:
+            step = integer(event.get("step"))
+            if step is None:
+                return
+            while self.val_steps and self.val_steps[-1] >= step:
+                self.val_steps.pop()
+                self.val_loss.pop()
+            self.val_steps.append(step)
+            self.val_loss.append(number(event.get("val_loss")))
+        elif kind == Kind.STATUS:
+            self._apply_status(event, notices)
+        elif kind == Kind.LOG:
+            level = clean(event.get("level") or Level.INFO, 10).lower()
+            notices.append(Notice(level if level in (Level.WARNING, Level.ERROR) else Level.INFO,
+                                  clean(event.get("message") or "", 1000)))
+        elif kind == Kind.CHECKPOINT:
+            self.last_checkpoint = clean(event.get("path") or "", 200)
+
+    def _apply_step(self, event: dict[str, Any]) -> None:
+        step = integer(event.get("step"))
+        if step is None:
+            return
+        if self.steps and step <= self.steps[-1]:
+            self._truncate(step)  # a restart resumed from an earlier checkpoint: the new attempt wins
+        self.steps.append(step)
+        self.loss.append(number(event.get("loss")))
+        self.lr.append(number(event.get("lr")))
+        tokens_per_s = number(event.get("tokens_per_s"))
+        self.tokens_per_s.append(tokens_per_s)
+        if tokens_per_s is not None:
+            if len(self.tokens_per_s_head) < 2:
+                self.tokens_per_s_head.append(tokens_per_s)
+            else:
+                self.tokens_per_s_sum += tokens_per_s
+                self.tokens_per_s_count += 1
+        self.step_time_s.append(number(event.get("step_time_s")))
+        self.grad_norm = number(event.get("grad_norm"))
+        memory = event.get("memory")
+        if isinstance(memory, list):
+            for mem in memory:
+                if not isinstance(mem, dict):
+                    continue
+                rank = integer(mem.get("rank"))
+                if rank is None:
+                    continue
+                latest = {k: int(v) for k in MEMORY_KEYS if (v := number(mem.get(k))) is not None}
+                self.memory[rank] = latest
+                peak = self.peak_memory.setdefault(rank, {})
+                for k, v in latest.items():
+                    peak[k] = max(peak.get(k, 0), v)
+
+    def _apply_status(self, event: dict[str, Any], notices: list[Notice]) -> None:
+        status = clean(event.get("status") or "", 40)
+        message = clean(event.get("message") or "", 500)
+        if status in Status.RESTART:
+            self.restarts_seen += 1
+            notices.append(Notice(Level.WARNING, f"restarting: {message or 'a worker failed'}"))
+        elif status == Status.RUNNING and self.event_status in Status.RESTART:
+            notices.append(Notice(Level.INFO, f"restart {self.restarts_seen}: workers running again"))
+        elif status == Status.FAILED:
+            notices.append(Notice(Level.ERROR, f"run failed: {message}" if message else "run failed"))
+        elif status == Status.STOPPED:
+            notices.append(Notice(Level.WARNING, f"run stopped{': ' + message if message else ''}"))
+        elif status == Status.FINISHED:
+            notices.append(Notice(Level.INFO, "run finished"))
+        restart = integer(event.get("restart"))
+        if restart is not None:
+            self.restarts_seen = max(self.restarts_seen, restart)
+        self.event_status = status or self.event_status
+        self.event_message = message
+        if (steps := integer(event.get("steps"))) is not None:
+            self.event_steps_total = steps
+        if (ws := integer(event.get("world_size"))) is not None:
+            self.event_world_size = ws
+        if event.get("strategy"):
+            self.event_strategy = clean(event["strategy"], 40)
+            self.event_zero_stage = event.get("zero_stage")
+
+    def _truncate(self, step: int) -> None:
+        keep = 0
+        while keep < len(self.steps) and self.steps[keep] < step:
+            keep += 1
+        for series in (self.steps, self.loss, self.lr, self.tokens_per_s, self.step_time_s):
+            del series[keep:]
+        while self.val_steps and self.val_steps[-1] >= step:
+            self.val_steps.pop()
+            self.val_loss.pop()
+
+    # -- derived ---------------------------------------------------------------------------------------------
+
+    @property
+    def status(self) -> str:
+        """running | finished | failed | stopped | restarting | starting.
+
+        run.json has the last word once it is final (the launcher records failures no worker could report);
+        otherwise the newest status event. (A final event status while run.json says running is a resumed run
+        whose workers have not reported yet: it shows as that final status until they do.)
+        """
+        info_status = self.info.get("status")
+        if info_status in Status.FINAL:
+            return info_status
+        if self.event_status:
+            return Status.RESTARTING if self.event_status in Status.RESTART else self.event_status
+        return info_status if isinstance(info_status, str) and info_status else Status.STARTING
+
+    @property
+    def message(self) -> str:
+        if self.info.get("status") in Status.FINAL and self.info.get("message"):
+            return clean(self.info["message"], 500)
+        return self.event_message
+
+    @property
+    def step(self) -> int:
+        return self.steps[-1] if self.steps else integer(self.info.get("step")) or 0
+
+    @property
+    def steps_total(self) -> int | None:
+        return self.event_steps_total or integer(self.info.get("steps"))
+
+    @property
+    def world_size(self) -> int | None:
+        return self.event_world_size or integer(self.info.get("world_size"))
+
+    @property
+    def strategy(self) -> str:
+        if self.event_strategy:
+            return strategy_label(self.event_strategy, self.event_zero_stage)
+        return strategy_label(self.info.get("strategy"), self.info.get("zero_stage"))
+
+    @property
+    def restarts(self) -> int:
+        return max(self.restarts_seen, integer(self.info.get("restarts")) or 0)
+
+    @property
+    def name(self) -> str:
+        return clean(self.info.get("name") or self.run_dir.name, 80)
+
+    @property
+    def preset(self) -> str:
+        preset = self.info.get("preset")
+        return clean(Path(str(preset)).stem if preset else self.name, 80)
+
+    @property
+    def last_loss(self) -> float | None:
+        return self.last(self.loss)
+
+    @property
+    def last_val_loss(self) -> float | None:
+        return self.last(self.val_loss)
+
+    @property
+    def first_val_loss(self) -> float | None:
+        """The earliest validation loss kept (the untrained baseline at step 0 when there is one)."""
+        return next((x for x in self.val_loss if x is not None), None)
+
+    @property
+    def mean_tokens_per_s(self) -> float | None:
+        """Mean global tokens/s of every step applied (the steps a restart did again included: they ran),
+        leaving out the first 2 (warm-up: allocation, DeepSpeed's first bucket setup) when there are more; None
+        without any figure."""
+        if self.tokens_per_s_count:
+            return self.tokens_per_s_sum / self.tokens_per_s_count
+        head = self.tokens_per_s_head
+        return sum(head) / len(head) if head else None
+
+    def last(self, series: list[float | None]) -> float | None:
+        """The newest value of ``series`` that is not None."""
+        return next((x for x in reversed(series) if x is not None), None)
+
+    def elapsed_s(self) -> float | None:
+        """From the run's start to its end, or to the newest event while it runs (event times, not the clock)."""
+        start = number(self.info.get("start_time"))
+        if start is None:
+            start = self.first_time
+        if start is None:
+            return None
+        end = number(self.info.get("end_time")) if self.status in Status.FINAL else None
+        if end is None:
+            end = self.last_time
+        return None if end is None else max(0.0, end - start)
+
+    def time_left_s(self) -> float | None:
+        """Seconds to ``steps_total`` at the mean of the last 20 step times, whatever the status (``handle run``'s
+        progress line, which knows the total from the preset); None without a total or a step time."""
+        if not self.steps_total:
+            return None
+        recent = [x for x in self.step_time_s[-20:] if x is not None]
+        if not recent:
+            return None
+        return max(0, self.steps_total - self.step) * sum(recent) / len(recent)
+
+    def eta_s(self) -> float | None:
+        """:meth:`time_left_s` while the run is running or restarting, else None (the dashboard's ETA)."""
+        if self.status not in (Status.RUNNING, Status.RESTARTING):
+            return None
+        return self.time_left_s()
