@@ -13,11 +13,14 @@ import re
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from handle_cli.common import fail
+
+if TYPE_CHECKING:  # the registry (pluggy, every plugin module) is loaded inside the commands
+    from torch_handle.registry import PluginInfo, PluginRegistry
 
 KINDS = ("model", "dataset", "strategy", "profiler", "sink")
 """What a plugin can register by name; a sink is not selected by a preset: every registered one runs."""
@@ -44,7 +47,7 @@ def canonical(name: str) -> str:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def accepted_commands(registry: Any, core: set[str]) -> dict[str, tuple[str, Any]]:
+def accepted_commands(registry: PluginRegistry, core: set[str]) -> dict[str, tuple[str, Any]]:
     """The plugin commands that may be added to ``handle``: name -> (plugin, click command).
 
     A command named like a core command is refused; the refusal is recorded in the plugin's ``notes`` (shown by
@@ -81,7 +84,7 @@ def plugins() -> None:
     """
 
 
-def plugin_record(info: Any, registry: Any) -> dict[str, Any]:
+def plugin_record(info: PluginInfo, registry: PluginRegistry) -> dict[str, Any]:
     """One plugin as ``handle plugins list --json`` shows it."""
     regs = {**registry.registrations, "sink": registry.sinks}
     registers = {k: list(info.registered[k]) for k in KINDS if info.registered.get(k)}
@@ -103,7 +106,7 @@ def plugin_record(info: Any, registry: Any) -> dict[str, Any]:
     }
 
 
-def listing(registry: Any, core: set[str]) -> dict[str, Any]:
+def listing(registry: PluginRegistry, core: set[str]) -> dict[str, Any]:
     accepted_commands(registry, core)  # records refusals in the plugins' notes
     env = os.environ.get("HANDLE_LOAD_PLUGINS")
     return {
@@ -172,7 +175,7 @@ def plugins_list(ctx: click.Context, as_json: bool, kind: str | None) -> None:
     click.echo(summary)
 
 
-def _print_kind(data: dict[str, Any], kind: str, registry: Any) -> None:
+def _print_kind(data: dict[str, Any], kind: str, registry: PluginRegistry) -> None:
     rows = [[kind.upper(), "PLUGIN", "DISTRIBUTION", "DESCRIPTION"]]
     for p in data["plugins"]:
         for name in p["registers"].get(kind, []):
