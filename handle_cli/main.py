@@ -94,6 +94,7 @@ def cli() -> None:
       handle run presets/zero2.toml          # 2 workers, DeepSpeed ZeRO-2, on CPU or GPU
       handle tui                             # dashboard of the newest run
       handle env --check-dist 2              # can this machine run 2 processes?
+      handle bench comm --nproc 2            # collective bandwidth, like nccl-tests
       handle plugins list                    # strategies, models, datasets, profilers
 
     HANDLE_LOAD_PLUGINS=a,b limits the external plugins that load (empty: none); see `handle plugins --help`.
@@ -158,6 +159,7 @@ def supervise_run(run_dir: Path) -> None:
 # presets, validation, plugins, environment (their own modules; click and the standard library only at import)
 # ---------------------------------------------------------------------------------------------------------------
 
+from handle_cli.bench_cmd import bench  # noqa: E402
 from handle_cli.env_cmd import env  # noqa: E402
 from handle_cli.plugins_cmd import plugins  # noqa: E402
 from handle_cli.presets_cmd import presets, presets_list, presets_new, presets_show, validate  # noqa: E402,F401
@@ -166,6 +168,7 @@ cli.add_command(validate)
 cli.add_command(presets)
 cli.add_command(plugins)
 cli.add_command(env)
+cli.add_command(bench)
 
 
 # ---------------------------------------------------------------------------------------------------------------

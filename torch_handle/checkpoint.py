@@ -113,7 +113,8 @@ def safe_load(path: Path, map_location: Any = "cpu") -> Any:
     try:
         return torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as e:
-        found = re.search(r"(Unsupported global: GLOBAL [\w.]+|unsupported GLOBAL [\w.]+|Unsupported operand \S+)", str(e))
+        found = re.search(r"(Unsupported global: GLOBAL [\w.]+|unsupported GLOBAL [\w.]+|Unsupported operand \S+)",
+                          str(e))
         reason = found.group(1) if found else "unsafe pickle"
         raise CheckpointError(f"{path}: refused to load, it is not a plain-tensor checkpoint ({reason})") from None
     except (OSError, RuntimeError, EOFError) as e:
