@@ -254,12 +254,31 @@ def check_text(r: dict[str, Any]) -> list[str]:
               help="Backend of --check-dist: auto = nccl with one GPU per process, else gloo.")
 @click.option("--timeout", "timeout_s", type=click.IntRange(10, 3600), default=120, show_default=True,
               help="Seconds before --check-dist gives up (every process is stopped).")
-def env(as_json: bool, nproc: int | None, backend: str, timeout_s: int) -> None:
+@click.option("--peak", is_flag=True,
+              help="Measure this device's dense matmul peak (fp32, bf16, fp16; cached) for MFU.")
+@click.option("--threads", type=click.IntRange(1, 1024), default=None,
+              help="CPU threads for --peak (default: torch's; a worker of an N-process CPU run has 1).")
+@click.option("--refresh", is_flag=True, help="With --peak: measure again instead of reading the cache.")
+def env(as_json: bool, nproc: int | None, backend: str, timeout_s: int, peak: bool, threads: int | None,
+        refresh: bool) -> None:
     """Python, torch, DeepSpeed, CUDA/NCCL, CPUs, distributed backends and plugins of this environment.
 
     With --check-dist N: a real N-process run (torchrun, --standalone) that initialises the process group,
     all-reduces a tensor and verifies the sum; prints the result and the time, exits 1 on failure.
+
+    With --peak: the best FLOP/s of large matrix products in fp32, bf16 and fp16 on this device (GPU 0, else
+    the CPU with --threads threads), the denominator of the MFU that step events carry. Measured once (a few
+    seconds) and cached per device, thread count and torch version.
+
+    \b
+    Examples:
+      handle env                      # versions, backends, plugins
+      handle env --check-dist 2       # can this machine run 2 processes?
+      handle env --peak --threads 1   # the peak one rank of a 2-process CPU run sees
     """
+    if peak:
+        _peak(as_json, threads, refresh)
+        return
     info = collect_env()
     if nproc is not None:
         try:
@@ -277,3 +296,23 @@ def env(as_json: bool, nproc: int | None, backend: str, timeout_s: int) -> None:
                 click.echo(line)
     if nproc is not None and not info["check_dist"]["ok"]:
         sys.exit(1)
+
+
+def _peak(as_json: bool, threads: int | None, refresh: bool) -> None:
+    import torch
+
+    from torch_handle.peak import DTYPES, cache_path, peak_flops
+
+    if threads is not None:
+        torch.set_num_threads(threads)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    result = peak_flops(device, refresh=refresh)
+    if as_json:
+        click.echo(json.dumps({**result, "cache": str(cache_path())}, indent=2))
+        return
+    how = "cached" if result["cached"] else "measured now"
+    click.echo(f"dense matmul peak ({how}): {result['key']}")
+    for name in DTYPES:
+        value = result.get(name)
+        click.echo(f"  {name:5} {value / 1e12:8.3f} TFLOP/s" if value else f"  {name:5}        - (not supported)")
+    click.echo(f"cache: {cache_path()} (--refresh to measure again)")

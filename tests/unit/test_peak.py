@@ -1,0 +1,36 @@
+"""The measured matmul peak behind MFU: measured, cached per device and thread count, never hard-coded."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from torch_handle import peak
+
+
+def test_measure_gives_positive_flops_per_dtype_quickly() -> None:
+    result = peak.measure_peak("cpu", dtypes=("fp32", "bf16"), sizes=(64, 128), seconds_per_size=0.02)
+    # any CPU multiplies 128x128 faster than 0.1 GFLOP/s in fp32 (and 10 MFLOP/s in emulated bf16)
+    assert result["fp32"] > 1e8 and result["bf16"] > 1e7
+
+
+def test_a_second_call_reads_the_cache_and_the_key_holds_threads_and_torch(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("HANDLE_PEAK_CACHE", str(tmp_path / "peak.json"))
+    calls = []
+
+    def fake_measure(device, dtypes=peak.DTYPES, **kw):
+        calls.append(device)
+        return {d: 1e12 for d in dtypes}
+
+    monkeypatch.setattr(peak, "measure_peak", fake_measure)
+    first = peak.peak_flops("cpu")
+    second = peak.peak_flops("cpu")
+    assert calls == ["cpu"] and not first["cached"] and second["cached"]
+    assert f"x{torch.get_num_threads()} threads" in first["key"] and torch.__version__ in first["key"]
+    assert peak.cached_peak("cpu", "bf16", torch.get_num_threads()) == 1e12
+    assert peak.cached_peak("cpu", "bf16", torch.get_num_threads() + 7) is None  # another thread count: unknown
+    stored = json.loads((tmp_path / "peak.json").read_text())
+    assert list(stored) == [first["key"]]
+    peak.peak_flops("cpu", refresh=True)
+    assert len(calls) == 2

@@ -1,0 +1,142 @@
+"""This device's dense matrix-product peak, measured (never a datasheet figure), for MFU.
+
+MFU (model FLOPs utilisation, Chowdhery et al. 2022, PaLM appendix B) divides the FLOP/s a model achieves by
+what the hardware can do. A hard-coded peak is wrong on every other machine (nanoGPT reported 104% MFU on an
+H100 because it assumed an A100's 312 TFLOP/s), so handle measures the peak here: square matrix products of a
+few sizes in each dtype, the best sustained FLOP/s of any size (2·n³ FLOPs per product), with the thread count
+the caller runs with (a torchrun worker has one thread per rank on a CPU by default).
+
+Results are cached as JSON in the user cache (``$XDG_CACHE_HOME/torch-handle/peak.json``, else
+``~/.cache/torch-handle/peak.json``), keyed by device, thread count and torch version; ``HANDLE_PEAK_CACHE``
+names another file. torch is imported inside the functions.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+DTYPES = ("fp32", "bf16", "fp16")
+SIZES = (512, 1024, 2048)
+"""Matrix sizes tried; the largest product (2048³·2 = 17 GFLOP) takes ~50 ms in fp32 on one CPU core."""
+
+
+def cache_path() -> Path:
+    if os.environ.get("HANDLE_PEAK_CACHE"):
+        return Path(os.environ["HANDLE_PEAK_CACHE"])
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return base / "torch-handle" / "peak.json"
+
+
+def device_key(device: Any, threads: int) -> str:
+    """``cuda:NVIDIA H100 80GB HBM3|torch 2.x`` or ``cpu:<processor>x<threads>|torch 2.x``."""
+    import torch
+
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        name = torch.cuda.get_device_name(dev)
+    else:
+        name = f"{platform.machine()} {_cpu_model()} x{threads} threads"
+    return f"{dev.type}:{name}|torch {torch.__version__}"
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "cpu"
+
+
+def measure_peak(device: Any = "cpu", dtypes: tuple[str, ...] = DTYPES, sizes: tuple[int, ...] = SIZES,
+                 seconds_per_size: float = 0.3) -> dict[str, float | None]:
+    """Best dense matmul FLOP/s per dtype on ``device`` with the current ``torch.get_num_threads()``.
+
+    Returns ``{"fp32": flops_per_s, ...}``; a dtype the device cannot multiply gives None. Takes about
+    ``len(dtypes) * len(sizes) * seconds_per_size`` seconds.
+    """
+    import torch
+
+    dev = torch.device(device)
+    torch_dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    out: dict[str, float | None] = {}
+    for name in dtypes:
+        best = 0.0
+        for n in sizes:
+            # a dtype without a fast kernel here (fp16 on most CPUs) would take minutes at the larger sizes
+            if best and 2 * n**3 / best > max(2.0, 10 * seconds_per_size):
+                break
+            try:
+                a = torch.randn(n, n, device=dev).to(torch_dtypes[name])
+                b = torch.randn(n, n, device=dev).to(torch_dtypes[name])
+                torch.mm(a, b)  # warm-up: kernel selection, first touch of the output
+                _sync(dev)
+                reps, start = 0, time.perf_counter()
+                while True:
+                    torch.mm(a, b)
+                    reps += 1
+                    _sync(dev)
+                    elapsed = time.perf_counter() - start
+                    if elapsed >= seconds_per_size:
+                        break
+                best = max(best, 2 * n**3 * reps / elapsed)
+            except (RuntimeError, TypeError):  # e.g. no matmul kernel for this dtype on this device
+                break
+        out[name] = best or None
+    return out
+
+
+def _sync(dev: Any) -> None:
+    if dev.type == "cuda":
+        import torch
+
+        torch.cuda.synchronize(dev)
+
+
+def _read_cache(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def peak_flops(device: Any = "cpu", *, refresh: bool = False) -> dict[str, Any]:
+    """The cached peak of ``device`` at the current thread count, measured (and cached) when missing.
+
+    Returns ``{"key", "device", "threads", "fp32", "bf16", "fp16", "measured_at", "cached"}``, FLOP/s per dtype.
+    A cache that cannot be written is not an error: the figure is returned all the same.
+    """
+    import torch
+
+    threads = torch.get_num_threads()
+    key = device_key(device, threads)
+    path = cache_path()
+    cache = _read_cache(path)
+    entry = cache.get(key)
+    if entry and not refresh and all(d in entry for d in DTYPES):
+        return {**entry, "key": key, "cached": True}
+    entry = {"device": str(torch.device(device)), "threads": threads, **measure_peak(device),
+             "measured_at": round(time.time(), 3)}
+    cache[key] = entry
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(cache, indent=2) + "\n", encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError:
+        pass
+    return {**entry, "key": key, "cached": False}
+
+
+def cached_peak(device: Any, precision: str, threads: int) -> float | None:
+    """The cached peak FLOP/s for ``precision`` on ``device`` at ``threads`` threads, or None (never measures)."""
+    entry = _read_cache(cache_path()).get(device_key(device, threads))
+    value = entry.get(precision) if isinstance(entry, dict) else None
+    return float(value) if isinstance(value, (int, float)) and value > 0 else None
