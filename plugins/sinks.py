@@ -11,8 +11,9 @@ from typing import Any
 
 from torch_handle.api import Kind, Sink, hookimpl
 
-TRAIN_SCALARS = ("loss", "lr", "grad_norm", "tokens_per_s", "step_time_s")
-"""Fields of ``step`` events written as ``train/<field>``."""
+TRAIN_SCALARS = ("loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "comm_s")
+"""Fields of ``step`` events written as ``train/<field>`` (when the event has them: ``comm_s`` only from
+strategies that report it)."""
 
 
 class TensorBoardSink(Sink):

@@ -21,7 +21,7 @@ from handle_cli.tui.model import LogTail, run_rows
 from torch_handle.events import RunState
 from torch_handle.text import clean
 from handle_cli.tui.screens import HelpScreen, RunPicker
-from handle_cli.tui.widgets import Chart, LogPanel, MemoryBars, nice_ticks, tick_labels
+from handle_cli.tui.widgets import Chart, LogPanel, MemoryBars, StatusHeader, nice_ticks, tick_labels
 
 FIXTURES = Path(__file__).parent / "fixtures" / "recorded"
 SIZE = (120, 40)
@@ -192,6 +192,16 @@ def make_live_run(root: Path, steps: int = 3) -> tuple[Path, list[dict]]:
 def step_event(step: int) -> dict:
     return {"seq": step, "time": 1767700001.0 + step * 0.5, "kind": "step", "step": step, "loss": 9.0 - step * 0.01,
             "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 4000.0, "step_time_s": 0.5, "tokens": 2048}
+
+
+def test_header_shows_comm_only_when_the_strategy_reports_it(tmp_path: Path) -> None:
+    widget = StatusHeader()
+    widget.state = RunState(tmp_path)
+    widget.state.apply([step_event(1)])
+    without = widget.lines(200)[1].plain
+    assert "  comm " not in without
+    widget.state.apply([{**step_event(2), "comm_s": 0.0123}])
+    assert "0.500 s/step  comm 12 ms" in widget.lines(200)[1].plain
 
 
 def append(path: Path, text: str) -> None:

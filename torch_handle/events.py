@@ -9,7 +9,10 @@ event has ``seq`` (int, increasing, never reused across restarts), ``time`` (uni
   ``grad_norm``, ``tokens_per_s`` (global), ``step_time_s``, ``tokens`` (global tokens in this step),
   optionally ``tflops``, and every ``log_every`` steps ``memory``: a list with one object per rank: ``rank``,
   ``param_bytes``, ``grad_bytes``, ``optimizer_bytes``, ``rss_bytes`` and on CUDA ``cuda_allocated_bytes``,
-  ``cuda_max_allocated_bytes``, ``cuda_reserved_bytes``.
+  ``cuda_max_allocated_bytes``, ``cuda_reserved_bytes``. Plus whatever the strategy's ``step_stats()``
+  reports for rank 0; ``scratch-ddp``: ``comm_s`` (seconds rank 0 waited for gradient communication that was
+  not hidden behind backward), ``allreduce_calls`` and ``allreduce_bytes`` (its gradient all-reduces in this
+  step, payload bytes).
 - ``eval``: ``step``, ``val_loss`` (step 0: the untrained baseline).
 - ``checkpoint``: ``step``, ``path`` (relative to the run directory).
 - ``log``: ``level`` (info|warning|error), ``message``.
@@ -262,6 +265,8 @@ class RunState:
     lr: list[float | None] = field(default_factory=list)
     tokens_per_s: list[float | None] = field(default_factory=list)
     step_time_s: list[float | None] = field(default_factory=list)
+    comm_s: list[float | None] = field(default_factory=list)
+    """Seconds waited for gradient communication per step (None where the strategy does not report it)."""
     val_steps: list[int] = field(default_factory=list)
     val_loss: list[float | None] = field(default_factory=list)
     grad_norm: float | None = None
@@ -356,6 +361,7 @@ class RunState:
                 self.tokens_per_s_sum += tokens_per_s
                 self.tokens_per_s_count += 1
         self.step_time_s.append(number(event.get("step_time_s")))
+        self.comm_s.append(number(event.get("comm_s")))
         self.grad_norm = number(event.get("grad_norm"))
         memory = event.get("memory")
         if isinstance(memory, list):
@@ -402,7 +408,7 @@ class RunState:
         keep = 0
         while keep < len(self.steps) and self.steps[keep] < step:
             keep += 1
-        for series in (self.steps, self.loss, self.lr, self.tokens_per_s, self.step_time_s):
+        for series in (self.steps, self.loss, self.lr, self.tokens_per_s, self.step_time_s, self.comm_s):
             del series[keep:]
         while self.val_steps and self.val_steps[-1] >= step:
             self.val_steps.pop()

@@ -165,6 +165,16 @@ class Strategy:
         """Drop the accumulated gradients without updating (``on_nan = "skip"``)."""
         self.optimizer.zero_grad(set_to_none=True)
 
+    def step_stats(self) -> dict[str, float | int]:
+        """Figures about the optimizer step that just ended, merged into its ``step`` event by the trainer (on
+        rank 0: rank 0's figures), e.g. ``comm_s``, ``allreduce_calls``, ``allreduce_bytes``; called once per
+        step, after :meth:`step` or :meth:`skip_step`. Default: none."""
+        return {}
+
+    def close(self) -> None:
+        """Release what the strategy registered (gradient hooks, ...); called once by the trainer at the end of the
+        run, whatever its outcome. Default: nothing to release."""
+
     @property
     def lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])

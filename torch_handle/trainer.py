@@ -200,6 +200,7 @@ class Trainer:
         self.step += 1
         dt = time.perf_counter() - t0
         record.update(lr=self.strategy.lr, grad_norm=grad_norm, step_time_s=dt, tokens_per_s=record["tokens"] / dt)
+        record.update(self.strategy.step_stats())  # e.g. comm_s, allreduce_calls, allreduce_bytes (scratch-ddp)
         if self.model_info["flops_per_token"]:
             record["tflops"] = self.model_info["flops_per_token"] * record["tokens_per_s"] / 1e12
         if log_memory:
@@ -307,6 +308,12 @@ class Trainer:
         return status
 
     def close(self, status: str, message: str = "") -> None:
+        strategy = getattr(self, "strategy", None)  # None when build() failed before the strategy existed
+        try:
+            if strategy is not None:
+                strategy.close()  # removes gradient hooks; after a failed collective it may fail too
+        except Exception as e:  # noqa: BLE001 - the run's status below matters more
+            log.warning("strategy.close() failed: %s: %s", type(e).__name__, e)
         if self.ctx.is_main:
             self.events.emit(Kind.STATUS, status=status, step=self.step, **({"message": message} if message else {}))
             update_run_info(self.run_dir, status=status, end_time=time.time(), step=self.step, message=message)

@@ -105,6 +105,9 @@ class StatusHeader(Widget):
         p2.append((2, _piece(f"  {tps:,.0f} tok/s" if tps is not None else "  - tok/s")))
         st = state.last(state.step_time_s)
         p2.append((4, _piece(f"  {st:.3f} s/step" if st is not None else "  - s/step")))
+        comm = state.last(state.comm_s)
+        if comm is not None:  # only strategies that report it (scratch-ddp): the line is unchanged otherwise
+            p2.append((4, _piece(f"  comm {comm * 1000:.0f} ms")))
         lr = state.last(state.lr)
         p2.append((3, _piece(f"  lr {lr:.2e}" if lr is not None else "  lr -")))
         if state.grad_norm is not None:

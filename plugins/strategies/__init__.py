@@ -1,4 +1,5 @@
-"""Strategy plugins: ``single``, ``ddp``, ``deepspeed`` (ZeRO 0-3, offload) and ``fsdp`` (FSDP2 fully_shard).
+"""Strategy plugins: ``single``, ``ddp``, ``deepspeed`` (ZeRO 0-3, offload), ``fsdp`` (FSDP2 fully_shard) and
+``scratch-ddp`` (data parallelism and ZeRO-1 written from scratch).
 
 This module only declares the options and registers factories; each strategy's torch/DeepSpeed code lives in
 its own module and is imported when a run starts.
@@ -72,6 +73,22 @@ class FSDPConfig:
     """Free gathered parameters after forward (ZeRO-3-like); false keeps them until backward (ZeRO-2-like)."""
 
 
+@dataclass
+class ScratchDDPConfig:
+    """``[strategy]`` options of ``scratch-ddp``: data parallelism written from scratch (CS336 assignment 2 style),
+    optionally with the optimizer state sharded (ZeRO-1, Rajbhandari et al. 2020)."""
+
+    sync: Literal["naive", "flat", "overlap", "bucketed"] = "bucketed"
+    """How gradients are averaged: naive (one all-reduce per parameter after backward), flat (one all-reduce of
+    all gradients flattened, after backward), overlap (one async all-reduce per parameter, started by a hook as
+    its gradient is ready), bucketed (async all-reduce per bucket of bucket_mb, started as the bucket fills)."""
+    bucket_mb: float = param(25.0, gt=0.0)
+    """Bucket size in MiB for sync = "bucketed" (buckets fill in reverse registration order, as in DDP)."""
+    shard_optimizer: bool = False
+    """ZeRO-1: each rank keeps optimizer state for a balanced share of the parameters, steps it and broadcasts
+    the updated parameters; checkpoints hold one optimizer file per rank."""
+
+
 def _check_single(options, preset) -> None:
     if preset.world_size != 1:
         raise InvalidValue("launch.nproc_per_node", f"strategy 'single' runs one process (world size "
@@ -132,6 +149,12 @@ def build_fsdp(options, training, ctx, model):
     return FSDPStrategy(options, training, ctx, model)
 
 
+def build_scratch_ddp(options, training, ctx, model):
+    from handle_plugins.strategies.scratch_ddp import ScratchDDPStrategy
+
+    return ScratchDDPStrategy(options, training, ctx, model)
+
+
 @hookimpl
 def handle_register_strategies(register):
     register("single", SingleConfig, build_single, "one process, no wrapping", _check_single)
@@ -139,3 +162,5 @@ def handle_register_strategies(register):
     register("deepspeed", DeepSpeedConfig, build_deepspeed, "DeepSpeed ZeRO stages 0-3 with CPU/NVMe offload",
              _check_deepspeed)
     register("fsdp", FSDPConfig, build_fsdp, "FSDP2 fully_shard: per-parameter sharding (DTensor)")
+    register("scratch-ddp", ScratchDDPConfig, build_scratch_ddp,
+             "data parallelism from scratch: naive/flat/overlap/bucketed all-reduce, optional ZeRO-1")

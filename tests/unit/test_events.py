@@ -119,6 +119,16 @@ def step(seq: int, n: int, **fields) -> dict:
             "tokens_per_s": 1000.0 * n, "step_time_s": 0.5, **fields}
 
 
+def test_fold_comm_s_is_a_series_like_step_time(tmp_path):
+    """``comm_s`` (scratch-ddp's step_stats) folds into a series indexed like ``steps``: None where a step has none
+    or a bad value, truncated by a restart."""
+    s = RunState(tmp_path)
+    s.apply([step(1, 1, comm_s=0.012), step(2, 2), step(3, 3, comm_s="x"), step(4, 4, comm_s=0.02)])
+    assert s.comm_s == [0.012, None, None, 0.02] and s.last(s.comm_s) == 0.02
+    s.apply([step(5, 2, comm_s=0.03)])
+    assert s.steps == [1, 2] and s.comm_s == [0.012, 0.03]
+
+
 def test_fold_a_restart_truncates_the_series_and_keeps_the_peaks(tmp_path):
     s = RunState(tmp_path)
     s.apply([{"seq": 0, "time": 100.0, "kind": Kind.STATUS, "status": Status.RUNNING, "steps": 10},
