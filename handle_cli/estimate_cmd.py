@@ -1,0 +1,137 @@
+"""``handle estimate``: the bytes each rank will hold for a preset, per strategy and world size, before running it
+(the figures: ``torch_handle.estimate``). Click, the standard library and torch-free project modules only at
+import; torch is imported when the command runs."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+import time
+
+import click
+
+from handle_cli.common import fail
+
+DEFAULT_NPROC = "1,2,4,8"
+NOTE = ("activations: one micro-batch's tensors saved for backward (+ the fp32 logits, + one recomputed block with "
+        "activation checkpointing), measured on fake tensors; not included: allocator fragmentation and caching, "
+        "communication buffers (DDP/ZeRO buckets, FSDP's gathered block), backward temporaries, CUDA context")
+
+
+def parse_nproc(text: str) -> list[int]:
+    """``"1,2,4,8"`` -> [1, 2, 4, 8] (sorted, unique).
+
+    Raises:
+        ValueError: an entry that is not a positive integer.
+    """
+    out = set()
+    for part in text.split(","):
+        part = part.strip()
+        if not part.isdigit() or int(part) < 1:
+            raise ValueError(f"--nproc: {part!r} is not a positive integer (example: --nproc 1,2,4,8)")
+        out.add(int(part))
+    return sorted(out)
+
+
+def _table(rows: list, device_memory: int | None) -> list[str]:
+    from torch_handle.estimate import format_bytes
+
+    head = ["strategy", "world", "params", "grads", "optimizer", "activations", "device total", "host"]
+    if device_memory is not None:
+        head.append("fits")
+    body = []
+    for r in rows:
+        cells = [r.strategy, str(r.world_size), *(format_bytes(x) for x in (
+            r.param_bytes, r.grad_bytes, r.optimizer_bytes, r.activation_bytes, r.device_bytes)),
+            format_bytes(r.host_bytes) if r.host_bytes else "-"]
+        if device_memory is not None:
+            cells.append("yes" if r.fits else "no")
+        body.append(cells)
+    widths = [max(len(x[i]) for x in [head, *body]) for i in range(len(head))]
+    fmt = lambda cells: "  ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                                  for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+    return [fmt(head), *(fmt(c) for c in body)]
+
+
+@click.command("estimate", context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("preset")
+@click.option("--set", "overrides", multiple=True, metavar="TABLE.KEY=VALUE",
+              help="Override a preset key, as for `handle run` (repeatable).")
+@click.option("--nproc", "nproc", default=DEFAULT_NPROC, show_default=True, metavar="N[,N...]",
+              help="Processes per node to estimate for (comma-separated).")
+@click.option("--nnodes", type=click.IntRange(min=1), default=None, metavar="N",
+              help="Nodes (world size = nproc x nnodes; default: the preset's launch.nnodes).")
+@click.option("--compare", is_flag=True,
+              help="Every built-in strategy (DDP, scratch-ddp +/- ZeRO-1, ZeRO 0-3 +/- CPU offload, FSDP2), "
+                   "not only the preset's.")
+@click.option("--device-memory", "device_memory", default=None, metavar="SIZE",
+              help="Memory of one accelerator, e.g. 80GiB, 24GB or bytes: mark what fits and the smallest world "
+                   "size that does.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per (strategy, world size), one per line.")
+def estimate(preset: str, overrides: tuple[str, ...], nproc: str, nnodes: int | None, compare: bool,
+             device_memory: str | None, as_json: bool) -> None:
+    """Memory each rank needs for PRESET, per strategy and world size.
+
+    Parameters, gradients and optimizer state (fp32 master copies and DeepSpeed's buffers included) follow the
+    ZeRO accounting (Rajbhandari et al. 2020) made exact for each built-in strategy, from real runs' telemetry;
+    activations of one micro-batch are measured by running the model's forward and backward on fake tensors
+    (no memory allocated). Figures are those of the rank that holds the most; host = state offloaded to CPU.
+
+    \b
+    Examples:
+      handle estimate presets/zero2.toml
+      handle estimate presets/zero2.toml --compare --nproc 1,2,4,8 --device-memory 80GiB
+      handle estimate zero3 --set model.d_model=2048 --set model.n_heads=16 --set model.n_layers=20 \\
+        --set model.d_ff=8192 --compare --json                  # about 1B parameters
+      handle estimate presets/fsdp.toml --nproc 8 --nnodes 4 --json
+
+    Exit code 2 with one line on stderr for a bad preset, --set, --nproc or --device-memory.
+    """
+    from torch_handle.estimate import parse_bytes
+
+    try:
+        nprocs = parse_nproc(nproc)
+        memory = parse_bytes(device_memory) if device_memory is not None else None
+    except ValueError as e:
+        fail(str(e) if str(e).startswith("--") else f"--device-memory: {e}")
+
+    from handle_cli.presets_cmd import resolve_preset_spec
+    from torch_handle.config import load_preset
+    from torch_handle.registry import get_registry
+
+    start = time.perf_counter()
+    registry = get_registry()
+    loaded = load_preset(resolve_preset_spec(preset), overrides, registry)  # PresetError: one line, exit 2
+    from torch_handle.estimate import COMPARE_VARIANTS, estimate_preset, format_bytes, smallest_fit
+
+    nodes = nnodes or loaded.launch.nnodes
+    worlds = [n * nodes for n in nprocs]
+    try:
+        rows = estimate_preset(loaded, registry, worlds, COMPARE_VARIANTS if compare else None, memory)
+    except ValueError as e:
+        fail(str(e))
+    if not rows:
+        fail(f"strategy {loaded.strategy.name!r} runs one process: use --nproc 1, or --compare")
+    if as_json:
+        for r in rows:
+            click.echo(json.dumps(r.as_dict()))
+        return
+    t = loaded.training
+    checkpointing = getattr(loaded.model.options, "activation_checkpointing", False)
+    click.echo(f"{loaded.source}: {rows[0].params:,} parameters, {t.precision}, micro_batch_size "
+               f"{t.micro_batch_size} x seq_len {loaded.data.options.seq_len}, activation checkpointing "
+               f"{'on' if checkpointing else 'off'}, {nodes} node(s)")
+    click.echo("bytes per rank (the rank that holds the most); host = offloaded to CPU memory")
+    click.echo("")
+    for line in _table(rows, memory):
+        click.echo(line)
+    click.echo("")
+    if memory is not None:
+        fits = smallest_fit(rows)
+        parts = [f"{name} {w}" if w else f"{name} none" for name, w in fits.items()]
+        text = f"smallest world size that fits in {format_bytes(memory)}: " + ", ".join(parts)
+        for line in textwrap.wrap(text, 110, subsequent_indent="  "):
+            click.echo(line)
+    for line in textwrap.wrap(f"note: {NOTE}", 110, subsequent_indent="  "):
+        click.echo(line)
+    click.echo(f"({time.perf_counter() - start:.1f} s)")

@@ -1,0 +1,234 @@
+"""``handle estimate`` (torch_handle.estimate) against what really happens.
+
+- Model states: the formulas reproduce the measured telemetry of the tiny model to the byte (``MEASURED``, fast),
+  and, marked ``dist``, real 2-rank runs of the shipped strategies (fp32 and bf16) agree with the estimate of
+  the same preset within 5% for rank 0's param_bytes, grad_bytes and optimizer_bytes.
+- Activations: the fake-tensor figure against the same counter on a real forward/backward (fp32, bf16 autocast,
+  bf16 weights; with and without activation checkpointing) within 10%.
+- The command: speed (shipped preset < 10 s, a 1B-parameter variant < 30 s without allocating), JSON, bad input.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import tiny_preset
+from torch_handle import estimate as E
+
+ROOT = Path(__file__).resolve().parents[1]
+HANDLE = [sys.executable, "-m", "handle_cli"]
+VARIANTS = {v.label: v for v in E.COMPARE_VARIANTS}
+
+
+def tiny_shape() -> E.ModelShape:
+    """The model of benchmarks/zero_memory.py (132,864 parameters in 27 tensors), on the meta device."""
+    import torch
+
+    from torch_handle.model import TransformerArgs, build_transformer
+
+    args = TransformerArgs(vocab_size=512, pad_id=0, max_len=32, d_model=64, n_heads=4, n_layers=2, d_ff=256,
+                           norm_first=True)
+    with torch.device("meta"):
+        return E.ModelShape.of(build_transformer(args))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# model states
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("precision,label", [(p, label) for p, d in E.MEASURED.items() for label in d])
+def test_formulas_reproduce_the_measured_bytes(precision, label):
+    shape = tiny_shape()
+    assert (shape.n_params, shape.n_tensors) == (132_864, 27)
+    s = E.model_state_bytes(shape, VARIANTS[label], precision, world=2, rank=0)
+    assert (s.param, s.grad, s.optimizer) == E.MEASURED[precision][label]
+
+
+def test_rank_dependent_terms_and_offload_split():
+    shape = tiny_shape()
+    # measured on rank 1: ZeRO-1 fp32 gradients (the boundary parameter's other part), ZeRO-1 greedy shard
+    assert E.model_state_bytes(shape, VARIANTS["zero1"], "fp32", 2, 1).grad == 266_752
+    assert E.model_state_bytes(shape, VARIANTS["scratch-ddp+zero1"], "fp32", 2, 1).optimizer == 531_512
+    off = E.model_state_bytes(shape, VARIANTS["zero3+offload+param"], "bf16", 2, 0)
+    assert off.host == off.param + off.optimizer + 4 * 66_432  # parameters, optimizer, fp32 gradient partition
+    with pytest.raises(ValueError, match="one process"):
+        E.model_state_bytes(shape, VARIANTS["single"], "fp32", 2)
+
+
+def test_sizes_parse():
+    assert E.parse_bytes("80GiB") == 80 * 1024**3
+    assert E.parse_bytes("24GB") == 24 * 10**9
+    assert E.parse_bytes("1048576") == 2**20
+    for bad in ("", "12XB", "-1GB", "GB"):
+        with pytest.raises(ValueError):
+            E.parse_bytes(bad)
+
+
+def _handle_run(preset: Path, sets: list[str]) -> dict:
+    args = [x for s in sets for x in ("--set", s)]
+    proc = subprocess.run([*HANDLE, "run", str(preset), *args], capture_output=True, text=True, cwd=ROOT,
+                          timeout=240, check=False)
+    assert proc.returncode == 0, f"{sets}: {proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"
+    run_dir = Path(next(ln for ln in proc.stdout.splitlines() if ln.startswith("run directory: ")).split(": ", 1)[1])
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    return [e for e in events if e["kind"] == "step" and e.get("memory")][-1]["memory"][0]
+
+
+STRATEGY_SETS = {
+    "ddp": ["strategy.name=ddp"], "fsdp": ["strategy.name=fsdp"],
+    "zero1": ["strategy.name=deepspeed", "strategy.zero_stage=1"],
+    "zero2": ["strategy.name=deepspeed", "strategy.zero_stage=2"],
+    "zero3": ["strategy.name=deepspeed", "strategy.zero_stage=3"],
+    "scratch-ddp+zero1": ["strategy.name=scratch-ddp", "strategy.shard_optimizer=true"],
+}
+REAL_RUNS = [("fp32", "ddp"), ("fp32", "zero1"), ("fp32", "zero3"), ("fp32", "fsdp"), ("fp32", "scratch-ddp+zero1"),
+             ("bf16", "zero1"), ("bf16", "zero2"), ("bf16", "zero3"), ("bf16", "fsdp")]
+"""ZeRO-1 and ZeRO-2 hold the same here; each of them runs once per precision across the two lists."""
+
+
+@pytest.mark.dist
+def test_estimate_matches_real_runs_on_two_ranks(tmp_path):
+    """Rank 0's telemetry of real 2-rank runs (2 steps, log_every = 1, two runs at a time) against the estimate of
+    the very same preset and --set overrides: within 5% for each of the three model-state figures."""
+    from torch_handle.config import load_preset
+    from torch_handle.registry import get_registry
+
+    preset = tmp_path / "tiny.toml"
+    preset.write_text(tiny_preset(tmp_path / "runs", steps=2, log_every=1))
+    cases = [(p, label, [*STRATEGY_SETS[label], f"training.precision={p}"]) for p, label in REAL_RUNS]
+    start = time.perf_counter()
+    with ThreadPoolExecutor(2) as pool:
+        measured = list(pool.map(lambda c: _handle_run(preset, c[2]), cases))
+    elapsed = time.perf_counter() - start
+    registry = get_registry()
+    bad = []
+    for (precision, label, sets), mem in zip(cases, measured):
+        loaded = load_preset(preset, sets, registry)
+        (row,) = E.estimate_preset(loaded, registry, [2], rank=0)
+        for key in ("param_bytes", "grad_bytes", "optimizer_bytes"):
+            want, got = mem[key], getattr(row, key)
+            if abs(got - want) > 0.05 * want:
+                bad.append(f"{precision} {label} {key}: estimated {got:,}, measured {want:,}")
+    assert not bad, "\n".join(bad)
+    print(f"{len(cases)} real runs in {elapsed:.0f} s")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# activations
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _factory(options, vocab_size, pad_id, max_len):
+    from torch_handle.model import build_transformer
+
+    return build_transformer(dataclasses.replace(options, vocab_size=vocab_size, pad_id=pad_id, max_len=max_len))
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
+@pytest.mark.parametrize("precision,mode", [("fp32", "fp32"), ("bf16", "autocast"), ("bf16", "cast")])
+def test_fake_activations_match_a_real_forward_backward(precision, mode, checkpointing):
+    import torch
+    import torch.nn.functional as F
+
+    from torch_handle.model import TransformerArgs
+
+    batch, seq, vocab = 4, 48, 300
+    args = TransformerArgs(vocab_size=vocab, pad_id=0, max_len=seq, d_model=64, n_heads=4, n_layers=3, d_ff=160,
+                           norm_first=True, activation_checkpointing=checkpointing)
+    fake = E._fake_activations(E._Build(_factory, args, vocab, 0, seq, "lm"), batch, seq, precision, mode,
+                               checkpointing)
+    torch.manual_seed(0)
+    model = _factory(args, vocab, 0, seq).train()
+    if mode == "cast":
+        model.to(torch.bfloat16)
+    ids, labels = torch.randint(4, vocab, (batch, seq)), torch.randint(4, vocab, (batch, seq))
+
+    def step():
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode == "autocast"):
+            logits = model(ids)
+        F.cross_entropy(logits.float().flatten(0, 1), labels.flatten()).backward()
+
+    real = E.saved_activation_bytes(step, model)
+    assert abs(fake.saved - real) <= 0.10 * real, (fake, real)
+    assert model.layers[0].ff.linear1.weight.grad is not None  # the counter changed nothing: backward ran
+    assert fake.logits == batch * seq * vocab * 4
+    if checkpointing:
+        # the recomputed block is one block's saved tensors, measured on the real model without checkpointing
+        model.args = dataclasses.replace(args, activation_checkpointing=False)
+        model.zero_grad()
+        plain = E.saved_activation_bytes(step, model)
+        inputs = len(model.blocks()) * batch * seq * 64 * (2 if mode == "cast" else 4)
+        assert fake.recompute > 0 and fake.saved < plain
+        assert abs((plain - real + inputs) / len(model.blocks()) - fake.recompute) <= 0.10 * fake.recompute
+    else:
+        assert fake.recompute == 0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the command
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _estimate(*args: str, timeout: float = 120) -> tuple[subprocess.CompletedProcess, float, int]:
+    """Run ``handle estimate ARGS``: (result, seconds, peak RSS of the child in bytes)."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    start = time.perf_counter()
+    proc = subprocess.run([*HANDLE, "estimate", *args], capture_output=True, text=True, cwd=ROOT, timeout=timeout,
+                          env={**os.environ, "HANDLE_LOAD_PLUGINS": ""}, check=False)
+    seconds = time.perf_counter() - start
+    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    return proc, seconds, max(peak, before) * 1024
+
+
+def test_shipped_preset_in_under_10_seconds():
+    proc, seconds, _ = _estimate("presets/zero2.toml", "--nproc", "1,2,4,8", "--device-memory", "80GiB")
+    assert proc.returncode == 0, proc.stderr
+    assert seconds < 10, seconds
+    out = proc.stdout
+    assert "4,208,128 parameters" in out
+    lines = [ln.split() for ln in out.splitlines() if ln.startswith("zero2 ")]
+    assert [ln[1] for ln in lines] == ["1", "2", "4", "8"]
+    assert "smallest world size that fits in 80.00 GiB: zero2 1" in out
+    assert "not included: allocator fragmentation" in out and "communication buffers" in out
+
+
+def test_one_billion_parameters_in_under_30_seconds_without_allocating():
+    sets = ["model.d_model=2048", "model.n_heads=16", "model.n_layers=20", "model.d_ff=8192"]
+    args = [x for s in sets for x in ("--set", s)]
+    proc, seconds, peak_rss = _estimate("presets/zero3.toml", *args, "--compare", "--nproc", "1,8", "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert seconds < 30, seconds
+    assert peak_rss < 2 * 1024**3, peak_rss  # fp32 weights alone would be 4 GB
+    rows = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert rows[0]["params"] > 1_000_000_000
+    assert {r["strategy"] for r in rows} == set(VARIANTS)
+    assert all({"world_size", "param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes", "device_bytes",
+                "host_bytes"} <= r.keys() for r in rows)
+    by = {(r["strategy"], r["world_size"]): r for r in rows}
+    assert by[("zero3", 8)]["device_bytes"] < by[("zero2", 8)]["device_bytes"] < by[("ddp", 8)]["device_bytes"]
+    assert by[("zero3+offload", 8)]["host_bytes"] > 0 and by[("zero3", 8)]["host_bytes"] == 0
+
+
+@pytest.mark.parametrize("args,expect", [
+    (["presets/zero2.toml", "--nproc", "0,2"], "--nproc: '0'"),
+    (["presets/zero2.toml", "--device-memory", "lots"], "--device-memory: 'lots' is not a size"),
+    (["presets/zero2.toml", "--set", "model.d_mode=3"], "model.d_mode: unknown key"),
+    (["presets/nope.toml"], "nope.toml"),
+    (["presets/single.toml", "--nproc", "2"], "runs one process"),
+])
+def test_bad_input_exits_2_with_one_line(args, expect):
+    proc, _, _ = _estimate(*args)
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("error: ") and expect in proc.stderr, proc.stderr
+    assert proc.stdout == ""
