@@ -156,19 +156,23 @@ def supervise_run(run_dir: Path) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# presets, validation, plugins, environment (their own modules; click and the standard library only at import)
+# presets, validation, plugins, environment, planning, profiles (their own modules; click and stdlib at import)
 # ---------------------------------------------------------------------------------------------------------------
 
 from handle_cli.bench_cmd import bench  # noqa: E402
 from handle_cli.env_cmd import env  # noqa: E402
+from handle_cli.estimate_cmd import estimate  # noqa: E402
 from handle_cli.plugins_cmd import plugins  # noqa: E402
 from handle_cli.presets_cmd import presets, presets_list, presets_new, presets_show, validate  # noqa: E402,F401
+from handle_cli.profile_cmd import profile  # noqa: E402
 
 cli.add_command(validate)
 cli.add_command(presets)
 cli.add_command(plugins)
 cli.add_command(env)
 cli.add_command(bench)
+cli.add_command(estimate)
+cli.add_command(profile)
 
 
 # ---------------------------------------------------------------------------------------------------------------

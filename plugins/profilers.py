@@ -1,4 +1,12 @@
-"""Profiler plugins: ``none`` and ``torch`` (torch.profiler with a wait/warmup/active schedule)."""
+"""Profiler plugins: ``none`` and ``torch`` (torch.profiler with a wait/warmup/active schedule).
+
+``torch`` writes one directory per profiled rank, ``traces/rank<R>/``, each holding the Chrome trace JSON that
+``tensorboard_trace_handler`` writes (``rank<R>.<ms>.pt.trace.json``; Perfetto, chrome://tracing and
+TensorBoard's profiler open it), so ranks never overwrite each other. ``handle profile RUN`` summarises them.
+While it records, the model's own ``record_function`` ranges (``decoder.layer<i>``, ``attention``,
+``feed_forward``) and the trainer's (``handle/data|forward|backward|comm|optimizer``) appear in the trace; they
+open only while a profiler records (``torch.autograd._profiler_enabled()``).
+"""
 
 from __future__ import annotations
 
@@ -26,8 +34,8 @@ class NullProfiler:
 
 @dataclass
 class TorchProfilerConfig:
-    """``[profiler]`` options of ``torch``: torch.profiler with a schedule; Chrome traces and TensorBoard
-    traces in ``traces/`` (see https://pytorch.org/docs/stable/profiler.html)."""
+    """``[profiler]`` options of ``torch``: torch.profiler with a schedule; one Chrome trace per cycle and rank
+    in ``traces/rank<R>/`` (see https://pytorch.org/docs/stable/profiler.html; summary: ``handle profile``)."""
 
     wait: int = param(2, ge=0)
     """Steps skipped at the start of each cycle."""
@@ -40,7 +48,7 @@ class TorchProfilerConfig:
     record_shapes: bool = True
     """Record input shapes of operators."""
     profile_memory: bool = True
-    """Track tensor allocations (memory timeline)."""
+    """Track tensor allocations (memory timeline; ``handle profile`` reports the peak)."""
     with_stack: bool = False
     """Record Python stacks (large traces)."""
     ranks: list[int] = param(default_factory=lambda: [0])
@@ -52,22 +60,24 @@ def build_none(options, trace_dir: Path, rank: int):
 
 
 def build_torch(options: TorchProfilerConfig, trace_dir: Path, rank: int):
+    """torch.profiler for ``rank`` if it is in ``options.ranks`` (else a no-op); traces in ``trace_dir/rank<R>``."""
     if rank not in options.ranks:
         return NullProfiler()
     import torch
     from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    trace_dir.mkdir(parents=True, exist_ok=True)
-    return profile(activities=activities,
-                   schedule=schedule(wait=options.wait, warmup=options.warmup, active=options.active,
-                                     repeat=options.repeat),
-                   on_trace_ready=tensorboard_trace_handler(str(trace_dir), worker_name=f"rank{rank}"),
-                   record_shapes=options.record_shapes, profile_memory=options.profile_memory,
-                   with_stack=options.with_stack)
+    rank_dir = Path(trace_dir) / f"rank{rank}"
+    rank_dir.mkdir(parents=True, exist_ok=True)
+    return profile(
+        activities=activities,
+        schedule=schedule(wait=options.wait, warmup=options.warmup, active=options.active, repeat=options.repeat),
+        on_trace_ready=tensorboard_trace_handler(str(rank_dir), worker_name=f"rank{rank}"),
+        record_shapes=options.record_shapes, profile_memory=options.profile_memory, with_stack=options.with_stack)
 
 
 @hookimpl
 def handle_register_profilers(register):
     register("none", NoProfilerConfig, build_none, "no profiling")
-    register("torch", TorchProfilerConfig, build_torch, "torch.profiler: Chrome/TensorBoard traces in traces/")
+    register("torch", TorchProfilerConfig, build_torch,
+             "torch.profiler: Chrome traces in traces/rank<R>/ (handle profile RUN)")

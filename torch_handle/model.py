@@ -25,6 +25,7 @@ Only ``torch`` and the standard library are imported, so this file can be lifted
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import KW_ONLY, dataclass
 from typing import Literal
@@ -55,6 +56,25 @@ Activation = Literal["relu", "gelu"]
 
 ATTENTION_IMPLS: tuple[str, ...] = ("sdpa", "reference")
 ACTIVATIONS: tuple[str, ...] = ("relu", "gelu")
+
+
+# --------------------------------------------------------------------------------------------
+# Profiler ranges
+# --------------------------------------------------------------------------------------------
+
+def _range(name: str) -> contextlib.AbstractContextManager:
+    """A ``torch.profiler.record_function(name)`` range while a profiler records, else a no-op context.
+
+    The model's ranges show its structure in a trace: ``decoder.layer<i>`` / ``encoder.layer<i>`` around each
+    block's forward, and ``attention`` / ``cross_attention`` / ``feed_forward`` inside it (these also mark the
+    recomputation in backward under activation checkpointing). ``torch.autograd._profiler_enabled()`` (a C++
+    flag, true while any ``torch.profiler`` records) guards them: an unguarded range costs 6-14 µs even with no
+    profiler (measured on 2 shared CPU cores: +6.9% on a forward + backward of the 2-layer d_model=64 test
+    model); guarded, 0.1 µs more than a plain no-op context (+0.2%, within noise).
+    """
+    if torch.autograd._profiler_enabled():
+        return torch.profiler.record_function(name)
+    return contextlib.nullcontext()
 
 
 def _check_choice(name: str, value: str, valid: tuple[str, ...]) -> None:
@@ -448,10 +468,12 @@ class EncoderLayer(nn.Module):
 
     def forward(self, x: Tensor, *, key_padding_mask: Tensor | None = None) -> Tensor:
         def self_attn(h: Tensor) -> Tensor:
-            return self.dropout(self.self_attn(h, h, h, key_padding_mask=key_padding_mask))
+            with _range("attention"):
+                return self.dropout(self.self_attn(h, h, h, key_padding_mask=key_padding_mask))
 
         def ff(h: Tensor) -> Tensor:
-            return self.dropout(self.ff(h))
+            with _range("feed_forward"):
+                return self.dropout(self.ff(h))
 
         if self.norm_first:
             x = x + self_attn(self.self_attn_norm(x))
@@ -536,13 +558,16 @@ class DecoderLayer(nn.Module):
             )
 
         def self_attn(h: Tensor) -> Tensor:
-            return self.dropout(self.self_attn(h, h, h, key_padding_mask=key_padding_mask, causal=causal))
+            with _range("attention"):
+                return self.dropout(self.self_attn(h, h, h, key_padding_mask=key_padding_mask, causal=causal))
 
         def cross_attn(h: Tensor) -> Tensor:
-            return self.dropout(self.cross_attn(h, memory, memory, key_padding_mask=memory_key_padding_mask))
+            with _range("cross_attention"):
+                return self.dropout(self.cross_attn(h, memory, memory, key_padding_mask=memory_key_padding_mask))
 
         def ff(h: Tensor) -> Tensor:
-            return self.dropout(self.ff(h))
+            with _range("feed_forward"):
+                return self.dropout(self.ff(h))
 
         if self.norm_first:
             x = x + self_attn(self.self_attn_norm(x))
@@ -684,14 +709,15 @@ class _TransformerModel(nn.Module):
         """bool (B, T), True where ids == pad_id; None when the model has no pad_id."""
         return None if self.args.pad_id is None else ids == self.args.pad_id
 
-    def _run_block(self, block: nn.Module, *args, **kwargs) -> Tensor:
-        """Call ``block`` (one of ``blocks()``); with activation checkpointing on (and training),
-        store only its input and recompute its activations in the backward pass -- trades ~1 extra
-        forward for O(n_layers) less activation memory (Chen et al. 2016, "Training Deep Nets with
-        Sublinear Memory Cost")."""
-        if self.args.activation_checkpointing and self.training:
-            return checkpoint(block, *args, use_reentrant=False, **kwargs)
-        return block(*args, **kwargs)
+    def _run_block(self, name: str, block: nn.Module, *args, **kwargs) -> Tensor:
+        """Call ``block`` (one of ``blocks()``) inside the profiler range ``name`` (e.g. ``"decoder.layer3"``;
+        see ``_range``); with activation checkpointing on (and training), store only its input and
+        recompute its activations in the backward pass -- trades ~1 extra forward for O(n_layers) less
+        activation memory (Chen et al. 2016, "Training Deep Nets with Sublinear Memory Cost")."""
+        with _range(name):
+            if self.args.activation_checkpointing and self.training:
+                return checkpoint(block, *args, use_reentrant=False, **kwargs)
+            return block(*args, **kwargs)
 
     def num_params(self, exclude_embeddings: bool = False) -> int:
         """Number of trainable parameters, each shared tensor counted once.
@@ -767,8 +793,8 @@ class DecoderLM(_TransformerModel):
         """
         padding_mask = self._padding_mask(input_ids)  # (B, T) or None
         x = self._embed(input_ids)  # (B, T, C)
-        for layer in self.layers:
-            x = self._run_block(layer, x, key_padding_mask=padding_mask)
+        for i, layer in enumerate(self.layers):
+            x = self._run_block(f"decoder.layer{i}", layer, x, key_padding_mask=padding_mask)
         x = self.final_norm(x)
         return self.lm_head(x).float()  # (B, T, V); float32 even under autocast, for the loss
 
@@ -810,18 +836,17 @@ class EncoderDecoder(_TransformerModel):
         """src_ids LongTensor (B, S) -> (memory (B, S, C), source padding mask bool (B, S) or None)."""
         src_padding_mask = self._padding_mask(src_ids)  # (B, S) or None
         x = self._embed(src_ids)  # (B, S, C)
-        for layer in self.encoder_layers:
-            x = self._run_block(layer, x, key_padding_mask=src_padding_mask)
+        for i, layer in enumerate(self.encoder_layers):
+            x = self._run_block(f"encoder.layer{i}", layer, x, key_padding_mask=src_padding_mask)
         return self.encoder_norm(x), src_padding_mask
 
     def decode(self, tgt_ids: Tensor, memory: Tensor, src_padding_mask: Tensor | None = None) -> Tensor:
         """tgt_ids LongTensor (B, T), memory (B, S, C) -> logits float32 (B, T, V)."""
         tgt_padding_mask = self._padding_mask(tgt_ids)  # (B, T) or None
         x = self._embed(tgt_ids)  # (B, T, C)
-        for layer in self.decoder_layers:
-            x = self._run_block(
-                layer, x, memory, key_padding_mask=tgt_padding_mask, memory_key_padding_mask=src_padding_mask
-            )
+        for i, layer in enumerate(self.decoder_layers):
+            x = self._run_block(f"decoder.layer{i}", layer, x, memory, key_padding_mask=tgt_padding_mask,
+                                memory_key_padding_mask=src_padding_mask)
         x = self.decoder_norm(x)
         return self.lm_head(x).float()  # (B, T, V)
 

@@ -1,0 +1,53 @@
+"""``handle profile RUN``: what a run's torch.profiler traces say -- top operators, the time split into compute /
+communication / data / optimizer / other, how much communication overlapped compute, the memory peak.
+Torch-free: it reads the Chrome trace JSON (``torch_handle.profile_summary``)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from handle_cli.common import fail
+
+
+@click.command()
+@click.argument("run_dir", metavar="RUN", type=click.Path(path_type=Path))
+@click.option("--rank", default=0, show_default=True, type=click.IntRange(min=0), help="Whose traces to read.")
+@click.option("--all", "all_traces", is_flag=True,
+              help="Add up every trace file of the rank (one per profiling cycle) instead of only the newest.")
+@click.option("--top", default=10, show_default=True, type=click.IntRange(min=1), help="Operators to list.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
+def profile(run_dir: Path, rank: int, all_traces: bool, top: int, as_json: bool) -> None:
+    """Summarise the torch.profiler traces of RUN for one rank.
+
+    Reads RUN/traces/rank<R>/*.pt.trace.json (written with [profiler] name = "torch"; the same files open in
+    Perfetto and TensorBoard's profiler) and prints: the top operators by self time (CPU self time, or CUDA
+    kernel time on GPU), the recorded steps' time split into compute / communication / data / optimizer /
+    other (from the trainer's handle/... ranges and the collectives), the share of communication that
+    overlapped compute, and the memory peak (with profile_memory on). Times in milliseconds.
+
+    \b
+    Example:
+      handle run presets/ddp.toml --set profiler.name=torch --set 'profiler.ranks=[0,1]'
+      handle profile runs/ddp-20260101-120000 --rank 1 --top 15
+      handle profile runs/ddp-20260101-120000 --json | jq .split
+    """
+    from torch_handle.profile_summary import TraceError, find_traces, format_summary, summarize_files
+    from torch_handle.rundir import read_run_info
+
+    read_run_info(run_dir)  # one line (exit 2) when RUN is not a run directory
+    paths = find_traces(run_dir, rank)
+    if not paths:
+        others = sorted(p.name for p in (run_dir / "traces").glob("rank*") if p.is_dir() and any(p.iterdir()))
+        have = f" (traces exist for: {', '.join(others)})" if others else ""
+        fail(f"{run_dir}: no traces for rank {rank} in {run_dir / 'traces' / f'rank{rank}'}{have}; record them with "
+             f"handle run PRESET --set profiler.name=torch --set 'profiler.ranks=[{rank}]'")
+    try:
+        summary = summarize_files(paths if all_traces else paths[-1:], top=top)
+    except TraceError as e:
+        fail(str(e))
+    summary["rank"] = rank
+    summary["run_dir"] = str(run_dir)
+    click.echo(json.dumps(summary) if as_json else format_summary(summary, rank))
