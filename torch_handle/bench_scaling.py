@@ -1,0 +1,214 @@
+"""The pure half of ``handle bench scaling``: strategy names as preset overrides, the strong-scaling batch split,
+scaling efficiency, the summary of a run's step events and the CSV/JSON rows (no torch, no processes).
+
+A measurement is one short real run (``handle run``'s launcher) per strategy and world size; its step events
+(:mod:`torch_handle.events`) after the first ``skip`` ones give the figures. Standard library only.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import statistics
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from torch_handle.events import Kind, integer, number
+
+MAX_NPROC = 256
+"""Largest world size ``--nproc`` accepts (one machine)."""
+BREAKDOWN = ("data_s", "forward_s", "backward_s", "optimizer_s", "comm_s")
+"""Per-step phase times (seconds) the step events may carry; a phase without any value shows as ``-``."""
+FIXED = {"ddp": ("ddp", ()), "fsdp": ("fsdp", ()), "single": ("single", ()),
+         "scratch-ddp": ("scratch-ddp", ()), "scratch-zero1": ("scratch-ddp", ("strategy.shard_optimizer=true",))}
+"""Strategy label -> (strategy plugin, extra ``--set`` overrides); ``zero0`` .. ``zero3`` are DeepSpeed stages."""
+STRATEGY_NAMES = ("ddp", "zero0", "zero1", "zero2", "zero3", "fsdp", "single", "scratch-ddp", "scratch-zero1")
+
+
+@dataclass(frozen=True)
+class StrategySpec:
+    """One ``--strategies`` entry: its ``label`` (``zero2``), the ``plugin`` that runs it (``deepspeed``) and the
+    ``--set`` overrides that select it (empty: the preset's own strategy, unchanged)."""
+
+    label: str
+    plugin: str
+    overrides: tuple[str, ...]
+
+    @property
+    def single_rank_only(self) -> bool:
+        return self.plugin == "single"
+
+
+def strategy_spec(label: str) -> StrategySpec:
+    """The overrides for a strategy label (``ddp``, ``zero0``..``zero3``, ``fsdp``, ``single``, ``scratch-ddp``,
+    ``scratch-zero1``).
+
+    Raises:
+        ValueError: for an unknown label, naming the valid ones.
+    """
+    if label in FIXED:
+        plugin, extra = FIXED[label]
+        return StrategySpec(label, plugin, (f"strategy.name={plugin}", *extra))
+    if len(label) == 5 and label.startswith("zero") and label[4] in "0123":
+        return StrategySpec(label, "deepspeed", ("strategy.name=deepspeed", f"strategy.zero_stage={label[4]}"))
+    raise ValueError(f"unknown strategy {label!r} (valid: {', '.join(STRATEGY_NAMES)})")
+
+
+def preset_strategy_label(plugin: str, zero_stage: Any = None) -> str:
+    """The label of a preset's own strategy: ``zero<stage>`` for deepspeed, else the plugin name."""
+    return f"zero{zero_stage}" if plugin == "deepspeed" and zero_stage is not None else plugin
+
+
+def parse_strategies(text: str) -> list[str]:
+    """``ddp,zero2,fsdp`` -> the labels, in order, duplicates dropped (checked by :func:`strategy_spec`).
+
+    Raises:
+        ValueError: for an empty list or an unknown label.
+    """
+    labels = list(dict.fromkeys(s.strip() for s in text.split(",")))
+    if not labels or "" in labels:
+        raise ValueError(f"{text!r}: expected a comma list such as ddp,zero2,fsdp")
+    for label in labels:
+        strategy_spec(label)
+    return labels
+
+
+def parse_nproc(text: str, limit: int = MAX_NPROC) -> list[int]:
+    """``1,2,4`` -> the world sizes, ascending, duplicates dropped.
+
+    Raises:
+        ValueError: for anything but a comma list of integers from 1 to ``limit``.
+    """
+    out = set()
+    for part in text.split(","):
+        part = part.strip()
+        try:
+            n = int(part)
+        except ValueError:
+            raise ValueError(f"{part!r} is not an integer (expected a comma list such as 1,2,4)") from None
+        if not 1 <= n <= limit:
+            raise ValueError(f"{n} is out of range (1 to {limit})")
+        out.add(n)
+    return sorted(out)
+
+
+def strong_batch(global_batch: int, micro_batch_size: int, grad_accum: int, nproc: int) -> tuple[int, int]:
+    """``(micro_batch_size, grad_accum)`` per rank that keep ``global_batch`` samples per optimizer step on
+    ``nproc`` ranks: the micro-batch is kept and grad_accum adjusted when ``global_batch / nproc`` is a multiple
+    of it; otherwise the largest micro-batch below ``micro_batch_size`` that divides the per-rank share.
+
+    Raises:
+        ValueError: when ``global_batch`` does not divide over ``nproc`` ranks.
+    """
+    if global_batch % nproc:
+        raise ValueError(f"the global batch of {global_batch} samples does not divide over {nproc} ranks")
+    per_rank = global_batch // nproc
+    if per_rank % micro_batch_size == 0:
+        return micro_batch_size, per_rank // micro_batch_size
+    mbs = max(d for d in range(1, min(micro_batch_size, per_rank) + 1) if per_rank % d == 0)
+    return mbs, per_rank // mbs
+
+
+def efficiency(tokens_per_s: float, nproc: int, base_tokens_per_s: float, base_nproc: int) -> float:
+    """Scaling efficiency (1.0 = linear): tokens/s at ``nproc`` ranks over ``nproc / base_nproc`` times the
+    tokens/s at the base world size (with base 1: tokens/s at N ÷ (N × tokens/s at 1))."""
+    if base_tokens_per_s <= 0 or nproc <= 0 or base_nproc <= 0:
+        raise ValueError("tokens/s and world sizes must be positive")
+    return tokens_per_s * base_nproc / (nproc * base_tokens_per_s)
+
+
+def threads_per_rank(nproc: int, cores: int, omp_num_threads: str | None) -> int:
+    """Intra-op threads each rank gets: ``OMP_NUM_THREADS`` when set (a positive integer), else what the launcher
+    gives (``cores // nproc``, at least 1; see :class:`torch_handle.launch.Launch`)."""
+    try:
+        if omp_num_threads and int(omp_num_threads) > 0:
+            return int(omp_num_threads)
+    except ValueError:
+        pass
+    return max(1, cores // max(1, nproc))
+
+
+def oversubscribed(nproc: int, cores: int, omp_num_threads: str | None) -> bool:
+    """True when ``nproc`` ranks times their threads exceed ``cores``."""
+    return nproc * threads_per_rank(nproc, cores, omp_num_threads) > cores
+
+
+def _median(values: Iterable[float | None]) -> float | None:
+    vals = [v for v in values if v is not None]
+    return statistics.median(vals) if vals else None
+
+
+def summarize(events: Iterable[dict[str, Any]], skip: int) -> dict[str, Any]:
+    """Figures of one run from its events: medians over the step events after the first ``skip`` (global
+    ``tokens_per_s``, ``step_time_s`` in seconds, each of :data:`BREAKDOWN` in seconds or None when no step
+    has it), ``measured_steps``, and per rank the peaks over every memory report (warm-up included), in bytes:
+    ``rss_bytes``, ``model_state_bytes`` (param + grad + optimizer) and ``cuda_max_allocated_bytes`` (None
+    off CUDA). Malformed events and fields are skipped."""
+    steps = [e for e in events if e.get("kind") == Kind.STEP and integer(e.get("step")) is not None]
+    steps.sort(key=lambda e: integer(e.get("step")))
+    measured = steps[skip:]
+    out: dict[str, Any] = {"measured_steps": len(measured),
+                           "tokens_per_s": _median(number(e.get("tokens_per_s")) for e in measured),
+                           "step_time_s": _median(number(e.get("step_time_s")) for e in measured)}
+    for key in BREAKDOWN:
+        out[key] = _median(number(e.get(key)) for e in measured)
+    peaks: dict[int, dict[str, int | None]] = {}
+    for e in steps:
+        memory = e.get("memory")
+        for m in memory if isinstance(memory, list) else []:
+            rank = integer(m.get("rank")) if isinstance(m, dict) else None
+            if rank is None:
+                continue
+            peak = peaks.setdefault(rank, {"rss_bytes": None, "model_state_bytes": None,
+                                           "cuda_max_allocated_bytes": None})
+            parts = [integer(m.get(k)) for k in ("param_bytes", "grad_bytes", "optimizer_bytes")]
+            state = sum(p for p in parts if p is not None) if any(p is not None for p in parts) else None
+            for key, value in (("rss_bytes", integer(m.get("rss_bytes"))), ("model_state_bytes", state),
+                               ("cuda_max_allocated_bytes", integer(m.get("cuda_max_allocated_bytes")))):
+                if value is not None and (peak[key] is None or value > peak[key]):
+                    peak[key] = value
+    out["memory"] = [{"rank": r, **peaks[r]} for r in sorted(peaks)]
+    return out
+
+
+def peak_over_ranks(memory: list[dict[str, Any]], key: str) -> int | None:
+    """The largest ``key`` of any rank in :func:`summarize`'s ``memory`` list (None when no rank has it)."""
+    values = [m[key] for m in memory if m.get(key) is not None]
+    return max(values) if values else None
+
+
+def add_efficiency(records: list[dict[str, Any]]) -> None:
+    """Set ``efficiency``, ``base_nproc`` and ``base_tokens_per_s`` on every record in place; the base of a
+    strategy is its smallest world size that finished with a tokens/s figure (records without one get None)."""
+    bases: dict[str, tuple[int, float]] = {}
+    for r in sorted(records, key=lambda r: r["nproc"]):
+        if r.get("status") == "finished" and r.get("tokens_per_s"):
+            bases.setdefault(r["strategy"], (r["nproc"], r["tokens_per_s"]))
+    for r in records:
+        base = bases.get(r["strategy"])
+        ok = base is not None and r.get("status") == "finished" and bool(r.get("tokens_per_s"))
+        r["base_nproc"], r["base_tokens_per_s"] = (base if base else (None, None))
+        r["efficiency"] = efficiency(r["tokens_per_s"], r["nproc"], base[1], base[0]) if ok else None
+
+
+CSV_COLUMNS = ("strategy", "plugin", "nproc", "status", "message", "mode", "micro_batch_size", "grad_accum",
+               "global_batch", "measured_steps", "tokens_per_s", "step_time_s", "efficiency", "base_nproc",
+               *BREAKDOWN, "peak_rss_bytes", "peak_model_state_bytes", "peak_cuda_max_allocated_bytes",
+               "threads_per_rank", "oversubscribed", "load_avg_1m", "wall_s", "run_dir")
+"""Columns of ``results.csv`` (the memory peaks: the largest of any rank; per rank in ``results.json``)."""
+
+
+def csv_text(records: list[dict[str, Any]]) -> str:
+    """``results.csv``: one row per record, :data:`CSV_COLUMNS`, empty cells for missing values."""
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=CSV_COLUMNS, extrasaction="ignore", lineterminator="\n")
+    writer.writeheader()
+    for r in records:
+        row = dict(r)
+        memory = r.get("memory") or []
+        row.update(peak_rss_bytes=peak_over_ranks(memory, "rss_bytes"),
+                   peak_model_state_bytes=peak_over_ranks(memory, "model_state_bytes"),
+                   peak_cuda_max_allocated_bytes=peak_over_ranks(memory, "cuda_max_allocated_bytes"))
+        writer.writerow({k: "" if row.get(k) is None else row[k] for k in CSV_COLUMNS})
+    return buf.getvalue()
