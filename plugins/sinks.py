@@ -11,14 +11,16 @@ from typing import Any
 
 from torch_handle.api import Kind, Sink, hookimpl
 
-TRAIN_SCALARS = ("loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "comm_s")
+TRAIN_SCALARS = ("loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "comm_s", "mfu")
 """Fields of ``step`` events written as ``train/<field>`` (when the event has them: ``comm_s`` only from
-strategies that report it)."""
+strategies that report it, ``mfu`` when the peak is known)."""
+TIME_SCALARS = ("data_s", "forward_s", "backward_s", "optimizer_s", "sync_s", "comm_s")
+"""The step breakdown, written as ``time/<field>`` (seconds) so TensorBoard groups the parts in one section."""
 
 
 class TensorBoardSink(Sink):
-    """``train/<field>`` for every step, ``valid/loss`` for every eval after step 0 (the untrained baseline at
-    step 0 is in events.jsonl only); x axis: the step, wall time: the event's time."""
+    """``train/<field>`` and ``time/<part>`` for every step, ``valid/loss`` for every eval after step 0 (the
+    untrained baseline at step 0 is in events.jsonl only); x axis: the step, wall time: the event's time."""
 
     def __init__(self, writer: Any):
         self.writer = writer
@@ -30,6 +32,10 @@ class TensorBoardSink(Sink):
                 if key in event:  # non-finite figures arrive as None: TensorBoard shows them as NaN
                     value = event[key]
                     self.writer.add_scalar(f"train/{key}", math.nan if value is None else value, step, walltime=t)
+            for key in TIME_SCALARS:
+                if key in event:
+                    value = event[key]
+                    self.writer.add_scalar(f"time/{key}", math.nan if value is None else value, step, walltime=t)
         elif kind == Kind.EVAL and step:
             value = event.get("val_loss")
             self.writer.add_scalar("valid/loss", math.nan if value is None else value, step, walltime=t)
@@ -46,4 +52,5 @@ def build_tensorboard(run_dir: Path, preset: Any) -> TensorBoardSink:
 
 @hookimpl
 def handle_register_sinks(register):
-    register("tensorboard", build_tensorboard, "TensorBoard scalars (train/*, valid/loss) in <run_dir>/tensorboard")
+    register("tensorboard", build_tensorboard,
+             "TensorBoard scalars (train/*, time/*, valid/loss) in <run_dir>/tensorboard")

@@ -173,8 +173,10 @@ def test_a_sink_that_raises_on_every_event_changes_neither_losses_nor_exit_code(
     assert json.loads((run_dir / "run.json").read_text())["status"] == "finished"
     for name, (_, run_dir, events) in runs.items():  # TensorBoard: the same scalars at the same steps as before
         scalars = tensorboard_scalars(run_dir)
-        assert sorted(scalars) == ["train/grad_norm", "train/loss", "train/lr", "train/step_time_s",
-                                   "train/tokens_per_s", "valid/loss"], name
+        assert sorted(scalars) == ["time/backward_s", "time/data_s", "time/forward_s", "time/optimizer_s",
+                                   "time/sync_s", "train/grad_norm", "train/loss", "train/lr", "train/mfu",
+                                   "train/step_time_s", "train/tokens_per_s", "valid/loss"], name
+        assert [s for s, _ in scalars["time/forward_s"]] == [1, 2, 3, 4]
         assert [s for s, _ in scalars["train/loss"]] == [1, 2, 3, 4]
         assert [v for _, v in scalars["train/loss"]] == pytest.approx([losses[name][s] for s in (1, 2, 3, 4)])
         assert [s for s, _ in scalars["valid/loss"]] == [2, 4]  # the step-0 baseline is in events.jsonl only

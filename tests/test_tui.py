@@ -21,9 +21,10 @@ from handle_cli.tui.model import LogTail, run_rows
 from torch_handle.events import RunState
 from torch_handle.text import clean
 from handle_cli.tui.screens import HelpScreen, RunPicker
-from handle_cli.tui.widgets import Chart, LogPanel, MemoryBars, StatusHeader, nice_ticks, tick_labels
+from handle_cli.tui.widgets import Chart, LogPanel, MemoryBars, StatusHeader, TimePanel, nice_ticks, tick_labels
 
 FIXTURES = Path(__file__).parent / "fixtures" / "recorded"
+BREAKDOWN_FIXTURES = Path(__file__).parent / "fixtures" / "recorded-breakdown"
 SIZE = (120, 40)
 
 
@@ -108,6 +109,33 @@ async def test_finished_run_shows_every_panel(runs: Path) -> None:
         assert "exported model.safetensors" in logs
         assert "run finished" in logs
         assert "rank1" not in logs  # a healthy rank's log stays out of the panel
+
+
+@async_test
+async def test_breakdown_run_shows_mfu_time_panel_and_slow_rank(breakdown_runs: Path) -> None:
+    app = HandleDashboard(breakdown_runs / "ddp-breakdown", breakdown_runs)
+    async with app.run_test(size=SIZE) as pilot:
+        await loaded(pilot)
+        assert "mfu 13.1%" in header(app)
+        assert app.screen.has_class("-breakdown") and app.query_one("#time-row").display
+        panel = app.query_one(TimePanel)
+        text = "\n".join(line.plain for line in panel.lines(100, 7))
+        assert "data 2.0" in text and "fwd 60.4" in text and "bwd 155.3" in text and "opt 25.1" in text
+        assert "comm 1.2 ms" in text  # the trainer's sync_s (no strategy comm_s under DDP)
+        assert "slowest rank 1 +60 ms (23% of a step)" in text
+        assert [row[0] for row in panel.rows(5)] == [26, 27, 28, 29, 30]
+        assert text.splitlines()[-1].startswith("30 ") and text.endswith("262 ms")
+        assert "rank 1 is slow: 60 ms per step" in log_text(app)
+        assert app.state.peak_flops == 3.12e14 and app.state.mfu == 0.1305
+
+
+@async_test
+async def test_runs_without_breakdown_keep_their_layout(runs: Path) -> None:
+    app = HandleDashboard(runs / "zero2-finished", runs)
+    async with app.run_test(size=SIZE) as pilot:
+        await loaded(pilot)
+        assert not app.screen.has_class("-breakdown") and not app.query_one("#time-row").display
+        assert "mfu" not in header(app)
 
 
 @async_test
@@ -453,6 +481,24 @@ def test_snapshot_main_screen(runs: Path, snap_compare) -> None:
 
 def test_snapshot_failed_run_80x24(runs: Path, snap_compare) -> None:
     assert snap_compare(HandleDashboard(runs / "fsdp-failed", runs), terminal_size=(80, 24), run_before=loaded)
+
+
+@pytest.fixture
+def breakdown_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A copy of the recorded run with the step breakdown, mfu and ranks at ./runs."""
+    shutil.copytree(BREAKDOWN_FIXTURES, tmp_path / "runs")
+    monkeypatch.chdir(tmp_path)
+    return Path("runs")
+
+
+def test_snapshot_breakdown_run(breakdown_runs: Path, snap_compare) -> None:
+    assert snap_compare(HandleDashboard(breakdown_runs / "ddp-breakdown", breakdown_runs), terminal_size=SIZE,
+                        run_before=loaded)
+
+
+def test_snapshot_breakdown_run_80x24(breakdown_runs: Path, snap_compare) -> None:
+    assert snap_compare(HandleDashboard(breakdown_runs / "ddp-breakdown", breakdown_runs), terminal_size=(80, 24),
+                        run_before=loaded)
 
 
 def test_snapshot_run_picker(runs: Path, snap_compare) -> None:

@@ -4,7 +4,8 @@ Rank 0 appends one JSON object per line to ``events.jsonl`` (:class:`torch_handl
 event has ``seq`` (int, increasing, never reused across restarts), ``time`` (unix seconds) and ``kind``:
 
 - ``status``: ``status`` (running|finished|failed|stopped|restarting), optional ``message``, ``world_size``,
-  ``strategy``, ``zero_stage``, ``steps`` (total), ``restart`` (count), ``step`` (on the final one).
+  ``strategy``, ``zero_stage``, ``steps`` (total), ``restart`` (count), ``step`` (on the final one),
+  ``peak_flops`` (FLOP/s per rank behind ``mfu``) and ``precision``.
 - ``step``: ``step``, ``loss`` (null when not finite; then ``skipped`` is true with ``on_nan = "skip"``), ``lr``,
   ``grad_norm``, ``tokens_per_s`` (global), ``step_time_s``, ``tokens`` (global tokens in this step),
   optionally ``tflops``, and every ``log_every`` steps ``memory``: a list with one object per rank: ``rank``,
@@ -12,10 +13,15 @@ event has ``seq`` (int, increasing, never reused across restarts), ``time`` (uni
   ``cuda_max_allocated_bytes``, ``cuda_reserved_bytes``. Plus whatever the strategy's ``step_stats()``
   reports for rank 0; ``scratch-ddp``: ``comm_s`` (seconds rank 0 waited for gradient communication that was
   not hidden behind backward), ``allreduce_calls`` and ``allreduce_bytes`` (its gradient all-reduces in this
-  step, payload bytes).
+  step, payload bytes). Rank 0's step breakdown, seconds, summed over micro-batches, which with ``comm_s``
+  tiles ``step_time_s``: ``data_s`` (waiting for the next batch), ``forward_s``, ``backward_s`` (without
+  ``comm_s``), ``sync_s`` (the trainer's loss/stop all-reduce), ``optimizer_s`` (clip, step, schedule).
+  ``mfu``: achieved model FLOP/s over the measured peak for the run's precision times the world size. With
+  more than one rank, every ``log_every`` steps ``ranks``: per rank ``rank``, ``step_time_s``, ``data_s``,
+  ``wait_s`` (seconds it waited in collectives it can observe: ``sync_s`` + ``comm_s``).
 - ``eval``: ``step``, ``val_loss`` (step 0: the untrained baseline).
 - ``checkpoint``: ``step``, ``path`` (relative to the run directory).
-- ``log``: ``level`` (info|warning|error), ``message``.
+- ``log``: ``level`` (info|warning|error), ``message``; a slow-rank warning adds ``rank`` and ``lag_s``.
 
 Readers (``handle run``'s progress line and summary, the dashboard, the run picker) use this module:
 :class:`Tail` reads the complete new lines of any growing file (events and logs), :class:`EventReader` turns
@@ -241,6 +247,60 @@ MEMORY_KEYS = ("param_bytes", "grad_bytes", "optimizer_bytes", "rss_bytes",
                "cuda_allocated_bytes", "cuda_max_allocated_bytes", "cuda_reserved_bytes")
 
 
+BREAKDOWN = ("data_s", "forward_s", "backward_s", "optimizer_s", "comm_s", "sync_s")
+"""The parts of a step in ``step`` events (seconds); with a strategy that does not report ``comm_s`` the others
+still tile the step."""
+SLOW_RANK_RATIO = 0.2
+"""A rank is slow when it lags the other ranks' median by more than this share of the median step time ..."""
+SLOW_RANK_LOGS = 5
+"""... in this many consecutive ``ranks`` gathers (every ``log_every`` steps): then rank 0 logs a warning."""
+
+
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    n = len(xs)
+    return xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2
+
+
+def slowest_rank(ranks: Iterable[Any]) -> dict[str, Any] | None:
+    """The rank furthest behind the others, from a step event's ``ranks`` list, or None (fewer than two usable
+    entries).
+
+    In synchronous training every rank's ``step_time_s`` is about the same -- the fast ranks wait for the slow
+    one in a collective -- so the lag is read from what differs: a rank's own time, ``step_time_s - wait_s``
+    (the waits it can observe), and its ``data_s`` (waiting for input involves no peer). A rank's ``lag_s`` is
+    the larger of its two excesses over the median of the *other* ranks (with two ranks: over the other rank);
+    ``ratio`` = ``lag_s`` / the median ``step_time_s``. Also returns ``rank``, ``data_s``, ``median_data_s``
+    (of the other ranks), ``median_step_time_s`` and ``spread_s`` (the largest difference between two ranks in
+    either figure, seconds).
+    """
+    rows = []
+    for r in ranks:
+        if not isinstance(r, dict):
+            continue
+        rank, st = integer(r.get("rank")), number(r.get("step_time_s"))
+        if rank is None or st is None:
+            continue
+        data, wait = number(r.get("data_s")) or 0.0, number(r.get("wait_s")) or 0.0
+        rows.append((rank, st, data, max(0.0, st - wait)))
+    if len(rows) < 2:
+        return None
+    best = None
+    for i, (rank, _, data, own) in enumerate(rows):
+        others = rows[:i] + rows[i + 1:]
+        med_data = _median([d for _, _, d, _ in others])
+        lag = max(own - _median([o for _, _, _, o in others]), data - med_data, 0.0)
+        if best is None or lag > best[0]:
+            best = (lag, rank, data, med_data)
+    assert best is not None
+    lag, rank, data, med_data = best
+    med_st = _median([st for _, st, _, _ in rows])
+    owns, datas = [o for _, _, _, o in rows], [d for _, _, d, _ in rows]
+    return {"rank": rank, "lag_s": lag, "ratio": lag / med_st if med_st > 0 else 0.0, "data_s": data,
+            "median_data_s": med_data, "median_step_time_s": med_st,
+            "spread_s": max(max(owns) - min(owns), max(datas) - min(datas))}
+
+
 @dataclass
 class Notice:
     """A line for a log panel that comes from the events, not from a log file."""
@@ -267,6 +327,20 @@ class RunState:
     step_time_s: list[float | None] = field(default_factory=list)
     comm_s: list[float | None] = field(default_factory=list)
     """Seconds waited for gradient communication per step (None where the strategy does not report it)."""
+    data_s: list[float | None] = field(default_factory=list)
+    forward_s: list[float | None] = field(default_factory=list)
+    backward_s: list[float | None] = field(default_factory=list)
+    optimizer_s: list[float | None] = field(default_factory=list)
+    sync_s: list[float | None] = field(default_factory=list)
+    """The step breakdown per step (seconds; None in events without it)."""
+    mfu: float | None = None
+    """The newest model FLOPs utilisation (0..1)."""
+    peak_flops: float | None = None
+    """FLOP/s per rank behind ``mfu`` (status event)."""
+    breakdown_seen: bool = False
+    """True once a step event carried the step breakdown (the dashboard shows its time panel then)."""
+    slowest: dict[str, Any] | None = None
+    """:func:`slowest_rank` of the newest ``ranks`` list (``rank``, ``lag_s``, ``ratio``, ``spread_s``, ...)."""
     val_steps: list[int] = field(default_factory=list)
     val_loss: list[float | None] = field(default_factory=list)
     grad_norm: float | None = None
@@ -362,6 +436,14 @@ class RunState:
                 self.tokens_per_s_count += 1
         self.step_time_s.append(number(event.get("step_time_s")))
         self.comm_s.append(number(event.get("comm_s")))
+        for key in ("data_s", "forward_s", "backward_s", "optimizer_s", "sync_s"):
+            getattr(self, key).append(number(event.get(key)))
+        self.breakdown_seen = self.breakdown_seen or self.forward_s[-1] is not None
+        if (mfu := number(event.get("mfu"))) is not None:
+            self.mfu = mfu
+        ranks = event.get("ranks")
+        if isinstance(ranks, list):
+            self.slowest = slowest_rank(ranks)
         self.grad_norm = number(event.get("grad_norm"))
         memory = event.get("memory")
         if isinstance(memory, list):
@@ -400,6 +482,8 @@ class RunState:
             self.event_steps_total = steps
         if (ws := integer(event.get("world_size"))) is not None:
             self.event_world_size = ws
+        if (peak := number(event.get("peak_flops"))) is not None and peak > 0:
+            self.peak_flops = peak
         if event.get("strategy"):
             self.event_strategy = clean(event["strategy"], 40)
             self.event_zero_stage = event.get("zero_stage")
@@ -408,7 +492,8 @@ class RunState:
         keep = 0
         while keep < len(self.steps) and self.steps[keep] < step:
             keep += 1
-        for series in (self.steps, self.loss, self.lr, self.tokens_per_s, self.step_time_s, self.comm_s):
+        for series in (self.steps, self.loss, self.lr, self.tokens_per_s, self.step_time_s, self.comm_s,
+                       self.data_s, self.forward_s, self.backward_s, self.optimizer_s, self.sync_s):
             del series[keep:]
         while self.val_steps and self.val_steps[-1] >= step:
             self.val_steps.pop()

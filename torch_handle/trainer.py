@@ -30,7 +30,8 @@ from torch_handle.data import IGNORE_INDEX, DataBundle, DataContext, ResumableDi
 from torch_handle.registry import PluginRegistry
 from torch_handle.rundir import STOP_FILE, update_run_info
 from torch_handle.strategy import DistContext, Strategy
-from torch_handle.events import Kind, Level, Status
+from torch_handle.events import SLOW_RANK_LOGS, SLOW_RANK_RATIO, Kind, Level, Status, slowest_rank
+from torch_handle.phases import PhaseTimer
 from torch_handle.telemetry import EVENTS_FILE, EventWriter, NullEventWriter
 
 log = logging.getLogger("torch_handle")
@@ -44,17 +45,76 @@ class NonFiniteLoss(Exception):
     """The loss was NaN/inf and ``on_nan = "stop"``."""
 
 
+def parse_test_delay(spec: str, rank: int) -> float:
+    """Test hook ``HANDLE_TEST_DELAY_RANK=RANK:SECONDS`` (e.g. ``1:0.05``): seconds that rank ``RANK`` sleeps in
+    the data phase of every micro-batch (a slow input pipeline); 0.0 for other ranks or an empty/invalid spec."""
+    target, _, seconds = spec.partition(":")
+    try:
+        return float(seconds) if target.strip() and int(target) == rank and float(seconds) > 0 else 0.0
+    except ValueError:
+        return 0.0
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
 
 
+class _ChunkedCrossEntropy(torch.autograd.Function):
+    """Token-mean cross-entropy computed ``rows`` rows at a time, each chunk in fp32 while it is in cache.
+
+    ``F.cross_entropy`` on CPU keeps the (N, V) fp32 log-softmax for backward, builds a zero-filled (N, V) gradient
+    for ``nll_loss_backward`` and reads both again in ``_log_softmax_backward_data``: ~5 passes over N·V floats
+    (~9% of a bf16 P1 step on 2 CPU cores, torch.profiler). Here forward keeps only the input, and backward
+    recomputes each chunk's softmax and writes the gradient once: (softmax(x) - onehot(label)) · g / n_valid.
+    Same values up to floating-point order (tests/unit/test_fast_path.py).
+
+    forward(logits (N, V) float, labels (N,) long, rows int) -> scalar fp32 mean over labels != IGNORE_INDEX
+    (NaN when none, like ``F.cross_entropy``).
+    """
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, rows: int) -> torch.Tensor:
+        valid = labels != IGNORE_INDEX  # (N,)
+        safe = torch.where(valid, labels, 0)[:, None]  # (N, 1): ignored rows point at class 0, then weigh 0
+        nll = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)  # (N,)
+        for s in range(0, logits.shape[0], rows):
+            log_p = torch.log_softmax(logits[s:s + rows].float(), dim=-1)  # (rows, V) fp32
+            nll[s:s + rows] = log_p.gather(1, safe[s:s + rows]).squeeze(1).neg_()
+        n = valid.sum()
+        ctx.save_for_backward(logits, safe, valid, n)
+        ctx.rows = rows
+        return nll.masked_fill_(~valid, 0.0).sum() / n
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        logits, safe, valid, n = ctx.saved_tensors
+        weight = (valid * (grad / n)).float()[:, None]  # (N, 1): d loss / d nll_row
+        out = torch.empty_like(logits)
+        for s in range(0, logits.shape[0], ctx.rows):
+            p = torch.softmax(logits[s:s + ctx.rows].float(), dim=-1)  # (rows, V) fp32
+            p.scatter_add_(1, safe[s:s + ctx.rows], torch.full_like(safe[s:s + ctx.rows], -1.0, dtype=p.dtype))
+            out[s:s + ctx.rows] = p.mul_(weight[s:s + ctx.rows])
+        return out, None, None
+
+
+CE_CHUNK_ELEMENTS = 1 << 18
+"""Logit elements per chunk of ``_ChunkedCrossEntropy`` (1 MiB of fp32: 64 rows of a 4096 vocabulary)."""
+
+
 def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Token-mean cross-entropy in fp32. logits (B, T, V), labels (B, T) -> (scalar loss, tokens counted as a
-    scalar tensor on the same device: counting must not force a host sync)."""
+    scalar tensor on the same device: counting must not force a host sync).
+
+    On CPU, ``_ChunkedCrossEntropy`` (the same values, computed chunk by chunk in cache); elsewhere
+    ``F.cross_entropy`` on fp32 logits."""
     n_tokens = (labels != IGNORE_INDEX).sum()
-    loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX)
+    flat, targets = logits.flatten(0, 1), labels.flatten()  # (B·T, V), (B·T,)
+    if flat.device.type == "cpu":
+        rows = max(1, CE_CHUNK_ELEMENTS // flat.shape[-1])
+        return _ChunkedCrossEntropy.apply(flat, targets, rows), n_tokens
+    loss = F.cross_entropy(flat.float(), targets, ignore_index=IGNORE_INDEX)
     return loss, n_tokens
 
 
@@ -69,6 +129,13 @@ class Trainer:
         self.epoch = 0
         self.batch_in_epoch = 0
         self.restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        self.timer = PhaseTimer(ctx.device)
+        """Step breakdown (``timer.enabled = False`` turns it off; benchmarks/breakdown_overhead.py compares)."""
+        self.test_delay_s = parse_test_delay(os.environ.get("HANDLE_TEST_DELAY_RANK", ""), ctx.rank)
+        self.peak_flops: float | None = None
+        """This rank's device peak FLOP/s for the run's precision (measured, cached; rank 0 only), for ``mfu``."""
+        self._slow_streak: tuple[int | None, int] = (None, 0)
+        self._pending_logs: list[dict[str, Any]] = []
 
     # -- build ---------------------------------------------------------------------------------------------------
     def build(self) -> None:
@@ -114,6 +181,32 @@ class Trainer:
 
         # telemetry sinks (TensorBoard, ...) on rank 0; one that fails is disabled with a warning, never fatal
         self.events.open_sinks({n: r.factory for n, r in self.registry.sinks.items()}, self.run_dir, p)
+        if ctx.is_main and self.model_info["flops_per_token"]:
+            self.peak_flops = self._peak()
+        ctx.barrier()  # the other ranks wait (idle) while rank 0 measures the peak, which needs the cores
+
+    def _peak(self) -> float | None:
+        """The peak FLOP/s of this device for ``training.precision`` at this worker's thread count, from the
+        cache or measured now (a few seconds, once per device, thread count and torch version)."""
+        from torch_handle.peak import cached_peak, peak_flops
+
+        precision, threads = self.training.precision, torch.get_num_threads()
+        value = cached_peak(self.ctx.device, precision, threads)
+        how = "cached"
+        if value is None:
+            log.info("measuring the %s matmul peak of %s with %d threads (for MFU)", precision, self.ctx.device,
+                     threads)
+            entry = peak_flops(self.ctx.device)
+            value, how = entry.get(precision), "measured"
+            value = float(value) if isinstance(value, (int, float)) and value > 0 else None
+        if value is None:
+            log.warning("no %s matmul peak for %s: step events carry no mfu", precision, self.ctx.device)
+            return None
+        message = (f"peak {value / 1e12:.3f} TFLOP/s ({precision} matmul, {how}, {threads} threads per rank) "
+                   f"for mfu")
+        log.info(message)
+        self.events.emit(Kind.LOG, level=Level.INFO, message=message)
+        return value
 
     def _loader(self, dataset: Any, sampler: ResumableDistributedSampler) -> DataLoader:
         # A private generator: creating a DataLoader iterator must not draw from the global torch RNG, or a
@@ -166,60 +259,120 @@ class Trainer:
         return loss_fn(logits, labels)
 
     def train_step(self, batches: Iterator[dict[str, torch.Tensor]]) -> dict[str, Any]:
+        """One optimizer step over ``grad_accum`` micro-batches; returns its ``step`` event (plus ``stop``).
+
+        The phases are timed as laps (:class:`~torch_handle.phases.PhaseTimer`: ``perf_counter`` on CPU, CUDA
+        events read once after the step's synchronize on GPU) and each is a ``handle/<phase>`` profiler range.
+        """
         t0 = time.perf_counter()
         t = self.training
+        timer = self.timer
+        timer.begin()
         # [loss * tokens, tokens, stop] stays on the device until the one sync below (nccl needs it there too)
         stats = torch.zeros(3, dtype=torch.float64, device=self.ctx.device)
         for i in range(t.grad_accum):
-            batch = next(batches)
+            with timer.phase("data"):
+                batch = next(batches)
+                if self.test_delay_s:
+                    time.sleep(self.test_delay_s)  # HANDLE_TEST_DELAY_RANK: a slow input pipeline, for tests
             with self.strategy.accumulating(sync=i == t.grad_accum - 1):
-                loss, n = self.forward_loss(batch)
-                self.strategy.backward(loss)
-            stats[0] += loss.detach().double() * n
-            stats[1] += n
-        # One small all-reduce carries the global loss, token count and the stop request (rank 0 reads the
-        # STOP file), so every rank agrees on them without another collective.
-        stats[2] = float(self.ctx.is_main and (self.run_dir / STOP_FILE).exists())
-        if self.ctx.distributed:
-            dist.all_reduce(stats)
-        stats = stats.cpu()
+                with timer.phase("forward"):
+                    loss, n = self.forward_loss(batch)
+                    stats[0] += loss.detach().double() * n
+                    stats[1] += n
+                with timer.phase("backward"):
+                    self.strategy.backward(loss)
+        log_memory = (self.step + 1) % t.log_every == 0 or self.step == 0
+        with timer.phase("sync"):
+            # One small all-reduce carries the global loss, token count and the stop request (rank 0 reads the
+            # STOP file), so every rank agrees on them without another collective.
+            stats[2] = float(self.ctx.is_main and (self.run_dir / STOP_FILE).exists())
+            if self.ctx.distributed:
+                dist.all_reduce(stats)
+            stats = stats.cpu()
+            grad_bytes = self.strategy.grad_bytes() if log_memory else 0
         loss_value = float(stats[0] / stats[1])
         record: dict[str, Any] = {"step": self.step + 1, "loss": loss_value, "tokens": int(stats[1])}
-        log_memory = (self.step + 1) % t.log_every == 0 or self.step == 0
-        grad_bytes = self.strategy.grad_bytes() if log_memory else 0
-        if not math.isfinite(loss_value):
-            if t.on_nan == "stop":
-                raise NonFiniteLoss(f"non-finite loss ({loss_value}) at step {self.step + 1}")
-            self.strategy.skip_step()
-            record["skipped"] = True
-            grad_norm = float("nan")
-        else:
-            grad_norm = self.strategy.step()
+        with timer.phase("optimizer"):
+            if not math.isfinite(loss_value):
+                if t.on_nan == "stop":
+                    raise NonFiniteLoss(f"non-finite loss ({loss_value}) at step {self.step + 1}")
+                self.strategy.skip_step()
+                record["skipped"] = True
+                grad_norm = float("nan")
+            else:
+                grad_norm = self.strategy.step()
         if self.ctx.device.type == "cuda":
-            torch.cuda.synchronize()  # honest step time: wait for the kernels we launched
+            torch.cuda.synchronize()  # honest step time: wait for the kernels we launched (and the phase events)
         self.step += 1
         dt = time.perf_counter() - t0
         record.update(lr=self.strategy.lr, grad_norm=grad_norm, step_time_s=dt, tokens_per_s=record["tokens"] / dt)
-        record.update(self.strategy.step_stats())  # e.g. comm_s, allreduce_calls, allreduce_bytes (scratch-ddp)
-        if self.model_info["flops_per_token"]:
-            record["tflops"] = self.model_info["flops_per_token"] * record["tokens_per_s"] / 1e12
+        stats_of_strategy = self.strategy.step_stats()  # e.g. comm_s, allreduce_calls, allreduce_bytes (scratch-ddp)
+        record.update(stats_of_strategy)
+        parts = timer.read()
+        if parts:
+            # the strategy's gradient-communication wait happened inside its backward: count it once, as comm_s
+            comm = float(stats_of_strategy.get("comm_s") or 0.0)
+            record.update(data_s=parts["data"], forward_s=parts["forward"],
+                          backward_s=max(0.0, parts["backward"] - comm), optimizer_s=parts["optimizer"],
+                          sync_s=parts["sync"])
+        flops = self.model_info["flops_per_token"]
+        if flops:
+            record["tflops"] = flops * record["tokens_per_s"] / 1e12
+            if self.peak_flops:
+                record["mfu"] = flops * record["tokens_per_s"] / (self.peak_flops * self.ctx.world_size)
         if log_memory:
-            record["memory"] = self.gather_memory(grad_bytes)
+            own = {"rank": self.ctx.rank, "step_time_s": dt}
+            if parts:
+                own.update(data_s=parts["data"], wait_s=parts["sync"] + float(stats_of_strategy.get("comm_s") or 0))
+            memory, ranks = self.gather_memory(grad_bytes, own)
+            record["memory"] = memory
+            if ranks is not None and len(ranks) > 1:
+                record["ranks"] = ranks
+                self._check_slow_ranks(ranks)
         record["stop"] = bool(stats[2] > 0)
         return record
 
-    def gather_memory(self, grad_bytes: int) -> list[dict[str, int]] | None:
+    def gather_memory(self, grad_bytes: int, timing: dict[str, Any] | None = None
+                      ) -> tuple[list[dict[str, int]] | None, list[dict[str, Any]] | None]:
+        """Every rank's memory figures and its own step timing (``rank``, ``step_time_s``, ``data_s``,
+        ``wait_s``, seconds), in one ``all_gather_object``; ``(memory, ranks)`` on rank 0, ``(None, None)``
+        elsewhere."""
         mem = {"rank": self.ctx.rank, "param_bytes": self.strategy.param_bytes(), "grad_bytes": grad_bytes,
                "optimizer_bytes": self.strategy.optimizer_bytes(), "rss_bytes": psutil.Process().memory_info().rss}
         if self.ctx.device.type == "cuda":
             mem.update(cuda_allocated_bytes=torch.cuda.memory_allocated(),
                        cuda_max_allocated_bytes=torch.cuda.max_memory_allocated(),
                        cuda_reserved_bytes=torch.cuda.memory_reserved())
+        timing = timing if timing is not None else {"rank": self.ctx.rank}
         if not self.ctx.distributed:
-            return [mem]
+            return [mem], [timing]
         gathered: list[Any] = [None] * self.ctx.world_size
-        dist.all_gather_object(gathered, mem)
-        return gathered if self.ctx.is_main else None
+        dist.all_gather_object(gathered, (mem, timing))
+        if not self.ctx.is_main:
+            return None, None
+        return [m for m, _ in gathered], [r for _, r in gathered]
+
+    def _check_slow_ranks(self, ranks: list[dict[str, Any]]) -> None:
+        """Rank 0: a ``log`` warning when the same rank lags the other ranks' median by more than
+        :data:`~torch_handle.events.SLOW_RANK_RATIO` of the median step time for
+        :data:`~torch_handle.events.SLOW_RANK_LOGS` consecutive gathers (once per such streak)."""
+        slow = slowest_rank(ranks)
+        if slow is None or slow["ratio"] <= SLOW_RANK_RATIO:
+            self._slow_streak = (None, 0)
+            return
+        rank, count = self._slow_streak
+        count = count + 1 if rank == slow["rank"] else 1
+        self._slow_streak = (slow["rank"], count)
+        if count == SLOW_RANK_LOGS:
+            message = (f"rank {slow['rank']} is slow: {slow['lag_s'] * 1000:.0f} ms per step "
+                       f"({slow['ratio']:.0%} of the median step time) behind the other ranks for {count} "
+                       f"consecutive logs (its data wait {slow['data_s'] * 1000:.0f} ms, the others' median "
+                       f"{slow['median_data_s'] * 1000:.0f} ms)")
+            log.warning(message)
+            # emitted after this step's event (by _emit_step), so the warning follows the 5th log it is about
+            self._pending_logs.append({"level": Level.WARNING, "message": message, "rank": slow["rank"],
+                                       "lag_s": slow["lag_s"]})
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -269,12 +422,17 @@ class Trainer:
     def _emit_step(self, record: dict[str, Any]) -> None:
         record.pop("stop", None)
         self.events.emit(Kind.STEP, **record)
+        for fields in self._pending_logs:
+            self.events.emit(Kind.LOG, **fields)
+        self._pending_logs.clear()
 
     def train(self) -> str:
         """Run to ``training.steps``; returns the final status (``finished`` or ``stopped``)."""
         t = self.training
         info = {"status": Status.RUNNING, "world_size": self.ctx.world_size, **self.strategy.describe(),
                 "model_params": self.model_info["params"], "steps": t.steps, "restart": self.restart}
+        if self.peak_flops:
+            info.update(peak_flops=self.peak_flops, precision=t.precision)
         if self.ctx.is_main:
             fields = dict(info)
             if self.restart:

@@ -26,7 +26,7 @@ from torch_handle.text import clean
 
 from handle_cli.tui.model import Batch, RunTailer
 from handle_cli.tui.screens import HelpScreen, RunPicker
-from handle_cli.tui.widgets import Chart, LogPanel, MemoryBars, Series, StatusHeader
+from handle_cli.tui.widgets import Chart, LogPanel, MemoryBars, Series, StatusHeader, TimePanel
 
 
 class RunUpdate(Message):
@@ -58,6 +58,11 @@ class HandleDashboard(App[None]):
     .row { height: 1fr; }
     #memory-panel { width: 1fr; height: 1fr; border: round $primary 50%; border-title-color: $text;
                     border-title-style: bold; overflow-y: auto; }
+    #time-row { display: none; height: 9; }
+    Screen.-breakdown #time-row { display: block; }
+    Screen.-compact #time-row { height: 7; }
+    #time-panel { width: 1fr; height: 1fr; border: round $primary 50%; border-title-color: $text;
+                  border-title-style: bold; }
     #logs { height: 12; }
     Screen.-compact #logs { display: none; }
     Screen.-logs #charts { display: none; }
@@ -107,6 +112,10 @@ class HandleDashboard(App[None]):
                 yield Chart("learning rate", id="lr")
                 with Vertical(id="memory-panel"):
                     yield MemoryBars(id="memory")
+            # shown once a step event carries the breakdown (older runs keep their layout)
+            with Horizontal(id="time-row"):
+                with Vertical(id="time-panel"):
+                    yield TimePanel(id="time")
         yield LogPanel(id="logs")
         yield Footer()
 
@@ -117,6 +126,8 @@ class HandleDashboard(App[None]):
         self.charts = {name: self.query_one(f"#{name}", Chart) for name in ("loss", "throughput", "lr")}
         self.memory_bars = self.query_one(MemoryBars)
         self.query_one("#memory-panel").border_title = "memory per rank"
+        self.time_panel = self.query_one(TimePanel)
+        self.query_one("#time-panel").border_title = "time per step"
         self.state.info = _read_info(self.run_dir)  # the header is right from the first frame
         self._apply_size()
         self._redraw()
@@ -224,6 +235,8 @@ class HandleDashboard(App[None]):
         self._last_redraw = time.monotonic()
         self.redraws += 1
         s = self.state
+        # the time row first: the charts below are then drawn at their final height
+        self.header_widget.screen.set_class(s.breakdown_seen, "-breakdown")
         self.header_widget.show(s, paused=self.paused, bad_lines=self.bad_line_count)
         self.charts["loss"].set_series([
             Series("train", s.steps, s.loss, "cyan"),
@@ -235,6 +248,7 @@ class HandleDashboard(App[None]):
         ])
         self.charts["lr"].set_series([Series("lr", s.steps, s.lr, "yellow")])
         self.memory_bars.set_memory(s.memory)
+        self.time_panel.set_state(s)
         self.title = f"handle tui: {clean(s.run_dir.name, 80)}"
 
     # -- actions ---------------------------------------------------------------------------------------------

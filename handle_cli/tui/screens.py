@@ -116,8 +116,11 @@ HELP = """\
 Panels: loss (train, validation); throughput (tokens/s,
 step time); learning rate; memory per rank (params, grads,
 optimizer state stacked; RSS; on GPU CUDA allocated and
-reserved, peak as │); logs of rank 0 and of any rank that
-logged an error. Elapsed and ETA come from event times.
+reserved, peak as │); time per step when the run reports
+it (data, forward, backward, optimizer, communication
+stacked; the slowest rank and its lag); logs of rank 0 and
+of any rank that logged an error. The header shows MFU when
+the peak is known. Elapsed and ETA come from event times.
 While paused, events wait on disk; resuming catches up."""
 
 

@@ -108,6 +108,8 @@ class StatusHeader(Widget):
         comm = state.last(state.comm_s)
         if comm is not None:  # only strategies that report it (scratch-ddp): the line is unchanged otherwise
             p2.append((4, _piece(f"  comm {comm * 1000:.0f} ms")))
+        if state.mfu is not None:  # only runs whose events carry it: the line is unchanged otherwise
+            p2.append((2, _piece("  mfu ", (f"{state.mfu:.1%}", "bold"))))
         lr = state.last(state.lr)
         p2.append((3, _piece(f"  lr {lr:.2e}" if lr is not None else "  lr -")))
         if state.grad_norm is not None:
@@ -227,6 +229,9 @@ class Chart(PlotextPlot):
         self.plotted = {s.label: _points(s.xs, s.ys, self.MAX_POINTS) for s in series}
         self.refresh()
 
+    def on_resize(self) -> None:
+        self.refresh()  # the ticks depend on the size: never keep a drawing made at another height
+
     def render(self) -> RenderResult:
         plt = self.plt
         plt.clear_data()
@@ -248,7 +253,8 @@ class Chart(PlotextPlot):
             ys_all = [y for s in self.series if s.yside == side for y in self.plotted[s.label][1]]
             if not ys_all:
                 continue
-            yt = nice_ticks(min(ys_all), max(ys_all), max(3, (height - 3) * 2 // 3))
+            # at most about one tick per 1.5 plot rows: two ticks on one row are drawn in an arbitrary order
+            yt = nice_ticks(min(ys_all), max(ys_all), max(2, (height - 3) * 2 // 3))
             plt.yticks(yt, tick_labels(yt), yside=side)
         return super().render()
 
@@ -366,6 +372,93 @@ class MemoryBars(Widget):
     def labels(self) -> list[str]:
         """The plain text of each line (for tests)."""
         return self.render().plain.splitlines()
+
+
+class TimePanel(Widget):
+    """Where the step time goes: a legend with the mean of each part over the recent steps, the slowest rank and
+    its lag, then one stacked bar per recent step (newest last; the width is the slowest shown step)."""
+
+    DEFAULT_CSS = """
+    TimePanel { height: 1fr; padding: 0 1; }
+    """
+    PARTS = (("data", "cyan", "data"), ("forward", "green", "fwd"), ("backward", "yellow", "bwd"),
+             ("optimizer", "magenta", "opt"), ("comm", "red", "comm"))
+    MEAN_OF = 20
+
+    def __init__(self, *, id: str | None = None):
+        super().__init__(id=id)
+        self.state: RunState | None = None
+
+    def set_state(self, state: RunState) -> None:
+        self.state = state
+        self.refresh()
+
+    def rows(self, n: int) -> list[tuple[int, float | None, dict[str, float]]]:
+        """The newest ``n`` steps with a breakdown: (step, step time, part -> seconds); ``comm`` is the strategy's
+        ``comm_s`` plus the trainer's ``sync_s`` (both communication)."""
+        s = self.state
+        out = []
+        if s is None:
+            return out
+        for i in range(len(s.steps) - 1, -1, -1):
+            if len(out) >= n:
+                break
+            if s.forward_s[i] is None:
+                continue
+            parts = {"data": s.data_s[i] or 0.0, "forward": s.forward_s[i] or 0.0, "backward": s.backward_s[i] or 0.0,
+                     "optimizer": s.optimizer_s[i] or 0.0, "comm": (s.comm_s[i] or 0.0) + (s.sync_s[i] or 0.0)}
+            out.append((s.steps[i], s.step_time_s[i], parts))
+        return out[::-1]
+
+    def lines(self, width: int, height: int) -> list[Text]:
+        s = self.state
+        if s is None or not s.breakdown_seen:
+            return [Text("waiting for step times", "dim", no_wrap=True, overflow="ellipsis")]
+        recent = self.rows(self.MEAN_OF)
+        legend = Text(no_wrap=True, overflow="ellipsis", end="")
+        for key, color, label in self.PARTS:
+            mean = sum(p[key] for _, _, p in recent) / max(1, len(recent))
+            legend.append("■ ", color)
+            legend.append(f"{label} {mean * 1000:.1f} ")
+        legend.append("ms", "dim")
+        lines = [legend]
+        slow = s.slowest
+        if slow is not None:
+            line = Text(no_wrap=True, overflow="ellipsis", end="")
+            line.append("slowest ", "dim")
+            line.append(f"rank {slow['rank']}", "bold yellow" if slow["ratio"] > 0.2 else "bold")
+            line.append(f" +{slow['lag_s'] * 1000:.0f} ms ({slow['ratio']:.0%} of a step)")
+            line.append(f"  spread {slow['spread_s'] * 1000:.0f} ms", "dim")
+            lines.append(line)
+        n_bars = max(0, height - len(lines))
+        bars = self.rows(n_bars)
+        if not bars:
+            return lines
+        label_w = max(len(str(step)) for step, _, _ in bars) + 1
+        value_w = 8  # " 1234 ms"
+        bar_w = max(4, width - label_w - value_w)
+        scale = max([st or sum(p.values()) for _, st, p in bars] + [1e-9])
+        for step, st, parts in bars:
+            total = st if st is not None else sum(parts.values())
+            line = Text(no_wrap=True, overflow="ellipsis", end="")
+            line.append(f"{step:>{label_w - 1}} ", "dim")
+            used, acc = 0, 0.0
+            for key, color, _ in self.PARTS:
+                acc += parts[key]
+                end = min(bar_w, int(round(acc / scale * bar_w)))
+                line.append("█" * max(0, end - used), color)
+                used = max(used, end)
+            rest = min(bar_w, int(round(total / scale * bar_w)))
+            line.append("▒" * max(0, rest - used), "grey50")  # the step outside the parts (microseconds)
+            used = max(used, rest)
+            line.append(" " * (bar_w - used))
+            line.append(f"{total * 1000:>5.0f} ms")
+            lines.append(line)
+        return lines
+
+    def render(self) -> Text:
+        return Text("\n", no_wrap=True, overflow="ellipsis", end="").join(
+            self.lines(max(20, self.size.width), max(1, self.size.height)))
 
 
 LEVEL_STYLES = {Level.ERROR: "bold red", Level.WARNING: "yellow", Level.INFO: "cyan"}

@@ -306,3 +306,32 @@ def test_sinks_register_by_name_and_a_failing_plugin_loses_its_sinks():
     assert sorted(reg.sinks) == ["tb"] and reg.plugins["two"].registered == {}
     reg.add_plugin(*plugin("three", lambda register: register("x", "not callable")))
     assert reg.plugins["three"].status == "failed" and "factory must be callable" in reg.plugins["three"].error
+
+
+def test_fold_breakdown_mfu_and_slowest_rank(tmp_path):
+    from torch_handle.events import slowest_rank
+
+    state = RunState(tmp_path)
+    base = {"kind": "step", "loss": 1.0, "step_time_s": 0.1}
+    state.apply([{"seq": 0, "kind": "status", "status": "running", "peak_flops": 2e12},
+                 {**base, "seq": 1, "step": 1},
+                 {**base, "seq": 2, "step": 2, "data_s": 0.01, "forward_s": 0.03, "backward_s": 0.04,
+                  "sync_s": 0.001, "optimizer_s": 0.019, "mfu": 0.25,
+                  "ranks": [{"rank": 0, "step_time_s": 0.1, "data_s": 0.01, "wait_s": 0.001},
+                            {"rank": 1, "step_time_s": 0.1, "data_s": 0.05, "wait_s": 0.001}]},
+                 {**base, "seq": 3, "step": 3, "forward_s": "x", "mfu": None}])
+    assert state.peak_flops == 2e12 and state.mfu == 0.25 and state.breakdown_seen
+    assert state.forward_s == [None, 0.03, None] and state.data_s == [None, 0.01, None]
+    assert state.slowest["rank"] == 1 and state.slowest["lag_s"] == pytest.approx(0.04)
+    assert state.slowest["ratio"] == pytest.approx(0.4) and state.slowest["spread_s"] == pytest.approx(0.04)
+    state.apply([{**base, "seq": 4, "step": 2}])  # a restart from step 1: the breakdown series are cut too
+    assert state.forward_s == [None, None]
+
+    # a rank slow in compute under a strategy whose waits the host sees (scratch-ddp): the others wait longer
+    slow = slowest_rank([{"rank": 0, "step_time_s": 0.2, "data_s": 0.0, "wait_s": 0.08},
+                         {"rank": 1, "step_time_s": 0.2, "data_s": 0.0, "wait_s": 0.0},
+                         {"rank": 2, "step_time_s": 0.2, "data_s": 0.0, "wait_s": 0.08}])
+    assert slow["rank"] == 1 and slow["lag_s"] == pytest.approx(0.08) and slow["ratio"] == pytest.approx(0.4)
+    even = slowest_rank([{"rank": r, "step_time_s": 0.2, "data_s": 0.001, "wait_s": 0.01} for r in range(4)])
+    assert even["lag_s"] == 0 and even["ratio"] == 0
+    assert slowest_rank([{"rank": 0, "step_time_s": 0.2}, "junk", {"rank": "x"}]) is None

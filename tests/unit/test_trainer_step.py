@@ -117,3 +117,44 @@ def test_stop_then_resume_gives_the_uninterrupted_losses(tmp_path, process_group
     assert [e["step"] for e in resumed] == [1, 2, 3]
     assert [e["loss"] for e in resumed] == pytest.approx(straight, rel=1e-6, abs=0)
     assert straight[2] < straight[0]  # lr 0.01 without warm-up: it learns
+
+
+@pytest.fixture(autouse=True)
+def fake_peak(tmp_path, monkeypatch):
+    """A cached peak of 1 TFLOP/s for this process's device and threads (no measuring in a unit test: the
+    Trainer's rank 0 would otherwise measure the real one, seconds, when the user cache lacks it)."""
+    from torch_handle import peak
+
+    path = tmp_path / "peak.json"
+    key = peak.device_key("cpu", torch.get_num_threads())
+    path.write_text(json.dumps({key: {"device": "cpu", "fp32": 1e12, "bf16": 2e12, "fp16": 3e12}}))
+    monkeypatch.setenv("HANDLE_PEAK_CACHE", str(path))
+    return 1e12
+
+
+def test_step_breakdown_tiles_the_step_and_mfu_uses_the_cached_peak(tmp_path, process_group, fake_peak):
+    preset = _preset(tmp_path, steps=6)
+    run_dir = create_run_dir(tmp_path / "runs", "parts", dump_preset(preset), {"status": "starting"})
+    assert _train(preset, run_dir, process_group) == "finished"
+    events = _events(run_dir)
+    steps = [e for e in events if e["kind"] == "step"]
+    parts = ("data_s", "forward_s", "backward_s", "sync_s", "optimizer_s")
+    for e in steps:
+        total = sum(e[k] for k in parts)
+        assert all(e[k] >= 0 for k in parts) and e["forward_s"] > 0 and e["backward_s"] > 0
+        # laps tile the step: only the few microseconds before the first and after the last lap are outside
+        assert abs(total - e["step_time_s"]) <= 0.1 * e["step_time_s"], (total, e)
+        assert e["mfu"] == pytest.approx(e["tflops"] * 1e12 / fake_peak)
+        assert "ranks" not in e  # one rank: nothing to compare
+    running = next(e for e in events if e["kind"] == "status" and e["status"] == "running")
+    assert running["peak_flops"] == fake_peak and running["precision"] == "fp32"
+    assert read_run_info(run_dir)["peak_flops"] == fake_peak
+    assert any(e["kind"] == "log" and "peak 1.000 TFLOP/s (fp32 matmul, cached" in e["message"] for e in events)
+
+
+def test_parse_test_delay():
+    from torch_handle.trainer import parse_test_delay
+
+    assert parse_test_delay("1:0.05", 1) == 0.05
+    assert parse_test_delay("1:0.05", 0) == 0.0
+    assert parse_test_delay("", 0) == parse_test_delay("x:y", 0) == parse_test_delay("0:-1", 0) == 0.0
