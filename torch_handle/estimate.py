@@ -423,7 +423,9 @@ class SavedTensorCounter:
         self._stack = []
 
 
-def _checkpointed_blocks(model: Any) -> list[Any]:
+def checkpointed_blocks(model: Any) -> list[Any]:
+    """The blocks whose inputs autograd keeps instead of their activations: ``model.blocks()`` when the model
+    (unwrapped from DDP/DeepSpeed's ``.module``) trains with activation checkpointing, else none."""
     model = getattr(model, "module", model)  # DDP and the DeepSpeed engine wrap the model
     args = getattr(model, "args", None)
     if getattr(args, "activation_checkpointing", False) and model.training and callable(getattr(model, "blocks",
@@ -447,7 +449,7 @@ def saved_activation_bytes(run_forward_backward: Callable[[], Any], model: torch
     or reshard them between forward and backward.
     """
     exclude = [*model.parameters(), *model.buffers()] if model is not None else []
-    with SavedTensorCounter(exclude, _checkpointed_blocks(model) if model is not None else []) as counter:
+    with SavedTensorCounter(exclude, checkpointed_blocks(model) if model is not None else []) as counter:
         run_forward_backward()
     return counter.bytes
 
@@ -530,7 +532,7 @@ def _fake_activations(build: _Build, batch: int, seq_len: int, precision: str, m
                 for h in handles:
                     h.remove()
 
-        counter = SavedTensorCounter(exclude, _checkpointed_blocks(model))
+        counter = SavedTensorCounter(exclude, checkpointed_blocks(model))
         step(counter, [])
         recompute = 0
         if checkpointing:  # what one block saves, measured on the same model without checkpointing

@@ -9,7 +9,8 @@ event has ``seq`` (int, increasing, never reused across restarts), ``time`` (uni
 - ``step``: ``step``, ``loss`` (null when not finite; then ``skipped`` is true with ``on_nan = "skip"``), ``lr``,
   ``grad_norm``, ``tokens_per_s`` (global), ``step_time_s``, ``tokens`` (global tokens in this step),
   optionally ``tflops``, and every ``log_every`` steps ``memory``: a list with one object per rank: ``rank``,
-  ``param_bytes``, ``grad_bytes``, ``optimizer_bytes``, ``rss_bytes`` and on CUDA ``cuda_allocated_bytes``,
+  ``param_bytes``, ``grad_bytes``, ``optimizer_bytes``, ``rss_bytes``, ``activation_bytes`` (what autograd
+  saved for the process's first micro-batch, measured once) and on CUDA ``cuda_allocated_bytes``,
   ``cuda_max_allocated_bytes``, ``cuda_reserved_bytes``. Plus whatever the strategy's ``step_stats()``
   reports for rank 0; ``scratch-ddp``: ``comm_s`` (seconds rank 0 waited for gradient communication that was
   not hidden behind backward), ``allreduce_calls`` and ``allreduce_bytes`` (its gradient all-reduces in this

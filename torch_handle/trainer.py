@@ -129,6 +129,8 @@ class Trainer:
         self.epoch = 0
         self.batch_in_epoch = 0
         self.restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        self.activation_bytes: int | None = None
+        """Bytes autograd saved for this rank's first micro-batch (measured once per process)."""
         self.timer = PhaseTimer(ctx.device)
         """Step breakdown (``timer.enabled = False`` turns it off; benchmarks/breakdown_overhead.py compares)."""
         self.test_delay_s = parse_test_delay(os.environ.get("HANDLE_TEST_DELAY_RANK", ""), ctx.rank)
@@ -160,6 +162,11 @@ class Trainer:
         self.model_info = {"params": sum(t.numel() for t in model.parameters()),
                            "flops_per_token": float(flops(self.data.max_len)) if flops is not None else None}
         model.to(ctx.device)
+        if self.training.compile:
+            # Per block and in place (nn.Module.compile), as torchtitan does: the blocks stay the modules that
+            # blocks() returns, so fsdp's fully_shard per block and activation checkpointing see them unchanged.
+            for block in model.blocks() if hasattr(model, "blocks") else [model]:
+                block.compile()
         # From here on each rank draws its own dropout masks.
         seed_everything(p.run.seed + 1000 * ctx.rank)
 
@@ -277,7 +284,12 @@ class Trainer:
                     time.sleep(self.test_delay_s)  # HANDLE_TEST_DELAY_RANK: a slow input pipeline, for tests
             with self.strategy.accumulating(sync=i == t.grad_accum - 1):
                 with timer.phase("forward"):
-                    loss, n = self.forward_loss(batch)
+                    if i == 0 and self.activation_bytes is None:  # once per process: what autograd saves
+                        with self._activation_counter() as counter:
+                            loss, n = self.forward_loss(batch)
+                        self.activation_bytes = counter.bytes
+                    else:
+                        loss, n = self.forward_loss(batch)
                     stats[0] += loss.detach().double() * n
                     stats[1] += n
                 with timer.phase("backward"):
@@ -333,6 +345,15 @@ class Trainer:
         record["stop"] = bool(stats[2] > 0)
         return record
 
+    def _activation_counter(self):
+        """Counts the distinct storages autograd saves during one micro-batch's forward (parameters and buffers
+        left out; with activation checkpointing the blocks' inputs instead): ``activation_bytes`` in the memory
+        telemetry, what ``handle estimate`` predicts as the saved part of the activations."""
+        from torch_handle.estimate import SavedTensorCounter, checkpointed_blocks
+
+        model = self.strategy.unwrapped()
+        return SavedTensorCounter([*model.parameters(), *model.buffers()], checkpointed_blocks(model))
+
     def gather_memory(self, grad_bytes: int, timing: dict[str, Any] | None = None
                       ) -> tuple[list[dict[str, int]] | None, list[dict[str, Any]] | None]:
         """Every rank's memory figures and its own step timing (``rank``, ``step_time_s``, ``data_s``,
@@ -344,6 +365,8 @@ class Trainer:
             mem.update(cuda_allocated_bytes=torch.cuda.memory_allocated(),
                        cuda_max_allocated_bytes=torch.cuda.max_memory_allocated(),
                        cuda_reserved_bytes=torch.cuda.memory_reserved())
+        if self.activation_bytes is not None:
+            mem["activation_bytes"] = self.activation_bytes
         timing = timing if timing is not None else {"rank": self.ctx.rank}
         if not self.ctx.distributed:
             return [mem], [timing]

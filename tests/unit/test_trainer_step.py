@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from torch_handle.config import dump_preset, load_preset
 from torch_handle.corpus import pydoc_corpus
+from torch_handle.estimate import activation_bytes
 from torch_handle.registry import get_registry
 from torch_handle.rundir import STOP_FILE, create_run_dir, read_run_info
 from torch_handle.strategy import DistContext
@@ -29,7 +30,7 @@ def process_group(tmp_path):
     dist.destroy_process_group()
 
 
-def _preset(tmp_path: Path, steps: int):
+def _preset(tmp_path: Path, steps: int, checkpointing: bool = False):
     corpus = tmp_path / "corpus.txt"
     if not corpus.exists():
         corpus.write_text("\n\n".join(pydoc_corpus())[:60_000], encoding="utf-8")
@@ -42,6 +43,7 @@ n_heads = 2
 n_layers = 1
 d_ff = 64
 dropout = 0.0
+activation_checkpointing = {str(checkpointing).lower()}
 [data]
 name = "text"
 path = "{corpus}"
@@ -94,11 +96,27 @@ def test_one_step_writes_what_a_run_writes(tmp_path, process_group, caplog):
     assert abs(first - math.log(VOCAB)) < 1.0, first  # a sum instead of a mean, or a wrong label shift, is far off
     assert steps[0]["memory"][0]["param_bytes"] > 0 and steps[0]["grad_norm"] > 0
     assert steps[0]["step_time_s"] > 0 and steps[0]["tokens_per_s"] > 0
+    # what autograd saved for the first micro-batch, measured once, and what `handle estimate` predicts for it
+    measured = steps[0]["memory"][0]["activation_bytes"]
+    predicted = activation_bytes(preset, get_registry()).saved
+    assert predicted > 0 and abs(measured - predicted) <= 0.10 * predicted, (measured, predicted)
     assert [e["step"] for e in events if e["kind"] == "eval"] == [0, 2]
     assert [e["step"] for e in events if e["kind"] == "checkpoint"] == [2]
     assert (run_dir / "checkpoints" / "step-2" / "manifest.json").is_file()
     assert (run_dir / "model.safetensors").is_file() and (run_dir / "tokenizer.json").is_file()
     assert read_run_info(run_dir)["status"] == "finished"
+
+
+def test_activation_bytes_with_checkpointing_match_the_estimate(tmp_path, process_group):
+    plain = _preset(tmp_path, steps=1)
+    preset = _preset(tmp_path, steps=1, checkpointing=True)
+    run_dir = create_run_dir(tmp_path / "runs", "ckpt", dump_preset(preset), {"status": "starting"})
+    assert _train(preset, run_dir, process_group) == "finished"
+    step = next(e for e in _events(run_dir) if e["kind"] == "step")
+    measured = step["memory"][0]["activation_bytes"]
+    predicted = activation_bytes(preset, get_registry()).saved
+    assert abs(measured - predicted) <= 0.10 * predicted, (measured, predicted)
+    assert measured < activation_bytes(plain, get_registry()).saved  # checkpointing keeps only block inputs
 
 
 def test_stop_then_resume_gives_the_uninterrupted_losses(tmp_path, process_group):
