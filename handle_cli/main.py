@@ -162,9 +162,11 @@ def supervise_run(run_dir: Path) -> None:
 from handle_cli.bench_cmd import bench  # noqa: E402
 from handle_cli.env_cmd import env  # noqa: E402
 from handle_cli.estimate_cmd import estimate  # noqa: E402
+from handle_cli.generate_cmd import eval_cmd, generate, translate  # noqa: E402
 from handle_cli.plugins_cmd import plugins  # noqa: E402
 from handle_cli.presets_cmd import presets, presets_list, presets_new, presets_show, validate  # noqa: E402,F401
 from handle_cli.profile_cmd import profile  # noqa: E402
+from handle_cli.runs_cmd import runs  # noqa: E402
 
 cli.add_command(validate)
 cli.add_command(presets)
@@ -173,6 +175,10 @@ cli.add_command(env)
 cli.add_command(bench)
 cli.add_command(estimate)
 cli.add_command(profile)
+cli.add_command(generate)
+cli.add_command(translate)
+cli.add_command(eval_cmd)
+cli.add_command(runs)
 
 
 # ---------------------------------------------------------------------------------------------------------------

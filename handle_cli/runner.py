@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -13,7 +12,8 @@ import click
 
 from handle_cli.common import EXIT_FAILED, EXIT_FINISHED, EXIT_STOPPED
 from torch_handle.config import Preset, dump_preset, load_preset
-from torch_handle.rundir import PRESET_FILE, RunDirError, create_run_dir, read_run_info, update_run_info
+from torch_handle.rundir import (ACTIVE, PRESET_FILE, RunDirError, create_run_dir, launcher_alive, read_run_info,
+                                 update_run_info)
 from torch_handle.events import EventReader, Kind, Level, RunState, Status
 from torch_handle.telemetry import EVENTS_FILE
 from torch_handle.text import clean, fmt_bytes, fmt_duration  # text from logs and events never reaches the terminal raw
@@ -26,17 +26,7 @@ def prepare_run(preset: str | None, overrides: tuple[str, ...], run_dir: Path | 
                 resume_dir: Path | None) -> tuple[Preset, Path]:
     """Validate everything, then create (or reopen) the run directory. Nothing is written on bad input."""
     if resume_dir is not None:
-        info = read_run_info(resume_dir)
-        if info.get("status") == Status.RUNNING and _alive(info.get("launcher_pid")):
-            raise RunDirError(f"{resume_dir}: is still running (launcher pid {info['launcher_pid']})")
-        loaded = load_preset(Path(resume_dir) / PRESET_FILE, overrides)
-        _check_data(loaded)
-        if overrides:
-            tmp = Path(resume_dir) / f".{PRESET_FILE}.tmp"
-            tmp.write_text(dump_preset(loaded), encoding="utf-8")
-            os.replace(tmp, Path(resume_dir) / PRESET_FILE)
-        update_run_info(resume_dir, status=Status.RUNNING, message="", resumed=info.get("resumed", 0) + 1)
-        return loaded, Path(resume_dir)
+        return _prepare_resume(Path(resume_dir), overrides)
     assert preset is not None
     loaded = load_preset(preset, overrides)
     _check_data(loaded)
@@ -48,6 +38,31 @@ def prepare_run(preset: str | None, overrides: tuple[str, ...], run_dir: Path | 
     return loaded, directory
 
 
+def _prepare_resume(resume_dir: Path, overrides: tuple[str, ...]) -> tuple[Preset, Path]:
+    """Check a ``--resume`` (with its ``--set`` overrides) against the run, then mark it resuming.
+
+    Every check comes first: a live launcher, a preset that does not load, a setting that may not change on a
+    resume (:func:`torch_handle.resume.check_changes`), missing data. Any of them raises with the run directory
+    untouched. Accepted changes go to ``preset.resume.toml``, not ``preset.toml`` (see :mod:`torch_handle.resume`).
+
+    Raises:
+        RunDirError, PresetError, DataError: one line each (exit code 2).
+    """
+    from torch_handle.resume import PENDING, check_changes, write_side_preset
+
+    info = read_run_info(resume_dir)
+    if info.get("status") in ACTIVE and launcher_alive(info):
+        raise RunDirError(f"{resume_dir}: is still running (launcher pid {info['launcher_pid']})")
+    current = load_preset(resume_dir / PRESET_FILE)
+    loaded = load_preset(resume_dir / PRESET_FILE, overrides) if overrides else current
+    changes = check_changes(resume_dir, current, loaded)
+    _check_data(loaded)
+    write_side_preset(resume_dir, loaded if changes else None)  # None: drops a stale one of a failed resume
+    update_run_info(resume_dir, status=Status.RUNNING, message="", resumed=info.get("resumed", 0) + 1,
+                    **{PENDING: {"time": time.time()}})
+    return loaded, resume_dir
+
+
 def _check_data(preset: Preset) -> None:
     """Cheap data checks before anything starts (missing paths), through the dataset plugin's own hook."""
     from torch_handle.registry import get_registry
@@ -55,16 +70,6 @@ def _check_data(preset: Preset) -> None:
     preflight = get_registry().get("dataset", preset.data.name).preflight
     if preflight is not None:
         preflight(preset.data.options)
-
-
-def _alive(pid: object) -> bool:
-    if not isinstance(pid, int):
-        return False
-    try:
-        os.kill(pid, 0)
-        return True
-    except OSError:
-        return False
 
 
 def _fmt_loss(value: object) -> str:
@@ -118,7 +123,11 @@ def summary_text(s: RunState, run_dir: Path, info: dict) -> str:
 def supervise(preset: Preset, run_dir: Path, *, quiet: bool = False) -> int:
     """Run torchrun on ``run_dir`` until it ends; returns the exit code (0 finished, 1 failed, 130 stopped)."""
     from torch_handle.launch import Launch
+    from torch_handle.resume import PENDING, RESUME_PRESET, promote
 
+    if (Path(run_dir) / RESUME_PRESET).exists():  # a resume with changes: its preset, not the run's (--tui path)
+        preset = load_preset(Path(run_dir) / RESUME_PRESET)
+    pending = PENDING in read_run_info(run_dir)
     launch = Launch(preset, run_dir)
     reader = EventReader(Path(run_dir) / EVENTS_FILE)
     # the preset's total until the workers report theirs; no status from run.json: the summary's is the launcher's
@@ -144,11 +153,18 @@ def supervise(preset: Preset, run_dir: Path, *, quiet: bool = False) -> int:
     if not quiet:
         click.echo(f"run directory: {run_dir}\nlogs: {run_dir}/logs/rank*.log   dashboard: handle tui {run_dir}")
     try:
+        started = time.time()
         launch.start()
         while True:
             rc = launch.poll()
             events = reader.poll()
             state.apply(events)
+            if pending:  # the resumed run made its first step: its preset becomes the run's
+                first = next((e for e in events if e.get("kind") == Kind.STEP and isinstance(e.get("step"), int)
+                              and (e.get("time") or 0) >= started), None)
+                if first is not None:
+                    promote(run_dir, first["step"] - 1)
+                    pending = False
             for event in [] if quiet else events:
                 if event.get("kind") == Kind.LOG and event.get("level") in (Level.WARNING, Level.ERROR):
                     click.echo(("\r\033[K" if tty else "")
@@ -167,6 +183,8 @@ def supervise(preset: Preset, run_dir: Path, *, quiet: bool = False) -> int:
         state.apply(reader.poll())
         launch.reap()
         info = launch.finish(rc)
+        if pending and info.get("status") == Status.FINISHED:  # nothing left to do: the resume worked too
+            promote(run_dir, state.step)
     finally:
         for s, h in old.items():
             signal.signal(s, h)

@@ -189,3 +189,55 @@ def load_trainer_state(ckpt_dir: Path, rank: int) -> TrainerState:
     data = safe_load(Path(ckpt_dir) / f"trainer-rank{rank}.pt")
     set_rng_state(data["rng"])
     return TrainerState(step=int(data["step"]), epoch=int(data["epoch"]), batch_in_epoch=int(data["batch_in_epoch"]))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A checkpoint that cannot be written (disk full, directory unwritable): the previous one stays, the run fails.
+# ---------------------------------------------------------------------------------------------------------------
+
+FAULT_ENV = "HANDLE_TEST_CHECKPOINT_ENOSPC"
+"""Test hook: ``HANDLE_TEST_CHECKPOINT_ENOSPC=N`` makes every rank's checkpoint write at step N raise
+``OSError(ENOSPC)`` after its files are partly written (tests/test_resume_safety.py). Not for production use."""
+
+
+def inject_fault(step: int, path: Path) -> None:
+    """The :data:`FAULT_ENV` test hook (a no-op unless it is set to ``step``).
+
+    Raises:
+        OSError: ENOSPC for ``path`` when the hook names this step.
+    """
+    import errno
+
+    if os.environ.get(FAULT_ENV, "").strip() == str(step):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+
+def is_write_failure(e: BaseException) -> bool:
+    """An OSError, or torch's serializer failing to write a file (a RuntimeError that says so)."""
+    return isinstance(e, OSError) or (isinstance(e, RuntimeError) and bool(
+        re.search(r"failed writing file|file write failed|unexpected pos", str(e))))
+
+
+def write_failure(root: Path, step: int, error: BaseException, *, clean_up: bool = True) -> CheckpointError:
+    """Describe a failed checkpoint write in one line: the directory, the OS's reason and, when a previous
+    checkpoint tells the size, the bytes needed and free (an estimate). ``clean_up`` (rank 0 only: another rank
+    may still be writing into it) removes the half-written ``.tmp-step-<step>``; a leftover one is hidden and
+    replaced by the next save at that step."""
+    from torch_handle.text import fmt_bytes
+
+    root = Path(root)
+    if clean_up:
+        shutil.rmtree(tmp_dir_for(root, step), ignore_errors=True)
+    reason = (error.strerror if isinstance(error, OSError) and error.strerror else str(error).splitlines()[0])
+    previous, _ = newest_valid(root) if root.is_dir() else (None, [])
+    need = ""
+    if previous is not None:
+        try:
+            files = json.loads((previous / MANIFEST).read_text(encoding="utf-8")).get("files", {})
+            size = sum(int(f.get("bytes", 0)) for f in files.values())
+            free = shutil.disk_usage(root).free
+            need = f" (needs about {fmt_bytes(size)}, {fmt_bytes(free)} free)"
+        except (OSError, ValueError, TypeError, AttributeError):
+            need = ""
+    kept = f"; {previous.name} is kept" if previous is not None else ""
+    return CheckpointError(f"checkpoint at step {step} not written to {root}: {reason}{need}{kept}")

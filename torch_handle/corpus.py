@@ -75,7 +75,15 @@ def read_parallel(directory: Path, split: str, src_lang: str, tgt_lang: str) -> 
     Raises:
         DataError: for a missing file, or files whose line counts differ (naming both files and counts).
     """
-    src_path, tgt_path = Path(directory) / f"{split}.{src_lang}", Path(directory) / f"{split}.{tgt_lang}"
+    return read_pairs(Path(directory) / f"{split}.{src_lang}", Path(directory) / f"{split}.{tgt_lang}")
+
+
+def read_pairs(src_path: Path, tgt_path: Path) -> tuple[list[str], list[str]]:
+    """Aligned lines of two files, one sentence per line.
+
+    Raises:
+        DataError: for a missing or empty file, or files whose line counts differ (naming both files and counts).
+    """
     src, tgt = read_text(src_path).splitlines(), read_text(tgt_path).splitlines()
     if len(src) != len(tgt):
         raise DataError(f"{src_path} has {len(src)} lines but {tgt_path} has {len(tgt)}: parallel files must align")

@@ -38,6 +38,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
@@ -70,6 +71,10 @@ class Status:
     """Read as :attr:`RESTARTING` (older files)."""
     UNREADABLE = "unreadable"
     """Never written: what the run picker shows for a run.json it cannot read."""
+    LOST = "lost"
+    """Never written: run.json says active, but the launcher is gone and the heartbeat is stale
+    (:func:`torch_handle.rundir.is_lost`); ``handle run --resume`` continues it like a stopped run. Not in
+    :attr:`FINAL` (no worker or launcher ever records it), though nothing more happens to a lost run either."""
     FINAL = (FINISHED, FAILED, STOPPED)
     """Statuses after which nothing more happens to the run (until ``--resume``)."""
     RESTART = (RESTARTING, RESTARTED)
@@ -370,6 +375,8 @@ class RunState:
     tokens_per_s_sum: float = 0.0
     tokens_per_s_count: int = 0
     """Sum and count of the tokens/s figures applied after the first 2 (restarts do not remove any)."""
+    lost_checked: tuple[float, bool] = (0.0, False)
+    """(monotonic time, result) of the newest :func:`~torch_handle.rundir.is_lost` check (once a second)."""
 
     # -- applying --------------------------------------------------------------------------------------------
 
@@ -504,7 +511,7 @@ class RunState:
 
     @property
     def status(self) -> str:
-        """running | finished | failed | stopped | restarting | starting.
+        """running | finished | failed | stopped | restarting | starting | lost.
 
         run.json has the last word once it is final (the launcher records failures no worker could report);
         otherwise the newest status event. (A final event status while run.json says running is a resumed run
@@ -513,14 +520,29 @@ class RunState:
         info_status = self.info.get("status")
         if info_status in Status.FINAL:
             return info_status
+        if info_status == Status.LOST or self.lost:
+            return Status.LOST
         if self.event_status:
             return Status.RESTARTING if self.event_status in Status.RESTART else self.event_status
         return info_status if isinstance(info_status, str) and info_status else Status.STARTING
 
     @property
+    def lost(self) -> bool:
+        """run.json says the run is active, but its launcher is gone and its heartbeat stale (checked at most
+        once a second; always False for an ``info`` without a recorded launcher)."""
+        from torch_handle.rundir import is_lost
+
+        now = time.monotonic()
+        if now - self.lost_checked[0] >= 1.0:
+            self.lost_checked = (now, is_lost(self.run_dir, self.info))
+        return self.lost_checked[1]
+
+    @property
     def message(self) -> str:
         if self.info.get("status") in Status.FINAL and self.info.get("message"):
             return clean(self.info["message"], 500)
+        if self.status == Status.LOST:
+            return f"the launcher is gone (killed?); continue with: handle run --resume {clean(str(self.run_dir))}"
         return self.event_message
 
     @property

@@ -25,7 +25,7 @@ import psutil
 
 from torch_handle.config import Preset
 from torch_handle.events import Status
-from torch_handle.rundir import STOP_FILE, read_run_info, update_run_info
+from torch_handle.rundir import HEARTBEAT_S, STOP_FILE, read_run_info, touch_heartbeat, update_run_info
 
 
 def torchrun_command(preset: Preset, run_dir: Path, python: str = sys.executable) -> list[str]:
@@ -95,6 +95,7 @@ class Launch:
         self.seen: dict[int, psutil.Process] = {}
         self.stop_requested = False
         self.killed = False
+        self.last_beat = 0.0
 
     def start(self) -> None:
         (self.run_dir / STOP_FILE).unlink(missing_ok=True)
@@ -104,12 +105,19 @@ class Launch:
         self.proc = subprocess.Popen(self.cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                      env=self.env, start_new_session=True, preexec_fn=die_with_parent)
         log.close()
+        touch_heartbeat(self.run_dir)
+        self.last_beat = time.monotonic()
         update_run_info(self.run_dir, status=Status.RUNNING, launcher_pid=os.getpid(), torchrun_pid=self.proc.pid,
+                        launcher_create_time=psutil.Process().create_time(),
                         start_time=read_run_info(self.run_dir).get("start_time") or time.time(), end_time=None)
 
     def poll(self) -> int | None:
-        """The exit code once torchrun has exited; meanwhile remembers every process of its tree."""
+        """The exit code once torchrun has exited; meanwhile remembers every process of its tree and touches the
+        run's heartbeat every ``HEARTBEAT_S`` seconds (what tells a live run from a lost one)."""
         assert self.proc is not None
+        if time.monotonic() - self.last_beat >= HEARTBEAT_S:
+            touch_heartbeat(self.run_dir)
+            self.last_beat = time.monotonic()
         try:
             parent = psutil.Process(self.proc.pid)
             for p in [parent, *parent.children(recursive=True)]:

@@ -49,6 +49,9 @@ __all__ = [
     "DecoderLM",
     "EncoderDecoder",
     "build_transformer",
+    "AttentionCache",
+    "LayerCache",
+    "KVCache",
 ]
 
 AttentionImpl = Literal["sdpa", "reference"]
@@ -123,8 +126,9 @@ def dropout(x: Tensor, p: float, training: bool = True) -> Tensor:
     n = x.numel()
     bits = torch.randint(-(1 << 63), (1 << 63) - 1, ((n + 3) // 4,), dtype=torch.int64, device=x.device)
     cut = round(p * _DROP_LEVELS)
-    keep = (bits.view(torch.int16)[:n] >= cut - _DROP_LEVELS // 2).view(x.shape)  # bool, x's shape
-    return x * keep.to(x.dtype).mul_(_DROP_LEVELS / (_DROP_LEVELS - cut))  # scaled mask in x's dtype
+    keep = torch.empty_like(x, memory_format=torch.contiguous_format)  # 1.0 = keep, 0.0 = drop, in x's dtype
+    torch.ge(bits.view(torch.int16)[:n].view(x.shape), cut - _DROP_LEVELS // 2, out=keep)  # no bool temporary
+    return x * keep.mul_(_DROP_LEVELS / (_DROP_LEVELS - cut))  # scaled mask, saved by autograd for backward
 
 
 class Dropout(nn.Dropout):
@@ -175,11 +179,13 @@ class SinusoidalPositionalEncoding(nn.Module):
         pe[:, 1::2] = torch.cos(position * div_term[: d_model // 2])  # odd C has one fewer cos column
         self.register_buffer("pe", pe.to(torch.float32), persistent=True)  # (max_len, C)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, offset: int = 0) -> Tensor:
+        """x (B, T, C) -> x + PE[offset : offset + T]; ``offset`` is the number of positions before x (the
+        length of a key/value cache when decoding incrementally)."""
         B, T, C = x.shape
-        if T > self.max_len:
-            raise ValueError(f"sequence length {T} exceeds positional-encoding max_len {self.max_len}")
-        return x + self.pe[:T].to(x.dtype)  # (T, C) broadcasts over B
+        if offset + T > self.max_len:
+            raise ValueError(f"sequence length {offset + T} exceeds positional-encoding max_len {self.max_len}")
+        return x + self.pe[offset:offset + T].to(x.dtype)  # (T, C) broadcasts over B
 
     def extra_repr(self) -> str:
         return f"d_model={self.d_model}, max_len={self.max_len}"
@@ -242,20 +248,85 @@ def scaled_dot_product_attention_reference(
 
 
 def _attention_mask(
-    key_padding_mask: Tensor | None, causal: bool, T: int, S: int, device: torch.device
+    key_padding_mask: Tensor | None, causal: bool, T: int, S: int, device: torch.device, offset: int = 0
 ) -> Tensor | None:
     """Combine causal and key-padding masks into one bool mask, True = may attend.
 
     Returns None when nothing is masked, else a tensor broadcastable to (B, H, T, S). The causal
-    mask is aligned top-left (query t sees keys 0..t), matching SDPA's ``is_causal``.
+    mask is aligned top-left (query t sees keys 0..t), matching SDPA's ``is_causal``; with ``offset``
+    (cached keys before the queries) query t sees keys 0..offset + t.
     """
     mask = None
     if causal:
-        mask = torch.ones(T, S, dtype=torch.bool, device=device).tril()  # (T, S)
+        mask = torch.ones(T, S, dtype=torch.bool, device=device).tril(diagonal=offset)  # (T, S)
     if key_padding_mask is not None:
         keep = ~key_padding_mask[:, None, None, :]  # (B, 1, 1, S)
         mask = keep if mask is None else mask & keep  # (B, 1, T, S)
     return mask
+
+
+class AttentionCache:
+    """What one ``MultiHeadAttention`` keeps between incremental decoding steps: its keys and values.
+
+    Self-attention (``static=False``): each call appends the new positions' keys/values, so a step feeds only
+    the new token. Cross-attention (``static=True``): the keys/values of the encoder memory are projected on
+    the first call and reused afterwards (the memory passed later is ignored).
+
+    Attributes:
+        k, v: (B, H, S, d_k) or None before the first call.
+    """
+
+    def __init__(self, static: bool = False) -> None:
+        self.static = static
+        self.k: Tensor | None = None
+        self.v: Tensor | None = None
+
+    def reorder(self, index: Tensor) -> None:
+        """Keep batch rows ``index`` (LongTensor (B',), repeats allowed: beam search)."""
+        if self.k is not None:
+            self.k, self.v = self.k.index_select(0, index), self.v.index_select(0, index)
+
+
+class LayerCache:
+    """A ``DecoderLayer``'s caches: ``self_attn`` (appending) and ``cross_attn`` (static, encoder-decoder)."""
+
+    def __init__(self) -> None:
+        self.self_attn = AttentionCache()
+        self.cross_attn = AttentionCache(static=True)
+
+
+class KVCache:
+    """Key/value cache for incremental decoding (eval only): one ``LayerCache`` per decoder layer, the
+    target padding mask of the positions seen so far, and their number (``length``: the position offset
+    of the next tokens). Pass the same object to successive ``DecoderLM.forward`` / ``EncoderDecoder.decode``
+    calls, feeding only the new tokens; the logits equal those of recomputing the whole prefix.
+
+    Args:
+        n_layers: decoder layers of the model (``KVCache.for_model(model)`` counts them).
+    """
+
+    def __init__(self, n_layers: int) -> None:
+        self.layers = [LayerCache() for _ in range(n_layers)]
+        self.padding_mask: Tensor | None = None  # bool (B, length), True = pad
+        self.length = 0
+
+    @classmethod
+    def for_model(cls, model: nn.Module) -> KVCache:
+        return cls(len(model.layers) if hasattr(model, "layers") else len(model.decoder_layers))
+
+    def extend_padding(self, mask: Tensor | None) -> Tensor | None:
+        """Append the new tokens' padding mask (B, T) and return the whole (B, length + T) one."""
+        if mask is not None:
+            self.padding_mask = mask if self.padding_mask is None else torch.cat([self.padding_mask, mask], 1)
+        return self.padding_mask
+
+    def reorder(self, index: Tensor) -> None:
+        """Keep batch rows ``index`` (LongTensor (B',)) of every cached tensor (beam search, finished rows)."""
+        for layer in self.layers:
+            layer.self_attn.reorder(index)
+            layer.cross_attn.reorder(index)
+        if self.padding_mask is not None:
+            self.padding_mask = self.padding_mask.index_select(0, index)
 
 
 class MultiHeadAttention(nn.Module):
@@ -362,6 +433,27 @@ class MultiHeadAttention(nn.Module):
             k, v = project(key, slice(C, 2 * C)), project(value, slice(2 * C, 3 * C))
         return q, k, v
 
+    def _attend_cached(self, query: Tensor, key: Tensor, value: Tensor,
+                       cache: AttentionCache) -> tuple[Tensor, Tensor, Tensor]:
+        """Projections with a cache: q (B, H, T, d_k) of the new queries; k, v (B, H, S, d_k): for a static
+        (cross-attention) cache the memory's, projected once; otherwise the cached ones followed by the new."""
+        B, H, d_k = query.shape[0], self.n_heads, self.d_k
+
+        def heads(x: Tensor) -> Tensor:  # (B, L, C) -> (B, H, L, d_k)
+            return x.view(B, x.shape[1], H, d_k).transpose(1, 2)
+
+        if cache.static and cache.k is not None:
+            C = self.d_model
+            q = (self.q_proj(query) if not self.fused_qkv else
+                 F.linear(query, self.qkv_proj.weight[:C], None if self.qkv_proj.bias is None
+                          else self.qkv_proj.bias[:C]))
+            return heads(q), cache.k, cache.v
+        q, k, v = (heads(t) for t in self._project_qkv(query, key, value))
+        if not cache.static and cache.k is not None:
+            k, v = torch.cat([cache.k, k], dim=2), torch.cat([cache.v, v], dim=2)
+        cache.k, cache.v = k, v
+        return q, k, v
+
     def forward(
         self,
         query: Tensor,
@@ -370,6 +462,7 @@ class MultiHeadAttention(nn.Module):
         *,
         key_padding_mask: Tensor | None = None,
         causal: bool = False,
+        cache: AttentionCache | None = None,
     ) -> Tensor:
         """Attend from ``query`` to ``key``/``value`` with the kernel ``self.attention``.
 
@@ -380,6 +473,9 @@ class MultiHeadAttention(nn.Module):
             key_padding_mask: optional bool (B, S), True = padding (ignored as a key), the same
                 convention as ``nn.MultiheadAttention``.
             causal: if True, query t may only attend to keys 0..t (top-left aligned).
+            cache: incremental decoding (eval): the keys/values of earlier calls (see ``AttentionCache``).
+                For self-attention the keys are then the P cached plus the T new positions (S = P + T),
+                key_padding_mask covers all S, and the causal mask is aligned bottom-right.
 
         Returns:
             (B, T, C) in query's dtype. A query row whose keys are all masked yields the output
@@ -395,6 +491,9 @@ class MultiHeadAttention(nn.Module):
         B, T, C = query.shape
         S = key.shape[1]
         H, d_k = self.n_heads, self.d_k
+        if cache is not None:
+            q, k, v = self._attend_cached(query, key, value, cache)  # (B, H, T, d_k), (B, H, S', d_k) x2
+            S = k.shape[2]
         if key_padding_mask is not None and (
             key_padding_mask.dtype != torch.bool or key_padding_mask.shape != (B, S)
         ):
@@ -403,20 +502,24 @@ class MultiHeadAttention(nn.Module):
                 f"{key_padding_mask.dtype} {tuple(key_padding_mask.shape)}"
             )
 
-        q, k, v = self._project_qkv(query, key, value)  # (B, T, C), (B, S, C), (B, S, C)
-        q = q.view(B, T, H, d_k).transpose(1, 2)  # (B, H, T, d_k)
-        k = k.view(B, S, H, d_k).transpose(1, 2)  # (B, H, S, d_k)
-        v = v.view(B, S, H, d_k).transpose(1, 2)  # (B, H, S, d_k)
+        if cache is None:
+            q, k, v = self._project_qkv(query, key, value)  # (B, T, C), (B, S, C), (B, S, C)
+            q = q.view(B, T, H, d_k).transpose(1, 2)  # (B, H, T, d_k)
+            k = k.view(B, S, H, d_k).transpose(1, 2)  # (B, H, S, d_k)
+            v = v.view(B, S, H, d_k).transpose(1, 2)  # (B, H, S, d_k)
+        offset = S - T if cache is not None else 0  # with cached keys the queries are the last T of S positions
+        if causal and offset and T == 1:
+            causal = False  # one new query may see every cached key
 
         dropout_p = self.dropout if self.training else 0.0
         # On CPU, SDPA with dropout runs its math kernel (fp32 for bf16/fp16 inputs) and draws the mask with the
         # slow bernoulli_; the reference in fp32 computes the same with the fast CPU ``dropout`` (see there).
         cpu_dropout = dropout_p > 0.0 and query.device.type == "cpu"
-        if impl == "sdpa" and key_padding_mask is None and not cpu_dropout:
+        if impl == "sdpa" and key_padding_mask is None and not cpu_dropout and not (causal and offset):
             # No mask tensor needed: is_causal lets SDPA pick its fastest (flash) kernel.
             out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=causal)
         else:
-            mask = _attention_mask(key_padding_mask, causal, T, S, query.device)  # (B|1, 1, T, S) | None
+            mask = _attention_mask(key_padding_mask, causal, T, S, query.device, offset)  # (B|1, 1, T, S) | None
             empty_rows = None
             if key_padding_mask is not None:
                 # Only padding can empty a row (causal always leaves key 0); see _unmask_empty_rows.
@@ -597,14 +700,17 @@ class DecoderLayer(nn.Module):
         key_padding_mask: Tensor | None = None,
         memory_key_padding_mask: Tensor | None = None,
         causal: bool = True,
+        cache: LayerCache | None = None,
     ) -> Tensor:
         """
         Args:
             x: (B, T, C) target-side hidden states.
             memory: (B, S, C) encoder output; required iff the layer has cross-attention.
-            key_padding_mask: bool (B, T), True = padded target position.
+            key_padding_mask: bool (B, T), True = padded target position (with ``cache``: (B, P + T), the
+                P cached positions first).
             memory_key_padding_mask: bool (B, S), True = padded source position.
             causal: mask future target positions (leave True except for experiments).
+            cache: incremental decoding (eval): the keys/values of the P positions decoded before x.
 
         Returns:
             (B, T, C).
@@ -617,11 +723,13 @@ class DecoderLayer(nn.Module):
 
         def self_attn(h: Tensor) -> Tensor:
             with _range("attention"):
-                return self.dropout(self.self_attn(h, h, h, key_padding_mask=key_padding_mask, causal=causal))
+                return self.dropout(self.self_attn(h, h, h, key_padding_mask=key_padding_mask, causal=causal,
+                                                   cache=None if cache is None else cache.self_attn))
 
         def cross_attn(h: Tensor) -> Tensor:
             with _range("cross_attention"):
-                return self.dropout(self.cross_attn(h, memory, memory, key_padding_mask=memory_key_padding_mask))
+                return self.dropout(self.cross_attn(h, memory, memory, key_padding_mask=memory_key_padding_mask,
+                                                    cache=None if cache is None else cache.cross_attn))
 
         def ff(h: Tensor) -> Tensor:
             with _range("feed_forward"):
@@ -758,10 +866,10 @@ class _TransformerModel(nn.Module):
         if not self.args.tie_embeddings:
             nn.init.normal_(self.lm_head.weight, mean=0.0, std=std)
 
-    def _embed(self, ids: Tensor) -> Tensor:
-        """(B, T) token ids -> (B, T, C): scaled embedding + position, then dropout (§3.4)."""
+    def _embed(self, ids: Tensor, offset: int = 0) -> Tensor:
+        """(B, T) token ids -> (B, T, C): scaled embedding + position (from ``offset``), then dropout (§3.4)."""
         x = self.embed(ids) * math.sqrt(self.args.d_model)  # (B, T, C)
-        return self.embed_dropout(self.pos_encoding(x))
+        return self.embed_dropout(self.pos_encoding(x, offset) if offset else self.pos_encoding(x))
 
     def _padding_mask(self, ids: Tensor) -> Tensor | None:
         """bool (B, T), True where ids == pad_id; None when the model has no pad_id."""
@@ -841,18 +949,29 @@ class DecoderLM(_TransformerModel):
     def blocks(self) -> list[nn.Module]:
         return list(self.layers)
 
-    def forward(self, input_ids: Tensor) -> Tensor:
+    def forward(self, input_ids: Tensor, *, cache: KVCache | None = None) -> Tensor:
         """
         Args:
-            input_ids: LongTensor (B, T) with T <= max_len.
+            input_ids: LongTensor (B, T) with T <= max_len (with ``cache``: cache.length + T <= max_len).
+            cache: incremental decoding (eval): ``KVCache.for_model(model)``, then the same object on every
+                call, each feeding only the tokens after those already seen (positions continue from
+                ``cache.length``). None (training): the whole sequence, as always.
 
         Returns:
             logits: float32 (B, T, V); position t predicts token t + 1.
         """
         padding_mask = self._padding_mask(input_ids)  # (B, T) or None
-        x = self._embed(input_ids)  # (B, T, C)
-        for i, layer in enumerate(self.layers):
-            x = self._run_block(f"decoder.layer{i}", layer, x, key_padding_mask=padding_mask)
+        if cache is None:
+            x = self._embed(input_ids)  # (B, T, C)
+            for i, layer in enumerate(self.layers):
+                x = self._run_block(f"decoder.layer{i}", layer, x, key_padding_mask=padding_mask)
+        else:
+            x = self._embed(input_ids, cache.length)  # (B, T, C)
+            padding_mask = cache.extend_padding(padding_mask)  # (B, P + T) or None
+            for i, layer in enumerate(self.layers):
+                x = self._run_block(f"decoder.layer{i}", layer, x, key_padding_mask=padding_mask,
+                                    cache=cache.layers[i])
+            cache.length += input_ids.shape[1]
         x = self.final_norm(x)
         return self.lm_head(x).float()  # (B, T, V); float32 even under autocast, for the loss
 
@@ -898,13 +1017,22 @@ class EncoderDecoder(_TransformerModel):
             x = self._run_block(f"encoder.layer{i}", layer, x, key_padding_mask=src_padding_mask)
         return self.encoder_norm(x), src_padding_mask
 
-    def decode(self, tgt_ids: Tensor, memory: Tensor, src_padding_mask: Tensor | None = None) -> Tensor:
-        """tgt_ids LongTensor (B, T), memory (B, S, C) -> logits float32 (B, T, V)."""
+    def decode(self, tgt_ids: Tensor, memory: Tensor, src_padding_mask: Tensor | None = None, *,
+               cache: KVCache | None = None) -> Tensor:
+        """tgt_ids LongTensor (B, T), memory (B, S, C) -> logits float32 (B, T, V).
+
+        ``cache`` (eval): incremental decoding as in ``DecoderLM.forward``; the cross-attention keys/values
+        of ``memory`` are projected on the first call and reused (after ``cache.reorder`` too)."""
         tgt_padding_mask = self._padding_mask(tgt_ids)  # (B, T) or None
-        x = self._embed(tgt_ids)  # (B, T, C)
+        offset = 0 if cache is None else cache.length
+        x = self._embed(tgt_ids, offset)  # (B, T, C)
+        if cache is not None:
+            tgt_padding_mask = cache.extend_padding(tgt_padding_mask)  # (B, P + T) or None
+            cache.length += tgt_ids.shape[1]
         for i, layer in enumerate(self.decoder_layers):
+            kwargs = {} if cache is None else {"cache": cache.layers[i]}
             x = self._run_block(f"decoder.layer{i}", layer, x, memory, key_padding_mask=tgt_padding_mask,
-                                memory_key_padding_mask=src_padding_mask)
+                                memory_key_padding_mask=src_padding_mask, **kwargs)
         x = self.decoder_norm(x)
         return self.lm_head(x).float()  # (B, T, V)
 

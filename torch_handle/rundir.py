@@ -2,7 +2,8 @@
 
     runs/<name>-<UTC timestamp>/
         preset.toml     the fully resolved preset (what actually ran)
-        run.json        status, strategy, world size, pids, times, restarts
+        run.json        status, strategy, world size, pids, times, restarts, resumes
+        heartbeat       touched every few seconds by the launcher (and rank 0) while the run is alive
         events.jsonl    rank-0 telemetry (schema: torch_handle.events; written by torch_handle.telemetry)
         logs/           rank<N>.log per rank, launcher.log for torchrun itself
         checkpoints/    step-<N>/ written atomically, newest complete one wins
@@ -28,6 +29,69 @@ PRESET_FILE = "preset.toml"
 RUN_FILE = "run.json"
 STOP_FILE = "STOP"
 """Created by ``handle run`` on the first Ctrl-C: the workers finish the step, checkpoint and exit."""
+HEARTBEAT_FILE = "heartbeat"
+"""Its mtime is the last sign of life of the launcher (every :data:`HEARTBEAT_S`) or of rank 0 (every step)."""
+HEARTBEAT_S = 2.0
+LOST_AFTER_S = 10.0
+"""A run whose run.json says it is active, whose launcher is gone and whose heartbeat is older than this
+(seconds) is lost: killed without a chance to record it (``kill -9``, a reboot)."""
+ACTIVE = ("starting", "running", "restarting", "restarted")
+"""Statuses of run.json that claim a live launcher (the values of ``torch_handle.events.Status``)."""
+
+
+def touch_heartbeat(run_dir: Path) -> None:
+    """Set the mtime of ``RUN_DIR/heartbeat`` to now (best effort: a full disk must not stop the run)."""
+    try:
+        (Path(run_dir) / HEARTBEAT_FILE).touch()
+    except OSError:
+        pass
+
+
+def launcher_alive(info: dict[str, Any]) -> bool:
+    """Whether the launcher recorded in run.json (``launcher_pid``, ``launcher_create_time``) still runs; a
+    reused pid (another start time) or a zombie counts as gone."""
+    import psutil
+
+    pid = info.get("launcher_pid")
+    if not isinstance(pid, int) or isinstance(pid, bool):
+        return False
+    try:
+        p = psutil.Process(pid)
+        created = info.get("launcher_create_time")
+        if isinstance(created, (int, float)) and abs(p.create_time() - created) > 1.0:
+            return False
+        return p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def is_lost(run_dir: Path, info: dict[str, Any], now: float | None = None) -> bool:
+    """True when run.json says the run is active but nothing keeps it: the launcher is gone and the heartbeat
+    (or, without one, run.json) is older than :data:`LOST_AFTER_S` seconds. False without a recorded launcher."""
+    if info.get("status") not in ACTIVE or not isinstance(info.get("launcher_pid"), int):
+        return False
+    now = time.time() if now is None else now
+    beats = []
+    for name in (HEARTBEAT_FILE, RUN_FILE):
+        try:
+            beats.append((Path(run_dir) / name).stat().st_mtime)
+        except OSError:
+            pass
+    if beats and now - max(beats) < LOST_AFTER_S:
+        return False
+    return not launcher_alive(info)
+
+
+def read_run_status(run_dir: Path) -> dict[str, Any]:
+    """:func:`read_run_info` with ``status`` ``"lost"`` for a lost run (:func:`is_lost`); for displays.
+
+    Raises:
+        RunDirError: when ``run_dir`` is not a run directory.
+    """
+    info = read_run_info(run_dir)
+    if is_lost(run_dir, info):
+        info["status"] = "lost"
+    return info
 
 
 

@@ -28,7 +28,7 @@ from torch_handle import checkpoint as ckpt
 from torch_handle.config import Preset
 from torch_handle.data import IGNORE_INDEX, DataBundle, DataContext, ResumableDistributedSampler
 from torch_handle.registry import PluginRegistry
-from torch_handle.rundir import STOP_FILE, update_run_info
+from torch_handle.rundir import HEARTBEAT_S, STOP_FILE, touch_heartbeat, update_run_info
 from torch_handle.strategy import DistContext, Strategy
 from torch_handle.events import SLOW_RANK_LOGS, SLOW_RANK_RATIO, Kind, Level, Status, slowest_rank
 from torch_handle.phases import PhaseTimer
@@ -93,9 +93,12 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         weight = (valid * (grad / n)).float()[:, None]  # (N, 1): d loss / d nll_row
         out = torch.empty_like(logits)
         for s in range(0, logits.shape[0], ctx.rows):
-            p = torch.softmax(logits[s:s + ctx.rows].float(), dim=-1)  # (rows, V) fp32
-            p.scatter_add_(1, safe[s:s + ctx.rows], torch.full_like(safe[s:s + ctx.rows], -1.0, dtype=p.dtype))
-            out[s:s + ctx.rows] = p.mul_(weight[s:s + ctx.rows])
+            x, idx = logits[s:s + ctx.rows], safe[s:s + ctx.rows]
+            p = out[s:s + ctx.rows] if x.dtype == torch.float32 else torch.empty_like(x, dtype=torch.float32)
+            torch.softmax(x.float(), dim=-1, out=p)  # (rows, V) fp32, written in place when logits are fp32
+            p.scatter_add_(1, idx, torch.full_like(idx, -1.0, dtype=p.dtype)).mul_(weight[s:s + ctx.rows])
+            if p.data_ptr() != out[s:s + ctx.rows].data_ptr():
+                out[s:s + ctx.rows] = p
         return out, None, None
 
 
@@ -415,18 +418,28 @@ class Trainer:
         return float(total[0] / total[1]) if total[1] > 0 else float("nan")
 
     def save_checkpoint(self) -> None:
+        """Write ``checkpoints/step-<step>`` (every rank takes part). A write that fails (disk full, unwritable)
+        removes the partial directory, keeps the previous checkpoint, and raises CheckpointError naming the
+        directory and the bytes needed (see :func:`torch_handle.checkpoint.write_failure`): the run fails."""
         root = self.run_dir / "checkpoints"
         tmp = ckpt.tmp_dir_for(root, self.step)
-        if self.ctx.is_main:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-        self.ctx.barrier()
-        self.strategy.save(tmp)
-        ckpt.save_trainer_state(tmp, self.ctx.rank, ckpt.TrainerState(self.step, self.epoch, self.batch_in_epoch))
-        self.ctx.barrier()
-        if self.ctx.is_main:
-            final = ckpt.finalize(root, self.step, self.training.keep_last)
-            self.events.emit(Kind.CHECKPOINT, step=self.step, path=str(final.relative_to(self.run_dir)))
+        try:
+            if self.ctx.is_main:
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir(parents=True)
+            self.ctx.barrier()
+            self.strategy.save(tmp)
+            ckpt.save_trainer_state(tmp, self.ctx.rank, ckpt.TrainerState(self.step, self.epoch,
+                                                                         self.batch_in_epoch))
+            ckpt.inject_fault(self.step, tmp)  # test hook: HANDLE_TEST_CHECKPOINT_ENOSPC
+            self.ctx.barrier()
+            if self.ctx.is_main:
+                final = ckpt.finalize(root, self.step, self.training.keep_last)
+                self.events.emit(Kind.CHECKPOINT, step=self.step, path=str(final.relative_to(self.run_dir)))
+        except Exception as e:
+            if not ckpt.is_write_failure(e):
+                raise
+            raise ckpt.write_failure(root, self.step, e, clean_up=self.ctx.is_main) from None
         self.ctx.barrier()
 
     def export(self) -> None:
@@ -445,6 +458,9 @@ class Trainer:
     def _emit_step(self, record: dict[str, Any]) -> None:
         record.pop("stop", None)
         self.events.emit(Kind.STEP, **record)
+        if self.ctx.is_main and time.monotonic() - getattr(self, "_last_beat", 0.0) >= HEARTBEAT_S:
+            touch_heartbeat(self.run_dir)  # rank 0's sign of life, next to the launcher's
+            self._last_beat = time.monotonic()
         for fields in self._pending_logs:
             self.events.emit(Kind.LOG, **fields)
         self._pending_logs.clear()

@@ -72,6 +72,23 @@ def init_distributed(backend_choice: str, timeout_s: int):
     return DistContext(rank=rank, local_rank=local_rank, world_size=world_size, device=device, backend=backend)
 
 
+def _log_resume_changes(trainer, run_dir: Path, registry) -> None:
+    """Rank 0 of a resume with ``--set`` changes: one ``log`` event listing them (``key old -> new``)."""
+    from torch_handle.config import load_preset
+    from torch_handle.events import Kind, Level
+    from torch_handle.resume import RESUME_PRESET, diff
+
+    try:
+        changes = diff(load_preset(run_dir / "preset.toml", registry=registry),
+                       load_preset(run_dir / RESUME_PRESET, registry=registry))
+    except Exception as e:  # noqa: BLE001 - a history line must not fail the run
+        logging.getLogger("torch_handle").warning("cannot list the resume's changes: %s", e)
+        return
+    if changes:
+        text = ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in changes.items())
+        trainer.events.emit(Kind.LOG, level=Level.INFO, message=f"resume at step {trainer.step} changed {text}")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     missing = [k for k in TORCHRUN_ENV if k not in os.environ]
@@ -94,14 +111,18 @@ def main(argv: list[str] | None = None) -> int:
     from torch_handle.registry import get_registry
     from torch_handle.trainer import NonFiniteLoss, Trainer
 
+    from torch_handle.resume import RESUME_PRESET, active_preset_path
+
     registry = get_registry()
-    preset = load_preset(run_dir / "preset.toml", registry=registry)
+    preset = load_preset(active_preset_path(run_dir), registry=registry)  # preset.resume.toml: a changed resume
     ctx = init_distributed(preset.launch.backend, preset.launch.timeout_s)
     trainer = Trainer(preset, run_dir, ctx, registry)
     status, message, code = Status.FAILED, "", 1
     try:
         trainer.build()
         trainer.maybe_resume()
+        if rank == 0 and (run_dir / RESUME_PRESET).exists():
+            _log_resume_changes(trainer, run_dir, registry)
         status = trainer.train()
         code = 0
     except NonFiniteLoss as e:

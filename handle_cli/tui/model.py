@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from torch_handle.events import BadLine, EventReader, Kind, Status, Tail, integer, number, tail_events
-from torch_handle.rundir import RUN_FILE, RunDirError, list_runs, read_run_info
+from torch_handle.rundir import RUN_FILE, RunDirError, list_runs, read_run_info, read_run_status
 from torch_handle.telemetry import EVENTS_FILE
 from torch_handle.text import clean, fmt_float, fmt_time, strategy_label
 
@@ -197,7 +197,7 @@ class RunRow:
 
 def run_row(run_dir: Path) -> RunRow:
     try:
-        info = read_run_info(run_dir)
+        info = read_run_status(run_dir)  # "lost" for a run whose launcher is gone
         if not isinstance(info, dict):
             raise RunDirError("not an object")
     except RunDirError:

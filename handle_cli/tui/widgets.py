@@ -23,8 +23,10 @@ STATUS_STYLES = {
     Status.STOPPED: "bold black on yellow",
     Status.RESTARTING: "bold black on magenta",
     Status.STARTING: "bold black on cyan",
+    Status.LOST: "bold white on red",
 }
-MESSAGE_STYLES = {Status.FAILED: "bold red", Status.STOPPED: "yellow", Status.RESTARTING: "magenta"}
+MESSAGE_STYLES = {Status.FAILED: "bold red", Status.LOST: "bold red",
+                  Status.STOPPED: "yellow", Status.RESTARTING: "magenta"}
 
 
 def fit(pieces: list[tuple[int, Text]], width: int) -> Text:

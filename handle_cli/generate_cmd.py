@@ -1,0 +1,156 @@
+"""``handle generate``, ``handle translate``, ``handle eval``: use a trained run (``torch_handle.generate``).
+
+Click and the standard library at import; torch is imported inside the commands, so ``handle --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import click
+
+from handle_cli.common import fail
+
+_RUN = click.argument("run_dir", metavar="RUN", type=click.Path(path_type=Path))
+_CHECKPOINT = click.option("--checkpoint", type=int, metavar="STEP",
+                           help="Weights of checkpoints/step-STEP (single, ddp, scratch-ddp, fsdp; not "
+                                "deepspeed) instead of model.safetensors.")
+
+
+def _load(run_dir: Path, checkpoint: int | None, kind: str, command: str):
+    from torch_handle.generate import load_run
+
+    loaded = load_run(run_dir, checkpoint)
+    loaded.model.requires_grad_(False)  # inference only: no graph is built (not a global switch: tests run in-process)
+    if kind and loaded.kind != kind:
+        other = "translate" if loaded.kind == "encoder-decoder" else "generate"
+        fail(f"{run_dir}: handle {command} needs a {kind} run, this is an {loaded.kind} run (use handle {other})")
+    return loaded
+
+
+@click.command()
+@_RUN
+@click.argument("prompt", required=False, default="")
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=100, show_default=True)
+@click.option("--temperature", type=click.FloatRange(min=0.0), default=0.8, show_default=True,
+              help="Softmax temperature; 0 = greedy (always the most likely token).")
+@click.option("--top-k", type=click.IntRange(min=0), default=50, show_default=True,
+              help="Sample among the K most likely tokens (0 = all).")
+@click.option("--seed", type=int, default=None, help="Seed of the sampler (default: random).")
+@_CHECKPOINT
+def generate(run_dir: Path, prompt: str, max_new_tokens: int, temperature: float, top_k: int, seed: int | None,
+             checkpoint: int | None) -> None:
+    """Continue PROMPT with a decoder (language-model) run, printing tokens as they are produced.
+
+    Exactly --max-new-tokens tokens are generated; <eos> (a paragraph boundary in training) prints as a blank
+    line. Decoding is cached (keys/values of earlier positions are kept), one forward pass per token.
+    """
+    import torch
+
+    from torch_handle.generate import StreamDecoder, sample
+
+    loaded = _load(run_dir, checkpoint, "decoder", "generate")
+    generator = torch.Generator().manual_seed(seed if seed is not None else int(time.time_ns() % 2**63))
+    prompt_ids = loaded.tokenizer.encode(prompt).ids if prompt else []
+    stream = StreamDecoder(loaded.tokenizer)
+    out = sys.stdout
+    out.write(prompt)
+    out.flush()
+    for token in sample(loaded.model, prompt_ids, max_new_tokens, temperature=temperature, top_k=top_k,
+                        generator=generator):
+        piece = stream.push(token)
+        if piece:
+            out.write(piece)
+            out.flush()
+    out.write(stream.flush() + "\n")
+    out.flush()
+
+
+@click.command()
+@_RUN
+@click.argument("text", required=False)
+@click.option("--input", "input_file", type=click.Path(path_type=Path, dir_okay=False),
+              help="Translate every line of FILE (one sentence per line; - reads stdin).")
+@click.option("--beam", type=click.IntRange(min=1), default=4, show_default=True, help="Beam size; 1 = greedy.")
+@click.option("--alpha", type=click.FloatRange(min=0.0), default=0.6, show_default=True,
+              help="GNMT length-penalty exponent (Wu et al. 2016); 0 ranks beams by raw log-probability.")
+@click.option("--max-len", type=click.IntRange(min=1), default=128, show_default=True,
+              help="Most target tokens per sentence (also capped by the model's positional table).")
+@_CHECKPOINT
+def translate(run_dir: Path, text: str | None, input_file: Path | None, beam: int, alpha: float, max_len: int,
+              checkpoint: int | None) -> None:
+    """Translate TEXT (or each line of --input FILE) with an encoder-decoder run; one line out per line in."""
+    from torch_handle.generate import translate as translate_texts
+
+    if (text is None) == (input_file is None):
+        fail("give either TEXT or --input FILE (one sentence per line)")
+    if input_file is not None:
+        if str(input_file) == "-":
+            lines = sys.stdin.read().splitlines()
+        else:
+            try:
+                lines = input_file.read_text(encoding="utf-8").splitlines()
+            except (OSError, UnicodeDecodeError) as e:
+                fail(f"{input_file}: cannot read ({getattr(e, 'strerror', None) or e})")
+    else:
+        lines = [text]
+    loaded = _load(run_dir, checkpoint, "encoder-decoder", "translate")
+    batch = 1 if len(lines) == 1 else 32
+    for start in range(0, len(lines), batch):  # print as each batch is done
+        for line in translate_texts(loaded.model, loaded.tokenizer, lines[start:start + batch], beam=beam,
+                                    alpha=alpha, max_len=max_len, batch_size=batch):
+            click.echo(line)
+
+
+@click.command(name="eval")
+@_RUN
+@click.option("--split", type=click.Choice(["valid", "test"]), default="valid", show_default=True,
+              help="valid: the validation split as the dataset plugin builds it; test: the parallel test files "
+                   "(translation runs).")
+@click.option("--beam", type=click.IntRange(min=1), default=4, show_default=True,
+              help="Beam size for BLEU/chrF (translation runs); 1 = greedy.")
+@click.option("--alpha", type=click.FloatRange(min=0.0), default=0.6, show_default=True,
+              help="GNMT length-penalty exponent.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@_CHECKPOINT
+def eval_cmd(run_dir: Path, split: str, beam: int, alpha: float, as_json: bool, checkpoint: int | None) -> None:
+    """Loss and perplexity of a run on a split; for translation runs also BLEU and chrF (sacrebleu, detokenized).
+
+    Language-model runs have only the validation split. Translation runs: the loss on the split's pairs, and
+    BLEU/chrF of the beam-search translations of its source side against its target side.
+    """
+    from torch_handle import generate as g
+    from torch_handle.corpus import read_pairs
+    from torch_handle.data import pad_collate
+
+    loaded = _load(run_dir, checkpoint, "", "eval")
+    started = time.perf_counter()
+    opts = loaded.preset.data.options
+    batch_size = loaded.preset.training.micro_batch_size
+    result = {"run": str(run_dir), "weights": str(loaded.weights), "kind": loaded.kind, "split": split}
+    if loaded.kind == "decoder":
+        if split != "valid":
+            fail(f"{run_dir}: a language-model run has only a validation split (use --split valid)")
+        dataset, collate = g.validation_split(loaded)
+        loss, tokens = g.evaluate_loss(loaded.model, dataset, collate, batch_size)
+    else:
+        src_path, tgt_path = g.parallel_files(opts, split)
+        src, ref = read_pairs(src_path, tgt_path)
+        dataset = g.translation_dataset(loaded.tokenizer, src, ref, opts.seq_len)
+        loss, tokens = g.evaluate_loss(loaded.model, dataset, pad_collate, batch_size)
+        hyps = g.translate(loaded.model, loaded.tokenizer, src, beam=beam, alpha=alpha, max_len=opts.seq_len)
+        result.update(source=str(src_path), reference=str(tgt_path), sentences=len(src), beam=beam, alpha=alpha,
+                      **g.bleu_chrf(hyps, ref))
+    result.update(loss=round(loss, 4), perplexity=round(g.perplexity(loss), 3), tokens=tokens,
+                  seconds=round(time.perf_counter() - started, 1))
+    if as_json:
+        click.echo(json.dumps(result))
+        return
+    line = f"{split}: loss {result['loss']:.4f}  perplexity {result['perplexity']:.2f}  ({tokens} tokens)"
+    if "bleu" in result:
+        line += (f"\nBLEU {result['bleu']:.2f}  chrF {result['chrf']:.2f}  ({result['sentences']} sentences, "
+                 f"beam {beam})\n{result['bleu_signature']}\n{result['chrf_signature']}")
+    click.echo(line)

@@ -1,0 +1,89 @@
+"""``handle runs``: the runs under an output directory, one line each, newest first (``lost`` included)."""
+
+from __future__ import annotations
+
+import json
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import click
+
+
+def run_summary(run_dir: Path, now: float | None = None) -> dict[str, Any]:
+    """One run as a JSON-ready mapping: ``name``, ``path``, ``status`` (``lost`` for a run whose launcher is gone,
+    ``unreadable`` for a broken run.json), ``strategy``, ``world_size``, ``step``, ``steps``, ``loss``,
+    ``val_loss``, ``tokens_per_s`` (the newest, global), ``start_time`` (unix s), ``age_s`` (s since the start),
+    ``message``. Reads run.json and the end of events.jsonl only."""
+    from torch_handle.events import RunState, Status, tail_events
+    from torch_handle.rundir import RunDirError, read_run_status
+    from torch_handle.telemetry import EVENTS_FILE
+
+    now = time.time() if now is None else now
+    try:
+        info = read_run_status(run_dir)
+    except RunDirError:
+        info = {"status": Status.UNREADABLE}
+    state = RunState(Path(run_dir), info=info)
+    state.apply(tail_events(Path(run_dir) / EVENTS_FILE))
+    start = info.get("start_time") if isinstance(info.get("start_time"), (int, float)) else state.first_time
+    return {"name": Path(run_dir).name, "path": str(run_dir), "status": state.status, "strategy": state.strategy,
+            "world_size": state.world_size, "step": state.step, "steps": state.steps_total,
+            "loss": state.last_loss, "val_loss": state.last_val_loss, "tokens_per_s": state.last(state.tokens_per_s),
+            "start_time": start, "age_s": None if start is None else max(0.0, now - start),
+            "message": state.message}
+
+
+def _age(seconds: float | None) -> str:
+    if seconds is None:
+        return "?"
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.0f}{unit}"
+    return f"{seconds:.0f}s"
+
+
+def _num(x: Any, fmt: str) -> str:
+    return format(x, fmt) if isinstance(x, (int, float)) else "-"
+
+
+@click.command("runs")
+@click.argument("directory", required=False, type=click.Path(path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="A JSON list of objects (the same fields, raw numbers).")
+def runs(directory: Path | None, as_json: bool) -> None:
+    """The runs under DIRECTORY (default ./runs), newest first, one line each: name, status, strategy, world
+    size, step/total, last train and val loss, tokens/s, start time (local) and age.
+
+    A run whose run.json still says running but whose launcher is gone (kill -9, a reboot) and whose heartbeat
+    is older than 10 s shows as `lost`; continue it with `handle run --resume RUN_DIR`.
+
+    \b
+    Examples:
+      handle runs                    # ./runs
+      handle runs /data/runs --json  # for scripts: jq '.[] | select(.status == "lost") | .path'
+    """
+    from handle_cli.common import fail
+    from torch_handle.rundir import list_runs
+    from torch_handle.text import clean
+
+    directory = directory or Path("runs")
+    if not directory.is_dir():
+        fail(f"{directory}: no such directory (runs are under [run] output_dir, default ./runs)")
+    rows = [run_summary(p) for p in reversed(list_runs(directory))]
+    if as_json:
+        click.echo(json.dumps(rows, indent=1))
+        return
+    if not rows:
+        click.echo(f"{directory}: no runs yet (start one with: handle run presets/zero2.toml)")
+        return
+    table = [("NAME", "STATUS", "STRATEGY", "WS", "STEP", "LOSS", "VAL", "TOK/S", "STARTED", "AGE")]
+    for r in rows:
+        started = (datetime.fromtimestamp(r["start_time"]).strftime("%Y-%m-%d %H:%M")
+                   if isinstance(r["start_time"], (int, float)) else "?")
+        table.append((clean(r["name"], 60), clean(r["status"], 12), clean(r["strategy"] or "?", 20),
+                      str(r["world_size"] or "?"), f"{r['step']}/{r['steps'] or '?'}", _num(r["loss"], ".4f"),
+                      _num(r["val_loss"], ".4f"), _num(r["tokens_per_s"], ",.0f"), started, _age(r["age_s"])))
+    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
+    for row in table:
+        click.echo("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())

@@ -1,0 +1,129 @@
+"""What a --resume may change (torch_handle.resume), and how a lost run is told from a live one (rundir)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import tiny_preset
+from torch_handle.config import load_preset
+from torch_handle.errors import RunDirError
+from torch_handle.events import RunState, Status
+from torch_handle.resume import PENDING, RESUME_PRESET, check_changes, diff, promote, rule
+from torch_handle.rundir import HEARTBEAT_FILE, is_lost, read_run_status
+
+
+@pytest.fixture
+def preset_path(tmp_path) -> Path:
+    path = tmp_path / "tiny.toml"
+    path.write_text(tiny_preset(tmp_path / "runs"))
+    return path
+
+
+@pytest.mark.parametrize("key", ["model.d_model", "model.n_layers", "model.fused_qkv", "model.name", "data.seq_len",
+                                 "data.vocab_size", "data.name", "strategy.name", "strategy.zero_stage",
+                                 "strategy.shard_optimizer", "strategy.ds_config.x", "launch.nproc_per_node",
+                                 "launch.nnodes", "training.micro_batch_size", "training.precision", "run.seed"])
+def test_frozen_keys_have_a_reason(key):
+    assert rule(key)
+
+
+@pytest.mark.parametrize("key", ["training.steps", "training.lr", "training.warmup_steps", "training.schedule",
+                                 "training.min_lr_ratio", "training.eval_every", "training.checkpoint_every",
+                                 "training.log_every", "launch.timeout_s", "launch.max_restarts", "profiler.name",
+                                 "model.dropout", "model.activation_checkpointing", "strategy.bucket_cap_mb"])
+def test_allowed_keys(key):
+    assert rule(key) is None
+
+
+@pytest.mark.parametrize("sets, key", [(["model.d_model=128"], "model.d_model"),
+                                       (["strategy.name=deepspeed"], "strategy.name"),
+                                       (["launch.nproc_per_node=4"], "world size"),
+                                       (["data.seq_len=64"], "data.seq_len")])
+def test_check_changes_refuses_naming_the_key(preset_path, sets, key):
+    old = load_preset(preset_path)
+    with pytest.raises(RunDirError, match=key.replace(".", r"\.")):
+        check_changes(Path("r"), old, load_preset(preset_path, sets))
+
+
+def test_zero_stage_is_refused_on_a_zero_run(preset_path):
+    old = load_preset(preset_path, ["strategy.name=deepspeed", "strategy.zero_stage=2"])
+    new = load_preset(preset_path, ["strategy.name=deepspeed", "strategy.zero_stage=3"])
+    with pytest.raises(RunDirError, match=r"strategy\.zero_stage on --resume \(2 -> 3\): it changes the checkpoint"):
+        check_changes(Path("r"), old, new)
+
+
+def test_allowed_changes_are_listed(preset_path):
+    old = load_preset(preset_path)
+    new = load_preset(preset_path, ["training.steps=50", "training.lr=0.01", "training.log_every=5"])
+    assert check_changes(Path("r"), old, new) == {"training.steps": [10, 50], "training.lr": [0.001, 0.01]}
+    assert diff(old, old) == {}
+
+
+def test_promote_swaps_the_preset_and_records_the_resume(tmp_path, preset_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "preset.toml").write_text(preset_path.read_text())
+    (run / RESUME_PRESET).write_text(preset_path.read_text().replace("steps = 10", "steps = 30"))
+    (run / "run.json").write_text(json.dumps({"status": "running", PENDING: {"time": 5.0}}))
+    entry = promote(run, 10)
+    assert entry == {"step": 10, "time": 5.0, "changed": {"training.steps": [10, 30]}}
+    info = json.loads((run / "run.json").read_text())
+    assert info["resumes"] == [entry] and PENDING not in info and info["steps"] == 30
+    assert not (run / RESUME_PRESET).exists() and "steps = 30" in (run / "preset.toml").read_text()
+    assert promote(run, 11) is None  # nothing pending any more
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_a_run_whose_launcher_is_gone_and_heartbeat_stale_is_lost(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    info = {"status": "running", "launcher_pid": _dead_pid(), "launcher_create_time": 1.0}
+    (run / "run.json").write_text(json.dumps(info))
+    (run / HEARTBEAT_FILE).touch()
+    assert not is_lost(run, info)  # fresh heartbeat: not yet
+    old = time.time() - 30
+    for name in ("run.json", HEARTBEAT_FILE):
+        os.utime(run / name, (old, old))
+    assert is_lost(run, info)
+    assert read_run_status(run)["status"] == Status.LOST
+    assert RunState(run, info=info).status == Status.LOST
+    assert RunState(run, info=info).eta_s() is None
+    alive = {**info, "launcher_pid": os.getpid(), "launcher_create_time": None}
+    assert not is_lost(run, alive)  # the launcher still runs (this process)
+    reused = {**alive, "launcher_create_time": 1.0}  # same pid, another start time: a reused pid
+    assert is_lost(run, reused)
+    assert not is_lost(run, {**info, "status": "finished"})
+    assert not is_lost(run, {"status": "running"})  # no launcher recorded: no verdict
+
+
+def test_an_accepted_change_waits_in_the_side_file_until_promoted(preset_path):
+    """preset.toml changes only through promote(): a resume whose workers fail leaves it as it was, and the next
+    plain --resume drops the stale side file."""
+    from handle_cli.runner import prepare_run
+    from torch_handle.rundir import update_run_info
+
+    _, run = prepare_run(str(preset_path), (), None, None)
+    update_run_info(run, status="failed")
+    original = (run / "preset.toml").read_bytes()
+    with pytest.raises(RunDirError, match=r"model\.n_heads"):
+        prepare_run(None, ("model.n_heads=2",), None, run)
+    assert json.loads((run / "run.json").read_text())["status"] == "failed"
+    loaded, _ = prepare_run(None, ("training.steps=20",), None, run)
+    assert loaded.training.steps == 20 and "steps = 20" in (run / RESUME_PRESET).read_text()
+    assert (run / "preset.toml").read_bytes() == original
+    assert PENDING in json.loads((run / "run.json").read_text())
+    loaded, _ = prepare_run(None, (), None, run)  # that resume failed before its first step; a plain one now
+    assert loaded.training.steps == 10 and not (run / RESUME_PRESET).exists()
+    assert (run / "preset.toml").read_bytes() == original

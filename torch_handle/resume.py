@@ -1,0 +1,160 @@
+"""What a ``--resume`` may change, and how a changed preset takes effect only once the resumed run works.
+
+A resumed run loads its newest checkpoint, so every setting the checkpoint or the data position depends on is
+fixed for the life of the run. :func:`check_changes` compares the run's preset with the one ``--set`` makes and
+raises one line naming the first setting that may not change, and why, before anything is written or started.
+
+Rules (:func:`rule`), by ``table.key`` of the fully resolved preset:
+
+- ``[model]``: frozen (the checkpoint's weights have that shape and meaning), except ``dropout``,
+  ``activation_checkpointing`` and ``attention`` (the kernel: same weights, same function).
+- ``[data]``: frozen (the tokenizer, the vocabulary, the sequence length and the data position depend on it),
+  except ``num_workers``.
+- ``[strategy]``: the ``name`` and every key that changes the checkpoint layout (``zero_stage``,
+  ``shard_optimizer``, offloading, ``ds_config``, ...) are frozen until cross-strategy resume exists; the
+  communication knobs (bucket sizes, overlap, ``reshard_after_forward``, ``sync``, ...) may change.
+- ``[launch]``: ``nproc_per_node`` and ``nnodes`` (the world size) are frozen; the rest may change.
+- ``[training]``: ``micro_batch_size``, ``grad_accum`` (the data position counts micro-batches), ``precision``
+  (the optimizer state's layout) and ``beta1``/``beta2``/``weight_decay`` (restored from the optimizer state:
+  a change would be silently ignored) are frozen; ``steps``, the LR schedule, eval/checkpoint/log cadence,
+  ``grad_clip``, ``on_nan``, ``keep_last``, ``compile`` may change.
+- ``[run]``: ``seed`` (the data order) is frozen, and so are ``name``/``output_dir`` (the run directory does not
+  move). ``[profiler]``: anything may change.
+
+An accepted change is written to ``preset.resume.toml`` (:data:`RESUME_PRESET`), which the workers load instead
+of ``preset.toml`` (:func:`active_preset_path`); the launcher replaces ``preset.toml`` with it once the resumed
+run made its first step (:func:`promote`), and records the resume in run.json's ``resumes`` list. A resume that
+fails before that leaves ``preset.toml`` as it was; the next ``--resume`` drops the stale side file.
+
+No torch import here.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from torch_handle.config import Preset, dump_preset, load_preset, preset_to_dict
+from torch_handle.errors import RunDirError
+from torch_handle.rundir import PRESET_FILE, RUN_FILE, read_run_info, write_json_atomic
+
+RESUME_PRESET = "preset.resume.toml"
+"""The preset a resumed run with ``--set`` overrides uses until :func:`promote` makes it ``preset.toml``."""
+PENDING = "resume_pending"
+"""run.json key set by ``handle run --resume`` and cleared by :func:`promote`: ``{"time": t}``."""
+
+_MODEL_MAY_CHANGE = {"dropout", "activation_checkpointing", "attention"}
+_DATA_MAY_CHANGE = {"num_workers"}
+_STRATEGY_MAY_CHANGE = {"bucket_cap_mb", "gradient_as_bucket_view", "find_unused_parameters", "overlap_comm",
+                        "contiguous_gradients", "reduce_bucket_size", "loss_scale_window", "reshard_after_forward",
+                        "sync", "bucket_mb"}
+_FROZEN = {
+    "run.seed": "the data order and the initial weights come from it",
+    "run.name": "it names the run directory, which does not move",
+    "run.output_dir": "it names the run directory, which does not move",
+    "training.micro_batch_size": "the checkpoint's data position counts micro-batches of this size",
+    "training.grad_accum": "the checkpoint's data position counts micro-batches per step",
+    "training.precision": "the checkpoint's optimizer state and loss scaler depend on it",
+    "training.beta1": "it is restored from the checkpoint's optimizer state (the change would be ignored)",
+    "training.beta2": "it is restored from the checkpoint's optimizer state (the change would be ignored)",
+    "training.weight_decay": "it is restored from the checkpoint's optimizer state (the change would be ignored)",
+    "launch.nproc_per_node": "the world size is fixed: the checkpoint is sharded and positioned per rank",
+    "launch.nnodes": "the world size is fixed: the checkpoint is sharded and positioned per rank",
+}
+
+
+def rule(key: str) -> str | None:
+    """Why ``key`` (``table.key``, nested keys dotted) may not change on a resume, or None when it may."""
+    table, _, rest = key.partition(".")
+    top = rest.split(".")[0]
+    if table == "model":
+        return None if top in _MODEL_MAY_CHANGE else "the checkpoint's weights have the model's shape"
+    if table == "data":
+        return None if top in _DATA_MAY_CHANGE else ("the tokenizer, vocabulary and data position of the "
+                                                     "checkpoint depend on the data settings")
+    if table == "strategy":
+        if top == "name":
+            return "resuming under another strategy is not supported yet (the checkpoint layout differs)"
+        return None if top in _STRATEGY_MAY_CHANGE else "it changes the checkpoint layout"
+    return _FROZEN.get(key)
+
+
+def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and v:
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def diff(old: Preset, new: Preset) -> dict[str, list[Any]]:
+    """``{"table.key": [old, new]}`` for every resolved setting that differs (None: not set)."""
+    a, b = _flat(preset_to_dict(old)), _flat(preset_to_dict(new))
+    return {k: [a.get(k), b.get(k)] for k in [*a, *[k for k in b if k not in a]] if a.get(k) != b.get(k)}
+
+
+def check_changes(run_dir: Path, old: Preset, new: Preset) -> dict[str, list[Any]]:
+    """The changes ``new`` makes to the run's preset ``old``; all of them allowed on a resume.
+
+    Raises:
+        RunDirError: one line naming the first setting that may not change (a plugin's ``name`` first) and why.
+    """
+    changes = diff(old, new)
+    if old.world_size != new.world_size:
+        raise RunDirError(f"{run_dir}: cannot change the world size on --resume ({old.world_size} -> "
+                          f"{new.world_size}): the checkpoint is sharded and positioned per rank")
+    for key in sorted(changes, key=lambda k: (not k.endswith(".name"), k)):
+        why = rule(key)
+        if why:
+            was, now = changes[key]
+            raise RunDirError(f"{run_dir}: cannot change {key} on --resume ({was!r} -> {now!r}): {why}")
+    return changes
+
+
+def active_preset_path(run_dir: Path) -> Path:
+    """The preset the workers of ``run_dir`` load: ``preset.resume.toml`` while a changed resume is pending."""
+    side = Path(run_dir) / RESUME_PRESET
+    return side if side.exists() else Path(run_dir) / PRESET_FILE
+
+
+def write_side_preset(run_dir: Path, preset: Preset | None) -> None:
+    """Write ``preset.resume.toml`` (atomically), or remove a stale one when ``preset`` is None."""
+    side = Path(run_dir) / RESUME_PRESET
+    if preset is None:
+        side.unlink(missing_ok=True)
+        return
+    tmp = side.with_name(f".{RESUME_PRESET}.{os.getpid()}.tmp")
+    tmp.write_text(dump_preset(preset), encoding="utf-8")
+    os.replace(tmp, side)
+
+
+def promote(run_dir: Path, step: int) -> dict[str, Any] | None:
+    """The resumed run works (it made a step, or finished): make ``preset.resume.toml`` the run's preset and
+    append ``{"step", "time", "changed"}`` to run.json's ``resumes`` (``step``: the step it resumed at).
+    Returns the entry, or None when no resume was pending. Safe to call more than once."""
+    run_dir = Path(run_dir)
+    info = read_run_info(run_dir)
+    pending = info.get(PENDING)
+    if not isinstance(pending, dict):
+        return None
+    side = run_dir / RESUME_PRESET
+    changed: dict[str, list[Any]] = {}
+    if side.exists():
+        try:
+            changed = diff(load_preset(run_dir / PRESET_FILE), load_preset(side))
+        except Exception:  # noqa: BLE001 - the history line is best effort; the preset swap is what matters
+            changed = {}
+        os.replace(side, run_dir / PRESET_FILE)
+    entry = {"step": int(step), "time": pending.get("time") or time.time(), "changed": changed}
+    resumes = info.get("resumes") if isinstance(info.get("resumes"), list) else []
+    info = read_run_info(run_dir)  # fresh: the workers may have written it meanwhile
+    info.pop(PENDING, None)
+    info["resumes"] = [*resumes, entry]
+    if "training.steps" in changed:
+        info["steps"] = changed["training.steps"][1]
+    write_json_atomic(run_dir / RUN_FILE, info)
+    return entry
