@@ -52,6 +52,7 @@ CASES = {
     "flat": ["strategy.name=scratch-ddp", "strategy.sync=flat"],
     "overlap": ["strategy.name=scratch-ddp", "strategy.sync=overlap"],
     "bucketed": ["strategy.name=scratch-ddp", "strategy.sync=bucketed"],
+    "bucketed 4 MiB": ["strategy.name=scratch-ddp", "strategy.sync=bucketed", "strategy.bucket_mb=4"],
     "bucketed + ZeRO-1": ["strategy.name=scratch-ddp", "strategy.sync=bucketed", "strategy.shard_optimizer=true"],
 }
 
