@@ -345,8 +345,8 @@ def main(argv: list[str] | None = None) -> int:
                 rec = {"op": op, "backend": backend, "world_size": world, "dtype": args.dtype, "bytes": nbytes,
                        "count": count, "iters": iters, "time_us": round(time_us, 3),
                        "time_us_rank_avg": round(avg_us, 3),
-                       "algbw_gbps": round(algbw_gbps(nbytes, time_us), 6),
-                       "busbw_gbps": round(busbw_gbps(op, nbytes, time_us, world), 6),
+                       "algbw_gbps": float(f"{algbw_gbps(nbytes, time_us):.6g}"),  # 6 significant digits
+                       "busbw_gbps": float(f"{busbw_gbps(op, nbytes, time_us, world):.6g}"),
                        "correct": correct, "max_rel_error": max_err, "device": device.type}
                 if backend == "gloo" and gloo_note(op):
                     rec["note"] = gloo_note(op)
