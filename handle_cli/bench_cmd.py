@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,82 +39,6 @@ def bench() -> None:
       handle bench comm --nproc 2                      # all_reduce, all_gather, reduce_scatter, broadcast
       handle bench scaling presets/ddp.toml --nproc 1,2 --strategies ddp,zero2,fsdp
     """
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# supervision of one torchrun (the approach of `handle env --check-dist`)
-# ---------------------------------------------------------------------------------------------------------------
-
-
-def run_torchrun(cmd: list[str], log_path: Path, timeout_s: float, on_line: Callable[[str], None],
-                 env: dict[str, str] | None = None) -> tuple[int | None, bool, float]:
-    """Run ``cmd`` (a torchrun command line) with its output in ``log_path``, handing every complete output line
-    to ``on_line`` as it arrives; never leaves a process behind.
-
-    Returns ``(returncode, timed_out, wall_s)``; the return code is torchrun's own, or None after a timeout.
-
-    Raises:
-        KeyboardInterrupt: on Ctrl-C, after every process of the tree was stopped.
-    """
-    import psutil
-
-    from torch_handle.launch import die_with_parent
-
-    seen: dict[int, psutil.Process] = {}
-    t0 = time.perf_counter()
-    timed_out = False
-    with open(log_path, "wb") as log, open(log_path, "rb") as reader:
-        log.write(f"$ {' '.join(cmd)}\n".encode())
-        log.flush()
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                env=env, start_new_session=True, preexec_fn=die_with_parent)
-        pending = b""
-
-        def drain(final: bool = False) -> None:
-            nonlocal pending
-            pending += reader.read()
-            *lines, pending = pending.split(b"\n")
-            if final and pending:
-                lines, pending = [*lines, pending], b""
-            for line in lines:
-                on_line(line.decode("utf-8", "replace").rstrip("\r"))
-
-        try:
-            while proc.poll() is None:
-                try:
-                    parent = psutil.Process(proc.pid)
-                    for p in [parent, *parent.children(recursive=True)]:
-                        seen.setdefault(p.pid, p)
-                except psutil.Error:
-                    pass
-                drain()
-                if time.perf_counter() - t0 > timeout_s:
-                    timed_out = True
-                    break
-                time.sleep(0.05)
-        finally:
-            _kill_all(proc, seen)
-        drain(final=True)
-    return (None if timed_out else proc.returncode), timed_out, time.perf_counter() - t0
-
-
-def _kill_all(proc: subprocess.Popen, seen: dict) -> None:
-    """SIGTERM torchrun's whole tree, SIGKILL what is left after 5 s; reap torchrun."""
-    import psutil
-
-    from torch_handle.launch import terminate
-
-    try:
-        for p in psutil.Process(proc.pid).children(recursive=True):
-            seen.setdefault(p.pid, p)
-    except psutil.Error:
-        pass
-    terminate(list(seen.values()), grace_s=5.0)
-    try:
-        proc.wait(timeout=5)
-    except subprocess.TimeoutExpired:  # pragma: no cover
-        proc.kill()
-        proc.wait()
 
 
 def _new_dir(parent: Path, prefix: str) -> Path:
@@ -333,6 +255,8 @@ def comm(ops_spec: str, sizes_spec: str, nproc: str, backend: str, dtype: str, i
             click.echo(f"bench comm: {n_proc} processes, {backend}, {dtype}, {len(ops)} ops x {len(sizes)} sizes "
                        f"({fmt_bytes(sizes[0])}..{fmt_bytes(max(sizes))}); log: {directory / 'torchrun.log'}",
                        err=True)
+        from torch_handle.launch import run_torchrun
+
         try:
             rc, timed_out, wall = run_torchrun(cmd, directory / "torchrun.log", n_timeout, on_line, env=env)
         except KeyboardInterrupt:

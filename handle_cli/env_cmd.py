@@ -11,10 +11,9 @@ import importlib.metadata as md
 import json
 import os
 import platform
-import subprocess
 import sys
 import tempfile
-import time
+from pathlib import Path
 from typing import Any
 
 import click
@@ -147,9 +146,7 @@ def check_dist(nproc: int, backend: str = "auto", timeout_s: float = 120.0) -> d
     Returns a dict with ``ok``, ``wall_s``, ``returncode``, the workers' result (when rank 0 got that far) and,
     on failure, ``error`` and the tail of the output.
     """
-    import psutil
-
-    from torch_handle.launch import die_with_parent
+    from torch_handle.launch import run_torchrun
 
     from handle_cli.env_check import ERROR_MARKER, MARKER
 
@@ -158,32 +155,11 @@ def check_dist(nproc: int, backend: str = "auto", timeout_s: float = 120.0) -> d
            "--timeout", str(max(10, int(timeout_s)))]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.setdefault("OMP_NUM_THREADS", "1")
-    seen: dict[int, psutil.Process] = {}
-    t0 = time.perf_counter()
-    with tempfile.TemporaryFile(mode="w+b") as out:
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True, preexec_fn=die_with_parent)
-        timed_out = interrupted = False
-        try:
-            while proc.poll() is None:
-                try:
-                    parent = psutil.Process(proc.pid)
-                    for p in [parent, *parent.children(recursive=True)]:
-                        seen.setdefault(p.pid, p)
-                except psutil.Error:
-                    pass
-                if time.perf_counter() - t0 > timeout_s:
-                    timed_out = True
-                    break
-                time.sleep(0.05)
-        except KeyboardInterrupt:
-            interrupted = True
-        finally:
-            _kill_all(proc, seen)
-        wall = time.perf_counter() - t0
-        out.seek(0)
-        text = out.read().decode("utf-8", "replace")
-    result: dict[str, Any] = {"nproc": nproc, "ok": False, "wall_s": round(wall, 3), "returncode": proc.returncode,
+    lines: list[str] = []
+    with tempfile.TemporaryDirectory() as tmp:  # KeyboardInterrupt propagates, every process already stopped
+        returncode, timed_out, wall = run_torchrun(cmd, Path(tmp) / "torchrun.log", timeout_s, lines.append, env=env)
+    text = "\n".join(lines)
+    result: dict[str, Any] = {"nproc": nproc, "ok": False, "wall_s": round(wall, 3), "returncode": returncode,
                               "command": cmd}
     worker_errors = []
     for line in text.splitlines():
@@ -191,12 +167,10 @@ def check_dist(nproc: int, backend: str = "auto", timeout_s: float = 120.0) -> d
             result["result"] = json.loads(line[len(MARKER):])
         elif line.startswith(ERROR_MARKER):
             worker_errors.append(line[len(ERROR_MARKER):])
-    if interrupted:
-        raise KeyboardInterrupt
     if timed_out:
         result["error"] = f"timed out after {timeout_s:.0f} s (workers stopped)"
-    elif proc.returncode != 0:
-        result["error"] = f"torchrun exited {proc.returncode}" + (f"; {worker_errors[0]}" if worker_errors else "")
+    elif returncode != 0:
+        result["error"] = f"torchrun exited {returncode}" + (f"; {worker_errors[0]}" if worker_errors else "")
     elif "result" not in result:
         result["error"] = "rank 0 printed no result"
     elif not result["result"]["ok"]:
@@ -209,25 +183,6 @@ def check_dist(nproc: int, backend: str = "auto", timeout_s: float = 120.0) -> d
         result["worker_errors"] = worker_errors
         result["output_tail"] = "\n".join(line for line in text.splitlines() if not line.startswith(MARKER))[-3000:]
     return result
-
-
-def _kill_all(proc: subprocess.Popen, seen: dict) -> None:
-    """SIGTERM torchrun's whole tree (and its session), SIGKILL what is left after 5 s; reap torchrun."""
-    import psutil
-
-    from torch_handle.launch import terminate
-
-    try:
-        for p in psutil.Process(proc.pid).children(recursive=True):
-            seen.setdefault(p.pid, p)
-    except psutil.Error:
-        pass
-    terminate(list(seen.values()), grace_s=5.0)
-    try:
-        proc.wait(timeout=5)
-    except subprocess.TimeoutExpired:  # pragma: no cover
-        proc.kill()
-        proc.wait()
 
 
 def check_text(r: dict[str, Any]) -> list[str]:

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import uuid
 from pathlib import Path
+
+import psutil
 
 
 def tiny_preset(output_dir: str | Path, *, steps: int = 10, strategy: str = "ddp", log_every: int = 5) -> str:
@@ -31,3 +35,24 @@ name = "{strategy}"
 [launch]
 nproc_per_node = 2
 """
+
+
+def tagged_env(**extra: str) -> tuple[dict[str, str], str]:
+    """An environment with a unique tag: every process started under it inherits it, so leftovers are found.
+    ``HANDLE_LOAD_PLUGINS`` and the bench-comm corruption hook are dropped; ``extra`` is added."""
+    tag = uuid.uuid4().hex
+    env = {k: v for k, v in os.environ.items() if k not in ("HANDLE_LOAD_PLUGINS", "HANDLE_BENCH_COMM_CORRUPT")}
+    env.update(HANDLE_TEST_TAG=tag, **extra)
+    return env, tag
+
+
+def leftovers(tag: str) -> list[str]:
+    """``pid: command`` of every process still alive that was started under ``tagged_env``'s ``tag``."""
+    found = []
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            if p.pid != os.getpid() and p.environ().get("HANDLE_TEST_TAG") == tag:
+                found.append(f"{p.pid}: {' '.join(p.info['cmdline'] or [])}")
+        except (psutil.Error, OSError):
+            continue
+    return found

@@ -4,7 +4,6 @@ check catching a wrong result, bad input refused before anything starts, and no 
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -12,8 +11,9 @@ import time
 import uuid
 from pathlib import Path
 
-import psutil
 import pytest
+
+from tests.helpers import leftovers, tagged_env
 
 from torch_handle.bench_comm import CORRUPT_ENV, OPS, bus_factor
 
@@ -24,25 +24,6 @@ SIZES = [1024, 2048, 4096, 8192, 16384]  # 1K:16K
 def handle(*args: str, env: dict[str, str] | None = None, timeout: float = 180) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "handle_cli", *args], capture_output=True, text=True, cwd=REPO,
                           env=env, timeout=timeout, stdin=subprocess.DEVNULL, check=False)
-
-
-def tagged_env(**extra: str) -> tuple[dict[str, str], str]:
-    """An environment with a unique tag: every process started under it inherits it, so leftovers are found."""
-    tag = uuid.uuid4().hex
-    env = {k: v for k, v in os.environ.items() if k not in ("HANDLE_LOAD_PLUGINS", CORRUPT_ENV)}
-    env.update(HANDLE_TEST_TAG=tag, **extra)
-    return env, tag
-
-
-def leftovers(tag: str) -> list[str]:
-    found = []
-    for p in psutil.process_iter(["pid", "cmdline"]):
-        try:
-            if p.pid != os.getpid() and p.environ().get("HANDLE_TEST_TAG") == tag:
-                found.append(f"{p.pid}: {' '.join(p.info['cmdline'] or [])}")
-        except (psutil.Error, OSError):
-            continue
-    return found
 
 
 def only_dir(parent: Path) -> Path:
@@ -140,13 +121,13 @@ def test_bad_input_starts_nothing(tmp_path, monkeypatch):
     """In-process: validation fails before the launcher is even called."""
     from click.testing import CliRunner
 
-    from handle_cli import bench_cmd
+    from torch_handle import launch
     from handle_cli.main import cli
 
     def refuse(*args, **kwargs):
         raise AssertionError("torchrun was started")
 
-    monkeypatch.setattr(bench_cmd, "run_torchrun", refuse)
+    monkeypatch.setattr(launch, "run_torchrun", refuse)
     for args in (["--sizes", "5:1K"], ["--ops", "foo"], ["--sizes", "16G", "--nproc", "64"]):
         result = CliRunner().invoke(cli, ["bench", "comm", *args, "--output-dir", str(tmp_path)])
         assert result.exit_code == 2, (args, result.output)
@@ -168,7 +149,7 @@ def test_nccl_without_gpus_is_bad_input(tmp_path):
 @pytest.mark.dist
 def test_timeout_stops_every_process(tmp_path, monkeypatch):
     """The supervision itself: a torchrun that cannot finish in time is stopped, its whole tree with it."""
-    from handle_cli.bench_cmd import run_torchrun
+    from torch_handle.launch import run_torchrun
 
     tag = uuid.uuid4().hex
     monkeypatch.setenv("HANDLE_TEST_TAG", tag)

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import tiny_preset
-from tests.test_bench_comm import REPO, handle, leftovers, tagged_env
+from tests.helpers import leftovers, tagged_env, tiny_preset
+from tests.test_bench_comm import REPO, handle
 
 
 def write_tiny(tmp_path: Path, steps: int = 4) -> Path:

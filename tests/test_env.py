@@ -10,8 +10,9 @@ import sys
 import uuid
 from pathlib import Path
 
-import psutil
 import pytest
+
+from tests.helpers import leftovers, tagged_env
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -19,25 +20,6 @@ REPO = Path(__file__).resolve().parents[1]
 def handle(*args: str, env: dict[str, str] | None = None, timeout: float = 180) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "handle_cli", *args], capture_output=True, text=True, cwd=REPO,
                           env=env, timeout=timeout, stdin=subprocess.DEVNULL)
-
-
-def tagged_env() -> tuple[dict[str, str], str]:
-    """An environment with a unique tag: every process started under it inherits it, so leftovers are found."""
-    tag = uuid.uuid4().hex
-    env = {k: v for k, v in os.environ.items() if k != "HANDLE_LOAD_PLUGINS"}
-    env["HANDLE_TEST_TAG"] = tag
-    return env, tag
-
-
-def leftovers(tag: str) -> list[str]:
-    found = []
-    for p in psutil.process_iter(["pid", "cmdline"]):
-        try:
-            if p.pid != os.getpid() and p.environ().get("HANDLE_TEST_TAG") == tag:
-                found.append(f"{p.pid}: {' '.join(p.info['cmdline'] or [])}")
-        except (psutil.Error, OSError):
-            continue
-    return found
 
 
 def test_env_json_fields():

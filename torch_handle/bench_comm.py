@@ -263,18 +263,10 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import torch.distributed as dist
 
+    from torch_handle.worker import select_backend
+
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    backend = args.backend
-    if backend == "auto":
-        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        backend = "nccl" if gpus >= local_world and dist.is_nccl_available() else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-    else:
-        device = torch.device("cpu")
+    backend, device = select_backend(args.backend)
     kwargs = {"device_id": device} if device.type == "cuda" else {}
     dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout), **kwargs)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]

@@ -19,6 +19,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import psutil
@@ -198,3 +199,67 @@ def _torchrun_signal_death(path: Path) -> str:
         sig = re.search(r"\((SIG\w+)\)", rest)
         return f"rank {rank} was killed by {sig.group(1) if sig else 'a signal'} (exit code {code})"
     return ""
+
+
+def run_torchrun(cmd: list[str], log_path: Path, timeout_s: float, on_line: Callable[[str], None],
+                 env: dict[str, str] | None = None) -> tuple[int | None, bool, float]:
+    """Run ``cmd`` (a torchrun command line) with its output in ``log_path``, handing every complete output line
+    to ``on_line`` as it arrives; never leaves a process behind.
+
+    Returns ``(returncode, timed_out, wall_s)``; the return code is torchrun's own, or None after a timeout.
+
+    Raises:
+        KeyboardInterrupt: on Ctrl-C, after every process of the tree was stopped.
+    """
+    seen: dict[int, psutil.Process] = {}
+    t0 = time.perf_counter()
+    timed_out = False
+    with open(log_path, "wb") as log, open(log_path, "rb") as reader:
+        log.write(f"$ {' '.join(cmd)}\n".encode())
+        log.flush()
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                env=env, start_new_session=True, preexec_fn=die_with_parent)
+        pending = b""
+
+        def drain(final: bool = False) -> None:
+            nonlocal pending
+            pending += reader.read()
+            *lines, pending = pending.split(b"\n")
+            if final and pending:
+                lines, pending = [*lines, pending], b""
+            for line in lines:
+                on_line(line.decode("utf-8", "replace").rstrip("\r"))
+
+        try:
+            while proc.poll() is None:
+                try:
+                    parent = psutil.Process(proc.pid)
+                    for p in [parent, *parent.children(recursive=True)]:
+                        seen.setdefault(p.pid, p)
+                except psutil.Error:
+                    pass
+                drain()
+                if time.perf_counter() - t0 > timeout_s:
+                    timed_out = True
+                    break
+                time.sleep(0.05)
+        finally:
+            stop_tree(proc, seen)
+        drain(final=True)
+    return (None if timed_out else proc.returncode), timed_out, time.perf_counter() - t0
+
+
+def stop_tree(proc: subprocess.Popen, seen: dict[int, psutil.Process]) -> None:
+    """SIGTERM ``proc``'s whole tree (its children now, and every process in ``seen``), SIGKILL what is left after
+    5 s; reap ``proc``."""
+    try:
+        for p in psutil.Process(proc.pid).children(recursive=True):
+            seen.setdefault(p.pid, p)
+    except psutil.Error:
+        pass
+    terminate(list(seen.values()), grace_s=5.0)
+    try:
+        proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:  # pragma: no cover
+        proc.kill()
+        proc.wait()
