@@ -352,8 +352,9 @@ def _guarded() -> int:
     try:
         return main()
     except Exception as e:  # noqa: BLE001 - one line for `handle bench comm`, then the traceback for the log
-        text = " ".join(str(e).split())
-        print(f"{ERROR_MARKER}rank {os.environ.get('RANK', '?')}: {type(e).__name__}: {text}"[:2000], flush=True)
+        from torch_handle.text import one_line
+
+        print(f"{ERROR_MARKER}rank {os.environ.get('RANK', '?')}: {one_line(e)}"[:2000], flush=True)
         raise
 
 
