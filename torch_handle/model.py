@@ -182,7 +182,7 @@ class SinusoidalPositionalEncoding(nn.Module):
     def forward(self, x: Tensor, offset: int = 0) -> Tensor:
         """x (B, T, C) -> x + PE[offset : offset + T]; ``offset`` is the number of positions before x (the
         length of a key/value cache when decoding incrementally)."""
-        _B, T, _C = x.shape
+        T = x.shape[1]
         if offset + T > self.max_len:
             raise ValueError(f"sequence length {offset + T} exceeds positional-encoding max_len {self.max_len}")
         return x + self.pe[offset:offset + T].to(x.dtype)  # (T, C) broadcasts over B
