@@ -181,17 +181,19 @@ def test_fake_activations_match_a_real_forward_backward(precision, mode, checkpo
 
 
 def _estimate(*args: str, timeout: float = 120) -> tuple[subprocess.CompletedProcess, float, int]:
-    """Run ``handle estimate ARGS``: (result, seconds, peak RSS of the child in bytes)."""
-    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    start = time.perf_counter()
+    """Run ``handle estimate ARGS``: (result, CPU seconds of the child, peak RSS of the child in bytes).
+
+    CPU time (user + system), not wall time: other load on the machine does not inflate it, so the bounds below
+    test what ``estimate`` does (no real allocation, no model run), not how busy the machine is."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     proc = subprocess.run([*HANDLE, "estimate", *args], capture_output=True, text=True, cwd=ROOT, timeout=timeout,
                           env={**os.environ, "HANDLE_LOAD_PLUGINS": ""}, check=False)
-    seconds = time.perf_counter() - start
-    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    return proc, seconds, max(peak, before) * 1024
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    seconds = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+    return proc, seconds, max(after.ru_maxrss, before.ru_maxrss) * 1024
 
 
-def test_shipped_preset_in_under_10_seconds():
+def test_shipped_preset_in_under_10_cpu_seconds():
     proc, seconds, _ = _estimate("presets/zero2.toml", "--nproc", "1,2,4,8", "--device-memory", "80GiB")
     assert proc.returncode == 0, proc.stderr
     assert seconds < 10, seconds
@@ -203,7 +205,7 @@ def test_shipped_preset_in_under_10_seconds():
     assert "not included: allocator fragmentation" in out and "communication buffers" in out
 
 
-def test_one_billion_parameters_in_under_30_seconds_without_allocating():
+def test_one_billion_parameters_in_under_30_cpu_seconds_without_allocating():
     sets = ["model.d_model=2048", "model.n_heads=16", "model.n_layers=20", "model.d_ff=8192"]
     args = [x for s in sets for x in ("--set", s)]
     proc, seconds, peak_rss = _estimate("presets/zero3.toml", *args, "--compare", "--nproc", "1,8", "--json")
