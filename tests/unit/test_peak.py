@@ -11,8 +11,9 @@ from torch_handle import peak
 
 def test_measure_gives_positive_flops_per_dtype_quickly() -> None:
     result = peak.measure_peak("cpu", dtypes=("fp32", "bf16"), sizes=(64, 128), seconds_per_size=0.02)
-    # any CPU multiplies 128x128 faster than 0.1 GFLOP/s in fp32 (and 10 MFLOP/s in emulated bf16)
-    assert result["fp32"] > 1e8 and result["bf16"] > 1e7
+    # any CPU multiplies 128x128 faster than 10 MFLOP/s in fp32 and 1 MFLOP/s in emulated bf16, even shared with
+    # a dozen busy processes (the figure is wall-clock based: a busy machine lowers it, which the bound allows)
+    assert result["fp32"] > 1e7 and result["bf16"] > 1e6
 
 
 def test_a_second_call_reads_the_cache_and_the_key_holds_threads_and_torch(tmp_path, monkeypatch) -> None:
