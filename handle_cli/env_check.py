@@ -1,8 +1,9 @@
 """Worker of ``handle env --check-dist N``: run under torchrun on every rank.
 
 Each rank initialises the process group (nccl with one GPU per local rank, else gloo), all-reduces its rank + 1
-and checks the sum N(N+1)/2, then times a 4 MiB all-reduce. Rank 0 prints one line ``HANDLE_ENV_CHECK {json}``.
-Exit code 0 when every rank saw the right sums, 1 otherwise.
+and checks the sum N(N+1)/2, then times a 4 MiB all-reduce. The first rank of every node (``LOCAL_RANK`` 0; on one
+node, rank 0) prints one line ``HANDLE_ENV_CHECK {json}`` with the verdict all ranks agreed on, so that each node's
+``handle env --check-dist`` reports it. Exit code 0 when every rank saw the right sums, 1 otherwise.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     from torch_handle.worker import select_backend
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank, local_world = int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("LOCAL_WORLD_SIZE", world))
     backend, device = select_backend(args.backend)
 
     t0 = time.perf_counter()
@@ -70,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     all_ok = bool(flags.item())
     hosts: list[str | None] = [None] * world
     dist.all_gather_object(hosts, socket.gethostname())
-    if rank == 0:
+    if local_rank == 0:
         size_mb = n * 4 / 2**20
         # ring all-reduce moves 2(N-1)/N of the buffer per rank ("bus bandwidth", as nccl-tests report it)
         bus = size_mb * 2 * (world - 1) / world / big_s if big_s > 0 and world > 1 else None
@@ -79,7 +81,8 @@ def main(argv: list[str] | None = None) -> int:
                   "allreduce_small_s": round(small_s, 6), "allreduce_mib": size_mb,
                   "allreduce_large_s": round(big_s, 6),
                   "bus_bandwidth_mib_s": round(bus, 1) if bus is not None else None,
-                  "hosts": sorted(set(h for h in hosts if h)), "torch": torch.__version__,
+                  "hosts": sorted(set(h for h in hosts if h)), "torch": torch.__version__, "rank": rank,
+                  "nnodes": world // max(1, local_world), "node_rank": int(os.environ.get("GROUP_RANK", "0")),
                   "worker_s": round(time.perf_counter() - t_start, 3)}
         print(MARKER + json.dumps(result), flush=True)
     dist.barrier()

@@ -18,6 +18,7 @@ from typing import Any
 
 import click
 
+from handle_cli.common import fail
 from torch_handle.text import one_line
 
 ENV_VARS = ("HANDLE_LOAD_PLUGINS", "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "NCCL_DEBUG", "NCCL_SOCKET_IFNAME",
@@ -140,17 +141,27 @@ def env_text(info: dict[str, Any]) -> list[str]:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def check_dist(nproc: int, backend: str = "auto", timeout_s: float = 120.0) -> dict[str, Any]:
+def check_dist(nproc: int, backend: str = "auto", timeout_s: float = 120.0, *, nnodes: int = 1, node_rank: int = 0,
+               rdzv_endpoint: str = "") -> dict[str, Any]:
     """Run ``handle_cli.env_check`` on ``nproc`` processes with torchrun; never leaves a process behind.
 
-    Returns a dict with ``ok``, ``wall_s``, ``returncode``, the workers' result (when rank 0 got that far) and,
-    on failure, ``error`` and the tail of the output.
+    On several nodes (``nnodes > 1``) every node runs this with its own ``node_rank`` and the same
+    ``rdzv_endpoint`` (``host:port`` of node 0, which hosts the static rendezvous, as ``handle run`` does); the
+    all-reduce then spans ``nproc * nnodes`` processes, and each node reports the verdict all of them agreed on.
+
+    Returns a dict with ``ok``, ``wall_s``, ``returncode``, the workers' result (when this node's first rank got
+    that far) and, on failure, ``error`` and the tail of the output.
     """
     from torch_handle.launch import run_torchrun
 
     from handle_cli.env_check import ERROR_MARKER, MARKER
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+    if nnodes > 1:
+        where = [f"--nnodes={nnodes}", f"--node_rank={node_rank}", "--rdzv_backend=static",
+                 f"--rdzv_endpoint={rdzv_endpoint}", "--rdzv_id=handle-env-check"]
+    else:
+        where = ["--standalone"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", *where, f"--nproc_per_node={nproc}",
            "--monitor_interval=0.5", "-m", "handle_cli.env_check", "--backend", backend,
            "--timeout", str(max(10, int(timeout_s)))]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -159,8 +170,8 @@ def check_dist(nproc: int, backend: str = "auto", timeout_s: float = 120.0) -> d
     with tempfile.TemporaryDirectory() as tmp:  # KeyboardInterrupt propagates, every process already stopped
         returncode, timed_out, wall = run_torchrun(cmd, Path(tmp) / "torchrun.log", timeout_s, lines.append, env=env)
     text = "\n".join(lines)
-    result: dict[str, Any] = {"nproc": nproc, "ok": False, "wall_s": round(wall, 3), "returncode": returncode,
-                              "command": cmd}
+    result: dict[str, Any] = {"nproc": nproc, "nnodes": nnodes, "node_rank": node_rank, "ok": False,
+                              "wall_s": round(wall, 3), "returncode": returncode, "command": cmd}
     worker_errors = []
     for line in text.splitlines():
         if line.startswith(MARKER):
@@ -172,7 +183,7 @@ def check_dist(nproc: int, backend: str = "auto", timeout_s: float = 120.0) -> d
     elif returncode != 0:
         result["error"] = f"torchrun exited {returncode}" + (f"; {worker_errors[0]}" if worker_errors else "")
     elif "result" not in result:
-        result["error"] = "rank 0 printed no result"
+        result["error"] = "the node's first rank printed no result"
     elif not result["result"]["ok"]:
         r = result["result"]
         result["error"] = f"wrong all-reduce result: sum {r['sum']} (expected {r['expected']}), " \
@@ -189,12 +200,15 @@ def check_text(r: dict[str, Any]) -> list[str]:
     if r["ok"]:
         w = r["result"]
         bw = f", ~{w['bus_bandwidth_mib_s']:,.0f} MiB/s bus bandwidth" if w.get("bus_bandwidth_mib_s") else ""
-        return [f"check-dist: ok: {w['world_size']} processes, backend {w['backend']} ({w['device']}), "
+        nodes = (f" on {w['nnodes']} nodes ({', '.join(w['hosts'])}; this is node {r['node_rank']})"
+                 if r.get("nnodes", 1) > 1 else "")
+        return [f"check-dist: ok: {w['world_size']} processes{nodes}, backend {w['backend']} ({w['device']}), "
                 f"all_reduce sum {w['sum']:g} == {w['expected']:g}",
                 f"  init {w['init_s']:.2f} s, all_reduce {w['allreduce_small_s'] * 1e3:.2f} ms, "
                 f"{w['allreduce_mib']:g} MiB all_reduce {w['allreduce_large_s'] * 1e3:.1f} ms{bw}; "
                 f"total {r['wall_s']:.2f} s (torchrun start-up included)"]
-    lines = [f"check-dist: FAILED with {r['nproc']} processes after {r['wall_s']:.2f} s: {r['error']}"]
+    nodes = f" per node on {r['nnodes']} nodes (this is node {r['node_rank']})" if r.get("nnodes", 1) > 1 else ""
+    lines = [f"check-dist: FAILED with {r['nproc']} processes{nodes} after {r['wall_s']:.2f} s: {r['error']}"]
     tail = r.get("output_tail", "").strip()
     if tail:
         lines += ["--- output (tail) ---", *tail.splitlines()[-40:]]
@@ -209,13 +223,19 @@ def check_text(r: dict[str, Any]) -> list[str]:
               help="Backend of --check-dist: auto = nccl with one GPU per process, else gloo.")
 @click.option("--timeout", "timeout_s", type=click.IntRange(10, 3600), default=120, show_default=True,
               help="Seconds before --check-dist gives up (every process is stopped).")
+@click.option("--nnodes", type=click.IntRange(1, 4096), default=1, show_default=True,
+              help="With --check-dist: nodes taking part; run the same command on each with its --node-rank.")
+@click.option("--node-rank", type=click.IntRange(0, 4095), default=0, show_default=True,
+              help="With --check-dist --nnodes: this node's rank (0 on the node of --rdzv-endpoint).")
+@click.option("--rdzv-endpoint", default="", metavar="HOST:PORT",
+              help="With --check-dist --nnodes: node 0's address and a free port there (as launch.rdzv_endpoint).")
 @click.option("--peak", is_flag=True,
               help="Measure this device's dense matmul peak (fp32, bf16, fp16; cached) for MFU.")
 @click.option("--threads", type=click.IntRange(1, 1024), default=None,
               help="CPU threads for --peak (default: torch's; a worker of an N-process CPU run has 1).")
 @click.option("--refresh", is_flag=True, help="With --peak: measure again instead of reading the cache.")
-def env(as_json: bool, nproc: int | None, backend: str, timeout_s: int, peak: bool, threads: int | None,
-        refresh: bool) -> None:
+def env(as_json: bool, nproc: int | None, backend: str, timeout_s: int, nnodes: int, node_rank: int,
+        rdzv_endpoint: str, peak: bool, threads: int | None, refresh: bool) -> None:
     """Python, torch, DeepSpeed, CUDA/NCCL, CPUs, distributed backends and plugins of this environment.
 
     With --check-dist N: a real N-process run (torchrun, --standalone) that initialises the process group,
@@ -229,15 +249,20 @@ def env(as_json: bool, nproc: int | None, backend: str, timeout_s: int, peak: bo
     Examples:
       handle env                      # versions, backends, plugins
       handle env --check-dist 2       # can this machine run 2 processes?
+      handle env --check-dist 1 --nnodes 2 --node-rank 0 --rdzv-endpoint node0:29400   # on node0, and
+      handle env --check-dist 1 --nnodes 2 --node-rank 1 --rdzv-endpoint node0:29400   # on the other node
       handle env --peak --threads 1   # the peak one rank of a 2-process CPU run sees
     """
     if peak:
         _peak(as_json, threads, refresh)
         return
+    if nnodes > 1 or node_rank or rdzv_endpoint:
+        _check_nodes(nproc, nnodes, node_rank, rdzv_endpoint)
     info = collect_env()
     if nproc is not None:
         try:
-            info["check_dist"] = check_dist(nproc, backend, timeout_s)
+            info["check_dist"] = check_dist(nproc, backend, timeout_s, nnodes=nnodes, node_rank=node_rank,
+                                            rdzv_endpoint=rdzv_endpoint)
         except KeyboardInterrupt:
             click.echo("check-dist: stopped", err=True)
             sys.exit(130)
@@ -251,6 +276,21 @@ def env(as_json: bool, nproc: int | None, backend: str, timeout_s: int, peak: bo
                 click.echo(line)
     if nproc is not None and not info["check_dist"]["ok"]:
         sys.exit(1)
+
+
+def _check_nodes(nproc: int | None, nnodes: int, node_rank: int, rdzv_endpoint: str) -> None:
+    """The multi-node options, checked as ``[launch]`` checks them; a one-line error (exit 2) otherwise."""
+    from torch_handle.errors import InvalidValue
+    from torch_handle.schema import LaunchConfig
+
+    if nproc is None:
+        fail("--nnodes, --node-rank and --rdzv-endpoint go with --check-dist N (for example: handle env "
+             "--check-dist 1 --nnodes 2 --node-rank 0 --rdzv-endpoint node0:29400)")
+    try:
+        LaunchConfig(nproc_per_node=nproc, nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint).check()
+    except InvalidValue as e:
+        option = {"node_rank": "--node-rank", "rdzv_endpoint": "--rdzv-endpoint"}.get(e.key, f"--{e.key}")
+        fail(f"{option}: {e.message}".replace("nnodes", "--nnodes"))
 
 
 def _peak(as_json: bool, threads: int | None, refresh: bool) -> None:

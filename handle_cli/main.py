@@ -167,6 +167,8 @@ from handle_cli.plugins_cmd import plugins  # noqa: E402
 from handle_cli.presets_cmd import presets, presets_list, presets_new, presets_show, validate  # noqa: E402,F401
 from handle_cli.profile_cmd import profile  # noqa: E402
 from handle_cli.runs_cmd import runs  # noqa: E402
+from handle_cli.slurm_cmd import slurm  # noqa: E402
+from handle_cli.stacks_cmd import stacks  # noqa: E402
 
 cli.add_command(validate)
 cli.add_command(presets)
@@ -179,6 +181,8 @@ cli.add_command(generate)
 cli.add_command(translate)
 cli.add_command(eval_cmd)
 cli.add_command(runs)
+cli.add_command(slurm)
+cli.add_command(stacks)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -43,6 +43,85 @@ def canonical(name: str) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# Optional extras of torch-handle: what a built-in plugin needs beyond the core install
+# ---------------------------------------------------------------------------------------------------------------
+
+EXTRAS: dict[str, tuple[str, str, str]] = {
+    "hf": ("model", "hf", "Hugging Face causal LMs: OPT, GPT-2, Llama, or local config/weights"),
+    "wandb": ("sink", "wandb", "Weights & Biases tracking (HANDLE_WANDB=1; offline unless configured)"),
+}
+"""extra -> (kind, name, what it enables): the built-in plugins that need an extra. Extras not named here
+(``dev``: the test tools) are not listed."""
+
+
+def requirement_met(requirement: str) -> bool:
+    """Whether a requirement (``"transformers>=5.0,<6"``) is satisfied by an installed distribution."""
+    import importlib.metadata as md
+
+    from packaging.requirements import Requirement
+
+    req = Requirement(requirement)
+    try:
+        version = md.version(req.name)
+    except md.PackageNotFoundError:
+        return False
+    return req.specifier.contains(version, prereleases=True)
+
+
+def _install_command(extra: str) -> str:
+    """The pip command that installs ``extra``: from the checkout for an editable install (``pip install -e``),
+    else from the package index."""
+    import importlib.metadata as md
+    from urllib.parse import unquote, urlparse
+
+    direct: dict[str, Any] = {}
+    # every copy of the metadata on sys.path: a checkout's own torch_handle.egg-info (setuptools writes it there
+    # on `pip install -e`) may come first, and only the installed dist-info has direct_url.json
+    for dist in md.distributions(name=CORE_DISTRIBUTION):
+        try:
+            direct = json.loads(dist.read_text("direct_url.json") or "{}")
+        except ValueError:
+            continue
+        if direct:
+            break
+    url = direct.get("url", "")
+    if direct.get("dir_info", {}).get("editable") and url.startswith("file://"):
+        return f"pip install -e '{unquote(urlparse(url).path)}[{extra}]'"
+    return f"pip install '{CORE_DISTRIBUTION}[{extra}]'"
+
+
+def extras() -> list[dict[str, Any]]:
+    """The optional extras of torch-handle's installed metadata that enable a built-in plugin, each with
+    ``name``, ``kind``, ``plugin`` (what it registers), ``description``, ``requires`` (requirement strings),
+    ``installed`` (every requirement met) and ``install`` (the command); [] when the metadata is unreadable."""
+    import importlib.metadata as md
+
+    from packaging.requirements import InvalidRequirement, Requirement
+
+    try:
+        dist = md.distribution(CORE_DISTRIBUTION)
+    except md.PackageNotFoundError:
+        return []
+    out = []
+    for extra in dist.metadata.get_all("Provides-Extra") or []:
+        if extra not in EXTRAS:
+            continue
+        requires = []
+        for line in dist.requires or []:
+            try:
+                req = Requirement(line)
+            except InvalidRequirement:
+                continue
+            if req.marker is not None and req.marker.evaluate({"extra": extra}):
+                requires.append(str(req).split(";")[0].strip())
+        kind, name, description = EXTRAS[extra]
+        out.append({"name": extra, "kind": kind, "plugin": name, "description": description, "requires": requires,
+                    "installed": all(requirement_met(r) for r in requires),
+                    "install": _install_command(extra)})
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # Plugin commands: never in place of a core command
 # ---------------------------------------------------------------------------------------------------------------
 
@@ -114,6 +193,7 @@ def listing(registry: PluginRegistry, core: set[str]) -> dict[str, Any]:
         "skipped": [{"name": i.name, "distribution": i.distribution, "version": i.version, "status": i.status,
                      "error": i.error} for i in sorted(registry.skipped.values(), key=lambda i: i.name)],
         "handle_load_plugins": env,
+        "extras": extras(),
     }
 
 
@@ -139,9 +219,16 @@ def _table(rows: list[list[str]]) -> list[str]:
               help="Only the plugins that provide this kind, with descriptions (and those that failed to load).")
 @click.pass_context
 def plugins_list(ctx: click.Context, as_json: bool, kind: str | None) -> None:
-    """Every plugin: what it registers, its distribution and version, built-in or external, loaded or failed.
+    """Every plugin: what it registers, its distribution and version, built-in or external, loaded or failed;
+    then the optional extras of torch-handle that are not installed, with the command that installs each.
 
     Exits 0 even when some plugins failed to load (their reason is shown).
+
+    \b
+    Examples:
+      handle plugins list
+      handle plugins list --kind model
+      handle plugins list --json | jq '.extras[] | select(.installed | not) | .install'
     """
     from torch_handle.registry import get_registry
 
@@ -173,6 +260,18 @@ def plugins_list(ctx: click.Context, as_json: bool, kind: str | None) -> None:
         names = ", ".join(f"{s['name']} ({s['distribution']})" for s in data["skipped"])
         summary += f"; not loaded because HANDLE_LOAD_PLUGINS={data['handle_load_plugins']!r}: {names}"
     click.echo(summary)
+    _print_missing_extras(data["extras"])
+
+
+def _print_missing_extras(found: list[dict[str, Any]], kind: str | None = None) -> None:
+    """The extras that are not installed, each with what it enables and the command that installs it."""
+    missing = [e for e in found if not e["installed"] and kind in (None, e["kind"])]
+    if not missing:
+        return
+    click.echo("available extras (not installed):")
+    rows = [[e["name"], f"{e['kind']} '{e['plugin']}': {e['description']}", f"-- {e['install']}"] for e in missing]
+    for line in _table(rows):
+        click.echo(f"  {line}")
 
 
 def _print_kind(data: dict[str, Any], kind: str, registry: PluginRegistry) -> None:
@@ -189,6 +288,7 @@ def _print_kind(data: dict[str, Any], kind: str, registry: PluginRegistry) -> No
     if data["skipped"]:
         click.echo(f"not loaded because HANDLE_LOAD_PLUGINS={data['handle_load_plugins']!r}: "
                    f"{', '.join(s['name'] for s in data['skipped'])}")
+    _print_missing_extras(data["extras"], kind)
 
 
 # ---------------------------------------------------------------------------------------------------------------

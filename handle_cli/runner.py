@@ -24,7 +24,12 @@ EXIT_CODES = {Status.FINISHED: EXIT_FINISHED, Status.FAILED: EXIT_FAILED, Status
 
 def prepare_run(preset: str | None, overrides: tuple[str, ...], run_dir: Path | None,
                 resume_dir: Path | None) -> tuple[Preset, Path]:
-    """Validate everything, then create (or reopen) the run directory. Nothing is written on bad input."""
+    """Validate everything, then create (or reopen) the run directory. Nothing is written on bad input.
+
+    A multi-node run (``launch.nnodes > 1``) given a ``--run-dir`` creates it, or joins it when another node of the
+    same run created it first on a shared filesystem (:func:`torch_handle.multinode.create_or_join_run_dir`);
+    its ``preset.toml`` holds ``node_rank`` 0, and each node's launcher uses its own.
+    """
     if resume_dir is not None:
         return _prepare_resume(Path(resume_dir), overrides)
     assert preset is not None
@@ -34,6 +39,17 @@ def prepare_run(preset: str | None, overrides: tuple[str, ...], run_dir: Path | 
             "strategy": loaded.strategy.name, "zero_stage": getattr(loaded.strategy.options, "zero_stage", None),
             "world_size": loaded.world_size, "steps": loaded.training.steps, "start_time": time.time(),
             "end_time": None, "restarts": 0}
+    if loaded.launch.nnodes > 1:
+        from torch_handle.multinode import create_or_join_run_dir, with_node_rank
+        from torch_handle.rundir import launcher_record
+
+        if run_dir is not None:
+            directory, _ = create_or_join_run_dir(loaded, info, Path(run_dir))
+            return loaded, directory
+        info.update(launcher_record(loaded.launch.node_rank))  # a directory of this node's own
+        directory = create_run_dir(Path(loaded.run.output_dir), loaded.run.name,
+                                   dump_preset(with_node_rank(loaded, 0)), info)
+        return loaded, directory
     directory = create_run_dir(Path(loaded.run.output_dir), loaded.run.name, dump_preset(loaded), info, run_dir)
     return loaded, directory
 
@@ -48,18 +64,29 @@ def _prepare_resume(resume_dir: Path, overrides: tuple[str, ...]) -> tuple[Prese
     Raises:
         RunDirError, PresetError, DataError: one line each (exit code 2).
     """
+    from torch_handle.multinode import owns_run_dir, with_node_rank
     from torch_handle.resume import PENDING, check_changes, write_side_preset
+    from torch_handle.rundir import launcher_record
 
     info = read_run_info(resume_dir)
-    if info.get("status") in ACTIVE and launcher_alive(info):
-        raise RunDirError(f"{resume_dir}: is still running (launcher pid {info['launcher_pid']})")
     current = load_preset(resume_dir / PRESET_FILE)
     loaded = load_preset(resume_dir / PRESET_FILE, overrides) if overrides else current
-    changes = check_changes(resume_dir, current, loaded)
+    nodes = loaded.launch.nnodes > 1
+    if nodes and not any(o.partition("=")[0].strip() == "launch.node_rank" for o in overrides):
+        raise RunDirError(f"{resume_dir}: a run on {loaded.launch.nnodes} nodes: give this node's rank, "
+                          f"--resume {resume_dir} --set launch.node_rank=R (0 on the node of rdzv_endpoint)")
+    owner = owns_run_dir(info, loaded)  # False: another node's launcher prepares this shared directory
+    if owner and info.get("status") in ACTIVE and launcher_alive(info):
+        raise RunDirError(f"{resume_dir}: is still running (launcher pid {info['launcher_pid']})")
+    stored = with_node_rank(loaded, 0) if nodes else loaded  # a multi-node run's preset.toml holds node_rank 0
+    changes = check_changes(resume_dir, current, stored)
     _check_data(loaded)
-    write_side_preset(resume_dir, loaded if changes else None)  # None: drops a stale one of a failed resume
+    if not owner:
+        return loaded, resume_dir
+    write_side_preset(resume_dir, stored if changes else None)  # None: drops a stale one of a failed resume
+    record = launcher_record(loaded.launch.node_rank) if nodes and loaded.launch.node_rank > 0 else {}
     update_run_info(resume_dir, status=Status.RUNNING, message="", resumed=info.get("resumed", 0) + 1,
-                    **{PENDING: {"time": time.time()}})
+                    **{PENDING: {"time": time.time()}}, **record)
     return loaded, resume_dir
 
 
@@ -121,13 +148,32 @@ def summary_text(s: RunState, run_dir: Path, info: dict) -> str:
 
 
 def supervise(preset: Preset, run_dir: Path, *, quiet: bool = False) -> int:
-    """Run torchrun on ``run_dir`` until it ends; returns the exit code (0 finished, 1 failed, 130 stopped)."""
+    """Run torchrun on ``run_dir`` until it ends; returns the exit code (0 finished, 1 failed, 130 stopped).
+
+    Signals (SIGINT, SIGTERM): once the workers train, the first one asks them to stop after the current step with
+    a checkpoint (the STOP file; on any node of a multi-node run it stops every node); before that (rendezvous,
+    start-up: no step would come to answer it) and at a second one, the process tree is terminated at once.
+    """
     from torch_handle.launch import Launch
+    from torch_handle.multinode import owns_run_dir
     from torch_handle.resume import PENDING, RESUME_PRESET, promote
 
+    node_rank = preset.launch.node_rank
     if (Path(run_dir) / RESUME_PRESET).exists():  # a resume with changes: its preset, not the run's (--tui path)
         preset = load_preset(Path(run_dir) / RESUME_PRESET)
-    pending = PENDING in read_run_info(run_dir)
+        preset.launch.node_rank = node_rank  # a multi-node run's files hold node_rank 0: this node's own
+    before = read_run_info(run_dir)
+    pending = PENDING in before and owns_run_dir(before, preset)  # another node's launcher promotes a shared one
+    began = before.get("train_start_time")
+
+    def training() -> bool:
+        """Whether the workers of this launch reached the training loop (they answer a STOP file at a step)."""
+        try:
+            info = read_run_info(run_dir)
+        except RunDirError:
+            return False
+        return info.get("status") == Status.RUNNING and info.get("train_start_time") != began
+
     launch = Launch(preset, run_dir)
     reader = EventReader(Path(run_dir) / EVENTS_FILE)
     # the preset's total until the workers report theirs; no status from run.json: the summary's is the launcher's
@@ -137,7 +183,11 @@ def supervise(preset: Preset, run_dir: Path, *, quiet: bool = False) -> int:
     def on_signal(signum, frame):
         nonlocal interrupts
         interrupts += 1
-        if interrupts == 1:
+        if interrupts == 1 and launch.proc is not None and not training():
+            if not quiet:
+                click.echo("\nstopping: the workers have not started training (no checkpoint to write)", err=True)
+            launch.kill(grace_s=2.0)
+        elif interrupts == 1:
             launch.request_stop()
             if not quiet:
                 click.echo("\nstopping after the current step (checkpoint first); press Ctrl-C again to kill",
@@ -171,6 +221,8 @@ def supervise(preset: Preset, run_dir: Path, *, quiet: bool = False) -> int:
                                + f"{clean(event['level'])}: {clean(event.get('message', ''))}")
                 elif event.get("kind") == Kind.EVAL and not tty:
                     click.echo(f"step {event.get('step')}: val loss {_fmt_loss(event.get('val_loss'))}")
+                elif event.get("kind") == Kind.HANG:  # the watchdog's (launch.hang_timeout_s): where ranks wait
+                    click.echo(("\r\033[K" if tty else "") + f"error: {clean(event.get('message', 'hang'))}")
             now = time.monotonic()
             if tty:
                 click.echo("\r\033[K" + progress_line(state), nl=False)
@@ -195,7 +247,8 @@ def supervise(preset: Preset, run_dir: Path, *, quiet: bool = False) -> int:
         if info.get("status") == Status.FAILED:
             click.echo(f"error: run failed: {clean(info.get('message', ''))} (logs: {run_dir}/logs)", err=True)
         elif info.get("status") == Status.STOPPED:
-            click.echo(f"resume with: handle run --resume {run_dir}")
+            node = f" --set launch.node_rank={preset.launch.node_rank}" if preset.launch.nnodes > 1 else ""
+            click.echo(f"resume with: handle run --resume {run_dir}{node}")
     return EXIT_CODES.get(info.get("status"), 1)
 
 

@@ -13,9 +13,11 @@ import click
 
 def run_summary(run_dir: Path, now: float | None = None) -> dict[str, Any]:
     """One run as a JSON-ready mapping: ``name``, ``path``, ``status`` (``lost`` for a run whose launcher is gone,
-    ``unreadable`` for a broken run.json), ``strategy``, ``world_size``, ``step``, ``steps``, ``loss``,
-    ``val_loss``, ``tokens_per_s`` (the newest, global), ``start_time`` (unix s), ``age_s`` (s since the start),
-    ``message``. Reads run.json and the end of events.jsonl only."""
+    ``hung`` for a live run whose newest event is the watchdog's ``hang``, ``unreadable`` for a broken run.json),
+    ``strategy``, ``world_size``, ``step``, ``steps``, ``loss``, ``val_loss``, ``tokens_per_s`` (the newest,
+    global), ``start_time`` (unix s), ``age_s`` (s since the start), ``message``, ``hang`` (the message of the
+    newest ``hang`` event, also after the run moved on or ended; null without one). Reads run.json and the end of
+    events.jsonl only."""
     from torch_handle.events import RunState, Status, tail_events
     from torch_handle.rundir import RunDirError, read_run_status
     from torch_handle.telemetry import EVENTS_FILE
@@ -32,7 +34,7 @@ def run_summary(run_dir: Path, now: float | None = None) -> dict[str, Any]:
             "world_size": state.world_size, "step": state.step, "steps": state.steps_total,
             "loss": state.last_loss, "val_loss": state.last_val_loss, "tokens_per_s": state.last(state.tokens_per_s),
             "start_time": start, "age_s": None if start is None else max(0.0, now - start),
-            "message": state.message}
+            "message": state.message, "hang": state.hang["message"] if state.hang else None}
 
 
 def _age(seconds: float | None) -> str:
@@ -56,7 +58,9 @@ def runs(directory: Path | None, as_json: bool) -> None:
     size, step/total, last train and val loss, tokens/s, start time (local) and age.
 
     A run whose run.json still says running but whose launcher is gone (kill -9, a reboot) and whose heartbeat
-    is older than 10 s shows as `lost`; continue it with `handle run --resume RUN_DIR`.
+    is older than 10 s shows as `lost`; continue it with `handle run --resume RUN_DIR`. A live run whose
+    watchdog reported a hang (launch.hang_timeout_s) and that has not moved since shows as `hung`; see its
+    logs/stacks-*.txt, or take them again with `handle stacks RUN_DIR`.
 
     \b
     Examples:

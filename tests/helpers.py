@@ -56,3 +56,16 @@ def leftovers(tag: str) -> list[str]:
         except (psutil.Error, OSError):
             continue
     return found
+
+
+def find_worker(run_dir: str | Path, rank: int) -> psutil.Process | None:
+    """The live training worker of ``run_dir`` with global rank ``rank`` (its torchrun agent left out), or None."""
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            cmdline = " ".join(p.info["cmdline"] or [])
+            if ("torch_handle.worker" in cmdline and str(run_dir) in cmdline and "distributed.run" not in cmdline
+                    and p.environ().get("RANK") == str(rank)):
+                return p
+        except psutil.Error:
+            pass
+    return None

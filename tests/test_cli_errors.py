@@ -81,7 +81,7 @@ CASES = [
          ["p.toml:5: model.n_heads", "4 does not divide d_model=130"]),
     # --- plugins
     Case("unknown-model-plugin", preset('[model]\nname = "gpt2"\n'), ["p.toml"],
-         ["p.toml:4: model.name", "unknown model 'gpt2'", "available: transformer"]),
+         ["p.toml:4: model.name", "unknown model 'gpt2'", "available: hf, transformer"]),
     Case("unknown-dataset-plugin", preset('[data]\nname = "wiki"\n'), ["p.toml"],
          ["data.name", "unknown dataset 'wiki'", "available: parallel, pydoc, text"]),
     Case("unknown-strategy", preset('[strategy]\nname = "zero2"\n'), ["p.toml"],

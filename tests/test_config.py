@@ -31,7 +31,7 @@ from torch_handle.registry import PluginInfo, PluginRegistry, get_registry, load
 
 REPO = Path(__file__).resolve().parents[1]
 PRESETS = sorted((REPO / "presets").glob("*.toml"))
-NEEDS = {"translate": ["data.path=../shared/data/multi30k"]}
+NEEDS = {"translate": ["data.path=../shared/data/multi30k"], "translate-long": ["data.path=../shared/data/multi30k"]}
 """Overrides a shipped preset needs to validate (it documents them in its header)."""
 
 
@@ -264,7 +264,7 @@ def test_parse_override():
      " (--set): strategy.ds_config:", ["contradicts zero_stage = 1"]),
     ("[strategy]\nname = 'deepspeed'\nds_config.train_batch_size = 64\n", [], ":3: strategy.ds_config:",
      ["train_batch_size = 64 contradicts"]),
-    ("[model]\nname = 'gpt'\n", [], ":2: model.name:", ["unknown model 'gpt' (available: transformer)"]),
+    ("[model]\nname = 'gpt'\n", [], ":2: model.name:", ["unknown model 'gpt' (available: hf, transformer)"]),
     ("[strategy]\nname = 'deepspeeed'\n", [], ":2: strategy.name:", ["did you mean 'deepspeed'?", "ddp, deepspeed"]),
     ("[model]\nname = 3\n", [], ":2: model.name:", ["expected a plugin name"]),
     ("model = 3\n", [], ":1: model:", ["expected a table"]),

@@ -18,7 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.helpers import tiny_preset
+from tests.helpers import find_worker, tiny_preset
 
 pytestmark = pytest.mark.dist
 
@@ -164,18 +164,6 @@ def test_sigint_then_resume_reproduces_the_uninterrupted_losses(base, tmp_path):
     assert (run_dir / "model.safetensors").stat().st_size > 0
 
 
-def _worker(run_dir: Path, rank: int) -> psutil.Process | None:
-    for p in psutil.process_iter(["cmdline"]):
-        try:
-            cmdline = " ".join(p.info["cmdline"] or [])
-            if ("torch_handle.worker" in cmdline and str(run_dir) in cmdline and "distributed.run" not in cmdline
-                    and p.environ().get("RANK") == str(rank)):
-                return p
-        except psutil.Error:
-            pass
-    return None
-
-
 @pytest.mark.parametrize("strategy", [["strategy.name=deepspeed", "strategy.zero_stage=2"], ["strategy.name=ddp"]],
                          ids=["zero2", "ddp"])
 def test_sigkilled_worker_is_restarted_and_resumes_exactly(base, tmp_path, strategy):
@@ -196,7 +184,7 @@ def test_sigkilled_worker_is_restarted_and_resumes_exactly(base, tmp_path, strat
     while proc.poll() is None and time.monotonic() < deadline:
         if killed is None and (run_dir / "events.jsonl").exists() and any(
                 e["step"] >= kill_at for e in events(run_dir, "step")):
-            victim = _worker(run_dir, rank=random.Random().randint(0, 1))
+            victim = find_worker(run_dir, rank=random.Random().randint(0, 1))
             if victim is not None:
                 killed = max(e["step"] for e in events(run_dir, "step"))
                 victim.kill()

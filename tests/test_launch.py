@@ -18,7 +18,9 @@ def test_torchrun_command_multi_node_uses_the_rendezvous_endpoint(repo_root, tmp
     preset = load_preset(repo_root / "presets" / "ddp.toml",
                          ["launch.nnodes=2", "launch.node_rank=1", "launch.rdzv_endpoint=node0:29400"])
     cmd = torchrun_command(preset, tmp_path / "run")
-    assert {"--nnodes=2", "--node_rank=1", "--rdzv_endpoint=node0:29400", "--rdzv_backend=c10d"} <= set(cmd)
+    # static: node_rank decides the global ranks (c10d would ignore it), so global rank 0 runs on node 0
+    assert {"--nnodes=2", "--node_rank=1", "--rdzv_endpoint=node0:29400", "--rdzv_backend=static",
+            f"--rdzv_id={preset.run.name}"} <= set(cmd)
 
 
 def _logs(tmp_path, **files):

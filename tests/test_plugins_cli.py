@@ -410,3 +410,41 @@ def test_everyday_commands_are_instant_and_import_no_torch(args):
     imported = importtime(sys.executable, *args)
     assert "handle_cli" in imported
     assert not imported & set(HEAVY), imported & set(HEAVY)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 5. optional extras: listed with the command that installs them while they are not installed
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_plugins_list_shows_the_extras_that_are_not_installed(monkeypatch):
+    from click.testing import CliRunner
+
+    from handle_cli import plugins_cmd
+    from handle_cli.main import cli
+
+    installed = json.loads(ok_cli(CliRunner().invoke(cli, ["plugins", "list", "--json"])).output)["extras"]
+    assert {e["name"]: (e["kind"], e["plugin"], e["installed"]) for e in installed} == {
+        "hf": ("model", "hf", True), "wandb": ("sink", "wandb", True)}  # `make install-dev` installs both
+    assert [e["requires"][0].split("<")[0].split(">")[0] for e in installed] == ["transformers", "wandb"]
+    assert "available extras" not in ok_cli(CliRunner().invoke(cli, ["plugins", "list"])).output
+
+    # as if transformers were not installed (pip uninstall would change the venv other tests run in)
+    real = plugins_cmd.requirement_met
+    monkeypatch.setattr(plugins_cmd, "requirement_met", lambda r: not r.startswith("transformers") and real(r))
+    data = json.loads(ok_cli(CliRunner().invoke(cli, ["plugins", "list", "--json"])).output)
+    hf = next(e for e in data["extras"] if e["name"] == "hf")
+    assert not hf["installed"] and hf["install"].startswith("pip install ") and "[hf]'" in hf["install"]
+    assert next(e for e in data["extras"] if e["name"] == "wandb")["installed"]
+    lines = ok_cli(CliRunner().invoke(cli, ["plugins", "list"])).output.splitlines()
+    at = lines.index("available extras (not installed):")
+    assert len(lines) == at + 2, lines  # hf alone
+    assert lines[at + 1].split()[:3] == ["hf", "model", "'hf':"] and lines[at + 1].endswith(f"-- {hf['install']}")
+    model = ok_cli(CliRunner().invoke(cli, ["plugins", "list", "--kind", "model"])).output
+    assert f"-- {hf['install']}" in model
+    assert "available extras" not in ok_cli(CliRunner().invoke(cli, ["plugins", "list", "--kind", "sink"])).output
+
+
+def ok_cli(result):
+    assert result.exit_code == 0, result.output
+    return result

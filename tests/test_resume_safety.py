@@ -58,9 +58,8 @@ def test_disk_full_checkpoint_then_refused_and_allowed_resumes(tmp_path):
 
     # 2. settings the checkpoint depends on: exit 2, one line naming the key, the run directory untouched
     before = {p.name: digest(p) for p in run.iterdir() if p.is_file()}
-    for override, key in [("model.d_model=128", "model.d_model"), ("strategy.name=ddp", "strategy.name"),
-                          ("data.seq_len=64", "data.seq_len"), ("training.micro_batch_size=8",
-                                                                "training.micro_batch_size")]:
+    for override, key in [("model.d_model=128", "model.d_model"), ("run.seed=7", "run.seed"),
+                          ("data.seq_len=64", "data.seq_len"), ("training.precision=bf16", "training.precision")]:
         proc = handle("run", "--resume", str(run), "--set", override)
         assert proc.returncode == 2, (override, proc.stdout, proc.stderr)
         assert len(proc.stderr.strip().splitlines()) == 1 and key in proc.stderr, proc.stderr

@@ -1,9 +1,11 @@
 """Checkpoints: atomic step directories with a manifest, RNG capture, and loading that cannot run code.
 
 Layout of ``checkpoints/step-<N>/``: whatever the strategy writes (its own format: DeepSpeed's
-``save_checkpoint`` directory, or ``model.pt``/``optim.pt`` for single/DDP), ``trainer-rank<R>.pt`` with the
+``save_checkpoint`` directory, ``model.pt``/``optim.pt`` for single/DDP, a DCP directory for FSDP2),
+``layout.json`` (which strategy wrote it, on how many ranks: :data:`LAYOUT`), ``trainer-rank<R>.pt`` with the
 step, the data position and the RNG states of rank R, and ``manifest.json`` (files, sizes, SHA-256, step),
-written last. Every rank writes into ``.tmp-step-<N>/``; after a barrier rank 0 writes the manifest and renames
+written last. A resume under another strategy or world size converts the files to the portable form
+(:mod:`torch_handle.convert`), next to them in ``portable/`` (not in the manifest). Every rank writes into ``.tmp-step-<N>/``; after a barrier rank 0 writes the manifest and renames
 the directory into place, so a crash mid-save never leaves a directory that looks complete.
 """
 
@@ -45,8 +47,10 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def finalize(root: Path, step: int, keep_last: int) -> Path:
-    """Rank 0, after every rank wrote into the temporary directory: manifest, rename, prune old ones."""
+def finalize(root: Path, step: int, keep_last: int | None) -> Path:
+    """One rank per run directory (rank 0 on one node), after every rank wrote into the temporary directory:
+    manifest, rename, then :func:`prune` to ``keep_last`` (None: no pruning; a multi-node run prunes only once
+    every directory has the new checkpoint, so that a step common to all of them always remains)."""
     tmp = tmp_dir_for(root, step)
     files = {}
     for p in sorted(tmp.rglob("*")):
@@ -57,9 +61,15 @@ def finalize(root: Path, step: int, keep_last: int) -> Path:
     if final.exists():  # a restarted run reached the same step again: the new one wins
         shutil.rmtree(final)
     os.rename(tmp, final)
+    if keep_last is not None:
+        prune(root, keep_last)
+    return final
+
+
+def prune(root: Path, keep_last: int) -> None:
+    """Delete all but the newest ``keep_last`` step directories under ``root``."""
     for old in list_checkpoints(root)[:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)
-    return final
 
 
 def list_checkpoints(root: Path) -> list[Path]:
@@ -168,27 +178,87 @@ class TrainerState:
 
     step: int
     epoch: int
-    batch_in_epoch: int
-    """Micro-batches of this epoch already consumed by this rank."""
+    batch_in_epoch: int = 0
+    """Micro-batches of this epoch consumed by this rank (informational since ``samples_in_epoch`` exists; the
+    data position of checkpoints written before it)."""
+    samples_in_epoch: int | None = None
+    """Samples of this epoch's global order consumed by all ranks together (see
+    :class:`torch_handle.data.GlobalBatchSampler`): the data position, independent of the world size. None in a
+    checkpoint written before it existed."""
 
     def to_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch,
-                "rng": rng_state()}
+        state = {"step": self.step, "epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch, "rng": rng_state()}
+        if self.samples_in_epoch is not None:
+            state["samples_in_epoch"] = self.samples_in_epoch
+        return state
+
+
+def trainer_state_path(ckpt_dir: Path, rank: int) -> Path:
+    return Path(ckpt_dir) / f"trainer-rank{rank}.pt"
 
 
 def save_trainer_state(ckpt_dir: Path, rank: int, state: TrainerState) -> None:
-    torch.save(state.to_dict(), Path(ckpt_dir) / f"trainer-rank{rank}.pt")
+    torch.save(state.to_dict(), trainer_state_path(ckpt_dir, rank))
 
 
-def load_trainer_state(ckpt_dir: Path, rank: int) -> TrainerState:
-    """Restore RNG states and return the loop position of ``rank``.
+def load_trainer_state(ckpt_dir: Path, rank: int, *, restore_rng: bool = True) -> TrainerState:
+    """Return the loop position saved by ``rank`` and (``restore_rng``) restore its RNG states in this process.
 
     Raises:
         CheckpointError: when the file is missing or unsafe.
     """
-    data = safe_load(Path(ckpt_dir) / f"trainer-rank{rank}.pt")
-    set_rng_state(data["rng"])
-    return TrainerState(step=int(data["step"]), epoch=int(data["epoch"]), batch_in_epoch=int(data["batch_in_epoch"]))
+    data = safe_load(trainer_state_path(ckpt_dir, rank))
+    if restore_rng:
+        set_rng_state(data["rng"])
+    samples = data.get("samples_in_epoch")
+    return TrainerState(step=int(data["step"]), epoch=int(data["epoch"]), batch_in_epoch=int(data["batch_in_epoch"]),
+                        samples_in_epoch=None if samples is None else int(samples))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Layout: who wrote a checkpoint, so that a resume under other settings knows whether it can load it as it is.
+# ---------------------------------------------------------------------------------------------------------------
+
+LAYOUT = "layout.json"
+"""Written by rank 0 into every checkpoint: ``format`` (``torch``: ``model.pt`` + ``optim.pt``; ``torch-sharded``:
+``model.pt`` + ``optim-rank<R>.pt``; ``dcp``: ``dcp/`` + ``scheduler.pt``; ``deepspeed``: DeepSpeed's
+``ds/`` directory), ``strategy``, ``world_size``, ``micro_batch_size``, ``grad_accum``, ``global_batch``,
+``precision`` and the strategy's own layout keys (``zero_stage``, ...)."""
+
+
+def save_layout(ckpt_dir: Path, layout: dict[str, Any]) -> None:
+    (Path(ckpt_dir) / LAYOUT).write_text(json.dumps(layout, indent=1, sort_keys=True), encoding="utf-8")
+
+
+def read_layout(ckpt_dir: Path) -> dict[str, Any]:
+    """The checkpoint's layout: ``layout.json``, or for a checkpoint written before it existed what its files
+    tell (``format`` and ``world_size``; the other keys absent).
+
+    Raises:
+        CheckpointError: when ``layout.json`` is unreadable, or no known format's files are there.
+    """
+    ckpt_dir = Path(ckpt_dir)
+    path = ckpt_dir / LAYOUT
+    if path.is_file():
+        try:
+            layout = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"{path}: unreadable ({e})") from None
+        if not isinstance(layout, dict) or not isinstance(layout.get("format"), str):
+            raise CheckpointError(f"{path}: no \"format\" key")
+        return layout
+    ranks = len(list(ckpt_dir.glob("trainer-rank*.pt")))
+    if (ckpt_dir / "ds").is_dir():
+        fmt = "deepspeed"
+    elif (ckpt_dir / "dcp").is_dir():
+        fmt = "dcp"
+    elif list(ckpt_dir.glob("optim-rank*.pt")):
+        fmt = "torch-sharded"
+    elif (ckpt_dir / "optim.pt").is_file():
+        fmt = "torch"
+    else:
+        raise CheckpointError(f"{ckpt_dir}: neither {LAYOUT} nor the files of a known checkpoint format")
+    return {"format": fmt, "world_size": ranks or None}
 
 
 # ---------------------------------------------------------------------------------------------------------------

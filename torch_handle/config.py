@@ -149,6 +149,8 @@ def _check_range(name: str, value: Any, metadata: typing.Mapping[str, Any]) -> N
         raise InvalidValue(name, f"{value!r} must be > {metadata['gt']}")
     if "le" in metadata and value > metadata["le"]:
         raise InvalidValue(name, f"{value!r} must be <= {metadata['le']}")
+    if "lt" in metadata and value >= metadata["lt"]:
+        raise InvalidValue(name, f"{value!r} must be < {metadata['lt']}")
 
 
 def _suggest(key: str, valid: typing.Iterable[str]) -> str:

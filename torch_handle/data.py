@@ -3,10 +3,13 @@
 - Corpora: the embedded default (the CPython documentation topics in ``pydoc_data.topics``, which every Python
   install ships), local text files (a glob), and aligned parallel files for translation.
 - Tokenizer: byte-level BPE trained with HF ``tokenizers`` on the training split only, with ``<pad>``,
-  ``<bos>``, ``<eos>``, ``<unk>`` special tokens; cached by content hash and reused. Rank 0 builds it while the
-  other ranks wait at a barrier.
+  ``<bos>``, ``<eos>``, ``<unk>`` special tokens; cached by content hash and reused. One rank per cache directory
+  builds it (rank 0; on several nodes without a shared filesystem, each node's first rank) while the others wait
+  at a barrier.
 - Datasets return dicts of LongTensors whose keys match the model's forward arguments, plus ``labels``
   (``IGNORE_INDEX`` where no loss is taken).
+- Samplers: :class:`GlobalBatchSampler` (training: the samples of each optimizer step depend on the seed and the
+  step only, not on the world size) and :class:`ResumableDistributedSampler` (validation).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
-from torch.utils.data import Dataset, DistributedSampler
+from torch.utils.data import Dataset, DistributedSampler, Sampler
 
 from torch_handle.errors import DataError
 
@@ -55,15 +58,21 @@ def train_tokenizer(texts: Sequence[str], vocab_size: int):
 
 def load_or_train_tokenizer(texts: Sequence[str], vocab_size: int, cache_dir: Path, *, is_main: bool,
                             barrier: Callable[[], None]):
-    """The tokenizer for ``texts``: from ``cache_dir`` when one with the same fingerprint exists, else trained by
-    rank 0 (written atomically) while the other ranks wait at ``barrier``."""
+    """The tokenizer for ``texts`` and its file: from ``cache_dir`` when one with the same fingerprint exists, else
+    trained by the rank with ``is_main`` and written atomically, while the other ranks wait at ``barrier``.
+
+    ``is_main`` must be true on exactly one rank of the ranks that see this ``cache_dir``: rank 0 on one node or a
+    shared filesystem, each node's first rank when every node has its own disk (the worker finds out with
+    :func:`torch_handle.multinode.directory_leaders`). The temporary file's name carries the host and pid, so two
+    builders on one shared directory would never write the same temporary file.
+    """
     from tokenizers import Tokenizer
 
     path = Path(cache_dir) / f"tokenizer-{corpus_fingerprint(texts, vocab_size)}.json"
     if is_main and not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         tok = train_tokenizer(texts, vocab_size)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp = path.with_name(f".{path.name}.{os.uname().nodename}.{os.getpid()}.tmp")
         tok.save(str(tmp))
         os.replace(tmp, path)
     barrier()
@@ -165,7 +174,10 @@ class DataContext:
     cache_dir: Path
     """Where tokenizers (and other derived files) are cached across runs."""
     is_main: bool
+    """This rank builds what is missing in ``cache_dir``: one rank per cache directory (rank 0 on one node or a
+    shared filesystem; each node's first rank when the nodes do not share ``cache_dir``)."""
     barrier: Callable[[], None]
+    """Every rank calls it once the builders are done (a collective over all ranks)."""
 
 
 class ResumableDistributedSampler(DistributedSampler):
@@ -186,3 +198,77 @@ class ResumableDistributedSampler(DistributedSampler):
         indices = list(super().__iter__())
         skip, self._skip = self._skip, 0
         return iter(indices[skip:])
+
+
+class GlobalBatchSampler(Sampler[list[int]]):
+    """Batch sampler for one rank whose global batches do not depend on the world size.
+
+    Every epoch ``e`` has one order of the whole dataset, ``torch.randperm(num_samples)`` drawn from a generator
+    seeded with ``seed + e`` (the same permutation ``DistributedSampler`` draws; ``shuffle=False``: 0, 1, 2, ...).
+    Global batch ``k`` of the epoch is the next ``G = micro_batch_size * grad_accum * world_size`` samples of that
+    order, ``order[start + k*G : start + (k+1)*G]`` (``start``: see :meth:`skip`); within it, micro-batch ``i`` of
+    rank ``r`` is the slice at offset ``(r * grad_accum + i) * micro_batch_size``. So the samples of optimizer step
+    ``s`` are a function of the seed and ``s`` only, however they are spread over ranks and micro-batches: 2 ranks
+    x micro-batch 8 and 1 rank x micro-batch 8 x grad_accum 2 see the same 16 samples at every step. The
+    remainder of an epoch shorter than ``G`` is dropped.
+
+    Yields lists of ``micro_batch_size`` dataset indices, ``grad_accum`` per global batch, for a ``DataLoader``'s
+    ``batch_sampler``. ``set_epoch(e)`` must be called every epoch.
+
+    Raises:
+        ValueError: arguments that are not positive, ``rank`` outside ``[0, world_size)``, or fewer samples than
+            one global batch.
+    """
+
+    def __init__(self, num_samples: int, *, micro_batch_size: int, grad_accum: int = 1, world_size: int = 1,
+                 rank: int = 0, seed: int = 0, shuffle: bool = True):
+        for name, value in (("micro_batch_size", micro_batch_size), ("grad_accum", grad_accum),
+                            ("world_size", world_size)):
+            if value < 1:
+                raise ValueError(f"{name} must be at least 1, got {value}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+        self.num_samples, self.micro_batch_size, self.grad_accum = int(num_samples), micro_batch_size, grad_accum
+        self.world_size, self.rank, self.seed, self.shuffle = world_size, rank, seed, shuffle
+        self.global_batch = micro_batch_size * grad_accum * world_size
+        """Samples per optimizer step over all ranks."""
+        if self.num_samples < self.global_batch:
+            raise ValueError(f"{self.num_samples} samples are too few for one global batch of {self.global_batch} "
+                             f"(micro_batch_size={micro_batch_size} x grad_accum={grad_accum} x world size "
+                             f"{world_size})")
+        self.epoch = 0
+        self._skip = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def skip(self, samples: int) -> None:
+        """Start the current epoch after its first ``samples`` samples (of all ranks together, in the epoch's
+        order): the data position of a checkpoint, any multiple of any global batch. For one epoch only."""
+        self._skip = max(0, int(samples))
+
+    def order(self, epoch: int) -> list[int]:
+        """The order of the dataset in ``epoch``, the same on every rank and for every world size."""
+        if not self.shuffle:
+            return list(range(self.num_samples))
+        g = torch.Generator()
+        g.manual_seed(self.seed + epoch)
+        return torch.randperm(self.num_samples, generator=g).tolist()
+
+    def steps_in_epoch(self, start: int = 0) -> int:
+        """Global batches left in an epoch after its first ``start`` samples."""
+        return max(0, self.num_samples - start) // self.global_batch
+
+    def __len__(self) -> int:
+        """Micro-batches of this rank in a whole epoch."""
+        return self.steps_in_epoch() * self.grad_accum
+
+    def __iter__(self) -> Iterator[list[int]]:
+        start, self._skip = self._skip, 0
+        order = self.order(self.epoch)
+        mb, ga = self.micro_batch_size, self.grad_accum
+        for k in range(self.steps_in_epoch(start)):
+            base = start + k * self.global_batch
+            for i in range(ga):
+                offset = base + (self.rank * ga + i) * mb
+                yield order[offset: offset + mb]

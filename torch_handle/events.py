@@ -23,6 +23,12 @@ event has ``seq`` (int, increasing, never reused across restarts), ``time`` (uni
 - ``eval``: ``step``, ``val_loss`` (step 0: the untrained baseline).
 - ``checkpoint``: ``step``, ``path`` (relative to the run directory).
 - ``log``: ``level`` (info|warning|error), ``message``; a slow-rank warning adds ``rank`` and ``lag_s``.
+- ``hang``: written by a node's launcher, not by rank 0 (:mod:`torch_handle.watchdog`): no rank of that node
+  advanced for ``timeout_s`` (``launch.hang_timeout_s``). ``message`` (one line naming where each rank waits and
+  the stacks file), ``ranks`` (per rank ``rank``, ``pid``, ``host``, ``step``, ``phase``, ``source``, ``call``,
+  ``where``, ``summary``, ``error``), ``stacks`` (the stacks file, relative to the run directory), ``stalled_s``,
+  ``timeout_s``, ``action`` (warn|stop), ``node_rank``, ``step``, optionally ``flight_recorder`` (NCCL dumps).
+  Events the launcher writes carry ``"source": "launcher"`` and ``"seq": null`` (the numbering is rank 0's).
 
 Readers (``handle run``'s progress line and summary, the dashboard, the run picker) use this module:
 :class:`Tail` reads the complete new lines of any growing file (events and logs), :class:`EventReader` turns
@@ -54,6 +60,7 @@ class Kind:
     EVAL = "eval"
     CHECKPOINT = "checkpoint"
     LOG = "log"
+    HANG = "hang"
 
 
 class Status:
@@ -75,6 +82,9 @@ class Status:
     """Never written: run.json says active, but the launcher is gone and the heartbeat is stale
     (:func:`torch_handle.rundir.is_lost`); ``handle run --resume`` continues it like a stopped run. Not in
     :attr:`FINAL` (no worker or launcher ever records it), though nothing more happens to a lost run either."""
+    HUNG = "hung"
+    """Never written: the newest event is a ``hang`` (no step since) of a run that is still active; the run may
+    still recover (``launch.on_hang = "warn"``). Not in :attr:`FINAL`."""
     FINAL = (FINISHED, FAILED, STOPPED)
     """Statuses after which nothing more happens to the run (until ``--resume``)."""
     RESTART = (RESTARTING, RESTARTED)
@@ -375,6 +385,10 @@ class RunState:
     tokens_per_s_sum: float = 0.0
     tokens_per_s_count: int = 0
     """Sum and count of the tokens/s figures applied after the first 2 (restarts do not remove any)."""
+    hang: dict[str, Any] | None = None
+    """The newest ``hang`` event (``message``, ``ranks``, ``stacks``, ...), kept after the run moved on."""
+    hang_current: bool = False
+    """True while no step or status event followed the newest ``hang`` event (the status is then ``hung``)."""
     lost_checked: tuple[float, bool] = (0.0, False)
     """(monotonic time, result) of the newest :func:`~torch_handle.rundir.is_lost` check (once a second)."""
 
@@ -406,6 +420,9 @@ class RunState:
             self.first_time = t if self.first_time is None else self.first_time
             self.last_time = t
         if kind == Kind.STEP:
+            if self.hang_current and (step := integer(event.get("step"))) is not None:
+                self.hang_current = False
+                notices.append(Notice(Level.INFO, f"step {step}: the run moves again after the hang"))
             self._apply_step(event)
         elif kind == Kind.EVAL:
             step = integer(event.get("step"))
@@ -424,6 +441,11 @@ class RunState:
                                   clean(event.get("message") or "", 1000)))
         elif kind == Kind.CHECKPOINT:
             self.last_checkpoint = clean(event.get("path") or "", 200)
+        elif kind == Kind.HANG:
+            message = clean(event.get("message") or "hang: no rank advanced", 1000)
+            self.hang = {**event, "message": message}
+            self.hang_current = True
+            notices.append(Notice(Level.ERROR, message))
 
     def _apply_step(self, event: dict[str, Any]) -> None:
         step = integer(event.get("step"))
@@ -470,6 +492,7 @@ class RunState:
     def _apply_status(self, event: dict[str, Any], notices: list[Notice]) -> None:
         status = clean(event.get("status") or "", 40)
         message = clean(event.get("message") or "", 500)
+        self.hang_current = False
         if status in Status.RESTART:
             self.restarts_seen += 1
             notices.append(Notice(Level.WARNING, f"restarting: {message or 'a worker failed'}"))
@@ -511,7 +534,7 @@ class RunState:
 
     @property
     def status(self) -> str:
-        """running | finished | failed | stopped | restarting | starting | lost.
+        """running | finished | failed | stopped | restarting | starting | lost | hung.
 
         run.json has the last word once it is final (the launcher records failures no worker could report);
         otherwise the newest status event. (A final event status while run.json says running is a resumed run
@@ -522,6 +545,8 @@ class RunState:
             return info_status
         if info_status == Status.LOST or self.lost:
             return Status.LOST
+        if self.hang_current:
+            return Status.HUNG
         if self.event_status:
             return Status.RESTARTING if self.event_status in Status.RESTART else self.event_status
         return info_status if isinstance(info_status, str) and info_status else Status.STARTING
@@ -543,6 +568,8 @@ class RunState:
             return clean(self.info["message"], 500)
         if self.status == Status.LOST:
             return f"the launcher is gone (killed?); continue with: handle run --resume {clean(str(self.run_dir))}"
+        if self.status == Status.HUNG and self.hang:
+            return self.hang["message"]
         return self.event_message
 
     @property

@@ -6,6 +6,11 @@ finish their step, checkpoint and exit (the STOP file); a second one terminates 
 launcher: torchrun gets SIGTERM if the launcher dies (PR_SET_PDEATHSIG), each worker gets SIGKILL if torchrun
 dies, and the launcher kills any process of the tree it has seen that is still alive at the end.
 
+While torchrun runs, ``poll()`` also watches the workers' heartbeats (:mod:`torch_handle.watchdog`): when no local
+rank advanced for ``launch.hang_timeout_s``, it writes every rank's stacks to ``logs/stacks-<time>.txt``, asks
+NCCL's flight recorder for its dump, appends a ``hang`` event to ``events.jsonl`` and, with ``launch.on_hang =
+"stop"``, terminates the tree (the run then ends ``failed`` with the hang message).
+
 No torch import here: the CLI stays instant.
 """
 
@@ -18,27 +23,42 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import psutil
 
+from torch_handle import watchdog as wd
 from torch_handle.config import Preset
-from torch_handle.events import Status
+from torch_handle.events import Kind, Status
 from torch_handle.rundir import HEARTBEAT_S, STOP_FILE, read_run_info, touch_heartbeat, update_run_info
+from torch_handle.telemetry import EVENTS_FILE
+
+WATCH_EVERY_S = 0.5
+"""How often ``Launch.poll`` reads the heartbeats."""
 
 
 def torchrun_command(preset: Preset, run_dir: Path, python: str = sys.executable) -> list[str]:
-    """The torchrun command line for ``preset`` (see ``torchrun --help``)."""
+    """The torchrun command line for ``preset`` (see ``torchrun --help``).
+
+    One node: the c10d rendezvous on a free port. Several nodes: the static rendezvous at ``rdzv_endpoint``,
+    hosted by node 0's torchrun, so that ``node_rank`` decides the global ranks (node R holds ranks
+    R * nproc_per_node ...): global rank 0, which writes the events, runs on node 0. (The c10d rendezvous ignores
+    ``--node_rank`` and numbers the nodes by host name and pid.) A failed worker still restarts the group on every
+    node, up to ``max_restarts``: its peers fail at their next collective and each node's torchrun restarts its
+    workers.
+    """
     launch = preset.launch
     cmd = [python, "-m", "torch.distributed.run", f"--nproc_per_node={launch.nproc_per_node}",
            f"--nnodes={launch.nnodes}", f"--node_rank={launch.node_rank}", f"--max_restarts={launch.max_restarts}"]
     if launch.nnodes == 1 and not launch.rdzv_endpoint:
         # a free port chosen by torchrun: two runs on one machine never collide
         cmd += ["--rdzv_backend=c10d", "--rdzv_endpoint=localhost:0", f"--rdzv_id={Path(run_dir).name}"]
-    else:
+    elif launch.nnodes == 1:
         cmd += ["--rdzv_backend=c10d", f"--rdzv_endpoint={launch.rdzv_endpoint}", f"--rdzv_id={preset.run.name}"]
+    else:
+        cmd += ["--rdzv_backend=static", f"--rdzv_endpoint={launch.rdzv_endpoint}", f"--rdzv_id={preset.run.name}"]
     cmd += ["--monitor_interval=0.5", "-m", "torch_handle.worker", str(run_dir)]
     return cmd
 
@@ -92,15 +112,39 @@ class Launch:
         cores = os.cpu_count() or 1
         self.env.setdefault("OMP_NUM_THREADS", str(max(1, cores // max(1, preset.launch.nproc_per_node))))
         self.env.setdefault("PYTHONUNBUFFERED", "1")
+        if preset.launch.backend != "gloo":  # NCCL's flight recorder (read by ProcessGroupNCCL only)
+            self.env.update(wd.flight_recorder_env(self.run_dir, self.env))
         self.proc: subprocess.Popen | None = None
         self.seen: dict[int, psutil.Process] = {}
         self.stop_requested = False
         self.killed = False
         self.last_beat = 0.0
+        self.watchdog = wd.HangWatchdog(preset.launch.hang_timeout_s)
+        self.last_watch = 0.0
+        self.hangs: list[dict[str, Any]] = []
+        """The ``hang`` events this launcher wrote."""
+        self.hang_stop: str | None = None
+        """The hang message once ``on_hang = "stop"`` terminated the workers."""
+
+    @property
+    def log_path(self) -> Path:
+        """torchrun's output: ``logs/launcher.log``; ``logs/launcher-node<R>.log`` for node R > 0 (a shared run
+        directory holds every node's)."""
+        node = self.preset.launch.node_rank
+        return self.run_dir / "logs" / ("launcher.log" if node == 0 else f"launcher-node{node}.log")
+
+    def owns_run_info(self, info: dict[str, Any]) -> bool:
+        """Whether this launcher settles run.json (launcher fields, the final status when the workers could not).
+        On one node, always. On several: the launcher recorded in it, which is node 0's, or the node that created
+        a run directory that node 0 never joined (each node's own directory when they share no filesystem)."""
+        launch = self.preset.launch
+        if launch.nnodes == 1:
+            return True
+        return info.get("launcher_node_rank", 0) == launch.node_rank and info.get("launcher_pid") == os.getpid()
 
     def start(self) -> None:
         (self.run_dir / STOP_FILE).unlink(missing_ok=True)
-        log = open(self.run_dir / "logs" / "launcher.log", "ab")
+        log = open(self.log_path, "ab")
         log.write(f"$ {' '.join(self.cmd)}\n".encode())
         log.flush()
         self.proc = subprocess.Popen(self.cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
@@ -108,8 +152,10 @@ class Launch:
         log.close()
         touch_heartbeat(self.run_dir)
         self.last_beat = time.monotonic()
+        if self.preset.launch.node_rank > 0:
+            return  # node 0's launcher owns run.json; a node's own directory recorded its launcher at creation
         update_run_info(self.run_dir, status=Status.RUNNING, launcher_pid=os.getpid(), torchrun_pid=self.proc.pid,
-                        launcher_create_time=psutil.Process().create_time(),
+                        launcher_create_time=psutil.Process().create_time(), launcher_node_rank=0,
                         start_time=read_run_info(self.run_dir).get("start_time") or time.time(), end_time=None)
 
     def poll(self) -> int | None:
@@ -125,7 +171,64 @@ class Launch:
                 self.seen.setdefault(p.pid, p)
         except psutil.Error:
             pass
+        if self.hang_stop is None and time.monotonic() - self.last_watch >= WATCH_EVERY_S:
+            self.last_watch = time.monotonic()
+            self.watch()
         return self.proc.poll()
+
+    def local_beats(self) -> list[wd.RankBeat]:
+        """The heartbeats of this launcher's live workers (stale files of an earlier attempt or run, and another
+        node's ranks in a shared run directory, are left out)."""
+        out = []
+        for b in wd.read_heartbeats(self.run_dir).values():
+            p = self.seen.get(b.pid)
+            if p is not None and b.local() and is_alive(p) and abs(p.create_time() - b.create_time) < 1.0:
+                out.append(b)
+        return out
+
+    def watch(self) -> dict[str, Any] | None:
+        """One look at the heartbeats; on a hang: stacks, flight recorder, the ``hang`` event, and with
+        ``on_hang = "stop"`` the tree terminated. Returns the hang event, if one was written."""
+        try:
+            beats = self.local_beats()
+        except psutil.Error:
+            return None
+        stall = self.watchdog.observe(beats)
+        if stall is None:
+            return None
+        return self.on_hang(stall)
+
+    def on_hang(self, stall: wd.Stall) -> dict[str, Any]:
+        launch = self.preset.launch
+        reason = (f"watchdog: no local rank advanced for {stall.stalled_s:.1f} s (launch.hang_timeout_s = "
+                  f"{launch.hang_timeout_s:g}, on_hang = {launch.on_hang})")
+        try:
+            report = wd.take_stacks(self.run_dir, stall.ranks, reason)
+            stacks_path, summaries = str(report.path.relative_to(self.run_dir)), [s.summary for s in report.stacks]
+            ranks = [s.to_json() for s in report.stacks]
+        except OSError as e:  # a full disk: the event still says which ranks hang
+            stacks_path, summaries = f"(not written: {e.strerror or e})", []
+            ranks = [{"rank": b.rank, "pid": b.pid, "step": b.step, "phase": b.phase} for b in stall.ranks]
+        traces = wd.trigger_flight_recorder(self.env, [b.rank for b in stall.ranks])
+        message = wd.hang_message(stall.stalled_s, launch.hang_timeout_s, summaries, stacks_path)
+        fields: dict[str, Any] = {"message": message, "ranks": ranks, "stacks": stacks_path,
+                                  "stalled_s": round(stall.stalled_s, 1), "timeout_s": launch.hang_timeout_s,
+                                  "action": launch.on_hang, "node_rank": launch.node_rank,
+                                  "step": max((b.step for b in stall.ranks), default=0)}
+        if traces:
+            fields["flight_recorder"] = [str(p.relative_to(self.run_dir)) if p.is_relative_to(self.run_dir)
+                                         else str(p) for p in traces]
+        try:
+            event = wd.append_event(self.run_dir / EVENTS_FILE, Kind.HANG, **fields)
+        except OSError:
+            event = {"kind": Kind.HANG, **fields}
+        self.hangs.append(event)
+        with open(self.log_path, "a", encoding="utf-8") as log:  # this node's torchrun log
+            log.write(f"handle: {message}\n")
+        if launch.on_hang == "stop":
+            self.hang_stop = f"{message}; the run was stopped (launch.on_hang = \"stop\")"
+            terminate(list(self.seen.values()), grace_s=5.0)
+        return event
 
     def request_stop(self) -> None:
         """First Ctrl-C: workers finish the current step, write a checkpoint and exit."""
@@ -145,6 +248,10 @@ class Launch:
     def finish(self, returncode: int) -> dict[str, Any]:
         """Settle run.json after torchrun exited: the worker's own status, or failed with the cause."""
         (self.run_dir / STOP_FILE).unlink(missing_ok=True)
+        if not self.owns_run_info(read_run_info(self.run_dir)):
+            return self._outcome_elsewhere(returncode)
+        if self.hang_stop is not None:  # the watchdog ended it: that is the cause, whatever a worker recorded
+            return update_run_info(self.run_dir, status=Status.FAILED, message=self.hang_stop, end_time=time.time())
         info = read_run_info(self.run_dir)
         status = info.get("status")
         if status in Status.FINAL and not (status == Status.FINISHED and returncode != 0):
@@ -154,6 +261,25 @@ class Launch:
         else:
             status, message = Status.FAILED, failure_message(self.run_dir) or f"torchrun exited with code {returncode}"
         return update_run_info(self.run_dir, status=status, message=message, end_time=time.time())
+
+    def _outcome_elsewhere(self, returncode: int, wait_s: float = 5.0) -> dict[str, Any]:
+        """The run's outcome for a launcher that does not own run.json (node R > 0 in a shared run directory):
+        the status global rank 0 wrote (waiting up to ``wait_s`` for it to show on a shared filesystem after a
+        clean exit), else this node's own view; nothing is written."""
+        deadline = time.monotonic() + wait_s
+        info = read_run_info(self.run_dir)
+        while returncode == 0 and info.get("status") not in Status.FINAL and time.monotonic() < deadline:
+            time.sleep(0.2)
+            info = read_run_info(self.run_dir)
+        status = info.get("status")
+        if status in Status.FINAL and not (status == Status.FINISHED and returncode != 0) and self.hang_stop is None:
+            return info
+        if self.hang_stop is not None:
+            return {**info, "status": Status.FAILED, "message": self.hang_stop}
+        if self.killed:
+            return {**info, "status": Status.STOPPED, "message": "stopped by user (workers terminated)"}
+        return {**info, "status": Status.FAILED,
+                "message": failure_message(self.run_dir) or f"torchrun exited with code {returncode}"}
 
 
 _ERROR_LINE = re.compile(r"^(\S+ \S+) rank(\d+) ERROR torch_handle: (.*)$")
@@ -180,9 +306,10 @@ def failure_message(run_dir: Path) -> str:
     primary = [f for f in found if not re.search(r"Connection (closed|reset)|Broken pipe|gloo|NCCL|timed out", f[1])]
     if primary:
         return min(primary)[1][:500]
-    killed = _torchrun_signal_death(Path(run_dir) / "logs" / "launcher.log")
-    if killed:  # a rank killed by a signal leaves no Python error of its own
-        return killed
+    for launcher_log in sorted((Path(run_dir) / "logs").glob("launcher*.log")):  # launcher-node<R>.log: node R
+        killed = _torchrun_signal_death(launcher_log)
+        if killed:  # a rank killed by a signal leaves no Python error of its own
+            return killed
     if found:
         return min(found)[1][:500]
     return fallback[:500]

@@ -10,14 +10,19 @@ Rules (:func:`rule`), by ``table.key`` of the fully resolved preset:
   ``activation_checkpointing`` and ``attention`` (the kernel: same weights, same function).
 - ``[data]``: frozen (the tokenizer, the vocabulary, the sequence length and the data position depend on it),
   except ``num_workers``.
-- ``[strategy]``: the ``name`` and every key that changes the checkpoint layout (``zero_stage``,
-  ``shard_optimizer``, offloading, ``ds_config``, ...) are frozen until cross-strategy resume exists; the
-  communication knobs (bucket sizes, overlap, ``reshard_after_forward``, ``sync``, ...) may change.
-- ``[launch]``: ``nproc_per_node`` and ``nnodes`` (the world size) are frozen; the rest may change.
-- ``[training]``: ``micro_batch_size``, ``grad_accum`` (the data position counts micro-batches), ``precision``
-  (the optimizer state's layout) and ``beta1``/``beta2``/``weight_decay`` (restored from the optimizer state:
-  a change would be silently ignored) are frozen; ``steps``, the LR schedule, eval/checkpoint/log cadence,
-  ``grad_clip``, ``on_nan``, ``keep_last``, ``compile`` may change.
+- ``[strategy]``: the ``name`` and every option may change -- another strategy, ZeRO stage, ``shard_optimizer``,
+  offloading: the checkpoint is converted when the new strategy cannot read it as it is (:mod:`torch_handle.convert`)
+  -- except ``ds_config`` while the strategy stays ``deepspeed`` (merged verbatim into DeepSpeed's config, it may
+  change the optimizer or the precision the checkpoint's state belongs to).
+- ``[launch]``: anything, the world size (``nproc_per_node``, ``nnodes``) included: the data position counts
+  samples of a world-size-independent order (:class:`torch_handle.data.GlobalBatchSampler`).
+- ``[training]``: ``micro_batch_size`` and ``grad_accum`` may change; when the global batch (``micro_batch_size x
+  grad_accum x world size``) stays the same the run continues the same trajectory, otherwise it continues from the
+  same sample with a warning event that its trajectory differs (the trainer compares with the checkpoint's
+  ``layout.json``). ``precision`` (the optimizer state's layout and loss scaler) and ``beta1``/``beta2``/
+  ``weight_decay`` (restored from the optimizer state: a change would be silently ignored) are frozen; ``steps``,
+  the LR schedule, eval/checkpoint/log cadence, ``grad_clip``, ``label_smoothing``, ``on_nan``, ``keep_last``,
+  ``compile`` may change.
 - ``[run]``: ``seed`` (the data order) is frozen, and so are ``name``/``output_dir`` (the run directory does not
   move). ``[profiler]``: anything may change.
 
@@ -47,21 +52,15 @@ PENDING = "resume_pending"
 
 _MODEL_MAY_CHANGE = {"dropout", "activation_checkpointing", "attention"}
 _DATA_MAY_CHANGE = {"num_workers"}
-_STRATEGY_MAY_CHANGE = {"bucket_cap_mb", "gradient_as_bucket_view", "find_unused_parameters", "overlap_comm",
-                        "contiguous_gradients", "reduce_bucket_size", "loss_scale_window", "reshard_after_forward",
-                        "sync", "bucket_mb"}
+_STRATEGY_FROZEN = {"ds_config"}
 _FROZEN = {
     "run.seed": "the data order and the initial weights come from it",
     "run.name": "it names the run directory, which does not move",
     "run.output_dir": "it names the run directory, which does not move",
-    "training.micro_batch_size": "the checkpoint's data position counts micro-batches of this size",
-    "training.grad_accum": "the checkpoint's data position counts micro-batches per step",
     "training.precision": "the checkpoint's optimizer state and loss scaler depend on it",
     "training.beta1": "it is restored from the checkpoint's optimizer state (the change would be ignored)",
     "training.beta2": "it is restored from the checkpoint's optimizer state (the change would be ignored)",
     "training.weight_decay": "it is restored from the checkpoint's optimizer state (the change would be ignored)",
-    "launch.nproc_per_node": "the world size is fixed: the checkpoint is sharded and positioned per rank",
-    "launch.nnodes": "the world size is fixed: the checkpoint is sharded and positioned per rank",
 }
 
 
@@ -75,16 +74,16 @@ def rule(key: str) -> str | None:
         return None if top in _DATA_MAY_CHANGE else ("the tokenizer, vocabulary and data position of the "
                                                      "checkpoint depend on the data settings")
     if table == "strategy":
-        if top == "name":
-            return "resuming under another strategy is not supported yet (the checkpoint layout differs)"
-        return None if top in _STRATEGY_MAY_CHANGE else "it changes the checkpoint layout"
+        return ("it is merged verbatim into DeepSpeed's config (it may change the optimizer or precision the "
+                "checkpoint's state belongs to)") if top in _STRATEGY_FROZEN else None
     return _FROZEN.get(key)
 
 
 def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Leaves by dotted key; an empty table has none (``ds_config = {}`` and no ``ds_config`` are the same)."""
     out: dict[str, Any] = {}
     for k, v in d.items():
-        if isinstance(v, dict) and v:
+        if isinstance(v, dict):
             out.update(_flat(v, f"{prefix}{k}."))
         else:
             out[f"{prefix}{k}"] = v
@@ -98,16 +97,17 @@ def diff(old: Preset, new: Preset) -> dict[str, list[Any]]:
 
 
 def check_changes(run_dir: Path, old: Preset, new: Preset) -> dict[str, list[Any]]:
-    """The changes ``new`` makes to the run's preset ``old``; all of them allowed on a resume.
+    """The changes ``new`` makes to the run's preset ``old``; all of them allowed on a resume. When the strategy
+    changes, the options of the old one go and the new one's come: none of them is checked.
 
     Raises:
         RunDirError: one line naming the first setting that may not change (a plugin's ``name`` first) and why.
     """
     changes = diff(old, new)
-    if old.world_size != new.world_size:
-        raise RunDirError(f"{run_dir}: cannot change the world size on --resume ({old.world_size} -> "
-                          f"{new.world_size}): the checkpoint is sharded and positioned per rank")
+    switched = old.strategy.name != new.strategy.name
     for key in sorted(changes, key=lambda k: (not k.endswith(".name"), k)):
+        if switched and key.startswith("strategy."):
+            continue
         why = rule(key)
         if why:
             was, now = changes[key]

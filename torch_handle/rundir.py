@@ -3,9 +3,9 @@
     runs/<name>-<UTC timestamp>/
         preset.toml     the fully resolved preset (what actually ran)
         run.json        status, strategy, world size, pids, times, restarts, resumes
-        heartbeat       touched every few seconds by the launcher (and rank 0) while the run is alive
+        heartbeat       touched every few seconds by the launcher(s) (and rank 0) while the run is alive
         events.jsonl    rank-0 telemetry (schema: torch_handle.events; written by torch_handle.telemetry)
-        logs/           rank<N>.log per rank, launcher.log for torchrun itself
+        logs/           rank<N>.log per rank, launcher.log for torchrun itself (launcher-node<R>.log: node R)
         checkpoints/    step-<N>/ written atomically, newest complete one wins
         tokenizer.json  the BPE tokenizer the run used
         model.safetensors, tensorboard/, traces/
@@ -24,6 +24,10 @@ from pathlib import Path
 from typing import Any
 
 from torch_handle.errors import RunDirError
+
+
+class RunDirExists(RunDirError):
+    """The run directory asked for (``--run-dir``) exists already."""
 
 PRESET_FILE = "preset.toml"
 RUN_FILE = "run.json"
@@ -154,7 +158,7 @@ def create_run_dir(output_dir: Path, name: str, preset_toml: str, info: dict[str
     if not os.access(output_dir, os.W_OK | os.X_OK):
         raise RunDirError(f"{output_dir}: output directory is not writable")
     if run_dir is not None and Path(run_dir).exists():
-        raise RunDirError(f"{run_dir}: already exists; use --resume {run_dir} to continue it")
+        raise RunDirExists(f"{run_dir}: already exists; use --resume {run_dir} to continue it")
     tmp = Path(output_dir) / f".tmp-{name}-{os.getpid()}-{time.monotonic_ns()}"
     try:
         tmp.mkdir()
@@ -164,7 +168,13 @@ def create_run_dir(output_dir: Path, name: str, preset_toml: str, info: dict[str
         write_json_atomic(tmp / RUN_FILE, info)
         if run_dir is not None:
             Path(run_dir).parent.mkdir(parents=True, exist_ok=True)
-            os.rename(tmp, run_dir)
+            try:
+                os.rename(tmp, run_dir)  # atomic: of two launchers creating one directory, one wins
+            except OSError:
+                if not Path(run_dir).exists():
+                    raise
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise RunDirExists(f"{run_dir}: already exists; use --resume {run_dir} to continue it") from None
             return Path(run_dir)
         base = output_dir / f"{name}-{utc_stamp()}"
         for i in range(1000):
@@ -179,6 +189,15 @@ def create_run_dir(output_dir: Path, name: str, preset_toml: str, info: dict[str
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
         raise RunDirError(f"{output_dir}: cannot write run directory ({e.strerror or e})") from None
+
+
+def launcher_record(node_rank: int = 0) -> dict[str, Any]:
+    """run.json's fields that name this process as the run's launcher (``launcher_pid``, its create time, and the
+    ``launcher_node_rank`` of a multi-node run: which node's launcher settles run.json)."""
+    import psutil
+
+    return {"launcher_pid": os.getpid(), "launcher_create_time": psutil.Process().create_time(),
+            "launcher_node_rank": node_rank}
 
 
 def list_runs(output_dir: Path) -> list[Path]:

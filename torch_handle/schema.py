@@ -24,9 +24,10 @@ from typing import Any, Literal
 from torch_handle.errors import InvalidValue
 
 def param(default: Any = dataclasses.MISSING, *, ge: float | None = None, gt: float | None = None,
-          le: float | None = None, default_factory: Any = dataclasses.MISSING) -> Any:
-    """A dataclass field with a numeric range that validation enforces (``ge``: >=, ``gt``: >, ``le``: <=)."""
-    metadata = {k: v for k, v in (("ge", ge), ("gt", gt), ("le", le)) if v is not None}
+          le: float | None = None, lt: float | None = None, default_factory: Any = dataclasses.MISSING) -> Any:
+    """A dataclass field with a numeric range that validation enforces (``ge``: >=, ``gt``: >, ``le``: <=,
+    ``lt``: <)."""
+    metadata = {k: v for k, v in (("ge", ge), ("gt", gt), ("le", le), ("lt", lt)) if v is not None}
     if default_factory is not dataclasses.MISSING:
         return field(default_factory=default_factory, metadata=metadata)
     return field(default=default, metadata=metadata)
@@ -82,6 +83,10 @@ class TrainingConfig:
     """AdamW beta2."""
     grad_clip: float = param(1.0, ge=0.0)
     """Clip the global gradient norm to this value; 0 disables clipping."""
+    label_smoothing: float = param(0.0, ge=0.0, lt=1.0)
+    """Label smoothing eps of the training loss (Szegedy et al. 2016; Vaswani et al. 2017 use 0.1): the target
+    puts 1 - eps on the label and eps spread over the vocabulary. Validation loss stays plain cross-entropy.
+    0 = off. May change on --resume (the checkpoint does not depend on it)."""
     precision: Literal["fp32", "bf16", "fp16"] = "bf16"
     """Compute precision: bf16 and fp16 keep fp32 master weights; fp16 uses dynamic loss scaling."""
     eval_every: int = param(50, ge=0)
@@ -119,8 +124,20 @@ class LaunchConfig:
     """torch.distributed backend: auto = nccl with CUDA, gloo without."""
     timeout_s: int = param(600, ge=10)
     """Timeout of collective operations in seconds; a lost peer ends in an error instead of a hang."""
+    hang_timeout_s: float = param(300.0, gt=0.0)
+    """Watchdog: when no rank of this node has made progress for this many seconds, the launcher writes every
+    rank's Python stacks to logs/stacks-<time>.txt and a `hang` event naming where each rank waits. At most
+    half of timeout_s, so it fires well before the collective timeout ends the run."""
+    on_hang: Literal["warn", "stop"] = "warn"
+    """What the watchdog does after the stacks: warn (the run goes on; it may still recover) or stop (the run
+    ends failed with the hang message, every worker terminated)."""
 
     def check(self) -> None:
+        if self.hang_timeout_s > self.timeout_s / 2:
+            raise InvalidValue("hang_timeout_s", f"{self.hang_timeout_s:g} must be at most half of launch.timeout_s "
+                                                 f"({self.timeout_s} s, the collective timeout), so the watchdog "
+                                                 f"fires well before the timeout ends the run: lower it or raise "
+                                                 f"launch.timeout_s")
         if self.node_rank >= self.nnodes:
             raise InvalidValue("node_rank", f"{self.node_rank} must be below nnodes ({self.nnodes})")
         if self.nnodes > 1 and not self.rdzv_endpoint:

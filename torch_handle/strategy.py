@@ -10,6 +10,10 @@ the optimizer and LR schedule, so ``model``, ``optimizer`` and ``scheduler`` are
             loss = loss_fn(strategy.model(**inputs), labels)
         strategy.backward(loss)            # loss: mean over this micro-batch's tokens, unscaled
     grad_norm = strategy.step()            # clip, optimizer step, LR schedule step, zero grads
+
+Checkpoints: ``save``/``load`` in the strategy's own format; ``checkpoint_layout`` says which format that is and
+``loads_natively`` whether ``load`` reads a given checkpoint; any other checkpoint is converted to the portable
+form (:mod:`torch_handle.convert`) and read by ``load_portable``.
 """
 
 from __future__ import annotations
@@ -203,6 +207,59 @@ class Strategy:
     # -- checkpoints ---------------------------------------------------------------------------------------------
     def unwrapped(self) -> torch.nn.Module:
         return getattr(self.model, "module", self.model)
+
+    def checkpoint_layout(self) -> dict[str, Any]:
+        """What :meth:`save` writes, recorded in every checkpoint's ``layout.json`` (the trainer adds the world
+        size and the batch settings): ``format`` -- one that :mod:`torch_handle.convert` can turn into the
+        portable form (``torch``, ``torch-sharded``, ``dcp``, ``deepspeed``) -- and ``strategy``, plus what
+        :meth:`loads_natively` compares (``zero_stage``, ...). Base: ``model.pt`` + ``optim.pt``, ``torch``."""
+        return {"format": "torch", "strategy": self.name}
+
+    def loads_natively(self, layout: dict[str, Any]) -> bool:
+        """Whether :meth:`load` reads a checkpoint written with ``layout`` as it is. When not, the trainer has
+        rank 0 convert it (:func:`torch_handle.convert.ensure_portable`) and calls :meth:`load_portable`.
+        Base: any ``torch`` checkpoint (full model and optimizer state: any world size)."""
+        return layout.get("format") == "torch"
+
+    def load_portable(self, portable: Path) -> None:
+        """Load the portable form of a checkpoint written by another strategy or world size (see
+        :mod:`torch_handle.convert`): weights, optimizer state by parameter name, LR schedule. Called on every
+        rank. Base: DCP into ``get_state_dict``'s targets (plain, DDP-wrapped or FSDP2 model; a ``torch.optim``
+        optimizer over its parameters), then ``set_state_dict``; a loss scaler starts afresh.
+
+        Raises:
+            CheckpointError: the portable form is missing or does not fit the model.
+        """
+        from torch_handle import convert
+        from torch_handle.checkpoint import safe_load
+
+        from torch.distributed.checkpoint import CheckpointException
+
+        try:
+            convert.load_into(self.model, self.optimizer, Path(portable))
+        except (RuntimeError, KeyError, ValueError, CheckpointException) as e:
+            from torch_handle.errors import CheckpointError
+
+            raise CheckpointError(f"{portable}: does not fit this model and optimizer "
+                                  f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else e})") from None
+        convert.load_schedule(self.optimizer, self.scheduler, safe_load(Path(portable) / "scheduler.pt"))
+
+    def apply_schedule(self) -> None:
+        """After a checkpoint load: the learning rate of *this* preset's ``[training]`` at the checkpoint's step.
+
+        ``LambdaLR.load_state_dict`` restores the checkpoint's ``base_lrs`` (its peak ``lr``) and the optimizer's
+        param groups their last ``lr``, while the schedule's shape (warm-up, ``steps``, ``schedule``,
+        ``min_lr_ratio``) comes from the multiplier function built from the current preset. A resume that
+        changes ``training.lr`` would keep the old peak: here the peak becomes ``training.lr`` and every param
+        group gets ``lr = training.lr · lr_lambda(last_epoch)``, the value ``LambdaLR`` itself computes. With
+        an unchanged preset the values are the same as loaded, bit for bit."""
+        scheduler, lr = self.scheduler, self.training.lr
+        scheduler.base_lrs = [lr] * len(scheduler.base_lrs)
+        lrs = [base * fn(scheduler.last_epoch) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+        for group, value in zip(scheduler.optimizer.param_groups, lrs):
+            group["initial_lr"] = lr
+            group["lr"] = value
+        scheduler._last_lr = lrs  # what get_last_lr() reports until the next step
 
     def save(self, ckpt_dir: Path) -> None:
         """Called on every rank with the (shared) temporary checkpoint directory."""

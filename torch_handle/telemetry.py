@@ -32,13 +32,22 @@ log = logging.getLogger("torch_handle")
 
 
 def last_seq(path: Path) -> int:
-    """The highest ``seq`` in an events file (-1 when there is none); reads only the file's tail."""
-    for event in reversed(tail_events(path)):
-        try:
-            return int(event["seq"])
-        except (ValueError, KeyError, TypeError):
-            continue
-    return -1
+    """The last numbered ``seq`` in an events file (-1 when there is none). Reads the file's tail, and a wider
+    one while the tail holds only events without a number (the launcher's ``hang`` events carry ``seq: null``)."""
+    nbytes = 1 << 16
+    try:
+        size = Path(path).stat().st_size
+    except OSError:
+        return -1
+    while True:
+        for event in reversed(tail_events(path, nbytes)):
+            try:
+                return int(event["seq"])
+            except (ValueError, KeyError, TypeError):
+                continue
+        if nbytes >= size:
+            return -1
+        nbytes *= 4
 
 
 class Sink:

@@ -25,14 +25,16 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 from torch_handle import checkpoint as ckpt
+from torch_handle import multinode
 from torch_handle.config import Preset
-from torch_handle.data import IGNORE_INDEX, DataBundle, DataContext, ResumableDistributedSampler
+from torch_handle.data import IGNORE_INDEX, DataBundle, DataContext, GlobalBatchSampler, ResumableDistributedSampler
 from torch_handle.registry import PluginRegistry
 from torch_handle.rundir import HEARTBEAT_S, STOP_FILE, touch_heartbeat, update_run_info
 from torch_handle.strategy import DistContext, Strategy
 from torch_handle.events import SLOW_RANK_LOGS, SLOW_RANK_RATIO, Kind, Level, Status, slowest_rank
 from torch_handle.phases import PhaseTimer
 from torch_handle.telemetry import EVENTS_FILE, EventWriter, NullEventWriter
+from torch_handle.watchdog import HANG_TEST_ENV, beat, busy, parse_test_hang
 
 log = logging.getLogger("torch_handle")
 
@@ -67,48 +69,65 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
     ``F.cross_entropy`` on CPU keeps the (N, V) fp32 log-softmax for backward, builds a zero-filled (N, V) gradient
     for ``nll_loss_backward`` and reads both again in ``_log_softmax_backward_data``: ~5 passes over N·V floats
     (~9% of a bf16 P1 step on 2 CPU cores, torch.profiler). Here forward keeps only the input, and backward
-    recomputes each chunk's softmax and writes the gradient once: (softmax(x) - onehot(label)) · g / n_valid.
-    Same values up to floating-point order (tests/unit/test_fast_path.py).
+    recomputes each chunk's softmax and writes the gradient once: (softmax(x) - q) · g / n_valid, with q the
+    target distribution. Same values up to floating-point order (tests/unit/test_fast_path.py,
+    tests/unit/test_label_smoothing.py).
 
-    forward(logits (N, V) float, labels (N,) long, rows int) -> scalar fp32 mean over labels != IGNORE_INDEX
-    (NaN when none, like ``F.cross_entropy``).
+    With label smoothing ``eps`` (Szegedy et al. 2016 §7; Vaswani et al. 2017 §5.4 use eps = 0.1) the target is
+    q = (1 - eps) · onehot(label) + eps / V, as ``F.cross_entropy(label_smoothing=eps)``: each row's loss is
+    (1 - eps) · (-log p_label) + eps · mean_j(-log p_j).
+
+    forward(logits (N, V) float, labels (N,) long, rows int, eps float in [0, 1)) -> scalar fp32 mean over labels
+    != IGNORE_INDEX (NaN when none, like ``F.cross_entropy``).
     """
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, rows: int) -> torch.Tensor:
+    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, rows: int, eps: float = 0.0) -> torch.Tensor:
         valid = labels != IGNORE_INDEX  # (N,)
         safe = torch.where(valid, labels, 0)[:, None]  # (N, 1): ignored rows point at class 0, then weigh 0
         nll = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)  # (N,)
         for s in range(0, logits.shape[0], rows):
             log_p = torch.log_softmax(logits[s:s + rows].float(), dim=-1)  # (rows, V) fp32
             nll[s:s + rows] = log_p.gather(1, safe[s:s + rows]).squeeze(1).neg_()
+            if eps:  # (1 - eps) · nll + eps · mean_j(-log p_j), in the same pass over the chunk
+                nll[s:s + rows].mul_(1.0 - eps).sub_(log_p.mean(dim=-1), alpha=eps)
         n = valid.sum()
         ctx.save_for_backward(logits, safe, valid, n)
-        ctx.rows = rows
+        ctx.rows, ctx.eps = rows, eps
         return nll.masked_fill_(~valid, 0.0).sum() / n
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         logits, safe, valid, n = ctx.saved_tensors
-        weight = (valid * (grad / n)).float()[:, None]  # (N, 1): d loss / d nll_row
+        eps = ctx.eps
+        uniform = eps / logits.shape[-1]
+        weight = (valid * (grad / n)).float()[:, None]  # (N, 1): d loss / d row loss
         out = torch.empty_like(logits)
         for s in range(0, logits.shape[0], ctx.rows):
             x, idx = logits[s:s + ctx.rows], safe[s:s + ctx.rows]
             p = out[s:s + ctx.rows] if x.dtype == torch.float32 else torch.empty_like(x, dtype=torch.float32)
             torch.softmax(x.float(), dim=-1, out=p)  # (rows, V) fp32, written in place when logits are fp32
-            p.scatter_add_(1, idx, torch.full_like(idx, -1.0, dtype=p.dtype)).mul_(weight[s:s + ctx.rows])
+            if eps:
+                p.sub_(uniform)
+            p.scatter_add_(1, idx, torch.full_like(idx, eps - 1.0, dtype=p.dtype)).mul_(weight[s:s + ctx.rows])
             if p.data_ptr() != out[s:s + ctx.rows].data_ptr():
                 out[s:s + ctx.rows] = p
-        return out, None, None
+        return out, None, None, None
 
 
 CE_CHUNK_ELEMENTS = 1 << 18
 """Logit elements per chunk of ``_ChunkedCrossEntropy`` (1 MiB of fp32: 64 rows of a 4096 vocabulary)."""
 
 
-def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def loss_fn(logits: torch.Tensor, labels: torch.Tensor, label_smoothing: float = 0.0
+            ) -> tuple[torch.Tensor, torch.Tensor]:
     """Token-mean cross-entropy in fp32. logits (B, T, V), labels (B, T) -> (scalar loss, tokens counted as a
     scalar tensor on the same device: counting must not force a host sync).
+
+    ``label_smoothing`` eps in [0, 1): the target puts 1 - eps on the label and eps spread evenly over the
+    vocabulary (Szegedy et al. 2016; Vaswani et al. 2017, eps = 0.1), exactly ``F.cross_entropy``'s
+    ``label_smoothing``; 0 is plain cross-entropy. The trainer passes ``training.label_smoothing`` for training
+    steps only: validation loss stays plain cross-entropy.
 
     On CPU, ``_ChunkedCrossEntropy`` (the same values, computed chunk by chunk in cache); elsewhere
     ``F.cross_entropy`` on fp32 logits."""
@@ -116,8 +135,8 @@ def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, t
     flat, targets = logits.flatten(0, 1), labels.flatten()  # (B·T, V), (B·T,)
     if flat.device.type == "cpu":
         rows = max(1, CE_CHUNK_ELEMENTS // flat.shape[-1])
-        return _ChunkedCrossEntropy.apply(flat, targets, rows), n_tokens
-    loss = F.cross_entropy(flat.float(), targets, ignore_index=IGNORE_INDEX)
+        return _ChunkedCrossEntropy.apply(flat, targets, rows, float(label_smoothing)), n_tokens
+    loss = F.cross_entropy(flat.float(), targets, ignore_index=IGNORE_INDEX, label_smoothing=float(label_smoothing))
     return loss, n_tokens
 
 
@@ -130,17 +149,29 @@ class Trainer:
         self.events = EventWriter(self.run_dir / EVENTS_FILE) if ctx.is_main else NullEventWriter()
         self.step = 0
         self.epoch = 0
-        self.batch_in_epoch = 0
+        self.samples_in_epoch = 0
+        """The data position: samples of this epoch's global order consumed by all ranks (GlobalBatchSampler)."""
         self.restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         self.activation_bytes: int | None = None
         """Bytes autograd saved for this rank's first micro-batch (measured once per process)."""
         self.timer = PhaseTimer(ctx.device)
         """Step breakdown (``timer.enabled = False`` turns it off; benchmarks/breakdown_overhead.py compares)."""
         self.test_delay_s = parse_test_delay(os.environ.get("HANDLE_TEST_DELAY_RANK", ""), ctx.rank)
+        self.test_hang = parse_test_hang(os.environ.get(HANG_TEST_ENV, ""), ctx.rank)
         self.peak_flops: float | None = None
         """This rank's device peak FLOP/s for the run's precision (measured, cached; rank 0 only), for ``mfu``."""
         self._slow_streak: tuple[int | None, int] = (None, 0)
         self._pending_logs: list[dict[str, Any]] = []
+        self.gather = multinode.gatherer(ctx)
+        self.dir_leaders: list[int] = [0] * ctx.world_size
+        """For every rank, the lowest rank that sees its run directory (all 0 on one node or a shared filesystem;
+        found by :func:`torch_handle.multinode.directory_leaders` in ``build``)."""
+
+    @property
+    def is_dir_main(self) -> bool:
+        """This rank writes what one rank per run directory writes: checkpoint directories, run.json, tokenizer.json,
+        and reads the STOP file (rank 0, plus the first rank of every node with a run directory of its own)."""
+        return self.dir_leaders[self.ctx.rank] == self.ctx.rank
 
     # -- build ---------------------------------------------------------------------------------------------------
     def build(self) -> None:
@@ -148,9 +179,15 @@ class Trainer:
         seed_everything(p.run.seed)
         data_plugin = self.registry.get("dataset", p.data.name)
         cache_dir = Path(p.run.output_dir) / ".cache"
+        # one filesystem for all nodes, or one each? (for the run directory and the tokenizer cache separately)
+        self.dir_leaders, cache_leaders = multinode.directory_leaders([self.run_dir, cache_dir], ctx.rank,
+                                                                      ctx.local_rank, self.gather)
+        beat("data", busy=ctx.local_rank == 0)  # the tokenizer may be built here while the other ranks wait
         self.data: DataBundle = data_plugin.factory(
-            p.data.options, DataContext(cache_dir=cache_dir, is_main=ctx.is_main, barrier=ctx.barrier))
-        if ctx.is_main and self.data.tokenizer_path is not None:
+            p.data.options, DataContext(cache_dir=cache_dir, is_main=cache_leaders[ctx.rank] == ctx.rank,
+                                             barrier=ctx.barrier))
+        beat("build")
+        if self.is_dir_main and self.data.tokenizer_path is not None:
             shutil.copyfile(self.data.tokenizer_path, self.run_dir / "tokenizer.json")
         log.info("data %s: %d train / %d validation samples, vocabulary %d, max_len %d",
                  self.data.description or p.data.name, len(self.data.train), len(self.data.valid),
@@ -177,14 +214,18 @@ class Trainer:
         self.strategy: Strategy = strategy_plugin.factory(p.strategy.options, self.training, ctx, model)
 
         t = self.training
-        self.train_sampler = ResumableDistributedSampler(self.data.train, num_replicas=ctx.world_size,
-                                                         rank=ctx.rank, shuffle=True, seed=p.run.seed, drop_last=True)
+        # the samples of each step depend on the seed and the step, not on the world size (see GlobalBatchSampler)
+        global_batch = t.micro_batch_size * t.grad_accum * ctx.world_size
+        if len(self.data.train) < global_batch:
+            raise ValueError(f"training split has {len(self.data.train)} samples: too few for one batch of "
+                             f"micro_batch_size={t.micro_batch_size} on each of {ctx.world_size} ranks "
+                             f"(x grad_accum {t.grad_accum}: {global_batch} samples per step)")
+        self.train_sampler = GlobalBatchSampler(len(self.data.train), micro_batch_size=t.micro_batch_size,
+                                                grad_accum=t.grad_accum, world_size=ctx.world_size, rank=ctx.rank,
+                                                seed=p.run.seed, shuffle=True)
         self.valid_sampler = ResumableDistributedSampler(self.data.valid, num_replicas=ctx.world_size,
                                                          rank=ctx.rank, shuffle=False, drop_last=True)
-        if len(self.train_sampler) < t.micro_batch_size:
-            raise ValueError(f"training split has {len(self.data.train)} samples: too few for one batch of "
-                             f"micro_batch_size={t.micro_batch_size} on each of {ctx.world_size} ranks")
-        self.train_loader = self._loader(self.data.train, self.train_sampler)
+        self.train_loader = self._loader(self.data.train, batch_sampler=self.train_sampler)
         self.valid_loader = self._loader(self.data.valid, self.valid_sampler)
         self.profiler = self.registry.get("profiler", p.profiler.name).factory(
             p.profiler.options, self.run_dir / "traces", ctx.rank)
@@ -206,7 +247,8 @@ class Trainer:
         if value is None:
             log.info("measuring the %s matmul peak of %s with %d threads (for MFU)", precision, self.ctx.device,
                      threads)
-            entry = peak_flops(self.ctx.device)
+            with busy("peak"):  # seconds of matmuls on this rank alone: progress, not a hang
+                entry = peak_flops(self.ctx.device)
             value, how = entry.get(precision), "measured"
             value = float(value) if isinstance(value, (int, float)) and value > 0 else None
         if value is None:
@@ -218,12 +260,14 @@ class Trainer:
         self.events.emit(Kind.LOG, level=Level.INFO, message=message)
         return value
 
-    def _loader(self, dataset: Any, sampler: ResumableDistributedSampler) -> DataLoader:
+    def _loader(self, dataset: Any, sampler: ResumableDistributedSampler | None = None, *,
+                batch_sampler: GlobalBatchSampler | None = None) -> DataLoader:
         # A private generator: creating a DataLoader iterator must not draw from the global torch RNG, or a
         # resumed run would see different dropout masks than an uninterrupted one.
         nw = getattr(self.preset.data.options, "num_workers", 0)
-        return DataLoader(dataset, batch_size=self.training.micro_batch_size, sampler=sampler, drop_last=True,
-                          num_workers=nw, collate_fn=self.data.collate_fn,
+        batching = ({"batch_sampler": batch_sampler} if batch_sampler is not None else
+                    {"batch_size": self.training.micro_batch_size, "sampler": sampler, "drop_last": True})
+        return DataLoader(dataset, **batching, num_workers=nw, collate_fn=self.data.collate_fn,
                           pin_memory=self.ctx.device.type == "cuda",
                           generator=torch.Generator().manual_seed(self.preset.run.seed),
                           persistent_workers=nw > 0)
@@ -231,42 +275,133 @@ class Trainer:
     # -- resume --------------------------------------------------------------------------------------------------
     def maybe_resume(self) -> None:
         root = self.run_dir / "checkpoints"
-        found: list[Any] = [None, []]
-        if self.ctx.is_main:
-            path, skipped = ckpt.newest_valid(root)
-            found = [str(path) if path else None, skipped]
-        if self.ctx.distributed:
-            dist.broadcast_object_list(found, src=0)
-        path, skipped = found
+        # the newest checkpoint that verifies in every run directory (one directory: rank 0's newest valid one)
+        path, skipped = multinode.agree_on_checkpoint(root, self.ctx.rank, self.dir_leaders, self.gather)
         for message in skipped:
             log.warning(message)
             self.events.emit(Kind.LOG, level=Level.WARNING, message=message)
         if path is None:
             return
-        self.strategy.load(Path(path))
-        state = ckpt.load_trainer_state(Path(path), self.ctx.rank)
-        self.step, self.epoch, self.batch_in_epoch = state.step, state.epoch, state.batch_in_epoch
-        message = f"resumed from {Path(path).relative_to(self.run_dir)} at step {self.step}"
+        path = Path(path)
+        layout = ckpt.read_layout(path)
+        how = self._load_checkpoint(path, layout)
+        self.strategy.apply_schedule()  # a resume may change training.lr: the checkpoint holds the old peak
+        self._load_position(path, layout)
+        message = f"resumed from {path.relative_to(self.run_dir)} at step {self.step}{how}"
         log.info(message)
         self.events.emit(Kind.LOG, level=Level.INFO, message=message)
+
+    def checkpoint_layout(self) -> dict[str, Any]:
+        """This run's ``layout.json`` (see :data:`torch_handle.checkpoint.LAYOUT`)."""
+        t = self.training
+        return {**self.strategy.checkpoint_layout(), "world_size": self.ctx.world_size,
+                "micro_batch_size": t.micro_batch_size, "grad_accum": t.grad_accum,
+                "global_batch": self.train_sampler.global_batch, "precision": t.precision}
+
+    def _load_checkpoint(self, path: Path, layout: dict[str, Any]) -> str:
+        """Model, optimizer and schedule: the strategy's own loader when it reads this layout, else rank 0 (the
+        first rank of each run directory) converts the checkpoint to the portable form (torch_handle.convert) and
+        every rank loads that. Returns what the resume message adds (empty for a native load).
+
+        Raises:
+            CheckpointError: the conversion failed (one line), or it would need the shards of several nodes'
+                run directories.
+        """
+        if "world_size" not in layout or ("strategy" not in layout and layout.get("format") != "dcp"):
+            layout = {**self.strategy.checkpoint_layout(), "world_size": self.ctx.world_size, **layout}  # older
+        if self.strategy.loads_natively(layout):
+            self.strategy.load(path)
+            return ""
+        from torch_handle import convert
+        from torch_handle.text import fmt_bytes
+
+        if len(set(self.dir_leaders)) > 1 and layout.get("format") != "torch":
+            # each node's directory holds only its own ranks' shards: no rank sees the whole checkpoint
+            raise ckpt.CheckpointError(f"{path}: resuming a checkpoint written by {convert.describe(layout)} under "
+                                       f"another strategy or world size needs one run directory shared by all "
+                                       f"nodes (its shards are spread over the nodes' directories)")
+        outcome: Any = None
+        if self.is_dir_main:  # one conversion per run directory, while that directory's other ranks wait
+            names = [n for n, _ in self.strategy.unwrapped().named_parameters()]
+            try:
+                with busy("convert"):
+                    outcome = convert.ensure_portable(path, layout, names)
+            except Exception as e:  # noqa: BLE001 - every rank must learn of it, not wait at the next collective
+                outcome = f"{type(e).__name__}: {e}".splitlines()[0]
+        outcomes = self.gather(outcome)
+        failed = next((o for o in outcomes if isinstance(o, str)), None)
+        if failed is not None:
+            raise ckpt.CheckpointError(f"cannot convert {path} (written by {convert.describe(layout)}): {failed}")
+        start = time.perf_counter()
+        self.strategy.load_portable(convert.portable_dir(path, layout))
+        loaded_s = time.perf_counter() - start
+        done = outcomes[self.dir_leaders[self.ctx.rank]]
+        if done is None:
+            converted = ""
+        elif done["cached"]:
+            converted = "converted to the portable form by an earlier resume, "
+        else:
+            converted = (f"converted to the portable form in {done['seconds']:.2f} s "
+                         f"({fmt_bytes(done['bytes'])}), ")
+        how = f" (written by {convert.describe(layout)}; {converted}loaded in {loaded_s:.2f} s)"
+        if self.training.precision == "fp16":
+            self._note(Level.WARNING, "the fp16 loss scale starts again from its initial value (a converted "
+                                      "checkpoint carries no loss scaler)")
+        return how
+
+    def _load_position(self, path: Path, layout: dict[str, Any]) -> None:
+        """Step, epoch and data position (the same for every rank), and this rank's RNG states when the
+        checkpoint has them (else a fresh seed, logged)."""
+        own = ckpt.trainer_state_path(path, self.ctx.rank).is_file()
+        state = ckpt.load_trainer_state(path, self.ctx.rank if own else 0, restore_rng=own)
+        if not own:
+            seed_everything(self.preset.run.seed + 1000 * self.ctx.rank + state.step)
+        if self.ctx.is_main and layout.get("world_size") and layout["world_size"] < self.ctx.world_size:
+            self._note(Level.INFO, f"ranks {layout['world_size']}-{self.ctx.world_size - 1} have no RNG state in "
+                                   f"the checkpoint (written on {layout['world_size']} ranks): their generators "
+                                   f"are seeded from run.seed + 1000 x rank + step")
+        self.step, self.epoch = state.step, state.epoch
+        t, global_batch = self.training, self.train_sampler.global_batch
+        if state.samples_in_epoch is not None:
+            self.samples_in_epoch = state.samples_in_epoch
+        else:  # written before the global order: per-rank micro-batches of the run's (then frozen) settings
+            self.samples_in_epoch = state.batch_in_epoch * t.micro_batch_size * self.ctx.world_size
+            self._note(Level.WARNING, f"the checkpoint predates the world-size-independent data order: the rest "
+                                      f"of epoch {self.epoch} is drawn in the new order from sample "
+                                      f"{self.samples_in_epoch}")
+        saved = layout.get("global_batch")
+        if saved and saved != global_batch:
+            self._note(Level.WARNING, f"global batch changed from {saved} to {global_batch} samples per step "
+                                      f"(micro_batch_size x grad_accum x world size): the data continues at sample "
+                                      f"{self.samples_in_epoch} of epoch {self.epoch}, but the trajectory will "
+                                      f"differ from an uninterrupted run's")
+
+    def _note(self, level: str, message: str) -> None:
+        """A rank-0 log event (and a line in this rank's log)."""
+        (log.warning if level == Level.WARNING else log.info)(message)
+        self.events.emit(Kind.LOG, level=level, message=message)
 
     # -- loop ----------------------------------------------------------------------------------------------------
     def batches(self) -> Iterator[dict[str, torch.Tensor]]:
         """Micro-batches forever, epoch after epoch, starting at the saved position."""
+        accum, global_batch = self.training.grad_accum, self.train_sampler.global_batch
         while True:
             self.train_sampler.set_epoch(self.epoch)
-            self.train_sampler.skip(self.batch_in_epoch * self.training.micro_batch_size)
-            for batch in self.train_loader:
-                self.batch_in_epoch += 1
+            self.train_sampler.skip(self.samples_in_epoch)
+            for i, batch in enumerate(self.train_loader):
+                if i % accum == accum - 1:  # the step's last micro-batch: its global batch is consumed
+                    self.samples_in_epoch += global_batch
                 yield {k: v.to(self.ctx.device, non_blocking=True) for k, v in batch.items()}
             self.epoch += 1
-            self.batch_in_epoch = 0
+            self.samples_in_epoch = 0
 
-    def forward_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
+    def forward_loss(self, batch: dict[str, torch.Tensor], *, train: bool = True) -> tuple[torch.Tensor, int]:
+        """(loss, tokens) of one micro-batch; training steps use ``training.label_smoothing``, evaluation
+        (``train=False``) plain cross-entropy, so validation losses stay comparable across settings."""
         labels = batch.pop("labels")
         with self.strategy.autocast():
             logits = self.strategy.model(**batch)
-        return loss_fn(logits, labels)
+        return loss_fn(logits, labels, self.training.label_smoothing if train else 0.0)
 
     def train_step(self, batches: Iterator[dict[str, torch.Tensor]]) -> dict[str, Any]:
         """One optimizer step over ``grad_accum`` micro-batches; returns its ``step`` event (plus ``stop``).
@@ -281,6 +416,7 @@ class Trainer:
         # [loss * tokens, tokens, stop] stays on the device until the one sync below (nccl needs it there too)
         stats = torch.zeros(3, dtype=torch.float64, device=self.ctx.device)
         for i in range(t.grad_accum):
+            beat("train_step", self.step)
             with timer.phase("data"):
                 batch = next(batches)
                 if self.test_delay_s:
@@ -301,8 +437,10 @@ class Trainer:
         with timer.phase("sync"):
             # One small all-reduce carries the global loss, token count and the stop request (rank 0 reads the
             # STOP file), so every rank agrees on them without another collective.
-            stats[2] = float(self.ctx.is_main and (self.run_dir / STOP_FILE).exists())
+            stats[2] = float(self.is_dir_main and (self.run_dir / STOP_FILE).exists())  # any node's launcher
             if self.ctx.distributed:
+                if self.test_hang and self.test_hang[0] == self.step + 1:
+                    time.sleep(self.test_hang[1])  # HANDLE_TEST_HANG_RANK: this rank hangs, its peers wait below
                 dist.all_reduce(stats)
             stats = stats.cpu()
             grad_bytes = self.strategy.grad_bytes() if log_memory else 0
@@ -405,10 +543,11 @@ class Trainer:
         self.strategy.train(False)
         total = torch.zeros(2, dtype=torch.float64, device=self.ctx.device)
         for i, batch in enumerate(self.valid_loader):
+            beat("eval", self.step)
             if i >= self.training.eval_steps:
                 break
             batch = {k: v.to(self.ctx.device, non_blocking=True) for k, v in batch.items()}
-            loss, n = self.forward_loss(batch)
+            loss, n = self.forward_loss(batch, train=False)
             total[0] += loss.double() * n
             total[1] += n
         if self.ctx.distributed:
@@ -423,27 +562,36 @@ class Trainer:
         directory and the bytes needed (see :func:`torch_handle.checkpoint.write_failure`): the run fails."""
         root = self.run_dir / "checkpoints"
         tmp = ckpt.tmp_dir_for(root, self.step)
+        beat("checkpoint", self.step)
         try:
-            if self.ctx.is_main:
+            if self.is_dir_main:  # one temporary directory per run directory
                 shutil.rmtree(tmp, ignore_errors=True)
                 tmp.mkdir(parents=True)
             self.ctx.barrier()
             self.strategy.save(tmp)
-            ckpt.save_trainer_state(tmp, self.ctx.rank, ckpt.TrainerState(self.step, self.epoch,
-                                                                         self.batch_in_epoch))
+            if self.ctx.is_main:
+                ckpt.save_layout(tmp, self.checkpoint_layout())
+            steps_done = self.samples_in_epoch // self.train_sampler.global_batch
+            ckpt.save_trainer_state(tmp, self.ctx.rank, ckpt.TrainerState(
+                self.step, self.epoch, steps_done * self.training.grad_accum, self.samples_in_epoch))
             ckpt.inject_fault(self.step, tmp)  # test hook: HANDLE_TEST_CHECKPOINT_ENOSPC
             self.ctx.barrier()
-            if self.ctx.is_main:
-                final = ckpt.finalize(root, self.step, self.training.keep_last)
+            # separate run directories: each gets the files that rank 0 alone wrote (a no-op on a shared one)
+            multinode.copy_missing_files(tmp, self.ctx.rank, self.dir_leaders, self.gather, self.ctx.device)
+            if self.is_dir_main:
+                final = ckpt.finalize(root, self.step, keep_last=None)
                 self.events.emit(Kind.CHECKPOINT, step=self.step, path=str(final.relative_to(self.run_dir)))
         except Exception as e:
             if not ckpt.is_write_failure(e):
                 raise
-            raise ckpt.write_failure(root, self.step, e, clean_up=self.ctx.is_main) from None
+            raise ckpt.write_failure(root, self.step, e, clean_up=self.is_dir_main) from None
         self.ctx.barrier()
+        if self.is_dir_main:  # only now: every directory has the new checkpoint, so a common step always remains
+            ckpt.prune(root, self.training.keep_last)
 
     def export(self) -> None:
         """Final weights as ``model.safetensors`` (rank 0; every rank takes part in gathering them)."""
+        beat("export", self.step)
         state = self.strategy.full_state_dict()
         if state is None:
             return
@@ -468,15 +616,18 @@ class Trainer:
     def train(self) -> str:
         """Run to ``training.steps``; returns the final status (``finished`` or ``stopped``)."""
         t = self.training
-        info = {"status": Status.RUNNING, "world_size": self.ctx.world_size, **self.strategy.describe(),
+        # zero_stage None first: a run resumed under a strategy without stages must not keep the old one's
+        info = {"status": Status.RUNNING, "world_size": self.ctx.world_size, "zero_stage": None,
+                **self.strategy.describe(),
                 "model_params": self.model_info["params"], "steps": t.steps, "restart": self.restart}
         if self.peak_flops:
             info.update(peak_flops=self.peak_flops, precision=t.precision)
-        if self.ctx.is_main:
-            fields = dict(info)
+        if self.is_dir_main:  # train_start_time: the launcher's sign that a Ctrl-C is now answered at a step
+            fields = dict(info, train_start_time=time.time())
             if self.restart:
                 fields["restarts"] = self.restart
             update_run_info(self.run_dir, **fields)
+        if self.ctx.is_main:
             self.events.emit(Kind.STATUS, **info)
             log.info("strategy %s", json.dumps(self.strategy.describe()))
         batches = self.batches()
@@ -511,7 +662,7 @@ class Trainer:
                 strategy.close()  # removes gradient hooks; after a failed collective it may fail too
         except Exception as e:  # noqa: BLE001 - the run's status below matters more
             log.warning("strategy.close() failed: %s: %s", type(e).__name__, e)
-        if self.ctx.is_main:
-            self.events.emit(Kind.STATUS, status=status, step=self.step, **({"message": message} if message else {}))
+        self.events.emit(Kind.STATUS, status=status, step=self.step, **({"message": message} if message else {}))
+        if self.is_dir_main:  # rank 0, and a node's first rank when its run directory is not rank 0's
             update_run_info(self.run_dir, status=status, end_time=time.time(), step=self.step, message=message)
         self.events.close()  # closes the sinks too

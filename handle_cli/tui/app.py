@@ -175,6 +175,7 @@ class HandleDashboard(App[None]):
         first = self.batches_applied == 0
         logs = self.log_panel
         was_final = state.status in Status.FINAL
+        was_hung = state.status == Status.HUNG
         if batch.info is not None:
             state.info = batch.info
         for notice in state.apply(batch.events):
@@ -198,6 +199,8 @@ class HandleDashboard(App[None]):
         if not first and not was_final and status in (Status.FAILED, Status.STOPPED):
             self.notify(f"run {status}: {state.message}" if state.message else f"run {status}",
                         severity="error" if status == Status.FAILED else "warning", timeout=6, markup=False)
+        elif not first and not was_hung and status == Status.HUNG:  # the launcher's watchdog, while we watch
+            self.notify(state.message, severity="error", timeout=10, markup=False)
         self.batches_applied += 1
         self.last_applied_at = batch.polled_at
         self._mark_dirty()

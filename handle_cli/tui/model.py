@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from torch_handle.events import BadLine, EventReader, Kind, Status, Tail, integer, number, tail_events
-from torch_handle.rundir import RUN_FILE, RunDirError, list_runs, read_run_info, read_run_status
+from torch_handle.rundir import ACTIVE, RUN_FILE, RunDirError, list_runs, read_run_info, read_run_status
 from torch_handle.telemetry import EVENTS_FILE
 from torch_handle.text import clean, fmt_float, fmt_time, strategy_label
 
@@ -204,6 +204,9 @@ def run_row(run_dir: Path) -> RunRow:
         info = {"status": Status.UNREADABLE}
     events = tail_events(Path(run_dir) / EVENTS_FILE)
     last_step = next((e for e in reversed(events) if e.get("kind") == Kind.STEP), None)
+    newest = next((e for e in reversed(events) if e.get("kind") in (Kind.STEP, Kind.STATUS, Kind.HANG)), None)
+    if info.get("status") in ACTIVE and newest is not None and newest.get("kind") == Kind.HANG:
+        info = {**info, "status": Status.HUNG}  # the watchdog's hang, and nothing moved since
     done = integer(last_step.get("step")) if last_step else integer(info.get("step"))
     total = integer(info.get("steps"))
     loss = number(last_step.get("loss")) if last_step else None

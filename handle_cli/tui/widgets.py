@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import textwrap
 from collections import deque
 from dataclasses import dataclass
 from typing import Sequence
@@ -24,9 +25,12 @@ STATUS_STYLES = {
     Status.RESTARTING: "bold black on magenta",
     Status.STARTING: "bold black on cyan",
     Status.LOST: "bold white on red",
+    Status.HUNG: "bold white on red",
 }
-MESSAGE_STYLES = {Status.FAILED: "bold red", Status.LOST: "bold red",
+MESSAGE_STYLES = {Status.FAILED: "bold red", Status.LOST: "bold red", Status.HUNG: "bold red",
                   Status.STOPPED: "yellow", Status.RESTARTING: "magenta"}
+HANG_LINES = 3
+"""A watchdog's hang message (where each rank waits) may wrap over this many header lines; others take one."""
 
 
 def fit(pieces: list[tuple[int, Text]], width: int) -> Text:
@@ -124,8 +128,12 @@ class StatusHeader(Widget):
         lines = [fit(p1, width), fit(p2, width)]
         message = state.message
         if message and status in MESSAGE_STYLES:
-            line = Text(("error: " if status == Status.FAILED else "") + message, MESSAGE_STYLES[status],
-                        no_wrap=True, overflow="ellipsis", end="")
+            text = ("error: " if status == Status.FAILED else "") + message
+            if message.startswith("hang:"):
+                for part in textwrap.wrap(text, width, max_lines=HANG_LINES, placeholder=" …"):
+                    lines.append(Text(part, MESSAGE_STYLES[status], no_wrap=True, end=""))
+                return lines
+            line = Text(text, MESSAGE_STYLES[status], no_wrap=True, overflow="ellipsis", end="")
             line.truncate(width, overflow="ellipsis")
             lines.append(line)
         return lines

@@ -21,6 +21,7 @@ import torch
 
 from torch_handle.api import Strategy, deep_merge, lr_lambda, optimizer_state_tensors, tensor_bytes
 from torch_handle.checkpoint import verify_weights_only  # built-in: guards DeepSpeed's own torch.load
+from torch_handle.convert import deepspeed_safe_globals
 
 log = logging.getLogger("torch_handle")
 TAG = "ds"
@@ -73,15 +74,6 @@ def _tensors(obj: Any, depth: int = 3) -> Iterator[torch.Tensor]:
     elif depth > 0 and isinstance(obj, dict):
         for x in obj.values():
             yield from _tensors(x, depth - 1)
-
-
-def _deepspeed_safe_globals() -> list[Any]:
-    """The plain data classes DeepSpeed pickles into its checkpoints (nothing callable with side effects)."""
-    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
-    from deepspeed.runtime.zero.config import ZeroStageEnum
-    from deepspeed.utils.tensor_fragment import fragment_address
-
-    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
 
 
 class DeepSpeedStrategy(Strategy):
@@ -177,17 +169,120 @@ class DeepSpeedStrategy(Strategy):
         return tensor_bytes([*optimizer_state_tensors(inner), *self._optimizer_attrs(want_grads=False)])
 
     # -- checkpoints ---------------------------------------------------------------------------------------------
+    def checkpoint_layout(self) -> dict[str, Any]:
+        """``deepspeed``: ``engine.save_checkpoint``'s directory ``ds/``, partitioned by the ZeRO stage and the
+        world size (and laid out differently with optimizer offload)."""
+        o = self.options
+        return {"format": "deepspeed", "strategy": self.name, "zero_stage": self.engine.zero_optimization_stage(),
+                "offload_optimizer": o.offload_optimizer, "offload_param": o.offload_param}
+
+    def loads_natively(self, layout: dict[str, Any]) -> bool:
+        """``engine.load_checkpoint`` needs the same ZeRO stage, offloading and world size."""
+        mine = self.checkpoint_layout()
+        return (layout.get("format") == "deepspeed" and layout.get("world_size") == self.ctx.world_size
+                and all(layout.get(k) == mine[k] for k in ("zero_stage", "offload_optimizer", "offload_param")))
+
     def save(self, ckpt_dir: Path) -> None:
         # every rank writes its own ZeRO shards; model + optimizer + LR schedule + loss scaler
         self.engine.save_checkpoint(str(ckpt_dir), tag=TAG)
 
     def load(self, ckpt_dir: Path) -> None:
         # DeepSpeed unpickles its files with weights_only=False; prove first that they hold no code.
-        verify_weights_only(sorted(Path(ckpt_dir).rglob("*.pt")), _deepspeed_safe_globals())
+        verify_weights_only(sorted(Path(ckpt_dir).rglob("*.pt")), deepspeed_safe_globals())
         path, _ = self.engine.load_checkpoint(str(ckpt_dir), tag=TAG, load_optimizer_states=True,
                                               load_lr_scheduler_states=True)
         if path is None:
             raise RuntimeError(f"DeepSpeed could not load the checkpoint in {ckpt_dir}")
+
+    def load_portable(self, portable: Path) -> None:
+        """Another strategy's or world size's checkpoint, through DeepSpeed's documented setters of partitioned
+        state (``deepspeed.utils.safe_set_full_fp32_param`` / ``safe_set_full_optimizer_state``,
+        https://deepspeed.readthedocs.io/en/latest/zero3.html#modifying-partitioned-states): every rank reads the
+        full tensors and keeps its partition. The 16-bit/working copy of the weights follows the fp32 master
+        (ZeRO-1/2 and the bf16 optimizer: ``optimizer.update_lp_params``; ZeRO-3: ``GatheredParameters`` with rank
+        0 as modifier). ZeRO-0 in fp32 has a plain torch optimizer: the base strategy's loader; ZeRO-0 in fp16
+        (``FP16_Optimizer``) cannot load one.
+
+        Raises:
+            CheckpointError: a parameter or its optimizer state missing from the portable form.
+        """
+        import deepspeed
+        from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+
+        from torch_handle import convert
+        from torch_handle.api import CheckpointError, safe_load
+
+        module = self.engine.module
+        params = dict(module.named_parameters())
+        if not any(hasattr(p, "ds_id") or getattr(p, "_hp_mapping", None) is not None for p in params.values()):
+            # no partitioned fp32 master copy (ZeRO-0 in fp32): a torch optimizer over the module's parameters
+            if not isinstance(self.optimizer, torch.optim.Optimizer):
+                raise CheckpointError(f"{portable}: DeepSpeed ZeRO-0 with {self.training.precision} "
+                                      f"({type(self.optimizer).__name__}) cannot load another strategy's checkpoint "
+                                      f"(use zero_stage 1-3)")
+            convert.load_into(module, self.optimizer, Path(portable))
+            convert.load_schedule(self.optimizer, self.scheduler, safe_load(Path(portable) / "scheduler.pt"))
+            return
+        model_sd, state, schedule = convert.read_portable(Path(portable))
+        missing = [n for n in params if n not in model_sd or n not in state]
+        if missing:
+            raise CheckpointError(f"{portable}: no weights or optimizer state for {missing[0]} "
+                                  f"({len(missing)} parameters missing)")
+        self._init_optimizer_state()
+        zero3 = self.engine.zero_optimization_stage() == 3
+        for name, p in params.items():
+            if zero3:  # the working copy, gathered, set on rank 0 and partitioned again on exit
+                with deepspeed.zero.GatheredParameters([p], modifier_rank=0):
+                    if self.ctx.is_main:
+                        p.data.copy_(model_sd[name].reshape(p.shape))
+            safe_set_full_fp32_param(p, model_sd[name].to(p.device))
+            for key in ("exp_avg", "exp_avg_sq"):
+                safe_set_full_optimizer_state(p, state[name][key].to(p.device), key)
+        steps = {float(state[n]["step"]) for n in params}
+        if len(steps) > 1:
+            log.warning("Adam step counts differ across parameters (%s): using the largest", sorted(steps))
+        inner = self.optimizer.optimizer
+        for _, flat in self._flat_partitions():
+            flat_state = inner.state[flat]  # torch's AdamW keeps a tensor, DeepSpeedCPUAdam (offload) a number
+            if torch.is_tensor(flat_state.get("step")):
+                flat_state["step"].fill_(max(steps))
+            else:
+                flat_state["step"] = int(max(steps))
+        if not zero3:
+            self.optimizer.update_lp_params()  # fp32 partitions -> the module's weights (an all-gather)
+        for name, buffer in module.named_buffers():
+            if name in model_sd:
+                buffer.copy_(model_sd[name])
+        convert.load_schedule(self.optimizer, self.scheduler, schedule)
+
+    def _flat_partitions(self) -> list[tuple[int, torch.Tensor]]:
+        """This rank's flat fp32 master partitions, each with the index of the inner optimizer's param group
+        that steps it (ZeRO-1/2 and DeepSpeed's bf16 optimizer: one per group; ZeRO-3: one per sub-group)."""
+        opt = self.optimizer
+        if hasattr(opt, "fp32_partitioned_groups_flat"):  # ZeRO-3
+            return [(opt.sub_group_to_group_id[i], flat) for i, flat in enumerate(opt.fp32_partitioned_groups_flat)]
+        for name in ("single_partition_of_fp32_groups", "fp32_groups_flat_partition"):  # ZeRO-1/2, bf16
+            if hasattr(opt, name):
+                return list(enumerate(getattr(opt, name)))
+        raise RuntimeError(f"{type(opt).__name__}: no flat fp32 partitions found")
+
+    def _init_optimizer_state(self) -> None:
+        """Create the inner optimizer's state of every flat fp32 partition (it is created lazily, at the first
+        step) with one step of zero gradients at learning rate 0 per partition, as ZeRO-3 steps its sub-groups
+        (no change to the weights; what ``torch.distributed.checkpoint.state_dict`` does for an empty optimizer),
+        then link ZeRO-1/2's per-parameter fragments to it."""
+        inner = self.optimizer.optimizer
+        for group_id, flat in self._flat_partitions():
+            if inner.state.get(flat):  # state is a defaultdict: ZeRO-3 leaves empty entries
+                continue
+            group = inner.param_groups[group_id]
+            params, lr, grad = group["params"], group["lr"], flat.grad
+            group["params"], group["lr"], flat.grad = [flat], 0.0, torch.zeros_like(flat)
+            inner.step()
+            group["params"], group["lr"], flat.grad = params, lr, grad
+        link = getattr(self.optimizer, "_lazy_init_hp_params_optimizer_state", None)  # ZeRO-1/2, bf16
+        if link is not None:
+            link()
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         if self._zero3():

@@ -75,7 +75,16 @@ class FSDPStrategy(Strategy):
 
         return get_state_dict(self.model, self.optimizer, options=StateDictOptions(full_state_dict=False))
 
+    def checkpoint_layout(self) -> dict[str, Any]:
+        """``dcp``: the portable form itself (``dcp/`` + ``scheduler.pt``), loadable on any world size."""
+        return {"format": "dcp", "strategy": self.name}
+
+    def loads_natively(self, layout: dict[str, Any]) -> bool:
+        return layout.get("format") == "dcp"
+
     def save(self, ckpt_dir: Path) -> None:
+        """Every rank writes its shards of the model and optimizer state (DCP, keyed by parameter name); rank 0
+        the LR schedule."""
         import torch.distributed.checkpoint as dcp
 
         model_sd, optim_sd = self._state()
@@ -84,17 +93,8 @@ class FSDPStrategy(Strategy):
             torch.save(self.scheduler.state_dict(), Path(ckpt_dir) / "scheduler.pt")
 
     def load(self, ckpt_dir: Path) -> None:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import set_state_dict
-
-        from torch_handle.api import safe_load
-
-        model_sd, optim_sd = self._state()
-        state = {"model": model_sd, "optim": optim_sd}
-        dcp.load(state, checkpoint_id=str(Path(ckpt_dir) / "dcp"))
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"])
-        self.scheduler.load_state_dict(safe_load(Path(ckpt_dir) / "scheduler.pt"))
+        """DCP reshards on load: a checkpoint of any world size (the base strategy's :meth:`load_portable`)."""
+        self.load_portable(Path(ckpt_dir))
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict

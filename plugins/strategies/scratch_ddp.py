@@ -460,10 +460,49 @@ class ScratchDDPStrategy(Strategy):
         self._hooks = []
 
     # -- checkpoints ---------------------------------------------------------------------------------------------
+    def checkpoint_layout(self) -> dict[str, Any]:
+        """Unsharded: the base ``torch`` format; sharded: ``torch-sharded`` (one optimizer file per rank)."""
+        if not self.sharded:
+            return super().checkpoint_layout()
+        return {"format": "torch-sharded", "strategy": self.name}
+
+    def loads_natively(self, layout: dict[str, Any]) -> bool:
+        """Sharded: only its own shards on the same world size; unsharded: any ``torch`` checkpoint."""
+        if not self.sharded:
+            return super().loads_natively(layout)
+        return layout.get("format") == "torch-sharded" and layout.get("world_size") == self.ctx.world_size
+
+    def load_portable(self, portable: Path) -> None:
+        """Sharded: the full weights, and the optimizer state of the parameters this rank owns (read in full on
+        every rank: :func:`torch_handle.convert.read_portable`); unsharded: the base strategy's loader."""
+        if not self.sharded:
+            super().load_portable(portable)
+            return
+        from torch_handle import convert
+
+        model_sd, state, schedule = convert.read_portable(Path(portable))
+        model = self.unwrapped()
+        try:
+            model.load_state_dict(model_sd)
+        except RuntimeError as e:
+            raise CheckpointError(f"{portable}: does not fit the model ({str(e).splitlines()[0]})") from None
+        names = {p: n for n, p in model.named_parameters()}
+        inner = self.optimizer.inner
+        saved = inner.state_dict()  # its param groups (numbered), the state replaced below
+        owned = [p for g in inner.param_groups for p in g["params"]]
+        missing = [names[p] for p in owned if names[p] not in state]
+        if missing:
+            raise CheckpointError(f"{portable}: no optimizer state for {missing[0]}")
+        saved["state"] = {i: dict(state[names[p]]) for i, p in enumerate(owned)}
+        inner.load_state_dict(saved)
+        self.optimizer.state = inner.state
+        convert.load_schedule(self.optimizer, self.scheduler, schedule)
+
     def save(self, ckpt_dir: Path) -> None:
         """Rank 0 writes ``model.pt``. Unsharded: rank 0 also writes ``optim.pt`` (base strategy); sharded: every
         rank writes its own shard with the schedule, ``optim-rank<R>.pt`` (as DeepSpeed writes one optimizer
-        file per rank). fp16 adds the loss scaler's state."""
+        file per rank), with ``owned``: the indices (in parameter order) of the parameters it owns, what
+        :mod:`torch_handle.convert` maps its state by. fp16 adds the loss scaler's state."""
         ckpt_dir = Path(ckpt_dir)
         if not self.sharded:
             super().save(ckpt_dir)
@@ -472,7 +511,9 @@ class ScratchDDPStrategy(Strategy):
             return
         if self.ctx.is_main:
             torch.save(self.unwrapped().state_dict(), ckpt_dir / "model.pt")
-        state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+        every = [p for g in self.optimizer.param_groups for p in g["params"]]
+        owned = [i for i, p in enumerate(every) if self.optimizer.owner[p] == self.ctx.rank]
+        state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(), "owned": owned}
         if self.scaler is not None:
             state["scaler"] = self.scaler.state_dict()
         torch.save(state, ckpt_dir / f"optim-rank{self.ctx.rank}.pt")

@@ -27,9 +27,8 @@ def preset_path(tmp_path) -> Path:
 
 
 @pytest.mark.parametrize("key", ["model.d_model", "model.n_layers", "model.fused_qkv", "model.name", "data.seq_len",
-                                 "data.vocab_size", "data.name", "strategy.name", "strategy.zero_stage",
-                                 "strategy.shard_optimizer", "strategy.ds_config.x", "launch.nproc_per_node",
-                                 "launch.nnodes", "training.micro_batch_size", "training.precision", "run.seed"])
+                                 "data.vocab_size", "data.name", "strategy.ds_config.x", "training.precision",
+                                 "training.beta1", "run.seed"])
 def test_frozen_keys_have_a_reason(key):
     assert rule(key)
 
@@ -37,14 +36,18 @@ def test_frozen_keys_have_a_reason(key):
 @pytest.mark.parametrize("key", ["training.steps", "training.lr", "training.warmup_steps", "training.schedule",
                                  "training.min_lr_ratio", "training.eval_every", "training.checkpoint_every",
                                  "training.log_every", "launch.timeout_s", "launch.max_restarts", "profiler.name",
-                                 "model.dropout", "model.activation_checkpointing", "strategy.bucket_cap_mb"])
+                                 "model.dropout", "model.activation_checkpointing", "strategy.bucket_cap_mb",
+                                 # cross-strategy / cross-world-size resume (torch_handle.convert, GlobalBatchSampler)
+                                 "strategy.name", "strategy.zero_stage", "strategy.shard_optimizer",
+                                 "strategy.offload_optimizer", "launch.nproc_per_node", "launch.nnodes",
+                                 "training.micro_batch_size", "training.grad_accum"])
 def test_allowed_keys(key):
     assert rule(key) is None
 
 
 @pytest.mark.parametrize("sets, key", [(["model.d_model=128"], "model.d_model"),
-                                       (["strategy.name=deepspeed"], "strategy.name"),
-                                       (["launch.nproc_per_node=4"], "world size"),
+                                       (["run.seed=7"], "run.seed"),
+                                       (["training.precision=bf16"], "training.precision"),
                                        (["data.seq_len=64"], "data.seq_len")])
 def test_check_changes_refuses_naming_the_key(preset_path, sets, key):
     old = load_preset(preset_path)
@@ -52,11 +55,22 @@ def test_check_changes_refuses_naming_the_key(preset_path, sets, key):
         check_changes(Path("r"), old, load_preset(preset_path, sets))
 
 
-def test_zero_stage_is_refused_on_a_zero_run(preset_path):
-    old = load_preset(preset_path, ["strategy.name=deepspeed", "strategy.zero_stage=2"])
-    new = load_preset(preset_path, ["strategy.name=deepspeed", "strategy.zero_stage=3"])
-    with pytest.raises(RunDirError, match=r"strategy\.zero_stage on --resume \(2 -> 3\): it changes the checkpoint"):
-        check_changes(Path("r"), old, new)
+def test_strategy_and_world_size_may_change_ds_config_may_not_on_deepspeed(preset_path):
+    zero2 = load_preset(preset_path, ["strategy.name=deepspeed", "strategy.zero_stage=2"])
+    changes = check_changes(Path("r"), zero2, load_preset(preset_path, ["strategy.name=deepspeed",
+                                                                        "strategy.zero_stage=3"]))
+    assert changes == {"strategy.zero_stage": [2, 3]}
+    single = load_preset(preset_path, ["strategy.name=single", "launch.nproc_per_node=1", "training.grad_accum=2"])
+    changes = check_changes(Path("r"), zero2, single)  # the options of deepspeed go, unchecked
+    assert changes["strategy.name"] == ["deepspeed", "single"] and changes["launch.nproc_per_node"] == [2, 1]
+    assert changes["training.grad_accum"] == [1, 2] and "strategy.zero_stage" in changes
+    tuned = load_preset(preset_path, ["strategy.name=deepspeed", "strategy.zero_stage=2",
+                                      "strategy.ds_config.zero_optimization.round_robin_gradients=true"])
+    with pytest.raises(RunDirError, match=r"cannot change strategy\.ds_config\.zero_optimization\."
+                                          r"round_robin_gradients on --resume \(None -> True\): it is merged"):
+        check_changes(Path("r"), zero2, tuned)
+    # switching to deepspeed brings its own ds_config along
+    assert check_changes(Path("r"), single, tuned)["strategy.name"] == ["single", "deepspeed"]
 
 
 def test_allowed_changes_are_listed(preset_path):
