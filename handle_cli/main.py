@@ -132,6 +132,14 @@ def run(preset: str | None, overrides: tuple[str, ...], run_dir: Path | None, re
         from handle_cli.presets_cmd import resolve_preset_spec
 
         preset = resolve_preset_spec(preset)  # a bare NAME not in ./presets may be a plugin's preset
+    if tui:
+        from torch_handle.config import load_preset
+        from torch_handle.rundir import PRESET_FILE
+
+        nodes = load_preset(preset if resume_dir is None else Path(resume_dir) / PRESET_FILE, overrides).launch
+        if nodes.nnodes > 1:  # the detached launcher reads the run's preset, whose node_rank is node 0's
+            fail(f"--tui runs one node; with launch.nnodes = {nodes.nnodes} start each node's handle run without "
+                 f"--tui and watch with: handle tui RUN_DIR")
     loaded, directory = prepare_run(preset, overrides, run_dir, resume_dir)
     if tui:
         from handle_cli.runner import spawn_detached
