@@ -70,6 +70,27 @@ def test_attention_with_cpu_dropout_computes_what_sdpa_computes(monkeypatch) -> 
     assert torch.allclose(fast, sdpa, atol=1e-6)
 
 
+def test_bf16_attention_with_cpu_dropout_runs_in_bf16_and_stays_close_to_fp32(monkeypatch) -> None:
+    """Under bf16 autocast the reference kernel gets bf16 q/k/v (no fp32 upcast: half the time on CPU) and its
+    output stays within bf16 rounding of the fp32 result."""
+    torch.manual_seed(0)
+    mha = M.MultiHeadAttention(32, 4, dropout=0.2).train()
+    x = torch.randn(2, 9, 32)
+    monkeypatch.setattr(M, "dropout", lambda t, p, training=True: t)  # every mask keeps everything
+    reference, seen = M.scaled_dot_product_attention_reference, []
+
+    def spy(q, k, v, mask=None, dropout_p=0.0):
+        seen.append(q.dtype)
+        return reference(q, k, v, mask, dropout_p)
+
+    monkeypatch.setattr(M, "scaled_dot_product_attention_reference", spy)
+    fp32 = mha(x, causal=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        bf16 = mha(x, causal=True)
+    assert seen == [torch.float32, torch.bfloat16] and bf16.dtype == torch.bfloat16
+    assert torch.allclose(bf16.float(), fp32, atol=2e-2, rtol=2e-2), (bf16.float() - fp32).abs().max()
+
+
 def _train_losses(fast: bool, steps: int = 20) -> list[float]:
     torch.manual_seed(0)
     args = M.TransformerArgs(512, 64, 4, 2, 256, dropout=0.0, max_len=32)
