@@ -163,12 +163,18 @@ def test_timeout_stops_every_process(tmp_path, monkeypatch):
 
 
 @pytest.mark.dist
+def _default_sigint() -> None:
+    """As at a terminal: a suite started in the background by a non-interactive shell inherits SIGINT ignored
+    (POSIX), and Python then installs no KeyboardInterrupt handler, so the Ctrl-C below would do nothing."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_stops_workers_and_exits_130(tmp_path):
     env, tag = tagged_env()
     proc = subprocess.Popen([sys.executable, "-m", "handle_cli", "bench", "comm", "--ops", "all_reduce",
                              "--sizes", "1K:16K", "--iters", "1000", "--budget", "0", "--output-dir", str(tmp_path)],
                             cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, preexec_fn=_default_sigint)
     try:
         deadline = time.monotonic() + 60
         results = None
