@@ -248,11 +248,11 @@ class Launch:
     def finish(self, returncode: int) -> dict[str, Any]:
         """Settle run.json after torchrun exited: the worker's own status, or failed with the cause."""
         (self.run_dir / STOP_FILE).unlink(missing_ok=True)
-        if not self.owns_run_info(read_run_info(self.run_dir)):
-            return self._outcome_elsewhere(returncode)
+        info = read_run_info(self.run_dir)
+        if not self.owns_run_info(info):
+            return self._outcome_elsewhere(returncode, info)
         if self.hang_stop is not None:  # the watchdog ended it: that is the cause, whatever a worker recorded
             return update_run_info(self.run_dir, status=Status.FAILED, message=self.hang_stop, end_time=time.time())
-        info = read_run_info(self.run_dir)
         status = info.get("status")
         if status in Status.FINAL and not (status == Status.FINISHED and returncode != 0):
             return info
@@ -262,20 +262,19 @@ class Launch:
             status, message = Status.FAILED, failure_message(self.run_dir) or f"torchrun exited with code {returncode}"
         return update_run_info(self.run_dir, status=status, message=message, end_time=time.time())
 
-    def _outcome_elsewhere(self, returncode: int, wait_s: float = 5.0) -> dict[str, Any]:
+    def _outcome_elsewhere(self, returncode: int, info: dict[str, Any], wait_s: float = 5.0) -> dict[str, Any]:
         """The run's outcome for a launcher that does not own run.json (node R > 0 in a shared run directory):
-        the status global rank 0 wrote (waiting up to ``wait_s`` for it to show on a shared filesystem after a
-        clean exit), else this node's own view; nothing is written."""
+        the status global rank 0 wrote (``info``, read again for up to ``wait_s`` until it shows on a shared
+        filesystem after a clean exit), else this node's own view; nothing is written."""
+        if self.hang_stop is not None:  # this node's watchdog ended it
+            return {**info, "status": Status.FAILED, "message": self.hang_stop}
         deadline = time.monotonic() + wait_s
-        info = read_run_info(self.run_dir)
         while returncode == 0 and info.get("status") not in Status.FINAL and time.monotonic() < deadline:
             time.sleep(0.2)
             info = read_run_info(self.run_dir)
         status = info.get("status")
-        if status in Status.FINAL and not (status == Status.FINISHED and returncode != 0) and self.hang_stop is None:
+        if status in Status.FINAL and not (status == Status.FINISHED and returncode != 0):
             return info
-        if self.hang_stop is not None:
-            return {**info, "status": Status.FAILED, "message": self.hang_stop}
         if self.killed:
             return {**info, "status": Status.STOPPED, "message": "stopped by user (workers terminated)"}
         return {**info, "status": Status.FAILED,

@@ -5,7 +5,9 @@
         run.json        status, strategy, world size, pids, times, restarts, resumes
         heartbeat       touched every few seconds by the launcher(s) (and rank 0) while the run is alive
         events.jsonl    rank-0 telemetry (schema: torch_handle.events; written by torch_handle.telemetry)
-        logs/           rank<N>.log per rank, launcher.log for torchrun itself (launcher-node<R>.log: node R)
+        heartbeats/     rank<R>.json: each rank's progress counter, step and phase (torch_handle.watchdog)
+        logs/           rank<N>.log per rank, launcher.log for torchrun itself (launcher-node<R>.log: node R),
+                        stacks-<UTC time>.txt from the hang watchdog or `handle stacks`
         checkpoints/    step-<N>/ written atomically, newest complete one wins
         tokenizer.json  the BPE tokenizer the run used
         model.safetensors, tensorboard/, traces/
