@@ -22,8 +22,8 @@ import time
 
 import torch
 
-from torch_handle.data import PAD_ID
-from torch_handle.model import DecoderLM, TransformerArgs
+from torch_handle.data.datasets import PAD_ID
+from torch_handle.model.transformer import DecoderLM, TransformerArgs
 
 
 def build(checkpointing: bool, seq_len: int, dtype: torch.dtype) -> DecoderLM:

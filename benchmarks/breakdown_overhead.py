@@ -68,11 +68,11 @@ def main() -> None:
     import torch
     import torch.distributed as dist
 
-    from torch_handle.config import dump_preset, load_preset
+    from torch_handle.config.loader import dump_preset, load_preset
     from torch_handle.registry import get_registry
     from torch_handle.rundir import create_run_dir
-    from torch_handle.strategy import DistContext
-    from torch_handle.trainer import Trainer
+    from torch_handle.train.strategy import DistContext
+    from torch_handle.train.trainer import Trainer
 
     torch.set_num_threads(args.threads)
     tmp = Path(tempfile.mkdtemp(prefix="breakdown-"))
@@ -140,7 +140,7 @@ def main() -> None:
 def instrumentation_cost(mode: str, reps: int = 5000, repeats: int = 7) -> float:
     """Seconds per step that ``mode``'s timer and ranges cost by themselves (grad_accum 2: 8 phases); the best of
     ``repeats`` loops of ``reps`` steps (the least disturbed by other processes)."""
-    from torch_handle.phases import PhaseTimer
+    from torch_handle.train.phases import PhaseTimer
 
     timer = PhaseTimer("cpu", enabled=mode == "on", ranges=mode != "off")
     names = ("data", "forward", "backward") * 2 + ("sync", "optimizer")

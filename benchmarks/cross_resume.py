@@ -11,7 +11,7 @@ and the load, for the demo model (presets/zero2.toml: 4.2 M parameters) on 2 CPU
    ``resumed from`` message gives the conversion time (rank 0, once per checkpoint: ``portable/`` is kept and
    reused) and the load time.
 3. In this process, ``--repeat`` times each on fresh copies of the ZeRO-2 checkpoint: the whole conversion
-   (:func:`torch_handle.convert.ensure_portable`), and DeepSpeed's ``ds_to_universal`` alone (with the size of the
+   (:func:`torch_handle.checkpoint.convert.ensure_portable`), and DeepSpeed's ``ds_to_universal`` alone (with the size of the
    universal checkpoint it writes: a temporary directory the conversion deletes after mapping it). Medians.
 
 Prints one JSON object (sizes in bytes, times in seconds) and a Markdown table.
@@ -123,8 +123,8 @@ def main() -> None:
     import torch
     from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
 
-    from torch_handle import convert
-    from torch_handle.checkpoint import read_layout
+    from torch_handle.checkpoint import convert
+    from torch_handle.checkpoint.store import read_layout
 
     ckpt = out / slug("deepspeed ZeRO-2, 2 ranks") / "checkpoints" / "step-2"
     states = torch.load(ckpt / "ds" / "mp_rank_00_model_states.pt", weights_only=False)

@@ -5,7 +5,7 @@
 
 Runs ``handle run`` for each case (2 steps, log_every = 1, gloo) and prints, per rank, the measured
 param/grad/optimizer bytes (the ``memory`` list of the last step event) next to
-``torch_handle.estimate.model_state_bytes`` for the same preset. Odd sizes exercise DeepSpeed's paddings and
+``torch_handle.plan.estimate.model_state_bytes`` for the same preset. Odd sizes exercise DeepSpeed's paddings and
 partition boundaries and FSDP2's uneven dim-0 chunks; a large ``--vocab`` puts whole partitions inside the
 embedding. DeepSpeed refuses fp16 on a CPU.
 """
@@ -66,8 +66,8 @@ def measure(preset: Path, sets: list[str]) -> list[dict]:
 
 
 def main() -> None:
-    from torch_handle import estimate as E
-    from torch_handle.config import load_preset
+    from torch_handle.plan import estimate as E
+    from torch_handle.config.loader import load_preset
     from torch_handle.registry import get_registry
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -1,6 +1,6 @@
 """``handle bench``: benchmarks run through torchrun. ``bench comm``: collective bandwidth in the spirit of
-nccl-tests (the worker is ``torch_handle.bench_comm``). ``bench scaling``: short real training runs per
-strategy and world size through ``handle run``'s own launcher (the figures: ``torch_handle.bench_scaling``).
+nccl-tests (the worker is ``torch_handle.plan.bench_comm``). ``bench scaling``: short real training runs per
+strategy and world size through ``handle run``'s own launcher (the figures: ``torch_handle.plan.bench_scaling``).
 
 Process hygiene as ``handle env --check-dist``: torchrun runs in its own session and dies with this process
 (PR_SET_PDEATHSIG); every process of its tree that was seen is terminated at the end, on a timeout and on
@@ -19,8 +19,8 @@ from typing import Any
 
 import click
 
-from torch_handle import bench_scaling as scaling_math
-from torch_handle.bench_comm import (DTYPES, ERROR_MARKER, MARKER, OPS, check_size, fmt_bytes, gloo_note, parse_ops,
+from torch_handle.plan import bench_scaling as scaling_math
+from torch_handle.plan.bench_comm import (DTYPES, ERROR_MARKER, MARKER, OPS, check_size, fmt_bytes, gloo_note, parse_ops,
                                      parse_sizes)
 
 from handle_cli.common import EXIT_FAILED, EXIT_STOPPED, fail
@@ -220,7 +220,7 @@ def comm(ops_spec: str, sizes_spec: str, nproc: str, backend: str, dtype: str, i
 
     # --- run ---
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n_proc}",
-           "--monitor_interval=0.5", "-m", "torch_handle.bench_comm", "--ops", ",".join(ops),
+           "--monitor_interval=0.5", "-m", "torch_handle.plan.bench_comm", "--ops", ",".join(ops),
            "--sizes", ",".join(str(s) for s in sizes), "--backend", backend, "--dtype", dtype,
            "--iters", str(n_iters), "--warmup", str(n_warmup), "--budget", str(budget_s),
            "--timeout", str(max(10, min(n_timeout, 300)))]
@@ -255,7 +255,7 @@ def comm(ops_spec: str, sizes_spec: str, nproc: str, backend: str, dtype: str, i
             click.echo(f"bench comm: {n_proc} processes, {backend}, {dtype}, {len(ops)} ops x {len(sizes)} sizes "
                        f"({fmt_bytes(sizes[0])}..{fmt_bytes(max(sizes))}); log: {directory / 'torchrun.log'}",
                        err=True)
-        from torch_handle.launch import run_torchrun
+        from torch_handle.launch.supervisor import run_torchrun
 
         try:
             rc, timed_out, wall = run_torchrun(cmd, directory / "torchrun.log", n_timeout, on_line, env=env)
@@ -347,7 +347,7 @@ def _scaling_plan(preset: str, overrides: tuple[str, ...], nprocs: list[int], la
     """Validate every (strategy, world size) preset before anything starts: ``(runs, notes, base preset)``,
     each run ``{"spec", "nproc", "overrides", "preset", "micro_batch_size", "grad_accum"}``. Bad input: one
     line, exit 2."""
-    from torch_handle.config import load_preset
+    from torch_handle.config.loader import load_preset
     from torch_handle.errors import USER_ERRORS
     from torch_handle.registry import get_registry
 
@@ -410,9 +410,9 @@ def _scaling_plan(preset: str, overrides: tuple[str, ...], nprocs: list[int], la
 def _run_one(preset: str, run: dict[str, Any], directory: Path) -> tuple[int, dict[str, Any], list[dict], float]:
     """One run through ``handle run``'s launcher (prepare_run + supervise, quiet): ``(exit code, run.json,
     events, wall seconds)``. Ctrl-C is supervise's: the workers stop (a second one kills them), exit code 130."""
-    from torch_handle.events import EventReader
+    from torch_handle.observe.events import EventReader
     from torch_handle.rundir import read_run_info
-    from torch_handle.telemetry import EVENTS_FILE
+    from torch_handle.observe.telemetry import EVENTS_FILE
 
     from handle_cli.runner import prepare_run, supervise
 
@@ -454,7 +454,7 @@ def scaling_table(records: list[dict[str, Any]]):
     largest per-rank memory peaks (rss, model state = param + grad + optimizer; CUDA max allocated if any)."""
     from rich.table import Table
 
-    from torch_handle.text import fmt_bytes as fmt_mem
+    from torch_handle.common.text import fmt_bytes as fmt_mem
 
     cuda = any(m.get("cuda_max_allocated_bytes") is not None for r in records for m in r.get("memory") or [])
     table = Table(header_style="bold")

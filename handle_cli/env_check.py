@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import torch.distributed as dist
 
-    from torch_handle.worker import select_backend
+    from torch_handle.train.worker import select_backend
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank, local_world = int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("LOCAL_WORLD_SIZE", world))
@@ -94,7 +94,7 @@ def _guarded() -> int:
     try:
         return main()
     except Exception as e:  # noqa: BLE001 - one line for `handle env`, then the traceback for the log
-        from torch_handle.text import one_line
+        from torch_handle.common.text import one_line
 
         print(f"{ERROR_MARKER}rank {os.environ.get('RANK', '?')}: {one_line(e)}"[:2000], flush=True)
         raise

@@ -19,7 +19,7 @@ from typing import Any
 import click
 
 from handle_cli.common import fail
-from torch_handle.text import one_line
+from torch_handle.common.text import one_line
 
 ENV_VARS = ("HANDLE_LOAD_PLUGINS", "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "NCCL_DEBUG", "NCCL_SOCKET_IFNAME",
             "GLOO_SOCKET_IFNAME", "MASTER_ADDR", "MASTER_PORT")
@@ -152,7 +152,7 @@ def check_dist(nproc: int, backend: str = "auto", timeout_s: float = 120.0, *, n
     Returns a dict with ``ok``, ``wall_s``, ``returncode``, the workers' result (when this node's first rank got
     that far) and, on failure, ``error`` and the tail of the output.
     """
-    from torch_handle.launch import run_torchrun
+    from torch_handle.launch.supervisor import run_torchrun
 
     from handle_cli.env_check import ERROR_MARKER, MARKER
 
@@ -281,7 +281,7 @@ def env(as_json: bool, nproc: int | None, backend: str, timeout_s: int, nnodes: 
 def _check_nodes(nproc: int | None, nnodes: int, node_rank: int, rdzv_endpoint: str) -> None:
     """The multi-node options, checked as ``[launch]`` checks them; a one-line error (exit 2) otherwise."""
     from torch_handle.errors import InvalidValue
-    from torch_handle.schema import LaunchConfig
+    from torch_handle.config.schema import LaunchConfig
 
     if nproc is None:
         fail("--nnodes, --node-rank and --rdzv-endpoint go with --check-dist N (for example: handle env "
@@ -296,7 +296,7 @@ def _check_nodes(nproc: int | None, nnodes: int, node_rank: int, rdzv_endpoint: 
 def _peak(as_json: bool, threads: int | None, refresh: bool) -> None:
     import torch
 
-    from torch_handle.peak import DTYPES, cache_path, peak_flops
+    from torch_handle.observe.peak import DTYPES, cache_path, peak_flops
 
     if threads is not None:
         torch.set_num_threads(threads)

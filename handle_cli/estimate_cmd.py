@@ -1,5 +1,5 @@
 """``handle estimate``: the bytes each rank will hold for a preset, per strategy and world size, before running it
-(the figures: ``torch_handle.estimate``). Click, the standard library and torch-free project modules only at
+(the figures: ``torch_handle.plan.estimate``). Click, the standard library and torch-free project modules only at
 import; torch is imported when the command runs."""
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def parse_nproc(text: str) -> list[int]:
 
 
 def _table(rows: list, device_memory: int | None) -> list[str]:
-    from torch_handle.estimate import format_bytes
+    from torch_handle.plan.estimate import format_bytes
 
     head = ["strategy", "world", "params", "grads", "optimizer", "activations", "device total", "host"]
     if device_memory is not None:
@@ -87,7 +87,7 @@ def estimate(preset: str, overrides: tuple[str, ...], nproc: str, nnodes: int | 
 
     Exit code 2 with one line on stderr for a bad preset, --set, --nproc or --device-memory.
     """
-    from torch_handle.estimate import parse_bytes
+    from torch_handle.plan.estimate import parse_bytes
 
     try:
         nprocs = parse_nproc(nproc)
@@ -96,13 +96,13 @@ def estimate(preset: str, overrides: tuple[str, ...], nproc: str, nnodes: int | 
         fail(str(e) if str(e).startswith("--") else f"--device-memory: {e}")
 
     from handle_cli.presets_cmd import resolve_preset_spec
-    from torch_handle.config import load_preset
+    from torch_handle.config.loader import load_preset
     from torch_handle.registry import get_registry
 
     start = time.perf_counter()
     registry = get_registry()
     loaded = load_preset(resolve_preset_spec(preset), overrides, registry)  # PresetError: one line, exit 2
-    from torch_handle.estimate import COMPARE_VARIANTS, estimate_preset, format_bytes, smallest_fit
+    from torch_handle.plan.estimate import COMPARE_VARIANTS, estimate_preset, format_bytes, smallest_fit
 
     nodes = nnodes or loaded.launch.nnodes
     worlds = [n * nodes for n in nprocs]

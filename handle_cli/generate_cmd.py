@@ -1,4 +1,4 @@
-"""``handle generate``, ``handle translate``, ``handle eval``: use a trained run (``torch_handle.generate``).
+"""``handle generate``, ``handle translate``, ``handle eval``: use a trained run (``torch_handle.infer.generate``).
 
 Click and the standard library at import; torch is imported inside the commands, so ``handle --help`` stays fast.
 """
@@ -21,7 +21,7 @@ _CHECKPOINT = click.option("--checkpoint", type=int, metavar="STEP",
 
 
 def _load(run_dir: Path, checkpoint: int | None, kind: str, command: str):
-    from torch_handle.generate import load_run
+    from torch_handle.infer.generate import load_run
 
     loaded = load_run(run_dir, checkpoint)
     loaded.model.requires_grad_(False)  # inference only: no graph is built (not a global switch: tests run in-process)
@@ -50,7 +50,7 @@ def generate(run_dir: Path, prompt: str, max_new_tokens: int, temperature: float
     """
     import torch
 
-    from torch_handle.generate import StreamDecoder, sample
+    from torch_handle.infer.generate import StreamDecoder, sample
 
     loaded = _load(run_dir, checkpoint, "decoder", "generate")
     generator = torch.Generator().manual_seed(seed if seed is not None else int(time.time_ns() % 2**63))
@@ -83,7 +83,7 @@ def generate(run_dir: Path, prompt: str, max_new_tokens: int, temperature: float
 def translate(run_dir: Path, text: str | None, input_file: Path | None, beam: int, alpha: float, max_len: int,
               checkpoint: int | None) -> None:
     """Translate TEXT (or each line of --input FILE) with an encoder-decoder run; one line out per line in."""
-    from torch_handle.generate import translate as translate_texts
+    from torch_handle.infer.generate import translate as translate_texts
 
     if (text is None) == (input_file is None):
         fail("give either TEXT or --input FILE (one sentence per line)")
@@ -122,9 +122,9 @@ def eval_cmd(run_dir: Path, split: str, beam: int, alpha: float, as_json: bool, 
     Language-model runs have only the validation split. Translation runs: the loss on the split's pairs, and
     BLEU/chrF of the beam-search translations of its source side against its target side.
     """
-    from torch_handle import generate as g
-    from torch_handle.corpus import read_pairs
-    from torch_handle.data import pad_collate
+    from torch_handle.infer import generate as g
+    from torch_handle.data.corpus import read_pairs
+    from torch_handle.data.datasets import pad_collate
 
     loaded = _load(run_dir, checkpoint, "", "eval")
     started = time.perf_counter()

@@ -133,7 +133,7 @@ def run(preset: str | None, overrides: tuple[str, ...], run_dir: Path | None, re
 
         preset = resolve_preset_spec(preset)  # a bare NAME not in ./presets may be a plugin's preset
     if tui:
-        from torch_handle.config import load_preset
+        from torch_handle.config.loader import load_preset
         from torch_handle.rundir import PRESET_FILE
 
         nodes = load_preset(preset if resume_dir is None else Path(resume_dir) / PRESET_FILE, overrides).launch
@@ -156,7 +156,7 @@ def run(preset: str | None, overrides: tuple[str, ...], run_dir: Path | None, re
 @click.argument("run_dir", type=click.Path(path_type=Path))
 def supervise_run(run_dir: Path) -> None:
     """Supervise an already prepared run directory without a terminal (used by --tui)."""
-    from torch_handle.config import load_preset
+    from torch_handle.config.loader import load_preset
 
     from handle_cli.runner import supervise
 

@@ -35,7 +35,7 @@ def resolve_preset_spec(spec: str) -> str:
 
 def plugin_presets() -> list[tuple[str, Path, str]]:
     """(plugin, file, description) of every preset a loaded plugin contributes."""
-    from torch_handle.config import preset_description
+    from torch_handle.config.loader import preset_description
     from torch_handle.registry import get_registry
 
     out = []
@@ -60,7 +60,7 @@ def validate(preset: str, overrides: tuple[str, ...]) -> None:
     tables run once every table is valid), then the dataset plugin's pre-flight check (paths exist, UTF-8).
     Exit code 2 when there is any problem.
     """
-    from torch_handle.config import load_preset, preset_problems
+    from torch_handle.config.loader import load_preset, preset_problems
     from torch_handle.registry import get_registry
 
     spec = resolve_preset_spec(preset)
@@ -93,7 +93,7 @@ def presets() -> None:
 @OVERRIDE
 def presets_show(preset: str, overrides: tuple[str, ...]) -> None:
     """Print the fully resolved PRESET (defaults + extends + overrides) as TOML, exactly as a run uses it."""
-    from torch_handle.config import dump_preset, load_preset
+    from torch_handle.config.loader import dump_preset, load_preset
 
     click.echo(dump_preset(load_preset(resolve_preset_spec(preset), overrides)), nl=False)
 
@@ -102,7 +102,7 @@ def presets_show(preset: str, overrides: tuple[str, ...]) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def presets_list(as_json: bool) -> None:
     """Presets in ./presets and those of plugins, each with its one-line description."""
-    from torch_handle.config import preset_description
+    from torch_handle.config.loader import preset_description
 
     local = [(None, p, preset_description(p)) for p in sorted(Path("presets").glob("*.toml"))]
     local_names = {p.stem for _, p, _ in local}
@@ -132,7 +132,7 @@ NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 @click.option("--description", help="The one-line description (the first comment line).")
 def presets_new(name: str, base: str, directory: Path, description: str | None) -> None:
     """Write presets/NAME.toml: `extends` PRESET and sets `[run] name = NAME`; never overwrites a file."""
-    from torch_handle.config import PresetError, load_preset, preset_description, resolve_preset_path
+    from torch_handle.config.loader import PresetError, load_preset, preset_description, resolve_preset_path
 
     if name.endswith(".toml"):
         name = name[: -len(".toml")]

@@ -1,6 +1,6 @@
 """``handle profile RUN``: what a run's torch.profiler traces say -- top operators, the time split into compute /
 communication / data / optimizer / other, how much communication overlapped compute, the memory peak.
-Torch-free: it reads the Chrome trace JSON (``torch_handle.profile_summary``)."""
+Torch-free: it reads the Chrome trace JSON (``torch_handle.observe.profile_summary``)."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def profile(run_dir: Path, rank: int, all_traces: bool, top: int, as_json: bool)
       handle profile runs/ddp-20260101-120000 --rank 1 --top 15
       handle profile runs/ddp-20260101-120000 --json | jq .split
     """
-    from torch_handle.profile_summary import TraceError, find_traces, format_summary, summarize_files
+    from torch_handle.observe.profile_summary import TraceError, find_traces, format_summary, summarize_files
     from torch_handle.rundir import read_run_info
 
     read_run_info(run_dir)  # one line (exit 2) when RUN is not a run directory

@@ -11,12 +11,12 @@ from pathlib import Path
 import click
 
 from handle_cli.common import EXIT_FAILED, EXIT_FINISHED, EXIT_STOPPED
-from torch_handle.config import Preset, dump_preset, load_preset
+from torch_handle.config.loader import Preset, dump_preset, load_preset
 from torch_handle.rundir import (ACTIVE, PRESET_FILE, RunDirError, create_run_dir, launcher_alive, read_run_info,
                                  update_run_info)
-from torch_handle.events import EventReader, Kind, Level, RunState, Status
-from torch_handle.telemetry import EVENTS_FILE
-from torch_handle.text import clean, fmt_bytes, fmt_duration  # text from logs and events never reaches the terminal raw
+from torch_handle.observe.events import EventReader, Kind, Level, RunState, Status
+from torch_handle.observe.telemetry import EVENTS_FILE
+from torch_handle.common.text import clean, fmt_bytes, fmt_duration  # text from logs and events never reaches the terminal raw
 
 
 EXIT_CODES = {Status.FINISHED: EXIT_FINISHED, Status.FAILED: EXIT_FAILED, Status.STOPPED: EXIT_STOPPED}
@@ -27,7 +27,7 @@ def prepare_run(preset: str | None, overrides: tuple[str, ...], run_dir: Path | 
     """Validate everything, then create (or reopen) the run directory. Nothing is written on bad input.
 
     A multi-node run (``launch.nnodes > 1``) given a ``--run-dir`` creates it, or joins it when another node of the
-    same run created it first on a shared filesystem (:func:`torch_handle.multinode.create_or_join_run_dir`);
+    same run created it first on a shared filesystem (:func:`torch_handle.launch.multinode.create_or_join_run_dir`);
     its ``preset.toml`` holds ``node_rank`` 0, and each node's launcher uses its own.
     """
     if resume_dir is not None:
@@ -40,7 +40,7 @@ def prepare_run(preset: str | None, overrides: tuple[str, ...], run_dir: Path | 
             "world_size": loaded.world_size, "steps": loaded.training.steps, "start_time": time.time(),
             "end_time": None, "restarts": 0}
     if loaded.launch.nnodes > 1:
-        from torch_handle.multinode import create_or_join_run_dir, with_node_rank
+        from torch_handle.launch.multinode import create_or_join_run_dir, with_node_rank
         from torch_handle.rundir import launcher_record
 
         if run_dir is not None:
@@ -58,14 +58,14 @@ def _prepare_resume(resume_dir: Path, overrides: tuple[str, ...]) -> tuple[Prese
     """Check a ``--resume`` (with its ``--set`` overrides) against the run, then mark it resuming.
 
     Every check comes first: a live launcher, a preset that does not load, a setting that may not change on a
-    resume (:func:`torch_handle.resume.check_changes`), missing data. Any of them raises with the run directory
-    untouched. Accepted changes go to ``preset.resume.toml``, not ``preset.toml`` (see :mod:`torch_handle.resume`).
+    resume (:func:`torch_handle.checkpoint.resume.check_changes`), missing data. Any of them raises with the run directory
+    untouched. Accepted changes go to ``preset.resume.toml``, not ``preset.toml`` (see :mod:`torch_handle.checkpoint.resume`).
 
     Raises:
         RunDirError, PresetError, DataError: one line each (exit code 2).
     """
-    from torch_handle.multinode import owns_run_dir, with_node_rank
-    from torch_handle.resume import PENDING, check_changes, write_side_preset
+    from torch_handle.launch.multinode import owns_run_dir, with_node_rank
+    from torch_handle.checkpoint.resume import PENDING, check_changes, write_side_preset
     from torch_handle.rundir import launcher_record
 
     info = read_run_info(resume_dir)
@@ -154,9 +154,9 @@ def supervise(preset: Preset, run_dir: Path, *, quiet: bool = False) -> int:
     a checkpoint (the STOP file; on any node of a multi-node run it stops every node); before that (rendezvous,
     start-up: no step would come to answer it) and at a second one, the process tree is terminated at once.
     """
-    from torch_handle.launch import Launch
-    from torch_handle.multinode import owns_run_dir
-    from torch_handle.resume import PENDING, RESUME_PRESET, promote
+    from torch_handle.launch.supervisor import Launch
+    from torch_handle.launch.multinode import owns_run_dir
+    from torch_handle.checkpoint.resume import PENDING, RESUME_PRESET, promote
 
     node_rank = preset.launch.node_rank
     if (Path(run_dir) / RESUME_PRESET).exists():  # a resume with changes: its preset, not the run's (--tui path)

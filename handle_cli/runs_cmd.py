@@ -18,9 +18,9 @@ def run_summary(run_dir: Path, now: float | None = None) -> dict[str, Any]:
     global), ``start_time`` (unix s), ``age_s`` (s since the start), ``message``, ``hang`` (the message of the
     newest ``hang`` event, also after the run moved on or ended; null without one). Reads run.json and the end of
     events.jsonl only."""
-    from torch_handle.events import RunState, Status, tail_events
+    from torch_handle.observe.events import RunState, Status, tail_events
     from torch_handle.rundir import RunDirError, read_run_status
-    from torch_handle.telemetry import EVENTS_FILE
+    from torch_handle.observe.telemetry import EVENTS_FILE
 
     now = time.time() if now is None else now
     try:
@@ -69,7 +69,7 @@ def runs(directory: Path | None, as_json: bool) -> None:
     """
     from handle_cli.common import fail
     from torch_handle.rundir import list_runs
-    from torch_handle.text import clean
+    from torch_handle.common.text import clean
 
     directory = directory or Path("runs")
     if not directory.is_dir():

@@ -47,8 +47,8 @@ def slurm(preset: str, nodes: int, gpus_per_node: int | None, partition: str | N
       handle slurm presets/zero2.toml --nodes 4 --set training.steps=5000 --submit
       handle slurm presets/ddp.toml --json          # {"script": ..., "run_dir": ..., "job_id": null}
     """
-    from torch_handle.config import load_preset
-    from torch_handle.slurm import SET_BY_SLURM, SlurmJob, default_script_path, sbatch_script
+    from torch_handle.config.loader import load_preset
+    from torch_handle.launch.slurm import SET_BY_SLURM, SlurmJob, default_script_path, sbatch_script
 
     from handle_cli.presets_cmd import resolve_preset_spec
     from handle_cli.runner import _check_data

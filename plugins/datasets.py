@@ -75,7 +75,7 @@ class ParallelConfig:
 # --------------------------------------------------------------------------------------------------------------
 # Pre-flight checks: run by `handle run` before anything starts (no torch import). They find missing paths,
 # misaligned files and bytes that are not UTF-8 in what they read, with the same one-line messages as the
-# loaders (torch_handle.data). Files are read in full up to PREFLIGHT_BYTES in all; beyond that only the first
+# loaders (torch_handle.data.datasets). Files are read in full up to PREFLIGHT_BYTES in all; beyond that only the first
 # bytes of each file are checked and the loaders report what is left when the run starts.
 # --------------------------------------------------------------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""The ``hf`` model: a ``transformers`` causal LM wrapped in the contract of ``torch_handle.model.DecoderLM``.
+"""The ``hf`` model: a ``transformers`` causal LM wrapped in the contract of ``torch_handle.model.transformer.DecoderLM``.
 
 Imported by the ``hf`` plugin's factory (torch at import, ``transformers`` inside :func:`build_hf`). The
 contract the trainer, the strategies and ``handle estimate`` rely on:

@@ -1,4 +1,4 @@
-"""Model plugin ``transformer``: the project's from-scratch Transformer (``torch_handle.model``)."""
+"""Model plugin ``transformer``: the project's from-scratch Transformer (``torch_handle.model.transformer``)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from torch_handle.api import InvalidValue, hookimpl, param
 @dataclass
 class TransformerConfig:
     """``[model]`` options of the ``transformer`` plugin: ``kind`` picks the class, every other field is the
-    ``torch_handle.model.TransformerArgs`` field of the same name (``build`` passes them on by name)."""
+    ``torch_handle.model.transformer.TransformerArgs`` field of the same name (``build`` passes them on by name)."""
 
     kind: Literal["decoder", "encoder-decoder"] = "decoder"
     """decoder = decoder-only language model; encoder-decoder = translation (Vaswani et al. 2017)."""
@@ -54,7 +54,7 @@ def check_preset(options: TransformerConfig, preset) -> None:
 def build(options: TransformerConfig, vocab_size: int, pad_id: int, max_len: int):
     """``factory(options, vocab_size, pad_id, max_len) -> nn.Module``: every option but ``kind`` is the
     ``TransformerArgs`` field of the same name; the dataset supplies vocab_size, pad_id and max_len."""
-    from torch_handle.model import TransformerArgs, build_transformer
+    from torch_handle.model.transformer import TransformerArgs, build_transformer
 
     shared = {f.name: getattr(options, f.name) for f in fields(options) if f.name != "kind"}
     args = TransformerArgs(vocab_size=vocab_size, pad_id=pad_id, max_len=max_len, **shared)

@@ -21,7 +21,7 @@ as ``finish(exit_code)``. The project is ``WANDB_PROJECT`` or ``torch-handle``.
 
 ``wandb`` is the optional extra ``torch-handle[wandb]``; it is imported by the factory only. Asked for without
 it, the sink is disabled with one warning naming the extra, and the run goes on; so it does when W&B fails at
-any point (:class:`torch_handle.telemetry.EventWriter` disables a sink that raises).
+any point (:class:`torch_handle.observe.telemetry.EventWriter` disables a sink that raises).
 """
 
 from __future__ import annotations
@@ -150,7 +150,7 @@ def build_wandb(run_dir: Path, preset: Any, env: Mapping[str, str] | None = None
         raise RuntimeError(missing_extra_message())
     import wandb
 
-    from torch_handle.config import preset_to_dict
+    from torch_handle.config.loader import preset_to_dict
 
     run_dir = Path(run_dir)
     config = {**preset_to_dict(preset), "handle": {"run_dir": str(run_dir.resolve())}}

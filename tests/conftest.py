@@ -19,10 +19,10 @@ def repo_root() -> Path:
 def no_launch(monkeypatch):
     """Fail the test if anything tries to start torchrun workers (in this process)."""
     import handle_cli.runner
-    import torch_handle.launch
+    import torch_handle.launch.supervisor
 
     def refuse(*args, **kwargs):
         raise AssertionError("a run was launched")
 
-    monkeypatch.setattr(torch_handle.launch.Launch, "start", refuse)
+    monkeypatch.setattr(torch_handle.launch.supervisor.Launch, "start", refuse)
     monkeypatch.setattr(handle_cli.runner, "spawn_detached", refuse)

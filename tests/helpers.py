@@ -63,7 +63,7 @@ def find_worker(run_dir: str | Path, rank: int) -> psutil.Process | None:
     for p in psutil.process_iter(["cmdline"]):
         try:
             cmdline = " ".join(p.info["cmdline"] or [])
-            if ("torch_handle.worker" in cmdline and str(run_dir) in cmdline and "distributed.run" not in cmdline
+            if ("torch_handle.train.worker" in cmdline and str(run_dir) in cmdline and "distributed.run" not in cmdline
                     and p.environ().get("RANK") == str(rank)):
                 return p
         except psutil.Error:

@@ -32,7 +32,7 @@ STEPS, ACCUM, MICRO_BATCH, SEQ, VOCAB = 10, 2, 4, 16, 64
 
 
 def tiny_model() -> torch.nn.Module:
-    from torch_handle.model import TransformerArgs, build_transformer
+    from torch_handle.model.transformer import TransformerArgs, build_transformer
 
     torch.manual_seed(0)
     args = TransformerArgs(vocab_size=VOCAB, d_model=32, n_heads=2, n_layers=2, d_ff=64, dropout=0.0, pad_id=0,
@@ -41,7 +41,7 @@ def tiny_model() -> torch.nn.Module:
 
 
 def training_config(grad_accum: int = ACCUM):
-    from torch_handle.schema import TrainingConfig
+    from torch_handle.config.schema import TrainingConfig
 
     # clipping at 0.5 is active in most of the 10 steps (the gradient norm falls from about 1 to 0.5)
     return TrainingConfig(steps=STEPS, grad_accum=grad_accum, micro_batch_size=MICRO_BATCH, lr=1e-2, warmup_steps=2,
@@ -59,13 +59,13 @@ def batches(rank: int, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def ctx_of(rank: int):
-    from torch_handle.strategy import DistContext
+    from torch_handle.train.strategy import DistContext
 
     return DistContext(rank=rank, local_rank=rank, world_size=WORLD, device=torch.device("cpu"), backend="gloo")
 
 
 def loss_of(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    from torch_handle.trainer import loss_fn
+    from torch_handle.train.trainer import loss_fn
 
     return loss_fn(model(input_ids=batch[0]), batch[1])[0]
 
@@ -84,7 +84,7 @@ def reference_ddp(rank: int) -> list[torch.Tensor]:
 
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from torch_handle.strategy import lr_lambda
+    from torch_handle.train.strategy import lr_lambda
 
     t = training_config()
     model = DDP(tiny_model())
@@ -243,11 +243,11 @@ nproc_per_node = 2
 def check_resume(rank: int, root: Path) -> dict[str, Any]:
     """ZeRO-1 on 2 ranks through the Trainer: straight 4 steps; then a run stopped after step 1 (stop file, as
     the first Ctrl-C does) and resumed from its checkpoint."""
-    from torch_handle.config import dump_preset, load_preset
-    from torch_handle.corpus import pydoc_corpus
+    from torch_handle.config.loader import dump_preset, load_preset
+    from torch_handle.data.corpus import pydoc_corpus
     from torch_handle.registry import get_registry
     from torch_handle.rundir import STOP_FILE, create_run_dir
-    from torch_handle.trainer import Trainer
+    from torch_handle.train.trainer import Trainer
 
     if rank == 0:
         (root / "corpus.txt").write_text("\n\n".join(pydoc_corpus())[:60_000], encoding="utf-8")
@@ -309,7 +309,7 @@ def worker(rank: int, store: str, out_path: str) -> None:
     except BaseException:  # noqa: BLE001 - printed, and the exit code tells the parent
         traceback.print_exc()
     finally:
-        # As torch_handle/worker.py does: skip C++ static destructors. After the Trainer has run in a 2-process
+        # As torch_handle/train/worker.py does: skip C++ static destructors. After the Trainer has run in a 2-process
         # gloo group, one rank sometimes aborts at interpreter exit ("terminate called without an active
         # exception"; measured 2 of 6 exits, with torch DDP as well as scratch-ddp). Everything is written by now.
         sys.stdout.flush()

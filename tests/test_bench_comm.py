@@ -15,7 +15,7 @@ import pytest
 
 from tests.helpers import leftovers, tagged_env
 
-from torch_handle.bench_comm import CORRUPT_ENV, OPS, bus_factor
+from torch_handle.plan.bench_comm import CORRUPT_ENV, OPS, bus_factor
 
 REPO = Path(__file__).resolve().parents[1]
 SIZES = [1024, 2048, 4096, 8192, 16384]  # 1K:16K
@@ -121,7 +121,7 @@ def test_bad_input_starts_nothing(tmp_path, monkeypatch):
     """In-process: validation fails before the launcher is even called."""
     from click.testing import CliRunner
 
-    from torch_handle import launch
+    from torch_handle.launch import supervisor as launch
     from handle_cli.main import cli
 
     def refuse(*args, **kwargs):
@@ -149,12 +149,12 @@ def test_nccl_without_gpus_is_bad_input(tmp_path):
 @pytest.mark.dist
 def test_timeout_stops_every_process(tmp_path, monkeypatch):
     """The supervision itself: a torchrun that cannot finish in time is stopped, its whole tree with it."""
-    from torch_handle.launch import run_torchrun
+    from torch_handle.launch.supervisor import run_torchrun
 
     tag = uuid.uuid4().hex
     monkeypatch.setenv("HANDLE_TEST_TAG", tag)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
-           "torch_handle.bench_comm", "--sizes", "1K"]
+           "torch_handle.plan.bench_comm", "--sizes", "1K"]
     lines: list[str] = []
     rc, timed_out, wall = run_torchrun(cmd, tmp_path / "torchrun.log", 1.5, lines.append)
     assert (rc, timed_out) == (None, True) and wall < 15

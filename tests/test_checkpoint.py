@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from torch_handle import checkpoint as ckpt
+from torch_handle.checkpoint import store as ckpt
 from torch_handle.errors import CheckpointError
 
 

@@ -1,6 +1,6 @@
 """Presets: dataclass defaults, ``extends``, typed ``--set`` overrides, one-line errors, TOML round trips, and the
 plugin registry's error boundary. No training and no workers: one ``handle presets show`` subprocess, and one
-test imports torch (through ``torch_handle.data``) to compare the pre-flight's messages with the loaders'."""
+test imports torch (through ``torch_handle.data.datasets``) to compare the pre-flight's messages with the loaders'."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from torch_handle.config import (
+from torch_handle.config.loader import (
     CORE_TABLES,
     PLUGIN_TABLES,
     InvalidValue,
@@ -103,7 +103,7 @@ def test_extends_chain_of_shipped_presets():
     assert p.strategy.name == "deepspeed"
     assert (p.strategy.options.zero_stage, p.strategy.options.offload_optimizer) == (3, "cpu")
     assert p.launch.nproc_per_node == 2  # from ddp.toml
-    from torch_handle.config import tomllib  # tomli on Python 3.10
+    from torch_handle.config.loader import tomllib  # tomli on Python 3.10
 
     single = tomllib.loads((REPO / "presets" / "single.toml").read_text())  # the root of the chain
     assert p.model.options.d_model == single["model"]["d_model"]
@@ -443,7 +443,7 @@ def test_preflight_parallel(tmp_path):
 
 def test_preflight_messages_match_the_loaders(tmp_path):
     """The pre-flight and the loader that runs in the workers say the same thing about the same file."""
-    from torch_handle import corpus as data
+    from torch_handle.data import corpus as data
     (tmp_path / "bad.txt").write_bytes("héllo\n".encode() + b"\xfe")
     opts = _data_options(tmp_path, ["data.name=text", f"data.path={tmp_path / 'bad.txt'}"])
     with pytest.raises(DataError) as ours:

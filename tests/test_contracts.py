@@ -18,10 +18,10 @@ from handle_plugins.strategies import (DDPConfig, FSDPConfig, ScratchDDPConfig, 
                                        build_scratch_ddp, build_single)
 from torch_handle.errors import DataError
 from torch_handle.hookspecs import hookimpl
-from torch_handle.model import TransformerArgs, build_transformer
+from torch_handle.model.transformer import TransformerArgs, build_transformer
 from torch_handle.registry import PluginInfo, PluginRegistry, load_registry
-from torch_handle.schema import TrainingConfig
-from torch_handle.strategy import DistContext
+from torch_handle.config.schema import TrainingConfig
+from torch_handle.train.strategy import DistContext
 
 V = 23
 TRAINING = TrainingConfig(steps=4, warmup_steps=1, precision="fp32")

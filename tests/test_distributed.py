@@ -221,7 +221,7 @@ def test_failing_worker_fails_the_run_with_its_error_and_leaves_no_process(base,
 
 def test_worker_module_without_torchrun_says_how_to_launch():
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    proc = subprocess.run([sys.executable, "-m", "torch_handle.worker", "runs/x"], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "torch_handle.train.worker", "runs/x"], capture_output=True, text=True,
                           env=env, timeout=60)
     assert proc.returncode == 2
     assert "handle run PRESET" in proc.stderr and "Traceback" not in proc.stderr

@@ -1,4 +1,4 @@
-"""``handle estimate`` (torch_handle.estimate) against what really happens.
+"""``handle estimate`` (torch_handle.plan.estimate) against what really happens.
 
 - Model states: the formulas reproduce the measured telemetry of the tiny model to the byte (``MEASURED``, fast),
   and, marked ``dist``, real 2-rank runs of the shipped strategies (fp32 and bf16) agree with the estimate of
@@ -23,8 +23,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import tiny_preset
-from torch_handle import estimate as E
-
+from torch_handle.plan import estimate as E
 ROOT = Path(__file__).resolve().parents[1]
 HANDLE = [sys.executable, "-m", "handle_cli"]
 VARIANTS = {v.label: v for v in E.COMPARE_VARIANTS}
@@ -34,7 +33,7 @@ def tiny_shape() -> E.ModelShape:
     """The model of benchmarks/zero_memory.py (132,864 parameters in 27 tensors), on the meta device."""
     import torch
 
-    from torch_handle.model import TransformerArgs, build_transformer
+    from torch_handle.model.transformer import TransformerArgs, build_transformer
 
     args = TransformerArgs(vocab_size=512, pad_id=0, max_len=32, d_model=64, n_heads=4, n_layers=2, d_ff=256,
                            norm_first=True)
@@ -101,7 +100,7 @@ REAL_RUNS = [("fp32", "ddp"), ("fp32", "zero1"), ("fp32", "zero3"), ("fp32", "fs
 def test_estimate_matches_real_runs_on_two_ranks(tmp_path):
     """Rank 0's telemetry of real 2-rank runs (2 steps, log_every = 1, two runs at a time) against the estimate of
     the very same preset and --set overrides: within 5% for each of the three model-state figures."""
-    from torch_handle.config import load_preset
+    from torch_handle.config.loader import load_preset
     from torch_handle.registry import get_registry
 
     preset = tmp_path / "tiny.toml"
@@ -130,7 +129,7 @@ def test_estimate_matches_real_runs_on_two_ranks(tmp_path):
 
 
 def _factory(options, vocab_size, pad_id, max_len):
-    from torch_handle.model import build_transformer
+    from torch_handle.model.transformer import build_transformer
 
     return build_transformer(dataclasses.replace(options, vocab_size=vocab_size, pad_id=pad_id, max_len=max_len))
 
@@ -141,7 +140,7 @@ def test_fake_activations_match_a_real_forward_backward(precision, mode, checkpo
     import torch
     import torch.nn.functional as F
 
-    from torch_handle.model import TransformerArgs
+    from torch_handle.model.transformer import TransformerArgs
 
     batch, seq, vocab = 4, 48, 300
     args = TransformerArgs(vocab_size=vocab, pad_id=0, max_len=seq, d_model=64, n_heads=4, n_layers=3, d_ff=160,

@@ -17,12 +17,12 @@ import torch.distributed as dist
 from click.testing import CliRunner
 
 from handle_cli.main import cli
-from torch_handle.config import dump_preset, load_preset
-from torch_handle.corpus import pydoc_corpus
+from torch_handle.config.loader import dump_preset, load_preset
+from torch_handle.data.corpus import pydoc_corpus
 from torch_handle.registry import get_registry
 from torch_handle.rundir import create_run_dir
-from torch_handle.strategy import DistContext
-from torch_handle.trainer import Trainer
+from torch_handle.train.strategy import DistContext
+from torch_handle.train.trainer import Trainer
 
 _WORDS = {"a": "ein", "dog": "Hund", "cat": "Katze", "runs": "läuft", "sleeps": "schläft", "big": "großer",
           "small": "kleiner", "red": "roter", "man": "Mann", "eats": "isst", "the": "der", "green": "grüner"}
@@ -81,8 +81,7 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     """A finished tiny decoder run and a finished tiny translation run (each with checkpoints 2 and 3)."""
     tmp = tmp_path_factory.mktemp("gen")
     peak = tmp / "peak.json"
-    from torch_handle import peak as peak_mod
-
+    from torch_handle.observe import peak as peak_mod
     key = peak_mod.device_key("cpu", torch.get_num_threads())
     peak.write_text(json.dumps({key: {"device": "cpu", "fp32": 1e12, "bf16": 2e12, "fp16": 3e12}}))
     mp = pytest.MonkeyPatch()
@@ -138,7 +137,7 @@ def test_generate_streams_tokens_as_they_are_produced(runs):
     assert len(reads) >= 2, reads  # streamed, not printed once at the end
     tok = Tokenizer.from_file(str(runs["decoder"] / "tokenizer.json"))
     # greedy from an empty prompt, recomputed here: the same N tokens, decoded
-    from torch_handle.generate import load_run, sample
+    from torch_handle.infer.generate import load_run, sample
 
     loaded = load_run(runs["decoder"])
     ids = list(sample(loaded.model, [], n, temperature=0.0))
@@ -235,7 +234,7 @@ def test_fsdp_checkpoint_loads_the_final_weights(tmp_path):
     """A real 2-process FSDP2 run (torchrun, gloo): its sharded dcp/ checkpoint of the last step, consolidated in
     this process, holds exactly the weights of model.safetensors."""
     from tests.helpers import tiny_preset
-    from torch_handle.generate import load_run
+    from torch_handle.infer.generate import load_run
 
     preset = tmp_path / "fsdp.toml"
     preset.write_text(tiny_preset(tmp_path / "runs", steps=2, strategy="fsdp"), encoding="utf-8")

@@ -21,7 +21,7 @@ import pytest
 
 from handle_cli.tui.app import HandleDashboard
 from tests.helpers import leftovers, tagged_env, tiny_preset
-from torch_handle.watchdog import collect_stacks, live_beats, take_stacks
+from torch_handle.observe.watchdog import collect_stacks, live_beats, take_stacks
 
 HANG_FIXTURES = Path(__file__).parent / "fixtures" / "recorded-hang"
 
@@ -183,7 +183,7 @@ def test_stacks_of_a_run_that_is_not_running(tmp_path: Path) -> None:
 
 CHILD = """
 import sys, time
-from torch_handle.watchdog import beat, start_heartbeat
+from torch_handle.observe.watchdog import beat, start_heartbeat
 
 start_heartbeat(sys.argv[1], rank=3, local_rank=1).interval_s = 0.2
 beat("train_step", 7)
@@ -285,8 +285,8 @@ def test_dashboard_shows_the_hang_then_the_recovery(hang_runs: Path) -> None:
 
 
 def test_env_has_the_flight_recorder_unless_the_user_set_it(tmp_path: Path, monkeypatch) -> None:
-    from torch_handle.config import load_preset
-    from torch_handle.launch import Launch
+    from torch_handle.config.loader import load_preset
+    from torch_handle.launch.supervisor import Launch
 
     preset = tmp_path / "p.toml"
     preset.write_text("[launch]\nbackend = \"auto\"\n")

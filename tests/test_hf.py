@@ -29,7 +29,7 @@ from handle_plugins.hf import HFConfig, check_preset
 from handle_plugins.hf import build as build_hf
 from handle_plugins.hf_model import HFCausalLM
 
-from torch_handle.config import preset_from_dict
+from torch_handle.config.loader import preset_from_dict
 from torch_handle.errors import InvalidValue, PresetError
 
 V, T = 300, 16

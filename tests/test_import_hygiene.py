@@ -24,8 +24,8 @@ def loaded_after(code: str) -> set[str]:
 
 
 def test_library_imports_no_ui_and_no_cli() -> None:
-    loaded = loaded_after("import torch_handle, torch_handle.telemetry, torch_handle.config, torch_handle.rundir, "
-                          "torch_handle.launch")
+    loaded = loaded_after("import torch_handle, torch_handle.observe.telemetry, torch_handle.config.loader, torch_handle.rundir, "
+                          "torch_handle.launch.supervisor")
     assert not {m for m in loaded if m.startswith("textual")}
     assert "click" not in loaded
     assert "plotext" not in loaded

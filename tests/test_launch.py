@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from torch_handle.config import load_preset
-from torch_handle.launch import failure_message, torchrun_command
+from torch_handle.config.loader import load_preset
+from torch_handle.launch.supervisor import failure_message, torchrun_command
 
 
 def test_torchrun_command_single_node_picks_a_free_port(repo_root, tmp_path):
@@ -11,7 +11,7 @@ def test_torchrun_command_single_node_picks_a_free_port(repo_root, tmp_path):
     cmd = torchrun_command(preset, tmp_path / "run", python="python")
     assert cmd[:3] == ["python", "-m", "torch.distributed.run"]
     assert "--nproc_per_node=2" in cmd and "--max_restarts=2" in cmd and "--rdzv_endpoint=localhost:0" in cmd
-    assert cmd[-3:] == ["-m", "torch_handle.worker", str(tmp_path / "run")]
+    assert cmd[-3:] == ["-m", "torch_handle.train.worker", str(tmp_path / "run")]
 
 
 def test_torchrun_command_multi_node_uses_the_rendezvous_endpoint(repo_root, tmp_path):

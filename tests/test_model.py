@@ -1,4 +1,4 @@
-"""Tests for torch_handle.model, checked against PyTorch's own Transformer modules where possible."""
+"""Tests for torch_handle.model.transformer, checked against PyTorch's own Transformer modules where possible."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torch_handle import model as M
-from torch_handle.model import (
+from torch_handle.model import transformer as M
+from torch_handle.model.transformer import (
     DecoderLayer,
     DecoderLM,
     EncoderDecoder,
@@ -41,7 +41,7 @@ def _seed():
 
 @pytest.fixture
 def kernel_calls(monkeypatch) -> Counter:
-    """Counts the attention-kernel calls torch_handle.model makes, by kernel: both kernels give the same
+    """Counts the attention-kernel calls torch_handle.model.transformer makes, by kernel: both kernels give the same
     numbers, so only the count shows which one ran."""
     calls: Counter = Counter()
     real_sdpa, real_reference = F.scaled_dot_product_attention, M.scaled_dot_product_attention_reference

@@ -187,7 +187,7 @@ def test_separate_run_directories_a_killed_worker_restarts_both_nodes_and_resume
     assert killed - step <= 4, f"killed after step {killed}, resumed from {step}"
     assert_same_losses(losses(dirs[0]), reference)
 
-    from torch_handle.checkpoint import verify
+    from torch_handle.checkpoint.store import verify
 
     for d in dirs:  # each node's checkpoints are complete in its own directory; rank 1's shard only on node 1
         verify(d / "checkpoints" / f"step-{STEPS}")

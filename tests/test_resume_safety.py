@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import tiny_preset
-from torch_handle.checkpoint import FAULT_ENV, newest_valid
+from torch_handle.checkpoint.store import FAULT_ENV, newest_valid
 
 pytestmark = pytest.mark.dist
 

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-from torch_handle.config import load_preset
+from torch_handle.config.loader import load_preset
 from torch_handle.errors import PresetError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -169,9 +169,9 @@ def test_every_variant_steps_both_model_kinds_in_a_one_rank_group(tmp_path, kind
     import torch.distributed as dist
 
     from handle_plugins.strategies import ScratchDDPConfig, build_scratch_ddp
-    from torch_handle.model import TransformerArgs, build_transformer
-    from torch_handle.schema import TrainingConfig
-    from torch_handle.strategy import DistContext
+    from torch_handle.model.transformer import TransformerArgs, build_transformer
+    from torch_handle.config.schema import TrainingConfig
+    from torch_handle.train.strategy import DistContext
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
     try:

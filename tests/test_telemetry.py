@@ -15,8 +15,8 @@ from click.testing import CliRunner
 
 from handle_cli.main import cli
 from tests.helpers import tiny_preset
-from torch_handle.events import EventReader, RunState
-from torch_handle.telemetry import EventWriter, last_seq
+from torch_handle.observe.events import EventReader, RunState
+from torch_handle.observe.telemetry import EventWriter, last_seq
 
 
 def test_writer_numbers_events_and_continues_after_reopen(tmp_path):

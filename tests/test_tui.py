@@ -18,8 +18,8 @@ import pytest
 
 from handle_cli.tui.app import HandleDashboard
 from handle_cli.tui.model import LogTail, run_rows
-from torch_handle.events import RunState
-from torch_handle.text import clean
+from torch_handle.observe.events import RunState
+from torch_handle.common.text import clean
 from handle_cli.tui.screens import HelpScreen, RunPicker
 from handle_cli.tui.widgets import Chart, LogPanel, MemoryBars, StatusHeader, TimePanel, nice_ticks, tick_labels
 

@@ -27,8 +27,8 @@ import wandb  # noqa: F401
 from handle_plugins import wandb_sink
 from handle_plugins.wandb_sink import WandbSink, build_wandb, resolve_mode, run_id
 
-from torch_handle.config import preset_from_dict
-from torch_handle.telemetry import EventWriter
+from torch_handle.config.loader import preset_from_dict
+from torch_handle.observe.telemetry import EventWriter
 
 OFFLINE_ENV = {"HANDLE_WANDB": "1", "WANDB_SILENT": "true", "WANDB_ERROR_REPORTING": "false",
                "WANDB_DISABLE_CODE": "true"}

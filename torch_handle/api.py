@@ -27,49 +27,49 @@ from typing import TYPE_CHECKING, Any
 
 from torch_handle.errors import CheckpointError, DataError, InvalidValue, PresetError
 from torch_handle.hookspecs import hookimpl
-from torch_handle.schema import Preset, TrainingConfig, field_docs, param
+from torch_handle.config.schema import Preset, TrainingConfig, field_docs, param
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and editors only (names resolved lazily below)
-    from torch_handle.checkpoint import safe_load
-    from torch_handle.corpus import pydoc_corpus, read_parallel, read_text, split_documents, text_files
-    from torch_handle.data import (IGNORE_INDEX, SPECIAL_TOKENS, DataBundle, DataContext, LMDataset, TranslationDataset,
+    from torch_handle.checkpoint.store import safe_load
+    from torch_handle.data.corpus import pydoc_corpus, read_parallel, read_text, split_documents, text_files
+    from torch_handle.data.datasets import (IGNORE_INDEX, SPECIAL_TOKENS, DataBundle, DataContext, LMDataset, TranslationDataset,
                                    encode_stream, load_or_train_tokenizer, pad_collate)
-    from torch_handle.config import deep_merge
-    from torch_handle.events import Kind, Status
-    from torch_handle.strategy import DistContext, Strategy, lr_lambda, optimizer_state_tensors, tensor_bytes
-    from torch_handle.telemetry import Sink
+    from torch_handle.config.loader import deep_merge
+    from torch_handle.observe.events import Kind, Status
+    from torch_handle.train.strategy import DistContext, Strategy, lr_lambda, optimizer_state_tensors, tensor_bytes
+    from torch_handle.observe.telemetry import Sink
 
 _LAZY: dict[str, str] = {
     # the strategy contract (torch)
-    "Strategy": "torch_handle.strategy",
-    "DistContext": "torch_handle.strategy",
-    "lr_lambda": "torch_handle.strategy",
-    "tensor_bytes": "torch_handle.strategy",
-    "optimizer_state_tensors": "torch_handle.strategy",
+    "Strategy": "torch_handle.train.strategy",
+    "DistContext": "torch_handle.train.strategy",
+    "lr_lambda": "torch_handle.train.strategy",
+    "tensor_bytes": "torch_handle.train.strategy",
+    "optimizer_state_tensors": "torch_handle.train.strategy",
     # datasets (torch, tokenizers)
-    "DataBundle": "torch_handle.data",
-    "DataContext": "torch_handle.data",
-    "LMDataset": "torch_handle.data",
-    "TranslationDataset": "torch_handle.data",
-    "encode_stream": "torch_handle.data",
-    "load_or_train_tokenizer": "torch_handle.data",
-    "pad_collate": "torch_handle.data",
-    "SPECIAL_TOKENS": "torch_handle.data",
-    "IGNORE_INDEX": "torch_handle.data",
+    "DataBundle": "torch_handle.data.datasets",
+    "DataContext": "torch_handle.data.datasets",
+    "LMDataset": "torch_handle.data.datasets",
+    "TranslationDataset": "torch_handle.data.datasets",
+    "encode_stream": "torch_handle.data.datasets",
+    "load_or_train_tokenizer": "torch_handle.data.datasets",
+    "pad_collate": "torch_handle.data.datasets",
+    "SPECIAL_TOKENS": "torch_handle.data.datasets",
+    "IGNORE_INDEX": "torch_handle.data.datasets",
     # corpora as text (no torch, but kept lazy with the rest of the data names)
-    "read_text": "torch_handle.corpus",
-    "read_parallel": "torch_handle.corpus",
-    "split_documents": "torch_handle.corpus",
-    "text_files": "torch_handle.corpus",
-    "pydoc_corpus": "torch_handle.corpus",
+    "read_text": "torch_handle.data.corpus",
+    "read_parallel": "torch_handle.data.corpus",
+    "split_documents": "torch_handle.data.corpus",
+    "text_files": "torch_handle.data.corpus",
+    "pydoc_corpus": "torch_handle.data.corpus",
     # merging option tables (ds_config over the generated one)
-    "deep_merge": "torch_handle.config",
+    "deep_merge": "torch_handle.config.loader",
     # checkpoints
-    "safe_load": "torch_handle.checkpoint",
+    "safe_load": "torch_handle.checkpoint.store",
     # telemetry sinks (standard library only)
-    "Sink": "torch_handle.telemetry",
-    "Kind": "torch_handle.events",
-    "Status": "torch_handle.events",
+    "Sink": "torch_handle.observe.telemetry",
+    "Kind": "torch_handle.observe.events",
+    "Status": "torch_handle.observe.events",
 }
 
 __all__ = ["hookimpl", "param", "field_docs", "InvalidValue", "PresetError", "DataError", "CheckpointError",

@@ -77,5 +77,5 @@ def handle_register_sinks(register):
     later event (``Sink.emit(event: dict)``, after the event was written to ``events.jsonl``) and ``close()`` at
     the end; None means the sink has nothing to do for this run (for example, a setting it needs is absent).
     A sink that raises in its factory, ``emit`` or ``close`` is disabled with one warning ``log`` event; the run
-    goes on unchanged. See :class:`torch_handle.telemetry.Sink`.
+    goes on unchanged. See :class:`torch_handle.observe.telemetry.Sink`.
     """

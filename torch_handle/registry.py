@@ -26,7 +26,7 @@ import pluggy
 
 from torch_handle import hookspecs
 from torch_handle.errors import PresetError
-from torch_handle.text import one_line
+from torch_handle.common.text import one_line
 
 ENTRY_POINT_GROUP = "handle"
 CORE_DISTRIBUTION = "torch-handle"
@@ -85,7 +85,7 @@ class PluginInfo:
 @dataclass
 class SinkRegistration:
     """A telemetry sink a plugin registered (``handle_register_sinks``); no preset table selects it: every
-    registered sink is opened on rank 0 of every run (see :class:`torch_handle.telemetry.Sink`)."""
+    registered sink is opened on rank 0 of every run (see :class:`torch_handle.observe.telemetry.Sink`)."""
 
     name: str
     factory: Callable[..., Any]

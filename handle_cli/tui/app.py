@@ -20,9 +20,9 @@ from textual.message import Message
 from textual.widgets import Footer
 from textual.worker import get_current_worker
 
-from torch_handle.events import RunState, Status
+from torch_handle.observe.events import RunState, Status
 from torch_handle.rundir import RunDirError, read_run_info
-from torch_handle.text import clean
+from torch_handle.common.text import clean
 
 from handle_cli.tui.model import Batch, RunTailer
 from handle_cli.tui.screens import HelpScreen, RunPicker

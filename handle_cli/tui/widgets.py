@@ -14,8 +14,8 @@ from textual.widget import Widget
 from textual.widgets import RichLog
 from textual_plotext import PlotextPlot
 
-from torch_handle.events import Level, Notice, RunState, Status
-from torch_handle.text import clean, fmt_bytes, fmt_duration, fmt_float
+from torch_handle.observe.events import Level, Notice, RunState, Status
+from torch_handle.common.text import clean, fmt_bytes, fmt_duration, fmt_float
 
 STATUS_STYLES = {
     Status.RUNNING: "bold black on green",

@@ -20,8 +20,8 @@ from typing import Any, ContextManager, Iterator
 import torch
 
 from torch_handle.api import Strategy, deep_merge, lr_lambda, optimizer_state_tensors, tensor_bytes
-from torch_handle.checkpoint import verify_weights_only  # built-in: guards DeepSpeed's own torch.load
-from torch_handle.convert import deepspeed_safe_globals
+from torch_handle.checkpoint.store import verify_weights_only  # built-in: guards DeepSpeed's own torch.load
+from torch_handle.checkpoint.convert import deepspeed_safe_globals
 
 log = logging.getLogger("torch_handle")
 TAG = "ds"
@@ -209,7 +209,7 @@ class DeepSpeedStrategy(Strategy):
         import deepspeed
         from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
-        from torch_handle import convert
+        from torch_handle.checkpoint import convert
         from torch_handle.api import CheckpointError, safe_load
 
         module = self.engine.module

@@ -474,12 +474,11 @@ class ScratchDDPStrategy(Strategy):
 
     def load_portable(self, portable: Path) -> None:
         """Sharded: the full weights, and the optimizer state of the parameters this rank owns (read in full on
-        every rank: :func:`torch_handle.convert.read_portable`); unsharded: the base strategy's loader."""
+        every rank: :func:`torch_handle.checkpoint.convert.read_portable`); unsharded: the base strategy's loader."""
         if not self.sharded:
             super().load_portable(portable)
             return
-        from torch_handle import convert
-
+        from torch_handle.checkpoint import convert
         model_sd, state, schedule = convert.read_portable(Path(portable))
         model = self.unwrapped()
         try:
@@ -502,7 +501,7 @@ class ScratchDDPStrategy(Strategy):
         """Rank 0 writes ``model.pt``. Unsharded: rank 0 also writes ``optim.pt`` (base strategy); sharded: every
         rank writes its own shard with the schedule, ``optim-rank<R>.pt`` (as DeepSpeed writes one optimizer
         file per rank), with ``owned``: the indices (in parameter order) of the parameters it owns, what
-        :mod:`torch_handle.convert` maps its state by. fp16 adds the loss scaler's state."""
+        :mod:`torch_handle.checkpoint.convert` maps its state by. fp16 adds the loss scaler's state."""
         ckpt_dir = Path(ckpt_dir)
         if not self.sharded:
             super().save(ckpt_dir)

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from torch_handle.bench_comm import (MAX_SIZE, OPS, algbw_gbps, bus_factor, busbw_gbps, check_size, element_count,
+from torch_handle.plan.bench_comm import (MAX_SIZE, OPS, algbw_gbps, bus_factor, busbw_gbps, check_size, element_count,
                                      fmt_bytes, parse_ops, parse_size, parse_sizes)
 
 

@@ -1,4 +1,4 @@
-"""Checkpoint conversion to the portable form (torch_handle.convert), in process: a ``torch`` checkpoint (single/ddp)
+"""Checkpoint conversion to the portable form (torch_handle.checkpoint.convert), in process: a ``torch`` checkpoint (single/ddp)
 and a ``torch-sharded`` one (scratch-ddp's ZeRO-1) become name-keyed DCP, and loading that into another strategy
 restores weights, Adam moments and step, and the LR schedule exactly: the next step is bitwise the same. The
 DeepSpeed and FSDP2 paths need process groups: tests/test_cross_resume.py."""
@@ -13,10 +13,10 @@ from handle_plugins.strategies import ScratchDDPConfig
 from handle_plugins.strategies.scratch_ddp import ScratchDDPStrategy
 from torch import nn
 
-from torch_handle import convert
+from torch_handle.checkpoint import convert
 from torch_handle.errors import CheckpointError
-from torch_handle.schema import TrainingConfig
-from torch_handle.strategy import DistContext, Strategy
+from torch_handle.config.schema import TrainingConfig
+from torch_handle.train.strategy import DistContext, Strategy
 
 CTX = DistContext(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), backend="gloo")
 TRAINING = TrainingConfig(steps=10, warmup_steps=2, lr=0.01)
@@ -116,7 +116,7 @@ def test_a_resume_that_changes_the_peak_lr_uses_it_and_an_unchanged_one_keeps_th
     another ``training.lr`` the optimizer steps with the new peak at the checkpoint's point of the schedule."""
     from dataclasses import replace
 
-    from torch_handle.strategy import lr_lambda
+    from torch_handle.train.strategy import lr_lambda
 
     a = Strategy(None, TRAINING, CTX, Tiny())
     train(a, 4)

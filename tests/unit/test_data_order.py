@@ -1,4 +1,4 @@
-"""The training data order does not depend on the world size (torch_handle.data.GlobalBatchSampler): the samples
+"""The training data order does not depend on the world size (torch_handle.data.datasets.GlobalBatchSampler): the samples
 of optimizer step s are a function of the seed and s, however they are spread over ranks and micro-batches, and a
 checkpoint's data position (samples consumed in the epoch) means the same on any world size."""
 
@@ -13,8 +13,8 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset
 
 from tests.unit.test_trainer_step import _events, _preset, _train, fake_peak  # noqa: F401 (fake_peak: autouse)
-from torch_handle.data import GlobalBatchSampler
-from torch_handle.strategy import DistContext
+from torch_handle.data.datasets import GlobalBatchSampler
+from torch_handle.train.strategy import DistContext
 
 
 def chain(lists) -> list[int]:
@@ -134,10 +134,10 @@ def test_a_resume_with_another_global_batch_continues_at_the_same_sample_with_a_
     micro-batch is samples 8-11 of the epoch's order, and a warning event says the trajectory will differ."""
     from dataclasses import replace
 
-    from torch_handle.config import dump_preset
+    from torch_handle.config.loader import dump_preset
     from torch_handle.registry import get_registry
     from torch_handle.rundir import STOP_FILE, create_run_dir
-    from torch_handle.trainer import Trainer
+    from torch_handle.train.trainer import Trainer
 
     preset = _preset(tmp_path, steps=3)
     run_dir = create_run_dir(tmp_path / "runs", "gb", dump_preset(preset), {"status": "starting"})

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from handle_plugins.strategies import DeepSpeedConfig
 from handle_plugins.strategies.deepspeed import build_ds_config
-from torch_handle.schema import TrainingConfig
+from torch_handle.config.schema import TrainingConfig
 
 
 def test_batch_sizes_clipping_and_zero_stage_come_from_the_preset() -> None:

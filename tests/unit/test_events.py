@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from torch_handle.events import (EventReader, Kind, Level, RunState, Status, Tail, integer, number, read_tail,
+from torch_handle.observe.events import (EventReader, Kind, Level, RunState, Status, Tail, integer, number, read_tail,
                                  tail_events)
 from torch_handle.hookspecs import hookimpl
 from torch_handle.registry import PluginInfo, PluginRegistry
-from torch_handle.telemetry import EventWriter, NullEventWriter, Sink, last_seq
+from torch_handle.observe.telemetry import EventWriter, NullEventWriter, Sink, last_seq
 
 
 def append(path: Path, text: str | bytes) -> None:
@@ -309,7 +309,7 @@ def test_sinks_register_by_name_and_a_failing_plugin_loses_its_sinks():
 
 
 def test_fold_breakdown_mfu_and_slowest_rank(tmp_path):
-    from torch_handle.events import slowest_rank
+    from torch_handle.observe.events import slowest_rank
 
     state = RunState(tmp_path)
     base = {"kind": "step", "loss": 1.0, "step_time_s": 0.1}

@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-import torch_handle.model as M
-from torch_handle.data import IGNORE_INDEX
-from torch_handle.trainer import loss_fn
+import torch_handle.model.transformer as M
+from torch_handle.data.datasets import IGNORE_INDEX
+from torch_handle.train.trainer import loss_fn
 
 
 def _old_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

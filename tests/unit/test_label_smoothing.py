@@ -12,15 +12,15 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from torch_handle.config import dump_preset, load_preset
-from torch_handle.corpus import pydoc_corpus
-from torch_handle.data import IGNORE_INDEX
+from torch_handle.config.loader import dump_preset, load_preset
+from torch_handle.data.corpus import pydoc_corpus
+from torch_handle.data.datasets import IGNORE_INDEX
 from torch_handle.errors import PresetError
 from torch_handle.registry import get_registry
-from torch_handle.resume import rule
+from torch_handle.checkpoint.resume import rule
 from torch_handle.rundir import create_run_dir
-from torch_handle.strategy import DistContext
-from torch_handle.trainer import CE_CHUNK_ELEMENTS, Trainer, loss_fn
+from torch_handle.train.strategy import DistContext
+from torch_handle.train.trainer import CE_CHUNK_ELEMENTS, Trainer, loss_fn
 
 
 def _logits_labels(seed: int = 0, vocab: int = 300):

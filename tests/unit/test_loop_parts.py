@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from torch_handle.data import ResumableDistributedSampler
-from torch_handle.schema import TrainingConfig
-from torch_handle.strategy import lr_lambda, optimizer_state_tensors, tensor_bytes
+from torch_handle.data.datasets import ResumableDistributedSampler
+from torch_handle.config.schema import TrainingConfig
+from torch_handle.train.strategy import lr_lambda, optimizer_state_tensors, tensor_bytes
 
 
 # -- learning-rate schedule ------------------------------------------------------------------------------------

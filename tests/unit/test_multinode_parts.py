@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from torch_handle import checkpoint as ckpt
+from torch_handle.checkpoint import store as ckpt
 from torch_handle.errors import RunDirError
-from torch_handle.multinode import PROBE_PREFIX, agree_on_checkpoint, directory_leaders
-from torch_handle.slurm import SlurmJob, sbatch_script
+from torch_handle.checkpoint.shared_dirs import PROBE_PREFIX, agree_on_checkpoint, directory_leaders
+from torch_handle.launch.slurm import SlurmJob, sbatch_script
 
 
 class Group:

@@ -6,9 +6,7 @@ import json
 
 import torch
 
-from torch_handle import peak
-
-
+from torch_handle.observe import peak
 def test_measure_gives_positive_flops_per_dtype_quickly() -> None:
     result = peak.measure_peak("cpu", dtypes=("fp32", "bf16"), sizes=(64, 128), seconds_per_size=0.02)
     # any CPU multiplies 128x128 faster than 10 MFLOP/s in fp32 and 1 MFLOP/s in emulated bf16, even shared with

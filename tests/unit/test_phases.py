@@ -8,8 +8,8 @@ import time
 import pytest
 import torch
 
-from torch_handle import phases
-from torch_handle.phases import PhaseTimer
+from torch_handle.train import phases
+from torch_handle.train.phases import PhaseTimer
 
 
 def test_laps_tile_and_accumulate_over_micro_batches():

@@ -1,4 +1,4 @@
-"""The one validation walk of :mod:`torch_handle.config`: every problem of a preset from one pass, in a fixed
+"""The one validation walk of :mod:`torch_handle.config.loader`: every problem of a preset from one pass, in a fixed
 order; ``load_preset`` raises the first, ``preset_problems`` returns them all (sorted) without reading a file
 twice, and the cross-table checks run only on valid tables. In-process, no torch."""
 
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-import torch_handle.config as config
-from torch_handle.config import deep_merge, load_preset, preset_from_dict, preset_problems
+import torch_handle.config.loader as config
+from torch_handle.config.loader import deep_merge, load_preset, preset_from_dict, preset_problems
 from torch_handle.errors import InvalidValue, PresetError
 from torch_handle.hookspecs import hookimpl
 from torch_handle.registry import PluginInfo, PluginRegistry, load_registry

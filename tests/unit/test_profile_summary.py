@@ -1,4 +1,4 @@
-"""``torch_handle.profile_summary`` on small hand-made Chrome traces: interval math, categorisation, the split,
+"""``torch_handle.observe.profile_summary`` on small hand-made Chrome traces: interval math, categorisation, the split,
 overlap, self times, the memory peak; and ``handle profile``'s one-line errors. No torch, no processes."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from handle_cli.main import cli
-from torch_handle.profile_summary import (TraceError, find_traces, intersect, is_comm, load_trace, subtract,
+from torch_handle.observe.profile_summary import (TraceError, find_traces, intersect, is_comm, load_trace, subtract,
                                           summarize, summarize_files, union)
 
 MAIN, GLOO = 1, 2

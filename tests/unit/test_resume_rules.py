@@ -1,4 +1,4 @@
-"""What a --resume may change (torch_handle.resume), and how a lost run is told from a live one (rundir)."""
+"""What a --resume may change (torch_handle.checkpoint.resume), and how a lost run is told from a live one (rundir)."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import tiny_preset
-from torch_handle.config import load_preset
+from torch_handle.config.loader import load_preset
 from torch_handle.errors import RunDirError
-from torch_handle.events import RunState, Status
-from torch_handle.resume import PENDING, RESUME_PRESET, check_changes, diff, promote, rule
+from torch_handle.observe.events import RunState, Status
+from torch_handle.checkpoint.resume import PENDING, RESUME_PRESET, check_changes, diff, promote, rule
 from torch_handle.rundir import HEARTBEAT_FILE, is_lost, read_run_status
 
 
@@ -37,7 +37,7 @@ def test_frozen_keys_have_a_reason(key):
                                  "training.min_lr_ratio", "training.eval_every", "training.checkpoint_every",
                                  "training.log_every", "launch.timeout_s", "launch.max_restarts", "profiler.name",
                                  "model.dropout", "model.activation_checkpointing", "strategy.bucket_cap_mb",
-                                 # cross-strategy / cross-world-size resume (torch_handle.convert, GlobalBatchSampler)
+                                 # cross-strategy / cross-world-size resume (torch_handle.checkpoint.convert, GlobalBatchSampler)
                                  "strategy.name", "strategy.zero_stage", "strategy.shard_optimizer",
                                  "strategy.offload_optimizer", "launch.nproc_per_node", "launch.nnodes",
                                  "training.micro_batch_size", "training.grad_accum"])

@@ -8,7 +8,7 @@ import io
 
 import pytest
 
-from torch_handle.bench_scaling import (CSV_COLUMNS, add_efficiency, csv_text, efficiency, oversubscribed,
+from torch_handle.plan.bench_scaling import (CSV_COLUMNS, add_efficiency, csv_text, efficiency, oversubscribed,
                                         parse_nproc, parse_strategies, preset_strategy_label, strategy_spec,
                                         strong_batch, summarize, threads_per_rank)
 

@@ -12,13 +12,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from torch_handle.config import dump_preset, load_preset
-from torch_handle.corpus import pydoc_corpus
-from torch_handle.estimate import activation_bytes
+from torch_handle.config.loader import dump_preset, load_preset
+from torch_handle.data.corpus import pydoc_corpus
+from torch_handle.plan.estimate import activation_bytes
 from torch_handle.registry import get_registry
 from torch_handle.rundir import STOP_FILE, create_run_dir, read_run_info
-from torch_handle.strategy import DistContext
-from torch_handle.trainer import Trainer
+from torch_handle.train.strategy import DistContext
+from torch_handle.train.trainer import Trainer
 
 VOCAB = 300
 
@@ -141,8 +141,7 @@ def test_stop_then_resume_gives_the_uninterrupted_losses(tmp_path, process_group
 def fake_peak(tmp_path, monkeypatch):
     """A cached peak of 1 TFLOP/s for this process's device and threads (no measuring in a unit test: the
     Trainer's rank 0 would otherwise measure the real one, seconds, when the user cache lacks it)."""
-    from torch_handle import peak
-
+    from torch_handle.observe import peak
     path = tmp_path / "peak.json"
     key = peak.device_key("cpu", torch.get_num_threads())
     path.write_text(json.dumps({key: {"device": "cpu", "fp32": 1e12, "bf16": 2e12, "fp16": 3e12}}))
@@ -171,7 +170,7 @@ def test_step_breakdown_tiles_the_step_and_mfu_uses_the_cached_peak(tmp_path, pr
 
 
 def test_parse_test_delay():
-    from torch_handle.trainer import parse_test_delay
+    from torch_handle.train.trainer import parse_test_delay
 
     assert parse_test_delay("1:0.05", 1) == 0.05
     assert parse_test_delay("1:0.05", 0) == 0.0

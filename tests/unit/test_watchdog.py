@@ -8,11 +8,11 @@ import threading
 
 import pytest
 
-from torch_handle.config import load_preset
+from torch_handle.config.loader import load_preset
 from torch_handle.errors import PresetError
-from torch_handle.events import EventReader, Kind, RunState, Status
-from torch_handle.telemetry import EventWriter
-from torch_handle.watchdog import (Frame, HangWatchdog, RankBeat, append_event, call_on_line, describe,
+from torch_handle.observe.events import EventReader, Kind, RunState, Status
+from torch_handle.observe.telemetry import EventWriter
+from torch_handle.observe.watchdog import (Frame, HangWatchdog, RankBeat, append_event, call_on_line, describe,
                                    flight_recorder_env, main_thread, parse_faulthandler, parse_py_spy_json,
                                    parse_test_hang, waiting_point)
 
@@ -22,27 +22,27 @@ STDLIB = "/usr/lib/python3.11"
 # what faulthandler wrote for the two ranks of tests/test_hang.py's injected hang (paths shortened)
 RANK0 = f"""Thread 0x00007f576de636c0 (most recent call first):
   File "{STDLIB}/threading.py", line 331 in wait
-  File "/work/main/torch_handle/watchdog.py", line 152 in _run
+  File "/work/main/torch_handle/observe/watchdog.py", line 152 in _run
   File "{STDLIB}/threading.py", line 1002 in _bootstrap
 
 Current thread 0x00007f576efbfb80 (most recent call first):
   File "{SITE}/torch/distributed/distributed_c10d.py", line 3252 in all_reduce
   File "{SITE}/torch/distributed/c10d_logger.py", line 83 in wrapper
-  File "/work/main/torch_handle/trainer.py", line 424 in train_step
-  File "/work/main/torch_handle/trainer.py", line 614 in train
-  File "/work/main/torch_handle/worker.py", line 152 in main
-  File "/work/main/torch_handle/worker.py", line 184 in <module>
+  File "/work/main/torch_handle/train/trainer.py", line 424 in train_step
+  File "/work/main/torch_handle/train/trainer.py", line 614 in train
+  File "/work/main/torch_handle/train/worker.py", line 152 in main
+  File "/work/main/torch_handle/train/worker.py", line 184 in <module>
   File "<frozen runpy>", line 88 in _run_code
   File "<frozen runpy>", line 198 in _run_module_as_main
 """
 RANK1 = f"""Current thread 0x00007f28c874d6c0 (most recent call first):
   File "{STDLIB}/threading.py", line 331 in wait
-  File "/work/main/torch_handle/watchdog.py", line 152 in _run
+  File "/work/main/torch_handle/observe/watchdog.py", line 152 in _run
 
 Thread 0x00007f28c9a8ab80 (most recent call first):
-  File "/work/main/torch_handle/trainer.py", line 423 in train_step
-  File "/work/main/torch_handle/trainer.py", line 614 in train
-  File "/work/main/torch_handle/worker.py", line 184 in <module>
+  File "/work/main/torch_handle/train/trainer.py", line 423 in train_step
+  File "/work/main/torch_handle/train/trainer.py", line 614 in train
+  File "/work/main/torch_handle/train/worker.py", line 184 in <module>
 """
 SOURCES = {("trainer.py", 423): "time.sleep(self.test_hang[1])  # HANDLE_TEST_HANG_RANK: this rank hangs",
            ("trainer.py", 424): "dist.all_reduce(stats)"}
@@ -81,7 +81,7 @@ def test_py_spy_json_with_native_frames() -> None:
              {"name": "c10d::ProcessGroupNCCL::allreduce", "filename": "ProcessGroupNCCL.cpp", "line": 0},
              {"name": "all_reduce", "filename": f"{SITE}/torch/distributed/distributed_c10d.py", "line": 3252},
              {"name": "wrapper", "filename": f"{SITE}/torch/distributed/c10d_logger.py", "line": 83},
-             {"name": "train_step", "filename": "/work/main/torch_handle/trainer.py", "line": 424}]}])
+             {"name": "train_step", "filename": "/work/main/torch_handle/train/trainer.py", "line": 424}]}])
     threads = parse_py_spy_json(text)
     main = main_thread(threads, 140000)
     assert main is threads[1] and main.name == "MainThread"
@@ -112,7 +112,7 @@ def test_waiting_point_picks_the_api_the_run_called() -> None:
                  (f"{SITE}/torch/distributed/c10d_logger.py", 83, "wrapper"),
                  (f"{SITE}/torch/distributed/distributed_c10d.py", 3100, "all_gather_object"),
                  (f"{SITE}/torch/distributed/c10d_logger.py", 83, "wrapper"),
-                 ("/work/main/torch_handle/trainer.py", 470, "gather_memory"))
+                 ("/work/main/torch_handle/train/trainer.py", 470, "gather_memory"))
     assert describe(0, obj, source) == "rank 0 in all_gather_object (trainer.py:470 gather_memory)"
     # no collective on the stack: the library function the run's code called
     bw = frames((f"{SITE}/torch/autograd/graph.py", 829, "_engine_run_backward"),

@@ -7,7 +7,7 @@ Two halves in one module:
   op moves and nccl-tests' bandwidth formulas (``doc/PERFORMANCE.md``): ``algbw = bytes / time`` and
   ``busbw = algbw * factor`` with factor ``2(n-1)/n`` for all_reduce, ``(n-1)/n`` for all_gather and
   reduce_scatter, ``1`` for broadcast;
-- the worker, run on every rank under torchrun: ``python -m torch.distributed.run ... -m torch_handle.bench_comm
+- the worker, run on every rank under torchrun: ``python -m torch.distributed.run ... -m torch_handle.plan.bench_comm
   --ops ... --sizes ...``. Rank 0 prints one line ``HANDLE_BENCH_COMM {json}`` per measurement, and one line
   ``HANDLE_BENCH_COMM_ERROR ...`` if a rank fails.
 
@@ -246,7 +246,7 @@ def _expected(torch: Any, op: str, count: int, rank: int, world: int, device: An
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark on this rank (``RANK``/``WORLD_SIZE`` from torchrun); 0 when every result was right,
     1 when one was wrong."""
-    ap = argparse.ArgumentParser(prog="python -m torch_handle.bench_comm")
+    ap = argparse.ArgumentParser(prog="python -m torch_handle.plan.bench_comm")
     ap.add_argument("--ops", default="all")
     ap.add_argument("--sizes", default="1K:64M")
     ap.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto")
@@ -263,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import torch.distributed as dist
 
-    from torch_handle.worker import select_backend
+    from torch_handle.train.worker import select_backend
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     backend, device = select_backend(args.backend)
@@ -352,7 +352,7 @@ def _guarded() -> int:
     try:
         return main()
     except Exception as e:  # noqa: BLE001 - one line for `handle bench comm`, then the traceback for the log
-        from torch_handle.text import one_line
+        from torch_handle.common.text import one_line
 
         print(f"{ERROR_MARKER}rank {os.environ.get('RANK', '?')}: {one_line(e)}"[:2000], flush=True)
         raise

@@ -63,7 +63,7 @@ def load_or_train_tokenizer(texts: Sequence[str], vocab_size: int, cache_dir: Pa
 
     ``is_main`` must be true on exactly one rank of the ranks that see this ``cache_dir``: rank 0 on one node or a
     shared filesystem, each node's first rank when every node has its own disk (the worker finds out with
-    :func:`torch_handle.multinode.directory_leaders`). The temporary file's name carries the host and pid, so two
+    :func:`torch_handle.launch.shared_dirs.directory_leaders`). The temporary file's name carries the host and pid, so two
     builders on one shared directory would never write the same temporary file.
     """
     from tokenizers import Tokenizer

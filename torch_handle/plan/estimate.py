@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     import torch
 
     from torch_handle.registry import PluginRegistry
-    from torch_handle.schema import Preset
+    from torch_handle.config.schema import Preset
 
 __all__ = ["COMPARE_VARIANTS", "MEASURED", "ActivationBytes", "Estimate", "ModelShape", "SavedTensorCounter",
            "Variant", "activation_bytes", "estimate_preset", "format_bytes", "model_shape", "model_state_bytes",
@@ -171,7 +171,7 @@ class _Build:
 
 
 def _model_build(preset: Preset, registry: PluginRegistry) -> _Build:
-    from torch_handle.data import PAD_ID
+    from torch_handle.data.datasets import PAD_ID
     from torch_handle.errors import PresetError
 
     data = preset.data.options

@@ -2,7 +2,7 @@
 
 Why a file: it is durable (nothing is lost when the dashboard closes), lets any reader attach to a run at any
 time and replay its history, needs no open port, and works on the shared filesystems of clusters. The schema of
-the events, and everything that reads them, is in :mod:`torch_handle.events`.
+the events, and everything that reads them, is in :mod:`torch_handle.observe.events`.
 
 Sinks send the same events elsewhere (TensorBoard, a metrics service): plugins register them with the
 ``handle_register_sinks`` hook, ``register(name, factory, description="")``, ``factory(run_dir: Path, preset) ->
@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from torch_handle.events import Kind, Level, tail_events
+from torch_handle.observe.events import Kind, Level, tail_events
 
 EVENTS_FILE = "events.jsonl"
 
@@ -56,7 +56,7 @@ class Sink:
 
     ``emit(event)`` gets every event of the run from the moment the sink is opened (after the trainer built
     data, model and strategy): the dict written to ``events.jsonl`` (``seq``, ``time``, ``kind`` and the kind's
-    fields, non-finite numbers as None; see :mod:`torch_handle.events`), to be treated as read-only. It runs on
+    fields, non-finite numbers as None; see :mod:`torch_handle.observe.events`), to be treated as read-only. It runs on
     the writer's background thread, never on the training step's, so a slow sink delays the file's later lines,
     not training. ``close()`` is called once, after the last event. Either may raise: the sink is then disabled
     (one warning in ``events.jsonl``), and the run goes on.

@@ -1,4 +1,4 @@
-"""The training loop that runs on every rank (started by ``torch_handle.worker`` under torchrun).
+"""The training loop that runs on every rank (started by ``torch_handle.train.worker`` under torchrun).
 
 ``Trainer`` builds data, model and strategy from the preset, resumes from the newest valid checkpoint, and runs
 ``train_step`` until ``training.steps``; rank 0 alone writes telemetry, run.json and the manifest. Each
@@ -24,17 +24,17 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
-from torch_handle import checkpoint as ckpt
-from torch_handle import multinode
-from torch_handle.config import Preset
-from torch_handle.data import IGNORE_INDEX, DataBundle, DataContext, GlobalBatchSampler, ResumableDistributedSampler
+from torch_handle.checkpoint import store as ckpt
+from torch_handle.checkpoint import shared_dirs
+from torch_handle.config.loader import Preset
+from torch_handle.data.datasets import IGNORE_INDEX, DataBundle, DataContext, GlobalBatchSampler, ResumableDistributedSampler
 from torch_handle.registry import PluginRegistry
 from torch_handle.rundir import HEARTBEAT_S, STOP_FILE, touch_heartbeat, update_run_info
-from torch_handle.strategy import DistContext, Strategy
-from torch_handle.events import SLOW_RANK_LOGS, SLOW_RANK_RATIO, Kind, Level, Status, slowest_rank
-from torch_handle.phases import PhaseTimer
-from torch_handle.telemetry import EVENTS_FILE, EventWriter, NullEventWriter
-from torch_handle.watchdog import HANG_TEST_ENV, beat, busy, parse_test_hang
+from torch_handle.train.strategy import DistContext, Strategy
+from torch_handle.observe.events import SLOW_RANK_LOGS, SLOW_RANK_RATIO, Kind, Level, Status, slowest_rank
+from torch_handle.train.phases import PhaseTimer
+from torch_handle.observe.telemetry import EVENTS_FILE, EventWriter, NullEventWriter
+from torch_handle.observe.watchdog import HANG_TEST_ENV, beat, busy, parse_test_hang
 
 log = logging.getLogger("torch_handle")
 
@@ -162,10 +162,10 @@ class Trainer:
         """This rank's device peak FLOP/s for the run's precision (measured, cached; rank 0 only), for ``mfu``."""
         self._slow_streak: tuple[int | None, int] = (None, 0)
         self._pending_logs: list[dict[str, Any]] = []
-        self.gather = multinode.gatherer(ctx)
+        self.gather = shared_dirs.gatherer(ctx)
         self.dir_leaders: list[int] = [0] * ctx.world_size
         """For every rank, the lowest rank that sees its run directory (all 0 on one node or a shared filesystem;
-        found by :func:`torch_handle.multinode.directory_leaders` in ``build``)."""
+        found by :func:`torch_handle.launch.shared_dirs.directory_leaders` in ``build``)."""
 
     @property
     def is_dir_main(self) -> bool:
@@ -180,7 +180,7 @@ class Trainer:
         data_plugin = self.registry.get("dataset", p.data.name)
         cache_dir = Path(p.run.output_dir) / ".cache"
         # one filesystem for all nodes, or one each? (for the run directory and the tokenizer cache separately)
-        self.dir_leaders, cache_leaders = multinode.directory_leaders([self.run_dir, cache_dir], ctx.rank,
+        self.dir_leaders, cache_leaders = shared_dirs.directory_leaders([self.run_dir, cache_dir], ctx.rank,
                                                                       ctx.local_rank, self.gather)
         beat("data", busy=ctx.local_rank == 0)  # the tokenizer may be built here while the other ranks wait
         self.data: DataBundle = data_plugin.factory(
@@ -239,7 +239,7 @@ class Trainer:
     def _peak(self) -> float | None:
         """The peak FLOP/s of this device for ``training.precision`` at this worker's thread count, from the
         cache or measured now (a few seconds, once per device, thread count and torch version)."""
-        from torch_handle.peak import cached_peak, peak_flops
+        from torch_handle.observe.peak import cached_peak, peak_flops
 
         precision, threads = self.training.precision, torch.get_num_threads()
         value = cached_peak(self.ctx.device, precision, threads)
@@ -276,7 +276,7 @@ class Trainer:
     def maybe_resume(self) -> None:
         root = self.run_dir / "checkpoints"
         # the newest checkpoint that verifies in every run directory (one directory: rank 0's newest valid one)
-        path, skipped = multinode.agree_on_checkpoint(root, self.ctx.rank, self.dir_leaders, self.gather)
+        path, skipped = shared_dirs.agree_on_checkpoint(root, self.ctx.rank, self.dir_leaders, self.gather)
         for message in skipped:
             log.warning(message)
             self.events.emit(Kind.LOG, level=Level.WARNING, message=message)
@@ -292,7 +292,7 @@ class Trainer:
         self.events.emit(Kind.LOG, level=Level.INFO, message=message)
 
     def checkpoint_layout(self) -> dict[str, Any]:
-        """This run's ``layout.json`` (see :data:`torch_handle.checkpoint.LAYOUT`)."""
+        """This run's ``layout.json`` (see :data:`torch_handle.checkpoint.store.LAYOUT`)."""
         t = self.training
         return {**self.strategy.checkpoint_layout(), "world_size": self.ctx.world_size,
                 "micro_batch_size": t.micro_batch_size, "grad_accum": t.grad_accum,
@@ -300,7 +300,7 @@ class Trainer:
 
     def _load_checkpoint(self, path: Path, layout: dict[str, Any]) -> str:
         """Model, optimizer and schedule: the strategy's own loader when it reads this layout, else rank 0 (the
-        first rank of each run directory) converts the checkpoint to the portable form (torch_handle.convert) and
+        first rank of each run directory) converts the checkpoint to the portable form (torch_handle.checkpoint.convert) and
         every rank loads that. Returns what the resume message adds (empty for a native load).
 
         Raises:
@@ -312,8 +312,8 @@ class Trainer:
         if self.strategy.loads_natively(layout):
             self.strategy.load(path)
             return ""
-        from torch_handle import convert
-        from torch_handle.text import fmt_bytes
+        from torch_handle.checkpoint import convert
+        from torch_handle.common.text import fmt_bytes
 
         if len(set(self.dir_leaders)) > 1 and layout.get("format") != "torch":
             # each node's directory holds only its own ranks' shards: no rank sees the whole checkpoint
@@ -406,7 +406,7 @@ class Trainer:
     def train_step(self, batches: Iterator[dict[str, torch.Tensor]]) -> dict[str, Any]:
         """One optimizer step over ``grad_accum`` micro-batches; returns its ``step`` event (plus ``stop``).
 
-        The phases are timed as laps (:class:`~torch_handle.phases.PhaseTimer`: ``perf_counter`` on CPU, CUDA
+        The phases are timed as laps (:class:`~torch_handle.train.phases.PhaseTimer`: ``perf_counter`` on CPU, CUDA
         events read once after the step's synchronize on GPU) and each is a ``handle/<phase>`` profiler range.
         """
         t0 = time.perf_counter()
@@ -490,7 +490,7 @@ class Trainer:
         """Counts the distinct storages autograd saves during one micro-batch's forward (parameters and buffers
         left out; with activation checkpointing the blocks' inputs instead): ``activation_bytes`` in the memory
         telemetry, what ``handle estimate`` predicts as the saved part of the activations."""
-        from torch_handle.estimate import SavedTensorCounter, checkpointed_blocks
+        from torch_handle.plan.estimate import SavedTensorCounter, checkpointed_blocks
 
         model = self.strategy.unwrapped()
         return SavedTensorCounter([*model.parameters(), *model.buffers()], checkpointed_blocks(model))
@@ -519,8 +519,8 @@ class Trainer:
 
     def _check_slow_ranks(self, ranks: list[dict[str, Any]]) -> None:
         """Rank 0: a ``log`` warning when the same rank lags the other ranks' median by more than
-        :data:`~torch_handle.events.SLOW_RANK_RATIO` of the median step time for
-        :data:`~torch_handle.events.SLOW_RANK_LOGS` consecutive gathers (once per such streak)."""
+        :data:`~torch_handle.observe.events.SLOW_RANK_RATIO` of the median step time for
+        :data:`~torch_handle.observe.events.SLOW_RANK_LOGS` consecutive gathers (once per such streak)."""
         slow = slowest_rank(ranks)
         if slow is None or slow["ratio"] <= SLOW_RANK_RATIO:
             self._slow_streak = (None, 0)
@@ -559,7 +559,7 @@ class Trainer:
     def save_checkpoint(self) -> None:
         """Write ``checkpoints/step-<step>`` (every rank takes part). A write that fails (disk full, unwritable)
         removes the partial directory, keeps the previous checkpoint, and raises CheckpointError naming the
-        directory and the bytes needed (see :func:`torch_handle.checkpoint.write_failure`): the run fails."""
+        directory and the bytes needed (see :func:`torch_handle.checkpoint.store.write_failure`): the run fails."""
         root = self.run_dir / "checkpoints"
         tmp = ckpt.tmp_dir_for(root, self.step)
         beat("checkpoint", self.step)
@@ -577,7 +577,7 @@ class Trainer:
             ckpt.inject_fault(self.step, tmp)  # test hook: HANDLE_TEST_CHECKPOINT_ENOSPC
             self.ctx.barrier()
             # separate run directories: each gets the files that rank 0 alone wrote (a no-op on a shared one)
-            multinode.copy_missing_files(tmp, self.ctx.rank, self.dir_leaders, self.gather, self.ctx.device)
+            shared_dirs.copy_missing_files(tmp, self.ctx.rank, self.dir_leaders, self.gather, self.ctx.device)
             if self.is_dir_main:
                 final = ckpt.finalize(root, self.step, keep_last=None)
                 self.events.emit(Kind.CHECKPOINT, step=self.step, path=str(final.relative_to(self.run_dir)))

@@ -1,9 +1,9 @@
-"""Entry point of one worker process: ``python -m torch_handle.worker RUN_DIR``, started by torchrun.
+"""Entry point of one worker process: ``python -m torch_handle.train.worker RUN_DIR``, started by torchrun.
 
 Each rank: checks torchrun's environment, sends its output to ``logs/rank<N>.log``, ties its life to its
 parent (so no worker outlives torchrun), starts its heartbeat and its SIGUSR1 stack dump
-(:mod:`torch_handle.watchdog`), initialises the process group (gloo on CPU, nccl with CUDA), builds
-and runs the :class:`~torch_handle.trainer.Trainer`, and exits 0 when the run finished or was stopped.
+(:mod:`torch_handle.observe.watchdog`), initialises the process group (gloo on CPU, nccl with CUDA), builds
+and runs the :class:`~torch_handle.train.trainer.Trainer`, and exits 0 when the run finished or was stopped.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import sys
 import traceback
 from pathlib import Path
 
-USAGE = ("torch_handle.worker is started by torchrun, not by hand (RANK/WORLD_SIZE/LOCAL_RANK are not set).\n"
+USAGE = ("torch_handle.train.worker is started by torchrun, not by hand (RANK/WORLD_SIZE/LOCAL_RANK are not set).\n"
          "Start a run with:  handle run PRESET    (for example: handle run presets/zero2.toml)")
 
 TORCHRUN_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -77,7 +77,7 @@ def init_distributed(backend_choice: str, timeout_s: int):
     """Initialise the default process group from torchrun's environment and return a DistContext."""
     import torch.distributed as dist
 
-    from torch_handle.strategy import DistContext
+    from torch_handle.train.strategy import DistContext
 
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     world_size = int(os.environ["WORLD_SIZE"])
@@ -91,9 +91,9 @@ def init_distributed(backend_choice: str, timeout_s: int):
 
 def _log_resume_changes(trainer, run_dir: Path, registry) -> None:
     """Rank 0 of a resume with ``--set`` changes: one ``log`` event listing them (``key old -> new``)."""
-    from torch_handle.config import load_preset
-    from torch_handle.events import Kind, Level
-    from torch_handle.resume import RESUME_PRESET, diff
+    from torch_handle.config.loader import load_preset
+    from torch_handle.observe.events import Kind, Level
+    from torch_handle.checkpoint.resume import RESUME_PRESET, diff
 
     try:
         changes = diff(load_preset(run_dir / "preset.toml", registry=registry),
@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     run_dir = Path(argv[0])
     rank = int(os.environ["RANK"])
-    from torch_handle.launch import die_with_parent
+    from torch_handle.launch.supervisor import die_with_parent
 
     die_with_parent(signal.SIGKILL)  # torchrun's agent dies -> this worker dies, even when the agent is SIGKILLed
     _redirect_output(run_dir / "logs" / f"rank{rank}.log")
@@ -122,18 +122,17 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("torch_handle")
     log.info("worker pid %d rank %d/%s restart %d", os.getpid(), rank, os.environ["WORLD_SIZE"], restart)
-    from torch_handle import watchdog
-
+    from torch_handle.observe import watchdog
     # before anything slow: the launcher's watchdog reads this rank's progress, SIGUSR1 dumps its stacks
     heartbeat = watchdog.start_heartbeat(run_dir, rank, int(os.environ["LOCAL_RANK"]),
                                          int(os.environ.get("GROUP_RANK", "0")), interval_s=0.25)
 
-    from torch_handle.config import load_preset
-    from torch_handle.events import Status
+    from torch_handle.config.loader import load_preset
+    from torch_handle.observe.events import Status
     from torch_handle.registry import get_registry
-    from torch_handle.trainer import NonFiniteLoss, Trainer
+    from torch_handle.train.trainer import NonFiniteLoss, Trainer
 
-    from torch_handle.resume import RESUME_PRESET, active_preset_path
+    from torch_handle.checkpoint.resume import RESUME_PRESET, active_preset_path
 
     registry = get_registry()
     preset = load_preset(active_preset_path(run_dir), registry=registry)  # preset.resume.toml: a changed resume

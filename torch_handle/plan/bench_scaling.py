@@ -2,7 +2,7 @@
 scaling efficiency, the summary of a run's step events and the CSV/JSON rows (no torch, no processes).
 
 A measurement is one short real run (``handle run``'s launcher) per strategy and world size; its step events
-(:mod:`torch_handle.events`) after the first ``skip`` ones give the figures. Standard library only.
+(:mod:`torch_handle.observe.events`) after the first ``skip`` ones give the figures. Standard library only.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from torch_handle.events import Kind, integer, number
+from torch_handle.observe.events import Kind, integer, number
 
 MAX_NPROC = 256
 """Largest world size ``--nproc`` accepts (one machine)."""
@@ -120,7 +120,7 @@ def efficiency(tokens_per_s: float, nproc: int, base_tokens_per_s: float, base_n
 
 def threads_per_rank(nproc: int, cores: int, omp_num_threads: str | None) -> int:
     """Intra-op threads each rank gets: ``OMP_NUM_THREADS`` when set (a positive integer), else what the launcher
-    gives (``cores // nproc``, at least 1; see :class:`torch_handle.launch.Launch`)."""
+    gives (``cores // nproc``, at least 1; see :class:`torch_handle.launch.supervisor.Launch`)."""
     try:
         if omp_num_threads and int(omp_num_threads) > 0:
             return int(omp_num_threads)

@@ -1,12 +1,12 @@
 """Start and supervise ``torchrun`` for a run directory.
 
-``Launch`` starts ``python -m torch.distributed.run ... -m torch_handle.worker RUN_DIR`` in its own session, so
+``Launch`` starts ``python -m torch.distributed.run ... -m torch_handle.train.worker RUN_DIR`` in its own session, so
 a Ctrl-C in the terminal reaches only ``handle run``, which then decides: the first one asks the workers to
 finish their step, checkpoint and exit (the STOP file); a second one terminates them. No worker outlives the
 launcher: torchrun gets SIGTERM if the launcher dies (PR_SET_PDEATHSIG), each worker gets SIGKILL if torchrun
 dies, and the launcher kills any process of the tree it has seen that is still alive at the end.
 
-While torchrun runs, ``poll()`` also watches the workers' heartbeats (:mod:`torch_handle.watchdog`): when no local
+While torchrun runs, ``poll()`` also watches the workers' heartbeats (:mod:`torch_handle.observe.watchdog`): when no local
 rank advanced for ``launch.hang_timeout_s``, it writes every rank's stacks to ``logs/stacks-<time>.txt``, asks
 NCCL's flight recorder for its dump, appends a ``hang`` event to ``events.jsonl`` and, with ``launch.on_hang =
 "stop"``, terminates the tree (the run then ends ``failed`` with the hang message).
@@ -29,11 +29,11 @@ from typing import Any
 
 import psutil
 
-from torch_handle import watchdog as wd
-from torch_handle.config import Preset
-from torch_handle.events import Kind, Status
+from torch_handle.observe import watchdog as wd
+from torch_handle.config.loader import Preset
+from torch_handle.observe.events import Kind, Status
 from torch_handle.rundir import HEARTBEAT_S, STOP_FILE, read_run_info, touch_heartbeat, update_run_info
-from torch_handle.telemetry import EVENTS_FILE
+from torch_handle.observe.telemetry import EVENTS_FILE
 
 WATCH_EVERY_S = 0.5
 """How often ``Launch.poll`` reads the heartbeats."""
@@ -59,7 +59,7 @@ def torchrun_command(preset: Preset, run_dir: Path, python: str = sys.executable
         cmd += ["--rdzv_backend=c10d", f"--rdzv_endpoint={launch.rdzv_endpoint}", f"--rdzv_id={preset.run.name}"]
     else:
         cmd += ["--rdzv_backend=static", f"--rdzv_endpoint={launch.rdzv_endpoint}", f"--rdzv_id={preset.run.name}"]
-    cmd += ["--monitor_interval=0.5", "-m", "torch_handle.worker", str(run_dir)]
+    cmd += ["--monitor_interval=0.5", "-m", "torch_handle.train.worker", str(run_dir)]
     return cmd
 
 

@@ -1,7 +1,7 @@
-"""Presets: TOML files composed into the typed, validated dataclasses of :mod:`torch_handle.schema`.
+"""Presets: TOML files composed into the typed, validated dataclasses of :mod:`torch_handle.config.schema`.
 
 This module is the loader: TOML, ``extends``, ``--set``, the validation walk and line finding. The schema (one
-dataclass per table, defaults, field docs) is :mod:`torch_handle.schema`; its names are re-exported here.
+dataclass per table, defaults, field docs) is :mod:`torch_handle.config.schema`; its names are re-exported here.
 
 Precedence: ``--set`` overrides > the preset file > the presets it ``extends`` > dataclass defaults.
 A layer (a file or ``--set``) that switches a plugin table to another plugin ``name`` starts that table afresh:
@@ -51,7 +51,7 @@ else:  # pragma: no cover
 
 from torch_handle.errors import InvalidValue, PresetError
 from torch_handle.registry import PluginRegistry, Registration, get_registry
-from torch_handle.schema import (CORE_TABLES, DEFAULT_PLUGINS, PLUGIN_TABLES, TABLE_ORDER, LaunchConfig, PluginSection,
+from torch_handle.config.schema import (CORE_TABLES, DEFAULT_PLUGINS, PLUGIN_TABLES, TABLE_ORDER, LaunchConfig, PluginSection,
                                   Preset, RunConfig, TrainingConfig, field_docs, param)
 
 __all__ = [

@@ -4,7 +4,7 @@
   ``tokenizer.json`` and the positional-table length of the weights, and loads ``model.safetensors`` or, with
   ``checkpoint=STEP``, ``checkpoints/step-STEP/model.pt`` (strategies ``single``, ``ddp``, ``scratch-ddp``) or
   ``dcp/`` (``fsdp``, consolidated in this process); DeepSpeed's ``ds/`` is refused (use model.safetensors).
-- :func:`sample` streams tokens from a ``DecoderLM`` with a key/value cache (``torch_handle.model.KVCache``):
+- :func:`sample` streams tokens from a ``DecoderLM`` with a key/value cache (``torch_handle.model.transformer.KVCache``):
   each step feeds only the new token.
 - :func:`greedy_translate` and :func:`beam_translate` decode an ``EncoderDecoder`` in batches, also cached.
   Beam search ranks finished hypotheses by log P(Y|X) / lp(Y) with the GNMT length penalty
@@ -28,10 +28,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from torch_handle.checkpoint import list_checkpoints, safe_load, verify
-from torch_handle.data import BOS_ID, EOS_ID, IGNORE_INDEX, PAD_ID, DataContext, TranslationDataset
+from torch_handle.checkpoint.store import list_checkpoints, safe_load, verify
+from torch_handle.data.datasets import BOS_ID, EOS_ID, IGNORE_INDEX, PAD_ID, DataContext, TranslationDataset
 from torch_handle.errors import CheckpointError, DataError, RunDirError
-from torch_handle.model import DecoderLM, EncoderDecoder, KVCache
+from torch_handle.model.transformer import DecoderLM, EncoderDecoder, KVCache
 from torch_handle.rundir import PRESET_FILE, read_run_info
 
 WEIGHTS_FILE = "model.safetensors"
@@ -48,7 +48,7 @@ class LoadedRun:
     tokenizer: Any
     """A ``tokenizers.Tokenizer``."""
     preset: Any
-    """The run's ``torch_handle.config.Preset``."""
+    """The run's ``torch_handle.config.loader.Preset``."""
     weights: Path
     """The file the weights came from."""
 
@@ -123,7 +123,7 @@ def load_run(run_dir: Path | str, checkpoint: int | None = None, device: str | t
     """
     from tokenizers import Tokenizer
 
-    from torch_handle.config import load_preset
+    from torch_handle.config.loader import load_preset
     from torch_handle.registry import get_registry
 
     run_dir = Path(run_dir)

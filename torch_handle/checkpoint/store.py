@@ -5,7 +5,7 @@ Layout of ``checkpoints/step-<N>/``: whatever the strategy writes (its own forma
 ``layout.json`` (which strategy wrote it, on how many ranks: :data:`LAYOUT`), ``trainer-rank<R>.pt`` with the
 step, the data position and the RNG states of rank R, and ``manifest.json`` (files, sizes, SHA-256, step),
 written last. A resume under another strategy or world size converts the files to the portable form
-(:mod:`torch_handle.convert`), next to them in ``portable/`` (not in the manifest). Every rank writes into ``.tmp-step-<N>/``; after a barrier rank 0 writes the manifest and renames
+(:mod:`torch_handle.checkpoint.convert`), next to them in ``portable/`` (not in the manifest). Every rank writes into ``.tmp-step-<N>/``; after a barrier rank 0 writes the manifest and renames
 the directory into place, so a crash mid-save never leaves a directory that looks complete.
 """
 
@@ -183,7 +183,7 @@ class TrainerState:
     data position of checkpoints written before it)."""
     samples_in_epoch: int | None = None
     """Samples of this epoch's global order consumed by all ranks together (see
-    :class:`torch_handle.data.GlobalBatchSampler`): the data position, independent of the world size. None in a
+    :class:`torch_handle.data.datasets.GlobalBatchSampler`): the data position, independent of the world size. None in a
     checkpoint written before it existed."""
 
     def to_dict(self) -> dict[str, Any]:
@@ -293,7 +293,7 @@ def write_failure(root: Path, step: int, error: BaseException, *, clean_up: bool
     checkpoint tells the size, the bytes needed and free (an estimate). ``clean_up`` (rank 0 only: another rank
     may still be writing into it) removes the half-written ``.tmp-step-<step>``; a leftover one is hidden and
     replaced by the next save at that step."""
-    from torch_handle.text import fmt_bytes
+    from torch_handle.common.text import fmt_bytes
 
     root = Path(root)
     if clean_up:

@@ -4,7 +4,7 @@
 ``[strategy]`` and ``[profiler]`` each carry a ``name`` that picks a plugin; the rest of such a table is validated
 against the dataclass that plugin registered (:class:`PluginSection` holds both). Defaults live in the dataclasses,
 so a preset holds only what differs from them. The loader (TOML, ``extends``, ``--set``, the validation walk and
-line finding) is :mod:`torch_handle.config`; this module only describes, as torchtitan keeps ``job_config.py``
+line finding) is :mod:`torch_handle.config.loader`; this module only describes, as torchtitan keeps ``job_config.py``
 apart from its config manager.
 
 Standard library only, so reading the schema (``handle presets show --docs``) is instant.

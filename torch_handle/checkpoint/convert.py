@@ -21,7 +21,7 @@ DCP reshards them on load for any world size. The other formats are converted on
   ``exp_avg_sq.pt`` and, for stages 1-2, ``step.pt``), then its per-parameter files are mapped to the names
   above; ZeRO-0 keeps a plain optimizer state dict in its model-states file, mapped like ``torch``.
 
-Loading the portable form is each strategy's :meth:`~torch_handle.strategy.Strategy.load_portable`: the base
+Loading the portable form is each strategy's :meth:`~torch_handle.train.strategy.Strategy.load_portable`: the base
 strategy (single, ddp, fsdp, unsharded scratch-ddp) with :func:`load_into` (DCP into ``get_state_dict``'s
 sharded or full targets, then ``set_state_dict``); DeepSpeed and the sharded scratch-ddp with
 :func:`read_portable` (every tensor, full, on every rank) and their own setters.
@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from torch_handle.checkpoint import safe_load, verify_weights_only
+from torch_handle.checkpoint.store import safe_load, verify_weights_only
 from torch_handle.errors import CheckpointError
 
 log = logging.getLogger("torch_handle")
@@ -82,7 +82,7 @@ def ensure_portable(ckpt_dir: Path, layout: dict[str, Any], param_names: list[st
 
     Args:
         ckpt_dir: a finalized checkpoint directory.
-        layout: its layout (:func:`torch_handle.checkpoint.read_layout`).
+        layout: its layout (:func:`torch_handle.checkpoint.store.read_layout`).
         param_names: the model's parameter names in ``named_parameters()`` order (shared parameters once): what
             ``torch``-format optimizer states are numbered by.
 
@@ -261,7 +261,7 @@ def _from_torch_sharded(ckpt_dir: Path, param_names: list[str], work: Path):
 
 def deepspeed_safe_globals() -> list[Any]:
     """The plain data classes DeepSpeed pickles into its checkpoints (nothing callable with side effects): what
-    :func:`torch_handle.checkpoint.verify_weights_only` must allow before DeepSpeed unpickles them itself."""
+    :func:`torch_handle.checkpoint.store.verify_weights_only` must allow before DeepSpeed unpickles them itself."""
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
     from deepspeed.runtime.zero.config import ZeroStageEnum
     from deepspeed.utils.tensor_fragment import fragment_address

@@ -1,6 +1,6 @@
 """The events of a run: their schema as constants, the one reader of growing files, and the one fold into state.
 
-Rank 0 appends one JSON object per line to ``events.jsonl`` (:class:`torch_handle.telemetry.EventWriter`). Every
+Rank 0 appends one JSON object per line to ``events.jsonl`` (:class:`torch_handle.observe.telemetry.EventWriter`). Every
 event has ``seq`` (int, increasing, never reused across restarts), ``time`` (unix seconds) and ``kind``:
 
 - ``status``: ``status`` (running|finished|failed|stopped|restarting), optional ``message``, ``world_size``,
@@ -23,7 +23,7 @@ event has ``seq`` (int, increasing, never reused across restarts), ``time`` (uni
 - ``eval``: ``step``, ``val_loss`` (step 0: the untrained baseline).
 - ``checkpoint``: ``step``, ``path`` (relative to the run directory).
 - ``log``: ``level`` (info|warning|error), ``message``; a slow-rank warning adds ``rank`` and ``lag_s``.
-- ``hang``: written by a node's launcher, not by rank 0 (:mod:`torch_handle.watchdog`): no rank of that node
+- ``hang``: written by a node's launcher, not by rank 0 (:mod:`torch_handle.observe.watchdog`): no rank of that node
   advanced for ``timeout_s`` (``launch.hang_timeout_s``). ``message`` (one line naming where each rank waits and
   the stacks file), ``ranks`` (per rank ``rank``, ``pid``, ``host``, ``step``, ``phase``, ``source``, ``call``,
   ``where``, ``summary``, ``error``), ``stacks`` (the stacks file, relative to the run directory), ``stalled_s``,
@@ -36,7 +36,7 @@ them into events, :func:`tail_events` reads only the end of a file, and :class:`
 ``run.json``) into what a run amounts to. A reader must survive any file: bad lines and fields of the wrong type
 are skipped and reported, never raised.
 
-Standard library only (and :mod:`torch_handle.text`): no torch, no UI library.
+Standard library only (and :mod:`torch_handle.common.text`): no torch, no UI library.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
-from torch_handle.text import clean, strategy_label
+from torch_handle.common.text import clean, strategy_label
 
 
 class Kind:

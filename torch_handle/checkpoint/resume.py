@@ -11,11 +11,11 @@ Rules (:func:`rule`), by ``table.key`` of the fully resolved preset:
 - ``[data]``: frozen (the tokenizer, the vocabulary, the sequence length and the data position depend on it),
   except ``num_workers``.
 - ``[strategy]``: the ``name`` and every option may change -- another strategy, ZeRO stage, ``shard_optimizer``,
-  offloading: the checkpoint is converted when the new strategy cannot read it as it is (:mod:`torch_handle.convert`)
+  offloading: the checkpoint is converted when the new strategy cannot read it as it is (:mod:`torch_handle.checkpoint.convert`)
   -- except ``ds_config`` while the strategy stays ``deepspeed`` (merged verbatim into DeepSpeed's config, it may
   change the optimizer or the precision the checkpoint's state belongs to).
 - ``[launch]``: anything, the world size (``nproc_per_node``, ``nnodes``) included: the data position counts
-  samples of a world-size-independent order (:class:`torch_handle.data.GlobalBatchSampler`).
+  samples of a world-size-independent order (:class:`torch_handle.data.datasets.GlobalBatchSampler`).
 - ``[training]``: ``micro_batch_size`` and ``grad_accum`` may change; when the global batch (``micro_batch_size x
   grad_accum x world size``) stays the same the run continues the same trajectory, otherwise it continues from the
   same sample with a warning event that its trajectory differs (the trainer compares with the checkpoint's
@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from torch_handle.config import Preset, dump_preset, load_preset, preset_to_dict
+from torch_handle.config.loader import Preset, dump_preset, load_preset, preset_to_dict
 from torch_handle.errors import RunDirError
 from torch_handle.rundir import PRESET_FILE, RUN_FILE, read_run_info, write_json_atomic
 

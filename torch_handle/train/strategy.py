@@ -13,7 +13,7 @@ the optimizer and LR schedule, so ``model``, ``optimizer`` and ``scheduler`` are
 
 Checkpoints: ``save``/``load`` in the strategy's own format; ``checkpoint_layout`` says which format that is and
 ``loads_natively`` whether ``load`` reads a given checkpoint; any other checkpoint is converted to the portable
-form (:mod:`torch_handle.convert`) and read by ``load_portable``.
+form (:mod:`torch_handle.checkpoint.convert`) and read by ``load_portable``.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import Any, ContextManager, Iterable
 import torch
 import torch.distributed as dist
 
-from torch_handle.config import TrainingConfig
+from torch_handle.config.loader import TrainingConfig
 
 
 @dataclass
@@ -210,28 +210,28 @@ class Strategy:
 
     def checkpoint_layout(self) -> dict[str, Any]:
         """What :meth:`save` writes, recorded in every checkpoint's ``layout.json`` (the trainer adds the world
-        size and the batch settings): ``format`` -- one that :mod:`torch_handle.convert` can turn into the
+        size and the batch settings): ``format`` -- one that :mod:`torch_handle.checkpoint.convert` can turn into the
         portable form (``torch``, ``torch-sharded``, ``dcp``, ``deepspeed``) -- and ``strategy``, plus what
         :meth:`loads_natively` compares (``zero_stage``, ...). Base: ``model.pt`` + ``optim.pt``, ``torch``."""
         return {"format": "torch", "strategy": self.name}
 
     def loads_natively(self, layout: dict[str, Any]) -> bool:
         """Whether :meth:`load` reads a checkpoint written with ``layout`` as it is. When not, the trainer has
-        rank 0 convert it (:func:`torch_handle.convert.ensure_portable`) and calls :meth:`load_portable`.
+        rank 0 convert it (:func:`torch_handle.checkpoint.convert.ensure_portable`) and calls :meth:`load_portable`.
         Base: any ``torch`` checkpoint (full model and optimizer state: any world size)."""
         return layout.get("format") == "torch"
 
     def load_portable(self, portable: Path) -> None:
         """Load the portable form of a checkpoint written by another strategy or world size (see
-        :mod:`torch_handle.convert`): weights, optimizer state by parameter name, LR schedule. Called on every
+        :mod:`torch_handle.checkpoint.convert`): weights, optimizer state by parameter name, LR schedule. Called on every
         rank. Base: DCP into ``get_state_dict``'s targets (plain, DDP-wrapped or FSDP2 model; a ``torch.optim``
         optimizer over its parameters), then ``set_state_dict``; a loss scaler starts afresh.
 
         Raises:
             CheckpointError: the portable form is missing or does not fit the model.
         """
-        from torch_handle import convert
-        from torch_handle.checkpoint import safe_load
+        from torch_handle.checkpoint import convert
+        from torch_handle.checkpoint.store import safe_load
 
         from torch.distributed.checkpoint import CheckpointException
 
@@ -269,7 +269,7 @@ class Strategy:
                        Path(ckpt_dir) / "optim.pt")
 
     def load(self, ckpt_dir: Path) -> None:
-        from torch_handle.checkpoint import safe_load
+        from torch_handle.checkpoint.store import safe_load
 
         self.unwrapped().load_state_dict(safe_load(Path(ckpt_dir) / "model.pt", self.ctx.device))
         state = safe_load(Path(ckpt_dir) / "optim.pt", self.ctx.device)

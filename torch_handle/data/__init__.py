@@ -1,0 +1,1 @@
+"""Text in, token batches out: corpora, the tokenizer, datasets, collation and resumable samplers."""

@@ -1,0 +1,1 @@
+"""Starting and supervising runs: torchrun, two or more nodes, Slurm."""

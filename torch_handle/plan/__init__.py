@@ -1,0 +1,1 @@
+"""Answers before a run: memory estimates, collective bandwidth, scaling sweeps."""
