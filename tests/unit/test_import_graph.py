@@ -6,6 +6,16 @@ made the registry ``Any``-typed before). The layers, top to bottom:
     handle_cli      click commands and the dashboard; nothing else imports it
     handle_plugins  the built-in plugins (plugins/); they depend on torch_handle, never the reverse
     torch_handle    the library: no click, no textual
+
+Inside torch_handle, each part (a subpackage such as ``torch_handle/observe/``, or one of the few top-level
+modules) may import only the parts its row of ``LAYERS`` names, so a new edge is a decision taken in review.
+From the bottom:
+
+    common < errors < hookspecs < registry < config < rundir < observe < model, data < checkpoint < launch
+           < train < plan < infer;   api (the plugins' facade) on top
+
+``launch`` sits below ``train``: the launcher starts workers by module name (``-m torch_handle.train.worker``) and
+never imports them, while a worker uses the launcher's process helpers (``die_with_parent``).
 """
 
 from __future__ import annotations
@@ -16,6 +26,29 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+
+_BASE = {"common", "errors"}
+LAYERS: dict[str, set[str]] = {
+    "common": set(),
+    "errors": set(),
+    "hookspecs": set(),
+    "registry": _BASE | {"hookspecs"},
+    "config": _BASE | {"registry"},
+    "rundir": _BASE,
+    "observe": _BASE | {"config", "rundir"},
+    "model": _BASE,
+    "data": _BASE,
+    "checkpoint": _BASE | {"config", "rundir", "observe"},
+    "launch": _BASE | {"config", "rundir", "observe", "checkpoint"},
+    "train": _BASE | {"registry", "config", "rundir", "observe", "model", "data", "checkpoint", "launch"},
+    "plan": _BASE | {"registry", "config", "rundir", "observe", "model", "data", "checkpoint", "launch", "train"},
+    "infer": _BASE | {"registry", "config", "rundir", "observe", "model", "data", "checkpoint"},
+    "api": _BASE | {"hookspecs", "registry", "config", "rundir", "observe", "model", "data", "checkpoint", "train"},
+}
+"""part of torch_handle -> the parts it may import (its own modules aside)."""
+TOP_LEVEL_MAX = 6
+"""Modules directly in torch_handle/, __init__.py included; everything else lives in a subpackage."""
+LINES_MAX = 600
 PACKAGES = {"torch_handle": ROOT / "torch_handle", "handle_cli": ROOT / "handle_cli",
             "handle_plugins": ROOT / "plugins"}
 
@@ -164,3 +197,51 @@ def test_example_plugin_imports_only_the_public_module() -> None:
             elif isinstance(node, ast.Import):
                 used |= {a.name for a in node.names if a.name.startswith("torch_handle")}
     assert used == {"torch_handle.api"}, used
+
+
+
+def _part(module: str) -> str | None:
+    """``torch_handle.observe.tail`` -> ``observe``; ``torch_handle.errors`` -> ``errors``; None outside the library."""
+    parts = module.split(".")
+    return (parts[1] if len(parts) > 1 else "__init__") if parts[0] == "torch_handle" else None
+
+
+def layering_breaches(graph: dict[str, set[str]], layers: dict[str, set[str]]) -> list[str]:
+    out = []
+    for module, deps in sorted(graph.items()):
+        part = _part(module)
+        if part in (None, "__init__"):
+            continue
+        if part not in layers:
+            out.append(f"{module}: part {part!r} has no row in LAYERS")
+            continue
+        out += [f"{module} -> {d}" for d in sorted(deps)
+                if (other := _part(d)) not in (None, "__init__", part) and other not in layers[part]]
+    return out
+
+
+def test_every_import_follows_the_layering_table() -> None:
+    bad = layering_breaches(import_graph(), LAYERS)
+    assert not bad, "imports that LAYERS does not allow:\n" + "\n".join(bad)
+
+
+def test_layering_check_finds_a_planted_breach() -> None:
+    graph = import_graph()
+    graph["torch_handle.model.transformer"] = graph["torch_handle.model.transformer"] | {"torch_handle.train.trainer"}
+    assert "torch_handle.model.transformer -> torch_handle.train.trainer" in layering_breaches(graph, LAYERS)
+
+
+def test_the_layering_table_is_acyclic() -> None:
+    assert not _cycles({p: set(deps) for p, deps in LAYERS.items()})
+
+
+def test_top_level_holds_few_modules() -> None:
+    top = sorted(p.name for p in PACKAGES["torch_handle"].glob("*.py"))
+    assert len(top) <= TOP_LEVEL_MAX, top
+    assert set(LAYERS) >= {p.removesuffix(".py") for p in top} - {"__init__"}
+
+
+def test_no_module_over_600_lines() -> None:
+    long = {str(path.relative_to(ROOT)): n for path in _modules().values()
+            if (n := len(path.read_text(encoding="utf-8").splitlines())) > LINES_MAX}
+    assert not long, long
