@@ -11,8 +11,8 @@ Inside torch_handle, each part (a subpackage such as ``torch_handle/observe/``, 
 modules) may import only the parts its row of ``LAYERS`` names, so a new edge is a decision taken in review.
 From the bottom:
 
-    common < errors < hookspecs < registry < config < rundir < observe < model, data < checkpoint < launch
-           < train < plan < infer;   api (the plugins' facade) on top
+    common < errors < hookspecs < registry < config < rundir < observe < parallel < model, data < checkpoint
+           < launch < train < plan < infer;   api (the plugins' facade) on top
 
 ``launch`` sits below ``train``: the launcher starts workers by module name (``-m torch_handle.train.worker``) and
 never imports them, while a worker uses the launcher's process helpers (``die_with_parent``).
@@ -36,14 +36,15 @@ LAYERS: dict[str, set[str]] = {
     "config": _BASE | {"registry"},
     "rundir": _BASE,
     "observe": _BASE | {"config", "rundir"},
-    "model": _BASE,
+    "parallel": _BASE,
+    "model": _BASE | {"parallel"},
     "data": _BASE,
     "checkpoint": _BASE | {"config", "rundir", "observe"},
     "launch": _BASE | {"config", "rundir", "observe", "checkpoint"},
-    "train": _BASE | {"registry", "config", "rundir", "observe", "model", "data", "checkpoint", "launch"},
-    "plan": _BASE | {"registry", "config", "rundir", "observe", "model", "data", "checkpoint", "launch", "train"},
+    "train": _BASE | {"parallel", "registry", "config", "rundir", "observe", "model", "data", "checkpoint", "launch"},
+    "plan": _BASE | {"parallel", "registry", "config", "rundir", "observe", "model", "data", "checkpoint", "launch", "train"},
     "infer": _BASE | {"registry", "config", "rundir", "observe", "model", "data", "checkpoint"},
-    "api": _BASE | {"hookspecs", "registry", "config", "rundir", "observe", "model", "data", "checkpoint", "train"},
+    "api": _BASE | {"parallel", "hookspecs", "registry", "config", "rundir", "observe", "model", "data", "checkpoint", "train"},
 }
 """part of torch_handle -> the parts it may import (its own modules aside)."""
 TOP_LEVEL_MAX = 6

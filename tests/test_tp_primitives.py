@@ -1,0 +1,137 @@
+"""The hand-written tensor-parallel pieces against their one-process originals, on 2 real gloo processes.
+
+Each check builds the one-process module with one seed on both ranks, splits it, and compares forward outputs and
+(gathered) gradients. Tiny sizes: the point is exactness, not speed.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+
+from torch_handle.parallel.tensor.cross_entropy import IGNORE_INDEX, vocab_parallel_cross_entropy
+from torch_handle.parallel.tensor.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
+                                                 all_reduce_sp_grads, mark_sequence_parallel)
+from torch_handle.parallel.tensor.mappings import TPGroup, gather_sequence, split_to_sp
+
+pytestmark = pytest.mark.dist
+
+B, S, H, FF, V = 2, 4, 8, 12, 10
+
+
+def _gather(t: torch.Tensor, tp: TPGroup, dim: int) -> torch.Tensor:
+    parts = [torch.empty_like(t) for _ in range(tp.size)]
+    dist.all_gather(parts, t.contiguous())
+    return torch.cat(parts, dim)
+
+
+def check_mlp(tp: TPGroup, sequence_parallel: bool) -> None:
+    """LayerNorm -> column-parallel -> GELU -> row-parallel, with and without sequence parallelism, equals the
+    one-process block; the bytes counted equal the analytic volume."""
+    torch.manual_seed(0)
+    norm, up, down = nn.LayerNorm(H), nn.Linear(H, FF), nn.Linear(FF, H)
+    x = torch.randn(B, S, H, requires_grad=True)
+    ref = down(F.gelu(up(norm(x))))
+    ref.square().sum().backward()
+
+    p_norm = nn.LayerNorm(H)
+    p_norm.load_state_dict(norm.state_dict())
+    col = ColumnParallelLinear.from_linear(up, tp, sequence_parallel=sequence_parallel)
+    row = RowParallelLinear.from_linear(down, tp, sequence_parallel=sequence_parallel)
+    xp = x.detach().clone().requires_grad_(True)
+    tp.stats.reset()
+    if sequence_parallel:
+        mark_sequence_parallel(p_norm)
+        h = split_to_sp(xp, tp)  # (B, S/tp, H)
+        out = gather_sequence(row(F.gelu(col(p_norm(h)))), tp)
+    else:
+        out = row(F.gelu(col(p_norm(xp))))
+    out.square().sum().backward()
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(xp.grad, x.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(_gather(col.weight.grad, tp, 0), up.weight.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(_gather(row.weight.grad, tp, 1), down.weight.grad, rtol=1e-5, atol=1e-6)
+    act = B * S * H * 4  # one (b, s, h) fp32 activation
+    if sequence_parallel:
+        # all-gather + reduce-scatter forward, the same backward, plus the two gathers around the block
+        assert tp.stats.by_op == {"all_gather": 4, "reduce_scatter": 2}, tp.stats.by_op
+        assert tp.stats.bytes == 6 * act
+        assert not torch.allclose(p_norm.weight.grad, norm.weight.grad)  # a shard's partial sum...
+        all_reduce_sp_grads(nn.ModuleList([p_norm, row]), tp)  # ...until summed over the group
+    else:
+        assert tp.stats.by_op == {"all_reduce": 2}, tp.stats.by_op  # g forward, f backward
+        assert tp.stats.bytes == 2 * act
+    torch.testing.assert_close(p_norm.weight.grad, norm.weight.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(row.bias.grad, down.bias.grad, rtol=1e-5, atol=1e-6)
+
+
+def check_fused_qkv(tp: TPGroup) -> None:
+    """A fused [Q; K; V] projection split with parts=3 keeps whole heads: each rank's output is its Q, K, V heads."""
+    torch.manual_seed(1)
+    qkv = nn.Linear(H, 3 * H)
+    x = torch.randn(B, S, H)
+    q, k, v = qkv(x).chunk(3, dim=-1)  # (B, S, H) each: heads are consecutive H/n_heads columns
+    local = ColumnParallelLinear.from_linear(qkv, tp, parts=3)
+    lq, lk, lv = local(x).chunk(3, dim=-1)  # (B, S, H/tp) each
+    for full, part in ((q, lq), (k, lk), (v, lv)):
+        torch.testing.assert_close(part, full.chunk(tp.size, dim=-1)[tp.rank])
+
+
+def check_embedding_and_loss(tp: TPGroup, eps: float) -> None:
+    """Vocabulary-parallel embedding and cross-entropy (ignore_index, label smoothing) equal the one-process ones."""
+    torch.manual_seed(2)
+    emb, head = nn.Embedding(V, H), nn.Linear(H, V, bias=False)
+    ids = torch.randint(0, V, (B, S))
+    labels = torch.randint(0, V, (B, S))
+    labels[0, 0] = IGNORE_INDEX
+    logits = head(emb(ids))
+    ref = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, label_smoothing=eps)
+    ref.backward()
+
+    p_emb = VocabParallelEmbedding.from_embedding(emb, tp)
+    p_head = ColumnParallelLinear.from_linear(head, tp)
+    tp.stats.reset()
+    loss, n = vocab_parallel_cross_entropy(p_head(p_emb(ids)), labels, tp, label_smoothing=eps)
+    forward_calls = tp.stats.calls
+    loss.backward()
+    assert int(n) == B * S - 1
+    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(_gather(p_emb.weight.grad, tp, 0), emb.weight.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(_gather(p_head.weight.grad, tp, 0), head.weight.grad, rtol=1e-5, atol=1e-6)
+    assert forward_calls == 3  # embedding's g, the loss's MAX and its (N, 3) SUM
+    assert tp.stats.calls == 4  # + the head's f in backward; the loss sends nothing backward
+
+
+def _worker(rank: int, world: int, init: str, errors: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        tp = TPGroup()
+        check_mlp(tp, sequence_parallel=False)
+        check_mlp(tp, sequence_parallel=True)
+        check_fused_qkv(tp)
+        check_embedding_and_loss(tp, eps=0.0)
+        check_embedding_and_loss(tp, eps=0.1)
+    except BaseException:
+        Path(errors, f"rank{rank}.txt").write_text(traceback.format_exc())
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def test_tp_pieces_equal_one_process(tmp_path: Path) -> None:
+    init = f"file://{tmp_path / 'rendezvous'}"
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    try:
+        mp.spawn(_worker, args=(2, init, str(tmp_path)), nprocs=2, join=True)
+    except Exception as e:  # show the rank's own traceback, not the spawn wrapper's
+        found = sorted(tmp_path.glob("rank*.txt"))
+        raise AssertionError("\n".join(p.read_text() for p in found) or str(e)) from None

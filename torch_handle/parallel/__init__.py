@@ -1,0 +1,1 @@
+"""Model parallelism: tensor parallelism (by hand and with DTensor), and the device mesh it shares with data parallelism."""

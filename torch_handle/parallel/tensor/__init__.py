@@ -1,0 +1,1 @@
+"""Tensor parallelism written by hand (Megatron-LM style): the f/g conjugate functions, column/row-parallel linears, a vocabulary-parallel embedding and cross-entropy, sequence parallelism."""

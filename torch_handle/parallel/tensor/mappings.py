@@ -1,0 +1,211 @@
+"""The four conjugate communication functions of Megatron-style tensor parallelism, written as autograd functions.
+
+A tensor-parallel (TP) region is the stretch of a block between a column-parallel linear's input and a
+row-parallel linear's output: inside it every rank holds 1/tp of the features (whole attention heads, a slice of
+d_ff). Outside it every rank holds the same activations (or, with sequence parallelism, 1/tp of the sequence).
+Crossing the border costs one collective each way, and each forward collective has a conjugate in backward
+(Shoeybi et al. 2019, "Megatron-LM", §3 and Fig. 3; Korthikanti et al. 2022, "Reducing Activation Recomputation
+in Large Transformer Models", §4.2.2 and Fig. 5):
+
+=============================  =========================  ==========================
+function (entering / leaving)   forward                    backward
+=============================  =========================  ==========================
+``copy_to_tp`` (Megatron f)     identity                   all-reduce
+``reduce_from_tp`` (g)          all-reduce                 identity
+``gather_from_sp`` (f, SP)      all-gather along sequence  reduce-scatter along sequence
+``scatter_to_sp`` (g, SP)       reduce-scatter along seq.  all-gather along sequence
+=============================  =========================  ==========================
+
+An all-reduce of n elements moves the same data as a reduce-scatter followed by an all-gather, so sequence
+parallelism costs no extra communication; what it buys is that LayerNorm and dropout, outside the TP region, work
+on 1/tp of the sequence (their activations shrink by tp).
+
+Every collective is counted in the group's :class:`CommStats` (calls, bytes of the full tensor each rank
+contributes or receives, seconds spent waiting) so that a run can report ``tp_comm_calls``/``tp_comm_bytes`` and
+tests can hold the counts to the analytic volume. On gloo, ``reduce_scatter_tensor`` is emulated with an
+all-reduce (torch's ProcessGroupGloo), so its time on CPU is not what NCCL's would be; the bytes are the same.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+# torch 2.13 renamed the tensor collectives (the old names warn); older torch has only the old ones.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+@dataclass
+class CommStats:
+    """What one rank's TP collectives moved since the last :meth:`reset`.
+
+    ``bytes`` counts, per collective, the size of the full (unsharded) tensor: an all-reduce of a (b, s, h) bf16
+    activation counts 2·b·s·h bytes, and so do the all-gather and the reduce-scatter that replace it under
+    sequence parallelism. ``wait_s`` is wall time inside the collective calls (blocking calls: the time this rank
+    waited for the others plus the transfer)."""
+
+    calls: int = 0
+    bytes: int = 0
+    wait_s: float = 0.0
+    by_op: dict[str, int] = field(default_factory=dict)
+
+    def reset(self) -> None:
+        self.calls, self.bytes, self.wait_s = 0, 0, 0.0
+        self.by_op.clear()
+
+    def record(self, op: str, nbytes: int, seconds: float) -> None:
+        self.calls += 1
+        self.bytes += nbytes
+        self.wait_s += seconds
+        self.by_op[op] = self.by_op.get(op, 0) + 1
+
+
+class TPGroup:
+    """A tensor-parallel process group and its counters.
+
+    ``group``: the ranks that split one layer (a ``DeviceMesh``'s "tp" dimension, or the default group when
+    world_size == tp). ``rank`` and ``size`` are this process's index in it and its size (tp)."""
+
+    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.size = dist.get_world_size(group)
+        self.stats = CommStats()
+
+    def all_reduce(self, x: Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> Tensor:
+        """Sum (or ``op``) of ``x`` over the group, in place when ``x`` is contiguous; returns the result."""
+        x = x.contiguous()
+        start = time.perf_counter()
+        dist.all_reduce(x, op=op, group=self.group)
+        self.stats.record("all_reduce", x.numel() * x.element_size(), time.perf_counter() - start)
+        return x
+
+    def all_gather(self, x: Tensor, dim: int) -> Tensor:
+        """Concatenation along ``dim`` of every rank's ``x`` (all the same shape), in rank order."""
+        moved = x.movedim(dim, 0).contiguous()  # gather along dim 0, the layout all_gather_into_tensor fills
+        out = torch.empty((self.size * moved.shape[0], *moved.shape[1:]), dtype=x.dtype, device=x.device)
+        start = time.perf_counter()
+        _all_gather_single(out, moved, group=self.group)
+        self.stats.record("all_gather", out.numel() * out.element_size(), time.perf_counter() - start)
+        return out.movedim(0, dim)
+
+    def reduce_scatter(self, x: Tensor, dim: int) -> Tensor:
+        """This rank's 1/size slice along ``dim`` of the sum over the group of ``x``."""
+        if x.shape[dim] % self.size:
+            raise ValueError(f"reduce_scatter: dimension {dim} of size {x.shape[dim]} is not divisible by {self.size}")
+        moved = x.movedim(dim, 0).contiguous()
+        out = torch.empty((moved.shape[0] // self.size, *moved.shape[1:]), dtype=x.dtype, device=x.device)
+        start = time.perf_counter()
+        _reduce_scatter_single(out, moved, group=self.group)
+        self.stats.record("reduce_scatter", moved.numel() * moved.element_size(), time.perf_counter() - start)
+        return out.movedim(0, dim)
+
+    def split(self, x: Tensor, dim: int) -> Tensor:
+        """This rank's slice of ``x`` along ``dim`` (no communication)."""
+        return x.chunk(self.size, dim)[self.rank].contiguous()
+
+
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, tp: TPGroup) -> Tensor:
+        ctx.tp = tp
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return ctx.tp.all_reduce(grad), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, tp: TPGroup) -> Tensor:
+        return tp.all_reduce(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return grad, None
+
+
+class _GatherFromSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, tp: TPGroup, dim: int) -> Tensor:
+        ctx.tp, ctx.dim = tp, dim
+        return tp.all_gather(x, dim)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return ctx.tp.reduce_scatter(grad, ctx.dim), None, None
+
+
+class _ScatterToSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, tp: TPGroup, dim: int) -> Tensor:
+        ctx.tp, ctx.dim = tp, dim
+        return tp.reduce_scatter(x, dim)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return ctx.tp.all_gather(grad, ctx.dim), None, None
+
+
+class _SplitToSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, tp: TPGroup, dim: int) -> Tensor:
+        ctx.tp, ctx.dim = tp, dim
+        return tp.split(x, dim)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return ctx.tp.all_gather(grad, ctx.dim), None, None
+
+
+class _GatherKeepGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, tp: TPGroup, dim: int) -> Tensor:
+        ctx.tp, ctx.dim = tp, dim
+        return tp.all_gather(x, dim)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return ctx.tp.split(grad, ctx.dim), None, None
+
+
+def copy_to_tp(x: Tensor, tp: TPGroup) -> Tensor:
+    """Megatron's f, entering a TP region: identity forward, all-reduce of the gradient backward.
+    x (..., h) replicated on every TP rank -> the same tensor."""
+    return _CopyToTP.apply(x, tp)
+
+
+def reduce_from_tp(x: Tensor, tp: TPGroup) -> Tensor:
+    """Megatron's g, leaving a TP region: all-reduce forward (each rank holds a partial sum), identity backward.
+    x (..., h) partial sums -> (..., h) the full sum, replicated."""
+    return _ReduceFromTP.apply(x, tp)
+
+
+def gather_from_sp(x: Tensor, tp: TPGroup, dim: int = 1) -> Tensor:
+    """Sequence-parallel f: all-gather along the sequence forward, reduce-scatter backward.
+    x (b, s/tp, h), this rank's sequence shard -> (b, s, h) replicated."""
+    return _GatherFromSP.apply(x, tp, dim)
+
+
+def scatter_to_sp(x: Tensor, tp: TPGroup, dim: int = 1) -> Tensor:
+    """Sequence-parallel g: reduce-scatter along the sequence forward, all-gather backward.
+    x (b, s, h) partial sums -> (b, s/tp, h), this rank's shard of the full sum."""
+    return _ScatterToSP.apply(x, tp, dim)
+
+
+def split_to_sp(x: Tensor, tp: TPGroup, dim: int = 1) -> Tensor:
+    """Enter the sequence-parallel layout from a replicated tensor: keep this rank's shard forward (no
+    communication), all-gather the gradient backward. x (b, s, h) replicated -> (b, s/tp, h)."""
+    return _SplitToSP.apply(x, tp, dim)
+
+
+def gather_sequence(x: Tensor, tp: TPGroup, dim: int = 1) -> Tensor:
+    """Leave the sequence-parallel layout into a replicated tensor: all-gather forward, keep this rank's slice of
+    the gradient backward (the conjugate of :func:`split_to_sp`). x (b, s/tp, h) -> (b, s, h)."""
+    return _GatherKeepGrad.apply(x, tp, dim)
