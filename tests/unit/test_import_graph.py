@@ -41,10 +41,12 @@ LAYERS: dict[str, set[str]] = {
     "data": _BASE,
     "checkpoint": _BASE | {"config", "rundir", "observe"},
     "launch": _BASE | {"config", "rundir", "observe", "checkpoint"},
-    "train": _BASE | {"parallel", "registry", "config", "rundir", "observe", "model", "data", "checkpoint", "launch"},
-    "plan": _BASE | {"parallel", "registry", "config", "rundir", "observe", "model", "data", "checkpoint", "launch", "train"},
+    "train": _BASE | {"registry", "config", "rundir", "observe", "parallel", "model", "data", "checkpoint", "launch"},
+    "plan": _BASE | {"registry", "config", "rundir", "observe", "parallel", "model", "data", "checkpoint", "launch",
+                     "train"},
     "infer": _BASE | {"registry", "config", "rundir", "observe", "model", "data", "checkpoint"},
-    "api": _BASE | {"parallel", "hookspecs", "registry", "config", "rundir", "observe", "model", "data", "checkpoint", "train"},
+    "api": _BASE | {"hookspecs", "registry", "config", "rundir", "observe", "parallel", "model", "data", "checkpoint",
+                    "train"},
 }
 """part of torch_handle -> the parts it may import (its own modules aside)."""
 TOP_LEVEL_MAX = 6
