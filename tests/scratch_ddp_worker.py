@@ -72,7 +72,7 @@ def loss_of(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) ->
 
 def scratch(sync: str, shard: bool, grad_accum: int = ACCUM, bucket_mb: float = 0.01):
     from handle_plugins.strategies import ScratchDDPConfig
-    from handle_plugins.strategies.scratch_ddp import ScratchDDPStrategy
+    from handle_plugins.strategies.scratch_ddp.strategy import ScratchDDPStrategy
 
     options = ScratchDDPConfig(sync=sync, bucket_mb=bucket_mb, shard_optimizer=shard)
     return ScratchDDPStrategy(options, training_config(grad_accum), ctx_of(dist.get_rank()), tiny_model())
@@ -198,7 +198,7 @@ def check_hooks(rank: int) -> dict[str, Any]:
             loss_of(strategy.model, data).backward()
         strategy.sync_gradients()  # wait for what the hooks launched
         strategy.optimizer.zero_grad(set_to_none=True)
-        hooks_before = len(strategy._hooks)
+        hooks_before = len(strategy.synchronizer.hooks)
         strategy.close()
         strategy.close()  # idempotent
         with CountingAllReduce() as after:

@@ -1,4 +1,4 @@
-"""``scratch-ddp``: data parallelism and ZeRO-1 written from scratch (plugins/strategies/scratch_ddp.py).
+"""``scratch-ddp``: data parallelism and ZeRO-1 written from scratch (plugins/strategies/scratch_ddp/).
 
 One 2-process gloo group (``tests/scratch_ddp_worker.py``, about 10 s) runs every distributed check once and
 writes the results as JSON; the tests below read them. The rest runs in this process.
@@ -142,14 +142,14 @@ def test_options_are_typed_and_validated(tmp_path):
 def test_buckets_fill_in_reverse_registration_order():
     import torch
 
-    from handle_plugins.strategies.scratch_ddp import MB, ScratchDDPStrategy
+    from handle_plugins.strategies.scratch_ddp.bucketed import MB, make_buckets
 
     params = [torch.nn.Parameter(torch.zeros(n)) for n in (1000, 10, 200_000, 300_000, 5)]  # fp32: 4 bytes each
-    buckets = ScratchDDPStrategy.make_buckets(params, 1 * MB)  # 262,144 elements per bucket
+    buckets = make_buckets(params, 1 * MB)  # 262,144 elements per bucket
     index = {id(p): i for i, p in enumerate(params)}
     order = [[index[id(p)] for p in b.params] for b in buckets]
     assert order == [[4, 3], [2, 1, 0]]  # a bucket closes once it reaches the cap (so may exceed it, as in DDP)
-    assert [len(b.params) for b in ScratchDDPStrategy.make_buckets(params, 1e12)] == [5]
+    assert [len(b.params) for b in make_buckets(params, 1e12)] == [5]
 
 
 def test_shipped_presets_select_scratch_ddp():

@@ -150,7 +150,7 @@ def build_fsdp(options, training, ctx, model):
 
 
 def build_scratch_ddp(options, training, ctx, model):
-    from handle_plugins.strategies.scratch_ddp import ScratchDDPStrategy
+    from handle_plugins.strategies.scratch_ddp.strategy import ScratchDDPStrategy
 
     return ScratchDDPStrategy(options, training, ctx, model)
 

@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 from handle_plugins.strategies import ScratchDDPConfig
-from handle_plugins.strategies.scratch_ddp import ScratchDDPStrategy
+from handle_plugins.strategies.scratch_ddp.strategy import ScratchDDPStrategy
 from torch import nn
 
 from torch_handle.checkpoint import convert
