@@ -34,176 +34,22 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import click
 import pytest
 
+from tests.doc_pages import (LEARN, REPO, WAIT, Block, Command, check_words, cli_root, parse_block, prose_commands,
+                             resolve, tiny_args)
+from tests.doc_pages import read_blocks as read_page_blocks
 from tests.helpers import leftovers, tagged_env
 
-REPO = Path(__file__).resolve().parents[1]
-DOC = REPO / "docs" / "learn.md"
+DOC = LEARN
 RUN_INFO = "bash"
 LATER_INFO = "bash learn-later"
-
-# appended to every `handle run PRESET` and `handle bench scaling PRESET` (and, minus the training keys that do
-# not matter there, to `handle estimate`)
-TINY_MODEL = {"model.d_model": "32", "model.n_heads": "2", "model.n_layers": "2", "model.d_ff": "64",
-              "data.seq_len": "32", "data.vocab_size": "512"}
-TINY_TRAINING = {"training.steps": "3", "training.micro_batch_size": "4", "training.eval_every": "0",
-                 "training.eval_steps": "1", "training.checkpoint_every": "0", "training.log_every": "1"}
-# a profiler schedule that records within 3 steps (the default needs wait 2 + warmup 2 + active 3)
-TINY_PROFILER = {"profiler.wait": "0", "profiler.warmup": "1", "profiler.active": "2"}
 TIMEOUT_S = 300  # one command; the first DeepSpeed run of a fresh environment JIT-builds an op (~45 s here)
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# reading the page
-# ---------------------------------------------------------------------------------------------------------------
-
-FENCE = re.compile(r"^```([^\n`]*)\n(.*?)^```[ \t]*$", re.MULTILINE | re.DOTALL)
-INLINE = re.compile(r"`(handle [^`]+)`")
-
-
-@dataclass
-class Command:
-    argv: list[str]
-    line: int  # 1-based line of docs/learn.md where the command starts
-    background: bool = False
-
-    @property
-    def text(self) -> str:
-        return shlex.join(self.argv)
-
-
-WAIT = "wait"
-
-
-@dataclass
-class Block:
-    info: str
-    line: int  # line of the opening fence
-    steps: list[Command | str] = field(default_factory=list)  # Command, or WAIT
-
-
-def parse_block(body: str, first_line: int) -> list[Command | str]:
-    """The commands of a fenced block: ``\\`` continues a line, ``#`` starts a comment, a trailing ``&`` runs the
-    command in the background, ``wait`` waits for those."""
-    steps: list[Command | str] = []
-    pending, start = "", first_line
-    for i, raw in enumerate(body.splitlines()):
-        if not pending:
-            start = first_line + i
-        stripped = raw.rstrip()
-        if stripped.endswith("\\"):
-            pending += stripped[:-1] + " "
-            continue
-        words = shlex.split(pending + stripped, comments=True)
-        pending = ""
-        if not words:
-            continue
-        if words == [WAIT]:
-            steps.append(WAIT)
-            continue
-        background = words[-1] == "&"
-        steps.append(Command(words[:-1] if background else words, start, background))
-    assert not pending, f"docs/learn.md:{start}: a line continues (\\) into the end of its block"
-    return steps
-
-
 def read_blocks(text: str) -> list[Block]:
-    out = []
-    for m in FENCE.finditer(text):
-        line = text.count("\n", 0, m.start()) + 1
-        info = m.group(1).strip()
-        block = Block(info, line)
-        if info in (RUN_INFO, LATER_INFO):
-            block.steps = parse_block(m.group(2), line + 1)
-        out.append(block)
-    return out
-
-
-def prose_commands(text: str) -> list[tuple[int, str]]:
-    """(line, text) of every inline ``handle ...`` span outside fenced blocks."""
-    outside = FENCE.sub(lambda m: "\n" * m.group(0).count("\n"), text)
-    return [(outside.count("\n", 0, m.start()) + 1, m.group(1)) for m in INLINE.finditer(outside)]
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# checking a command against the CLI
-# ---------------------------------------------------------------------------------------------------------------
-
-def cli_root() -> click.Group:
-    from handle_cli.main import cli
-
-    return cli
-
-
-def resolve(words: list[str]) -> tuple[tuple[str, ...], click.Command, list[str]]:
-    """(subcommand path, click command, the remaining words) of ``handle w1 w2 ...``; raises LookupError."""
-    assert words and words[0] == "handle", words
-    cmd: click.Command = cli_root()
-    path: list[str] = []
-    rest = words[1:]
-    while isinstance(cmd, click.Group):
-        if not rest or rest[0].startswith("-"):
-            break
-        sub = cmd.commands.get(rest[0])
-        if sub is None:
-            raise LookupError(f"no command `{' '.join(['handle', *path, rest[0]])}` "
-                              f"(valid: {', '.join(sorted(cmd.commands))})")
-        path.append(rest[0])
-        cmd, rest = sub, rest[1:]
-    return tuple(path), cmd, rest
-
-
-def option_names(cmd: click.Command) -> set[str]:
-    names = {"--help", "-h"}
-    for p in cmd.params:
-        if isinstance(p, click.Option):
-            names.update(p.opts)
-            names.update(p.secondary_opts)
-    return names
-
-
-def check_words(words: list[str]) -> str | None:
-    """None when ``words`` names an existing command and only its options, else what is wrong."""
-    try:
-        path, cmd, rest = resolve(words)
-    except LookupError as e:
-        return str(e)
-    valid = option_names(cmd)
-    for w in rest:
-        for part in w.strip("[]()|.,").split("|"):  # `[--json]`, `--weak|--strong` as prose writes them
-            if part.startswith("--"):
-                opt = part.split("=", 1)[0]
-                if opt not in valid:
-                    return (f"`handle {' '.join(path)}` has no option {opt} "
-                            f"(valid: {', '.join(sorted(o for o in valid if o.startswith('--')))})")
-    return None
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# making commands tiny
-# ---------------------------------------------------------------------------------------------------------------
-
-def sets(pairs: dict[str, str]) -> list[str]:
-    return [x for k, v in pairs.items() for x in ("--set", f"{k}={v}")]
-
-
-def tiny_args(path: tuple[str, ...], argv: list[str]) -> list[str]:
-    """What the test appends to the page's command (later options win)."""
-    text = " ".join(argv)
-    if path == ("run",) and "--resume" not in argv:
-        extra = sets({**TINY_MODEL, **TINY_TRAINING})
-        if "profiler.name=torch" in text:
-            extra += sets(TINY_PROFILER)
-        return extra
-    if path == ("estimate",):
-        return sets(TINY_MODEL)
-    if path == ("bench", "scaling"):
-        return sets({**TINY_MODEL, **TINY_TRAINING}) + ["--steps", "3", "--skip", "1"]
-    if path == ("bench", "comm"):
-        return ["--sizes", "1K,64K", "--iters", "2", "--warmup", "1"]
-    return []
+    """The page's fenced blocks, with the commands of its ```bash and ```bash learn-later blocks."""
+    return read_page_blocks(text, "docs/learn.md", (RUN_INFO, LATER_INFO))
 
 
 def free_port() -> int:
@@ -428,29 +274,6 @@ def test_every_handle_command_of_the_page_exists():
         if (why := check_words(words)) is not None:
             problems.append(f"docs/learn.md:{line}: `{span}`: {why}")
     assert not problems, "\n".join(problems)
-
-
-LINK = re.compile(r"\]\(([^)#\s]+\.md)(?:#([^)\s]+))?\)")
-
-
-def anchors(markdown: str) -> set[str]:
-    """GitHub's heading anchors: lower case, punctuation dropped, spaces to hyphens."""
-    outside = FENCE.sub("", markdown)
-    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
-            for h in re.findall(r"^#+ (.+)$", outside, re.MULTILINE)}
-
-
-def test_links_point_at_existing_files_and_headings():
-    text = DOC.read_text(encoding="utf-8")
-    problems = []
-    for m in LINK.finditer(FENCE.sub("", text)):
-        target, anchor = (DOC.parent / m.group(1)).resolve(), m.group(2)
-        link = m.group(0)[1:]
-        if not target.exists():
-            problems.append(f"{link}: no file {target}")
-        elif anchor and anchor not in anchors(target.read_text(encoding="utf-8")):
-            problems.append(f"{link}: no heading #{anchor} in {target.name}")
-    assert not problems, "docs/learn.md:\n" + "\n".join(problems)
 
 
 def test_the_page_walks_the_whole_path():
