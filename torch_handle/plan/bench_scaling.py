@@ -14,8 +14,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from torch_handle.observe.fields import (BACKWARD_S, BREAKDOWN, COMM_S, DATA_S, FORWARD_S, GRAD_BYTES, OPTIMIZER_BYTES,
-                                         OPTIMIZER_S, PARAM_BYTES, SYNC_S, Kind)
+from torch_handle.observe.fields import (BACKWARD_S, BREAKDOWN, COMM_S, CUDA_MAX_ALLOCATED_BYTES, DATA_S, FORWARD_S,
+                                         GRAD_BYTES, OPTIMIZER_BYTES, OPTIMIZER_S, PARAM_BYTES, RSS_BYTES, SYNC_S, Kind)
 from torch_handle.observe.tail import integer, number
 
 MAX_NPROC = 256
@@ -168,8 +168,8 @@ def summarize(events: Iterable[dict[str, Any]], skip: int) -> dict[str, Any]:
                                            "cuda_max_allocated_bytes": None})
             parts = [integer(m.get(k)) for k in (PARAM_BYTES, GRAD_BYTES, OPTIMIZER_BYTES)]
             state = sum(p for p in parts if p is not None) if any(p is not None for p in parts) else None
-            for key, value in (("rss_bytes", integer(m.get("rss_bytes"))), ("model_state_bytes", state),
-                               ("cuda_max_allocated_bytes", integer(m.get("cuda_max_allocated_bytes")))):
+            for key, value in (("rss_bytes", integer(m.get(RSS_BYTES))), ("model_state_bytes", state),
+                               ("cuda_max_allocated_bytes", integer(m.get(CUDA_MAX_ALLOCATED_BYTES)))):
                 if value is not None and (peak[key] is None or value > peak[key]):
                     peak[key] = value
     out["memory"] = [{"rank": r, **peaks[r]} for r in sorted(peaks)]
