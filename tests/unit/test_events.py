@@ -150,8 +150,8 @@ def test_fold_a_restart_truncates_the_series_and_keeps_the_peaks(tmp_path):
 
 
 def test_fold_keeps_the_activation_bytes_of_a_step_event(tmp_path):
-    """The trainer's ``activation_saved_bytes`` (and every other memory figure it may write) reaches the run state:
-    the fold once dropped the activation figure."""
+    """The trainer's ``activation_saved_bytes`` (and every other memory figure it writes) reaches the run state:
+    the fold once dropped the activation figure. Older events name it ``activation_bytes``."""
     s = RunState(tmp_path)
     s.apply([step(1, 1, memory=[{"rank": 0, "param_bytes": 10, "activation_saved_bytes": 4096}]),
              step(2, 2, memory=[{"rank": 0, "param_bytes": 10, "activation_saved_bytes": 2048}])])
@@ -160,6 +160,8 @@ def test_fold_keeps_the_activation_bytes_of_a_step_event(tmp_path):
     every = {key: i + 1 for i, key in enumerate(MEMORY)}
     s.apply([step(3, 3, memory=[{"rank": 1, **every}])])
     assert s.memory[1] == every
+    s.apply([step(4, 4, memory=[{"rank": 2, "activation_bytes": 1024}])])
+    assert s.memory[2] == {"activation_saved_bytes": 1024}
 
 
 def test_fold_has_a_series_for_every_breakdown_field(tmp_path):

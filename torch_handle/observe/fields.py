@@ -75,16 +75,16 @@ CUDA_ALLOCATED_BYTES = "cuda_allocated_bytes"
 CUDA_MAX_ALLOCATED_BYTES = "cuda_max_allocated_bytes"
 CUDA_RESERVED_BYTES = "cuda_reserved_bytes"
 
-# activations of one micro-batch; the same keys in the memory telemetry and in ``handle estimate --json``
-ACTIVATION_SAVED_BYTES = "activation_saved_bytes"  # distinct storages autograd saves for backward (measured)
-ACTIVATION_LOGITS_BYTES = "activation_logits_bytes"  # the fp32 (B, T, V) logits buffer (estimate only)
-ACTIVATION_RECOMPUTE_BYTES = "activation_recompute_bytes"  # the largest block rebuilt in backward (estimate only)
-ACTIVATION_BYTES = "activation_bytes"  # the sum of the three (estimate only)
+# activations of one micro-batch, the same names in the memory telemetry and in ``handle estimate --json``
+ACTIVATION_SAVED_BYTES = "activation_saved_bytes"  # distinct storages autograd saves for backward (both)
+ACTIVATION_LOGITS_BYTES = "activation_logits_bytes"  # the fp32 (B, T, V) logits buffer (estimate)
+ACTIVATION_RECOMPUTE_BYTES = "activation_recompute_bytes"  # the largest block rebuilt in backward (estimate)
+ACTIVATION_BYTES = "activation_bytes"  # the sum of the three (estimate; in older events: the saved part)
 ACTIVATION_PARTS = (ACTIVATION_SAVED_BYTES, ACTIVATION_LOGITS_BYTES, ACTIVATION_RECOMPUTE_BYTES)
 
-MEMORY = (PARAM_BYTES, GRAD_BYTES, OPTIMIZER_BYTES, RSS_BYTES, *ACTIVATION_PARTS, ACTIVATION_BYTES,
-          CUDA_ALLOCATED_BYTES, CUDA_MAX_ALLOCATED_BYTES, CUDA_RESERVED_BYTES)
-"""Every figure a ``memory`` entry may carry besides ``rank``."""
+MEMORY = (PARAM_BYTES, GRAD_BYTES, OPTIMIZER_BYTES, RSS_BYTES, ACTIVATION_SAVED_BYTES, CUDA_ALLOCATED_BYTES,
+          CUDA_MAX_ALLOCATED_BYTES, CUDA_RESERVED_BYTES)
+"""Every figure a ``memory`` entry carries besides ``rank``."""
 
 # step events: ``ranks``, one object per rank every log_every steps (with more than one rank)
 WAIT_S = "wait_s"  # seconds the rank waited in collectives it can observe: SYNC_S + COMM_S

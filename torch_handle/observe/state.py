@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from torch_handle.common.text import clean, strategy_label
-from torch_handle.observe.fields import BREAKDOWN, DATA_S, MEMORY, WAIT_S, Kind, Level, Status
+from torch_handle.observe.fields import (ACTIVATION_BYTES, ACTIVATION_SAVED_BYTES, BREAKDOWN, DATA_S, MEMORY, WAIT_S,
+                                         Kind, Level, Status)
 from torch_handle.observe.tail import BadLine, integer, number
 
 SLOW_RANK_RATIO = 0.2
@@ -232,6 +233,8 @@ class RunState:
                 if rank is None:
                     continue
                 latest = {k: int(v) for k in MEMORY if (v := number(mem.get(k))) is not None}
+                if ACTIVATION_SAVED_BYTES not in latest and (v := number(mem.get(ACTIVATION_BYTES))) is not None:
+                    latest[ACTIVATION_SAVED_BYTES] = int(v)  # older events: the saved part under the total's name
                 self.memory[rank] = latest
                 peak = self.peak_memory.setdefault(rank, {})
                 for k, v in latest.items():
