@@ -410,7 +410,7 @@ def _scaling_plan(preset: str, overrides: tuple[str, ...], nprocs: list[int], la
 def _run_one(preset: str, run: dict[str, Any], directory: Path) -> tuple[int, dict[str, Any], list[dict], float]:
     """One run through ``handle run``'s launcher (prepare_run + supervise, quiet): ``(exit code, run.json,
     events, wall seconds)``. Ctrl-C is supervise's: the workers stop (a second one kills them), exit code 130."""
-    from torch_handle.observe.events import EventReader
+    from torch_handle.observe.tail import EventReader
     from torch_handle.rundir import read_run_info
     from torch_handle.observe.telemetry import EVENTS_FILE
 
@@ -461,7 +461,7 @@ def scaling_table(records: list[dict[str, Any]]):
     columns = [("strategy", "left"), ("ranks", "right"), ("status", "left"), ("tokens/s", "right"),
                ("step ms", "right"), ("eff.", "right"), ("rss", "right"), ("state", "right")]
     columns += [("cuda", "right")] if cuda else []
-    columns += [("data", "right"), ("fwd", "right"), ("bwd", "right"), ("opt", "right"), ("comm", "right")]
+    columns += [(label, "right") for label, _ in scaling_math.TABLE_PARTS]
     widest = max([8, *(len(r["strategy"]) for r in records)])
     for name, justify in columns:
         table.add_column(name, justify=justify, no_wrap=True, min_width=widest if name == "strategy" else None)
@@ -479,7 +479,7 @@ def scaling_table(records: list[dict[str, Any]]):
                fmt_mem(scaling_math.peak_over_ranks(memory, "rss_bytes")),
                fmt_mem(scaling_math.peak_over_ranks(memory, "model_state_bytes"))]
         row += [fmt_mem(scaling_math.peak_over_ranks(memory, "cuda_max_allocated_bytes"))] if cuda else []
-        row += [_ms(r.get(k)) for k in scaling_math.BREAKDOWN]
+        row += [_ms(x) for x in scaling_math.table_parts(r)]
         table.add_row(*row)
     return table
 

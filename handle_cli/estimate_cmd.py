@@ -76,6 +76,8 @@ def estimate(preset: str, overrides: tuple[str, ...], nproc: str, nnodes: int | 
     ZeRO accounting (Rajbhandari et al. 2020) made exact for each built-in strategy, from real runs' telemetry;
     activations of one micro-batch are measured by running the model's forward and backward on fake tensors
     (no memory allocated). Figures are those of the rank that holds the most; host = state offloaded to CPU.
+    With --json, activation_bytes comes with its parts: activation_saved_bytes (what a run's memory telemetry
+    reports), activation_logits_bytes and activation_recompute_bytes.
 
     \b
     Examples:

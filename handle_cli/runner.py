@@ -14,7 +14,9 @@ from handle_cli.common import EXIT_FAILED, EXIT_FINISHED, EXIT_STOPPED
 from torch_handle.config.loader import Preset, dump_preset, load_preset
 from torch_handle.rundir import (ACTIVE, PRESET_FILE, RunDirError, create_run_dir, launcher_alive, read_run_info,
                                  update_run_info)
-from torch_handle.observe.events import EventReader, Kind, Level, RunState, Status
+from torch_handle.observe.fields import Kind, Level, Status
+from torch_handle.observe.state import RunState
+from torch_handle.observe.tail import EventReader
 from torch_handle.observe.telemetry import EVENTS_FILE
 from torch_handle.common.text import clean, fmt_bytes, fmt_duration  # text from logs and events never reaches the terminal raw
 

@@ -18,7 +18,9 @@ def run_summary(run_dir: Path, now: float | None = None) -> dict[str, Any]:
     global), ``start_time`` (unix s), ``age_s`` (s since the start), ``message``, ``hang`` (the message of the
     newest ``hang`` event, also after the run moved on or ended; null without one). Reads run.json and the end of
     events.jsonl only."""
-    from torch_handle.observe.events import RunState, Status, tail_events
+    from torch_handle.observe.fields import Status
+    from torch_handle.observe.state import RunState
+    from torch_handle.observe.tail import tail_events
     from torch_handle.rundir import RunDirError, read_run_status
     from torch_handle.observe.telemetry import EVENTS_FILE
 

@@ -1,4 +1,4 @@
-"""``handle stacks``: the Python stacks of a live run's workers, on demand (the logic: torch_handle.observe.watchdog)."""
+"""``handle stacks``: the Python stacks of a live run's workers, on demand (the logic: torch_handle.observe.stacks)."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def stacks(run_dir: Path, as_json: bool) -> None:
       handle stacks runs/zero2-20260105-080000 --json | jq -r '.ranks[].summary'
     """
     from torch_handle.common.text import clean
-    from torch_handle.observe.watchdog import stacks_of_run
+    from torch_handle.observe.stacks import stacks_of_run
 
     report = stacks_of_run(run_dir)
     if as_json:

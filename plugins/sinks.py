@@ -10,11 +10,12 @@ from pathlib import Path
 from typing import Any
 
 from torch_handle.api import Kind, Sink, hookimpl
+from torch_handle.observe.fields import BREAKDOWN, COMM_S
 
-TRAIN_SCALARS = ("loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "comm_s", "mfu")
+TRAIN_SCALARS = ("loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", COMM_S, "mfu")
 """Fields of ``step`` events written as ``train/<field>`` (when the event has them: ``comm_s`` only from
 strategies that report it, ``mfu`` when the peak is known)."""
-TIME_SCALARS = ("data_s", "forward_s", "backward_s", "optimizer_s", "sync_s", "comm_s")
+TIME_SCALARS = BREAKDOWN
 """The step breakdown, written as ``time/<field>`` (seconds) so TensorBoard groups the parts in one section."""
 
 

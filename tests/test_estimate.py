@@ -174,6 +174,20 @@ def test_fake_activations_match_a_real_forward_backward(precision, mode, checkpo
         assert fake.recompute == 0
 
 
+def test_json_names_the_activation_parts_as_the_memory_telemetry_does():
+    """``activation_bytes`` is the total; its ``activation_saved_bytes`` is what a run's memory telemetry reports
+    under the same name (the trainer measures only that part)."""
+    from torch_handle.observe.fields import ACTIVATION_BYTES, ACTIVATION_PARTS, ACTIVATION_SAVED_BYTES
+
+    row = E.Estimate("ddp", 2, 0, "fp32", 10, 40, 40, 80, E.ActivationBytes(saved=100, logits=30, recompute=7), 297,
+                     0, options={"zero_stage": 0})
+    d = row.as_dict()
+    assert d[ACTIVATION_BYTES] == row.activation_bytes == 137 == sum(d[k] for k in ACTIVATION_PARTS)
+    assert d[ACTIVATION_SAVED_BYTES] == 100 and d["activation_logits_bytes"] == 30
+    assert d["activation_recompute_bytes"] == 7
+    assert json.loads(json.dumps(d))["options"] == {"zero_stage": 0} and "activation" not in d
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # the command
 # ---------------------------------------------------------------------------------------------------------------

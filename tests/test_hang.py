@@ -21,7 +21,8 @@ import pytest
 
 from handle_cli.tui.app import HandleDashboard
 from tests.helpers import leftovers, tagged_env, tiny_preset
-from torch_handle.observe.watchdog import collect_stacks, live_beats, take_stacks
+from torch_handle.observe.heartbeat import live_beats
+from torch_handle.observe.stacks import collect_stacks, take_stacks
 
 HANG_FIXTURES = Path(__file__).parent / "fixtures" / "recorded-hang"
 
@@ -183,7 +184,7 @@ def test_stacks_of_a_run_that_is_not_running(tmp_path: Path) -> None:
 
 CHILD = """
 import sys, time
-from torch_handle.observe.watchdog import beat, start_heartbeat
+from torch_handle.observe.heartbeat import beat, start_heartbeat
 
 start_heartbeat(sys.argv[1], rank=3, local_rank=1).interval_s = 0.2
 beat("train_step", 7)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from handle_cli.runner import progress_line, summary_text
-from torch_handle.observe.events import RunState
+from torch_handle.observe.state import RunState
 
 
 def test_progress_line_before_and_after_the_first_step():

@@ -15,7 +15,8 @@ from click.testing import CliRunner
 
 from handle_cli.main import cli
 from tests.helpers import tiny_preset
-from torch_handle.observe.events import EventReader, RunState
+from torch_handle.observe.state import RunState
+from torch_handle.observe.tail import EventReader
 from torch_handle.observe.telemetry import EventWriter, last_seq
 
 

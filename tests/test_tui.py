@@ -18,7 +18,7 @@ import pytest
 
 from handle_cli.tui.app import HandleDashboard
 from handle_cli.tui.model import LogTail, run_rows
-from torch_handle.observe.events import RunState
+from torch_handle.observe.state import RunState
 from torch_handle.common.text import clean
 from handle_cli.tui.screens import HelpScreen, RunPicker
 from handle_cli.tui.widgets import Chart, LogPanel, MemoryBars, StatusHeader, TimePanel, nice_ticks, tick_labels

@@ -35,7 +35,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and editors only (name
     from torch_handle.data.datasets import (IGNORE_INDEX, SPECIAL_TOKENS, DataBundle, DataContext, LMDataset, TranslationDataset,
                                    encode_stream, load_or_train_tokenizer, pad_collate)
     from torch_handle.config.loader import deep_merge
-    from torch_handle.observe.events import Kind, Status
+    from torch_handle.observe.fields import Kind, Status
     from torch_handle.train.strategy import DistContext, Strategy, lr_lambda, optimizer_state_tensors, tensor_bytes
     from torch_handle.observe.telemetry import Sink
 
@@ -68,8 +68,8 @@ _LAZY: dict[str, str] = {
     "safe_load": "torch_handle.checkpoint.store",
     # telemetry sinks (standard library only)
     "Sink": "torch_handle.observe.telemetry",
-    "Kind": "torch_handle.observe.events",
-    "Status": "torch_handle.observe.events",
+    "Kind": "torch_handle.observe.fields",
+    "Status": "torch_handle.observe.fields",
 }
 
 __all__ = ["hookimpl", "param", "field_docs", "InvalidValue", "PresetError", "DataError", "CheckpointError",

@@ -4,8 +4,8 @@
         preset.toml     the fully resolved preset (what actually ran)
         run.json        status, strategy, world size, pids, times, restarts, resumes
         heartbeat       touched every few seconds by the launcher(s) (and rank 0) while the run is alive
-        events.jsonl    rank-0 telemetry (schema: torch_handle.observe.events; written by torch_handle.observe.telemetry)
-        heartbeats/     rank<R>.json: each rank's progress counter, step and phase (torch_handle.observe.watchdog)
+        events.jsonl    rank-0 telemetry (names: torch_handle.observe.fields; written by torch_handle.observe.telemetry)
+        heartbeats/     rank<R>.json: each rank's progress counter, step and phase (torch_handle.observe.heartbeat)
         logs/           rank<N>.log per rank, launcher.log for torchrun itself (launcher-node<R>.log: node R),
                         stacks-<UTC time>.txt from the hang watchdog or `handle stacks`
         checkpoints/    step-<N>/ written atomically, newest complete one wins
@@ -42,7 +42,7 @@ LOST_AFTER_S = 10.0
 """A run whose run.json says it is active, whose launcher is gone and whose heartbeat is older than this
 (seconds) is lost: killed without a chance to record it (``kill -9``, a reboot)."""
 ACTIVE = ("starting", "running", "restarting", "restarted")
-"""Statuses of run.json that claim a live launcher (the values of ``torch_handle.observe.events.Status``)."""
+"""Statuses of run.json that claim a live launcher (the values of ``torch_handle.observe.fields.Status``)."""
 
 
 def touch_heartbeat(run_dir: Path) -> None:

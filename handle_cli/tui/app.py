@@ -20,7 +20,8 @@ from textual.message import Message
 from textual.widgets import Footer
 from textual.worker import get_current_worker
 
-from torch_handle.observe.events import RunState, Status
+from torch_handle.observe.fields import Status
+from torch_handle.observe.state import RunState
 from torch_handle.rundir import RunDirError, read_run_info
 from torch_handle.common.text import clean
 

@@ -2,7 +2,7 @@
 
 The app's background thread calls :meth:`RunTailer.poll`, which reads what is new on disk (events, run.json,
 rank logs) and returns one :class:`Batch`; the app applies the batch to its
-:class:`~torch_handle.observe.events.RunState` (the fold shared with ``handle run``) on its own thread and redraws.
+:class:`~torch_handle.observe.state.RunState` (the fold shared with ``handle run``) on its own thread and redraws.
 Everything that reaches the terminal goes through :func:`clean` first.
 """
 
@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
-from torch_handle.observe.events import BadLine, EventReader, Kind, Status, Tail, integer, number, tail_events
+from torch_handle.observe.fields import Kind, Status
+from torch_handle.observe.tail import BadLine, EventReader, Tail, integer, number, tail_events
 from torch_handle.rundir import ACTIVE, RUN_FILE, RunDirError, list_runs, read_run_info, read_run_status
 from torch_handle.observe.telemetry import EVENTS_FILE
 from torch_handle.common.text import clean, fmt_float, fmt_time, strategy_label
@@ -37,7 +38,7 @@ class LogTail:
     """Incremental tail of one log file: new complete lines, cleaned; keeps the last ``keep`` lines.
 
     Starts ``initial_bytes`` before the end of the file; reads at most 4 MiB per poll, and a line longer than
-    64 KiB without a newline is shown as it is (see :class:`~torch_handle.observe.events.Tail`).
+    64 KiB without a newline is shown as it is (see :class:`~torch_handle.observe.tail.Tail`).
     """
 
     def __init__(self, path: Path, keep: int = 200, initial_bytes: int = 256 * 1024):

@@ -14,8 +14,11 @@ from textual.widget import Widget
 from textual.widgets import RichLog
 from textual_plotext import PlotextPlot
 
-from torch_handle.observe.events import Level, Notice, RunState, Status
 from torch_handle.common.text import clean, fmt_bytes, fmt_duration, fmt_float
+from torch_handle.observe.fields import (BACKWARD_S, COMM_S, CUDA_ALLOCATED_BYTES, CUDA_MAX_ALLOCATED_BYTES,
+                                         CUDA_RESERVED_BYTES, DATA_S, FORWARD_S, GRAD_BYTES, OPTIMIZER_BYTES,
+                                         OPTIMIZER_S, PARAM_BYTES, RSS_BYTES, SYNC_S, Level, Status)
+from torch_handle.observe.state import Notice, RunState
 
 STATUS_STYLES = {
     Status.RUNNING: "bold black on green",
@@ -275,8 +278,8 @@ class MemoryBars(Widget):
     DEFAULT_CSS = """
     MemoryBars { height: auto; padding: 0 1; }
     """
-    PARTS = (("param_bytes", "green", "params"), ("grad_bytes", "yellow", "grads"),
-             ("optimizer_bytes", "magenta", "optim"))
+    PARTS = ((PARAM_BYTES, "green", "params"), (GRAD_BYTES, "yellow", "grads"),
+             (OPTIMIZER_BYTES, "magenta", "optim"))
 
     def __init__(self, *, id: str | None = None):
         super().__init__(id=id)
@@ -287,7 +290,7 @@ class MemoryBars(Widget):
         self.refresh(layout=True)
 
     def _has_cuda(self) -> bool:
-        return any("cuda_reserved_bytes" in m or "cuda_allocated_bytes" in m for m in self.memory.values())
+        return any(CUDA_RESERVED_BYTES in m or CUDA_ALLOCATED_BYTES in m for m in self.memory.values())
 
     def get_content_height(self, container, viewport, width: int) -> int:  # noqa: ANN001
         if not self.memory:
@@ -320,9 +323,9 @@ class MemoryBars(Widget):
             return sum(m.get(k, 0) for k, _, _ in self.PARTS)
 
         max_state = max([state_total(m) for m in self.memory.values()] + [1])
-        max_rss = max([m.get("rss_bytes", 0) for m in self.memory.values()] + [1])
-        max_cuda = max([max(m.get("cuda_reserved_bytes", 0), m.get("cuda_max_allocated_bytes", 0),
-                            m.get("cuda_allocated_bytes", 0)) for m in self.memory.values()] + [1])
+        max_rss = max([m.get(RSS_BYTES, 0) for m in self.memory.values()] + [1])
+        max_cuda = max([max(m.get(CUDA_RESERVED_BYTES, 0), m.get(CUDA_MAX_ALLOCATED_BYTES, 0),
+                            m.get(CUDA_ALLOCATED_BYTES, 0)) for m in self.memory.values()] + [1])
         lines = [legend]
         for rank in sorted(self.memory):
             m = self.memory[rank]
@@ -349,7 +352,7 @@ class MemoryBars(Widget):
             line = Text(" " * max(1, min(14, width - len(detail))) + detail, "dim", no_wrap=True, overflow="ellipsis")
             lines.append(line)
 
-            rss = m.get("rss_bytes")
+            rss = m.get(RSS_BYTES)
             line = Text(no_wrap=True, overflow="ellipsis")
             line.append(" " * 7)
             line.append(" rss   ")
@@ -360,9 +363,9 @@ class MemoryBars(Widget):
             lines.append(line)
 
             if cuda:
-                alloc = m.get("cuda_allocated_bytes", 0)
-                peak = m.get("cuda_max_allocated_bytes", 0)
-                reserved = m.get("cuda_reserved_bytes", 0)
+                alloc = m.get(CUDA_ALLOCATED_BYTES, 0)
+                peak = m.get(CUDA_MAX_ALLOCATED_BYTES, 0)
+                reserved = m.get(CUDA_RESERVED_BYTES, 0)
                 a = min(bar_w, int(round(alloc / max_cuda * bar_w)))
                 r = min(bar_w, max(a, int(round(reserved / max_cuda * bar_w))))
                 p = min(bar_w - 1, int(round(peak / max_cuda * bar_w))) if peak else -1
@@ -391,8 +394,10 @@ class TimePanel(Widget):
     DEFAULT_CSS = """
     TimePanel { height: 1fr; padding: 0 1; }
     """
-    PARTS = (("data", "cyan", "data"), ("forward", "green", "fwd"), ("backward", "yellow", "bwd"),
-             ("optimizer", "magenta", "opt"), ("comm", "red", "comm"))
+    PARTS = (("data", "cyan", "data", (DATA_S,)), ("forward", "green", "fwd", (FORWARD_S,)),
+             ("backward", "yellow", "bwd", (BACKWARD_S,)), ("optimizer", "magenta", "opt", (OPTIMIZER_S,)),
+             ("comm", "red", "comm", (COMM_S, SYNC_S)))
+    """(part, colour, label, the step event's fields it adds up)."""
     MEAN_OF = 20
 
     def __init__(self, *, id: str | None = None):
@@ -413,10 +418,10 @@ class TimePanel(Widget):
         for i in range(len(s.steps) - 1, -1, -1):
             if len(out) >= n:
                 break
-            if s.forward_s[i] is None:
+            seconds = s.breakdown(i)
+            if seconds[FORWARD_S] is None:
                 continue
-            parts = {"data": s.data_s[i] or 0.0, "forward": s.forward_s[i] or 0.0, "backward": s.backward_s[i] or 0.0,
-                     "optimizer": s.optimizer_s[i] or 0.0, "comm": (s.comm_s[i] or 0.0) + (s.sync_s[i] or 0.0)}
+            parts = {key: sum(seconds[k] or 0.0 for k in keys) for key, _, _, keys in self.PARTS}
             out.append((s.steps[i], s.step_time_s[i], parts))
         return out[::-1]
 
@@ -426,7 +431,7 @@ class TimePanel(Widget):
             return [Text("waiting for step times", "dim", no_wrap=True, overflow="ellipsis")]
         recent = self.rows(self.MEAN_OF)
         legend = Text(no_wrap=True, overflow="ellipsis", end="")
-        for key, color, label in self.PARTS:
+        for key, color, label, _ in self.PARTS:
             mean = sum(p[key] for _, _, p in recent) / max(1, len(recent))
             legend.append("■ ", color)
             legend.append(f"{label} {mean * 1000:.1f} ")
@@ -453,7 +458,7 @@ class TimePanel(Widget):
             line = Text(no_wrap=True, overflow="ellipsis", end="")
             line.append(f"{step:>{label_w - 1}} ", "dim")
             used, acc = 0, 0.0
-            for key, color, _ in self.PARTS:
+            for key, color, _, _ in self.PARTS:
                 acc += parts[key]
                 end = min(bar_w, int(round(acc / scale * bar_w)))
                 line.append("█" * max(0, end - used), color)

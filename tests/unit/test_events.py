@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from torch_handle.observe.events import (EventReader, Kind, Level, RunState, Status, Tail, integer, number, read_tail,
-                                 tail_events)
+from torch_handle.observe.fields import BREAKDOWN, MEMORY, Kind, Level, Status
+from torch_handle.observe.state import RunState
+from torch_handle.observe.tail import EventReader, Tail, integer, number, read_tail, tail_events
 from torch_handle.hookspecs import hookimpl
 from torch_handle.registry import PluginInfo, PluginRegistry
 from torch_handle.observe.telemetry import EventWriter, NullEventWriter, Sink, last_seq
@@ -146,6 +147,28 @@ def test_fold_a_restart_truncates_the_series_and_keeps_the_peaks(tmp_path):
     assert s.restarts == 1 and s.status == Status.RUNNING
     # the mean counts every step that ran (the redone one too), without the first 2
     assert s.mean_tokens_per_s == (3000 + 4000 + 5000 + 3000) / 4
+
+
+def test_fold_keeps_the_activation_bytes_of_a_step_event(tmp_path):
+    """The trainer's ``activation_saved_bytes`` (and every other memory figure it writes) reaches the run state:
+    the fold once dropped the activation figure. Older events name it ``activation_bytes``."""
+    s = RunState(tmp_path)
+    s.apply([step(1, 1, memory=[{"rank": 0, "param_bytes": 10, "activation_saved_bytes": 4096}]),
+             step(2, 2, memory=[{"rank": 0, "param_bytes": 10, "activation_saved_bytes": 2048}])])
+    assert s.memory[0] == {"param_bytes": 10, "activation_saved_bytes": 2048}
+    assert s.peak_memory[0]["activation_saved_bytes"] == 4096
+    every = {key: i + 1 for i, key in enumerate(MEMORY)}
+    s.apply([step(3, 3, memory=[{"rank": 1, **every}])])
+    assert s.memory[1] == every
+    s.apply([step(4, 4, memory=[{"rank": 2, "activation_bytes": 1024}])])
+    assert s.memory[2] == {"activation_saved_bytes": 1024}
+
+
+def test_fold_has_a_series_for_every_breakdown_field(tmp_path):
+    s = RunState(tmp_path)
+    s.apply([step(1, 1, **{key: 0.001 * (i + 1) for i, key in enumerate(BREAKDOWN)}), step(2, 2)])
+    assert s.breakdown(0) == {key: 0.001 * (i + 1) for i, key in enumerate(BREAKDOWN)}
+    assert s.breakdown(1) == dict.fromkeys(BREAKDOWN)
 
 
 def test_fold_reports_seq_gaps_once_per_gap(tmp_path):
@@ -309,7 +332,7 @@ def test_sinks_register_by_name_and_a_failing_plugin_loses_its_sinks():
 
 
 def test_fold_breakdown_mfu_and_slowest_rank(tmp_path):
-    from torch_handle.observe.events import slowest_rank
+    from torch_handle.observe.state import slowest_rank
 
     state = RunState(tmp_path)
     base = {"kind": "step", "loss": 1.0, "step_time_s": 0.1}

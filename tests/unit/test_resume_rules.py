@@ -14,7 +14,8 @@ import pytest
 from tests.helpers import tiny_preset
 from torch_handle.config.loader import load_preset
 from torch_handle.errors import RunDirError
-from torch_handle.observe.events import RunState, Status
+from torch_handle.observe.fields import Status
+from torch_handle.observe.state import RunState
 from torch_handle.checkpoint.resume import PENDING, RESUME_PRESET, check_changes, diff, promote, rule
 from torch_handle.rundir import HEARTBEAT_FILE, is_lost, read_run_status
 

@@ -10,7 +10,7 @@ import pytest
 
 from torch_handle.plan.bench_scaling import (CSV_COLUMNS, add_efficiency, csv_text, efficiency, oversubscribed,
                                         parse_nproc, parse_strategies, preset_strategy_label, strategy_spec,
-                                        strong_batch, summarize, threads_per_rank)
+                                        strong_batch, summarize, table_parts, threads_per_rank)
 
 
 def test_efficiency():
@@ -100,6 +100,17 @@ def test_summarize_skips_warmup_and_takes_medians_and_peaks():
         {"rank": 0, "rss_bytes": 5000, "model_state_bytes": 400, "cuda_max_allocated_bytes": None},
         {"rank": 1, "rss_bytes": 9000, "model_state_bytes": 350, "cuda_max_allocated_bytes": 123}]
     assert summarize(events, skip=5)["measured_steps"] == 0 and summarize(events, skip=5)["tokens_per_s"] is None
+
+
+def test_summary_covers_every_breakdown_field_and_the_table_adds_sync_to_comm():
+    """Every part of the step breakdown is summarised (``sync_s`` was left out, so the parts did not tile the
+    step); the table's ``comm`` column is the strategy's ``comm_s`` plus the trainer's ``sync_s``."""
+    parts = {"data_s": 0.1, "forward_s": 0.2, "backward_s": 0.3, "sync_s": 0.01, "optimizer_s": 0.05}
+    s = summarize([_step(1, 100.0, 0.66, **parts), _step(2, 100.0, 0.66, **parts)], skip=0)
+    assert s["sync_s"] == 0.01 and s["comm_s"] is None and "sync_s" in CSV_COLUMNS
+    assert table_parts(s) == [0.1, 0.2, 0.3, 0.05, 0.01]
+    assert table_parts({**s, "comm_s": 0.02}) == [0.1, 0.2, 0.3, 0.05, pytest.approx(0.03)]
+    assert table_parts({}) == [None] * 5
 
 
 def _rec(strategy, n, tps, status="finished"):

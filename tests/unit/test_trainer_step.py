@@ -97,7 +97,7 @@ def test_one_step_writes_what_a_run_writes(tmp_path, process_group, caplog):
     assert steps[0]["memory"][0]["param_bytes"] > 0 and steps[0]["grad_norm"] > 0
     assert steps[0]["step_time_s"] > 0 and steps[0]["tokens_per_s"] > 0
     # what autograd saved for the first micro-batch, measured once, and what `handle estimate` predicts for it
-    measured = steps[0]["memory"][0]["activation_bytes"]
+    measured = steps[0]["memory"][0]["activation_saved_bytes"]
     predicted = activation_bytes(preset, get_registry()).saved
     assert predicted > 0 and abs(measured - predicted) <= 0.10 * predicted, (measured, predicted)
     assert [e["step"] for e in events if e["kind"] == "eval"] == [0, 2]
@@ -113,7 +113,7 @@ def test_activation_bytes_with_checkpointing_match_the_estimate(tmp_path, proces
     run_dir = create_run_dir(tmp_path / "runs", "ckpt", dump_preset(preset), {"status": "starting"})
     assert _train(preset, run_dir, process_group) == "finished"
     step = next(e for e in _events(run_dir) if e["kind"] == "step")
-    measured = step["memory"][0]["activation_bytes"]
+    measured = step["memory"][0]["activation_saved_bytes"]
     predicted = activation_bytes(preset, get_registry()).saved
     assert abs(measured - predicted) <= 0.10 * predicted, (measured, predicted)
     assert measured < activation_bytes(plain, get_registry()).saved  # checkpointing keeps only block inputs

@@ -10,11 +10,14 @@ import pytest
 
 from torch_handle.config.loader import load_preset
 from torch_handle.errors import PresetError
-from torch_handle.observe.events import EventReader, Kind, RunState, Status
-from torch_handle.observe.telemetry import EventWriter
-from torch_handle.observe.watchdog import (Frame, HangWatchdog, RankBeat, append_event, call_on_line, describe,
-                                   flight_recorder_env, main_thread, parse_faulthandler, parse_py_spy_json,
-                                   parse_test_hang, waiting_point)
+from torch_handle.launch.hang import HangWatchdog, flight_recorder_env
+from torch_handle.observe.fields import Kind, Status
+from torch_handle.observe.heartbeat import RankBeat, parse_test_hang
+from torch_handle.observe.stacks import (Frame, call_on_line, describe, main_thread, parse_faulthandler,
+                                         parse_py_spy_json, waiting_point)
+from torch_handle.observe.state import RunState
+from torch_handle.observe.tail import EventReader
+from torch_handle.observe.telemetry import EventWriter, append_event
 
 SITE = "/venv/lib/python3.11/site-packages"
 STDLIB = "/usr/lib/python3.11"

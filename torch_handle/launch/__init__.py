@@ -1,1 +1,1 @@
-"""Starting and supervising runs: torchrun, two or more nodes, Slurm."""
+"""Starting and supervising runs: torchrun, hang detection, two or more nodes, Slurm."""

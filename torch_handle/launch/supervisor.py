@@ -6,7 +6,7 @@ finish their step, checkpoint and exit (the STOP file); a second one terminates 
 launcher: torchrun gets SIGTERM if the launcher dies (PR_SET_PDEATHSIG), each worker gets SIGKILL if torchrun
 dies, and the launcher kills any process of the tree it has seen that is still alive at the end.
 
-While torchrun runs, ``poll()`` also watches the workers' heartbeats (:mod:`torch_handle.observe.watchdog`): when no local
+While torchrun runs, ``poll()`` also watches the workers' heartbeats (:mod:`torch_handle.launch.hang`): when no local
 rank advanced for ``launch.hang_timeout_s``, it writes every rank's stacks to ``logs/stacks-<time>.txt``, asks
 NCCL's flight recorder for its dump, appends a ``hang`` event to ``events.jsonl`` and, with ``launch.on_hang =
 "stop"``, terminates the tree (the run then ends ``failed`` with the hang message).
@@ -29,11 +29,13 @@ from typing import Any
 
 import psutil
 
-from torch_handle.observe import watchdog as wd
 from torch_handle.config.loader import Preset
-from torch_handle.observe.events import Kind, Status
+from torch_handle.launch.hang import HangWatchdog, Stall, flight_recorder_env, hang_message, trigger_flight_recorder
+from torch_handle.observe.fields import Kind, Status
+from torch_handle.observe.heartbeat import RankBeat, read_heartbeats
+from torch_handle.observe.stacks import take_stacks
+from torch_handle.observe.telemetry import EVENTS_FILE, append_event
 from torch_handle.rundir import HEARTBEAT_S, STOP_FILE, read_run_info, touch_heartbeat, update_run_info
-from torch_handle.observe.telemetry import EVENTS_FILE
 
 WATCH_EVERY_S = 0.5
 """How often ``Launch.poll`` reads the heartbeats."""
@@ -113,13 +115,13 @@ class Launch:
         self.env.setdefault("OMP_NUM_THREADS", str(max(1, cores // max(1, preset.launch.nproc_per_node))))
         self.env.setdefault("PYTHONUNBUFFERED", "1")
         if preset.launch.backend != "gloo":  # NCCL's flight recorder (read by ProcessGroupNCCL only)
-            self.env.update(wd.flight_recorder_env(self.run_dir, self.env))
+            self.env.update(flight_recorder_env(self.run_dir, self.env))
         self.proc: subprocess.Popen | None = None
         self.seen: dict[int, psutil.Process] = {}
         self.stop_requested = False
         self.killed = False
         self.last_beat = 0.0
-        self.watchdog = wd.HangWatchdog(preset.launch.hang_timeout_s)
+        self.watchdog = HangWatchdog(preset.launch.hang_timeout_s)
         self.last_watch = 0.0
         self.hangs: list[dict[str, Any]] = []
         """The ``hang`` events this launcher wrote."""
@@ -176,11 +178,11 @@ class Launch:
             self.watch()
         return self.proc.poll()
 
-    def local_beats(self) -> list[wd.RankBeat]:
+    def local_beats(self) -> list[RankBeat]:
         """The heartbeats of this launcher's live workers (stale files of an earlier attempt or run, and another
         node's ranks in a shared run directory, are left out)."""
         out = []
-        for b in wd.read_heartbeats(self.run_dir).values():
+        for b in read_heartbeats(self.run_dir).values():
             p = self.seen.get(b.pid)
             if p is not None and b.local() and is_alive(p) and abs(p.create_time() - b.create_time) < 1.0:
                 out.append(b)
@@ -198,19 +200,19 @@ class Launch:
             return None
         return self.on_hang(stall)
 
-    def on_hang(self, stall: wd.Stall) -> dict[str, Any]:
+    def on_hang(self, stall: Stall) -> dict[str, Any]:
         launch = self.preset.launch
         reason = (f"watchdog: no local rank advanced for {stall.stalled_s:.1f} s (launch.hang_timeout_s = "
                   f"{launch.hang_timeout_s:g}, on_hang = {launch.on_hang})")
         try:
-            report = wd.take_stacks(self.run_dir, stall.ranks, reason)
+            report = take_stacks(self.run_dir, stall.ranks, reason)
             stacks_path, summaries = str(report.path.relative_to(self.run_dir)), [s.summary for s in report.stacks]
             ranks = [s.to_json() for s in report.stacks]
         except OSError as e:  # a full disk: the event still says which ranks hang
             stacks_path, summaries = f"(not written: {e.strerror or e})", []
             ranks = [{"rank": b.rank, "pid": b.pid, "step": b.step, "phase": b.phase} for b in stall.ranks]
-        traces = wd.trigger_flight_recorder(self.env, [b.rank for b in stall.ranks])
-        message = wd.hang_message(stall.stalled_s, launch.hang_timeout_s, summaries, stacks_path)
+        traces = trigger_flight_recorder(self.env, [b.rank for b in stall.ranks])
+        message = hang_message(stall.stalled_s, launch.hang_timeout_s, summaries, stacks_path)
         fields: dict[str, Any] = {"message": message, "ranks": ranks, "stacks": stacks_path,
                                   "stalled_s": round(stall.stalled_s, 1), "timeout_s": launch.hang_timeout_s,
                                   "action": launch.on_hang, "node_rank": launch.node_rank,
@@ -219,7 +221,7 @@ class Launch:
             fields["flight_recorder"] = [str(p.relative_to(self.run_dir)) if p.is_relative_to(self.run_dir)
                                          else str(p) for p in traces]
         try:
-            event = wd.append_event(self.run_dir / EVENTS_FILE, Kind.HANG, **fields)
+            event = append_event(self.run_dir / EVENTS_FILE, Kind.HANG, **fields)
         except OSError:
             event = {"kind": Kind.HANG, **fields}
         self.hangs.append(event)

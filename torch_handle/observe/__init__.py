@@ -1,1 +1,2 @@
-"""What a run tells: the event schema, writer, tail reader and fold; heartbeats, hang detection, stacks; peak FLOP/s; profiles."""
+"""What a run tells: the events' fields, writer, tail reader and fold; heartbeats and stacks; activations;
+peak FLOP/s; profiles."""

@@ -1,8 +1,10 @@
 """Telemetry, the writer side: rank 0 appends JSON events to ``events.jsonl`` and hands each one to the sinks.
 
 Why a file: it is durable (nothing is lost when the dashboard closes), lets any reader attach to a run at any
-time and replay its history, needs no open port, and works on the shared filesystems of clusters. The schema of
-the events, and everything that reads them, is in :mod:`torch_handle.observe.events`.
+time and replay its history, needs no open port, and works on the shared filesystems of clusters. The events'
+vocabulary is :mod:`torch_handle.observe.fields` (their meaning: docs/run-directory.md), their readers
+:mod:`torch_handle.observe.tail` and :mod:`torch_handle.observe.state`; another process (the launcher's ``hang``
+event) appends with :func:`append_event`.
 
 Sinks send the same events elsewhere (TensorBoard, a metrics service): plugins register them with the
 ``handle_register_sinks`` hook, ``register(name, factory, description="")``, ``factory(run_dir: Path, preset) ->
@@ -18,13 +20,15 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import queue
 import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from torch_handle.observe.events import Kind, Level, tail_events
+from torch_handle.observe.fields import Kind, Level
+from torch_handle.observe.tail import tail_events
 
 EVENTS_FILE = "events.jsonl"
 
@@ -56,9 +60,9 @@ class Sink:
 
     ``emit(event)`` gets every event of the run from the moment the sink is opened (after the trainer built
     data, model and strategy): the dict written to ``events.jsonl`` (``seq``, ``time``, ``kind`` and the kind's
-    fields, non-finite numbers as None; see :mod:`torch_handle.observe.events`), to be treated as read-only. It runs on
-    the writer's background thread, never on the training step's, so a slow sink delays the file's later lines,
-    not training. ``close()`` is called once, after the last event. Either may raise: the sink is then disabled
+    fields, non-finite numbers as None; see :mod:`torch_handle.observe.fields`), to be treated as read-only. It
+    runs on the writer's background thread, never on the training step's, so a slow sink delays the file's later
+    lines, not training. ``close()`` is called once, after the last event. Either may raise: the sink is then disabled
     (one warning in ``events.jsonl``), and the run goes on.
     """
 
@@ -191,3 +195,21 @@ class NullEventWriter:
 
     def close(self) -> None:
         pass
+
+
+def append_event(path: Path, kind: str, **fields: Any) -> dict[str, Any]:
+    """Append one event to an ``events.jsonl`` that rank 0's EventWriter may be writing at the same time.
+
+    Safe beside that writer: the file is opened with ``O_APPEND`` and the line goes out in one ``write(2)``, so
+    it lands whole after whatever line is complete; the EventWriter, too, writes each line in one call (a
+    flushed line through a buffered file). Launcher events carry ``"seq": null`` and ``"source": "launcher"``:
+    ``seq`` is rank 0's numbering, which only its writer knows; readers skip a missing seq (no gap is reported).
+    """
+    event = {"seq": None, "time": round(time.time(), 3), "kind": kind, "source": "launcher", **fields}
+    data = (json.dumps(event, separators=(",", ":"), allow_nan=False) + "\n").encode("utf-8")
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+    try:
+        os.write(fd, data)
+    finally:
+        os.close(fd)
+    return event

@@ -2,7 +2,7 @@
 scaling efficiency, the summary of a run's step events and the CSV/JSON rows (no torch, no processes).
 
 A measurement is one short real run (``handle run``'s launcher) per strategy and world size; its step events
-(:mod:`torch_handle.observe.events`) after the first ``skip`` ones give the figures. Standard library only.
+(:mod:`torch_handle.observe.fields`) after the first ``skip`` ones give the figures. Standard library only.
 """
 
 from __future__ import annotations
@@ -14,12 +14,16 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from torch_handle.observe.events import Kind, integer, number
+from torch_handle.observe.fields import (BACKWARD_S, BREAKDOWN, COMM_S, CUDA_MAX_ALLOCATED_BYTES, DATA_S, FORWARD_S,
+                                         GRAD_BYTES, OPTIMIZER_BYTES, OPTIMIZER_S, PARAM_BYTES, RSS_BYTES, SYNC_S, Kind)
+from torch_handle.observe.tail import integer, number
 
 MAX_NPROC = 256
 """Largest world size ``--nproc`` accepts (one machine)."""
-BREAKDOWN = ("data_s", "forward_s", "backward_s", "optimizer_s", "comm_s")
-"""Per-step phase times (seconds) the step events may carry; a phase without any value shows as ``-``."""
+TABLE_PARTS = (("data", (DATA_S,)), ("fwd", (FORWARD_S,)), ("bwd", (BACKWARD_S,)), ("opt", (OPTIMIZER_S,)),
+               ("comm", (COMM_S, SYNC_S)))
+"""The table's phase columns and the :data:`BREAKDOWN` fields each adds up; ``comm`` is the strategy's gradient
+communication plus the trainer's loss/stop all-reduce, as in the dashboard."""
 FIXED = {"ddp": ("ddp", ()), "fsdp": ("fsdp", ()), "single": ("single", ()),
          "scratch-ddp": ("scratch-ddp", ()), "scratch-zero1": ("scratch-ddp", ("strategy.shard_optimizer=true",))}
 """Strategy label -> (strategy plugin, extra ``--set`` overrides); ``zero0`` .. ``zero3`` are DeepSpeed stages."""
@@ -162,13 +166,23 @@ def summarize(events: Iterable[dict[str, Any]], skip: int) -> dict[str, Any]:
                 continue
             peak = peaks.setdefault(rank, {"rss_bytes": None, "model_state_bytes": None,
                                            "cuda_max_allocated_bytes": None})
-            parts = [integer(m.get(k)) for k in ("param_bytes", "grad_bytes", "optimizer_bytes")]
+            parts = [integer(m.get(k)) for k in (PARAM_BYTES, GRAD_BYTES, OPTIMIZER_BYTES)]
             state = sum(p for p in parts if p is not None) if any(p is not None for p in parts) else None
-            for key, value in (("rss_bytes", integer(m.get("rss_bytes"))), ("model_state_bytes", state),
-                               ("cuda_max_allocated_bytes", integer(m.get("cuda_max_allocated_bytes")))):
+            for key, value in (("rss_bytes", integer(m.get(RSS_BYTES))), ("model_state_bytes", state),
+                               ("cuda_max_allocated_bytes", integer(m.get(CUDA_MAX_ALLOCATED_BYTES)))):
                 if value is not None and (peak[key] is None or value > peak[key]):
                     peak[key] = value
     out["memory"] = [{"rank": r, **peaks[r]} for r in sorted(peaks)]
+    return out
+
+
+def table_parts(record: dict[str, Any]) -> list[float | None]:
+    """The :data:`TABLE_PARTS` of a :func:`summarize` record, seconds: the sum of each column's fields that have a
+    value, None where none has."""
+    out = []
+    for _, keys in TABLE_PARTS:
+        values = [record[k] for k in keys if record.get(k) is not None]
+        out.append(sum(values) if values else None)
     return out
 
 

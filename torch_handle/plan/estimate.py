@@ -11,10 +11,12 @@ Two parts, each measured rather than guessed:
   included -- so rank 0's figure matches the telemetry to the byte for the strategies measured.
 * **Activations** for one micro-batch: one forward and backward of the real model on fake tensors
   (``torch._subclasses.fake_tensor.FakeTensorMode``: shapes and dtypes only, no memory), counting the distinct
-  storages autograd saves for backward (:class:`SavedTensorCounter`), at the preset's precision, sequence length,
-  micro-batch size and activation checkpointing; plus the fp32 logits buffer, and with checkpointing the largest
-  block's activations recomputed during backward. The same counter on real tensors is
-  :func:`saved_activation_bytes`. Like torchtitan's memory estimator (which runs the train step under
+  storages autograd saves for backward (:class:`~torch_handle.observe.activations.SavedTensorCounter`) at the
+  preset's precision, sequence length, micro-batch size and activation checkpointing (``activation_saved_bytes``);
+  plus the fp32 logits buffer (``activation_logits_bytes``), and with checkpointing the largest block's
+  activations recomputed during backward (``activation_recompute_bytes``); ``activation_bytes`` is their total.
+  The same counter on real tensors is :func:`saved_activation_bytes`, what the memory telemetry reports as
+  ``activation_saved_bytes``. Like torchtitan's memory estimator (which runs the train step under
   ``FakeTensorMode`` and tracks allocations), nothing is allocated, so a 1B-parameter model estimates in seconds.
 
 Not included, and said so in every output: allocator fragmentation and caching, communication buffers (DDP's
@@ -28,9 +30,13 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any, Self
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field, fields
+from typing import TYPE_CHECKING, Any
+
+from torch_handle.observe.activations import SavedTensorCounter
+from torch_handle.observe.fields import (ACTIVATION_BYTES, ACTIVATION_LOGITS_BYTES, ACTIVATION_RECOMPUTE_BYTES,
+                                         ACTIVATION_SAVED_BYTES)
 
 if TYPE_CHECKING:
     import torch
@@ -38,9 +44,9 @@ if TYPE_CHECKING:
     from torch_handle.registry import PluginRegistry
     from torch_handle.config.schema import Preset
 
-__all__ = ["COMPARE_VARIANTS", "MEASURED", "ActivationBytes", "Estimate", "ModelShape", "SavedTensorCounter",
-           "Variant", "activation_bytes", "estimate_preset", "format_bytes", "model_shape", "model_state_bytes",
-           "parse_bytes", "preset_variant", "saved_activation_bytes", "smallest_fit"]
+__all__ = ["COMPARE_VARIANTS", "MEASURED", "ActivationBytes", "Estimate", "ModelShape", "Variant", "activation_bytes",
+           "estimate_preset", "format_bytes", "model_shape", "model_state_bytes", "parse_bytes", "preset_variant",
+           "saved_activation_bytes", "smallest_fit"]
 
 # ---------------------------------------------------------------------------------------------------------------
 # What is estimated
@@ -356,73 +362,6 @@ def model_state_bytes(shape: ModelShape, variant: Variant, precision: str, world
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _storage(t: torch.Tensor) -> tuple[int, int]:
-    """(identity, bytes) of the storage behind ``t``; works for real, meta and fake tensors alike (views share
-    the storage, so they count once)."""
-    s = t.untyped_storage()
-    return s._cdata, s.nbytes()
-
-
-class SavedTensorCounter:
-    """Counts the distinct storages autograd saves for backward while it is active (a
-    ``torch.autograd.graph.saved_tensors_hooks`` pair that saves every tensor unchanged).
-
-    Storages of ``exclude`` (the model's parameters and buffers: model state, counted elsewhere) are skipped. With
-    ``blocks`` (a model's ``blocks()`` when activation checkpointing is on) the tensors passed into each block
-    during forward count too: non-reentrant checkpointing keeps them instead of the block's own saved tensors.
-    Keys are storage identities of tensors that autograd keeps alive until backward, so none is reused while
-    counting. Use as a context manager around the forward (and backward) of one micro-batch; ``bytes`` is the
-    result.
-    """
-
-    def __init__(self, exclude: Iterable[torch.Tensor] = (), blocks: Iterable[torch.nn.Module] = ()):
-        self._exclude = {_storage(t)[0] for t in exclude}
-        self._blocks = list(blocks)
-        self._seen: dict[int, int] = {}
-        self._stack: list[Any] = []
-
-    @property
-    def bytes(self) -> int:
-        """Bytes counted so far."""
-        return sum(self._seen.values())
-
-    def add(self, t: Any) -> None:
-        """Count ``t``'s storage (once; skipped when excluded or not a tensor)."""
-        import torch
-
-        if isinstance(t, torch.Tensor) and t.numel() > 0:
-            key, nbytes = _storage(t)
-            if key not in self._exclude:
-                self._seen.setdefault(key, nbytes)
-
-    def _pack(self, t: Any) -> Any:
-        self.add(t)
-        return t
-
-    def _block_inputs(self, module: Any, args: tuple, kwargs: dict) -> None:
-        import torch
-
-        if torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:  # forward, not the recompute
-            for x in [*args, *kwargs.values()]:
-                self.add(x)
-
-    def __enter__(self) -> Self:
-        import torch
-
-        hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
-        hooks.__enter__()
-        self._stack = [hooks, *(b.register_forward_pre_hook(self._block_inputs, with_kwargs=True)
-                                for b in self._blocks)]
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        hooks, *handles = self._stack
-        for h in handles:
-            h.remove()
-        hooks.__exit__(*exc)
-        self._stack = []
-
-
 def checkpointed_blocks(model: Any) -> list[Any]:
     """The blocks whose inputs autograd keeps instead of their activations: ``model.blocks()`` when the model
     (unwrapped from DDP/DeepSpeed's ``.module``) trains with activation checkpointing, else none."""
@@ -436,7 +375,7 @@ def checkpointed_blocks(model: Any) -> list[Any]:
 
 def saved_activation_bytes(run_forward_backward: Callable[[], Any], model: torch.nn.Module | None = None) -> int:
     """Bytes of the distinct storages autograd saves for backward during ``run_forward_backward()`` (one
-    micro-batch's forward, loss and backward), on real tensors: the telemetry's ``activation_bytes``.
+    micro-batch's forward, loss and backward), on real tensors: the telemetry's ``activation_saved_bytes``.
 
     ``model``: its parameters and buffers are left out (model state), and with activation checkpointing
     (``model.args.activation_checkpointing``) its ``blocks()``' inputs count in place of what the checkpointed
@@ -470,6 +409,13 @@ class ActivationBytes:
     @property
     def total(self) -> int:
         return self.saved + self.logits + self.recompute
+
+    def as_fields(self) -> dict[str, int]:
+        """The parts and their total under the names the memory telemetry uses
+        (:mod:`torch_handle.observe.fields`): ``activation_bytes`` is the total, ``activation_saved_bytes`` what
+        the trainer measures."""
+        return {ACTIVATION_BYTES: self.total, ACTIVATION_SAVED_BYTES: self.saved,
+                ACTIVATION_LOGITS_BYTES: self.logits, ACTIVATION_RECOMPUTE_BYTES: self.recompute}
 
 
 def _compute_mode(strategy: str, precision: str) -> str:
@@ -575,7 +521,9 @@ class Estimate:
     param_bytes: int
     grad_bytes: int
     optimizer_bytes: int
-    activation_bytes: int
+    activation: ActivationBytes
+    """In ``as_dict``: ``activation_bytes`` (the total) and its parts, ``activation_saved_bytes`` (what the memory
+    telemetry reports), ``activation_logits_bytes``, ``activation_recompute_bytes``."""
     device_bytes: int
     """Everything above that is not in host memory: what must fit on the accelerator."""
     host_bytes: int
@@ -584,8 +532,19 @@ class Estimate:
     """``device_bytes <= device memory`` when one was given."""
     options: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def activation_bytes(self) -> int:
+        return self.activation.total
+
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, ActivationBytes):
+                out.update(value.as_fields())
+            else:
+                out[f.name] = dict(value) if isinstance(value, dict) else value
+        return out
 
 
 def preset_variant(preset: Preset) -> Variant:
@@ -631,7 +590,7 @@ def estimate_preset(preset: Preset, registry: PluginRegistry, world_sizes: Seque
         mode = _compute_mode(v.strategy, precision)
         if mode not in acts:
             acts[mode] = activation_bytes(preset, registry, v.strategy)
-        act = acts[mode].total
+        act = acts[mode]
         for world in world_sizes:
             if v.strategy == "single" and world != 1:
                 continue
@@ -639,7 +598,7 @@ def estimate_preset(preset: Preset, registry: PluginRegistry, world_sizes: Seque
             best: tuple[int, int, States] | None = None
             for r in ranks:
                 s = model_state_bytes(shape, v, precision, world, r)
-                device = s.param + s.grad + s.optimizer - s.host + act
+                device = s.param + s.grad + s.optimizer - s.host + act.total
                 if best is None or device > best[0]:
                     best = (device, r, s)
                 if v.strategy in ("single", "ddp") or (v.strategy == "scratch-ddp" and not v.shard_optimizer):

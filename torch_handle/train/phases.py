@@ -24,7 +24,11 @@ from typing import Any
 
 import torch
 
-PHASES = ("data", "forward", "backward", "sync", "optimizer")
+from torch_handle.observe.fields import STEP_PHASES
+
+PHASES = tuple(STEP_PHASES)
+"""The phases in the order a step runs them; each one's seconds go into the step event's field
+``STEP_PHASES[phase]`` (:mod:`torch_handle.observe.fields`)."""
 RANGE_NAMES = {"data": "handle/data", "forward": "handle/forward", "backward": "handle/backward",
                "sync": "handle/comm", "optimizer": "handle/optimizer"}
 """``record_function`` name of each phase (the profiler's view of the same boundaries)."""

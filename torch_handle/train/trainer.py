@@ -31,10 +31,14 @@ from torch_handle.data.datasets import IGNORE_INDEX, DataBundle, DataContext, Gl
 from torch_handle.registry import PluginRegistry
 from torch_handle.rundir import HEARTBEAT_S, STOP_FILE, touch_heartbeat, update_run_info
 from torch_handle.train.strategy import DistContext, Strategy
-from torch_handle.observe.events import SLOW_RANK_LOGS, SLOW_RANK_RATIO, Kind, Level, Status, slowest_rank
-from torch_handle.train.phases import PhaseTimer
+from torch_handle.observe.fields import (ACTIVATION_SAVED_BYTES, BACKWARD_S, COMM_S, CUDA_ALLOCATED_BYTES,
+                                         CUDA_MAX_ALLOCATED_BYTES, CUDA_RESERVED_BYTES, DATA_S, GRAD_BYTES,
+                                         OPTIMIZER_BYTES, PARAM_BYTES, RSS_BYTES, STEP_PHASES, WAIT_S, Kind, Level,
+                                         Status)
+from torch_handle.observe.heartbeat import HANG_TEST_ENV, beat, busy, parse_test_hang
+from torch_handle.observe.state import SLOW_RANK_LOGS, SLOW_RANK_RATIO, slowest_rank
 from torch_handle.observe.telemetry import EVENTS_FILE, EventWriter, NullEventWriter
-from torch_handle.observe.watchdog import HANG_TEST_ENV, beat, busy, parse_test_hang
+from torch_handle.train.phases import PhaseTimer
 
 log = logging.getLogger("torch_handle")
 
@@ -152,7 +156,7 @@ class Trainer:
         self.samples_in_epoch = 0
         """The data position: samples of this epoch's global order consumed by all ranks (GlobalBatchSampler)."""
         self.restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-        self.activation_bytes: int | None = None
+        self.activation_saved_bytes: int | None = None
         """Bytes autograd saved for this rank's first micro-batch (measured once per process)."""
         self.timer = PhaseTimer(ctx.device)
         """Step breakdown (``timer.enabled = False`` turns it off; benchmarks/breakdown_overhead.py compares)."""
@@ -423,10 +427,10 @@ class Trainer:
                     time.sleep(self.test_delay_s)  # HANDLE_TEST_DELAY_RANK: a slow input pipeline, for tests
             with self.strategy.accumulating(sync=i == t.grad_accum - 1):
                 with timer.phase("forward"):
-                    if i == 0 and self.activation_bytes is None:  # once per process: what autograd saves
+                    if i == 0 and self.activation_saved_bytes is None:  # once per process: what autograd saves
                         with self._activation_counter() as counter:
                             loss, n = self.forward_loss(batch)
-                        self.activation_bytes = counter.bytes
+                        self.activation_saved_bytes = counter.bytes
                     else:
                         loss, n = self.forward_loss(batch)
                     stats[0] += loss.detach().double() * n
@@ -465,10 +469,9 @@ class Trainer:
         parts = timer.read()
         if parts:
             # the strategy's gradient-communication wait happened inside its backward: count it once, as comm_s
-            comm = float(stats_of_strategy.get("comm_s") or 0.0)
-            record.update(data_s=parts["data"], forward_s=parts["forward"],
-                          backward_s=max(0.0, parts["backward"] - comm), optimizer_s=parts["optimizer"],
-                          sync_s=parts["sync"])
+            comm = float(stats_of_strategy.get(COMM_S) or 0.0)
+            record.update({STEP_PHASES[phase]: seconds for phase, seconds in parts.items()})
+            record[BACKWARD_S] = max(0.0, parts["backward"] - comm)
         flops = self.model_info["flops_per_token"]
         if flops:
             record["tflops"] = flops * record["tokens_per_s"] / 1e12
@@ -477,7 +480,7 @@ class Trainer:
         if log_memory:
             own = {"rank": self.ctx.rank, "step_time_s": dt}
             if parts:
-                own.update(data_s=parts["data"], wait_s=parts["sync"] + float(stats_of_strategy.get("comm_s") or 0))
+                own.update({DATA_S: parts["data"], WAIT_S: parts["sync"] + float(stats_of_strategy.get(COMM_S) or 0)})
             memory, ranks = self.gather_memory(grad_bytes, own)
             record["memory"] = memory
             if ranks is not None and len(ranks) > 1:
@@ -488,9 +491,10 @@ class Trainer:
 
     def _activation_counter(self):
         """Counts the distinct storages autograd saves during one micro-batch's forward (parameters and buffers
-        left out; with activation checkpointing the blocks' inputs instead): ``activation_bytes`` in the memory
-        telemetry, what ``handle estimate`` predicts as the saved part of the activations."""
-        from torch_handle.plan.estimate import SavedTensorCounter, checkpointed_blocks
+        left out; with activation checkpointing the blocks' inputs instead): ``activation_saved_bytes`` in the
+        memory telemetry, as ``handle estimate`` names its prediction."""
+        from torch_handle.observe.activations import SavedTensorCounter
+        from torch_handle.plan.estimate import checkpointed_blocks
 
         model = self.strategy.unwrapped()
         return SavedTensorCounter([*model.parameters(), *model.buffers()], checkpointed_blocks(model))
@@ -500,14 +504,14 @@ class Trainer:
         """Every rank's memory figures and its own step timing (``rank``, ``step_time_s``, ``data_s``,
         ``wait_s``, seconds), in one ``all_gather_object``; ``(memory, ranks)`` on rank 0, ``(None, None)``
         elsewhere."""
-        mem = {"rank": self.ctx.rank, "param_bytes": self.strategy.param_bytes(), "grad_bytes": grad_bytes,
-               "optimizer_bytes": self.strategy.optimizer_bytes(), "rss_bytes": psutil.Process().memory_info().rss}
+        mem = {"rank": self.ctx.rank, PARAM_BYTES: self.strategy.param_bytes(), GRAD_BYTES: grad_bytes,
+               OPTIMIZER_BYTES: self.strategy.optimizer_bytes(), RSS_BYTES: psutil.Process().memory_info().rss}
         if self.ctx.device.type == "cuda":
-            mem.update(cuda_allocated_bytes=torch.cuda.memory_allocated(),
-                       cuda_max_allocated_bytes=torch.cuda.max_memory_allocated(),
-                       cuda_reserved_bytes=torch.cuda.memory_reserved())
-        if self.activation_bytes is not None:
-            mem["activation_bytes"] = self.activation_bytes
+            mem.update({CUDA_ALLOCATED_BYTES: torch.cuda.memory_allocated(),
+                        CUDA_MAX_ALLOCATED_BYTES: torch.cuda.max_memory_allocated(),
+                        CUDA_RESERVED_BYTES: torch.cuda.memory_reserved()})
+        if self.activation_saved_bytes is not None:
+            mem[ACTIVATION_SAVED_BYTES] = self.activation_saved_bytes
         timing = timing if timing is not None else {"rank": self.ctx.rank}
         if not self.ctx.distributed:
             return [mem], [timing]
@@ -519,8 +523,8 @@ class Trainer:
 
     def _check_slow_ranks(self, ranks: list[dict[str, Any]]) -> None:
         """Rank 0: a ``log`` warning when the same rank lags the other ranks' median by more than
-        :data:`~torch_handle.observe.events.SLOW_RANK_RATIO` of the median step time for
-        :data:`~torch_handle.observe.events.SLOW_RANK_LOGS` consecutive gathers (once per such streak)."""
+        :data:`~torch_handle.observe.state.SLOW_RANK_RATIO` of the median step time for
+        :data:`~torch_handle.observe.state.SLOW_RANK_LOGS` consecutive gathers (once per such streak)."""
         slow = slowest_rank(ranks)
         if slow is None or slow["ratio"] <= SLOW_RANK_RATIO:
             self._slow_streak = (None, 0)

@@ -2,7 +2,7 @@
 
 Each rank: checks torchrun's environment, sends its output to ``logs/rank<N>.log``, ties its life to its
 parent (so no worker outlives torchrun), starts its heartbeat and its SIGUSR1 stack dump
-(:mod:`torch_handle.observe.watchdog`), initialises the process group (gloo on CPU, nccl with CUDA), builds
+(:mod:`torch_handle.observe.heartbeat`), initialises the process group (gloo on CPU, nccl with CUDA), builds
 and runs the :class:`~torch_handle.train.trainer.Trainer`, and exits 0 when the run finished or was stopped.
 """
 
@@ -92,7 +92,7 @@ def init_distributed(backend_choice: str, timeout_s: int):
 def _log_resume_changes(trainer, run_dir: Path, registry) -> None:
     """Rank 0 of a resume with ``--set`` changes: one ``log`` event listing them (``key old -> new``)."""
     from torch_handle.config.loader import load_preset
-    from torch_handle.observe.events import Kind, Level
+    from torch_handle.observe.fields import Kind, Level
     from torch_handle.checkpoint.resume import RESUME_PRESET, diff
 
     try:
@@ -122,13 +122,13 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("torch_handle")
     log.info("worker pid %d rank %d/%s restart %d", os.getpid(), rank, os.environ["WORLD_SIZE"], restart)
-    from torch_handle.observe import watchdog
+    from torch_handle.observe.heartbeat import beat, beat_interval, start_heartbeat
     # before anything slow: the launcher's watchdog reads this rank's progress, SIGUSR1 dumps its stacks
-    heartbeat = watchdog.start_heartbeat(run_dir, rank, int(os.environ["LOCAL_RANK"]),
-                                         int(os.environ.get("GROUP_RANK", "0")), interval_s=0.25)
+    heartbeat = start_heartbeat(run_dir, rank, int(os.environ["LOCAL_RANK"]), int(os.environ.get("GROUP_RANK", "0")),
+                                interval_s=0.25)
 
     from torch_handle.config.loader import load_preset
-    from torch_handle.observe.events import Status
+    from torch_handle.observe.fields import Status
     from torch_handle.registry import get_registry
     from torch_handle.train.trainer import NonFiniteLoss, Trainer
 
@@ -136,15 +136,15 @@ def main(argv: list[str] | None = None) -> int:
 
     registry = get_registry()
     preset = load_preset(active_preset_path(run_dir), registry=registry)  # preset.resume.toml: a changed resume
-    heartbeat.interval_s = watchdog.beat_interval(preset.launch.hang_timeout_s)
-    watchdog.beat("init")
+    heartbeat.interval_s = beat_interval(preset.launch.hang_timeout_s)
+    beat("init")
     ctx = init_distributed(preset.launch.backend, preset.launch.timeout_s)
     trainer = Trainer(preset, run_dir, ctx, registry)
     status, message, code = Status.FAILED, "", 1
     try:
-        watchdog.beat("build")
+        beat("build")
         trainer.build()
-        watchdog.beat("resume")
+        beat("resume")
         trainer.maybe_resume()
         if rank == 0 and (run_dir / RESUME_PRESET).exists():
             _log_resume_changes(trainer, run_dir, registry)
@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         # A failure on another rank surfaces here as a collective error; rank 0 records the run as failed
         # only when this is the last attempt (torchrun may restart the group).
-        watchdog.beat("close")
+        beat("close")
         heartbeat.write()  # the last state, whatever the writer thread's timing (os._exit ends it)
         final = status if code == 0 else Status.FAILED
         last_attempt = restart >= preset.launch.max_restarts

@@ -1,271 +1,20 @@
-"""The events of a run: their schema as constants, the one reader of growing files, and the one fold into state.
-
-Rank 0 appends one JSON object per line to ``events.jsonl`` (:class:`torch_handle.observe.telemetry.EventWriter`). Every
-event has ``seq`` (int, increasing, never reused across restarts), ``time`` (unix seconds) and ``kind``:
-
-- ``status``: ``status`` (running|finished|failed|stopped|restarting), optional ``message``, ``world_size``,
-  ``strategy``, ``zero_stage``, ``steps`` (total), ``restart`` (count), ``step`` (on the final one),
-  ``peak_flops`` (FLOP/s per rank behind ``mfu``) and ``precision``.
-- ``step``: ``step``, ``loss`` (null when not finite; then ``skipped`` is true with ``on_nan = "skip"``), ``lr``,
-  ``grad_norm``, ``tokens_per_s`` (global), ``step_time_s``, ``tokens`` (global tokens in this step),
-  optionally ``tflops``, and every ``log_every`` steps ``memory``: a list with one object per rank: ``rank``,
-  ``param_bytes``, ``grad_bytes``, ``optimizer_bytes``, ``rss_bytes``, ``activation_bytes`` (what autograd
-  saved for the process's first micro-batch, measured once) and on CUDA ``cuda_allocated_bytes``,
-  ``cuda_max_allocated_bytes``, ``cuda_reserved_bytes``. Plus whatever the strategy's ``step_stats()``
-  reports for rank 0; ``scratch-ddp``: ``comm_s`` (seconds rank 0 waited for gradient communication that was
-  not hidden behind backward), ``allreduce_calls`` and ``allreduce_bytes`` (its gradient all-reduces in this
-  step, payload bytes). Rank 0's step breakdown, seconds, summed over micro-batches, which with ``comm_s``
-  tiles ``step_time_s``: ``data_s`` (waiting for the next batch), ``forward_s``, ``backward_s`` (without
-  ``comm_s``), ``sync_s`` (the trainer's loss/stop all-reduce), ``optimizer_s`` (clip, step, schedule).
-  ``mfu``: achieved model FLOP/s over the measured peak for the run's precision times the world size. With
-  more than one rank, every ``log_every`` steps ``ranks``: per rank ``rank``, ``step_time_s``, ``data_s``,
-  ``wait_s`` (seconds it waited in collectives it can observe: ``sync_s`` + ``comm_s``).
-- ``eval``: ``step``, ``val_loss`` (step 0: the untrained baseline).
-- ``checkpoint``: ``step``, ``path`` (relative to the run directory).
-- ``log``: ``level`` (info|warning|error), ``message``; a slow-rank warning adds ``rank`` and ``lag_s``.
-- ``hang``: written by a node's launcher, not by rank 0 (:mod:`torch_handle.observe.watchdog`): no rank of that node
-  advanced for ``timeout_s`` (``launch.hang_timeout_s``). ``message`` (one line naming where each rank waits and
-  the stacks file), ``ranks`` (per rank ``rank``, ``pid``, ``host``, ``step``, ``phase``, ``source``, ``call``,
-  ``where``, ``summary``, ``error``), ``stacks`` (the stacks file, relative to the run directory), ``stalled_s``,
-  ``timeout_s``, ``action`` (warn|stop), ``node_rank``, ``step``, optionally ``flight_recorder`` (NCCL dumps).
-  Events the launcher writes carry ``"source": "launcher"`` and ``"seq": null`` (the numbering is rank 0's).
-
-Readers (``handle run``'s progress line and summary, the dashboard, the run picker) use this module:
-:class:`Tail` reads the complete new lines of any growing file (events and logs), :class:`EventReader` turns
-them into events, :func:`tail_events` reads only the end of a file, and :class:`RunState` folds events (plus
-``run.json``) into what a run amounts to. A reader must survive any file: bad lines and fields of the wrong type
-are skipped and reported, never raised.
-
-Standard library only (and :mod:`torch_handle.common.text`): no torch, no UI library.
+"""The one fold of a run's events (plus ``run.json``) into what the run amounts to: :class:`RunState`, used by
+``handle run`` (progress line, summary), the dashboard and the run picker; and :func:`slowest_rank`, which the
+trainer's slow-rank warning shares. Never raises on a malformed event. Standard library only.
 """
 
 from __future__ import annotations
 
-import json
-import math
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
 from torch_handle.common.text import clean, strategy_label
+from torch_handle.observe.fields import (ACTIVATION_BYTES, ACTIVATION_SAVED_BYTES, BREAKDOWN, DATA_S, MEMORY, WAIT_S,
+                                         Kind, Level, Status)
+from torch_handle.observe.tail import BadLine, integer, number
 
-
-class Kind:
-    """The ``kind`` of an event."""
-
-    STATUS = "status"
-    STEP = "step"
-    EVAL = "eval"
-    CHECKPOINT = "checkpoint"
-    LOG = "log"
-    HANG = "hang"
-
-
-class Status:
-    """Run statuses, in ``status`` events and in ``run.json``."""
-
-    STARTING = "starting"
-    """run.json only: the run directory exists, torchrun has not started yet."""
-    RUNNING = "running"
-    FINISHED = "finished"
-    FAILED = "failed"
-    STOPPED = "stopped"
-    RESTARTING = "restarting"
-    """A worker failed and torchrun restarts the group (``launch.max_restarts``)."""
-    RESTARTED = "restarted"
-    """Read as :attr:`RESTARTING` (older files)."""
-    UNREADABLE = "unreadable"
-    """Never written: what the run picker shows for a run.json it cannot read."""
-    LOST = "lost"
-    """Never written: run.json says active, but the launcher is gone and the heartbeat is stale
-    (:func:`torch_handle.rundir.is_lost`); ``handle run --resume`` continues it like a stopped run. Not in
-    :attr:`FINAL` (no worker or launcher ever records it), though nothing more happens to a lost run either."""
-    HUNG = "hung"
-    """Never written: the newest event is a ``hang`` (no step since) of a run that is still active; the run may
-    still recover (``launch.on_hang = "warn"``). Not in :attr:`FINAL`."""
-    FINAL = (FINISHED, FAILED, STOPPED)
-    """Statuses after which nothing more happens to the run (until ``--resume``)."""
-    RESTART = (RESTARTING, RESTARTED)
-
-
-class Level:
-    """The ``level`` of a ``log`` event."""
-
-    INFO = "info"
-    WARNING = "warning"
-    ERROR = "error"
-
-
-def number(x: Any) -> float | None:
-    """A finite float, or None (bools, strings, NaN, inf and missing values all give None)."""
-    if isinstance(x, bool) or not isinstance(x, (int, float)):
-        return None
-    x = float(x)
-    return x if math.isfinite(x) else None
-
-
-def integer(x: Any) -> int | None:
-    """:func:`number` as an int (truncated), or None."""
-    v = number(x)
-    return int(v) if v is not None else None
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# reading growing files
-# ---------------------------------------------------------------------------------------------------------------
-
-
-class Tail:
-    """Incremental reader of the complete lines appended to a file that may still be growing.
-
-    ``poll()`` returns the lines (bytes, without the newline) completed since the previous call. A partial last
-    line (a writer caught mid-write) is kept until its newline arrives, unless it grows past ``max_line`` bytes
-    (a runaway line): then it is returned as it is. A file that shrinks or is replaced (another inode) is read
-    again from its start. With ``start_near_end`` (bytes), the first poll starts that far before the end and
-    skips the line it lands in, unless it lands on a line's start. ``max_read`` caps the bytes read per poll
-    (None: everything new). A missing or unreadable file gives no lines, never an error.
-    """
-
-    def __init__(self, path: Path, *, start_near_end: int | None = None, max_read: int | None = None,
-                 max_line: int = 16 * 1024 * 1024):
-        self.path = Path(path)
-        self.start_near_end = start_near_end
-        self.max_read = max_read
-        self.max_line = max_line
-        self.line_no = 0
-        """Lines returned since the (last) start of the file, blank ones included."""
-        self._offset: int | None = None
-        self._inode: tuple[int, int] | None = None
-        self._partial = b""
-        self._skip_to_newline = False
-
-    def _restart(self, offset: int, skip: bool) -> None:
-        self._offset, self._partial, self._skip_to_newline, self.line_no = offset, b"", skip, 0
-
-    def poll(self) -> list[bytes]:
-        try:
-            st = os.stat(self.path)
-        except OSError:
-            return []
-        inode, size = (st.st_dev, st.st_ino), st.st_size
-        if self._offset is None:
-            near = self.start_near_end
-            if near is not None and size > near:
-                # one byte early: when that byte is a newline, the line at ``size - near`` is complete
-                self._restart(size - near - 1, skip=True)
-            else:
-                self._restart(0, skip=False)
-        elif size < self._offset or inode != self._inode:  # truncated or replaced: start over
-            self._restart(0, skip=False)
-        self._inode = inode
-        assert self._offset is not None
-        if size == self._offset:
-            return []
-        n = size - self._offset if self.max_read is None else min(size - self._offset, self.max_read)
-        try:
-            with open(self.path, "rb") as f:
-                f.seek(self._offset)
-                chunk = f.read(n)
-        except OSError:
-            return []
-        self._offset += len(chunk)
-        if self._skip_to_newline:
-            cut = chunk.find(b"\n")
-            if cut < 0:
-                return []
-            chunk, self._skip_to_newline = chunk[cut + 1:], False
-        lines = (self._partial + chunk).split(b"\n")
-        self._partial = lines.pop()  # b"" when the chunk ended with a newline
-        if len(self._partial) > self.max_line:
-            lines.append(self._partial)
-            self._partial = b""
-        self.line_no += len(lines)
-        return lines
-
-
-@dataclass
-class BadLine:
-    """A line of ``events.jsonl`` that is not a JSON object (reported, never fatal)."""
-
-    line_no: int
-    text: str
-    error: str
-
-
-class EventReader:
-    """Incremental reader of an ``events.jsonl`` that may still be growing (a :class:`Tail` from the start).
-
-    ``poll()`` returns the complete new events since the previous call. Lines that are not JSON objects are
-    collected in ``bad_lines`` (line numbers from 1) instead of raising.
-    """
-
-    def __init__(self, path: Path):
-        self.path = Path(path)
-        self._tail = Tail(self.path)
-        self.bad_lines: list[BadLine] = []
-
-    def poll(self) -> list[dict[str, Any]]:
-        lines = self._tail.poll()
-        events = []
-        for line_no, raw in enumerate(lines, self._tail.line_no - len(lines) + 1):
-            if not raw.strip():
-                continue
-            try:
-                event = json.loads(raw)
-                if not isinstance(event, dict):
-                    raise ValueError("not a JSON object")
-            except ValueError as e:
-                self.bad_lines.append(BadLine(line_no, raw.decode("utf-8", "replace")[:200], str(e)))
-                continue
-            events.append(event)
-        return events
-
-
-def read_tail(path: Path, nbytes: int = 65536) -> list[bytes]:
-    """The lines in the last ``nbytes`` of a file, without the first one when it is cut (the last one is
-    included even without its newline); ``[]`` when the file is missing or unreadable."""
-    try:
-        with open(path, "rb") as f:
-            size = f.seek(0, os.SEEK_END)
-            start = max(0, size - nbytes)
-            f.seek(max(0, start - 1))
-            data = f.read()
-    except OSError:
-        return []
-    if start > 0:
-        data = data.partition(b"\n")[2]  # the byte before ``start`` tells whether the first line is whole
-    lines = data.split(b"\n")
-    if lines and not lines[-1]:
-        lines.pop()
-    return lines
-
-
-def tail_events(path: Path, nbytes: int = 65536) -> list[dict[str, Any]]:
-    """The events (JSON objects) in the last ``nbytes`` of an events file, oldest first; other lines skipped."""
-    out = []
-    for line in read_tail(path, nbytes):
-        try:
-            event = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(event, dict):
-            out.append(event)
-    return out
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# the fold: events (+ run.json) -> run state
-# ---------------------------------------------------------------------------------------------------------------
-
-MEMORY_KEYS = ("param_bytes", "grad_bytes", "optimizer_bytes", "rss_bytes",
-               "cuda_allocated_bytes", "cuda_max_allocated_bytes", "cuda_reserved_bytes")
-
-
-BREAKDOWN = ("data_s", "forward_s", "backward_s", "optimizer_s", "comm_s", "sync_s")
-"""The parts of a step in ``step`` events (seconds); with a strategy that does not report ``comm_s`` the others
-still tile the step."""
 SLOW_RANK_RATIO = 0.2
 """A rank is slow when it lags the other ranks' median by more than this share of the median step time ..."""
 SLOW_RANK_LOGS = 5
@@ -297,7 +46,7 @@ def slowest_rank(ranks: Iterable[Any]) -> dict[str, Any] | None:
         rank, st = integer(r.get("rank")), number(r.get("step_time_s"))
         if rank is None or st is None:
             continue
-        data, wait = number(r.get("data_s")) or 0.0, number(r.get("wait_s")) or 0.0
+        data, wait = number(r.get(DATA_S)) or 0.0, number(r.get(WAIT_S)) or 0.0
         rows.append((rank, st, data, max(0.0, st - wait)))
     if len(rows) < 2:
         return None
@@ -348,7 +97,8 @@ class RunState:
     backward_s: list[float | None] = field(default_factory=list)
     optimizer_s: list[float | None] = field(default_factory=list)
     sync_s: list[float | None] = field(default_factory=list)
-    """The step breakdown per step (seconds; None in events without it)."""
+    """The step breakdown per step, one series per field of ``BREAKDOWN`` (seconds; None in events without
+    it)."""
     mfu: float | None = None
     """The newest model FLOPs utilisation (0..1)."""
     peak_flops: float | None = None
@@ -361,7 +111,7 @@ class RunState:
     val_loss: list[float | None] = field(default_factory=list)
     grad_norm: float | None = None
     memory: dict[int, dict[str, int]] = field(default_factory=dict)
-    """rank -> the latest memory figures (bytes)."""
+    """rank -> the latest memory figures (bytes; the fields of ``MEMORY`` the event has)."""
     peak_memory: dict[int, dict[str, int]] = field(default_factory=dict)
     """rank -> the largest value seen of each memory figure (bytes), across restarts."""
     event_status: str | None = None
@@ -465,8 +215,7 @@ class RunState:
                 self.tokens_per_s_sum += tokens_per_s
                 self.tokens_per_s_count += 1
         self.step_time_s.append(number(event.get("step_time_s")))
-        self.comm_s.append(number(event.get("comm_s")))
-        for key in ("data_s", "forward_s", "backward_s", "optimizer_s", "sync_s"):
+        for key in BREAKDOWN:
             getattr(self, key).append(number(event.get(key)))
         self.breakdown_seen = self.breakdown_seen or self.forward_s[-1] is not None
         if (mfu := number(event.get("mfu"))) is not None:
@@ -483,7 +232,9 @@ class RunState:
                 rank = integer(mem.get("rank"))
                 if rank is None:
                     continue
-                latest = {k: int(v) for k in MEMORY_KEYS if (v := number(mem.get(k))) is not None}
+                latest = {k: int(v) for k in MEMORY if (v := number(mem.get(k))) is not None}
+                if ACTIVATION_SAVED_BYTES not in latest and (v := number(mem.get(ACTIVATION_BYTES))) is not None:
+                    latest[ACTIVATION_SAVED_BYTES] = int(v)  # older events: the saved part under the total's name
                 self.memory[rank] = latest
                 peak = self.peak_memory.setdefault(rank, {})
                 for k, v in latest.items():
@@ -523,8 +274,8 @@ class RunState:
         keep = 0
         while keep < len(self.steps) and self.steps[keep] < step:
             keep += 1
-        for series in (self.steps, self.loss, self.lr, self.tokens_per_s, self.step_time_s, self.comm_s,
-                       self.data_s, self.forward_s, self.backward_s, self.optimizer_s, self.sync_s):
+        for series in (self.steps, self.loss, self.lr, self.tokens_per_s, self.step_time_s,
+                       *(getattr(self, key) for key in BREAKDOWN)):
             del series[keep:]
         while self.val_steps and self.val_steps[-1] >= step:
             self.val_steps.pop()
@@ -629,6 +380,10 @@ class RunState:
     def last(self, series: list[float | None]) -> float | None:
         """The newest value of ``series`` that is not None."""
         return next((x for x in reversed(series) if x is not None), None)
+
+    def breakdown(self, i: int) -> dict[str, float | None]:
+        """Each field of :data:`~torch_handle.observe.fields.BREAKDOWN` -> its seconds in step ``steps[i]``."""
+        return {key: getattr(self, key)[i] for key in BREAKDOWN}
 
     def elapsed_s(self) -> float | None:
         """From the run's start to its end, or to the newest event while it runs (event times, not the clock)."""

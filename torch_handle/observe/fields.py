@@ -1,0 +1,90 @@
+"""The vocabulary of ``events.jsonl``: event kinds, run statuses, log levels, and the field names that more than
+one module writes or reads. What each field means: docs/run-directory.md. Standard library only.
+"""
+
+from __future__ import annotations
+
+
+class Kind:
+    """The ``kind`` of an event."""
+
+    STATUS = "status"
+    STEP = "step"
+    EVAL = "eval"
+    CHECKPOINT = "checkpoint"
+    LOG = "log"
+    HANG = "hang"
+
+
+class Status:
+    """Run statuses, in ``status`` events and in ``run.json``."""
+
+    STARTING = "starting"
+    """run.json only: the run directory exists, torchrun has not started yet."""
+    RUNNING = "running"
+    FINISHED = "finished"
+    FAILED = "failed"
+    STOPPED = "stopped"
+    RESTARTING = "restarting"
+    """A worker failed and torchrun restarts the group (``launch.max_restarts``)."""
+    RESTARTED = "restarted"
+    """Read as :attr:`RESTARTING` (older files)."""
+    UNREADABLE = "unreadable"
+    """Never written: what the run picker shows for a run.json it cannot read."""
+    LOST = "lost"
+    """Never written: run.json says active, but the launcher is gone and the heartbeat is stale
+    (:func:`torch_handle.rundir.is_lost`); ``handle run --resume`` continues it like a stopped run. Not in
+    :attr:`FINAL` (no worker or launcher ever records it), though nothing more happens to a lost run either."""
+    HUNG = "hung"
+    """Never written: the newest event is a ``hang`` (no step since) of a run that is still active; the run may
+    still recover (``launch.on_hang = "warn"``). Not in :attr:`FINAL`."""
+    FINAL = (FINISHED, FAILED, STOPPED)
+    """Statuses after which nothing more happens to the run (until ``--resume``)."""
+    RESTART = (RESTARTING, RESTARTED)
+
+
+class Level:
+    """The ``level`` of a ``log`` event."""
+
+    INFO = "info"
+    WARNING = "warning"
+    ERROR = "error"
+
+
+# step events: rank 0's step breakdown, seconds summed over micro-batches; with COMM_S the parts tile step_time_s
+DATA_S = "data_s"  # waiting for the next batch
+FORWARD_S = "forward_s"
+BACKWARD_S = "backward_s"  # without COMM_S
+SYNC_S = "sync_s"  # the trainer's loss/stop all-reduce
+OPTIMIZER_S = "optimizer_s"  # clip, step, schedule
+COMM_S = "comm_s"  # gradient communication not hidden behind backward (a strategy's step_stats, scratch-ddp)
+
+STEP_PHASES = {"data": DATA_S, "forward": FORWARD_S, "backward": BACKWARD_S, "sync": SYNC_S,
+               "optimizer": OPTIMIZER_S}
+"""The trainer's step phases in the order a step runs them (torch_handle.train.phases) -> the field of their
+seconds."""
+BREAKDOWN = (*STEP_PHASES.values(), COMM_S)
+"""Every part of a step in ``step`` events (a strategy without ``comm_s`` leaves it out)."""
+
+# step events: ``memory``, one object per rank, bytes
+PARAM_BYTES = "param_bytes"
+GRAD_BYTES = "grad_bytes"
+OPTIMIZER_BYTES = "optimizer_bytes"
+RSS_BYTES = "rss_bytes"
+CUDA_ALLOCATED_BYTES = "cuda_allocated_bytes"
+CUDA_MAX_ALLOCATED_BYTES = "cuda_max_allocated_bytes"
+CUDA_RESERVED_BYTES = "cuda_reserved_bytes"
+
+# activations of one micro-batch, the same names in the memory telemetry and in ``handle estimate --json``
+ACTIVATION_SAVED_BYTES = "activation_saved_bytes"  # distinct storages autograd saves for backward (both)
+ACTIVATION_LOGITS_BYTES = "activation_logits_bytes"  # the fp32 (B, T, V) logits buffer (estimate)
+ACTIVATION_RECOMPUTE_BYTES = "activation_recompute_bytes"  # the largest block rebuilt in backward (estimate)
+ACTIVATION_BYTES = "activation_bytes"  # the sum of the three (estimate; in older events: the saved part)
+ACTIVATION_PARTS = (ACTIVATION_SAVED_BYTES, ACTIVATION_LOGITS_BYTES, ACTIVATION_RECOMPUTE_BYTES)
+
+MEMORY = (PARAM_BYTES, GRAD_BYTES, OPTIMIZER_BYTES, RSS_BYTES, ACTIVATION_SAVED_BYTES, CUDA_ALLOCATED_BYTES,
+          CUDA_MAX_ALLOCATED_BYTES, CUDA_RESERVED_BYTES)
+"""Every figure a ``memory`` entry carries besides ``rank``."""
+
+# step events: ``ranks``, one object per rank every log_every steps (with more than one rank)
+WAIT_S = "wait_s"  # seconds the rank waited in collectives it can observe: SYNC_S + COMM_S
