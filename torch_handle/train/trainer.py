@@ -28,6 +28,7 @@ from torch_handle.checkpoint import shared_dirs
 from torch_handle.config.loader import Preset
 from torch_handle.data.datasets import IGNORE_INDEX, DataBundle, DataContext, GlobalBatchSampler, ResumableDistributedSampler
 from torch_handle.model.kernels import cross_entropy
+from torch_handle.model.parallelize import checkpointed_blocks, model_blocks
 from torch_handle.registry import PluginRegistry
 from torch_handle.rundir import HEARTBEAT_S, STOP_FILE, touch_heartbeat, update_run_info
 from torch_handle.train.strategy import DistContext, Strategy
@@ -144,7 +145,7 @@ class Trainer:
         if self.training.compile:
             # Per block and in place (nn.Module.compile), as torchtitan does: the blocks stay the modules that
             # blocks() returns, so fsdp's fully_shard per block and activation checkpointing see them unchanged.
-            for block in model.blocks() if hasattr(model, "blocks") else [model]:
+            for block in model_blocks(model, default=[model]):
                 block.compile()
         # From here on each rank draws its own dropout masks.
         seed_everything(p.run.seed + 1000 * ctx.rank)
@@ -429,7 +430,7 @@ class Trainer:
         """Counts the distinct storages autograd saves during one micro-batch's forward (parameters and buffers
         left out; with activation checkpointing the blocks' inputs instead): ``activation_bytes`` in the memory
         telemetry, what ``handle estimate`` predicts as the saved part of the activations."""
-        from torch_handle.plan.estimate import SavedTensorCounter, checkpointed_blocks
+        from torch_handle.plan.estimate import SavedTensorCounter
 
         model = self.strategy.unwrapped()
         return SavedTensorCounter([*model.parameters(), *model.buffers()], checkpointed_blocks(model))
