@@ -61,13 +61,17 @@ class PositionwiseFeedForward(nn.Module):
 
 
 class _ResidualLayer(nn.Module):
-    """What ``EncoderLayer`` and ``DecoderLayer`` share: their sub-layers' residual wiring.
+    """What ``EncoderLayer`` and ``DecoderLayer`` share: the self-attention sub-layer they start with and the
+    residual wiring of every sub-layer. Subclasses add their other modules after ``self_attn`` (the order of the
+    state dict) and set ``dropout``, the residual dropout (one module reused: it holds no state)."""
 
-    Subclasses set ``norm_first`` and ``dropout`` (the residual dropout, one module reused: it holds no state).
-    """
-
-    norm_first: bool
     dropout: Dropout
+
+    def __init__(self, d_model: int, n_heads: int, dropout: float, norm_first: bool, attention: AttentionImpl,
+                 fused_qkv: bool) -> None:
+        super().__init__()
+        self.norm_first = norm_first
+        self.self_attn = MultiHeadAttention(d_model, n_heads, dropout, fused_qkv=fused_qkv, attention=attention)
 
     def _residual(self, x: Tensor, norm: nn.LayerNorm, name: str, sublayer: Callable[[Tensor], Tensor]) -> Tensor:
         """One residual sub-layer: x + dropout(sublayer(norm(x))) pre-LN, norm(x + dropout(sublayer(x))) post-LN.
@@ -101,21 +105,10 @@ class EncoderLayer(_ResidualLayer):
         forward(x (B, T, C), key_padding_mask bool (B, T) True = pad) -> (B, T, C).
     """
 
-    def __init__(
-        self,
-        d_model: int,
-        n_heads: int,
-        d_ff: int,
-        dropout: float = 0.0,
-        activation: Activation = "relu",
-        norm_first: bool = False,
-        attention: AttentionImpl = "sdpa",
-        fused_qkv: bool = True,
-        layer_norm_eps: float = 1e-5,
-    ) -> None:
-        super().__init__()
-        self.norm_first = norm_first
-        self.self_attn = MultiHeadAttention(d_model, n_heads, dropout, fused_qkv=fused_qkv, attention=attention)
+    def __init__(self, d_model: int, n_heads: int, d_ff: int, dropout: float = 0.0, activation: Activation = "relu",
+                 norm_first: bool = False, attention: AttentionImpl = "sdpa", fused_qkv: bool = True,
+                 layer_norm_eps: float = 1e-5) -> None:
+        super().__init__(d_model, n_heads, dropout, norm_first, attention, fused_qkv)
         self.ff = PositionwiseFeedForward(d_model, d_ff, dropout, activation)
         self.self_attn_norm = nn.LayerNorm(d_model, eps=layer_norm_eps)
         self.ff_norm = nn.LayerNorm(d_model, eps=layer_norm_eps)
@@ -148,22 +141,10 @@ class DecoderLayer(_ResidualLayer):
         when it has none.
     """
 
-    def __init__(
-        self,
-        d_model: int,
-        n_heads: int,
-        d_ff: int,
-        dropout: float = 0.0,
-        activation: Activation = "relu",
-        norm_first: bool = False,
-        cross_attention: bool = True,
-        attention: AttentionImpl = "sdpa",
-        fused_qkv: bool = True,
-        layer_norm_eps: float = 1e-5,
-    ) -> None:
-        super().__init__()
-        self.norm_first = norm_first
-        self.self_attn = MultiHeadAttention(d_model, n_heads, dropout, fused_qkv=fused_qkv, attention=attention)
+    def __init__(self, d_model: int, n_heads: int, d_ff: int, dropout: float = 0.0, activation: Activation = "relu",
+                 norm_first: bool = False, cross_attention: bool = True, attention: AttentionImpl = "sdpa",
+                 fused_qkv: bool = True, layer_norm_eps: float = 1e-5) -> None:
+        super().__init__(d_model, n_heads, dropout, norm_first, attention, fused_qkv)
         self.self_attn_norm = nn.LayerNorm(d_model, eps=layer_norm_eps)
         self.cross_attn: MultiHeadAttention | None = None
         self.cross_attn_norm: nn.LayerNorm | None = None
@@ -174,16 +155,9 @@ class DecoderLayer(_ResidualLayer):
         self.ff_norm = nn.LayerNorm(d_model, eps=layer_norm_eps)
         self.dropout = Dropout(dropout)
 
-    def forward(
-        self,
-        x: Tensor,
-        memory: Tensor | None = None,
-        *,
-        key_padding_mask: Tensor | None = None,
-        memory_key_padding_mask: Tensor | None = None,
-        causal: bool = True,
-        cache: LayerCache | None = None,
-    ) -> Tensor:
+    def forward(self, x: Tensor, memory: Tensor | None = None, *, key_padding_mask: Tensor | None = None,
+                memory_key_padding_mask: Tensor | None = None, causal: bool = True, cache: LayerCache | None = None
+                ) -> Tensor:
         """
         Args:
             x: (B, T, C) target-side hidden states.

@@ -5,10 +5,7 @@
   vocabulary.
 * ``build_transformer`` -- the model a ``kind`` names, from ``TransformerArgs`` (``args.py``).
 
-The path before this file: ``embeddings.py`` (tokens to vectors) -> ``attention.py`` (multi-head attention) ->
-``layers.py`` (FFN, encoder and decoder layers). Beside it: ``kernels.py`` (fast CPU dropout and cross-entropy),
-``kv_cache.py`` (incremental decoding), ``parallelize.py`` (the blocks that checkpointing and FSDP act on),
-``flops.py`` (training FLOPs per token), ``profiling.py`` (profiler ranges).
+Read after ``embeddings.py``, ``attention.py`` and ``layers.py`` (the package docstring gives the whole path).
 
 Both models declare their repeated layers with ``blocks()`` (the ``BlockModel`` protocol): each block is
 checkpointed on its own (``activation_checkpointing``) and is the unit a sharding wrapper such as FSDP2 gathers
@@ -27,7 +24,7 @@ from torch_handle.model.attention import MultiHeadAttention
 from torch_handle.model.embeddings import SinusoidalPositionalEncoding, embed_tokens
 from torch_handle.model.flops import matmul_params, training_flops_per_token
 from torch_handle.model.kernels import Dropout
-from torch_handle.model.kv_cache import KVCache
+from torch_handle.model.kv_cache import KVCache, LayerCache
 from torch_handle.model.layers import DecoderLayer, EncoderLayer
 from torch_handle.model.profiling import record_range
 
@@ -111,6 +108,16 @@ class _TransformerModel(nn.Module):
         """bool (B, T), True where ids == pad_id; None when the model has no pad_id."""
         return None if self.args.pad_id is None else ids == self.args.pad_id
 
+    def _decoder_input(self, ids: Tensor, cache: KVCache | None) -> tuple[Tensor, Tensor | None]:
+        """The decoder stack's input: ids (B, T) embedded from position ``cache.length`` (B, T, C), and the
+        padding mask of every key, the P cached positions' first (B, P + T) or None. Advances ``cache``."""
+        padding_mask = self._padding_mask(ids)  # (B, T) or None
+        x = self._embed(ids, 0 if cache is None else cache.length)  # (B, T, C)
+        if cache is not None:
+            padding_mask = cache.extend_padding(padding_mask)
+            cache.length += ids.shape[1]
+        return x, padding_mask
+
     def _run_block(self, name: str, block: nn.Module, *args, **kwargs) -> Tensor:
         """Call ``block`` (one of ``blocks()``) inside the profiler range ``name`` (e.g. ``"decoder.layer3"``;
         see ``profiling.py``); with activation checkpointing on (and training), store only its input and
@@ -186,14 +193,10 @@ class DecoderLM(_TransformerModel):
             logits: (B, T, V) in the head's compute dtype (float32, or bf16/fp16 under autocast or a 16-bit
                 model: the loss upcasts them chunk by chunk); position t predicts token t + 1.
         """
-        padding_mask = self._padding_mask(input_ids)  # (B, T) or None
-        x = self._embed(input_ids, 0 if cache is None else cache.length)  # (B, T, C)
-        if cache is not None:
-            padding_mask = cache.extend_padding(padding_mask)  # (B, P + T) or None
-            cache.length += input_ids.shape[1]
+        x, padding_mask = self._decoder_input(input_ids, cache)  # (B, T, C), (B, P + T) or None
         for i, layer in enumerate(self.layers):
-            kwargs = {} if cache is None else {"cache": cache.layers[i]}
-            x = self._run_block(f"decoder.layer{i}", layer, x, key_padding_mask=padding_mask, **kwargs)
+            x = self._run_block(f"decoder.layer{i}", layer, x, key_padding_mask=padding_mask,
+                                **_layer_cache(cache, i))
         x = self.final_norm(x)
         # (B, T, V). No .float(): under autocast the head's output is already rounded to bf16, so an fp32 copy
         # would add no precision, only a pass over B·T·V elements; the loss upcasts per chunk.
@@ -248,15 +251,10 @@ class EncoderDecoder(_TransformerModel):
 
         ``cache`` (eval): incremental decoding as in ``DecoderLM.forward``; the cross-attention keys/values
         of ``memory`` are projected on the first call and reused (after ``cache.reorder`` too)."""
-        tgt_padding_mask = self._padding_mask(tgt_ids)  # (B, T) or None
-        x = self._embed(tgt_ids, 0 if cache is None else cache.length)  # (B, T, C)
-        if cache is not None:
-            tgt_padding_mask = cache.extend_padding(tgt_padding_mask)  # (B, P + T) or None
-            cache.length += tgt_ids.shape[1]
+        x, tgt_padding_mask = self._decoder_input(tgt_ids, cache)  # (B, T, C), (B, P + T) or None
         for i, layer in enumerate(self.decoder_layers):
-            kwargs = {} if cache is None else {"cache": cache.layers[i]}
             x = self._run_block(f"decoder.layer{i}", layer, x, memory, key_padding_mask=tgt_padding_mask,
-                                memory_key_padding_mask=src_padding_mask, **kwargs)
+                                memory_key_padding_mask=src_padding_mask, **_layer_cache(cache, i))
         x = self.decoder_norm(x)
         return self.lm_head(x)  # (B, T, V)
 
@@ -272,6 +270,11 @@ class EncoderDecoder(_TransformerModel):
         """
         memory, src_padding_mask = self.encode(src_ids)  # (B, S, C)
         return self.decode(tgt_ids, memory, src_padding_mask)
+
+
+def _layer_cache(cache: KVCache | None, i: int) -> dict[str, LayerCache]:
+    """The keyword argument that hands decoder layer ``i`` its cache; none without a cache."""
+    return {} if cache is None else {"cache": cache.layers[i]}
 
 
 MODEL_KINDS: dict[ModelKind, type[_TransformerModel]] = {
