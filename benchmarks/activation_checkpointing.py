@@ -23,7 +23,8 @@ import time
 import torch
 
 from torch_handle.data.datasets import PAD_ID
-from torch_handle.model.transformer import DecoderLM, TransformerArgs
+from torch_handle.model.args import TransformerArgs
+from torch_handle.model.transformer import DecoderLM
 
 
 def build(checkpointing: bool, seq_len: int, dtype: torch.dtype) -> DecoderLM:

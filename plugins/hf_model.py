@@ -1,14 +1,15 @@
-"""The ``hf`` model: a ``transformers`` causal LM wrapped in the contract of ``torch_handle.model.transformer.DecoderLM``.
+"""The ``hf`` model: a ``transformers`` causal LM wrapped in the contract of the project's ``DecoderLM``
+(``torch_handle/model/transformer.py``).
 
 Imported by the ``hf`` plugin's factory (torch at import, ``transformers`` inside :func:`build_hf`). The
 contract the trainer, the strategies and ``handle estimate`` rely on:
 
 - ``forward(input_ids (B, T)) -> logits`` float32 (B, T, V), position t predicting token t + 1 (not the
   transformers output object);
-- ``blocks()``: the decoder layers in forward order, what FSDP2 shards one by one and activation checkpointing
-  recomputes one by one;
-- ``flops_per_token(seq_len)``: training FLOPs per token for MFU;
-- ``args.activation_checkpointing``: read (and, by ``handle estimate``, replaced) like ``DecoderLM.args``.
+- ``blocks()`` and ``args.activation_checkpointing``: the ``BlockModel`` protocol
+  (``torch_handle.model.parallelize``): the decoder layers in forward order, what FSDP2 shards one by one and
+  activation checkpointing recomputes one by one; ``args`` replaced to switch checkpointing;
+- ``flops_per_token(seq_len)``: training FLOPs per token for MFU (``torch_handle.model.flops``).
 
 The state-dict keys are ``hf.`` + the transformers module's own keys (``hf.model.decoder.layers.0...`` for OPT),
 so a checkpoint or ``model.safetensors`` loads back into the same preset's model, and into transformers with
@@ -24,13 +25,15 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from torch_handle.model.flops import embedding_weights, matmul_params, training_flops_per_token
+
 log = logging.getLogger("torch_handle")
 
 
 @dataclasses.dataclass(frozen=True)
 class HFArgs:
-    """What the wrapper reports of its build (``model.args``); replacing it with
-    ``dataclasses.replace(model.args, activation_checkpointing=...)`` switches checkpointing."""
+    """What the wrapper reports of its build (``model.args``); replacing it (``BlockModel.args``:
+    ``parallelize.set_activation_checkpointing``) switches checkpointing."""
 
     architecture: str
     """transformers' ``model_type`` (``opt``, ``gpt2``, ``llama``, ...)."""
@@ -134,36 +137,20 @@ class HFCausalLM(nn.Module):
         (token and learned positions: they are indexed, not multiplied)."""
         n = sum(p.numel() for p in self.parameters())
         if exclude_embeddings:
-            n -= sum(w.numel() for w in _embedding_weights(self.hf))
+            n -= sum(w.numel() for w in embedding_weights(self.hf))
         return n
 
     def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs (forward + backward) per token, PaLM appendix B (Chowdhery et al. 2022) after Kaplan et
-        al. 2020 -- the formula of ``DecoderLM.flops_per_token``::
-
-            6 N + 12 · L · (n_heads · head_dim) · seq_len
-
-        N: the parameters that take part in a matmul: all but the embedding tables (token and learned
-        positions, which are indexed), plus the output projection even when it is the tied token table. L: the
-        decoder layers; n_heads · head_dim: the width of the attention scores QKᵀ and of their product with V
-        (d_model for OPT, GPT-2 and Llama without an explicit head_dim).
+        """Training FLOPs (forward + backward) per token, ``flops.training_flops_per_token`` (the formula of
+        ``DecoderLM.flops_per_token``): N the parameters that take part in a matmul, all but the embedding tables
+        (token and learned positions, which are indexed), plus the output projection even when it is the tied
+        token table; L the decoder layers; attention width n_heads · head_dim (d_model for OPT, GPT-2 and Llama
+        without an explicit head_dim).
         """
-        n_matmul = self.num_params(exclude_embeddings=True)
-        out = self.hf.get_output_embeddings()
-        if out is not None and any(out.weight is w for w in _embedding_weights(self.hf)):
-            n_matmul += out.weight.numel()
         c = self.hf.config
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-        return 6.0 * n_matmul + 12.0 * len(self.blocks()) * c.num_attention_heads * head_dim * seq_len
-
-
-def _embedding_weights(model: nn.Module) -> list[Tensor]:
-    """The weight of every ``nn.Embedding`` (learned-position subclasses included), each tensor once."""
-    seen: dict[int, Tensor] = {}
-    for module in model.modules():
-        if isinstance(module, nn.Embedding):
-            seen.setdefault(id(module.weight), module.weight)
-    return list(seen.values())
+        n_matmul = matmul_params(self.hf, self.hf.get_output_embeddings())
+        return training_flops_per_token(n_matmul, len(self.blocks()), c.num_attention_heads * head_dim, seq_len)
 
 
 def _decoder_layers(model: nn.Module) -> str:

@@ -1,46 +1,30 @@
-"""Model plugin ``transformer``: the project's from-scratch Transformer (``torch_handle.model.transformer``)."""
+"""Model plugin ``transformer``: the project's from-scratch Transformer (``torch_handle/model/``)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-from typing import Literal
+import dataclasses
 
-from torch_handle.api import InvalidValue, hookimpl, param
+from torch_handle.api import InvalidValue, hookimpl
+from torch_handle.model.args import DATASET_FIELDS, ModelKind, TransformerArgs
 
 
-@dataclass
-class TransformerConfig:
-    """``[model]`` options of the ``transformer`` plugin: ``kind`` picks the class, every other field is the
-    ``torch_handle.model.transformer.TransformerArgs`` field of the same name (``build`` passes them on by name)."""
+def _check(self) -> None:
+    if self.d_model % self.n_heads:
+        raise InvalidValue("n_heads", f"{self.n_heads} does not divide d_model={self.d_model}")
 
-    kind: Literal["decoder", "encoder-decoder"] = "decoder"
-    """decoder = decoder-only language model; encoder-decoder = translation (Vaswani et al. 2017)."""
-    d_model: int = param(128, ge=8)
-    """Width of the residual stream."""
-    n_heads: int = param(4, ge=1)
-    """Attention heads; must divide d_model."""
-    n_layers: int = param(2, ge=1)
-    """Layers (for encoder-decoder: in the encoder and in the decoder each)."""
-    d_ff: int = param(512, ge=1)
-    """Hidden width of the position-wise feed-forward network."""
-    dropout: float = param(0.1, ge=0.0, le=0.9)
-    """Dropout on embeddings, attention weights and residual branches."""
-    activation: Literal["relu", "gelu"] = "gelu"
-    """Feed-forward activation."""
-    norm_first: bool = False
-    """False: post-LN as in Vaswani et al. 2017; true: pre-LN (Xiong et al. 2020), steadier when deep."""
-    tie_embeddings: bool = True
-    """Share the token embedding with the output projection (Press & Wolf 2017)."""
-    activation_checkpointing: bool = False
-    """Recompute each layer's activations in backward (torch.utils.checkpoint, use_reentrant=False)."""
-    attention: Literal["sdpa", "reference"] = "sdpa"
-    """sdpa = torch's fused scaled_dot_product_attention; reference = explicit softmax(QK^T/sqrt(d_k))V."""
-    fused_qkv: bool = True
-    """One (d_model, 3*d_model) projection for Q, K, V instead of three."""
 
-    def check(self) -> None:
-        if self.d_model % self.n_heads:
-            raise InvalidValue("n_heads", f"{self.n_heads} does not divide d_model={self.d_model}")
+_DOC = """``[model]`` options of the ``transformer`` plugin. ``kind`` picks the class: ``"decoder"``, a decoder-only
+language model; ``"encoder-decoder"``, translation (Vaswani et al. 2017). Every other option is the
+``TransformerArgs`` field of the same name, with its type, default, range and documentation
+(``torch_handle/model/args.py``: the one source of the model's defaults), except those the dataset supplies
+(``DATASET_FIELDS``)."""
+
+TransformerConfig = dataclasses.make_dataclass(
+    "TransformerConfig",
+    [("kind", ModelKind, dataclasses.field(default="decoder")),
+     *((f.name, f.type, dataclasses.field(default=f.default, metadata=f.metadata))
+       for f in dataclasses.fields(TransformerArgs) if f.name not in DATASET_FIELDS)],
+    namespace={"__module__": __name__, "__doc__": _DOC, "check": _check})
 
 
 def check_preset(options: TransformerConfig, preset) -> None:
@@ -54,9 +38,9 @@ def check_preset(options: TransformerConfig, preset) -> None:
 def build(options: TransformerConfig, vocab_size: int, pad_id: int, max_len: int):
     """``factory(options, vocab_size, pad_id, max_len) -> nn.Module``: every option but ``kind`` is the
     ``TransformerArgs`` field of the same name; the dataset supplies vocab_size, pad_id and max_len."""
-    from torch_handle.model.transformer import TransformerArgs, build_transformer
+    from torch_handle.model.transformer import build_transformer
 
-    shared = {f.name: getattr(options, f.name) for f in fields(options) if f.name != "kind"}
+    shared = {f.name: getattr(options, f.name) for f in dataclasses.fields(options) if f.name != "kind"}
     args = TransformerArgs(vocab_size=vocab_size, pad_id=pad_id, max_len=max_len, **shared)
     return build_transformer(args, kind=options.kind)
 

@@ -32,11 +32,12 @@ STEPS, ACCUM, MICRO_BATCH, SEQ, VOCAB = 10, 2, 4, 16, 64
 
 
 def tiny_model() -> torch.nn.Module:
-    from torch_handle.model.transformer import TransformerArgs, build_transformer
+    from torch_handle.model.args import TransformerArgs
+    from torch_handle.model.transformer import build_transformer
 
     torch.manual_seed(0)
     args = TransformerArgs(vocab_size=VOCAB, d_model=32, n_heads=2, n_layers=2, d_ff=64, dropout=0.0, pad_id=0,
-                           max_len=SEQ, tie_embeddings=False)
+                           max_len=SEQ, tie_embeddings=False, norm_first=True)
     return build_transformer(args, kind="decoder")
 
 

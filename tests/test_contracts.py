@@ -18,7 +18,8 @@ from handle_plugins.strategies import (DDPConfig, FSDPConfig, ScratchDDPConfig, 
                                        build_scratch_ddp, build_single)
 from torch_handle.errors import DataError
 from torch_handle.hookspecs import hookimpl
-from torch_handle.model.transformer import TransformerArgs, build_transformer
+from torch_handle.model.args import TransformerArgs
+from torch_handle.model.transformer import build_transformer
 from torch_handle.registry import PluginInfo, PluginRegistry, load_registry
 from torch_handle.config.schema import TrainingConfig
 from torch_handle.train.strategy import DistContext
@@ -29,7 +30,7 @@ TRAINING = TrainingConfig(steps=4, warmup_steps=1, precision="fp32")
 
 def tiny(kind: str) -> nn.Module:
     torch.manual_seed(0)
-    return build_transformer(TransformerArgs(V, d_model=16, n_heads=4, n_layers=2, d_ff=32, dropout=0.0), kind=kind)
+    return build_transformer(TransformerArgs(V, d_model=16, n_heads=4, n_layers=2, d_ff=32, dropout=0.0, norm_first=True), kind=kind)
 
 
 @pytest.fixture

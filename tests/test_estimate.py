@@ -33,7 +33,8 @@ def tiny_shape() -> E.ModelShape:
     """The model of benchmarks/zero_memory.py (132,864 parameters in 27 tensors), on the meta device."""
     import torch
 
-    from torch_handle.model.transformer import TransformerArgs, build_transformer
+    from torch_handle.model.args import TransformerArgs
+    from torch_handle.model.transformer import build_transformer
 
     args = TransformerArgs(vocab_size=512, pad_id=0, max_len=32, d_model=64, n_heads=4, n_layers=2, d_ff=256,
                            norm_first=True)
@@ -140,7 +141,7 @@ def test_fake_activations_match_a_real_forward_backward(precision, mode, checkpo
     import torch
     import torch.nn.functional as F
 
-    from torch_handle.model.transformer import TransformerArgs
+    from torch_handle.model.args import TransformerArgs
 
     batch, seq, vocab = 4, 48, 300
     args = TransformerArgs(vocab_size=vocab, pad_id=0, max_len=seq, d_model=64, n_heads=4, n_layers=3, d_ff=160,

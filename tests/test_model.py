@@ -1,4 +1,4 @@
-"""Tests for torch_handle.model.transformer, checked against PyTorch's own Transformer modules where possible."""
+"""Tests for the model (torch_handle/model/), checked against PyTorch's own Transformer modules where possible."""
 
 from __future__ import annotations
 
@@ -10,23 +10,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from torch_handle.model import attention as A
 from torch_handle.model import transformer as M
-from torch_handle.model.transformer import (
-    DecoderLayer,
-    DecoderLM,
-    EncoderDecoder,
-    EncoderLayer,
-    MultiHeadAttention,
-    SinusoidalPositionalEncoding,
-    TransformerArgs,
-    build_transformer,
-    scaled_dot_product_attention_reference,
-)
+from torch_handle.model.args import TransformerArgs
+from torch_handle.model.attention import MultiHeadAttention, scaled_dot_product_attention_reference
+from torch_handle.model.embeddings import SinusoidalPositionalEncoding
+from torch_handle.model.layers import DecoderLayer, EncoderLayer
+from torch_handle.model.transformer import DecoderLM, EncoderDecoder, build_transformer
 
 D, H, FF, V = 16, 4, 32, 23
 ATOL = 1e-5
 
-TINY = dict(d_model=D, n_heads=H, n_layers=2, d_ff=FF, dropout=0.0, max_len=64)
+TINY = dict(d_model=D, n_heads=H, n_layers=2, d_ff=FF, dropout=0.0, max_len=64, norm_first=True)
 
 
 def tiny(vocab_size: int = V, **overrides) -> TransformerArgs:
@@ -41,10 +36,10 @@ def _seed():
 
 @pytest.fixture
 def kernel_calls(monkeypatch) -> Counter:
-    """Counts the attention-kernel calls torch_handle.model.transformer makes, by kernel: both kernels give the same
+    """Counts the attention-kernel calls torch_handle.model.attention makes, by kernel: both kernels give the same
     numbers, so only the count shows which one ran."""
     calls: Counter = Counter()
-    real_sdpa, real_reference = F.scaled_dot_product_attention, M.scaled_dot_product_attention_reference
+    real_sdpa, real_reference = F.scaled_dot_product_attention, A.scaled_dot_product_attention_reference
 
     def sdpa(*args, **kwargs):
         calls["sdpa"] += 1
@@ -54,8 +49,8 @@ def kernel_calls(monkeypatch) -> Counter:
         calls["reference"] += 1
         return real_reference(*args, **kwargs)
 
-    monkeypatch.setattr(M.F, "scaled_dot_product_attention", sdpa)
-    monkeypatch.setattr(M, "scaled_dot_product_attention_reference", reference)
+    monkeypatch.setattr(A.F, "scaled_dot_product_attention", sdpa)
+    monkeypatch.setattr(A, "scaled_dot_product_attention_reference", reference)
     return calls
 
 
@@ -578,7 +573,8 @@ def test_separate_qkv_model_runs():
 
 
 def test_decoder_lm_overfits_fixed_batch():
-    lm = DecoderLM(TransformerArgs(32, d_model=32, n_heads=4, n_layers=2, d_ff=64, dropout=0.0, max_len=32)).train()
+    lm = DecoderLM(TransformerArgs(32, d_model=32, n_heads=4, n_layers=2, d_ff=64, dropout=0.0, max_len=32,
+                                   norm_first=True)).train()
     ids = torch.randint(0, 32, (4, 16))
     opt = torch.optim.Adam(lm.parameters(), lr=3e-3)
     losses = []

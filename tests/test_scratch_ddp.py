@@ -169,7 +169,8 @@ def test_every_variant_steps_both_model_kinds_in_a_one_rank_group(tmp_path, kind
     import torch.distributed as dist
 
     from handle_plugins.strategies import ScratchDDPConfig, build_scratch_ddp
-    from torch_handle.model.transformer import TransformerArgs, build_transformer
+    from torch_handle.model.args import TransformerArgs
+    from torch_handle.model.transformer import build_transformer
     from torch_handle.config.schema import TrainingConfig
     from torch_handle.train.strategy import DistContext
 
@@ -180,7 +181,7 @@ def test_every_variant_steps_both_model_kinds_in_a_one_rank_group(tmp_path, kind
         for shard in (False, True):
             for sync in ("naive", "flat", "overlap", "bucketed"):
                 torch.manual_seed(0)
-                model = build_transformer(TransformerArgs(23, d_model=16, n_heads=4, n_layers=1, d_ff=32), kind=kind)
+                model = build_transformer(TransformerArgs(23, d_model=16, n_heads=4, n_layers=1, d_ff=32, norm_first=True), kind=kind)
                 strategy = build_scratch_ddp(ScratchDDPConfig(sync=sync, shard_optimizer=shard),
                                              TrainingConfig(steps=2, grad_accum=1, precision="fp32"), ctx, model)
                 with strategy.accumulating(sync=True):

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from torch_handle.api import Strategy, optimizer_state_tensors, tensor_bytes
+from torch_handle.model.parallelize import NoBlocksError, model_blocks
 
 log = logging.getLogger("torch_handle")
 
@@ -26,7 +27,7 @@ class FSDPStrategy(Strategy):
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         """``fully_shard`` each of ``model.blocks()`` (one all-gather/reduce-scatter per block), then the model.
 
-        A model without a ``blocks()`` method is sharded as one unit -- every parameter gathered for the whole
+        A model that declares no blocks (``model_blocks`` raises) is sharded as one unit -- every parameter gathered for the whole
         forward, which defeats most of FSDP's memory saving -- with a logged warning.
         """
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -37,10 +38,13 @@ class FSDPStrategy(Strategy):
             mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
         kwargs = {"reshard_after_forward": self.options.reshard_after_forward,
                   **({"mp_policy": mp} if mp is not None else {})}
-        blocks = model.blocks() if callable(getattr(model, "blocks", None)) else []
-        if not blocks and self.ctx.is_main:
-            log.warning("fsdp: %s has no blocks() (its repeated layers), so it is sharded as one unit: all of its "
-                        "parameters are gathered for the whole forward and backward", type(model).__name__)
+        try:
+            blocks = model_blocks(model)
+        except NoBlocksError as e:
+            blocks = []
+            if self.ctx.is_main:
+                log.warning("fsdp: %s, so it is sharded as one unit: all of its parameters are gathered for the "
+                            "whole forward and backward", e)
         for block in blocks:
             fully_shard(block, **kwargs)
         fully_shard(model, **kwargs)

@@ -1,6 +1,6 @@
 """Incremental decoding and search, in one process on random tiny models (fp32, eval mode; well under a second).
 
-- The key/value cache (``torch_handle.model.transformer.KVCache``) gives the logits of recomputing the whole prefix.
+- The key/value cache (``torch_handle.model.kv_cache.KVCache``) gives the logits of recomputing the whole prefix.
 - Beam search with beam 1 is greedy decoding; a wider beam never finds a worse-scoring hypothesis than greedy
   under the same score.
 - Sampling: temperature 0 is greedy, a seed reproduces, top-k keeps to the top k.
@@ -13,7 +13,9 @@ import torch
 
 from torch_handle.data.datasets import BOS_ID, EOS_ID
 from torch_handle.infer.generate import StreamDecoder, beam_translate, greedy_translate, next_token, sample
-from torch_handle.model.transformer import KVCache, TransformerArgs, build_transformer
+from torch_handle.model.args import TransformerArgs
+from torch_handle.model.kv_cache import KVCache
+from torch_handle.model.transformer import build_transformer
 
 TOL = 1e-5
 

@@ -6,8 +6,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-import torch_handle.model.transformer as M
+import torch_handle.model.attention as A
 from torch_handle.data.datasets import IGNORE_INDEX
+from torch_handle.model.args import TransformerArgs
+from torch_handle.model.kernels import Dropout, dropout
+from torch_handle.model.transformer import build_transformer
 from torch_handle.train.trainer import loss_fn
 
 
@@ -38,22 +41,22 @@ def test_cross_entropy_with_every_label_ignored_is_nan_like_before() -> None:
 def test_dropout_is_inverted_dropout_with_p_to_2_pow_minus_16() -> None:
     torch.manual_seed(0)
     x = torch.ones(1 << 20)
-    y = M.dropout(x, 0.1)
+    y = dropout(x, 0.1)
     cut = round(0.1 * 2**16)
     assert abs((y == 0).float().mean().item() - 0.1) < 2e-3
     assert torch.all((y == 0) | (y == 2**16 / (2**16 - cut)))
     assert abs(y.mean().item() - 1.0) < 3e-3
-    assert M.dropout(x, 0.1, training=False) is x and M.dropout(x, 0.0) is x
-    assert torch.equal(M.dropout(x, 1.0), torch.zeros_like(x))
+    assert dropout(x, 0.1, training=False) is x and dropout(x, 0.0) is x
+    assert torch.equal(dropout(x, 1.0), torch.zeros_like(x))
 
 
 def test_dropout_uses_the_global_generator_so_resume_replays_the_masks() -> None:
     torch.manual_seed(3)
     x = torch.randn(4, 33, dtype=torch.bfloat16, requires_grad=True)
     state = torch.get_rng_state()
-    y1 = M.Dropout(0.3)(x)
+    y1 = Dropout(0.3)(x)
     torch.set_rng_state(state)
-    y2 = M.Dropout(0.3)(x)
+    y2 = Dropout(0.3)(x)
     assert torch.equal(y1, y2) and y1.dtype == torch.bfloat16
     y1.sum().backward()  # gradient: the same scaled mask
     assert torch.equal(x.grad, (y1.detach() != 0).to(x.dtype) * torch.tensor(1 / 0.7, dtype=x.dtype) * (x != 0))
@@ -61,9 +64,9 @@ def test_dropout_uses_the_global_generator_so_resume_replays_the_masks() -> None
 
 def test_attention_with_cpu_dropout_computes_what_sdpa_computes(monkeypatch) -> None:
     torch.manual_seed(0)
-    mha = M.MultiHeadAttention(32, 4, dropout=0.2).train()
+    mha = A.MultiHeadAttention(32, 4, dropout=0.2).train()
     x = torch.randn(2, 9, 32)
-    monkeypatch.setattr(M, "dropout", lambda t, p, training=True: t)  # every mask keeps everything
+    monkeypatch.setattr(A, "dropout", lambda t, p, training=True: t)  # every mask keeps everything
     fast = mha(x, causal=True)  # the fp32 reference path, chosen for dropout on CPU
     mha.dropout = 0.0
     sdpa = mha(x, causal=True)  # F.scaled_dot_product_attention
@@ -74,16 +77,16 @@ def test_bf16_attention_with_cpu_dropout_runs_in_bf16_and_stays_close_to_fp32(mo
     """Under bf16 autocast the reference kernel gets bf16 q/k/v (no fp32 upcast: half the time on CPU) and its
     output stays within bf16 rounding of the fp32 result."""
     torch.manual_seed(0)
-    mha = M.MultiHeadAttention(32, 4, dropout=0.2).train()
+    mha = A.MultiHeadAttention(32, 4, dropout=0.2).train()
     x = torch.randn(2, 9, 32)
-    monkeypatch.setattr(M, "dropout", lambda t, p, training=True: t)  # every mask keeps everything
-    reference, seen = M.scaled_dot_product_attention_reference, []
+    monkeypatch.setattr(A, "dropout", lambda t, p, training=True: t)  # every mask keeps everything
+    reference, seen = A.scaled_dot_product_attention_reference, []
 
     def spy(q, k, v, mask=None, dropout_p=0.0):
         seen.append(q.dtype)
         return reference(q, k, v, mask, dropout_p)
 
-    monkeypatch.setattr(M, "scaled_dot_product_attention_reference", spy)
+    monkeypatch.setattr(A, "scaled_dot_product_attention_reference", spy)
     fp32 = mha(x, causal=True)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         bf16 = mha(x, causal=True)
@@ -93,8 +96,8 @@ def test_bf16_attention_with_cpu_dropout_runs_in_bf16_and_stays_close_to_fp32(mo
 
 def _train_losses(fast: bool, steps: int = 20) -> list[float]:
     torch.manual_seed(0)
-    args = M.TransformerArgs(512, 64, 4, 2, 256, dropout=0.0, max_len=32)
-    model = M.build_transformer(args)
+    args = TransformerArgs(512, 64, 4, 2, 256, dropout=0.0, max_len=32, norm_first=True)
+    model = build_transformer(args)
     opt = torch.optim.AdamW(model.parameters(), lr=2e-3, betas=(0.9, 0.95), weight_decay=0.01, fused=fast or None)
     data = torch.Generator().manual_seed(1)
     losses = []

@@ -20,7 +20,8 @@ from torch_handle.registry import get_registry
 from torch_handle.checkpoint.resume import rule
 from torch_handle.rundir import create_run_dir
 from torch_handle.train.strategy import DistContext
-from torch_handle.train.trainer import CE_CHUNK_ELEMENTS, Trainer, loss_fn
+from torch_handle.model.kernels import CE_CHUNK_ELEMENTS
+from torch_handle.train.trainer import Trainer, loss_fn
 
 
 def _logits_labels(seed: int = 0, vocab: int = 300):

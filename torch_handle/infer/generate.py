@@ -4,7 +4,7 @@
   ``tokenizer.json`` and the positional-table length of the weights, and loads ``model.safetensors`` or, with
   ``checkpoint=STEP``, ``checkpoints/step-STEP/model.pt`` (strategies ``single``, ``ddp``, ``scratch-ddp``) or
   ``dcp/`` (``fsdp``, consolidated in this process); DeepSpeed's ``ds/`` is refused (use model.safetensors).
-- :func:`sample` streams tokens from a ``DecoderLM`` with a key/value cache (``torch_handle.model.transformer.KVCache``):
+- :func:`sample` streams tokens from a ``DecoderLM`` with a key/value cache (``torch_handle.model.kv_cache.KVCache``):
   each step feeds only the new token.
 - :func:`greedy_translate` and :func:`beam_translate` decode an ``EncoderDecoder`` in batches, also cached.
   Beam search ranks finished hypotheses by log P(Y|X) / lp(Y) with the GNMT length penalty
@@ -31,7 +31,8 @@ from torch import Tensor
 from torch_handle.checkpoint.store import list_checkpoints, safe_load, verify
 from torch_handle.data.datasets import BOS_ID, EOS_ID, IGNORE_INDEX, PAD_ID, DataContext, TranslationDataset
 from torch_handle.errors import CheckpointError, DataError, RunDirError
-from torch_handle.model.transformer import DecoderLM, EncoderDecoder, KVCache
+from torch_handle.model.kv_cache import KVCache
+from torch_handle.model.transformer import DecoderLM, EncoderDecoder
 from torch_handle.rundir import PRESET_FILE, read_run_info
 
 WEIGHTS_FILE = "model.safetensors"

@@ -362,15 +362,6 @@ def model_state_bytes(shape: ModelShape, variant: Variant, precision: str, world
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def checkpointed_blocks(model: Any) -> list[Any]:
-    """The blocks whose inputs autograd keeps instead of their activations: ``model.blocks()`` when the model
-    (unwrapped from DDP/DeepSpeed's ``.module``) trains with activation checkpointing, else none."""
-    model = getattr(model, "module", model)  # DDP and the DeepSpeed engine wrap the model
-    args = getattr(model, "args", None)
-    if getattr(args, "activation_checkpointing", False) and model.training and callable(getattr(model, "blocks",
-                                                                                                 None)):
-        return list(model.blocks())
-    return []
 
 
 def saved_activation_bytes(run_forward_backward: Callable[[], Any], model: torch.nn.Module | None = None) -> int:
@@ -387,6 +378,8 @@ def saved_activation_bytes(run_forward_backward: Callable[[], Any], model: torch
     saves (e.g. for a matmul's backward) count here too, at their gathered size, although the strategy may free
     or reshard them between forward and backward.
     """
+    from torch_handle.model.parallelize import checkpointed_blocks
+
     exclude = [*model.parameters(), *model.buffers()] if model is not None else []
     with SavedTensorCounter(exclude, checkpointed_blocks(model) if model is not None else []) as counter:
         run_forward_backward()
@@ -444,11 +437,12 @@ def _cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> None:
 def _fake_activations(build: _Build, batch: int, seq_len: int, precision: str, mode: str, checkpointing: bool
                       ) -> ActivationBytes:
     import contextlib
-    import dataclasses
 
     import torch
     import torch.nn.functional as F
     from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from torch_handle.model.parallelize import checkpointed_blocks, model_blocks, set_activation_checkpointing
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
     with FakeTensorMode(allow_non_fake_inputs=False):
@@ -482,8 +476,8 @@ def _fake_activations(build: _Build, batch: int, seq_len: int, precision: str, m
         step(counter, [])
         recompute = 0
         if checkpointing:  # what one block saves, measured on the same model without checkpointing
-            model.args = dataclasses.replace(model.args, activation_checkpointing=False)
-            step(SavedTensorCounter(exclude), list(model.blocks()))
+            set_activation_checkpointing(model, False)
+            step(SavedTensorCounter(exclude), model_blocks(model))
             recompute = max(per_block, default=0)
         return ActivationBytes(counter.bytes, batch * seq_len * build.vocab_size * 4, recompute)
 

@@ -21,13 +21,14 @@ import numpy as np
 import psutil
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 from torch_handle.checkpoint import store as ckpt
 from torch_handle.checkpoint import shared_dirs
 from torch_handle.config.loader import Preset
 from torch_handle.data.datasets import IGNORE_INDEX, DataBundle, DataContext, GlobalBatchSampler, ResumableDistributedSampler
+from torch_handle.model.kernels import cross_entropy
+from torch_handle.model.parallelize import checkpointed_blocks, model_blocks
 from torch_handle.registry import PluginRegistry
 from torch_handle.rundir import HEARTBEAT_S, STOP_FILE, touch_heartbeat, update_run_info
 from torch_handle.train.strategy import DistContext, Strategy
@@ -67,62 +68,6 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-class _ChunkedCrossEntropy(torch.autograd.Function):
-    """Token-mean cross-entropy computed ``rows`` rows at a time, each chunk in fp32 while it is in cache.
-
-    ``F.cross_entropy`` on CPU keeps the (N, V) fp32 log-softmax for backward, builds a zero-filled (N, V) gradient
-    for ``nll_loss_backward`` and reads both again in ``_log_softmax_backward_data``: ~5 passes over N·V floats
-    (~9% of a bf16 P1 step on 2 CPU cores, torch.profiler). Here forward keeps only the input, and backward
-    recomputes each chunk's softmax and writes the gradient once: (softmax(x) - q) · g / n_valid, with q the
-    target distribution. Same values up to floating-point order (tests/unit/test_fast_path.py,
-    tests/unit/test_label_smoothing.py).
-
-    With label smoothing ``eps`` (Szegedy et al. 2016 §7; Vaswani et al. 2017 §5.4 use eps = 0.1) the target is
-    q = (1 - eps) · onehot(label) + eps / V, as ``F.cross_entropy(label_smoothing=eps)``: each row's loss is
-    (1 - eps) · (-log p_label) + eps · mean_j(-log p_j).
-
-    forward(logits (N, V) float, labels (N,) long, rows int, eps float in [0, 1)) -> scalar fp32 mean over labels
-    != IGNORE_INDEX (NaN when none, like ``F.cross_entropy``).
-    """
-
-    @staticmethod
-    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, rows: int, eps: float = 0.0) -> torch.Tensor:
-        valid = labels != IGNORE_INDEX  # (N,)
-        safe = torch.where(valid, labels, 0)[:, None]  # (N, 1): ignored rows point at class 0, then weigh 0
-        nll = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)  # (N,)
-        for s in range(0, logits.shape[0], rows):
-            log_p = torch.log_softmax(logits[s:s + rows].float(), dim=-1)  # (rows, V) fp32
-            nll[s:s + rows] = log_p.gather(1, safe[s:s + rows]).squeeze(1).neg_()
-            if eps:  # (1 - eps) · nll + eps · mean_j(-log p_j), in the same pass over the chunk
-                nll[s:s + rows].mul_(1.0 - eps).sub_(log_p.mean(dim=-1), alpha=eps)
-        n = valid.sum()
-        ctx.save_for_backward(logits, safe, valid, n)
-        ctx.rows, ctx.eps = rows, eps
-        return nll.masked_fill_(~valid, 0.0).sum() / n
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        logits, safe, valid, n = ctx.saved_tensors
-        eps = ctx.eps
-        uniform = eps / logits.shape[-1]
-        weight = (valid * (grad / n)).float()[:, None]  # (N, 1): d loss / d row loss
-        out = torch.empty_like(logits)
-        for s in range(0, logits.shape[0], ctx.rows):
-            x, idx = logits[s:s + ctx.rows], safe[s:s + ctx.rows]
-            p = out[s:s + ctx.rows] if x.dtype == torch.float32 else torch.empty_like(x, dtype=torch.float32)
-            torch.softmax(x.float(), dim=-1, out=p)  # (rows, V) fp32, written in place when logits are fp32
-            if eps:
-                p.sub_(uniform)
-            p.scatter_add_(1, idx, torch.full_like(idx, eps - 1.0, dtype=p.dtype)).mul_(weight[s:s + ctx.rows])
-            if p.data_ptr() != out[s:s + ctx.rows].data_ptr():
-                out[s:s + ctx.rows] = p
-        return out, None, None, None
-
-
-CE_CHUNK_ELEMENTS = 1 << 18
-"""Logit elements per chunk of ``_ChunkedCrossEntropy`` (1 MiB of fp32: 64 rows of a 4096 vocabulary)."""
-
-
 def loss_fn(logits: torch.Tensor, labels: torch.Tensor, label_smoothing: float = 0.0
             ) -> tuple[torch.Tensor, torch.Tensor]:
     """Token-mean cross-entropy in fp32. logits (B, T, V), labels (B, T) -> (scalar loss, tokens counted as a
@@ -133,15 +78,10 @@ def loss_fn(logits: torch.Tensor, labels: torch.Tensor, label_smoothing: float =
     ``label_smoothing``; 0 is plain cross-entropy. The trainer passes ``training.label_smoothing`` for training
     steps only: validation loss stays plain cross-entropy.
 
-    On CPU, ``_ChunkedCrossEntropy`` (the same values, computed chunk by chunk in cache); elsewhere
-    ``F.cross_entropy`` on fp32 logits."""
+    Computed by ``torch_handle.model.kernels.cross_entropy`` (chunk by chunk in cache on CPU)."""
     n_tokens = (labels != IGNORE_INDEX).sum()
     flat, targets = logits.flatten(0, 1), labels.flatten()  # (B·T, V), (B·T,)
-    if flat.device.type == "cpu":
-        rows = max(1, CE_CHUNK_ELEMENTS // flat.shape[-1])
-        return _ChunkedCrossEntropy.apply(flat, targets, rows, float(label_smoothing)), n_tokens
-    loss = F.cross_entropy(flat.float(), targets, ignore_index=IGNORE_INDEX, label_smoothing=float(label_smoothing))
-    return loss, n_tokens
+    return cross_entropy(flat, targets, label_smoothing, IGNORE_INDEX), n_tokens
 
 
 class Trainer:
@@ -209,7 +149,7 @@ class Trainer:
         if self.training.compile:
             # Per block and in place (nn.Module.compile), as torchtitan does: the blocks stay the modules that
             # blocks() returns, so fsdp's fully_shard per block and activation checkpointing see them unchanged.
-            for block in model.blocks() if hasattr(model, "blocks") else [model]:
+            for block in model_blocks(model, default=[model]):
                 block.compile()
         # From here on each rank draws its own dropout masks.
         seed_everything(p.run.seed + 1000 * ctx.rank)
@@ -494,7 +434,6 @@ class Trainer:
         left out; with activation checkpointing the blocks' inputs instead): ``activation_saved_bytes`` in the
         memory telemetry, as ``handle estimate`` names its prediction."""
         from torch_handle.observe.activations import SavedTensorCounter
-        from torch_handle.plan.estimate import checkpointed_blocks
 
         model = self.strategy.unwrapped()
         return SavedTensorCounter([*model.parameters(), *model.buffers()], checkpointed_blocks(model))

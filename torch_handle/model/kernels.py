@@ -1,0 +1,139 @@
+"""CPU kernels beside the model: dropout and cross-entropy, same values as torch's, faster on CPU.
+
+* ``dropout`` / ``Dropout`` -- inverted dropout whose CPU mask comes from 16-bit integers instead of
+  ``bernoulli_``; ``F.dropout`` elsewhere.
+* ``cross_entropy`` -- token-mean cross-entropy (with label smoothing); on CPU ``ChunkedCrossEntropy``, which
+  upcasts the logits a chunk of rows at a time while they are in cache; ``F.cross_entropy`` elsewhere.
+
+How much they save is measured in the performance docs, with the command, not here. Only ``torch`` is imported.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+_DROP_LEVELS = 1 << 16  # the CPU mask compares 16-bit random integers with a threshold
+
+
+def dropout(x: Tensor, p: float, training: bool = True) -> Tensor:
+    """Inverted dropout (Srivastava et al. 2014): zero each element with probability p, scale the rest by 1/(1-p).
+
+    Same contract as ``F.dropout(x, p, training)``; on CUDA (or for p outside (0, 1)) it *is* ``F.dropout``. On
+    CPU, ``F.dropout`` draws its mask with ``bernoulli_``, whose CPU kernel (on non-Intel CPUs, without MKL's
+    generator) is slow enough to be a large part of a small model's step. Here the mask comes from 64-bit draws of
+    torch's global generator split into four 16-bit integers (``torch.randint`` over the full int64 range, viewed
+    as int16), kept where the integer is at or above a threshold:
+
+        keep = u >= round(p · 2^16) - 2^15,   u uniform on [-2^15, 2^15)
+        out  = x · keep · 2^16 / (2^16 - round(p · 2^16))
+
+    so the drop probability is p rounded to a multiple of 2^-16 (|Δp| ≤ 7.6e-6; 0.1 → 0.1000061) and the scale
+    is the exact inverse of the keep probability (E[out] = x). The scaled mask is built in x's dtype, as
+    ``F.dropout`` builds its noise (in bf16 both round 1/(1-p) to bf16), and is what autograd saves for backward.
+    Only the global torch generator is used, so checkpointing its state (``torch.get_rng_state``) still gives
+    exact resume; the masks differ from ``F.dropout``'s for the same seed.
+
+    Args:
+        x: any shape, floating point.
+        p: drop probability in [0, 1].
+        training: identity when False.
+
+    Returns:
+        Tensor of x's shape and dtype.
+    """
+    if not training or p <= 0.0:
+        return x
+    if x.device.type != "cpu" or p >= 1.0:
+        return F.dropout(x, p, training)
+    n = x.numel()
+    bits = torch.randint(-(1 << 63), (1 << 63) - 1, ((n + 3) // 4,), dtype=torch.int64, device=x.device)
+    cut = round(p * _DROP_LEVELS)
+    keep = torch.empty_like(x, memory_format=torch.contiguous_format)  # 1.0 = keep, 0.0 = drop, in x's dtype
+    torch.ge(bits.view(torch.int16)[:n].view(x.shape), cut - _DROP_LEVELS // 2, out=keep)  # no bool temporary
+    return x * keep.mul_(_DROP_LEVELS / (_DROP_LEVELS - cut))  # scaled mask, saved by autograd for backward
+
+
+class Dropout(nn.Dropout):
+    """``nn.Dropout`` computed by ``dropout`` above (same ``p``, ``inplace`` ignored, no state)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return dropout(x, self.p, self.training)
+
+
+class ChunkedCrossEntropy(torch.autograd.Function):
+    """Token-mean cross-entropy computed ``rows`` rows at a time, each chunk in fp32 while it is in cache.
+
+    ``F.cross_entropy`` on CPU keeps the (N, V) fp32 log-softmax for backward, builds a zero-filled (N, V) gradient
+    for ``nll_loss_backward`` and reads both again in ``_log_softmax_backward_data``: ~5 passes over N·V floats.
+    Here forward keeps only the input, and backward recomputes each chunk's softmax and writes the gradient once:
+    (softmax(x) - q) · g / n_valid, with q the target distribution. Same values up to floating-point order
+    (tests/unit/test_fast_path.py, tests/unit/test_label_smoothing.py).
+
+    With label smoothing ``eps`` (Szegedy et al. 2016 §7; Vaswani et al. 2017 §5.4 use eps = 0.1) the target is
+    q = (1 - eps) · onehot(label) + eps / V, as ``F.cross_entropy(label_smoothing=eps)``: each row's loss is
+    (1 - eps) · (-log p_label) + eps · mean_j(-log p_j).
+
+    forward(logits (N, V) float, labels (N,) long, rows int, eps float in [0, 1), ignore_index int) -> scalar fp32
+    mean over labels != ignore_index (NaN when none, like ``F.cross_entropy``).
+    """
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, labels: Tensor, rows: int, eps: float = 0.0, ignore_index: int = -100
+                ) -> Tensor:
+        valid = labels != ignore_index  # (N,)
+        safe = torch.where(valid, labels, 0)[:, None]  # (N, 1): ignored rows point at class 0, then weigh 0
+        nll = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)  # (N,)
+        for s in range(0, logits.shape[0], rows):
+            log_p = torch.log_softmax(logits[s:s + rows].float(), dim=-1)  # (rows, V) fp32
+            nll[s:s + rows] = log_p.gather(1, safe[s:s + rows]).squeeze(1).neg_()
+            if eps:  # (1 - eps) · nll + eps · mean_j(-log p_j), in the same pass over the chunk
+                nll[s:s + rows].mul_(1.0 - eps).sub_(log_p.mean(dim=-1), alpha=eps)
+        n = valid.sum()
+        ctx.save_for_backward(logits, safe, valid, n)
+        ctx.rows, ctx.eps = rows, eps
+        return nll.masked_fill_(~valid, 0.0).sum() / n
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        logits, safe, valid, n = ctx.saved_tensors
+        eps = ctx.eps
+        uniform = eps / logits.shape[-1]
+        weight = (valid * (grad / n)).float()[:, None]  # (N, 1): d loss / d row loss
+        out = torch.empty_like(logits)
+        for s in range(0, logits.shape[0], ctx.rows):
+            x, idx = logits[s:s + ctx.rows], safe[s:s + ctx.rows]
+            p = out[s:s + ctx.rows] if x.dtype == torch.float32 else torch.empty_like(x, dtype=torch.float32)
+            torch.softmax(x.float(), dim=-1, out=p)  # (rows, V) fp32, written in place when logits are fp32
+            if eps:
+                p.sub_(uniform)
+            p.scatter_add_(1, idx, torch.full_like(idx, eps - 1.0, dtype=p.dtype)).mul_(weight[s:s + ctx.rows])
+            if p.data_ptr() != out[s:s + ctx.rows].data_ptr():
+                out[s:s + ctx.rows] = p
+        return out, None, None, None, None
+
+
+CE_CHUNK_ELEMENTS = 1 << 18
+"""Logit elements per chunk of ``ChunkedCrossEntropy`` (1 MiB of fp32: 64 rows of a 4096 vocabulary)."""
+
+
+def cross_entropy(logits: Tensor, labels: Tensor, label_smoothing: float = 0.0, ignore_index: int = -100
+                  ) -> Tensor:
+    """Token-mean cross-entropy in fp32, exactly ``F.cross_entropy(logits.float(), labels, ignore_index=...,
+    label_smoothing=...)``.
+
+    Args:
+        logits: (N, V) float, any floating dtype.
+        labels: (N,) long; ``ignore_index`` entries are left out of the mean.
+        label_smoothing: eps in [0, 1): the target puts 1 - eps on the label and eps spread evenly over the
+            vocabulary (Szegedy et al. 2016; Vaswani et al. 2017, eps = 0.1); 0 is plain cross-entropy.
+
+    Returns:
+        Scalar fp32; NaN when every label is ignored. On CPU computed by ``ChunkedCrossEntropy`` (the same values,
+        chunk by chunk in cache).
+    """
+    if logits.device.type == "cpu":
+        rows = max(1, CE_CHUNK_ELEMENTS // logits.shape[-1])
+        return ChunkedCrossEntropy.apply(logits, labels, rows, float(label_smoothing), ignore_index)
+    return F.cross_entropy(logits.float(), labels, ignore_index=ignore_index, label_smoothing=float(label_smoothing))

@@ -1,0 +1,89 @@
+"""Key/value cache for incremental decoding (eval only), beside the model: what each attention module keeps
+between decoding steps, so a step feeds only the new tokens.
+
+``KVCache`` (one per generation) holds a ``LayerCache`` per decoder layer, which holds an ``AttentionCache`` for
+self-attention (appending) and one for cross-attention (static). Shape letters: B batch, H heads, S cached
+positions, d_k channels per head, T new positions.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+
+class AttentionCache:
+    """What one ``MultiHeadAttention`` keeps between incremental decoding steps: its keys and values.
+
+    Self-attention (``static=False``): each call appends the new positions' keys/values, so a step feeds only
+    the new token. Cross-attention (``static=True``): the keys/values of the encoder memory are projected on
+    the first call and reused afterwards (the memory passed later is ignored).
+
+    Attributes:
+        k, v: (B, H, S, d_k) or None before the first call.
+    """
+
+    def __init__(self, static: bool = False) -> None:
+        self.static = static
+        self.k: Tensor | None = None
+        self.v: Tensor | None = None
+
+    @property
+    def ready(self) -> bool:
+        """A static cache that holds its keys/values: the caller projects only the queries."""
+        return self.static and self.k is not None
+
+    def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Store the keys/values of this call, k and v (B, H, T, d_k), and return all of them: (B, H, S + T, d_k)
+        after the S cached ones for self-attention, k and v themselves for a static cache."""
+        if not self.static and self.k is not None:
+            k, v = torch.cat([self.k, k], dim=2), torch.cat([self.v, v], dim=2)
+        self.k, self.v = k, v
+        return k, v
+
+    def reorder(self, index: Tensor) -> None:
+        """Keep batch rows ``index`` (LongTensor (B',), repeats allowed: beam search)."""
+        if self.k is not None:
+            self.k, self.v = self.k.index_select(0, index), self.v.index_select(0, index)
+
+
+class LayerCache:
+    """A ``DecoderLayer``'s caches: ``self_attn`` (appending) and ``cross_attn`` (static, encoder-decoder)."""
+
+    def __init__(self) -> None:
+        self.self_attn = AttentionCache()
+        self.cross_attn = AttentionCache(static=True)
+
+
+class KVCache:
+    """Key/value cache for incremental decoding (eval only): one ``LayerCache`` per decoder layer, the
+    target padding mask of the positions seen so far, and their number (``length``: the position offset
+    of the next tokens). Pass the same object to successive ``DecoderLM.forward`` / ``EncoderDecoder.decode``
+    calls, feeding only the new tokens; the logits equal those of recomputing the whole prefix.
+
+    Args:
+        n_layers: decoder layers of the model (``KVCache.for_model(model)`` counts them).
+    """
+
+    def __init__(self, n_layers: int) -> None:
+        self.layers = [LayerCache() for _ in range(n_layers)]
+        self.padding_mask: Tensor | None = None  # bool (B, length), True = pad
+        self.length = 0
+
+    @classmethod
+    def for_model(cls, model: nn.Module) -> KVCache:
+        return cls(len(model.layers) if hasattr(model, "layers") else len(model.decoder_layers))
+
+    def extend_padding(self, mask: Tensor | None) -> Tensor | None:
+        """Append the new tokens' padding mask (B, T) and return the whole (B, length + T) one."""
+        if mask is not None:
+            self.padding_mask = mask if self.padding_mask is None else torch.cat([self.padding_mask, mask], 1)
+        return self.padding_mask
+
+    def reorder(self, index: Tensor) -> None:
+        """Keep batch rows ``index`` (LongTensor (B',)) of every cached tensor (beam search, finished rows)."""
+        for layer in self.layers:
+            layer.self_attn.reorder(index)
+            layer.cross_attn.reorder(index)
+        if self.padding_mask is not None:
+            self.padding_mask = self.padding_mask.index_select(0, index)

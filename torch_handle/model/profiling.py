@@ -1,0 +1,25 @@
+"""The model's profiler ranges: its structure, named in a ``torch.profiler`` trace.
+
+``decoder.layer<i>`` / ``encoder.layer<i>`` around each block's forward (``transformer.py``), and ``attention`` /
+``cross_attention`` / ``feed_forward`` around each sub-layer inside it (``layers.py``); under activation
+checkpointing the sub-layer ranges also mark the recomputation in backward. Kept apart from both files because
+they are a view of the model, not a part of it (``handle profile`` reads them; ``observe/profile_summary.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+
+def record_range(name: str) -> contextlib.AbstractContextManager:
+    """A ``torch.profiler.record_function(name)`` range while a profiler records, else a no-op context.
+
+    ``torch.autograd._profiler_enabled()`` (a C++ flag, true while any ``torch.profiler`` records) guards it: an
+    unguarded range costs microseconds per call even with no profiler, a guarded one about as much as a plain
+    no-op context.
+    """
+    if torch.autograd._profiler_enabled():
+        return torch.profiler.record_function(name)
+    return contextlib.nullcontext()
