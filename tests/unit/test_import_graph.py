@@ -37,7 +37,7 @@ LAYERS: dict[str, set[str]] = {
     "rundir": _BASE,
     "observe": _BASE | {"config", "rundir"},
     "parallel": _BASE,
-    "model": _BASE | {"parallel"},
+    "model": _BASE | {"config", "parallel"},  # config: the schema's field ranges (param) for TransformerArgs
     "data": _BASE,
     "checkpoint": _BASE | {"config", "rundir", "observe"},
     "launch": _BASE | {"config", "rundir", "observe", "checkpoint"},
