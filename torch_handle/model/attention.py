@@ -215,7 +215,8 @@ class MultiHeadAttention(nn.Module):
 
     def _split_heads(self, x: Tensor) -> Tensor:
         B, L, _ = x.shape
-        return x.view(B, L, self.n_heads, self.d_k).transpose(1, 2)  # (B, L, C) -> (B, H, L, d_k)
+        # (B, L, C) -> (B, H, L, d_k); under tensor parallelism C and H are this rank's share (C/tp, H/tp)
+        return x.view(B, L, -1, self.d_k).transpose(1, 2)
 
     def _heads(self, query: Tensor, key: Tensor, value: Tensor, cache: AttentionCache | None
                ) -> tuple[Tensor, Tensor, Tensor]:
@@ -281,9 +282,9 @@ class MultiHeadAttention(nn.Module):
         """
         key = query if key is None else key
         value = key if value is None else value
-        B, T, C = query.shape
         q, k, v = self._heads(query, key, value, cache)  # (B, H, T, d_k), (B, H, S, d_k), (B, H, S, d_k)
-        S = k.shape[2]
+        # from q, not query: under sequence parallelism query is this rank's 1/tp of the sequence, q all of it
+        B, T, S = q.shape[0], q.shape[2], k.shape[2]
         if key_padding_mask is not None and (key_padding_mask.dtype != torch.bool or key_padding_mask.shape != (B, S)):
             raise ValueError(f"key_padding_mask must be a bool tensor of shape {(B, S)}, got "
                              f"{key_padding_mask.dtype} {tuple(key_padding_mask.shape)}")
@@ -291,7 +292,7 @@ class MultiHeadAttention(nn.Module):
         if causal and offset and T == 1:
             causal = False  # one new query may see every cached key
         out = self._attend(q, k, v, key_padding_mask, causal, offset)  # (B, H, T, d_k)
-        return self.out_proj(out.transpose(1, 2).reshape(B, T, C))  # heads concatenated: (B, T, H · d_k)
+        return self.out_proj(out.transpose(1, 2).reshape(B, T, -1))  # heads concatenated: (B, T, H · d_k)
 
     def extra_repr(self) -> str:
         return (

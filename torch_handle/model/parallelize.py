@@ -76,3 +76,61 @@ def checkpointed_blocks(model: Any) -> list[nn.Module]:
     if activation_checkpointing(model) and model.training:
         return model_blocks(model, default=[])
     return []
+
+
+# ---- tensor parallelism: which linear is split how ---------------------------------------------------------------
+
+
+def tensor_parallel_plan(model: Any) -> dict[str, Any]:
+    """The tensor-parallel plan of the project's decoder (Megatron's layout, Shoeybi et al. 2019 §3): module name
+    -> :class:`torch_handle.parallel.tensor.plan.Style`.
+
+    In each block, Q, K and V (or the fused QKV, split per head group) are column-parallel and the attention's
+    output projection row-parallel, so each rank attends with n_heads/tp whole heads; the FFN's first linear is
+    column-parallel and its second row-parallel (d_ff/tp hidden units per rank). The token embedding and the LM
+    head are split over the vocabulary (the loss is vocabulary-parallel: the logits are never gathered). Under
+    sequence parallelism the LayerNorms run on 1/tp of the sequence, from the positional encoding on.
+
+    Raises:
+        ValueError: one line, for a model without a plan (the encoder-decoder: not yet).
+    """
+    from torch_handle.model.transformer import DecoderLM
+    from torch_handle.parallel.tensor.plan import Style
+
+    if not isinstance(model, DecoderLM):
+        raise ValueError(f"{type(model).__name__} has no tensor-parallel plan (the decoder has one)")
+    plan = {"embed": Style.VOCAB_EMBED, "pos_encoding": Style.TO_SEQUENCE}
+    for i, layer in enumerate(model.layers):
+        prefix = f"layers.{i}"
+        attn = layer.self_attn
+        if attn.fused_qkv:
+            plan[f"{prefix}.self_attn.qkv_proj"] = Style.COLWISE_QKV
+        else:
+            plan.update({f"{prefix}.self_attn.{p}_proj": Style.COLWISE for p in "qkv"})
+        plan[f"{prefix}.self_attn.out_proj"] = Style.ROWWISE
+        plan[f"{prefix}.ff.linear1"] = Style.COLWISE
+        plan[f"{prefix}.ff.linear2"] = Style.ROWWISE
+        plan[f"{prefix}.self_attn_norm"] = Style.NORM
+        plan[f"{prefix}.ff_norm"] = Style.NORM
+    if model.args.norm_first:
+        plan["final_norm"] = Style.NORM
+    plan["lm_head"] = Style.VOCAB_HEAD
+    return plan
+
+
+def tensor_parallel_problems(args: Any, tp: int, *, sequence_parallel: bool, seq_len: int, scratch: bool
+                             ) -> list[tuple[str, str]]:
+    """What keeps ``args`` (a TransformerArgs) from splitting ``tp`` ways, as (key, message) pairs; empty when it
+    can. Checked before anything starts: every rank must get whole heads and equal slices."""
+    out = []
+    if args.n_heads % tp:
+        out.append(("n_heads", f"{args.n_heads} is not divisible by parallel.tp = {tp} (each rank takes whole heads)"))
+    if args.d_ff % tp:
+        out.append(("d_ff", f"{args.d_ff} is not divisible by parallel.tp = {tp}"))
+    if scratch and args.vocab_size % tp:
+        out.append(("vocab_size", f"{args.vocab_size} is not divisible by parallel.tp = {tp} (the hand-written "
+                                  f"vocabulary-parallel embedding and loss split it evenly)"))
+    if sequence_parallel and seq_len % tp:
+        out.append(("seq_len", f"{seq_len} is not divisible by parallel.tp = {tp} (sequence parallelism splits the "
+                               f"sequence evenly)"))
+    return out

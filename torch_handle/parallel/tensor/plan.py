@@ -1,0 +1,155 @@
+"""A tensor-parallel plan, and the two ways of carrying it out: by hand (the modules of
+:mod:`torch_handle.parallel.tensor.layers`) and natively (DTensor's ``parallelize_module``, as torchtitan does).
+
+A plan maps module names to a :class:`Style`; the model owns its plan (:func:`torch_handle.model.parallelize.
+tensor_parallel_plan`), this module knows nothing of any model. Both implementations build the same layout, so
+either can be checked against the other and both against the one-process model:
+
+=================  ====================================  ===============================================
+style              by hand                               native (torch.distributed.tensor.parallel)
+=================  ====================================  ===============================================
+``COLWISE``        ColumnParallelLinear                  ColwiseParallel
+``COLWISE_QKV``    ColumnParallelLinear(parts=3)         ColwiseParallel, weight as _StridedShard(0, 3)
+``ROWWISE``        RowParallelLinear                     RowwiseParallel
+``VOCAB_EMBED``    VocabParallelEmbedding                RowwiseParallel(input_layouts=Replicate())
+``VOCAB_HEAD``     ColumnParallelLinear, local logits    ColwiseParallel(output Shard(-1)) + loss_parallel
+``NORM``           (SP) grads all-reduced over TP        (SP) SequenceParallel
+``TO_SEQUENCE``    (SP) output split along the sequence  (SP) PrepareModuleOutput(Replicate -> Shard(1))
+=================  ====================================  ===============================================
+
+``NORM`` and ``TO_SEQUENCE`` act only under sequence parallelism: a module marked ``TO_SEQUENCE`` (the positional
+encoding: the last step on the whole sequence) hands its output over as this rank's 1/tp of the sequence, and the
+norms then run on that shard.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleOutput, RowwiseParallel,
+                                               SequenceParallel, parallelize_module)
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from torch_handle.parallel.tensor.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
+                                                 mark_sequence_parallel)
+from torch_handle.parallel.tensor.mappings import TPGroup, split_to_sp
+
+
+class Style(enum.Enum):
+    COLWISE = "colwise"
+    COLWISE_QKV = "colwise_qkv"
+    ROWWISE = "rowwise"
+    VOCAB_EMBED = "vocab_embed"
+    VOCAB_HEAD = "vocab_head"
+    NORM = "norm"
+    TO_SEQUENCE = "to_sequence"
+
+
+Plan = dict[str, Style]
+"""Module name (as ``model.named_modules()`` gives it) -> how it is split."""
+
+
+def _set(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, leaf = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, leaf, module)
+
+
+def apply_scratch(model: nn.Module, plan: Plan, tp: TPGroup, *, sequence_parallel: bool = False) -> nn.Module:
+    """Replace the planned modules of ``model`` (built identically on every TP rank) by their hand-written
+    tensor-parallel versions, in place; returns ``model``. The model's forward then returns this rank's
+    vocabulary slice of the logits, (B, T, V/tp): use :func:`~torch_handle.parallel.tensor.cross_entropy.
+    vocab_parallel_cross_entropy`. With ``sequence_parallel``, call :func:`~torch_handle.parallel.tensor.layers.
+    all_reduce_sp_grads` after each backward.
+
+    Raises:
+        ValueError: a planned size not divisible by tp (names the module)."""
+    sp = sequence_parallel
+    for name, style in plan.items():
+        module = model.get_submodule(name)
+        try:
+            if style is Style.COLWISE or style is Style.VOCAB_HEAD:
+                _set(model, name, ColumnParallelLinear.from_linear(module, tp, sequence_parallel=sp))
+            elif style is Style.COLWISE_QKV:
+                _set(model, name, ColumnParallelLinear.from_linear(module, tp, sequence_parallel=sp, parts=3))
+            elif style is Style.ROWWISE:
+                _set(model, name, RowParallelLinear.from_linear(module, tp, sequence_parallel=sp))
+            elif style is Style.VOCAB_EMBED:
+                _set(model, name, VocabParallelEmbedding.from_embedding(module, tp))
+            elif style is Style.NORM and sp:
+                mark_sequence_parallel(module)
+            elif style is Style.TO_SEQUENCE and sp:
+                module.register_forward_hook(lambda _m, _args, out: split_to_sp(out, tp))
+        except ValueError as e:
+            raise ValueError(f"{name}: {e}") from None
+    return model
+
+
+def apply_native(model: nn.Module, plan: Plan, tp_mesh: DeviceMesh, *, sequence_parallel: bool = False
+                 ) -> nn.Module:
+    """``parallelize_module`` with the DTensor styles of ``plan``, in place; returns ``model``. Parameters become
+    DTensors on ``tp_mesh``; activations between modules stay plain local tensors. The model's forward returns a
+    DTensor of logits sharded over the vocabulary (Shard(-1)): compute the loss, and run backward, inside
+    ``torch.distributed.tensor.parallel.loss_parallel()``."""
+    sp = sequence_parallel
+    seq = Shard(1) if sp else Replicate()  # the layout between the TP regions
+    styles = {
+        Style.COLWISE: lambda: ColwiseParallel(input_layouts=seq),
+        Style.COLWISE_QKV: lambda: FusedColwiseParallel(parts=3, input_layouts=seq),
+        Style.ROWWISE: lambda: RowwiseParallel(output_layouts=seq),
+        Style.VOCAB_EMBED: lambda: RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+        Style.VOCAB_HEAD: lambda: ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1),
+                                                  use_local_output=False),
+        Style.NORM: lambda: SequenceParallel(use_local_output=True),
+        Style.TO_SEQUENCE: lambda: PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1)),
+    }
+    plan = {name: styles[style]() for name, style in plan.items()
+            if sp or style not in (Style.NORM, Style.TO_SEQUENCE)}
+    return parallelize_module(model, tp_mesh, plan)
+
+
+class FusedColwiseParallel(ColwiseParallel):
+    """ColwiseParallel for ``parts`` projections stacked in one weight ([W_q; W_k; W_v]): each part is split on its
+    own, so rank r keeps slice r of every part, i.e. whole heads of Q, K and V (Megatron's per-group layout). DTensor
+    names that placement ``_StridedShard(0, split_factor=parts)``; the global weight keeps the one-process layout,
+    so a checkpoint needs no permutation."""
+
+    def __init__(self, parts: int, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.parts = parts
+
+    def _partition_linear_fn(self, name, module, device_mesh):
+        placement = _StridedShard(0, split_factor=self.parts)
+        for pname, param in list(module.named_parameters()):
+            module.register_parameter(pname, nn.Parameter(distribute_tensor(param, device_mesh, [placement])))
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        # (B, T, parts·C/tp) locally: [Q_r, K_r, V_r]; the strided placement is already the layout wanted
+        return outputs.to_local() if use_local_output else outputs
+
+
+def unshard(name: str, local: Tensor, plan: Plan, tp: TPGroup) -> Tensor:
+    """The one-process tensor of parameter ``name`` (e.g. ``"layers.0.ff.linear1.weight"``) of a model split by
+    :func:`apply_scratch`, from this rank's ``local`` slice of it (the parameter or its gradient); a collective:
+    every TP rank calls it for the same names in the same order. Replicated tensors are returned as they are."""
+    module, _, kind = name.rpartition(".")
+    style = plan.get(module)
+    if style in (Style.COLWISE, Style.VOCAB_HEAD, Style.VOCAB_EMBED):
+        return _gather(local, tp, 0)
+    if style is Style.COLWISE_QKV:  # each part gathered on its own: [Q_0 Q_1 .. ; K_0 K_1 .. ; V_0 V_1 ..]
+        return torch.cat([_gather(part, tp, 0) for part in local.chunk(3, dim=0)], dim=0)
+    if style is Style.ROWWISE and kind == "weight":
+        return _gather(local, tp, 1)
+    return local
+
+
+def _gather(x: Tensor, tp: TPGroup, dim: int) -> Tensor:
+    """All-gather along ``dim`` outside the counted TP traffic (checkpoints and tests, not the step)."""
+    parts = [torch.empty_like(x) for _ in range(tp.size)]
+    dist.all_gather(parts, x.contiguous(), group=tp.group)
+    return torch.cat(parts, dim=dim)
