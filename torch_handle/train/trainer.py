@@ -39,10 +39,6 @@ from torch_handle.observe.watchdog import HANG_TEST_ENV, beat, busy, parse_test_
 log = logging.getLogger("torch_handle")
 
 
-class StopRequested(Exception):
-    """Raised after the checkpoint that follows a stop request (first Ctrl-C on ``handle run``)."""
-
-
 class NonFiniteLoss(Exception):
     """The loss was NaN/inf and ``on_nan = "stop"``."""
 
