@@ -125,7 +125,7 @@ def test_a_run_whose_launcher_is_gone_and_heartbeat_stale_is_lost(tmp_path):
 def test_an_accepted_change_waits_in_the_side_file_until_promoted(preset_path):
     """preset.toml changes only through promote(): a resume whose workers fail leaves it as it was, and the next
     plain --resume drops the stale side file."""
-    from handle_cli.runner import prepare_run
+    from torch_handle.launch.run import prepare_run
     from torch_handle.rundir import update_run_info
 
     _, run = prepare_run(str(preset_path), (), None, None)
