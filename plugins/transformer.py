@@ -23,7 +23,7 @@ class TransformerConfig:
     """Layers (for encoder-decoder: in the encoder and in the decoder each)."""
     d_ff: int = param(512, ge=1)
     """Hidden width of the position-wise feed-forward network."""
-    dropout: float = param(0.1, ge=0.0, le=0.9)
+    dropout: float = param(0.1, ge=0.0, le=0.9, frozen_on_resume=False)
     """Dropout on embeddings, attention weights and residual branches."""
     activation: Literal["relu", "gelu"] = "gelu"
     """Feed-forward activation."""
@@ -31,9 +31,9 @@ class TransformerConfig:
     """False: post-LN as in Vaswani et al. 2017; true: pre-LN (Xiong et al. 2020), steadier when deep."""
     tie_embeddings: bool = True
     """Share the token embedding with the output projection (Press & Wolf 2017)."""
-    activation_checkpointing: bool = False
+    activation_checkpointing: bool = param(False, frozen_on_resume=False)
     """Recompute each layer's activations in backward (torch.utils.checkpoint, use_reentrant=False)."""
-    attention: Literal["sdpa", "reference"] = "sdpa"
+    attention: Literal["sdpa", "reference"] = param("sdpa", frozen_on_resume=False)
     """sdpa = torch's fused scaled_dot_product_attention; reference = explicit softmax(QK^T/sqrt(d_k))V."""
     fused_qkv: bool = True
     """One (d_model, 3*d_model) projection for Q, K, V instead of three."""
