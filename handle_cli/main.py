@@ -122,7 +122,9 @@ def run(preset: str | None, overrides: tuple[str, ...], run_dir: Path | None, re
     Exit code: 0 finished, 1 failed, 2 bad input (nothing started), 130 stopped by Ctrl-C.
     The first Ctrl-C lets the workers finish the step and write a checkpoint; a second one stops them at once.
     """
-    from handle_cli.runner import prepare_run, supervise
+    from torch_handle.launch.run import prepare_run
+
+    from handle_cli.runner import supervise
 
     if preset is None and resume_dir is None:
         fail("missing PRESET (for example: handle run presets/zero2.toml), or --resume RUN_DIR")

@@ -61,7 +61,7 @@ def validate(preset: str, overrides: tuple[str, ...]) -> None:
     Exit code 2 when there is any problem.
     """
     from torch_handle.config.loader import load_preset, preset_problems
-    from torch_handle.registry import get_registry
+    from torch_handle.launch.run import check_data
 
     spec = resolve_preset_spec(preset)
     if os.environ.get("HANDLE_DEBUG"):
@@ -72,9 +72,7 @@ def validate(preset: str, overrides: tuple[str, ...]) -> None:
             for e in problems:
                 click.echo(f"error: {e}", err=True)
             sys.exit(2)
-    preflight = get_registry().get("dataset", p.data.name).preflight
-    if preflight is not None:
-        preflight(p.data.options)  # DataError: one line, exit 2 (HandleGroup)
+    check_data(p)  # DataError: one line, exit 2 (HandleGroup)
     click.echo(f"{p.source}: ok ({p.strategy.name}, world size {p.world_size}, {p.training.steps} steps)")
 
 

@@ -23,7 +23,7 @@ class PydocConfig:
     """BPE vocabulary size (including the 4 special tokens and the 256 byte symbols)."""
     valid_fraction: float = param(0.05, gt=0.0, le=0.5)
     """Fraction of the text (its tail) held out for validation."""
-    num_workers: int = param(0, ge=0)
+    num_workers: int = param(0, ge=0, frozen_on_resume=False)
     """DataLoader worker processes per rank (0: load in the training process; the data is in memory)."""
 
 
@@ -58,7 +58,7 @@ class ParallelConfig:
     """Joint BPE vocabulary for both languages."""
     max_pairs: int = param(0, ge=0)
     """Use only the first N training pairs (0 = all)."""
-    num_workers: int = param(0, ge=0)
+    num_workers: int = param(0, ge=0, frozen_on_resume=False)
     """DataLoader worker processes per rank."""
 
     def check(self) -> None:

@@ -61,13 +61,13 @@ class HFConfig:
     """Llama only: key/value heads (grouped-query attention, Ainslie et al. 2023); unset = n_heads."""
     d_ff: int = param(512, ge=1)
     """Feed-forward hidden width (``ffn_dim``, ``n_inner``, ``intermediate_size``)."""
-    dropout: float = param(0.0, ge=0.0, le=0.9)
+    dropout: float = param(0.0, ge=0.0, le=0.9, frozen_on_resume=False)
     """Dropout (OPT: residual and attention; GPT-2: embedding, residual and attention; Llama: attention)."""
     tie_embeddings: bool = True
     """Share the token embedding with the output projection (``tie_word_embeddings``)."""
-    attention: Literal["sdpa", "eager"] = "sdpa"
+    attention: Literal["sdpa", "eager"] = param("sdpa", frozen_on_resume=False)
     """``attn_implementation``: sdpa = torch's scaled_dot_product_attention; eager = the explicit softmax."""
-    activation_checkpointing: bool = False
+    activation_checkpointing: bool = param(False, frozen_on_resume=False)
     """Recompute each decoder layer's activations in backward (transformers' activation checkpointing,
     torch.utils.checkpoint with use_reentrant=False)."""
     config_path: str = ""

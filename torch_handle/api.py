@@ -18,6 +18,10 @@ Hooks (each receives ``register``; see :mod:`torch_handle.hookspecs`):
 - ``handle_register_sinks``       ``register(name, factory, description)``, ``factory(run_dir, preset) -> Sink
   | None``
 - ``handle_register_presets``, ``handle_register_commands``
+
+Options (the fields of a plugin's ``config_cls``): ``param(default, ge=, gt=, le=, lt=, frozen_on_resume=)`` gives
+a field a range and, where the table's rule does not fit, whether ``handle run --resume --set`` may change it (a
+reason string: frozen; False: may change; see :mod:`torch_handle.checkpoint.resume`).
 """
 
 from __future__ import annotations

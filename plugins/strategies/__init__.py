@@ -7,7 +7,7 @@ its own module and is imported when a run starts.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from torch_handle.api import InvalidValue, hookimpl, param
@@ -53,7 +53,9 @@ class DeepSpeedConfig:
     """fp16 dynamic loss scaling: steps without overflow before the scale is raised."""
     initial_scale_power: int = param(16, ge=0, le=32)
     """fp16 dynamic loss scaling starts at 2**initial_scale_power."""
-    ds_config: dict[str, Any] = field(default_factory=dict)
+    ds_config: dict[str, Any] = param(default_factory=dict, frozen_on_resume=(
+        "it is merged verbatim into DeepSpeed's config (it may change the optimizer or precision the checkpoint's "
+        "state belongs to)"))
     """Merged verbatim over the generated ds_config (for power users)."""
 
     def check(self) -> None:

@@ -113,7 +113,7 @@ NODES = ("launch.nnodes=2", "launch.rdzv_endpoint=127.0.0.1:29555", "launch.npro
 
 
 def test_node_1_joins_the_run_directory_node_0_created_and_writes_nothing_in_it(tmp_path, no_launch):
-    from handle_cli.runner import prepare_run
+    from torch_handle.launch.run import prepare_run
 
     preset, run_dir = _tiny(tmp_path), tmp_path / "shared"
     _, made = prepare_run(str(preset), (*NODES, "launch.node_rank=0"), run_dir, None)
@@ -132,7 +132,7 @@ def test_node_1_joins_the_run_directory_node_0_created_and_writes_nothing_in_it(
     ("single-node", "already exists with another preset (launch.nnodes = 1 there, 2 here)"),
 ])
 def test_a_wrong_reuse_of_a_run_directory_is_one_line_and_changes_nothing(tmp_path, no_launch, case, expected):
-    from handle_cli.runner import prepare_run
+    from torch_handle.launch.run import prepare_run
 
     preset, run_dir = _tiny(tmp_path), tmp_path / "shared"
     if case == "single-node":
@@ -152,7 +152,7 @@ def test_a_wrong_reuse_of_a_run_directory_is_one_line_and_changes_nothing(tmp_pa
 
 
 def test_a_multi_node_resume_must_name_the_node(tmp_path, no_launch):
-    from handle_cli.runner import prepare_run
+    from torch_handle.launch.run import prepare_run
 
     preset, run_dir = _tiny(tmp_path), tmp_path / "shared"
     prepare_run(str(preset), (*NODES, "launch.node_rank=0"), run_dir, None)

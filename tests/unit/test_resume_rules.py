@@ -126,7 +126,7 @@ def test_a_run_whose_launcher_is_gone_and_heartbeat_stale_is_lost(tmp_path):
 def test_an_accepted_change_waits_in_the_side_file_until_promoted(preset_path):
     """preset.toml changes only through promote(): a resume whose workers fail leaves it as it was, and the next
     plain --resume drops the stale side file."""
-    from handle_cli.runner import prepare_run
+    from torch_handle.launch.run import prepare_run
     from torch_handle.rundir import update_run_info
 
     _, run = prepare_run(str(preset_path), (), None, None)
@@ -142,3 +142,34 @@ def test_an_accepted_change_waits_in_the_side_file_until_promoted(preset_path):
     loaded, _ = prepare_run(None, (), None, run)  # that resume failed before its first step; a plain one now
     assert loaded.training.steps == 10 and not (run / RESUME_PRESET).exists()
     assert (run / "preset.toml").read_bytes() == original
+
+
+def test_a_supervised_resume_promotes_its_preset_at_its_first_step(preset_path, monkeypatch):
+    """The library's side of handle run (torch_handle.launch.run.SupervisedRun), torchrun faked: the step that
+    follows the launch makes preset.resume.toml the run's preset, and interrupts stop, then kill."""
+    from torch_handle.launch.run import Interrupt, SupervisedRun, prepare_run
+    from torch_handle.launch.supervisor import Launch
+    from torch_handle.rundir import update_run_info
+
+    _, run = prepare_run(str(preset_path), (), None, None)
+    update_run_info(run, status="stopped")
+    loaded, _ = prepare_run(None, ("training.steps=20",), None, run)
+    calls = []
+    monkeypatch.setattr(Launch, "start", lambda self: calls.append("start"))
+    monkeypatch.setattr(Launch, "poll", lambda self: None)
+    monkeypatch.setattr(Launch, "request_stop", lambda self: calls.append("stop"))
+    monkeypatch.setattr(Launch, "kill", lambda self, grace_s=5.0: calls.append("kill"))
+    supervised = SupervisedRun(loaded, run)
+    assert supervised.pending and supervised.preset.training.steps == 20
+    supervised.start()
+    with open(run / "events.jsonl", "a", encoding="utf-8") as f:
+        f.write(json.dumps({"kind": "step", "step": 4, "time": time.time() + 1, "loss": 2.0}) + "\n")
+    assert supervised.poll() == (None, [{"kind": "step", "step": 4, "time": pytest.approx(time.time() + 1, abs=5),
+                                         "loss": 2.0}])
+    assert not supervised.pending and not (run / RESUME_PRESET).exists()
+    assert "steps = 20" in (run / "preset.toml").read_text()
+    info = json.loads((run / "run.json").read_text())
+    assert PENDING not in info and info["resumes"][-1]["step"] == 3 and info["steps"] == 20
+    assert supervised.interrupt() == Interrupt.STOP_REQUESTED  # proc is None: nothing was started to kill
+    assert supervised.interrupt() == Interrupt.KILLED
+    assert calls == ["start", "stop", "kill"]

@@ -4,16 +4,21 @@ A resumed run loads its newest checkpoint, so every setting the checkpoint or th
 fixed for the life of the run. :func:`check_changes` compares the run's preset with the one ``--set`` makes and
 raises one line naming the first setting that may not change, and why, before anything is written or started.
 
-Rules (:func:`rule`), by ``table.key`` of the fully resolved preset:
+Rules (:func:`rule`), by ``table.key`` of the fully resolved preset. The tables of plugins (``[model]``, ``[data]``,
+``[strategy]``, ``[profiler]``) follow a rule per table, which a plugin overrides for one of its options by
+declaring it (``param(..., frozen_on_resume=...)``, :func:`torch_handle.config.schema.param`), so a third-party
+plugin's options are checked like the built-ins':
 
-- ``[model]``: frozen (the checkpoint's weights have that shape and meaning), except ``dropout``,
-  ``activation_checkpointing`` and ``attention`` (the kernel: same weights, same function).
+- ``[model]``: frozen (the checkpoint's weights have that shape and meaning), except the options the plugin
+  declares may change (the built-in models: ``dropout``, ``activation_checkpointing`` and ``attention``, the
+  kernel: same weights, same function).
 - ``[data]``: frozen (the tokenizer, the vocabulary, the sequence length and the data position depend on it),
-  except ``num_workers``.
+  except the options the plugin declares may change (the built-in datasets: ``num_workers``).
 - ``[strategy]``: the ``name`` and every option may change -- another strategy, ZeRO stage, ``shard_optimizer``,
-  offloading: the checkpoint is converted when the new strategy cannot read it as it is (:mod:`torch_handle.checkpoint.convert`)
-  -- except ``ds_config`` while the strategy stays ``deepspeed`` (merged verbatim into DeepSpeed's config, it may
-  change the optimizer or the precision the checkpoint's state belongs to).
+  offloading: the checkpoint is converted when the new strategy cannot read it as it is
+  (:mod:`torch_handle.checkpoint.convert`) -- except the options the plugin declares frozen while the strategy
+  stays the same (``deepspeed``'s ``ds_config``: merged verbatim into DeepSpeed's config, it may change the
+  optimizer or the precision the checkpoint's state belongs to). ``[profiler]``: anything may change.
 - ``[launch]``: anything, the world size (``nproc_per_node``, ``nnodes``) included: the data position counts
   samples of a world-size-independent order (:class:`torch_handle.data.datasets.GlobalBatchSampler`).
 - ``[training]``: ``micro_batch_size`` and ``grad_accum`` may change; when the global batch (``micro_batch_size x
@@ -24,7 +29,7 @@ Rules (:func:`rule`), by ``table.key`` of the fully resolved preset:
   the LR schedule, eval/checkpoint/log cadence, ``grad_clip``, ``label_smoothing``, ``on_nan``, ``keep_last``,
   ``compile`` may change.
 - ``[run]``: ``seed`` (the data order) is frozen, and so are ``name``/``output_dir`` (the run directory does not
-  move). ``[profiler]``: anything may change.
+  move).
 
 An accepted change is written to ``preset.resume.toml`` (:data:`RESUME_PRESET`), which the workers load instead
 of ``preset.toml`` (:func:`active_preset_path`); the launcher replaces ``preset.toml`` with it once the resumed
@@ -36,13 +41,16 @@ No torch import here.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from pathlib import Path
 from typing import Any
 
 from torch_handle.config.loader import Preset, dump_preset, load_preset, preset_to_dict
+from torch_handle.config.schema import PLUGIN_TABLES, resume_declaration
 from torch_handle.errors import RunDirError
+from torch_handle.registry import get_registry
 from torch_handle.rundir import PRESET_FILE, RUN_FILE, read_run_info, write_json_atomic
 
 RESUME_PRESET = "preset.resume.toml"
@@ -50,9 +58,15 @@ RESUME_PRESET = "preset.resume.toml"
 PENDING = "resume_pending"
 """run.json key set by ``handle run --resume`` and cleared by :func:`promote`: ``{"time": t}``."""
 
-_MODEL_MAY_CHANGE = {"dropout", "activation_checkpointing", "attention"}
-_DATA_MAY_CHANGE = {"num_workers"}
-_STRATEGY_FROZEN = {"ds_config"}
+_PLUGIN_TABLE_RULE: dict[str, str | None] = {
+    "model": "the checkpoint's weights have the model's shape",
+    "data": "the tokenizer, vocabulary and data position of the checkpoint depend on the data settings",
+    "strategy": None,
+    "profiler": None,
+}
+"""Why a plugin table's ``name`` and undeclared options are frozen (None: they may change)."""
+_DECLARED_FROZEN = "its plugin declares it frozen on resume (the checkpoint depends on it)"
+"""The reason of ``frozen_on_resume=True`` in a table whose options may change."""
 _FROZEN = {
     "run.seed": "the data order and the initial weights come from it",
     "run.name": "it names the run directory, which does not move",
@@ -64,19 +78,36 @@ _FROZEN = {
 }
 
 
-def rule(key: str) -> str | None:
-    """Why ``key`` (``table.key``, nested keys dotted) may not change on a resume, or None when it may."""
+def rule(key: str, preset: Preset | None = None) -> str | None:
+    """Why ``key`` (``table.key``, nested keys dotted) may not change on a resume, or None when it may.
+
+    An option of a plugin table follows its plugin's declaration (:func:`torch_handle.config.schema.param`'s
+    ``frozen_on_resume``), else the table's rule. The plugin is the one ``preset`` selects; without ``preset``,
+    every registered plugin of that table with such an option is asked, and any one that freezes it wins.
+    """
     table, _, rest = key.partition(".")
-    top = rest.split(".")[0]
-    if table == "model":
-        return None if top in _MODEL_MAY_CHANGE else "the checkpoint's weights have the model's shape"
-    if table == "data":
-        return None if top in _DATA_MAY_CHANGE else ("the tokenizer, vocabulary and data position of the "
-                                                     "checkpoint depend on the data settings")
-    if table == "strategy":
-        return ("it is merged verbatim into DeepSpeed's config (it may change the optimizer or precision the "
-                "checkpoint's state belongs to)") if top in _STRATEGY_FROZEN else None
-    return _FROZEN.get(key)
+    if table not in PLUGIN_TABLES:
+        return _FROZEN.get(key)
+    option = rest.split(".")[0]
+    default = _PLUGIN_TABLE_RULE[table]
+    if option == "name":
+        return default
+    if preset is not None:
+        classes = [type(getattr(preset, table).options)]
+    else:
+        classes = [r.config_cls for r in get_registry().registrations[PLUGIN_TABLES[table]].values()]
+    classes = [c for c in classes if option in {f.name for f in dataclasses.fields(c)}]
+    reasons = [_reason(resume_declaration(c, option), default) for c in classes] or [default]
+    return next((why for why in reasons if why), None)
+
+
+def _reason(declared: bool | str | None, default: str | None) -> str | None:
+    """Why an option is frozen, from its plugin's declaration and the table's rule ``default``."""
+    if declared is False:
+        return None
+    if isinstance(declared, str):
+        return declared
+    return (default or _DECLARED_FROZEN) if declared else default
 
 
 def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -97,18 +128,20 @@ def diff(old: Preset, new: Preset) -> dict[str, list[Any]]:
 
 
 def check_changes(run_dir: Path, old: Preset, new: Preset) -> dict[str, list[Any]]:
-    """The changes ``new`` makes to the run's preset ``old``; all of them allowed on a resume. When the strategy
-    changes, the options of the old one go and the new one's come: none of them is checked.
+    """The changes ``new`` makes to the run's preset ``old``; all of them allowed on a resume (:func:`rule`, with
+    the plugins ``old`` selects). When a table's plugin changes (the strategy may), the options of the old one go
+    and the new one's come: none of them is checked.
 
     Raises:
         RunDirError: one line naming the first setting that may not change (a plugin's ``name`` first) and why.
     """
     changes = diff(old, new)
-    switched = old.strategy.name != new.strategy.name
+    switched = {table for table in PLUGIN_TABLES if getattr(old, table).name != getattr(new, table).name}
     for key in sorted(changes, key=lambda k: (not k.endswith(".name"), k)):
-        if switched and key.startswith("strategy."):
+        table, _, option = key.partition(".")
+        if table in switched and option != "name":
             continue
-        why = rule(key)
+        why = rule(key, old)
         if why:
             was, now = changes[key]
             raise RunDirError(f"{run_dir}: cannot change {key} on --resume ({was!r} -> {now!r}): {why}")

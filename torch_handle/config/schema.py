@@ -23,14 +23,42 @@ from typing import Any, Literal
 
 from torch_handle.errors import InvalidValue
 
+FROZEN_ON_RESUME = "frozen_on_resume"
+"""The field metadata key that :func:`param`'s ``frozen_on_resume`` sets (read by :func:`resume_declaration`)."""
+
+
 def param(default: Any = dataclasses.MISSING, *, ge: float | None = None, gt: float | None = None,
-          le: float | None = None, lt: float | None = None, default_factory: Any = dataclasses.MISSING) -> Any:
+          le: float | None = None, lt: float | None = None, default_factory: Any = dataclasses.MISSING,
+          frozen_on_resume: bool | str | None = None) -> Any:
     """A dataclass field with a numeric range that validation enforces (``ge``: >=, ``gt``: >, ``le``: <=,
-    ``lt``: <)."""
-    metadata = {k: v for k, v in (("ge", ge), ("gt", gt), ("le", le), ("lt", lt)) if v is not None}
+    ``lt``: <).
+
+    ``frozen_on_resume`` (a plugin's option): whether ``handle run --resume --set`` may change it, when the
+    table's rule (:mod:`torch_handle.checkpoint.resume`) is not the right one: a string freezes it with that
+    reason (the end of the one-line refusal: ``cannot change strategy.x on --resume (1 -> 2): <reason>``), True
+    freezes it with the table's reason, False lets it change.
+
+    Raises:
+        TypeError: ``frozen_on_resume`` is an empty string or not a bool or str.
+    """
+    if not (frozen_on_resume is None or isinstance(frozen_on_resume, bool)
+            or (isinstance(frozen_on_resume, str) and frozen_on_resume)):
+        raise TypeError(f"frozen_on_resume must be a bool or a non-empty reason, got {frozen_on_resume!r}")
+    metadata = {k: v for k, v in (("ge", ge), ("gt", gt), ("le", le), ("lt", lt),
+                                  (FROZEN_ON_RESUME, frozen_on_resume)) if v is not None}
     if default_factory is not dataclasses.MISSING:
         return field(default_factory=default_factory, metadata=metadata)
     return field(default=default, metadata=metadata)
+
+
+def resume_declaration(cls: type, name: str) -> bool | str | None:
+    """What the options dataclass ``cls`` declares for its option ``name`` on a resume (``param(...,
+    frozen_on_resume=...)``): a reason or True (frozen), False (may change), None (not declared, or no such
+    option)."""
+    for f in dataclasses.fields(cls):
+        if f.name == name:
+            return f.metadata.get(FROZEN_ON_RESUME)
+    return None
 
 
 # --------------------------------------------------------------------------------------------------------------

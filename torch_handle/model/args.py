@@ -47,7 +47,7 @@ class TransformerArgs:
     d_ff: int = param(512, ge=1)
     """Hidden width of the position-wise feed-forward network."""
     _: KW_ONLY
-    dropout: float = param(0.1, ge=0.0, le=0.9)
+    dropout: float = param(0.1, ge=0.0, le=0.9, frozen_on_resume=False)
     """Dropout on embeddings, attention weights, FFN hidden units and residual branches."""
     activation: Activation = "gelu"
     """Feed-forward nonlinearity: ``"relu"`` or ``"gelu"``."""
@@ -59,10 +59,10 @@ class TransformerArgs:
     """Longest sequence accepted (positional-table size; the dataset's)."""
     pad_id: int | None = None
     """Token id masked out as a key (the dataset's); None disables padding masks."""
-    activation_checkpointing: bool = False
+    activation_checkpointing: bool = param(False, frozen_on_resume=False)
     """Recompute each block's activations in backward while training (torch.utils.checkpoint,
     use_reentrant=False)."""
-    attention: AttentionImpl = "sdpa"
+    attention: AttentionImpl = param("sdpa", frozen_on_resume=False)
     """Initial attention kernel: sdpa = torch's fused scaled_dot_product_attention; reference = explicit
     softmax(QK^T/sqrt(d_k))V."""
     fused_qkv: bool = True

@@ -125,10 +125,9 @@ class Strategy:
     def build_optimizer(self, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
         """AdamW from ``[training]`` (Loshchilov & Hutter 2019), fused on CUDA.
 
-        On CPU the fused kernel would be faster too (2.7 ms per step for the P1 model's 4.2 M parameters against
-        10.7 ms for the default for-loop and 13.4 ms for ``foreach=True``; 2 AMD EPYC cores, 1 thread, torch 2.13),
-        but its rounding differs from the for-loop's, and scratch-ddp's sharded AdamW and the torch-DDP reference
-        of tests/test_scratch_ddp.py (bitwise equality) use the for-loop: switch all three together."""
+        On CPU the fused kernel would be faster too, but its rounding differs from the for-loop's, and
+        scratch-ddp's sharded AdamW and the torch-DDP reference of tests/test_scratch_ddp.py (bitwise equality) use
+        the for-loop: switch all three together."""
         t = self.training
         fused = self.ctx.device.type == "cuda"
         return torch.optim.AdamW(params, lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8, weight_decay=t.weight_decay,

@@ -44,10 +44,6 @@ from torch_handle.train.phases import PhaseTimer
 log = logging.getLogger("torch_handle")
 
 
-class StopRequested(Exception):
-    """Raised after the checkpoint that follows a stop request (first Ctrl-C on ``handle run``)."""
-
-
 class NonFiniteLoss(Exception):
     """The loss was NaN/inf and ``on_nan = "stop"``."""
 

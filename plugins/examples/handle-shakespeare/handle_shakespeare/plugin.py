@@ -32,7 +32,7 @@ class ShakespeareConfig:
     """Fraction of the text (its tail) held out for validation."""
     lowercase: bool = False
     """Lower-case the text first (a smaller character vocabulary)."""
-    num_workers: int = param(0, ge=0)
+    num_workers: int = param(0, ge=0, frozen_on_resume=False)
     """DataLoader worker processes per rank."""
 
     def check(self) -> None:

@@ -1,0 +1,208 @@
+"""A run's lifecycle: prepare its directory, launch it, watch it until run.json is settled.
+
+:func:`prepare_run` validates a preset (or a ``--resume`` with its overrides) and creates or reopens the run
+directory; :class:`SupervisedRun` starts torchrun on it (:class:`torch_handle.launch.supervisor.Launch`), reads its
+events, answers interrupts, and once a resumed run made its first step makes its changed preset the run's
+(:func:`torch_handle.checkpoint.resume.promote`). The caller (``handle run``, ``handle bench scaling``) only prints.
+
+What is written where (see :mod:`torch_handle.rundir`): ``preset.toml`` and ``run.json`` at creation;
+``preset.resume.toml`` and run.json's ``resume_pending`` by a resume; ``preset.toml`` replaced by
+``preset.resume.toml`` and run.json's ``resumes`` list extended at the resumed run's first step.
+
+No torch import here.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from pathlib import Path
+from typing import Any
+
+from torch_handle.checkpoint.resume import PENDING, RESUME_PRESET, check_changes, promote, write_side_preset
+from torch_handle.config.loader import Preset, dump_preset, load_preset
+from torch_handle.errors import RunDirError
+from torch_handle.launch.multinode import create_or_join_run_dir, owns_run_dir, with_node_rank
+from torch_handle.launch.supervisor import Launch
+from torch_handle.observe.fields import Kind, Status
+from torch_handle.observe.state import RunState
+from torch_handle.observe.tail import EventReader
+from torch_handle.observe.telemetry import EVENTS_FILE
+from torch_handle.registry import get_registry
+from torch_handle.rundir import (ACTIVE, PRESET_FILE, create_run_dir, launcher_alive, launcher_record, read_run_info,
+                                 update_run_info)
+
+
+def check_data(preset: Preset) -> None:
+    """Cheap data checks before anything starts (missing paths, undecodable text), through the dataset plugin's
+    ``preflight`` hook; nothing when the plugin has none.
+
+    Raises:
+        DataError: one line naming the path and the problem.
+        PresetError: the dataset plugin is not registered.
+    """
+    preflight = get_registry().get("dataset", preset.data.name).preflight
+    if preflight is not None:
+        preflight(preset.data.options)
+
+
+def prepare_run(preset: str | None, overrides: tuple[str, ...], run_dir: Path | None,
+                resume_dir: Path | None) -> tuple[Preset, Path]:
+    """Validate everything, then create (or reopen) the run directory: ``(preset, run directory)``. Nothing is
+    written on bad input.
+
+    A new run (``preset``, a path or a bare preset name) gets ``run_dir``, or ``<output_dir>/<name>-<UTC time>``,
+    holding ``preset.toml`` (the resolved preset) and ``run.json`` (status ``starting``). A multi-node run
+    (``launch.nnodes > 1``) given ``run_dir`` creates it, or joins it when another node of the same run created it
+    first on a shared filesystem (:func:`torch_handle.launch.multinode.create_or_join_run_dir`); its
+    ``preset.toml`` holds ``node_rank`` 0, and each node's launcher uses its own. ``resume_dir``: see
+    :func:`prepare_resume` (``preset`` is then None).
+
+    Raises:
+        PresetError, DataError, RunDirError: one line each (``handle run``: exit code 2).
+    """
+    if resume_dir is not None:
+        return prepare_resume(Path(resume_dir), overrides)
+    assert preset is not None
+    loaded = load_preset(preset, overrides)
+    check_data(loaded)
+    info = {"status": Status.STARTING, "name": loaded.run.name, "preset": str(loaded.source),
+            "strategy": loaded.strategy.name, "zero_stage": getattr(loaded.strategy.options, "zero_stage", None),
+            "world_size": loaded.world_size, "steps": loaded.training.steps, "start_time": time.time(),
+            "end_time": None, "restarts": 0}
+    if loaded.launch.nnodes > 1:
+        if run_dir is not None:
+            directory, _ = create_or_join_run_dir(loaded, info, Path(run_dir))
+            return loaded, directory
+        info.update(launcher_record(loaded.launch.node_rank))  # a directory of this node's own
+        directory = create_run_dir(Path(loaded.run.output_dir), loaded.run.name,
+                                   dump_preset(with_node_rank(loaded, 0)), info)
+        return loaded, directory
+    directory = create_run_dir(Path(loaded.run.output_dir), loaded.run.name, dump_preset(loaded), info, run_dir)
+    return loaded, directory
+
+
+def prepare_resume(resume_dir: Path, overrides: tuple[str, ...]) -> tuple[Preset, Path]:
+    """Check a ``--resume`` (with its ``--set`` overrides) against the run, then mark it resuming.
+
+    Every check comes first: a live launcher, a preset that does not load, a setting that may not change on a
+    resume (:func:`torch_handle.checkpoint.resume.check_changes`), missing data. Any of them raises with the run
+    directory untouched. Then accepted changes go to ``preset.resume.toml``, not ``preset.toml`` (a stale one is
+    removed), and run.json gets status ``running``, ``resumed`` + 1 and ``resume_pending`` (see
+    :mod:`torch_handle.checkpoint.resume`). On a multi-node run only the node that owns the shared directory
+    writes; the others validate.
+
+    Raises:
+        RunDirError, PresetError, DataError: one line each (``handle run``: exit code 2).
+    """
+    info = read_run_info(resume_dir)
+    current = load_preset(resume_dir / PRESET_FILE)
+    loaded = load_preset(resume_dir / PRESET_FILE, overrides) if overrides else current
+    nodes = loaded.launch.nnodes > 1
+    if nodes and not any(o.partition("=")[0].strip() == "launch.node_rank" for o in overrides):
+        raise RunDirError(f"{resume_dir}: a run on {loaded.launch.nnodes} nodes: give this node's rank, "
+                          f"--resume {resume_dir} --set launch.node_rank=R (0 on the node of rdzv_endpoint)")
+    owner = owns_run_dir(info, loaded)  # False: another node's launcher prepares this shared directory
+    if owner and info.get("status") in ACTIVE and launcher_alive(info):
+        raise RunDirError(f"{resume_dir}: is still running (launcher pid {info['launcher_pid']})")
+    stored = with_node_rank(loaded, 0) if nodes else loaded  # a multi-node run's preset.toml holds node_rank 0
+    changes = check_changes(resume_dir, current, stored)
+    check_data(loaded)
+    if not owner:
+        return loaded, resume_dir
+    write_side_preset(resume_dir, stored if changes else None)  # None: drops a stale one of a failed resume
+    record = launcher_record(loaded.launch.node_rank) if nodes and loaded.launch.node_rank > 0 else {}
+    update_run_info(resume_dir, status=Status.RUNNING, message="", resumed=info.get("resumed", 0) + 1,
+                    **{PENDING: {"time": time.time()}}, **record)
+    return loaded, resume_dir
+
+
+class Interrupt(enum.Enum):
+    """What :meth:`SupervisedRun.interrupt` did."""
+
+    KILLED_BEFORE_TRAINING = "killed before training"
+    """The workers had not reached the training loop (no step would answer a STOP file): the tree was
+    terminated."""
+    STOP_REQUESTED = "stop requested"
+    """The STOP file: the workers stop after the current step, with a checkpoint."""
+    KILLED = "killed"
+    """A second interrupt: the tree was terminated."""
+
+
+class SupervisedRun:
+    """One launch of a prepared run directory, watched until run.json is settled.
+
+    ``start()``, then ``poll()`` until it returns an exit code, then ``finish(rc)``; ``interrupt()`` from a
+    signal handler. ``state`` folds every event read so far (the preset's step total until the workers report
+    theirs).
+    """
+
+    def __init__(self, preset: Preset, run_dir: Path):
+        run_dir = Path(run_dir)
+        node_rank = preset.launch.node_rank
+        if (run_dir / RESUME_PRESET).exists():  # a resume with changes: its preset, not the run's (--tui path)
+            preset = load_preset(run_dir / RESUME_PRESET)
+            preset.launch.node_rank = node_rank  # a multi-node run's files hold node_rank 0: this node's own
+        self.preset, self.run_dir = preset, run_dir
+        before = read_run_info(run_dir)
+        self.pending = PENDING in before and owns_run_dir(before, preset)
+        """A resume waits for its first step to be promoted (another node's launcher promotes a shared one)."""
+        self._began = before.get("train_start_time")
+        self.launch = Launch(preset, run_dir)
+        self.reader = EventReader(run_dir / EVENTS_FILE)
+        # no status from run.json: the caller's summary reports the launcher's
+        self.state = RunState(run_dir, info={"steps": preset.training.steps})
+        self.interrupts = 0
+        self._started = 0.0
+
+    def training(self) -> bool:
+        """Whether the workers of this launch reached the training loop (they answer a STOP file at a step)."""
+        try:
+            info = read_run_info(self.run_dir)
+        except RunDirError:
+            return False
+        return info.get("status") == Status.RUNNING and info.get("train_start_time") != self._began
+
+    def start(self) -> None:
+        """Start torchrun (run.json: status ``running`` and the launcher's pid)."""
+        self._started = time.time()
+        self.launch.start()
+
+    def poll(self) -> tuple[int | None, list[dict[str, Any]]]:
+        """``(torchrun's exit code or None while it runs, the events written since the last poll)``; a pending
+        resume whose first step is among them is promoted."""
+        rc = self.launch.poll()
+        events = self.reader.poll()
+        self.state.apply(events)
+        if self.pending:
+            first = next((e for e in events if e.get("kind") == Kind.STEP and isinstance(e.get("step"), int)
+                          and (e.get("time") or 0) >= self._started), None)
+            if first is not None:
+                promote(self.run_dir, first["step"] - 1)
+                self.pending = False
+        return rc, events
+
+    def interrupt(self) -> Interrupt:
+        """A SIGINT/SIGTERM: the first asks the workers to stop after the current step with a checkpoint (the STOP
+        file; on any node of a multi-node run it stops every node), or terminates the tree at once before they
+        train; the second terminates it."""
+        self.interrupts += 1
+        if self.interrupts == 1 and self.launch.proc is not None and not self.training():
+            self.launch.kill(grace_s=2.0)
+            return Interrupt.KILLED_BEFORE_TRAINING
+        if self.interrupts == 1:
+            self.launch.request_stop()
+            return Interrupt.STOP_REQUESTED
+        self.launch.kill()
+        return Interrupt.KILLED
+
+    def finish(self, returncode: int) -> dict[str, Any]:
+        """After torchrun exited: the last events, no process left, run.json settled
+        (:meth:`torch_handle.launch.supervisor.Launch.finish`); a pending resume of a run that finished is
+        promoted. Returns run.json (this node's view on a node that does not own it)."""
+        self.state.apply(self.reader.poll())
+        self.launch.reap()
+        info = self.launch.finish(returncode)
+        if self.pending and info.get("status") == Status.FINISHED:  # nothing left to do: the resume worked too
+            promote(self.run_dir, self.state.step)
+        return info
