@@ -39,8 +39,8 @@ LAYERS: dict[str, set[str]] = {
     "parallel": _BASE,
     "model": _BASE | {"config", "parallel"},  # config: the schema's field ranges (param) for TransformerArgs
     "data": _BASE,
-    "checkpoint": _BASE | {"config", "rundir", "observe"},
-    "launch": _BASE | {"config", "rundir", "observe", "checkpoint"},
+    "checkpoint": _BASE | {"registry", "config", "rundir", "observe"},
+    "launch": _BASE | {"registry", "config", "rundir", "observe", "checkpoint"},
     "train": _BASE | {"registry", "config", "rundir", "observe", "parallel", "model", "data", "checkpoint", "launch"},
     "plan": _BASE | {"registry", "config", "rundir", "observe", "parallel", "model", "data", "checkpoint", "launch",
                      "train"},
