@@ -7,17 +7,7 @@ plugin's module can ``from torch_handle import api`` at the top and still keep `
 validation instant; ``from torch_handle.api import Strategy`` at module level imports torch, so do that in the
 module the factory imports (see ``docs/plugins.md``).
 
-Hooks (each receives ``register``; see :mod:`torch_handle.hookspecs`):
-
-- ``handle_register_models``      ``register(name, config_cls, factory, description, check_preset=None)``,
-  ``factory(options, vocab_size, pad_id, max_len) -> nn.Module``
-- ``handle_register_datasets``    ``register(..., preflight=None)``, ``factory(options, ctx: DataContext) ->
-  DataBundle``; ``preflight(options)`` checks paths before anything starts and raises :class:`DataError`
-- ``handle_register_strategies``  ``factory(options, training, ctx: DistContext, model) -> Strategy``
-- ``handle_register_profilers``   ``factory(options, trace_dir, rank) -> context manager with step()``
-- ``handle_register_sinks``       ``register(name, factory, description)``, ``factory(run_dir, preset) -> Sink
-  | None``
-- ``handle_register_presets``, ``handle_register_commands``
+Hooks and their signatures: :mod:`torch_handle.hookspecs`; a guide with examples: docs/plugins.md.
 
 Options (the fields of a plugin's ``config_cls``): ``param(default, ge=, gt=, le=, lt=, frozen_on_resume=)`` gives
 a field a range and, where the table's rule does not fit, whether ``handle run --resume --set`` may change it (a

@@ -9,8 +9,8 @@ same group. Each hook receives a ``register`` callback, so the core owns naming 
     def handle_register_strategies(register):
         register("my-strategy", MyStrategyConfig, build_my_strategy, "one-line description")
 
-For models, datasets, strategies and profilers, ``register(name, config_cls, factory, description="")`` takes
-the name that a preset's ``name`` key selects, the dataclass that validates the rest of that preset table, and a
+For models, datasets, strategies and profilers, ``register(name, config_cls, factory, description="",
+check_preset=None)`` takes the name that a preset's ``name`` key selects, the dataclass that validates the rest of that preset table, and a
 factory called on every rank when a run starts (its arguments depend on the kind; see ``docs/plugins.md``).
 Sinks, presets and commands register differently (see their hooks). Hooks are called once, in the ``handle``
 process and in every worker, when the plugin registry is first built. Keep module import cheap: import torch

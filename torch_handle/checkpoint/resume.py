@@ -4,32 +4,9 @@ A resumed run loads its newest checkpoint, so every setting the checkpoint or th
 fixed for the life of the run. :func:`check_changes` compares the run's preset with the one ``--set`` makes and
 raises one line naming the first setting that may not change, and why, before anything is written or started.
 
-Rules (:func:`rule`), by ``table.key`` of the fully resolved preset. The tables of plugins (``[model]``, ``[data]``,
-``[strategy]``, ``[profiler]``) follow a rule per table, which a plugin overrides for one of its options by
-declaring it (``param(..., frozen_on_resume=...)``, :func:`torch_handle.config.schema.param`), so a third-party
-plugin's options are checked like the built-ins':
-
-- ``[model]``: frozen (the checkpoint's weights have that shape and meaning), except the options the plugin
-  declares may change (the built-in models: ``dropout``, ``activation_checkpointing`` and ``attention``, the
-  kernel: same weights, same function).
-- ``[data]``: frozen (the tokenizer, the vocabulary, the sequence length and the data position depend on it),
-  except the options the plugin declares may change (the built-in datasets: ``num_workers``).
-- ``[strategy]``: the ``name`` and every option may change -- another strategy, ZeRO stage, ``shard_optimizer``,
-  offloading: the checkpoint is converted when the new strategy cannot read it as it is
-  (:mod:`torch_handle.checkpoint.convert`) -- except the options the plugin declares frozen while the strategy
-  stays the same (``deepspeed``'s ``ds_config``: merged verbatim into DeepSpeed's config, it may change the
-  optimizer or the precision the checkpoint's state belongs to). ``[profiler]``: anything may change.
-- ``[launch]``: anything, the world size (``nproc_per_node``, ``nnodes``) included: the data position counts
-  samples of a world-size-independent order (:class:`torch_handle.data.datasets.GlobalBatchSampler`).
-- ``[training]``: ``micro_batch_size`` and ``grad_accum`` may change; when the global batch (``micro_batch_size x
-  grad_accum x world size``) stays the same the run continues the same trajectory, otherwise it continues from the
-  same sample with a warning event that its trajectory differs (the trainer compares with the checkpoint's
-  ``layout.json``). ``precision`` (the optimizer state's layout and loss scaler) and ``beta1``/``beta2``/
-  ``weight_decay`` (restored from the optimizer state: a change would be silently ignored) are frozen; ``steps``,
-  the LR schedule, eval/checkpoint/log cadence, ``grad_clip``, ``label_smoothing``, ``on_nan``, ``keep_last``,
-  ``compile`` may change.
-- ``[run]``: ``seed`` (the data order) is frozen, and so are ``name``/``output_dir`` (the run directory does not
-  move).
+The rules, table by table, are docs/resume.md#what-may-change; :func:`rule` is their code. The plugin tables follow
+one rule per table, which a plugin overrides for one of its options by declaring it
+(``param(..., frozen_on_resume=...)``, :func:`torch_handle.config.schema.param`).
 
 An accepted change is written to ``preset.resume.toml`` (:data:`RESUME_PRESET`), which the workers load instead
 of ``preset.toml`` (:func:`active_preset_path`); the launcher replaces ``preset.toml`` with it once the resumed
