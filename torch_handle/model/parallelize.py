@@ -134,3 +134,28 @@ def tensor_parallel_problems(args: Any, tp: int, *, sequence_parallel: bool, seq
         out.append(("seq_len", f"{seq_len} is not divisible by parallel.tp = {tp} (sequence parallelism splits the "
                                f"sequence evenly)"))
     return out
+
+
+def parallelize_tensor(model: Any, impl: str, tp: Any, *, sequence_parallel: bool = False) -> Any:
+    """Split ``model`` (built with the same seed on every TP rank) over its TP group, in place; returns it.
+
+    ``impl``: ``"scratch"`` (``tp`` a :class:`~torch_handle.parallel.tensor.mappings.TPGroup`: the hand-written
+    layers; the forward returns local logits (B, T, V/tp) for ``vocab_parallel_cross_entropy``) or ``"native"``
+    (``tp`` the "tp" ``DeviceMesh``: DTensor ``parallelize_module``; the forward returns a vocabulary-sharded
+    DTensor for ``F.cross_entropy`` under ``loss_parallel()``). Tied embeddings stay tied: the token table and the
+    LM head are split over the same vocabulary rows, so each rank's slices are one tensor.
+
+    Raises:
+        ValueError: a model without a plan, or an unknown ``impl``."""
+    from torch_handle.parallel.tensor.plan import apply_native, apply_scratch
+
+    plan = tensor_parallel_plan(model)
+    if impl == "scratch":
+        apply_scratch(model, plan, tp, sequence_parallel=sequence_parallel)
+    elif impl == "native":
+        apply_native(model, plan, tp, sequence_parallel=sequence_parallel)
+    else:
+        raise ValueError(f"unknown tensor-parallel implementation {impl!r}; expected 'scratch' or 'native'")
+    if model.args.tie_embeddings:
+        model.lm_head.weight = model.embed.weight
+    return model

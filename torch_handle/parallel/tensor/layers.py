@@ -129,6 +129,10 @@ class VocabParallelEmbedding(nn.Module):
         weight = embedding.weight.detach().chunk(tp.size, dim=0)[tp.rank].clone()
         return cls(weight, vocab, tp, sequence_parallel=sequence_parallel)
 
+    @property
+    def embedding_dim(self) -> int:
+        return self.weight.shape[1]
+
     def forward(self, ids: Tensor) -> Tensor:
         local = ids - self.vocab_start
         outside = (local < 0) | (local >= self.weight.shape[0])  # (b, s): ids another rank holds
