@@ -15,7 +15,8 @@ from textual.widgets import RichLog
 from textual_plotext import PlotextPlot
 
 from torch_handle.observe.events import Level, Notice, RunState, Status
-from torch_handle.common.text import clean, fmt_bytes, fmt_duration, fmt_float
+from torch_handle.common.text import clean, fmt_duration, fmt_float
+from torch_handle.common.units import fmt_bytes
 
 STATUS_STYLES = {
     Status.RUNNING: "bold black on green",

@@ -14,7 +14,8 @@ from torch_handle.observe.events import EventReader, Kind, RunState, Status
 from torch_handle.observe.telemetry import EventWriter
 from torch_handle.observe.watchdog import (Frame, HangWatchdog, RankBeat, append_event, call_on_line, describe,
                                    flight_recorder_env, main_thread, parse_faulthandler, parse_py_spy_json,
-                                   parse_test_hang, waiting_point)
+                                   waiting_point)
+from torch_handle.common.testhooks import parse_test_hang
 
 SITE = "/venv/lib/python3.11/site-packages"
 STDLIB = "/usr/lib/python3.11"

@@ -21,6 +21,7 @@ import textwrap
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from torch_handle.common.precision import Precision
 from torch_handle.errors import InvalidValue
 
 def param(default: Any = dataclasses.MISSING, *, ge: float | None = None, gt: float | None = None,
@@ -87,7 +88,7 @@ class TrainingConfig:
     """Label smoothing eps of the training loss (Szegedy et al. 2016; Vaswani et al. 2017 use 0.1): the target
     puts 1 - eps on the label and eps spread over the vocabulary. Validation loss stays plain cross-entropy.
     0 = off. May change on --resume (the checkpoint does not depend on it)."""
-    precision: Literal["fp32", "bf16", "fp16"] = "bf16"
+    precision: Precision = "bf16"
     """Compute precision: bf16 and fp16 keep fp32 master weights; fp16 uses dynamic loss scaling."""
     eval_every: int = param(50, ge=0)
     """Evaluate on the validation split every N steps (and at the end); 0 = only at the end."""

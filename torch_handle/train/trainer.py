@@ -25,6 +25,8 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 from torch_handle.checkpoint import store as ckpt
+from torch_handle.common.fsio import replacing
+from torch_handle.common.testhooks import DELAY_ENV, HANG_ENV, parse_test_delay, parse_test_hang
 from torch_handle.checkpoint import shared_dirs
 from torch_handle.config.loader import Preset
 from torch_handle.data.datasets import IGNORE_INDEX, DataBundle, DataContext, GlobalBatchSampler, ResumableDistributedSampler
@@ -34,7 +36,7 @@ from torch_handle.train.strategy import DistContext, Strategy
 from torch_handle.observe.events import SLOW_RANK_LOGS, SLOW_RANK_RATIO, Kind, Level, Status, slowest_rank
 from torch_handle.train.phases import PhaseTimer
 from torch_handle.observe.telemetry import EVENTS_FILE, EventWriter, NullEventWriter
-from torch_handle.observe.watchdog import HANG_TEST_ENV, beat, busy, parse_test_hang
+from torch_handle.observe.watchdog import beat, busy
 
 log = logging.getLogger("torch_handle")
 
@@ -45,16 +47,6 @@ class StopRequested(Exception):
 
 class NonFiniteLoss(Exception):
     """The loss was NaN/inf and ``on_nan = "stop"``."""
-
-
-def parse_test_delay(spec: str, rank: int) -> float:
-    """Test hook ``HANDLE_TEST_DELAY_RANK=RANK:SECONDS`` (e.g. ``1:0.05``): seconds that rank ``RANK`` sleeps in
-    the data phase of every micro-batch (a slow input pipeline); 0.0 for other ranks or an empty/invalid spec."""
-    target, _, seconds = spec.partition(":")
-    try:
-        return float(seconds) if target.strip() and int(target) == rank and float(seconds) > 0 else 0.0
-    except ValueError:
-        return 0.0
 
 
 def seed_everything(seed: int) -> None:
@@ -156,8 +148,8 @@ class Trainer:
         """Bytes autograd saved for this rank's first micro-batch (measured once per process)."""
         self.timer = PhaseTimer(ctx.device)
         """Step breakdown (``timer.enabled = False`` turns it off; benchmarks/breakdown_overhead.py compares)."""
-        self.test_delay_s = parse_test_delay(os.environ.get("HANDLE_TEST_DELAY_RANK", ""), ctx.rank)
-        self.test_hang = parse_test_hang(os.environ.get(HANG_TEST_ENV, ""), ctx.rank)
+        self.test_delay_s = parse_test_delay(os.environ.get(DELAY_ENV, ""), ctx.rank)
+        self.test_hang = parse_test_hang(os.environ.get(HANG_ENV, ""), ctx.rank)
         self.peak_flops: float | None = None
         """This rank's device peak FLOP/s for the run's precision (measured, cached; rank 0 only), for ``mfu``."""
         self._slow_streak: tuple[int | None, int] = (None, 0)
@@ -599,9 +591,8 @@ class Trainer:
 
         # tied weights share storage, which safetensors refuses: store each tensor on its own
         tensors = {k: v.detach().contiguous().clone() for k, v in state.items()}
-        tmp = self.run_dir / ".model.safetensors.tmp"
-        save_file(tensors, str(tmp), metadata={"step": str(self.step), "preset": "preset.toml"})
-        os.replace(tmp, self.run_dir / "model.safetensors")
+        with replacing(self.run_dir / "model.safetensors") as tmp:
+            save_file(tensors, str(tmp), metadata={"step": str(self.step), "preset": "preset.toml"})
 
     def _emit_step(self, record: dict[str, Any]) -> None:
         record.pop("stop", None)
