@@ -6,8 +6,9 @@ import math
 
 import pytest
 
+from torch_handle.common.units import size_label
 from torch_handle.plan.bench_comm import (MAX_SIZE, OPS, algbw_gbps, bus_factor, busbw_gbps, check_size, element_count,
-                                     fmt_bytes, parse_ops, parse_size, parse_sizes)
+                                          parse_ops, parse_size, parse_sizes)
 
 
 @pytest.mark.parametrize("op, n, factor", [
@@ -85,5 +86,5 @@ def test_check_size_and_element_count():
 
 
 def test_fmt_bytes():
-    assert [fmt_bytes(n) for n in (1, 1000, 1024, 3 << 20, 1 << 30, 1536)] == ["1", "1000", "1K", "3M", "1G", "1536"]
+    assert [size_label(n) for n in (1, 1000, 1024, 3 << 20, 1 << 30, 1536)] == ["1", "1000", "1K", "3M", "1G", "1536"]
     assert math.log2(MAX_SIZE) == 34
