@@ -43,7 +43,7 @@ def test_formula_errors():
 
 def test_parse_size_units():
     assert [parse_size(s) for s in ("1", "1K", "1k", "64M", "1G", "2KiB", "3MB", " 8 ")] == \
-        [1, 1024, 1024, 64 << 20, 1 << 30, 2048, 3 << 20, 8]
+        [1, 1024, 1024, 64 << 20, 1 << 30, 2048, 3 * 10**6, 8]  # MB is decimal (issue 18: one convention)
     for bad in ("", "K", "1.5M", "-1K", "1T", "0", "1X"):
         with pytest.raises(ValueError):
             parse_size(bad)
