@@ -174,6 +174,13 @@ CORE_TABLES: dict[str, type] = {"run": RunConfig, "training": TrainingConfig, "l
 TABLE_ORDER = ("run", "model", "data", "training", "strategy", "launch", "profiler")
 
 
+def plugin_name(table: str, values: Any) -> Any:
+    """The plugin a (merged) plugin table selects: its ``name``, else the default; None when it is not a table."""
+    if values is None:
+        return DEFAULT_PLUGINS[table]
+    return values.get("name", DEFAULT_PLUGINS[table]) if isinstance(values, dict) else None
+
+
 @dataclass
 class Preset:
     """A fully resolved and validated preset."""
