@@ -14,7 +14,7 @@ import socket
 import sys
 import time
 
-from torch_handle.launch.probe import Marker, emit, guarded, init_group
+from torch_handle.launch.probe import Marker, emit, guarded, init_group, leave_group
 
 MARKER = Marker("HANDLE_ENV_CHECK")
 
@@ -77,9 +77,7 @@ def main(argv: list[str] | None = None) -> int:
                   "nnodes": world // max(1, local_world), "node_rank": int(os.environ.get("GROUP_RANK", "0")),
                   "worker_s": round(time.perf_counter() - t_start, 3)}
         emit(MARKER, result)
-    dist.barrier()
-    dist.destroy_process_group()
-    return 0 if all_ok else 1
+    return leave_group(all_ok)
 
 
 if __name__ == "__main__":

@@ -2,8 +2,8 @@
 ``handle_cli.env_check``) and ``handle bench comm`` (worker ``torch_handle.plan.bench_comm``).
 
 A worker joins the process group (:func:`init_group`), prints one line ``<NAME> {json}`` per record
-(:func:`emit`) and, when it fails, one line ``<NAME>_ERROR rank R: Type: message`` before its traceback
-(:func:`guarded`). The launcher builds the torchrun command (:func:`torchrun_command`) and runs it under
+(:func:`emit`), leaves the group (:func:`leave_group`) and, when it fails, prints one line ``<NAME>_ERROR rank R:
+Type: message`` before its traceback (:func:`guarded`). The launcher builds the torchrun command (:func:`torchrun_command`) and runs it under
 :func:`torch_handle.launch.supervisor.run_torchrun`, which never leaves a process behind, collecting the records
 and the error lines as they arrive (:func:`run_job`). torch is imported inside the worker's functions only.
 """
@@ -75,6 +75,15 @@ def init_group(backend: str, timeout_s: float) -> Group:
     t0 = time.perf_counter()
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), **kwargs)
     return Group(rank, world, backend, device, time.perf_counter() - t0)
+
+
+def leave_group(ok: bool) -> int:
+    """Wait for every rank, then leave the process group; the worker's exit code: 0 when ``ok``, else 1."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0 if ok else 1
 
 
 def emit(marker: Marker, record: dict[str, Any]) -> None:

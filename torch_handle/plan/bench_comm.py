@@ -25,7 +25,7 @@ from typing import Any
 
 from torch_handle.common.precision import ELEMENT_BYTES, torch_dtype
 from torch_handle.common.units import parse_bytes, size_label
-from torch_handle.launch.probe import Marker, emit, guarded, init_group
+from torch_handle.launch.probe import Marker, emit, guarded, init_group, leave_group
 
 MARKER = Marker("HANDLE_BENCH_COMM")
 CORRUPT_ENV = "HANDLE_BENCH_COMM_CORRUPT"
@@ -325,9 +325,7 @@ def main(argv: list[str] | None = None) -> int:
                 if backend == "gloo" and gloo_note(op):
                     rec["note"] = gloo_note(op)
                 emit(MARKER, rec)
-    dist.barrier()
-    dist.destroy_process_group()
-    return 0 if all_ok else 1
+    return leave_group(all_ok)
 
 
 if __name__ == "__main__":
