@@ -3,9 +3,10 @@
 
 A worker joins the process group (:func:`init_group`), prints one line ``<NAME> {json}`` per record
 (:func:`emit`), leaves the group (:func:`leave_group`) and, when it fails, prints one line ``<NAME>_ERROR rank R:
-Type: message`` before its traceback (:func:`guarded`). The launcher builds the torchrun command (:func:`torchrun_command`) and runs it under
-:func:`torch_handle.launch.supervisor.run_torchrun`, which never leaves a process behind, collecting the records
-and the error lines as they arrive (:func:`run_job`). torch is imported inside the worker's functions only.
+Type: message`` before its traceback (:func:`guarded`). The launcher builds the torchrun command
+(:func:`torchrun_command`) and runs it under :func:`torch_handle.launch.supervisor.run_torchrun`, which never leaves
+a process behind, collecting the records and the error lines as they arrive (:func:`run_job`). torch is imported
+inside the worker's functions only.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ over a range of message sizes and check every result.
 
 Two halves in one module:
 
-- pure functions (standard library only, so the CLI imports them without torch): size parsing, the bytes each
+- pure functions (no torch, so the CLI imports them without it): size parsing, the bytes each
   op moves and nccl-tests' bandwidth formulas (``doc/PERFORMANCE.md``): ``algbw = bytes / time`` and
   ``busbw = algbw * factor`` with factor ``2(n-1)/n`` for all_reduce, ``(n-1)/n`` for all_gather and
   reduce_scatter, ``1`` for broadcast;
