@@ -23,35 +23,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-PRESET = """
-[run]
-output_dir = "{out}"
-[model]
-d_model = {d_model}
-n_heads = 4
-n_layers = 2
-d_ff = {d_ff}
-dropout = 0.0
-[data]
-seq_len = 64
-vocab_size = 512
-[training]
-steps = 100000
-micro_batch_size = 8
-grad_accum = 2
-precision = "fp32"
-eval_every = 0
-checkpoint_every = 0
-log_every = 10
-"""
+from _common import write_preset
 
 MODES = ("off", "ranges", "on")
 
@@ -76,9 +52,9 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     tmp = Path(tempfile.mkdtemp(prefix="breakdown-"))
-    preset_path = tmp / "p.toml"
-    preset_path.write_text(PRESET.format(out=tmp / "runs", d_model=args.d_model, d_ff=4 * args.d_model))
-    preset = load_preset(preset_path)
+    model = {"d_model": args.d_model, "n_heads": 4, "n_layers": 2, "d_ff": 4 * args.d_model, "dropout": 0.0}
+    training = {"steps": 100000, "micro_batch_size": 8, "grad_accum": 2, "precision": "fp32", "log_every": 10}
+    preset = load_preset(write_preset(tmp, model=model, data={"seq_len": 64, "vocab_size": 512}, training=training))
     dist.init_process_group("gloo", init_method=f"file://{tmp / 'store'}", rank=0, world_size=1)
     ctx = DistContext(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), backend="gloo")
     run_dir = create_run_dir(tmp / "runs", "bench", dump_preset(preset), {"status": "starting"})

@@ -23,25 +23,11 @@ import argparse
 import json
 import re
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-
-def handle(*args: str) -> None:
-    proc = subprocess.run([sys.executable, "-m", "handle_cli", *args], capture_output=True, text=True, cwd=ROOT,
-                          check=False)
-    if proc.returncode != 0:
-        raise SystemExit(f"handle {' '.join(args)} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
-
-
-def events(run: Path) -> list[dict]:
-    return [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+from _common import ROOT, handle, read_events, sets
 
 
 def dir_bytes(path: Path) -> int:
@@ -50,10 +36,6 @@ def dir_bytes(path: Path) -> int:
 
 def slug(name: str) -> str:
     return re.sub(r"\W+", "-", name).strip("-")
-
-
-def sets(*items: str) -> list[str]:
-    return [x for s in items for x in ("--set", s)]
 
 
 SOURCES = {
@@ -92,7 +74,7 @@ def main() -> None:
     for name, source_sets in SOURCES.items():
         run = out / slug(name)
         handle("run", args.preset, "--run-dir", str(run), *common, *sets(*source_sets))
-        evs = events(run)
+        evs = read_events(run)
         step2 = next(e for e in evs if e["kind"] == "step" and e["step"] == 2)["time"]
         saved = next(e for e in evs if e["kind"] == "checkpoint" and e["step"] == 2)["time"]
         ckpt = run / "checkpoints" / "step-2"
@@ -107,7 +89,7 @@ def main() -> None:
             start = time.perf_counter()
             handle("run", "--resume", str(copy), *sets("training.steps=3", *target_sets))
             wall = time.perf_counter() - start
-            message = next(e["message"] for e in events(copy) if e["kind"] == "log"
+            message = next(e["message"] for e in read_events(copy) if e["kind"] == "log"
                            and e["message"].startswith("resumed from"))
             m = RESUMED.search(message)
             portable = copy / "checkpoints" / "step-2" / "portable"

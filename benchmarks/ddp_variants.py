@@ -14,37 +14,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-PRESET = """
-[run]
-output_dir = "{out}"
-[model]
-d_model = {d_model}
-n_heads = 8
-n_layers = {n_layers}
-d_ff = {d_ff}
-norm_first = true
-[data]
-seq_len = {seq_len}
-vocab_size = 4096
-[training]
-steps = {steps}
-micro_batch_size = {micro_batch_size}
-precision = "{precision}"
-eval_every = 0
-eval_steps = 1
-checkpoint_every = 0
-log_every = 1000
-[strategy]
-name = "ddp"
-[launch]
-nproc_per_node = 2
-"""
+from _common import handle_run, read_events, write_preset
 
 CASES = {
     "ddp (PyTorch)": ["strategy.name=ddp"],
@@ -58,16 +33,10 @@ CASES = {
 
 
 def measure(preset: Path, sets: list[str], skip: int) -> dict:
-    args = [x for s in sets for x in ("--set", s)]
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "handle_cli", "run", str(preset), *args], capture_output=True,
-                          text=True)
+    run_dir = handle_run(preset, sets)
     wall = time.perf_counter() - t0
-    if proc.returncode != 0:
-        raise SystemExit(f"run failed: {' '.join(sets)}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    run_dir = Path(next(ln for ln in proc.stdout.splitlines() if ln.startswith("run directory: ")).split(": ", 1)[1])
-    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
-    steps = [e for e in events if e["kind"] == "step"][skip:]
+    steps = read_events(run_dir, "step")[skip:]
     if not steps:
         raise SystemExit(f"no steps after the first {skip}: raise --steps")
 
@@ -93,10 +62,11 @@ def main() -> None:
     ap.add_argument("--json", action="store_true", help="one JSON object per case instead of the table")
     a = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        preset = Path(tmp) / "variants.toml"
-        preset.write_text(PRESET.format(out=Path(tmp) / "runs", d_model=a.d_model, n_layers=a.n_layers,
-                                        d_ff=4 * a.d_model, seq_len=a.seq_len, steps=a.steps,
-                                        micro_batch_size=a.micro_batch_size, precision=a.precision))
+        model = {"d_model": a.d_model, "n_heads": 8, "n_layers": a.n_layers, "d_ff": 4 * a.d_model, "norm_first": True}
+        training = {"steps": a.steps, "micro_batch_size": a.micro_batch_size, "precision": a.precision,
+                    "eval_steps": 1, "log_every": 1000}
+        preset = write_preset(Path(tmp), model=model, data={"seq_len": a.seq_len, "vocab_size": 4096},
+                              training=training, strategy={"name": "ddp"}, launch={"nproc_per_node": 2})
         rows = {}
         for name in a.cases.split(","):
             rows[name] = measure(preset, CASES[name], a.skip)

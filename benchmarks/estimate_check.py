@@ -13,33 +13,11 @@ embedding. DeepSpeed refuses fp16 on a CPU.
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-PRESET = """
-[run]
-output_dir = "{out}"
-[model]
-d_model = {d_model}
-n_heads = {n_heads}
-n_layers = 2
-d_ff = {d_ff}
-norm_first = true
-[data]
-seq_len = 32
-vocab_size = {vocab}
-[training]
-steps = 2
-micro_batch_size = 4
-eval_every = 0
-checkpoint_every = 0
-log_every = 1
-[launch]
-nproc_per_node = {nproc}
-"""
+from _common import handle_run, read_events, write_preset
 
 CASES = {
     "ddp": ["strategy.name=ddp"], "fsdp": ["strategy.name=fsdp"],
@@ -55,14 +33,7 @@ KEYS = ("param_bytes", "grad_bytes", "optimizer_bytes")
 
 
 def measure(preset: Path, sets: list[str]) -> list[dict]:
-    args = [x for s in sets for x in ("--set", s)]
-    proc = subprocess.run([sys.executable, "-m", "handle_cli", "run", str(preset), *args], capture_output=True,
-                          text=True, check=False)
-    if proc.returncode != 0:
-        raise SystemExit(f"run failed: {' '.join(sets)}\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
-    run_dir = Path(next(ln for ln in proc.stdout.splitlines() if ln.startswith("run directory: ")).split(": ", 1)[1])
-    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
-    return [e for e in events if e["kind"] == "step" and e.get("memory")][-1]["memory"]
+    return [e for e in read_events(handle_run(preset, sets), "step") if e.get("memory")][-1]["memory"]
 
 
 def main() -> None:
@@ -82,9 +53,11 @@ def main() -> None:
     registry = get_registry()
     mismatches = 0
     with tempfile.TemporaryDirectory() as tmp:
-        preset = Path(tmp) / "check.toml"
-        preset.write_text(PRESET.format(out=Path(tmp) / "runs", d_model=a.d_model, n_heads=a.n_heads,
-                                        d_ff=4 * a.d_model + 4, vocab=a.vocab, nproc=a.nproc))
+        model = {"d_model": a.d_model, "n_heads": a.n_heads, "n_layers": 2, "d_ff": 4 * a.d_model + 4,
+                 "norm_first": True}
+        preset = write_preset(Path(tmp), model=model, data={"seq_len": 32, "vocab_size": a.vocab},
+                              training={"steps": 2, "micro_batch_size": 4, "log_every": 1},
+                              launch={"nproc_per_node": a.nproc})
         for precision in a.precision.split(","):
             loaded = load_preset(preset, ["strategy.name=ddp", f"training.precision={precision}"], registry)
             shape = E.model_shape(loaded, registry)

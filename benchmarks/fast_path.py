@@ -28,8 +28,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from _common import ROOT, handle_run, read_events
+
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
 
 
 def _env(pythonpath: str | None = None) -> dict[str, str]:
@@ -58,18 +59,9 @@ def handle(out: Path, steps: int, skip: int, precision: str, sets: list[str],
     base = ["run.output_dir=" + str(out), f"training.steps={steps}", f"training.precision={precision}",
             "training.eval_every=0", "training.eval_steps=1", "training.checkpoint_every=0",
             "training.log_every=1000"]
-    args = [x for s in [*base, *sets] for x in ("--set", s)]
     cwd = Path(tree) if tree else ROOT
-    proc = subprocess.run([sys.executable, "-m", "handle_cli", "run", str(cwd / "presets" / "zero2.toml"), *args],
-                          capture_output=True, text=True, env=_env(tree), cwd=cwd,
-                          check=False)
-    if proc.returncode != 0:
-        raise SystemExit(f"handle run failed: {sets}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    run_dir = Path(next(ln for ln in proc.stdout.splitlines() if ln.startswith("run directory: ")).split(": ", 1)[1])
-    if not run_dir.is_absolute():
-        run_dir = cwd / run_dir
-    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
-    xs = [e["tokens_per_s"] for e in events if e["kind"] == "step"][skip:]
+    run_dir = handle_run(cwd / "presets" / "zero2.toml", [*base, *sets], cwd=cwd, env=_env(tree))
+    xs = [e["tokens_per_s"] for e in read_events(run_dir, "step")][skip:]
     if not xs:
         raise SystemExit(f"no steps after the first {skip}: raise --steps")
     return statistics.median(xs), max(xs)

@@ -21,26 +21,16 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def _handle(*args: str) -> str:
-    proc = subprocess.run([sys.executable, "-m", "handle_cli", *args], capture_output=True, text=True, cwd=ROOT,
-                          check=False)
-    if proc.returncode != 0:
-        raise SystemExit(f"handle {' '.join(args)} failed (exit {proc.returncode})\n{proc.stdout[-3000:]}\n"
-                         f"{proc.stderr[-3000:]}")
-    return proc.stdout
+from _common import ROOT, handle, read_events
 
 
 def train_figures(run_dir: Path, skip: int = 5) -> dict:
     """Figures of a finished run from run.json and rank 0's events.jsonl."""
     info = json.loads((run_dir / "run.json").read_text())
-    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    events = read_events(run_dir)
     steps = [e for e in events if e["kind"] == "step"]
     evals = [e for e in events if e["kind"] == "eval"]
     if info.get("status") != "finished" or not steps:
@@ -74,9 +64,9 @@ def main() -> None:
             if run_dir.exists():
                 raise SystemExit(f"{run_dir} exists: remove it, or pass --eval-only to score it")
             print(f"training {preset} -> {run_dir}", file=sys.stderr)
-            _handle("run", preset, "--set", f"data.path={a.data}", "--run-dir", str(run_dir))
+            handle("run", preset, "--set", f"data.path={a.data}", "--run-dir", str(run_dir))
         print(f"decoding test2016 with {run_dir.name}", file=sys.stderr)
-        scores = json.loads(_handle("eval", str(run_dir), "--split", "test", "--beam", str(a.beam), "--alpha",
+        scores = json.loads(handle("eval", str(run_dir), "--split", "test", "--beam", str(a.beam), "--alpha",
                                     str(a.alpha), "--json"))
         rows.append({"preset": preset, "run": str(run_dir), **train_figures(run_dir),
                      **{k: scores.get(k) for k in ("loss", "bleu", "chrf", "beam", "alpha", "seconds",

@@ -11,34 +11,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-PRESET = """
-[run]
-output_dir = "{out}"
-[model]
-d_model = {d_model}
-n_heads = 4
-n_layers = 2
-d_ff = {d_ff}
-norm_first = true
-[data]
-seq_len = 32
-vocab_size = 512
-[training]
-steps = {steps}
-micro_batch_size = 4
-eval_every = 0
-checkpoint_every = 0
-log_every = 1
-[strategy]
-name = "deepspeed"
-[launch]
-nproc_per_node = 2
-"""
+from _common import handle_run, read_events, write_preset
 
 CASES = {
     "DeepSpeed stage 0": ["strategy.zero_stage=0"],
@@ -51,14 +27,8 @@ CASES = {
 
 
 def measure(preset: Path, sets: list[str], precision: str, steps: int) -> dict:
-    args = [x for s in [*sets, f"training.precision={precision}"] for x in ("--set", s)]
-    proc = subprocess.run([sys.executable, "-m", "handle_cli", "run", str(preset), *args], capture_output=True,
-                          text=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"run failed: {' '.join(sets)}\n{proc.stdout}\n{proc.stderr}")
-    run_dir = Path(next(ln for ln in proc.stdout.splitlines() if ln.startswith("run directory: ")).split(": ", 1)[1])
-    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
-    last = [e for e in events if e["kind"] == "step" and e.get("memory")][-1]
+    run_dir = handle_run(preset, [*sets, f"training.precision={precision}"])
+    last = [e for e in read_events(run_dir, "step") if e.get("memory")][-1]
     return {**last["memory"][0], "optimizer": json.loads((run_dir / "run.json").read_text()).get("optimizer")}
 
 
@@ -69,8 +39,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=2)
     a = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        preset = Path(tmp) / "bench.toml"
-        preset.write_text(PRESET.format(out=Path(tmp) / "runs", d_model=a.d_model, d_ff=4 * a.d_model, steps=a.steps))
+        model = {"d_model": a.d_model, "n_heads": 4, "n_layers": 2, "d_ff": 4 * a.d_model, "norm_first": True}
+        preset = write_preset(Path(tmp), model=model, data={"seq_len": 32, "vocab_size": 512},
+                              training={"steps": a.steps, "micro_batch_size": 4, "log_every": 1},
+                              strategy={"name": "deepspeed"}, launch={"nproc_per_node": 2})
         for precision in (["bf16", "fp32"] if a.precision == "both" else [a.precision]):
             rows = {name: measure(preset, sets, precision, a.steps) for name, sets in CASES.items()}
             base = rows["DeepSpeed stage 0"]

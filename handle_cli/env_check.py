@@ -9,15 +9,14 @@ node, rank 0) prints one line ``HANDLE_ENV_CHECK {json}`` with the verdict all r
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import socket
 import sys
 import time
-from datetime import timedelta
 
-MARKER = "HANDLE_ENV_CHECK "
-ERROR_MARKER = "HANDLE_ENV_CHECK_ERROR "
+from torch_handle.launch.probe import Marker, emit, guarded, init_group, leave_group
+
+MARKER = Marker("HANDLE_ENV_CHECK")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -30,16 +29,9 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import torch.distributed as dist
 
-    from torch_handle.train.worker import select_backend
-
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    group = init_group(args.backend, args.timeout)
+    rank, world, backend, device = group.rank, group.world_size, group.backend, group.device
     local_rank, local_world = int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    backend, device = select_backend(args.backend)
-
-    t0 = time.perf_counter()
-    kwargs = {"device_id": device} if device.type == "cuda" else {}
-    dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout), **kwargs)
-    init_s = time.perf_counter() - t0
 
     def sync() -> None:
         if device.type == "cuda":
@@ -77,28 +69,16 @@ def main(argv: list[str] | None = None) -> int:
         # ring all-reduce moves 2(N-1)/N of the buffer per rank ("bus bandwidth", as nccl-tests report it)
         bus = size_mb * 2 * (world - 1) / world / big_s if big_s > 0 and world > 1 else None
         result = {"ok": all_ok, "world_size": world, "backend": backend, "device": str(device),
-                  "sum": got, "expected": expected, "large_allreduce_ok": big_ok, "init_s": round(init_s, 4),
+                  "sum": got, "expected": expected, "large_allreduce_ok": big_ok, "init_s": round(group.init_s, 4),
                   "allreduce_small_s": round(small_s, 6), "allreduce_mib": size_mb,
                   "allreduce_large_s": round(big_s, 6),
                   "bus_bandwidth_mib_s": round(bus, 1) if bus is not None else None,
                   "hosts": sorted(set(h for h in hosts if h)), "torch": torch.__version__, "rank": rank,
                   "nnodes": world // max(1, local_world), "node_rank": int(os.environ.get("GROUP_RANK", "0")),
                   "worker_s": round(time.perf_counter() - t_start, 3)}
-        print(MARKER + json.dumps(result), flush=True)
-    dist.barrier()
-    dist.destroy_process_group()
-    return 0 if all_ok else 1
-
-
-def _guarded() -> int:
-    try:
-        return main()
-    except Exception as e:  # noqa: BLE001 - one line for `handle env`, then the traceback for the log
-        from torch_handle.common.text import one_line
-
-        print(f"{ERROR_MARKER}rank {os.environ.get('RANK', '?')}: {one_line(e)}"[:2000], flush=True)
-        raise
+        emit(MARKER, result)
+    return leave_group(all_ok)
 
 
 if __name__ == "__main__":
-    sys.exit(_guarded())
+    sys.exit(guarded(main, MARKER))

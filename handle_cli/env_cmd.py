@@ -152,36 +152,23 @@ def check_dist(nproc: int, backend: str = "auto", timeout_s: float = 120.0, *, n
     Returns a dict with ``ok``, ``wall_s``, ``returncode``, the workers' result (when this node's first rank got
     that far) and, on failure, ``error`` and the tail of the output.
     """
-    from torch_handle.launch.supervisor import run_torchrun
+    from torch_handle.launch.probe import run_job, torchrun_command
 
-    from handle_cli.env_check import ERROR_MARKER, MARKER
+    from handle_cli.env_check import MARKER
 
-    if nnodes > 1:
-        where = [f"--nnodes={nnodes}", f"--node_rank={node_rank}", "--rdzv_backend=static",
-                 f"--rdzv_endpoint={rdzv_endpoint}", "--rdzv_id=handle-env-check"]
-    else:
-        where = ["--standalone"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", *where, f"--nproc_per_node={nproc}",
-           "--monitor_interval=0.5", "-m", "handle_cli.env_check", "--backend", backend,
-           "--timeout", str(max(10, int(timeout_s)))]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    env.setdefault("OMP_NUM_THREADS", "1")
-    lines: list[str] = []
+    args = ["--backend", backend, "--timeout", str(max(10, int(timeout_s)))]
+    cmd = torchrun_command("handle_cli.env_check", nproc, args, nnodes=nnodes, node_rank=node_rank,
+                           rdzv_endpoint=rdzv_endpoint, rdzv_id="handle-env-check")
     with tempfile.TemporaryDirectory() as tmp:  # KeyboardInterrupt propagates, every process already stopped
-        returncode, timed_out, wall = run_torchrun(cmd, Path(tmp) / "torchrun.log", timeout_s, lines.append, env=env)
-    text = "\n".join(lines)
+        job = run_job(cmd, MARKER, Path(tmp) / "torchrun.log", timeout_s)
     result: dict[str, Any] = {"nproc": nproc, "nnodes": nnodes, "node_rank": node_rank, "ok": False,
-                              "wall_s": round(wall, 3), "returncode": returncode, "command": cmd}
-    worker_errors = []
-    for line in text.splitlines():
-        if line.startswith(MARKER):
-            result["result"] = json.loads(line[len(MARKER):])
-        elif line.startswith(ERROR_MARKER):
-            worker_errors.append(line[len(ERROR_MARKER):])
-    if timed_out:
+                              "wall_s": round(job.wall_s, 3), "returncode": job.returncode, "command": cmd}
+    if job.records:
+        result["result"] = job.records[-1]
+    if job.timed_out:
         result["error"] = f"timed out after {timeout_s:.0f} s (workers stopped)"
-    elif returncode != 0:
-        result["error"] = f"torchrun exited {returncode}" + (f"; {worker_errors[0]}" if worker_errors else "")
+    elif job.returncode != 0:
+        result["error"] = f"torchrun exited {job.returncode}" + (f"; {job.errors[0]}" if job.errors else "")
     elif "result" not in result:
         result["error"] = "the node's first rank printed no result"
     elif not result["result"]["ok"]:
@@ -191,8 +178,8 @@ def check_dist(nproc: int, backend: str = "auto", timeout_s: float = 120.0, *, n
     else:
         result["ok"] = True
     if not result["ok"]:
-        result["worker_errors"] = worker_errors
-        result["output_tail"] = "\n".join(line for line in text.splitlines() if not line.startswith(MARKER))[-3000:]
+        result["worker_errors"] = job.errors
+        result["output_tail"] = "\n".join(job.output)[-3000:]
     return result
 
 

@@ -11,6 +11,7 @@ import time
 import click
 
 from handle_cli.common import fail
+from torch_handle.common.units import fmt_bytes, parse_bytes
 
 DEFAULT_NPROC = "1,2,4,8"
 NOTE = ("activations: one micro-batch's tensors saved for backward (+ the fp32 logits, + one recomputed block with "
@@ -34,16 +35,14 @@ def parse_nproc(text: str) -> list[int]:
 
 
 def _table(rows: list, device_memory: int | None) -> list[str]:
-    from torch_handle.plan.estimate import format_bytes
-
     head = ["strategy", "world", "params", "grads", "optimizer", "activations", "device total", "host"]
     if device_memory is not None:
         head.append("fits")
     body = []
     for r in rows:
-        cells = [r.strategy, str(r.world_size), *(format_bytes(x) for x in (
+        cells = [r.strategy, str(r.world_size), *(fmt_bytes(x, precise=True) for x in (
             r.param_bytes, r.grad_bytes, r.optimizer_bytes, r.activation_bytes, r.device_bytes)),
-            format_bytes(r.host_bytes) if r.host_bytes else "-"]
+            fmt_bytes(r.host_bytes, precise=True) if r.host_bytes else "-"]
         if device_memory is not None:
             cells.append("yes" if r.fits else "no")
         body.append(cells)
@@ -89,8 +88,6 @@ def estimate(preset: str, overrides: tuple[str, ...], nproc: str, nnodes: int | 
 
     Exit code 2 with one line on stderr for a bad preset, --set, --nproc or --device-memory.
     """
-    from torch_handle.plan.estimate import parse_bytes
-
     try:
         nprocs = parse_nproc(nproc)
         memory = parse_bytes(device_memory) if device_memory is not None else None
@@ -104,7 +101,7 @@ def estimate(preset: str, overrides: tuple[str, ...], nproc: str, nnodes: int | 
     start = time.perf_counter()
     registry = get_registry()
     loaded = load_preset(resolve_preset_spec(preset), overrides, registry)  # PresetError: one line, exit 2
-    from torch_handle.plan.estimate import COMPARE_VARIANTS, estimate_preset, format_bytes, smallest_fit
+    from torch_handle.plan.estimate import COMPARE_VARIANTS, estimate_preset, smallest_fit
 
     nodes = nnodes or loaded.launch.nnodes
     worlds = [n * nodes for n in nprocs]
@@ -131,7 +128,7 @@ def estimate(preset: str, overrides: tuple[str, ...], nproc: str, nnodes: int | 
     if memory is not None:
         fits = smallest_fit(rows)
         parts = [f"{name} {w}" if w else f"{name} none" for name, w in fits.items()]
-        text = f"smallest world size that fits in {format_bytes(memory)}: " + ", ".join(parts)
+        text = f"smallest world size that fits in {fmt_bytes(memory, precise=True)}: " + ", ".join(parts)
         for line in textwrap.wrap(text, 110, subsequent_indent="  "):
             click.echo(line)
     for line in textwrap.wrap(f"note: {NOTE}", 110, subsequent_indent="  "):

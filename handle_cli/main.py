@@ -170,6 +170,8 @@ def supervise_run(run_dir: Path) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 
 from handle_cli.bench_cmd import bench  # noqa: E402
+from handle_cli.bench_comm_cmd import comm  # noqa: E402
+from handle_cli.bench_scaling_cmd import scaling  # noqa: E402
 from handle_cli.env_cmd import env  # noqa: E402
 from handle_cli.estimate_cmd import estimate  # noqa: E402
 from handle_cli.generate_cmd import eval_cmd, generate, translate  # noqa: E402
@@ -185,6 +187,8 @@ cli.add_command(presets)
 cli.add_command(plugins)
 cli.add_command(env)
 cli.add_command(bench)
+bench.add_command(comm)
+bench.add_command(scaling)
 cli.add_command(estimate)
 cli.add_command(profile)
 cli.add_command(generate)

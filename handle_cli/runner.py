@@ -14,9 +14,10 @@ import click
 from handle_cli.common import EXIT_FAILED, EXIT_FINISHED, EXIT_STOPPED
 from torch_handle.config.loader import Preset
 from torch_handle.launch.run import Interrupt, SupervisedRun
-from torch_handle.observe.fields import Kind, Level, Status
+from torch_handle.observe.fields import GRAD_BYTES, OPTIMIZER_BYTES, PARAM_BYTES, Kind, Level, Status
 from torch_handle.observe.state import RunState
-from torch_handle.common.text import clean, fmt_bytes, fmt_duration  # text from logs and events never reaches the terminal raw
+from torch_handle.common.text import clean, fmt_duration, strategy_label  # log/event text never reaches the terminal raw
+from torch_handle.common.units import fmt_bytes
 
 
 EXIT_CODES = {Status.FINISHED: EXIT_FINISHED, Status.FAILED: EXIT_FAILED, Status.STOPPED: EXIT_STOPPED}
@@ -63,11 +64,11 @@ def summary_text(s: RunState, run_dir: Path, info: dict) -> str:
         lines.append(f"  mean {s.mean_tokens_per_s:,.0f} tokens/s   elapsed "
                      f"{fmt_duration((s.last_time or 0) - (s.first_time or 0))}")
     if info.get("strategy"):
-        stage = f" ZeRO-{info['zero_stage']}" if info.get("zero_stage") is not None else ""
-        lines.append(f"  {info['strategy']}{stage}, world size {info.get('world_size')}, "
+        label = strategy_label(info["strategy"], info.get("zero_stage"))
+        lines.append(f"  {label}, world size {info.get('world_size')}, "
                      f"optimizer {info.get('optimizer')}")
     for rank, peak in sorted(s.peak_memory.items()):
-        model_state = peak.get("param_bytes", 0) + peak.get("grad_bytes", 0) + peak.get("optimizer_bytes", 0)
+        model_state = sum(peak.get(key, 0) for key in (PARAM_BYTES, GRAD_BYTES, OPTIMIZER_BYTES))
         cuda = peak.get("cuda_max_allocated_bytes")
         extra = f"   cuda peak {fmt_bytes(cuda)}" if cuda is not None else ""
         lines.append(f"  rank {rank}: params {fmt_bytes(peak.get('param_bytes', 0))}  grads "

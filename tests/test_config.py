@@ -21,10 +21,10 @@ from torch_handle.config.loader import (
     TrainingConfig,
     dump_preset,
     load_preset,
-    parse_override,
     preset_from_dict,
     preset_to_dict,
 )
+from torch_handle.config.overrides import parse_override
 from torch_handle.errors import DataError
 from torch_handle.hookspecs import hookimpl
 from torch_handle.registry import PluginInfo, PluginRegistry, get_registry, load_registry

@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import tiny_preset
+from torch_handle.common.units import parse_bytes
 from torch_handle.plan import estimate as E
 ROOT = Path(__file__).resolve().parents[1]
 HANDLE = [sys.executable, "-m", "handle_cli"]
@@ -67,12 +68,12 @@ def test_rank_dependent_terms_and_offload_split():
 
 
 def test_sizes_parse():
-    assert E.parse_bytes("80GiB") == 80 * 1024**3
-    assert E.parse_bytes("24GB") == 24 * 10**9
-    assert E.parse_bytes("1048576") == 2**20
+    assert parse_bytes("80GiB") == 80 * 1024**3
+    assert parse_bytes("24GB") == 24 * 10**9
+    assert parse_bytes("1048576") == 2**20
     for bad in ("", "12XB", "-1GB", "GB"):
         with pytest.raises(ValueError):
-            E.parse_bytes(bad)
+            parse_bytes(bad)
 
 
 def _handle_run(preset: Path, sets: list[str]) -> dict:

@@ -25,6 +25,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from torch_handle.common.fsio import write_json_atomic
 from torch_handle.errors import RunDirError
 
 
@@ -99,13 +100,6 @@ def read_run_status(run_dir: Path) -> dict[str, Any]:
         info["status"] = "lost"
     return info
 
-
-
-def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
-    """Write JSON via a temporary file and ``os.replace``, so readers never see half a file."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
 
 
 def read_run_info(run_dir: Path) -> dict[str, Any]:

@@ -14,7 +14,8 @@ from textual.widget import Widget
 from textual.widgets import RichLog
 from textual_plotext import PlotextPlot
 
-from torch_handle.common.text import clean, fmt_bytes, fmt_duration, fmt_float
+from torch_handle.common.text import clean, fmt_duration, fmt_float
+from torch_handle.common.units import fmt_bytes
 from torch_handle.observe.fields import (BACKWARD_S, COMM_S, CUDA_ALLOCATED_BYTES, CUDA_MAX_ALLOCATED_BYTES,
                                          CUDA_RESERVED_BYTES, DATA_S, FORWARD_S, GRAD_BYTES, OPTIMIZER_BYTES,
                                          OPTIMIZER_S, PARAM_BYTES, RSS_BYTES, SYNC_S, Level, Status)

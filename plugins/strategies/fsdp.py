@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from torch_handle.api import Strategy, optimizer_state_tensors, tensor_bytes
+from torch_handle.common.precision import torch_dtype
 from torch_handle.model.parallelize import NoBlocksError, model_blocks
 
 log = logging.getLogger("torch_handle")
@@ -34,8 +35,7 @@ class FSDPStrategy(Strategy):
 
         mp = None
         if self.training.precision != "fp32":
-            dtype = torch.bfloat16 if self.training.precision == "bf16" else torch.float16
-            mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+            mp = MixedPrecisionPolicy(param_dtype=torch_dtype(self.training.precision), reduce_dtype=torch.float32)
         kwargs = {"reshard_after_forward": self.options.reshard_after_forward,
                   **({"mp_policy": mp} if mp is not None else {})}
         try:

@@ -170,7 +170,7 @@ def test_step_breakdown_tiles_the_step_and_mfu_uses_the_cached_peak(tmp_path, pr
 
 
 def test_parse_test_delay():
-    from torch_handle.train.trainer import parse_test_delay
+    from torch_handle.common.testhooks import parse_test_delay
 
     assert parse_test_delay("1:0.05", 1) == 0.05
     assert parse_test_delay("1:0.05", 0) == 0.0

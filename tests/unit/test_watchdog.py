@@ -12,7 +12,8 @@ from torch_handle.config.loader import load_preset
 from torch_handle.errors import PresetError
 from torch_handle.launch.hang import HangWatchdog, flight_recorder_env
 from torch_handle.observe.fields import Kind, Status
-from torch_handle.observe.heartbeat import RankBeat, parse_test_hang
+from torch_handle.common.testhooks import parse_test_hang
+from torch_handle.observe.heartbeat import RankBeat
 from torch_handle.observe.stacks import (Frame, call_on_line, describe, main_thread, parse_faulthandler,
                                          parse_py_spy_json, waiting_point)
 from torch_handle.observe.state import RunState

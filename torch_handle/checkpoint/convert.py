@@ -46,6 +46,7 @@ from typing import Any
 import torch
 
 from torch_handle.checkpoint.store import safe_load, verify_weights_only
+from torch_handle.common.text import strategy_label
 from torch_handle.errors import CheckpointError
 
 log = logging.getLogger("torch_handle")
@@ -66,11 +67,12 @@ def portable_dir(ckpt_dir: Path, layout: dict[str, Any]) -> Path:
 def describe(layout: dict[str, Any]) -> str:
     """``deepspeed ZeRO-2 on 2 ranks`` (what wrote a checkpoint, for messages)."""
     name = layout.get("strategy") or f"a {layout.get('format')} checkpoint"
-    stage = f" ZeRO-{layout['zero_stage']}" if layout.get("zero_stage") is not None else ""
     if layout.get("format") == "torch-sharded":
-        stage = " with its optimizer sharded"
+        name += " with its optimizer sharded"
+    else:
+        name = strategy_label(name, layout.get("zero_stage"))
     ranks = layout.get("world_size")
-    return f"{name}{stage}" + (f" on {ranks} rank{'s' if ranks != 1 else ''}" if ranks else "")
+    return name + (f" on {ranks} rank{'s' if ranks != 1 else ''}" if ranks else "")
 
 
 def dir_bytes(path: Path) -> int:

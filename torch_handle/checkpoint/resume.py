@@ -28,7 +28,8 @@ from torch_handle.config.loader import Preset, dump_preset, load_preset, preset_
 from torch_handle.config.schema import PLUGIN_TABLES, resume_declaration
 from torch_handle.errors import RunDirError
 from torch_handle.registry import get_registry
-from torch_handle.rundir import PRESET_FILE, RUN_FILE, read_run_info, write_json_atomic
+from torch_handle.common.fsio import write_json_atomic, write_text_atomic
+from torch_handle.rundir import PRESET_FILE, RUN_FILE, read_run_info
 
 RESUME_PRESET = "preset.resume.toml"
 """The preset a resumed run with ``--set`` overrides uses until :func:`promote` makes it ``preset.toml``."""
@@ -137,9 +138,7 @@ def write_side_preset(run_dir: Path, preset: Preset | None) -> None:
     if preset is None:
         side.unlink(missing_ok=True)
         return
-    tmp = side.with_name(f".{RESUME_PRESET}.{os.getpid()}.tmp")
-    tmp.write_text(dump_preset(preset), encoding="utf-8")
-    os.replace(tmp, side)
+    write_text_atomic(side, dump_preset(preset))
 
 
 def promote(run_dir: Path, step: int) -> dict[str, Any] | None:

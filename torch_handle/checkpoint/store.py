@@ -293,7 +293,7 @@ def write_failure(root: Path, step: int, error: BaseException, *, clean_up: bool
     checkpoint tells the size, the bytes needed and free (an estimate). ``clean_up`` (rank 0 only: another rank
     may still be writing into it) removes the half-written ``.tmp-step-<step>``; a leftover one is hidden and
     replaced by the next save at that step."""
-    from torch_handle.common.text import fmt_bytes
+    from torch_handle.common.units import fmt_bytes
 
     root = Path(root)
     if clean_up:

@@ -11,6 +11,7 @@ import re
 from datetime import datetime, timezone
 from typing import Any
 
+
 _ANSI = re.compile(
     r"\x1b\[[0-?]*[ -/]*[@-~]"  # CSI (colours, cursor moves, ...)
     r"|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)?"  # OSC (titles, hyperlinks)
@@ -52,17 +53,6 @@ def fmt_duration(seconds: float | None) -> str:
     return f"{h}:{m:02d}:{s:02d}" if h else f"{m:02d}:{s:02d}"
 
 
-def fmt_bytes(n: float | None) -> str:
-    if n is None:
-        return "-"
-    n = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"  # pragma: no cover
-
-
 def fmt_float(x: float | None, digits: int = 4) -> str:
     if x is None:
         return "-"
@@ -80,6 +70,7 @@ def fmt_time(t: Any) -> str:
 
 
 def strategy_label(strategy: Any, zero_stage: Any) -> str:
+    """``deepspeed ZeRO-2`` (``zero_stage`` None or empty: the name alone; no ``strategy``: ``-``), both cleaned."""
     if not strategy:
         return "-"
     label = clean(strategy, 40)

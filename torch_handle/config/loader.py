@@ -1,7 +1,8 @@
 """Presets: TOML files composed into the typed, validated dataclasses of :mod:`torch_handle.config.schema`.
 
-This module is the loader: TOML, ``extends``, ``--set``, the validation walk and line finding. The schema (one
-dataclass per table, defaults, field docs) is :mod:`torch_handle.config.schema`; its names are re-exported here.
+This module is the loader: TOML, ``extends``, the validation walk and line finding. The schema (one dataclass per
+table, defaults, field docs) is :mod:`torch_handle.config.schema`, whose names are re-exported here; ``--set`` is
+:mod:`torch_handle.config.overrides`.
 
 Precedence: ``--set`` overrides > the preset file > the presets it ``extends`` > dataclass defaults.
 A layer (a file or ``--set``) that switches a plugin table to another plugin ``name`` starts that table afresh:
@@ -51,8 +52,10 @@ else:  # pragma: no cover
 
 from torch_handle.errors import InvalidValue, PresetError
 from torch_handle.registry import PluginRegistry, Registration, get_registry
-from torch_handle.config.schema import (CORE_TABLES, DEFAULT_PLUGINS, PLUGIN_TABLES, TABLE_ORDER, LaunchConfig, PluginSection,
-                                  Preset, RunConfig, TrainingConfig, field_docs, param)
+from torch_handle.config.overrides import Overrides, apply_overrides
+from torch_handle.config.schema import (CORE_TABLES, DEFAULT_PLUGINS, PLUGIN_TABLES, TABLE_ORDER, LaunchConfig,
+                                        PluginSection, Preset, RunConfig, TrainingConfig, field_docs, param,
+                                        plugin_name)
 
 __all__ = [
     "PresetError",
@@ -67,7 +70,6 @@ __all__ = [
     "preset_from_dict",
     "preset_to_dict",
     "dump_preset",
-    "parse_override",
     "deep_merge",
     "field_docs",
     "param",
@@ -207,14 +209,12 @@ def _section(cls: type, table: str, values: dict[str, Any], allowed_extra: tuple
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Files: TOML, extends, overrides.
+# Files: TOML and extends (the ``--set`` overrides: :mod:`torch_handle.config.overrides`).
 # --------------------------------------------------------------------------------------------------------------
 
 
 _Layers = list[tuple[Path, dict[str, Any]]]
 """``(file, the tables that file itself sets)`` for every preset file of an ``extends`` chain, base first."""
-_Overrides = list[tuple[list[str], Any]]
-"""The ``--set`` overrides as applied: ``(["table", "key", ...], typed value)``, in the order applied."""
 
 
 def _read_toml(path: Path) -> dict[str, Any]:
@@ -246,18 +246,11 @@ def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _plugin_name(table: str, values: Any) -> Any:
-    """The plugin a (merged) table selects: its ``name``, else the default; None when it is not a table."""
-    if values is None:
-        return DEFAULT_PLUGINS[table]
-    return values.get("name", DEFAULT_PLUGINS[table]) if isinstance(values, dict) else None
-
-
 def _merge_layer(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     """:func:`deep_merge` of one preset layer over another, except that a plugin table whose ``name`` switches to
     a different plugin replaces the inherited table (its options belonged to the other plugin)."""
     switched = {table for table in PLUGIN_TABLES if isinstance(over.get(table), dict) and "name" in over[table]
-                and over[table]["name"] != _plugin_name(table, base.get(table))}
+                and over[table]["name"] != plugin_name(table, base.get(table))}
     return deep_merge({k: v for k, v in base.items() if k not in switched}, over)
 
 
@@ -327,128 +320,6 @@ def _load_layers(path: Path, layers: _Layers, chain: tuple[Path, ...] = ()) -> d
     return merged
 
 
-_OVERRIDE_HELP = "expected TABLE.KEY=VALUE, for example training.steps=50"
-
-
-def _split_override(text: str) -> tuple[list[str], str]:
-    if "=" not in text:
-        raise PresetError(f"--set {text!r}: {_OVERRIDE_HELP}")
-    dotted, raw = text.split("=", 1)
-    keys = [k.strip() for k in dotted.split(".")]
-    if len(keys) < 2 or not all(keys):
-        raise PresetError(f"--set {text!r}: {_OVERRIDE_HELP}")
-    return keys, raw.strip()
-
-
-def _parse_value(raw: str) -> Any:
-    try:
-        return tomllib.loads(f"v = {raw}")["v"]
-    except tomllib.TOMLDecodeError:
-        return raw  # a bare word such as `zero2` or `cpu`
-
-
-def parse_override(text: str) -> tuple[list[str], Any]:
-    """Parse ``table.key=value`` (value in TOML syntax, bare words taken as strings).
-
-    Raises:
-        PresetError: when there is no ``=`` or no ``table.key``.
-    """
-    keys, raw = _split_override(text)
-    return keys, _parse_value(raw)
-
-
-def _takes_string(tp: Any) -> bool:
-    origin = typing.get_origin(tp)
-    if tp is str:
-        return True
-    if origin is Literal:
-        return any(isinstance(a, str) for a in typing.get_args(tp))
-    if origin in (typing.Union, types.UnionType):
-        return any(_takes_string(a) for a in typing.get_args(tp))
-    return False
-
-
-def _field_type(data: dict[str, Any], keys: list[str], registry: PluginRegistry) -> Any:
-    """The annotation of the field ``keys`` sets (``table.key``), or None when it is not known (yet)."""
-    if len(keys) != 2:
-        return None
-    table, key = keys
-    if table in PLUGIN_TABLES:
-        if key == "name":
-            return str
-        name = _plugin_name(table, data.get(table))
-        regs = getattr(registry, "registrations", {}).get(PLUGIN_TABLES[table], {})
-        reg = regs.get(name) if isinstance(name, str) else None
-        cls = getattr(reg, "config_cls", None)
-    else:
-        cls = CORE_TABLES.get(table)
-    if cls is None or not dataclasses.is_dataclass(cls):
-        return None
-    try:
-        return typing.get_type_hints(cls).get(key)
-    except Exception:  # noqa: BLE001 - a broken plugin annotation is reported by validation
-        return None
-
-
-def _typed_value(raw: str, value: Any, tp: Any) -> Any:
-    """A bare ``--set`` value read as the field's type: the text as written for a string field (``123``,
-    ``true``, ``2024-01-01``), Python's float syntax for a number (``.001``), any case of true/false for a bool."""
-    if tp is None:
-        return value
-    if not isinstance(value, (str, list, dict)) and _takes_string(tp):
-        return raw
-    if isinstance(value, str) and value == raw:  # a bare word TOML could not read
-        if tp is float:
-            try:
-                return float(raw)
-            except ValueError:
-                pass
-        if tp is bool and raw.lower() in ("true", "false"):
-            return raw.lower() == "true"
-    return value
-
-
-def _apply_override(data: dict[str, Any], keys: list[str], value: Any) -> None:
-    node = data
-    for i, k in enumerate(keys[:-1]):
-        child = node.setdefault(k, {})
-        if not isinstance(child, dict):
-            raise PresetError(f"{'.'.join(keys[: i + 1])} is a value, not a table", file="--set",
-                              key=".".join(keys))
-        node = child
-    node[keys[-1]] = value
-
-
-def _apply_overrides(data: dict[str, Any], overrides: typing.Sequence[str], registry: PluginRegistry | None, path: Path
-                     ) -> _Overrides:
-    """Apply ``--set`` overrides to the merged preset mapping, each typed by its field; returns them parsed.
-
-    Plugin switches (``table.name=...``) go first, because they reset their table: the options in it belonged
-    to the other plugin.
-    """
-    split = [_split_override(o) for o in overrides]
-    if not split:
-        return []
-    if registry is None:
-        registry = get_registry()
-    ordered = sorted(split, key=lambda kr: not (len(kr[0]) == 2 and kr[0][0] in PLUGIN_TABLES
-                                               and kr[0][1] == "name"))
-    parsed: _Overrides = []
-    for keys, raw in ordered:
-        value = _typed_value(raw, _parse_value(raw), _field_type(data, keys, registry))
-        table = keys[0]
-        if (len(keys) == 2 and table in PLUGIN_TABLES and keys[1] == "name" and isinstance(data.get(table), dict)
-                and value != _plugin_name(table, data[table])):
-            data[table] = {}
-        try:
-            _apply_override(data, keys, value)
-        except PresetError as e:
-            e.file = f"{path} (--set)"
-            raise
-        parsed.append((keys, value))
-    return parsed
-
-
 def _key_pattern(key: str) -> str:
     return rf"""^(?:{re.escape(key)}|"{re.escape(key)}"|'{re.escape(key)}')\s*[=.]"""
 
@@ -488,7 +359,7 @@ def _has_key(data: dict[str, Any], dotted: str) -> bool:
     return True
 
 
-def _locate(err: PresetError, layers: _Layers, overrides: _Overrides) -> None:
+def _locate(err: PresetError, layers: _Layers, overrides: Overrides) -> None:
     """Fill in the file (and line) of an error raised without one: the ``--set`` that gave the value, else the
     most derived preset file that holds the key, else the preset that was loaded."""
     top = layers[-1][0]
@@ -521,7 +392,7 @@ class _Composed:
     data: dict[str, Any]
     """The merged mapping."""
     layers: _Layers
-    overrides: _Overrides
+    overrides: Overrides
 
     def locate(self, err: PresetError) -> PresetError:
         """``err``, given the file and line that set its key when it has no file yet (see :func:`_locate`)."""
@@ -545,7 +416,7 @@ def _compose(path: str | Path, overrides: typing.Sequence[str], registry: Plugin
         raise PresetError("not a preset file (a directory?)", file=path)
     layers: _Layers = []
     data = _load_layers(path, layers)
-    return _Composed(path, data, layers, _apply_overrides(data, overrides, registry, path))
+    return _Composed(path, data, layers, apply_overrides(data, overrides, registry, path))
 
 
 def _plugin_bug(table: str, registration: Registration, e: Exception) -> PresetError:

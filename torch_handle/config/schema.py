@@ -21,6 +21,7 @@ import textwrap
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from torch_handle.common.precision import Precision
 from torch_handle.errors import InvalidValue
 
 FROZEN_ON_RESUME = "frozen_on_resume"
@@ -115,7 +116,7 @@ class TrainingConfig:
     """Label smoothing eps of the training loss (Szegedy et al. 2016; Vaswani et al. 2017 use 0.1): the target
     puts 1 - eps on the label and eps spread over the vocabulary. Validation loss stays plain cross-entropy.
     0 = off. May change on --resume (the checkpoint does not depend on it)."""
-    precision: Literal["fp32", "bf16", "fp16"] = "bf16"
+    precision: Precision = "bf16"
     """Compute precision: bf16 and fp16 keep fp32 master weights; fp16 uses dynamic loss scaling."""
     eval_every: int = param(50, ge=0)
     """Evaluate on the validation split every N steps (and at the end); 0 = only at the end."""
@@ -199,6 +200,13 @@ PLUGIN_TABLES: dict[str, str] = {"model": "model", "data": "dataset", "strategy"
 DEFAULT_PLUGINS: dict[str, str] = {"model": "transformer", "data": "pydoc", "strategy": "single", "profiler": "none"}
 CORE_TABLES: dict[str, type] = {"run": RunConfig, "training": TrainingConfig, "launch": LaunchConfig}
 TABLE_ORDER = ("run", "model", "data", "training", "strategy", "launch", "profiler")
+
+
+def plugin_name(table: str, values: Any) -> Any:
+    """The plugin a (merged) plugin table selects: its ``name``, else the default; None when it is not a table."""
+    if values is None:
+        return DEFAULT_PLUGINS[table]
+    return values.get("name", DEFAULT_PLUGINS[table]) if isinstance(values, dict) else None
 
 
 @dataclass

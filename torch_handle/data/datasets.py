@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import hashlib
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
@@ -23,6 +22,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from torch.utils.data import Dataset, DistributedSampler, Sampler
 
+from torch_handle.common.fsio import replacing
 from torch_handle.errors import DataError
 
 SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<unk>"]
@@ -72,9 +72,8 @@ def load_or_train_tokenizer(texts: Sequence[str], vocab_size: int, cache_dir: Pa
     if is_main and not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         tok = train_tokenizer(texts, vocab_size)
-        tmp = path.with_name(f".{path.name}.{os.uname().nodename}.{os.getpid()}.tmp")
-        tok.save(str(tmp))
-        os.replace(tmp, path)
+        with replacing(path) as tmp:
+            tok.save(str(tmp))
     barrier()
     return Tokenizer.from_file(str(path)), path
 

@@ -38,10 +38,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
+from torch_handle.common.fsio import write_json_atomic
+
 HEARTBEATS_DIR = "heartbeats"
-HANG_TEST_ENV = "HANDLE_TEST_HANG_RANK"
-"""Test hook ``RANK:STEP[:SECONDS]``: that rank sleeps SECONDS (default 3600) before the loss all-reduce of step
-STEP (1-based), so its peers wait in the collective (:func:`parse_test_hang`)."""
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -122,10 +121,8 @@ class Heartbeat:
                 "progress_time": round(self.progress_time, 3)}
 
     def write(self) -> None:
-        tmp = self.path.with_name(f".{self.path.name}.tmp")
         try:
-            tmp.write_text(json.dumps(self.snapshot()) + "\n", encoding="utf-8")
-            os.replace(tmp, self.path)
+            write_json_atomic(self.path, self.snapshot(), indent=None)
         except OSError:
             pass
 
@@ -195,19 +192,6 @@ def busy(phase: str) -> Iterator[None]:
         yield
     finally:
         hb.beat(previous)
-
-
-def parse_test_hang(spec: str, rank: int) -> tuple[int, float] | None:
-    """``HANDLE_TEST_HANG_RANK=RANK:STEP[:SECONDS]`` -> ``(STEP, SECONDS)`` for rank ``RANK``, None for another rank
-    or an empty/invalid spec. SECONDS defaults to 3600 (a hang that only a kill ends)."""
-    parts = [p.strip() for p in spec.split(":")]
-    try:
-        if len(parts) not in (2, 3) or int(parts[0]) != rank:
-            return None
-        step, seconds = int(parts[1]), float(parts[2]) if len(parts) == 3 else 3600.0
-    except ValueError:
-        return None
-    return (step, seconds) if step >= 1 and seconds > 0 else None
 
 
 # ---------------------------------------------------------------------------------------------------------------

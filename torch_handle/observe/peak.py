@@ -20,7 +20,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-DTYPES = ("fp32", "bf16", "fp16")
+from torch_handle.common.fsio import write_json_atomic
+from torch_handle.common.precision import PRECISIONS, torch_dtype
+
+DTYPES = PRECISIONS
 SIZES = (512, 1024, 2048)
 """Matrix sizes tried; the largest product (2048³·2 = 17 GFLOP) takes ~50 ms in fp32 on one CPU core."""
 
@@ -64,7 +67,6 @@ def measure_peak(device: Any = "cpu", dtypes: tuple[str, ...] = DTYPES, sizes: t
     import torch
 
     dev = torch.device(device)
-    torch_dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
     out: dict[str, float | None] = {}
     for name in dtypes:
         best = 0.0
@@ -73,8 +75,8 @@ def measure_peak(device: Any = "cpu", dtypes: tuple[str, ...] = DTYPES, sizes: t
             if best and 2 * n**3 / best > max(2.0, 10 * seconds_per_size):
                 break
             try:
-                a = torch.randn(n, n, device=dev).to(torch_dtypes[name])
-                b = torch.randn(n, n, device=dev).to(torch_dtypes[name])
+                a = torch.randn(n, n, device=dev).to(torch_dtype(name))
+                b = torch.randn(n, n, device=dev).to(torch_dtype(name))
                 torch.mm(a, b)  # warm-up: kernel selection, first touch of the output
                 _sync(dev)
                 reps, start = 0, time.perf_counter()
@@ -127,9 +129,7 @@ def peak_flops(device: Any = "cpu", *, refresh: bool = False) -> dict[str, Any]:
     cache[key] = entry
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(cache, indent=2) + "\n", encoding="utf-8")
-        os.replace(tmp, path)
+        write_json_atomic(path, cache)
     except OSError:
         pass
     return {**entry, "key": key, "cached": False}

@@ -27,6 +27,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from torch_handle.common.units import fmt_bytes
+
 __all__ = ["TRACE_GLOBS", "TraceError", "find_traces", "load_trace", "summarize", "summarize_files", "format_summary",
            "union", "intersect", "subtract", "total", "is_comm", "PHASES"]
 
@@ -325,14 +327,6 @@ def summarize_files(paths: list[Path], top: int = 10) -> dict[str, Any]:
     return out
 
 
-def _bytes(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
-        n /= 1024
-    return str(n)
-
-
 def format_summary(s: dict[str, Any], rank: int) -> str:
     """The human-readable report of ``summarize_files``' result for ``rank`` (plain text, lines <= 100 chars)."""
     head = (f"rank {rank}: {s['steps']} recorded step(s), {s['step_ms']:.1f} ms "
@@ -353,7 +347,7 @@ def format_summary(s: dict[str, Any], rank: int) -> str:
     mem = s["memory_peak_bytes"]
     if mem:
         cpu_note = " (cpu: allocated while recording)" if "cpu" in mem else ""
-        lines.append("memory peak: " + ", ".join(f"{k} {_bytes(v)}" for k, v in mem.items()) + cpu_note)
+        lines.append("memory peak: " + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in mem.items()) + cpu_note)
     else:
         lines.append("memory peak: not recorded (set profiler.profile_memory=true)")
     t = s["top_ops"]

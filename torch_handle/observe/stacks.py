@@ -22,6 +22,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
+from torch_handle.common.fsio import write_text_atomic
 from torch_handle.observe.heartbeat import HEARTBEATS_DIR, RankBeat, live_beats, stack_file
 
 STACKS_PREFIX = "stacks-"
@@ -384,9 +385,7 @@ def take_stacks(run_dir: Path, beats: list[RankBeat], reason: str, *, remote: It
     path = new_stacks_path(run_dir)
     remote = list(remote)
     text = format_stacks(Path(run_dir), stacks, reason, remote=remote, extra=extra)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+    write_text_atomic(path, text)
     return StacksReport(path, stacks, remote)
 
 

@@ -3,7 +3,7 @@ over a range of message sizes and check every result.
 
 Two halves in one module:
 
-- pure functions (standard library only, so the CLI imports them without torch): size parsing, the bytes each
+- pure functions (no torch, so the CLI imports them without it): size parsing, the bytes each
   op moves and nccl-tests' bandwidth formulas (``doc/PERFORMANCE.md``): ``algbw = bytes / time`` and
   ``busbw = algbw * factor`` with factor ``2(n-1)/n`` for all_reduce, ``(n-1)/n`` for all_gather and
   reduce_scatter, ``1`` for broadcast;
@@ -18,44 +18,38 @@ part), reduce_scatter the whole input. Times are in microseconds, bandwidths in 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import re
 import sys
 import time
-from datetime import timedelta
 from typing import Any
 
-MARKER = "HANDLE_BENCH_COMM "
-ERROR_MARKER = "HANDLE_BENCH_COMM_ERROR "
+from torch_handle.common.precision import ELEMENT_BYTES, torch_dtype
+from torch_handle.common.units import parse_bytes, size_label
+from torch_handle.launch.probe import Marker, emit, guarded, init_group, leave_group
+
+MARKER = Marker("HANDLE_BENCH_COMM")
 CORRUPT_ENV = "HANDLE_BENCH_COMM_CORRUPT"
 """Test hook: a comma list of ops whose check-iteration input rank 0 perturbs (one element + 1), so the
 collective's result really is wrong and the check must catch it."""
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
-DTYPES = {"fp32": 4, "bf16": 2}
+DTYPES = {name: ELEMENT_BYTES[name] for name in ("fp32", "bf16")}
 """Element size in bytes of each supported dtype."""
 
-_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-_SIZE = re.compile(r"^\s*(\d+)\s*([KMG]?)(?:I?B)?\s*$", re.IGNORECASE)
 MAX_SIZE = 16 << 30
 """Largest accepted message size in bytes (16 GiB)."""
 
 
 def parse_size(text: str) -> int:
-    """``"64"``, ``"1K"``, ``"256M"``, ``"1GiB"`` -> bytes (binary units, as nccl-tests' ``-b``/``-e``).
+    """``"64"``, ``"1K"``, ``"256M"``, ``"1GiB"`` -> bytes; a whole number in the units of
+    :mod:`torch_handle.common.units` (``K``, ``M``, ``G`` binary, as nccl-tests' ``-b``/``-e``; ``MB`` = 10^6).
 
     Raises:
         ValueError: not a positive size, or larger than :data:`MAX_SIZE`.
     """
-    m = _SIZE.match(text)
-    if not m:
-        raise ValueError(f"{text.strip()!r} is not a size (examples: 1024, 1K, 64M, 1G)")
-    value = int(m.group(1)) * _UNITS[m.group(2).upper()]
-    if value <= 0:
-        raise ValueError(f"{text.strip()!r}: a size must be positive")
+    value = parse_bytes(text, whole=True)
     if value > MAX_SIZE:
-        raise ValueError(f"{text.strip()!r}: larger than the maximum {fmt_bytes(MAX_SIZE)}")
+        raise ValueError(f"{text.strip()!r}: larger than the maximum {size_label(MAX_SIZE)}")
     return value
 
 
@@ -79,7 +73,7 @@ def parse_sizes(spec: str) -> list[int]:
                 raise ValueError(f"{spec!r}: FACTOR must be an integer >= 2")
             factor = int(parts[2])
         if lo > hi:
-            raise ValueError(f"{spec!r}: MIN {fmt_bytes(lo)} is larger than MAX {fmt_bytes(hi)}")
+            raise ValueError(f"{spec!r}: MIN {size_label(lo)} is larger than MAX {size_label(hi)}")
         sizes = []
         while lo <= hi:
             sizes.append(lo)
@@ -122,9 +116,9 @@ def check_size(size: int, dtype: str, world_size: int) -> str | None:
     reduce_scatter."""
     elem = DTYPES[dtype]
     if size % elem:
-        return f"{fmt_bytes(size)} is not a whole number of {dtype} elements ({elem} bytes each)"
+        return f"{size_label(size)} is not a whole number of {dtype} elements ({elem} bytes each)"
     if size < elem * world_size:
-        return f"{fmt_bytes(size)} is less than one {dtype} element per rank ({elem * world_size} bytes " \
+        return f"{size_label(size)} is less than one {dtype} element per rank ({elem * world_size} bytes " \
                f"for {world_size} ranks)"
     return None
 
@@ -174,14 +168,6 @@ def busbw_gbps(op: str, nbytes: int, time_us: float, world_size: int) -> float:
         ValueError: as :func:`algbw_gbps` and :func:`bus_factor`.
     """
     return algbw_gbps(nbytes, time_us) * bus_factor(op, world_size)
-
-
-def fmt_bytes(n: int) -> str:
-    """``1024`` -> ``"1K"``, ``3 << 20`` -> ``"3M"``, ``1000`` -> ``"1000"`` (binary units, exact only)."""
-    for unit, scale in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
-        if n >= scale and n % scale == 0:
-            return f"{n // scale}{unit}"
-    return str(n)
 
 
 def gloo_note(op: str) -> str | None:
@@ -263,13 +249,9 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import torch.distributed as dist
 
-    from torch_handle.train.worker import select_backend
-
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    backend, device = select_backend(args.backend)
-    kwargs = {"device_id": device} if device.type == "cuda" else {}
-    dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout), **kwargs)
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    group = init_group(args.backend, args.timeout)
+    rank, world, backend, device = group.rank, group.world_size, group.backend, group.device
+    dtype = torch_dtype(args.dtype)
     elem = DTYPES[args.dtype]
     corrupt = {o.strip() for o in os.environ.get(CORRUPT_ENV, "").split(",") if o.strip()}
     cuda = device.type == "cuda"
@@ -342,21 +324,9 @@ def main(argv: list[str] | None = None) -> int:
                        "correct": correct, "max_rel_error": max_err, "device": device.type}
                 if backend == "gloo" and gloo_note(op):
                     rec["note"] = gloo_note(op)
-                print(MARKER + json.dumps(rec), flush=True)
-    dist.barrier()
-    dist.destroy_process_group()
-    return 0 if all_ok else 1
-
-
-def _guarded() -> int:
-    try:
-        return main()
-    except Exception as e:  # noqa: BLE001 - one line for `handle bench comm`, then the traceback for the log
-        from torch_handle.common.text import one_line
-
-        print(f"{ERROR_MARKER}rank {os.environ.get('RANK', '?')}: {one_line(e)}"[:2000], flush=True)
-        raise
+                emit(MARKER, rec)
+    return leave_group(all_ok)
 
 
 if __name__ == "__main__":
-    sys.exit(_guarded())
+    sys.exit(guarded(main, MARKER))

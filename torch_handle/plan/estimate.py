@@ -29,11 +29,11 @@ torch is imported inside the functions, so importing this module is cheap.
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from torch_handle.common.precision import torch_dtype
 from torch_handle.observe.activations import SavedTensorCounter
 from torch_handle.observe.fields import (ACTIVATION_BYTES, ACTIVATION_LOGITS_BYTES, ACTIVATION_RECOMPUTE_BYTES,
                                          ACTIVATION_SAVED_BYTES)
@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from torch_handle.config.schema import Preset
 
 __all__ = ["COMPARE_VARIANTS", "MEASURED", "ActivationBytes", "Estimate", "ModelShape", "Variant", "activation_bytes",
-           "estimate_preset", "format_bytes", "model_shape", "model_state_bytes", "parse_bytes", "preset_variant",
+           "estimate_preset", "model_shape", "model_state_bytes", "preset_variant",
            "saved_activation_bytes", "smallest_fit"]
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -103,39 +103,6 @@ MEASURED = {
 }
 """(param_bytes, grad_bytes, optimizer_bytes) of rank 0 that the formulas were derived from: `handle run` on 2
 ranks, gloo, log_every = 1 (tests/test_estimate.py re-measures them)."""
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Sizes
-# ---------------------------------------------------------------------------------------------------------------
-
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
-          "t": 1000**4, "tb": 1000**4, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
-
-
-def parse_bytes(text: str) -> int:
-    """``"80GiB"`` -> 85899345920, ``"24GB"`` -> 24e9, ``"1e9"``/``"1000000"`` -> bytes (KiB/MiB/GiB/TiB are
-    powers of 1024, kB/MB/GB/TB of 1000).
-
-    Raises:
-        ValueError: for anything else, or a size that is not positive.
-    """
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
-    unit = m.group(2).lower() if m else ""
-    if not m or unit not in _UNITS:
-        raise ValueError(f"{text!r} is not a size (examples: 80GiB, 24GB, 17179869184)")
-    value = float(m.group(1)) * _UNITS[unit]
-    if value <= 0:
-        raise ValueError(f"{text!r} must be positive")
-    return int(value)
-
-
-def format_bytes(n: float) -> str:
-    """Bytes in binary units, 3 significant digits: ``1536`` -> ``"1.50 KiB"``."""
-    for unit, size in (("TiB", 1024**4), ("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
-        if abs(n) >= size:
-            return f"{n / size:.3g} {unit}" if n / size >= 100 else f"{n / size:.2f} {unit}"
-    return f"{int(n)} B"
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -444,7 +411,7 @@ def _fake_activations(build: _Build, batch: int, seq_len: int, precision: str, m
 
     from torch_handle.model.parallelize import checkpointed_blocks, model_blocks, set_activation_checkpointing
 
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
+    dtype = torch_dtype(precision)
     with FakeTensorMode(allow_non_fake_inputs=False):
         model = build.factory(build.options, build.vocab_size, build.pad_id, build.max_len)
         model.train()

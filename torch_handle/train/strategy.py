@@ -27,6 +27,7 @@ from typing import Any, ContextManager, Iterable
 import torch
 import torch.distributed as dist
 
+from torch_handle.common.precision import torch_dtype
 from torch_handle.config.loader import TrainingConfig
 
 
@@ -147,8 +148,7 @@ class Strategy:
         p = self.training.precision
         if p == "fp32":
             return contextlib.nullcontext()
-        dtype = torch.bfloat16 if p == "bf16" else torch.float16
-        return torch.autocast(self.ctx.device.type, dtype=dtype)
+        return torch.autocast(self.ctx.device.type, dtype=torch_dtype(p))
 
     def accumulating(self, sync: bool) -> ContextManager:
         """Context of one micro-batch; ``sync`` is false for all but the last micro-batch of a step."""

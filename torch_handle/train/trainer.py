@@ -24,6 +24,8 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from torch_handle.checkpoint import store as ckpt
+from torch_handle.common.fsio import replacing
+from torch_handle.common.testhooks import DELAY_ENV, HANG_ENV, parse_test_delay, parse_test_hang
 from torch_handle.checkpoint import shared_dirs
 from torch_handle.config.loader import Preset
 from torch_handle.data.datasets import IGNORE_INDEX, DataBundle, DataContext, GlobalBatchSampler, ResumableDistributedSampler
@@ -36,7 +38,7 @@ from torch_handle.observe.fields import (ACTIVATION_SAVED_BYTES, BACKWARD_S, COM
                                          CUDA_MAX_ALLOCATED_BYTES, CUDA_RESERVED_BYTES, DATA_S, GRAD_BYTES,
                                          OPTIMIZER_BYTES, PARAM_BYTES, RSS_BYTES, STEP_PHASES, WAIT_S, Kind, Level,
                                          Status)
-from torch_handle.observe.heartbeat import HANG_TEST_ENV, beat, busy, parse_test_hang
+from torch_handle.observe.heartbeat import beat, busy
 from torch_handle.observe.state import SLOW_RANK_LOGS, SLOW_RANK_RATIO, slowest_rank
 from torch_handle.observe.telemetry import EVENTS_FILE, EventWriter, NullEventWriter
 from torch_handle.train.phases import PhaseTimer
@@ -46,16 +48,6 @@ log = logging.getLogger("torch_handle")
 
 class NonFiniteLoss(Exception):
     """The loss was NaN/inf and ``on_nan = "stop"``."""
-
-
-def parse_test_delay(spec: str, rank: int) -> float:
-    """Test hook ``HANDLE_TEST_DELAY_RANK=RANK:SECONDS`` (e.g. ``1:0.05``): seconds that rank ``RANK`` sleeps in
-    the data phase of every micro-batch (a slow input pipeline); 0.0 for other ranks or an empty/invalid spec."""
-    target, _, seconds = spec.partition(":")
-    try:
-        return float(seconds) if target.strip() and int(target) == rank and float(seconds) > 0 else 0.0
-    except ValueError:
-        return 0.0
 
 
 def seed_everything(seed: int) -> None:
@@ -96,8 +88,8 @@ class Trainer:
         """Bytes autograd saved for this rank's first micro-batch (measured once per process)."""
         self.timer = PhaseTimer(ctx.device)
         """Step breakdown (``timer.enabled = False`` turns it off; benchmarks/breakdown_overhead.py compares)."""
-        self.test_delay_s = parse_test_delay(os.environ.get("HANDLE_TEST_DELAY_RANK", ""), ctx.rank)
-        self.test_hang = parse_test_hang(os.environ.get(HANG_TEST_ENV, ""), ctx.rank)
+        self.test_delay_s = parse_test_delay(os.environ.get(DELAY_ENV, ""), ctx.rank)
+        self.test_hang = parse_test_hang(os.environ.get(HANG_ENV, ""), ctx.rank)
         self.peak_flops: float | None = None
         """This rank's device peak FLOP/s for the run's precision (measured, cached; rank 0 only), for ``mfu``."""
         self._slow_streak: tuple[int | None, int] = (None, 0)
@@ -253,7 +245,7 @@ class Trainer:
             self.strategy.load(path)
             return ""
         from torch_handle.checkpoint import convert
-        from torch_handle.common.text import fmt_bytes
+        from torch_handle.common.units import fmt_bytes
 
         if len(set(self.dir_leaders)) > 1 and layout.get("format") != "torch":
             # each node's directory holds only its own ranks' shards: no rank sees the whole checkpoint
@@ -538,9 +530,8 @@ class Trainer:
 
         # tied weights share storage, which safetensors refuses: store each tensor on its own
         tensors = {k: v.detach().contiguous().clone() for k, v in state.items()}
-        tmp = self.run_dir / ".model.safetensors.tmp"
-        save_file(tensors, str(tmp), metadata={"step": str(self.step), "preset": "preset.toml"})
-        os.replace(tmp, self.run_dir / "model.safetensors")
+        with replacing(self.run_dir / "model.safetensors") as tmp:
+            save_file(tensors, str(tmp), metadata={"step": str(self.step), "preset": "preset.toml"})
 
     def _emit_step(self, record: dict[str, Any]) -> None:
         record.pop("stop", None)

@@ -1,0 +1,434 @@
+"""``handle bench scaling``: how training throughput scales with the world size, per strategy, measured with
+short real runs through ``handle run``'s own launcher. The figures (medians, efficiency, strategy specs):
+:mod:`torch_handle.plan.bench_scaling`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import click
+
+from handle_cli.bench_cmd import DEFAULT_OUTPUT_DIR, int_option, new_dir, output_parent
+from handle_cli.common import EXIT_FAILED, EXIT_STOPPED, fail
+from torch_handle.common.fsio import write_json_atomic
+from torch_handle.common.units import fmt_bytes
+from torch_handle.plan import bench_scaling as scaling_math
+
+DEFAULT_STEPS = 20
+
+
+@dataclass(frozen=True)
+class ScalingPlan:
+    """The validated options and the runs of one ``bench scaling``."""
+
+    preset: str
+    """The preset's path."""
+    base: Any
+    """The preset as loaded with the user's overrides (``Preset``)."""
+    runs: list[dict[str, Any]]
+    """One per (strategy, world size), as :func:`_scaling_plan` makes them."""
+    notes: list[str]
+    nprocs: list[int]
+    skip: int
+    weak: bool
+    threads: int | None
+    overrides: tuple[str, ...]
+    directory: Path
+    """``DIR/scaling-<UTC time>/``, created."""
+
+
+def _scaling_plan(preset: str, overrides: tuple[str, ...], nprocs: list[int], labels: list[str] | None,
+                  steps: int | None, skip: int, strong: bool) -> tuple[list[dict[str, Any]], list[str], Any]:
+    """Validate every (strategy, world size) preset before anything starts: ``(runs, notes, base preset)``,
+    each run ``{"spec", "nproc", "overrides", "preset", "micro_batch_size", "grad_accum"}``. Bad input: one
+    line, exit 2."""
+    from torch_handle.config.loader import load_preset
+    from torch_handle.errors import USER_ERRORS
+    from torch_handle.registry import get_registry
+
+    from handle_cli.runner import _check_data
+
+    user = list(overrides)
+    if steps is not None:
+        user.append(f"training.steps={steps}")
+    elif not any(o.replace(" ", "").startswith("training.steps=") for o in overrides):
+        user.append(f"training.steps={DEFAULT_STEPS}")
+    try:
+        base = load_preset(preset, user)
+        _check_data(base)
+    except USER_ERRORS as e:
+        fail(str(e))
+    if base.launch.nnodes != 1:
+        fail(f"{preset}: launch.nnodes = {base.launch.nnodes}: bench scaling runs on this machine only (nnodes 1)")
+    if base.training.steps <= skip:
+        fail(f"--skip {skip} leaves none of the {base.training.steps} steps to measure (raise --steps)")
+    if labels is None:
+        own = scaling_math.preset_strategy_label(base.strategy.name, getattr(base.strategy.options, "zero_stage", None))
+        specs = [scaling_math.StrategySpec(own, base.strategy.name, ())]
+    else:
+        specs = [scaling_math.strategy_spec(label) for label in labels]
+    notes: list[str] = []
+    registered = set(get_registry().names("strategy"))
+    for spec in [s for s in specs if s.plugin not in registered]:
+        notes.append(f"{spec.label} skipped: strategy plugin {spec.plugin!r} is not registered "
+                     f"(available: {', '.join(sorted(registered))})")
+    specs = [s for s in specs if s.plugin in registered]
+    mbs0, ga0, n0 = base.training.micro_batch_size, base.training.grad_accum, nprocs[0]
+    global_batch = mbs0 * ga0 * n0
+    runs = []
+    for spec in specs:
+        for n in nprocs:
+            if spec.single_rank_only and n > 1:
+                notes.append(f"{spec.label} skipped at {n} ranks: it runs on world size 1 only")
+                continue
+            mbs, ga = mbs0, ga0
+            if strong:
+                try:
+                    mbs, ga = scaling_math.strong_batch(global_batch, mbs0, ga0, n)
+                except ValueError:
+                    fail(f"--strong: the global batch of {global_batch} samples (micro_batch_size {mbs0} x "
+                         f"grad_accum {ga0} x {n0} ranks) does not divide over {n} ranks (choose other --nproc "
+                         f"or set training.micro_batch_size)")
+            extra = [*spec.overrides, f"launch.nproc_per_node={n}", "launch.max_restarts=0",
+                     f"run.name={spec.label}-n{n}", f"training.micro_batch_size={mbs}", f"training.grad_accum={ga}"]
+            try:
+                loaded = load_preset(preset, [*user, *extra])
+            except USER_ERRORS as e:
+                fail(f"{spec.label} on {_ranks(n)}: {e}")
+            runs.append({"spec": spec, "nproc": n, "overrides": [*user, *extra], "preset": loaded,
+                         "micro_batch_size": mbs, "grad_accum": ga})
+    if not runs:
+        fail("nothing to run: " + "; ".join(notes))
+    return runs, notes, base
+
+
+def _run_one(preset: str, run: dict[str, Any], directory: Path) -> tuple[int, dict[str, Any], list[dict], float]:
+    """One run through ``handle run``'s launcher (prepare_run + supervise, quiet): ``(exit code, run.json,
+    events, wall seconds)``. Ctrl-C is supervise's: the workers stop (a second one kills them), exit code 130."""
+    from torch_handle.observe.tail import EventReader
+    from torch_handle.rundir import read_run_info
+    from torch_handle.observe.telemetry import EVENTS_FILE
+
+    from handle_cli.runner import prepare_run, supervise
+
+    run_dir = directory / run["run_name"]
+    t0 = time.perf_counter()
+    loaded, run_dir = prepare_run(preset, (*run["overrides"], f"run.output_dir={directory}"), run_dir, None)
+    rc = supervise(loaded, run_dir, quiet=True)
+    wall = time.perf_counter() - t0
+    return rc, read_run_info(run_dir), EventReader(run_dir / EVENTS_FILE).poll(), wall
+
+
+def _scaling_record(run: dict[str, Any], rc: int, info: dict[str, Any], events: list[dict], wall: float, skip: int,
+                    mode: str, cores: int, run_dir: Path) -> dict[str, Any]:
+    spec, n = run["spec"], run["nproc"]
+    summary = scaling_math.summarize(events, skip)
+    status, message = info.get("status") or "failed", info.get("message") or None
+    if rc == 0 and (not summary["measured_steps"] or summary["tokens_per_s"] is None):
+        status, message = "failed", f"no step events after the first {skip} (see {run_dir}/events.jsonl)"
+    omp = os.environ.get("OMP_NUM_THREADS")
+    return {"strategy": spec.label, "plugin": spec.plugin, "nproc": n, "status": status, "message": message,
+            "mode": mode, "micro_batch_size": run["micro_batch_size"], "grad_accum": run["grad_accum"],
+            "global_batch": run["micro_batch_size"] * run["grad_accum"] * n, **summary,
+            "efficiency": None, "base_nproc": None, "base_tokens_per_s": None,
+            "threads_per_rank": scaling_math.threads_per_rank(n, cores, omp),
+            "oversubscribed": scaling_math.oversubscribed(n, cores, omp), "wall_s": round(wall, 2),
+            "run_dir": str(run_dir)}
+
+
+def _ranks(n: int) -> str:
+    return f"{n} rank{'s' if n != 1 else ''}"
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:,.1f}"
+
+
+def scaling_table(records: list[dict[str, Any]]):
+    """A rich Table: strategy, ranks, status, tokens/s, step time and phases (ms, medians), efficiency, and the
+    largest per-rank memory peaks (rss, model state = param + grad + optimizer; CUDA max allocated if any)."""
+    from rich.table import Table
+
+    cuda = any(m.get("cuda_max_allocated_bytes") is not None for r in records for m in r.get("memory") or [])
+    table = Table(header_style="bold")
+    columns = [("strategy", "left"), ("ranks", "right"), ("status", "left"), ("tokens/s", "right"),
+               ("step ms", "right"), ("eff.", "right"), ("rss", "right"), ("state", "right")]
+    columns += [("cuda", "right")] if cuda else []
+    columns += [(label, "right") for label, _ in scaling_math.TABLE_PARTS]
+    widest = max([8, *(len(r["strategy"]) for r in records)])
+    for name, justify in columns:
+        table.add_column(name, justify=justify, no_wrap=True, min_width=widest if name == "strategy" else None)
+    last = None
+    for r in records:
+        if last is not None and r["strategy"] != last:
+            table.add_section()
+        last = r["strategy"]
+        memory = r.get("memory") or []
+        eff = r.get("efficiency")
+        status = "ok" if r["status"] == "finished" else f"[bold red]{r['status']}[/]"
+        row = [r["strategy"], f"{r['nproc']}{'*' if r.get('oversubscribed') else ''}", status,
+               "-" if r.get("tokens_per_s") is None else f"{r['tokens_per_s']:,.0f}", _ms(r.get("step_time_s")),
+               "-" if eff is None else f"{eff:.2f}",
+               fmt_bytes(scaling_math.peak_over_ranks(memory, "rss_bytes")),
+               fmt_bytes(scaling_math.peak_over_ranks(memory, "model_state_bytes"))]
+        row += [fmt_bytes(scaling_math.peak_over_ranks(memory, "cuda_max_allocated_bytes"))] if cuda else []
+        row += [_ms(x) for x in scaling_math.table_parts(r)]
+        table.add_row(*row)
+    return table
+
+
+def scaling_plots(records: list[dict[str, Any]], width: int = 100, height: int = 14, color: bool = False) -> str:
+    """Two plotext plots drawn into a string: tokens/s and scaling efficiency against world size, one line per
+    strategy (finished runs only)."""
+    import plotext as plt
+
+    ok = [r for r in records if r.get("tokens_per_s") is not None and r["status"] == "finished"]
+    strategies = list(dict.fromkeys(r["strategy"] for r in ok))
+    sizes = sorted({r["nproc"] for r in ok})
+    out = []
+    for key, title in (("tokens_per_s", "tokens/s (global) by world size"),
+                       ("efficiency", "scaling efficiency by world size (1.0 = linear)")):
+        plt.clear_figure()
+        plt.limitsize(False, False)
+        plt.plotsize(width, height)
+        plt.theme("pro" if color else "clear")
+        for i, label in enumerate(strategies):
+            rows = sorted((r for r in ok if r["strategy"] == label and r.get(key) is not None),
+                          key=lambda r: r["nproc"])
+            if rows:
+                plt.plot([r["nproc"] for r in rows], [r[key] for r in rows], label=label,
+                         marker="braille" if color else "*o+x#@%&"[i % 8])
+        if key == "efficiency":
+            plt.ylim(0, max([1.1, *(r["efficiency"] * 1.1 for r in ok if r.get("efficiency"))]))
+        plt.xticks(sizes, [str(s) for s in sizes])
+        plt.title(title)
+        plt.xlabel("world size (ranks)")
+        text = plt.build()
+        out.append(text if color else plt.uncolorize(text))
+    plt.clear_figure()
+    return "\n".join(out)
+
+
+
+@click.command("scaling")
+@click.argument("preset")
+@click.option("--set", "overrides", multiple=True, metavar="TABLE.KEY=VALUE",
+              help="Override a preset key for every run (repeatable), as in handle run.")
+@click.option("--nproc", "nproc_spec", default="1,2", show_default=True, metavar="N[,N...]",
+              help="World sizes (ranks on this machine) to measure.")
+@click.option("--strategies", "strategies_spec", default=None, metavar="S[,S...]",
+              help=f"Strategies to compare: {', '.join(scaling_math.STRATEGY_NAMES)} (scratch-* only where that "
+                   "plugin is registered); default: the preset's own.")
+@click.option("--steps", default=None, metavar="N",
+              help=f"Training steps per run (default {DEFAULT_STEPS}, or the preset's when --set training.steps "
+                   "is given).")
+@click.option("--skip", default="2", show_default=True, metavar="N",
+              help="Warm-up steps left out of the medians.")
+@click.option("--weak/--strong", "weak", default=True, show_default=True,
+              help="weak: the per-rank batch stays fixed; strong: the global batch of the smallest world size "
+                   "stays fixed (grad_accum, else micro_batch_size, adjusted).")
+@click.option("--threads", default=None, metavar="N",
+              help="Intra-op threads per rank in every run (OMP_NUM_THREADS); default: OMP_NUM_THREADS if set, "
+                   "else the launcher's cores / ranks, which differs between world sizes.")
+@click.option("--json", "as_json", is_flag=True,
+              help="One JSON object per strategy and world size per line on stdout, nothing else.")
+@click.option("--output-dir", type=click.Path(path_type=Path), default=None, metavar="DIR",
+              help=f"Runs and results go to DIR/scaling-<UTC time>/ (default DIR: {DEFAULT_OUTPUT_DIR}).")
+def scaling(preset: str, overrides: tuple[str, ...], nproc_spec: str, strategies_spec: str | None,
+            steps: str | None, skip: str, weak: bool, threads: str | None, as_json: bool,
+            output_dir: Path | None) -> None:
+    """Measure how training throughput scales with the world size, per strategy, with short real runs.
+
+    Each (strategy, world size) is one run of PRESET through handle run's launcher, a run directory under
+    DIR/scaling-<UTC time>/ (open any with handle tui). From its step events after the first --skip: the
+    median global tokens/s and step time, the phase times where the events carry them (data, forward,
+    backward, optimizer, comm), and per rank the peak rss and model-state bytes (CUDA max allocated on GPU).
+    Efficiency = tokens/s at N / (N/B x tokens/s at B), B = the strategy's smallest world size measured.
+
+    Threads: each rank gets the launcher's cores / ranks intra-op threads unless --threads (or
+    OMP_NUM_THREADS) fixes them; on a loaded machine a rank with several threads can be far slower than its
+    share, so compare with --threads 1 before reading efficiency above 1 as real.
+
+    Strategies: ddp, zero0..zero3 (DeepSpeed stages), fsdp, single (world size 1), scratch-ddp and
+    scratch-zero1 (where registered). Prints a table and plots (--json: JSON lines) and writes results.csv and
+    results.json. Exit code: 0 every run finished, 1 a run failed (the others still run), 2 bad input
+    (nothing started), 130 stopped by Ctrl-C (the current run's workers stopped).
+
+    \b
+    Examples:
+      handle bench scaling presets/ddp.toml --nproc 1,2 --steps 12
+    """
+    plan = _validate(preset, overrides, nproc_spec, strategies_spec, steps, skip, weak, threads, output_dir)
+    meta = _header(plan, as_json)
+    records, stopped = _run(plan, meta, as_json)
+    _results(plan, meta, records, stopped, as_json)
+
+
+def _validate(preset: str, overrides: tuple[str, ...], nproc_spec: str, strategies_spec: str | None,
+              steps: str | None, skip: str, weak: bool, threads: str | None, output_dir: Path | None
+              ) -> ScalingPlan:
+    """Every option and every run's preset checked before anything starts (a one-line error, exit 2), then the
+    output directory."""
+    try:
+        nprocs = scaling_math.parse_nproc(nproc_spec)
+    except ValueError as e:
+        fail(f"--nproc: {e}")
+    try:
+        labels = scaling_math.parse_strategies(strategies_spec) if strategies_spec is not None else None
+    except ValueError as e:
+        fail(f"--strategies: {e}")
+    n_steps = int_option("--steps", steps, 1, 1_000_000) if steps is not None else None
+    n_skip = int_option("--skip", skip, 0, 1_000_000)
+    n_threads = int_option("--threads", threads, 1, 1024) if threads is not None else None
+    parent = output_parent(output_dir)
+    from handle_cli.presets_cmd import resolve_preset_spec
+
+    preset = resolve_preset_spec(preset)
+    runs, notes, base = _scaling_plan(preset, overrides, nprocs, labels, n_steps, n_skip, not weak)
+    return ScalingPlan(preset, base, runs, notes, nprocs, n_skip, weak, n_threads, overrides,
+                       new_dir(parent, "scaling"))
+
+
+def _header(plan: ScalingPlan, as_json: bool) -> dict[str, Any]:
+    """Print what will be measured and how (on stderr with ``--json``); the results' metadata, to be filled."""
+    nprocs, n_skip, directory = plan.nprocs, plan.skip, plan.directory
+    mode = "weak" if plan.weak else "strong"
+    cores = os.cpu_count() or 1
+    if plan.threads is not None:  # the launcher passes our environment on to every run's workers
+        os.environ["OMP_NUM_THREADS"] = str(plan.threads)
+    omp = os.environ.get("OMP_NUM_THREADS")
+    t = plan.base.training
+    if plan.weak:
+        how = (f"weak scaling: per-rank batch fixed (micro_batch_size {t.micro_batch_size} x grad_accum "
+               f"{t.grad_accum}); the global batch grows with the world size")
+    else:
+        how = (f"strong scaling: global batch fixed at {t.micro_batch_size * t.grad_accum * nprocs[0]} samples (the "
+               f"preset's at {_ranks(nprocs[0])}); grad_accum, else micro_batch_size, adjusted per world size")
+    header = [(f"bench scaling: {plan.preset}, {t.steps} steps per run, medians of steps {n_skip + 1}..{t.steps} "
+               f"(first {n_skip} skipped); {len(plan.runs)} runs under {directory}"), how,
+              (f"efficiency = tokens/s at N / (N/B x tokens/s at B), B = each strategy's smallest world size "
+               f"measured (here {nprocs[0]})")]
+    per_rank = {n: scaling_math.threads_per_rank(n, cores, omp) for n in nprocs}
+    if len(set(per_rank.values())) > 1:
+        header.append("threads per rank: " + ", ".join(f"{k} at {_ranks(n)}" for n, k in per_rank.items())
+                      + f" (the launcher's {cores} cores / ranks; --threads N keeps them equal)")
+    else:
+        header.append(f"threads per rank: {per_rank[nprocs[0]]} in every run"
+                      + (" (OMP_NUM_THREADS)" if omp else ""))
+    over = [n for n in nprocs if scaling_math.oversubscribed(n, cores, omp)]
+    if over:
+        header.append(f"warning: {', '.join(map(str, over))} ranks x "
+                      f"{scaling_math.threads_per_rank(over[0], cores, omp)} thread(s) each exceed this machine's "
+                      f"{cores} cores: oversubscribed, figures marked * show contention, not scaling")
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    if load > 0.5 * cores:
+        header.append(f"note: this machine is busy (load average {load:.1f} on {cores} cores): other processes "
+                      "compete with the runs and the figures")
+    header += [f"note: {n}" for n in plan.notes]
+    for line in header:
+        click.echo(line, err=as_json)
+    return {"kind": "scaling", "status": "running", "preset": plan.preset, "overrides": list(plan.overrides),
+            "mode": mode, "nproc": nprocs, "strategies": [r["spec"].label for r in plan.runs], "steps": t.steps,
+            "skip": n_skip, "cores": cores, "omp_num_threads": omp, "load_avg_1m": round(load, 2),
+            "notes": plan.notes, "header": header, "start_time": time.time(), "results": []}
+
+
+def _run(plan: ScalingPlan, meta: dict[str, Any], as_json: bool) -> tuple[list[dict[str, Any]], bool]:
+    """The runs one after the other, each one's record printed (``--json``) and saved to ``results.json`` as it
+    ends: ``(records, stopped by Ctrl-C)``."""
+    directory, mode, cores = plan.directory, meta["mode"], meta["cores"]
+    records: list[dict[str, Any]] = []
+    progress_tty = sys.stderr.isatty()
+    stopped = False
+    for i, run in enumerate(plan.runs, 1):
+        spec, n = run["spec"], run["nproc"]
+        run["run_name"] = f"{spec.label}-n{n}"
+        what = f"[{i}/{len(plan.runs)}] {spec.label} on {_ranks(n)}"
+        if progress_tty:
+            click.echo(f"{what}: running ({directory / run['run_name']})", err=True, nl=False)
+        run_load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+        try:
+            rc, info, events, wall = _run_one(plan.preset, run, directory)
+        except KeyboardInterrupt:  # between supervise's own handlers: nothing of this run is alive
+            rc, info, events, wall = EXIT_STOPPED, {"status": "stopped", "message": "stopped by Ctrl-C"}, [], 0.0
+        record = _scaling_record(run, rc, info, events, wall, plan.skip, mode, cores, directory / run["run_name"])
+        record["load_avg_1m"] = None if run_load is None else round(run_load, 2)
+        records.append(record)
+        scaling_math.add_efficiency(records)
+        tps, eff = record["tokens_per_s"], record["efficiency"]
+        done = f"{what}: {record['status']} in {wall:.1f} s" + (f", {tps:,.0f} tokens/s" if tps else "") + \
+            (f", efficiency {eff:.2f} (base {record['base_nproc']})" if eff is not None else "")
+        if record["status"] != "finished" and record["message"]:
+            done += f": {record['message']}"
+        click.echo(("\r\033[K" if progress_tty else "") + done, err=True)
+        if as_json and record["status"] != "stopped":
+            click.echo(json.dumps(record))
+        meta["results"] = records
+        write_json_atomic(directory / "results.json", meta)
+        if rc == EXIT_STOPPED or record["status"] == "stopped":
+            stopped = True
+            break
+    return records, stopped
+
+
+def _results(plan: ScalingPlan, meta: dict[str, Any], records: list[dict[str, Any]], stopped: bool,
+             as_json: bool) -> None:
+    """``results.json`` and ``results.csv``, the report (table and plots; with ``--json`` only where the results
+    are), and the exit: 130 when stopped, 1 with the first failed run."""
+    directory = plan.directory
+    failed = [r for r in records if r["status"] not in ("finished", "stopped")]
+    meta.update(status="stopped" if stopped else "failed" if failed else "finished", end_time=time.time(),
+                results=records)
+    write_json_atomic(directory / "results.json", meta)
+    (directory / "results.csv").write_text(scaling_math.csv_text(records), encoding="utf-8")
+    if not as_json and records:
+        _print_scaling_report(records, directory)
+    elif as_json:
+        click.echo(f"results: {directory / 'results.csv'} {directory / 'results.json'}", err=True)
+    if stopped:
+        click.echo(f"bench scaling: stopped; results of the finished runs in {directory}", err=True)
+        sys.exit(EXIT_STOPPED)
+    if failed:
+        r = failed[0]
+        more = f" (and {len(failed) - 1} more)" if len(failed) > 1 else ""
+        fail(f"bench scaling: {r['strategy']} on {_ranks(r['nproc'])} failed: {r['message'] or r['status']}{more}; "
+             f"see {r['run_dir']}/logs", code=EXIT_FAILED)
+
+
+def _print_scaling_report(records: list[dict[str, Any]], directory: Path) -> None:
+    from rich.console import Console
+    from rich.text import Text
+
+    tty = sys.stdout.isatty()
+    console = Console(highlight=False, width=None if tty else 130)
+    console.print(scaling_table(records))
+    console.print("status ok: finished; tokens/s: median global tokens/s; step ms and data/fwd/bwd/opt/comm: "
+                  "median ms per step ('-': not in the events); rss, state (param + grad + optimizer bytes)"
+                  + (", cuda (max allocated)" if any(m.get("cuda_max_allocated_bytes") is not None
+                                                     for r in records for m in r.get("memory") or []) else "")
+                  + ": peak per rank, the largest rank's", markup=False)
+    for r in records:
+        if r["status"] != "finished" and r.get("message"):
+            console.print(f"{r['strategy']} on {_ranks(r['nproc'])} {r['status']}: {r['message']}", markup=False)
+    superlinear = [r for r in records if (r.get("efficiency") or 0) > 1.1]
+    if superlinear:
+        loads = sorted({r["load_avg_1m"] for r in records if r.get("load_avg_1m") is not None})
+        console.print("note: efficiency above 1 at " + ", ".join(f"{r['strategy']} {r['nproc']} ranks"
+                                                                  for r in superlinear)
+                      + ": the base run was slower per rank (other load on the machine"
+                      + (f", load average {loads[0]:.1f}-{loads[-1]:.1f}" if loads else "")
+                      + ("; or its threads per rank: --threads 1 keeps them equal"
+                         if len({r.get("threads_per_rank") for r in records}) > 1 else "") + ")", markup=False)
+    if any(r["status"] == "finished" and r.get("tokens_per_s") for r in records):
+        width = max(60, min(console.width, 110))
+        plots = scaling_plots(records, width=width, height=14, color=tty and console.color_system is not None)
+        console.print(Text.from_ansi(plots) if tty else plots, markup=False, highlight=False, soft_wrap=True)
+    console.print(f"results: {directory / 'results.csv'}, {directory / 'results.json'}; runs: handle tui "
+                  f"{directory}/<strategy>-n<N>", markup=False)

@@ -1,0 +1,62 @@
+"""Files written whole or not at all. Standard library only.
+
+A reader (the dashboard, ``handle runs``, a resumed run, another node on a shared filesystem) must never see half
+a file: everything is written to a hidden temporary file beside the target and then renamed over it
+(``os.replace``, atomic on POSIX within one filesystem). The temporary name carries the host, process and thread,
+so that writers on several nodes, processes or threads never share one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+_HOST = os.uname().nodename
+
+
+def temporary_path(path: Path) -> Path:
+    """``DIR/.NAME.<host>.<pid>.<thread>.tmp`` beside ``path``: hidden, and this writer's own."""
+    path = Path(path)
+    return path.with_name(f".{path.name}.{_HOST}.{os.getpid()}.{threading.get_ident()}.tmp")
+
+
+@contextlib.contextmanager
+def replacing(path: Path) -> Iterator[Path]:
+    """Yield a temporary path to write ``path``'s new content to (by any means: ``tokenizer.save``,
+    ``safetensors``); on leaving without an exception it replaces ``path``, otherwise it is removed.
+
+    Raises:
+        OSError: when the temporary file cannot be renamed over ``path``.
+    """
+    tmp = temporary_path(path)
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write ``text`` (UTF-8) to ``path`` atomically.
+
+    Raises:
+        OSError: when the file cannot be written.
+    """
+    with replacing(path) as tmp:
+        tmp.write_text(text, encoding="utf-8")
+
+
+def write_json_atomic(path: Path, data: Any, *, indent: int | None = 2) -> None:
+    """Write ``data`` as JSON (``indent`` spaces, None: one line) and a newline to ``path`` atomically.
+
+    Raises:
+        OSError: when the file cannot be written.
+        TypeError: when ``data`` is not JSON-serialisable (nothing is written).
+    """
+    write_text_atomic(path, json.dumps(data, indent=indent) + "\n")
