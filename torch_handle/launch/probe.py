@@ -62,13 +62,12 @@ class Group:
 
 def init_group(backend: str, timeout_s: float) -> Group:
     """Initialise the default process group from torchrun's environment: ``backend`` = ``auto`` | ``gloo`` |
-    ``nccl`` as :func:`torch_handle.train.worker.select_backend` resolves it, collectives timing out after
+    ``nccl`` as :func:`select_backend` resolves it, collectives timing out after
     ``timeout_s`` seconds."""
     from datetime import timedelta
 
     import torch.distributed as dist
 
-    from torch_handle.train.worker import select_backend
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     backend, device = select_backend(backend)
@@ -165,3 +164,26 @@ def run_job(cmd: list[str], marker: Marker, log_path: Path, timeout_s: float,
 
     out.returncode, out.timed_out, out.wall_s = supervisor.run_torchrun(cmd, log_path, timeout_s, on_line, env=env)
     return out
+
+
+def select_backend(choice: str):
+    """``(backend, device)`` of this torchrun process for ``choice`` = ``auto`` | ``gloo`` | ``nccl``.
+
+    ``auto`` is nccl when CUDA has a device for every local process (``LOCAL_WORLD_SIZE``), else gloo. With nccl the
+    device is ``cuda:LOCAL_RANK`` and becomes the current CUDA device; otherwise the CPU. Used by the training
+    workers, ``handle env --check-dist`` and ``handle bench comm``.
+    """
+    import torch
+    import torch.distributed as dist
+
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    backend = choice
+    if backend == "auto":
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        backend = "nccl" if gpus >= local_world and dist.is_nccl_available() else "gloo"
+    if backend == "nccl":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        return backend, device
+    return backend, torch.device("cpu")

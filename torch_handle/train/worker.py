@@ -50,33 +50,11 @@ def _attempt_store(rank: int, world_size: int, timeout: datetime.timedelta):
     return PrefixStore(f"handle/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
-def select_backend(choice: str):
-    """``(backend, device)`` of this torchrun process for ``choice`` = ``auto`` | ``gloo`` | ``nccl``.
-
-    ``auto`` is nccl when CUDA has a device for every local process (``LOCAL_WORLD_SIZE``), else gloo. With nccl the
-    device is ``cuda:LOCAL_RANK`` and becomes the current CUDA device; otherwise the CPU. Used by the training
-    workers, ``handle env --check-dist`` and ``handle bench comm``.
-    """
-    import torch
-    import torch.distributed as dist
-
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
-    backend = choice
-    if backend == "auto":
-        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        backend = "nccl" if gpus >= local_world and dist.is_nccl_available() else "gloo"
-    if backend == "nccl":
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-        return backend, device
-    return backend, torch.device("cpu")
-
-
 def init_distributed(backend_choice: str, timeout_s: int):
     """Initialise the default process group from torchrun's environment and return a DistContext."""
     import torch.distributed as dist
 
+    from torch_handle.launch.probe import select_backend
     from torch_handle.train.strategy import DistContext
 
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
