@@ -8,6 +8,7 @@ Each test skips without the CUDA devices it needs. benchmarks/gpu_check.py runs 
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -93,7 +94,8 @@ def test_every_strategy_trains_on_nccl(tmp_path, strategy, extra):
     proc, run_dir = train(tmp_path, "launch.backend=nccl", *extra, strategy=strategy, nproc=2)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     steps = events(run_dir, "step")
-    assert [e["step"] for e in steps] == list(range(1, 9)) and steps[-1]["loss"] < steps[0]["loss"]
+    assert [e["step"] for e in steps] == list(range(1, 9))
+    assert all(abs(e["loss"] - math.log(512)) < 1.0 for e in steps), steps  # a global token-mean, near ln(vocabulary)
     assert_cuda_steps(steps, ranks=2)
     assert all([r["rank"] for r in e["ranks"]] == [0, 1] for e in steps)
 
