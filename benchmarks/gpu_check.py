@@ -518,26 +518,20 @@ def device_info(env: dict[str, Any], plan: Plan) -> dict[str, Any]:
             "nccl": t.get("nccl_version"), "backend": plan.backend, "python": env["python"]["version"]}
 
 
-def run_steps(plan: Plan, runner: Runner, out: Path, only: list[str], keep: list[dict[str, Any]]
-              ) -> list[dict[str, Any]]:
-    rows: list[dict[str, Any]] = []
-    for step in only:
-        began = time.perf_counter()
+def run_step(step: str, plan: Plan, runner: Runner, out: Path, done: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One step's rows; an exception in the check itself becomes a failed row, so the other steps still run."""
+    try:
         if step == "tests":
-            new = step_tests(plan, out)
-        elif step == "demo":
-            new = step_demo(plan, runner)
-        elif step == "gpt2":
-            new = step_gpt2(plan, runner, out)
-        else:
-            known = next((r.get("micro_batch_size") for r in [*rows, *keep]
-                          if r["id"] == "gpt2-eager" and r["status"] == "ok"), None)
-            new = step_multi(plan, runner, out, known)
-        for r in new:
-            r.setdefault("wall_s", round(time.perf_counter() - began, 1))
-        rows += new
-        print(f"{step}: " + ", ".join(f"{r['id']} {r['status']}" for r in new), flush=True)
-    return rows
+            return step_tests(plan, out)
+        if step == "demo":
+            return step_demo(plan, runner)
+        if step == "gpt2":
+            return step_gpt2(plan, runner, out)
+        known = next((r.get("micro_batch_size") for r in done if r["id"] == "gpt2-eager" and r["status"] == "ok"), None)
+        return step_multi(plan, runner, out, known)
+    except Exception as e:  # noqa: BLE001 - reported in the row
+        return [{"id": step, "step": STEPS.index(step) + 1, "title": step, "status": "failed",
+                 "message": f"gpu_check: {type(e).__name__}: {e}"}]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -549,7 +543,6 @@ def main(argv: list[str] | None = None) -> int:
     only = [s.strip() for s in args.only.split(",") if s.strip()]
     if not only or set(only) - set(STEPS):
         ap.error(f"--only: choose from {','.join(STEPS)}")
-    only = [s for s in STEPS if s in only]
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     if args.smoke:
@@ -558,7 +551,7 @@ def main(argv: list[str] | None = None) -> int:
     t = env["torch"]
     gpus = len(t.get("cuda_devices") or []) if t.get("cuda_available") else 0
     if args.smoke or gpus == 0:
-        why = "--smoke" if args.smoke else f"no CUDA device found (torch {t.get('version')}, CUDA {t.get('cuda_build')})"
+        why = "--smoke" if args.smoke else f"no CUDA device found (torch {t.get('version')})"
         print(f"{why}: running the CPU smoke version (gloo, 2 processes, tiny models, a few steps)", flush=True)
         plan = Plan.cpu_smoke()
     else:
@@ -566,19 +559,27 @@ def main(argv: list[str] | None = None) -> int:
     mode = "cpu-smoke" if plan.smoke else "cuda"
     device = device_info(env, plan)
     sheet = None if plan.smoke else datasheet_peak(device["name"])
+    runner = Runner(plan, out, sheet)
     report_path = out / "gpu_check.json"
     earlier = json.loads(report_path.read_text(encoding="utf-8")) if report_path.exists() else {}
-    keep = [r for r in earlier.get("rows", []) if earlier.get("mode") == mode and STEPS[r["step"] - 1] not in only]
+    rows = [r for r in earlier.get("rows", []) if earlier.get("mode") == mode and STEPS[r["step"] - 1] not in only]
+    command = " ".join(["benchmarks/gpu_check.py", *(sys.argv[1:] if argv is None else argv)])
+    report: dict[str, Any] = {"version": 1, "mode": mode, "device": device, "command": command,
+                              "peak": {"measured_bf16_flops": peak.get("bf16"), "measured_key": peak.get("key"),
+                                       "datasheet": sheet}}
     start = time.perf_counter()
-    rows = sorted([*keep, *run_steps(plan, Runner(plan, out, sheet), out, only, keep)], key=lambda r: r["step"])
-    compare(rows)
-    report = {"version": 1, "created": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"), "mode": mode,
-              "command": " ".join(["benchmarks/gpu_check.py", *(sys.argv[1:] if argv is None else argv)]),
-              "device": device, "peak": {"measured_bf16_flops": peak.get("bf16"), "measured_key": peak.get("key"),
-                                         "datasheet": sheet},
-              "wall_s": round(time.perf_counter() - start, 1), "rows": rows,
-              "ok": all(r["status"] != "failed" for r in rows)}
-    report_path.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    for step in [s for s in STEPS if s in only]:
+        began = time.perf_counter()
+        new = run_step(step, plan, runner, out, rows)
+        for r in new:
+            r.setdefault("wall_s", round(time.perf_counter() - began, 1))
+        print(f"{step}: " + ", ".join(f"{r['id']} {r['status']}" for r in new), flush=True)
+        rows = sorted([*rows, *new], key=lambda r: r["step"])
+        compare(rows)
+        report.update(created=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"), rows=rows,
+                      wall_s=round(time.perf_counter() - start, 1), ok=all(r["status"] != "failed" for r in rows))
+        # written after every step: a check cut off by a time limit keeps the rows it has
+        report_path.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     print("\n".join(["", *header(report), "", *table(rows), "", f"written: {report_path}"]))
     return 0 if report["ok"] else 1
 

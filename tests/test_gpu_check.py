@@ -83,6 +83,14 @@ def test_the_smoke_version_runs_every_step_through_the_cli(tmp_path):
     assert f"| {demo['tokens_per_s']:,.0f} |" in next(line for line in table if "| demo" in line)
     assert all((Path(r["run_dir"]) / "events.jsonl").exists() for r in rows.values() if r.get("run_dir"))
 
+    # --only runs some steps and keeps the other steps' rows (a machine that limits one command's time)
+    again = subprocess.run([sys.executable, str(SCRIPT), "--out", str(out), "--only", "tests"], capture_output=True,
+                           text=True, cwd=REPO, env=env, timeout=300, stdin=subprocess.DEVNULL)
+    assert again.returncode == 0, again.stdout + again.stderr
+    kept = json.loads((out / "gpu_check.json").read_text())
+    assert [r for r in kept["rows"] if r["id"] != "tests"] == [r for r in report["rows"] if r["id"] != "tests"]
+    assert kept["rows"][0]["id"] == "tests" and kept["command"].endswith("--only tests")
+
 
 def test_the_largest_micro_batch_from_two_estimates(gpu_check):
     at_1 = {"params": 10, "device_bytes": 1000, "activation_bytes": 300}
@@ -109,6 +117,16 @@ def test_out_of_memory_steps_down_and_other_failures_stop(gpu_check):
     calls = []
     gpu_check.confirm(runs(0, calls), 64, [])
     assert calls == [64, 48, 36, 27]  # MAX_ATTEMPTS
+
+
+def test_a_step_that_raises_becomes_a_failed_row(gpu_check, monkeypatch, tmp_path):
+    def broken(plan, runner):
+        raise KeyError("tokens_per_s")
+
+    monkeypatch.setattr(gpu_check, "step_demo", broken)
+    (row,) = gpu_check.run_step("demo", gpu_check.Plan.cpu_smoke(), None, tmp_path, [])
+    assert (row["id"], row["step"], row["status"]) == ("demo", 2, "failed")
+    assert row["message"] == "gpu_check: KeyError: 'tokens_per_s'"
 
 
 @pytest.mark.parametrize("name, card", [("NVIDIA H100 80GB HBM3", "H100 SXM"), ("NVIDIA H100 PCIe", "H100 PCIe"),
