@@ -32,12 +32,12 @@ def handle(*args: str, env: dict[str, str] | None = None, timeout: float = 600) 
 
 def train(tmp_path: Path, *overrides: str, strategy: str = "single", nproc: int = 1, steps: int = 8,
           **env_extra: str) -> tuple[subprocess.CompletedProcess, Path]:
-    """`handle run` of the tiny preset in bf16 on ``nproc`` GPUs; no process may be left behind."""
+    """`handle run` of the tiny preset in bf16 on nccl and ``nproc`` GPUs; no process may be left behind."""
     preset = tmp_path / "tiny.toml"
     preset.write_text(tiny_preset(tmp_path / "runs", steps=steps, strategy=strategy, log_every=1))
     run_dir = tmp_path / "runs" / "r"
     env, tag = tagged_env(**env_extra)
-    sets = ["training.precision=bf16", f"launch.nproc_per_node={nproc}", *overrides]
+    sets = ["training.precision=bf16", "launch.backend=nccl", f"launch.nproc_per_node={nproc}", *overrides]
     proc = handle("run", str(preset), "--run-dir", str(run_dir), *[x for s in sets for x in ("--set", s)], env=env)
     assert leftovers(tag) == []
     return proc, run_dir
@@ -91,7 +91,7 @@ def test_a_bf16_gpu_run_reports_its_breakdown_and_cuda_memory_and_resumes(tmp_pa
                                              ("deepspeed", ["strategy.zero_stage=2"])],
                          ids=["ddp", "fsdp", "scratch-ddp", "zero2"])
 def test_every_strategy_trains_on_nccl(tmp_path, strategy, extra):
-    proc, run_dir = train(tmp_path, "launch.backend=nccl", *extra, strategy=strategy, nproc=2)
+    proc, run_dir = train(tmp_path, *extra, strategy=strategy, nproc=2)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     steps = events(run_dir, "step")
     assert [e["step"] for e in steps] == list(range(1, 9))
@@ -120,7 +120,7 @@ def test_bench_comm_and_check_dist_on_nccl(tmp_path):
 def test_a_hang_on_nccl_dumps_the_flight_recorder(tmp_path):
     """Rank 1 sleeps before step 3's loss all-reduce; the watchdog asks NCCL's flight recorder for each rank's
     recent collectives (through the per-rank pipe) before it stops the run."""
-    proc, run_dir = train(tmp_path, "launch.backend=nccl", "launch.hang_timeout_s=5", "launch.on_hang=stop",
+    proc, run_dir = train(tmp_path, "launch.hang_timeout_s=5", "launch.on_hang=stop",
                           strategy="ddp", nproc=2, steps=20, HANDLE_TEST_HANG_RANK="1:3", HANDLE_PY_SPY="0")
     assert proc.returncode == 1, proc.stdout + proc.stderr
     (hang,) = events(run_dir, "hang")
