@@ -135,6 +135,7 @@ def test_bad_input_starts_nothing(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.cuda
 def test_nccl_without_gpus_is_bad_input(tmp_path):
     import torch
 

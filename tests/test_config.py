@@ -586,6 +586,7 @@ def test_invalid_value_carries_the_key():
     assert (e.key, e.message, str(e)) == ("steps", "must be positive", "steps: must be positive")
 
 
+@pytest.mark.cuda
 def test_nccl_needs_a_cuda_device_per_process(repo_root):
     torch = pytest.importorskip("torch")
     n = torch.cuda.device_count()

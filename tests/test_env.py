@@ -22,6 +22,7 @@ def handle(*args: str, env: dict[str, str] | None = None, timeout: float = 180) 
                           env=env, timeout=timeout, stdin=subprocess.DEVNULL)
 
 
+@pytest.mark.cuda
 def test_env_json_fields():
     proc = handle("env", "--json")
     assert proc.returncode == 0, proc.stderr
@@ -53,6 +54,7 @@ def test_env_text():
         assert key in keys, proc.stdout
 
 
+@pytest.mark.cuda
 def test_check_dist_2_succeeds_and_leaves_nothing():
     env, tag = tagged_env()
     proc = handle("env", "--json", "--check-dist", "2", env=env)
@@ -74,6 +76,7 @@ def test_check_dist_2_succeeds_and_leaves_nothing():
     assert leftovers(tag) == []
 
 
+@pytest.mark.cuda
 def test_check_dist_failure_exits_1_and_leaves_nothing():
     """nccl without a GPU per process cannot work: exit 1, the worker's error, no process left behind."""
     import torch

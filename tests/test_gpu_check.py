@@ -1,0 +1,151 @@
+"""benchmarks/gpu_check.py: its CPU smoke version end to end (what a machine without CUDA runs: every step through
+the real CLI, the table and DIR/gpu_check.json), and in-process the parts only a GPU reaches: the micro-batch
+search and its out-of-memory retries, the datasheet peaks, a run directory with CUDA memory."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import leftovers, tagged_env
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "benchmarks" / "gpu_check.py"
+PARTS = ("data", "forward", "backward", "sync", "optimizer")
+
+
+@pytest.fixture(scope="module")
+def gpu_check():
+    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_check"] = module  # dataclasses look their module up
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.modules.pop("gpu_check", None)
+
+
+@pytest.mark.dist
+def test_the_smoke_version_runs_every_step_through_the_cli(tmp_path):
+    out = tmp_path / "gc"
+    env, tag = tagged_env(CUDA_VISIBLE_DEVICES="")  # the CPU version on a GPU machine too
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--out", str(out)], capture_output=True, text=True, cwd=REPO,
+                          env=env, timeout=900, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert leftovers(tag) == []
+    assert proc.stdout.splitlines()[0].startswith("no CUDA device found") and "CPU smoke version" in proc.stdout
+    report = json.loads((out / "gpu_check.json").read_text())
+    assert (report["mode"], report["ok"], report["device"]["backend"]) == ("cpu-smoke", True, "gloo")
+    assert report["peak"]["measured_bf16_flops"] > 0 and report["peak"]["datasheet"] is None
+    rows = {r["id"]: r for r in report["rows"]}
+    assert list(rows) == ["tests", "demo", "gpt2-eager", "gpt2-compile", "bench-comm", "zero2-2", "fsdp-2"]
+
+    tests = rows["tests"]  # the marker selects tests/test_cuda.py's tests, and each skips without CUDA
+    assert (tests["status"], tests["passed"], tests["failed"]) == ("skipped", 0, 0) and tests["skipped"] >= 5, tests
+
+    demo = rows["demo"]
+    assert demo["status"] == "ok", demo
+    assert (demo["strategy"], demo["zero_stage"], demo["world_size"], demo["precision"]) == ("deepspeed", 2, 2, "bf16")
+    assert (demo["steps"], demo["measured_steps"], demo["micro_batch_size"], demo["seq_len"]) == (4, 3, 4, 32)
+    assert demo["tokens_per_step"] == 2 * 4 * 32
+    assert demo["tokens_per_s"] == pytest.approx(demo["tokens_per_step"] / demo["step_ms"] * 1e3, rel=1e-3)
+    assert demo["mfu"] == pytest.approx(demo["tflops"] * 1e12 / (demo["peak_flops"] * 2), rel=1e-3)
+    assert list(demo["breakdown_ms"]) == list(PARTS)
+    assert sum(demo["breakdown_ms"].values()) == pytest.approx(demo["step_ms"], rel=0.25)
+    assert demo["mfu_datasheet"] is None and demo["cuda_max_allocated_bytes"] is None
+
+    eager, found = rows["gpt2-eager"], rows["gpt2-eager"]["estimate"]
+    assert eager["status"] == "ok" and (eager["strategy"], eager["world_size"], eager["seq_len"]) == ("single", 1, 64)
+    fits = int((found["fraction"] * found["device_memory_bytes"] - found["bytes_at_1"]) // found["bytes_per_sample"]) + 1
+    assert 1 < fits < found["cap"] and found["micro_batch_size"] == fits == eager["micro_batch_size"], found
+    assert found["attempts"] == [{"micro_batch_size": fits, "status": "ok", "oom": False}]
+    assert eager["params"] == found["params"]  # the run's tokenizer reached the vocabulary the estimate assumed
+    assert eager["tokens_per_step"] == fits * 64 and (out / "corpus.txt").stat().st_size >= 96 << 10
+    assert rows["gpt2-compile"]["status"] == "skipped" and "compile" in rows["gpt2-compile"]["message"]
+
+    bench = rows["bench-comm"]
+    assert (bench["status"], bench["world_size"], bench["measurements"], bench["correct"]) == ("ok", 2, 4, 4)
+    assert bench["ops"]["all_reduce"]["backend"] == "gloo" and bench["ops"]["all_reduce"]["bytes"] == 2048
+    assert rows["zero2-2"]["status"] == "skipped"
+    fsdp = rows["fsdp-2"]
+    assert (fsdp["status"], fsdp["strategy"], fsdp["world_size"], fsdp["micro_batch_size"]) == ("ok", "fsdp", 2, fits)
+    assert fsdp["tokens_per_step"] == 2 * fits * 64 and fsdp["vs_eager"] > 0 and "per device" in fsdp["note"]
+
+    table = [line for line in proc.stdout.splitlines() if line.startswith("| ")]
+    for r in report["rows"]:
+        assert sum(line.startswith(f"| {r['step']} | {r['title']} | {r['status']} |") for line in table) == 1, r
+    assert f"| {demo['tokens_per_s']:,.0f} |" in next(line for line in table if "| demo" in line)
+    assert all((Path(r["run_dir"]) / "events.jsonl").exists() for r in rows.values() if r.get("run_dir"))
+
+    # --only runs some steps and keeps the other steps' rows (a machine that limits one command's time)
+    again = subprocess.run([sys.executable, str(SCRIPT), "--out", str(out), "--only", "tests"], capture_output=True,
+                           text=True, cwd=REPO, env=env, timeout=300, stdin=subprocess.DEVNULL)
+    assert again.returncode == 0, again.stdout + again.stderr
+    kept = json.loads((out / "gpu_check.json").read_text())
+    assert [r for r in kept["rows"] if r["id"] != "tests"] == [r for r in report["rows"] if r["id"] != "tests"]
+    assert kept["rows"][0]["id"] == "tests" and kept["command"].endswith("--only tests")
+
+
+def test_the_largest_micro_batch_from_two_estimates(gpu_check):
+    at_1 = {"params": 10, "device_bytes": 1000, "activation_bytes": 300}
+    at_2 = {"params": 10, "device_bytes": 1100, "activation_bytes": 400}
+    found = gpu_check.largest_micro_batch(at_1, at_2, memory=10_000, cap=128, fraction=0.85)
+    assert (found["micro_batch_size"], found["bytes_per_sample"]) == (76, 100)  # 1000 + 75 * 100 = 8500 bytes
+    assert gpu_check.largest_micro_batch(at_1, at_2, memory=10_000, cap=64)["micro_batch_size"] == 64
+    assert gpu_check.largest_micro_batch(at_1, at_2, memory=1_000, cap=64)["micro_batch_size"] == 1
+
+
+def test_out_of_memory_steps_down_and_other_failures_stop(gpu_check):
+    def runs(fits: int | None, calls: list[int]):
+        def run_at(mb: int) -> dict:
+            calls.append(mb)
+            oom = fits is not None and mb > fits
+            return {"status": "ok" if fits is not None and not oom else "failed", "oom": oom}
+        return run_at
+
+    calls, attempts = [], []
+    assert gpu_check.confirm(runs(20, calls), 32, attempts)["status"] == "ok"
+    assert calls == [32, 24, 18] and [a["oom"] for a in attempts] == [True, True, False]
+    calls = []
+    assert gpu_check.confirm(runs(None, calls), 32, [])["status"] == "failed" and calls == [32]  # not memory: no retry
+    calls = []
+    gpu_check.confirm(runs(0, calls), 64, [])
+    assert calls == [64, 48, 36, 27]  # MAX_ATTEMPTS
+
+
+def test_a_step_that_raises_becomes_a_failed_row(gpu_check, monkeypatch, tmp_path):
+    def broken(plan, runner):
+        raise KeyError("tokens_per_s")
+
+    monkeypatch.setattr(gpu_check, "step_demo", broken)
+    (row,) = gpu_check.run_step("demo", gpu_check.Plan.cpu_smoke(), None, tmp_path, [])
+    assert (row["id"], row["step"], row["status"]) == ("demo", 2, "failed")
+    assert row["message"] == "gpu_check: KeyError: 'tokens_per_s'"
+
+
+@pytest.mark.parametrize("name, card", [("NVIDIA H100 80GB HBM3", "H100 SXM"), ("NVIDIA H100 PCIe", "H100 PCIe"),
+                                        ("NVIDIA H200", "H200"), ("NVIDIA A100-SXM4-80GB", "A100"),
+                                        ("NVIDIA H100 NVL", None), ("NVIDIA GeForce RTX 4090", None)])
+def test_datasheet_peaks(gpu_check, name, card):
+    found = gpu_check.datasheet_peak(name)
+    assert (found and found["card"]) == card
+    if card:
+        assert found["bf16_flops"] == {"H100 SXM": 989e12, "H100 PCIe": 756e12, "H200": 989e12, "A100": 312e12}[card]
+
+
+def test_a_run_directory_with_cuda_memory_becomes_a_row(gpu_check):
+    run = REPO / "tests" / "fixtures" / "recorded-breakdown" / "ddp-breakdown"
+    row = gpu_check.summarize_run(run, skip=10, datasheet={"bf16_flops": 989e12})
+    events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+    steps = [e for e in events if e["kind"] == "step"]
+    assert (row["steps"], row["measured_steps"], row["world_size"]) == (len(steps), len(steps) - 10, 2)
+    assert row["cuda_max_allocated_bytes"] == max(m["cuda_max_allocated_bytes"] for e in steps
+                                                    for m in e.get("memory", []))
+    assert row["mfu_datasheet"] == pytest.approx(row["tflops"] * 1e12 / (989e12 * 2))
+    assert row["status"] == "failed"  # run.json says running: not a finished run
