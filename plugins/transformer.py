@@ -24,7 +24,7 @@ TransformerConfig = dataclasses.make_dataclass(
     [("kind", ModelKind, dataclasses.field(default="decoder")),
      *((f.name, f.type, dataclasses.field(default=f.default, metadata=f.metadata))
        for f in dataclasses.fields(TransformerArgs) if f.name not in DATASET_FIELDS)],
-    namespace={"__module__": __name__, "__doc__": _DOC, "check": _check})
+    namespace={"__module__": __name__, "__doc__": _DOC, "check": _check, "tensor_parallel": True})
 
 
 def check_preset(options: TransformerConfig, preset) -> None:
@@ -33,6 +33,19 @@ def check_preset(options: TransformerConfig, preset) -> None:
     if wanted and options.kind != wanted:
         raise InvalidValue("kind", f"{options.kind!r} cannot train on data {preset.data.name!r} "
                                    f"({data_kind}); use kind = {wanted!r}")
+    parallel = preset.parallel
+    if parallel.tp > 1:
+        from torch_handle.model.parallelize import tensor_parallel_problems
+
+        if options.kind != "decoder":
+            raise InvalidValue("kind", f"{options.kind!r} has no tensor-parallel plan yet (parallel.tp = "
+                                       f"{parallel.tp}); the decoder has one")
+        vocab_size = getattr(preset.data.options, "vocab_size", None)
+        seq_len = getattr(preset.data.options, "seq_len", 0)
+        for key, message in tensor_parallel_problems(options, parallel.tp, vocab_size=vocab_size, seq_len=seq_len,
+                                                     sequence_parallel=parallel.sequence_parallel,
+                                                     scratch=parallel.tp_impl == "scratch"):
+            raise InvalidValue(key if key in ("n_heads", "d_ff") else f"data.{key}", message)
 
 
 def build(options: TransformerConfig, vocab_size: int, pad_id: int, max_len: int):

@@ -8,14 +8,17 @@ its own module and is imported when a run starts.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from torch_handle.api import InvalidValue, hookimpl, param
 
 
 @dataclass
 class SingleConfig:
-    """``[strategy]`` with ``name = "single"``: one process, no wrapping."""
+    """``[strategy]`` with ``name = "single"``: one model replica, no wrapping (one process, or the tp processes
+    of one tensor-parallel replica)."""
+
+    tensor_parallel: ClassVar[bool] = True
 
 
 @dataclass
@@ -92,7 +95,11 @@ class ScratchDDPConfig:
 
 
 def _check_single(options, preset) -> None:
-    if preset.world_size != 1:
+    tp = preset.parallel.tp
+    if preset.world_size != tp and tp > 1:
+        raise InvalidValue("launch.nproc_per_node", f"strategy 'single' runs one model replica: world size "
+                                                    f"{preset.world_size} must equal parallel.tp = {tp}")
+    if preset.world_size != tp:
         raise InvalidValue("launch.nproc_per_node", f"strategy 'single' runs one process (world size "
                                                     f"{preset.world_size}); use ddp, deepspeed or fsdp")
 

@@ -186,6 +186,26 @@ class LaunchConfig:
 
 
 @dataclass
+class ParallelConfig:
+    """``[parallel]``: how each model replica is split across ranks. The data-parallel degree (the ``[strategy]``'s
+    replicas) is then world_size / tp; ranks are laid out with TP varying fastest (docs/tensor-parallel.md)."""
+
+    tp: int = param(1, ge=1)
+    """Tensor-parallel degree: each Transformer block's linears split over this many ranks (Megatron-LM's layout).
+    Must divide the world size, n_heads and d_ff."""
+    tp_impl: Literal["native", "scratch"] = "native"
+    """native: DTensor parallelize_module, as torchtitan does; scratch: the hand-written column/row-parallel
+    layers and f/g functions of torch_handle/parallel/tensor/."""
+    sequence_parallel: bool = False
+    """Run LayerNorm and dropout on 1/tp of the sequence between the TP regions (Korthikanti et al. 2022);
+    needs seq_len divisible by tp."""
+
+    def check(self) -> None:
+        if self.sequence_parallel and self.tp == 1:
+            raise InvalidValue("sequence_parallel", "needs parallel.tp > 1 (it splits the sequence over the TP group)")
+
+
+@dataclass
 class PluginSection:
     """A ``[model]``/``[data]``/``[strategy]``/``[profiler]`` table: the plugin ``name`` and its options."""
 
@@ -198,8 +218,9 @@ PLUGIN_TABLES: dict[str, str] = {"model": "model", "data": "dataset", "strategy"
 """Preset table -> plugin kind."""
 
 DEFAULT_PLUGINS: dict[str, str] = {"model": "transformer", "data": "pydoc", "strategy": "single", "profiler": "none"}
-CORE_TABLES: dict[str, type] = {"run": RunConfig, "training": TrainingConfig, "launch": LaunchConfig}
-TABLE_ORDER = ("run", "model", "data", "training", "strategy", "launch", "profiler")
+CORE_TABLES: dict[str, type] = {"run": RunConfig, "training": TrainingConfig, "launch": LaunchConfig,
+                                "parallel": ParallelConfig}
+TABLE_ORDER = ("run", "model", "data", "training", "strategy", "parallel", "launch", "profiler")
 
 
 def plugin_name(table: str, values: Any) -> Any:
@@ -220,6 +241,7 @@ class Preset:
     strategy: PluginSection
     launch: LaunchConfig
     profiler: PluginSection
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     source: str = "<preset>"
     """Where the preset came from (for messages)."""
 

@@ -118,17 +118,18 @@ def tensor_parallel_plan(model: Any) -> dict[str, Any]:
     return plan
 
 
-def tensor_parallel_problems(args: Any, tp: int, *, sequence_parallel: bool, seq_len: int, scratch: bool
-                             ) -> list[tuple[str, str]]:
-    """What keeps ``args`` (a TransformerArgs) from splitting ``tp`` ways, as (key, message) pairs; empty when it
-    can. Checked before anything starts: every rank must get whole heads and equal slices."""
+def tensor_parallel_problems(args: Any, tp: int, *, vocab_size: int | None, seq_len: int, sequence_parallel: bool,
+                             scratch: bool) -> list[tuple[str, str]]:
+    """What keeps a model with ``args`` (``n_heads``, ``d_ff``: a TransformerArgs or the plugin's options) from
+    splitting ``tp`` ways, as (key, message) pairs; empty when it can. Checked before anything starts: every rank
+    must get whole heads and equal slices. ``vocab_size`` None: not known before the tokenizer is built."""
     out = []
     if args.n_heads % tp:
         out.append(("n_heads", f"{args.n_heads} is not divisible by parallel.tp = {tp} (each rank takes whole heads)"))
     if args.d_ff % tp:
         out.append(("d_ff", f"{args.d_ff} is not divisible by parallel.tp = {tp}"))
-    if scratch and args.vocab_size % tp:
-        out.append(("vocab_size", f"{args.vocab_size} is not divisible by parallel.tp = {tp} (the hand-written "
+    if scratch and vocab_size is not None and vocab_size % tp:
+        out.append(("vocab_size", f"{vocab_size} is not divisible by parallel.tp = {tp} (the hand-written "
                                   f"vocabulary-parallel embedding and loss split it evenly)"))
     if sequence_parallel and seq_len % tp:
         out.append(("seq_len", f"{seq_len} is not divisible by parallel.tp = {tp} (sequence parallelism splits the "
