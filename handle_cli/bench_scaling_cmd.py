@@ -51,9 +51,8 @@ def _scaling_plan(preset: str, overrides: tuple[str, ...], nprocs: list[int], la
     line, exit 2."""
     from torch_handle.config.loader import load_preset
     from torch_handle.errors import USER_ERRORS
+    from torch_handle.launch.run import check_data
     from torch_handle.registry import get_registry
-
-    from handle_cli.runner import _check_data
 
     user = list(overrides)
     if steps is not None:
@@ -62,7 +61,7 @@ def _scaling_plan(preset: str, overrides: tuple[str, ...], nprocs: list[int], la
         user.append(f"training.steps={DEFAULT_STEPS}")
     try:
         base = load_preset(preset, user)
-        _check_data(base)
+        check_data(base)
     except USER_ERRORS as e:
         fail(str(e))
     if base.launch.nnodes != 1:
@@ -116,7 +115,9 @@ def _run_one(preset: str, run: dict[str, Any], directory: Path) -> tuple[int, di
     from torch_handle.rundir import read_run_info
     from torch_handle.observe.telemetry import EVENTS_FILE
 
-    from handle_cli.runner import prepare_run, supervise
+    from torch_handle.launch.run import prepare_run
+
+    from handle_cli.runner import supervise
 
     run_dir = directory / run["run_name"]
     t0 = time.perf_counter()
