@@ -7,6 +7,9 @@ same seed builds the same model everywhere), so the comparison needs no communic
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import traceback
 from pathlib import Path
 
@@ -21,8 +24,10 @@ from torch_handle.model.parallelize import parallelize_tensor, tensor_parallel_p
 from torch_handle.model.transformer import DecoderLM
 from torch_handle.parallel.tensor.cross_entropy import vocab_parallel_cross_entropy
 from torch_handle.parallel.tensor.layers import all_reduce_sp_grads
-from torch_handle.parallel.tensor.mappings import TPGroup
+from torch_handle.parallel.tensor.mappings import TPGroup, step_volume
 from torch_handle.parallel.tensor.plan import unshard
+
+from tests.helpers import tiny_preset
 
 pytestmark = pytest.mark.dist
 
@@ -107,3 +112,48 @@ def test_decoder_split_two_ways_equals_one_process(tmp_path: Path) -> None:
         mp.spawn(_worker, args=(f"file://{tmp_path / 'rendezvous'}", str(tmp_path)), nprocs=2, join=True)
     except Exception as e:
         raise AssertionError("\n".join(p.read_text() for p in sorted(tmp_path.glob("rank*.txt"))) or str(e)) from None
+
+
+# ---- real runs through `handle run`: the layout, the losses, the counted traffic -------------------------------------
+
+TINY = ("--set", "model.dropout=0", "--set", "model.norm_first=true", "--set", "training.steps=4",
+        "--set", "training.log_every=1", "--set", "training.grad_accum=2")
+
+
+def _run(preset: Path, name: str, *overrides: str) -> Path:
+    proc = subprocess.run([sys.executable, "-m", "handle_cli", "run", str(preset), "--set", f"run.name={name}",
+                           *TINY, *overrides], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"{name}: exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"
+    run_dir = Path(next(ln for ln in proc.stdout.splitlines() if ln.startswith("run directory: ")).split(": ", 1)[1])
+    return run_dir
+
+
+def _steps(run_dir: Path) -> list[dict]:
+    lines = (run_dir / "events.jsonl").read_text().splitlines()
+    return [e for e in map(json.loads, lines) if e["kind"] == "step"]
+
+
+def test_handle_run_with_tp_2_gives_the_one_process_losses(tmp_path: Path) -> None:
+    """fp32, dropout 0, 4 steps of 2 micro-batches: `parallel.tp = 2` on 2 ranks (by hand with sequence
+    parallelism, and DTensor without) trains as one process does, and the hand-written path's counted TP traffic
+    is exactly the analytic volume of every step."""
+    preset = tmp_path / "tiny.toml"
+    preset.write_text(tiny_preset(tmp_path / "runs", strategy="single").replace("nproc_per_node = 2",
+                                                                                "nproc_per_node = 1"))
+    one = _steps(_run(preset, "one"))
+    tp = ("--set", "launch.nproc_per_node=2", "--set", "parallel.tp=2")
+    scratch = _steps(_run(preset, "scratch", *tp, "--set", "parallel.tp_impl=scratch",
+                          "--set", "parallel.sequence_parallel=true"))
+    native = _steps(_run(preset, "native", *tp, "--set", "parallel.tp_impl=native"))
+    for split in (scratch, native):
+        assert [e["step"] for e in split] == [1, 2, 3, 4]
+        for a, b in zip(one, split):
+            assert abs(a["loss"] - b["loss"]) <= 1e-5 * a["loss"], (a["step"], a["loss"], b["loss"])
+            assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-4 * a["grad_norm"]
+            assert b["tokens"] == a["tokens"] and b["layout"] == {"dp": 1, "tp": 2}
+    d_model, n_layers = 64, 2
+    sp_grads = n_layers * (2 * 2 * d_model + 2 * d_model) + 2 * d_model  # 2 LayerNorms + 2 row biases a layer, final
+    want = step_volume(n_layers=n_layers, micro_batch_size=4, seq_len=32, d_model=d_model, grad_accum=2,
+                       sequence_parallel=True, sp_grad_elements=sp_grads)
+    assert [(e["tp_comm_calls"], e["tp_comm_bytes"]) for e in scratch] == [(want["calls"], want["bytes"])] * 4
+    assert all("tp_comm_calls" not in e for e in native)  # DTensor's collectives are not counted

@@ -25,8 +25,7 @@ class SingleStrategy(Strategy):
         if self.scaler is None:
             return super().step()
         self.scaler.unscale_(self.optimizer)
-        max_norm = self.training.grad_clip if self.training.grad_clip > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        grad_norm = self.clip_grad_norm()
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.scheduler.step()

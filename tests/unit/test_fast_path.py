@@ -11,7 +11,7 @@ from torch_handle.data.datasets import IGNORE_INDEX
 from torch_handle.model.args import TransformerArgs
 from torch_handle.model.kernels import Dropout, dropout
 from torch_handle.model.transformer import build_transformer
-from torch_handle.train.trainer import loss_fn
+from torch_handle.train.loss import loss_fn
 
 
 def _old_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

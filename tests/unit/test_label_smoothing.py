@@ -21,7 +21,8 @@ from torch_handle.checkpoint.resume import rule
 from torch_handle.rundir import create_run_dir
 from torch_handle.train.strategy import DistContext
 from torch_handle.model.kernels import CE_CHUNK_ELEMENTS
-from torch_handle.train.trainer import Trainer, loss_fn
+from torch_handle.train.loss import loss_fn
+from torch_handle.train.trainer import Trainer
 
 
 def _logits_labels(seed: int = 0, vocab: int = 300):

@@ -14,6 +14,7 @@ names another file. torch is imported inside the functions.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import platform
 import time
@@ -26,6 +27,8 @@ from torch_handle.common.precision import PRECISIONS, torch_dtype
 DTYPES = PRECISIONS
 SIZES = (512, 1024, 2048)
 """Matrix sizes tried; the largest product (2048³·2 = 17 GFLOP) takes ~50 ms in fp32 on one CPU core."""
+
+log = logging.getLogger("torch_handle")
 
 
 def cache_path() -> Path:
@@ -140,3 +143,23 @@ def cached_peak(device: Any, precision: str, threads: int) -> float | None:
     entry = _read_cache(cache_path()).get(device_key(device, threads))
     value = entry.get(precision) if isinstance(entry, dict) else None
     return float(value) if isinstance(value, (int, float)) and value > 0 else None
+
+
+def peak_for_mfu(device: Any, precision: str, threads: int) -> tuple[float | None, str]:
+    """``(FLOP/s, message)``: the ``precision`` matmul peak of ``device`` at ``threads`` threads per rank, from the
+    cache or measured now (a few seconds, once per device, thread count and torch version); None when there is no
+    such peak (the message then says that step events carry no mfu). The message is also logged."""
+    value = cached_peak(device, precision, threads)
+    how = "cached"
+    if value is None:
+        log.info("measuring the %s matmul peak of %s with %d threads (for MFU)", precision, device, threads)
+        entry = peak_flops(device)
+        value, how = entry.get(precision), "measured"
+        value = float(value) if isinstance(value, (int, float)) and value > 0 else None
+    if value is None:
+        message = f"no {precision} matmul peak for {device}: step events carry no mfu"
+        log.warning(message)
+        return None, message
+    message = f"peak {value / 1e12:.3f} TFLOP/s ({precision} matmul, {how}, {threads} threads per rank) for mfu"
+    log.info(message)
+    return value, message

@@ -40,10 +40,30 @@ class DistContext:
     world_size: int
     device: torch.device
     backend: str
+    layout: Any = None
+    """The dp x tp :class:`~torch_handle.parallel.mesh.Layout` when ``parallel.tp > 1``, else None (dp = world size)."""
+    mesh: Any = None
+    """The ("dp", "tp") ``DeviceMesh`` of ``layout``."""
+    tp_group: Any = None
+    """This rank's :class:`~torch_handle.parallel.tensor.mappings.TPGroup` (the mesh's "tp" dimension)."""
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's data-parallel index: which micro-batches it reads (the TP ranks of a replica read the same)."""
+        return self.rank if self.layout is None else self.layout.dp_rank(self.rank)
+
+    @property
+    def dp_size(self) -> int:
+        """Model replicas: world_size / tp."""
+        return self.world_size if self.layout is None else self.layout.dp
+
+    @property
+    def tp_rank(self) -> int:
+        return 0 if self.layout is None else self.layout.tp_rank(self.rank)
 
     @property
     def distributed(self) -> bool:
@@ -82,6 +102,8 @@ def tensor_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
     for t in tensors:
         if t is None or not isinstance(t, torch.Tensor) or t.numel() == 0:
             continue
+        if hasattr(t, "to_local"):  # a DTensor (TP, FSDP2): this rank holds its local shard
+            t = t.to_local()
         storage = t.untyped_storage()
         if storage.data_ptr() in seen:
             continue
@@ -110,6 +132,9 @@ class Strategy:
     """
 
     name = "base"
+    clips_gradients = True
+    """Whether :meth:`step` clips (and measures) the gradient norm; the trainer turns it off under tensor
+    parallelism, where it computes the norm over the split gradients itself."""
 
     def __init__(self, options: Any, training: TrainingConfig, ctx: DistContext, model: torch.nn.Module):
         self.options, self.training, self.ctx = options, training, ctx
@@ -160,14 +185,20 @@ class Strategy:
 
     def step(self) -> float:
         """Clip, step the optimizer and the LR schedule, zero the gradients; return the pre-clip grad norm."""
-        max_norm = self.training.grad_clip if self.training.grad_clip > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
-        if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP2
-            grad_norm = grad_norm.full_tensor()
+        grad_norm = self.clip_grad_norm()
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return float(grad_norm)
+
+    def clip_grad_norm(self) -> torch.Tensor | float:
+        """Clip the gradients to ``training.grad_clip`` (0: no limit); return their norm before clipping. NaN when
+        ``clips_gradients`` is off (the trainer clips tensor-parallel gradients itself, over the split model)."""
+        if not self.clips_gradients:
+            return float("nan")
+        max_norm = self.training.grad_clip if self.training.grad_clip > 0 else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        return grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # a DTensor: FSDP2
 
     def skip_step(self) -> None:
         """Drop the accumulated gradients without updating (``on_nan = "skip"``)."""

@@ -7,6 +7,7 @@ component gets only its own preset section.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -28,8 +29,7 @@ from torch_handle.common.fsio import replacing
 from torch_handle.common.testhooks import DELAY_ENV, HANG_ENV, parse_test_delay, parse_test_hang
 from torch_handle.checkpoint import shared_dirs
 from torch_handle.config.loader import Preset
-from torch_handle.data.datasets import IGNORE_INDEX, DataBundle, DataContext, GlobalBatchSampler, ResumableDistributedSampler
-from torch_handle.model.kernels import cross_entropy
+from torch_handle.data.datasets import DataBundle, DataContext, GlobalBatchSampler, ResumableDistributedSampler
 from torch_handle.model.parallelize import checkpointed_blocks, model_blocks
 from torch_handle.registry import PluginRegistry
 from torch_handle.rundir import HEARTBEAT_S, STOP_FILE, touch_heartbeat, update_run_info
@@ -41,6 +41,7 @@ from torch_handle.observe.fields import (ACTIVATION_SAVED_BYTES, BACKWARD_S, COM
 from torch_handle.observe.heartbeat import beat, busy
 from torch_handle.observe.state import SLOW_RANK_LOGS, SLOW_RANK_RATIO, slowest_rank
 from torch_handle.observe.telemetry import EVENTS_FILE, EventWriter, NullEventWriter
+from torch_handle.train.loss import loss_fn
 from torch_handle.train.phases import PhaseTimer
 
 log = logging.getLogger("torch_handle")
@@ -56,20 +57,9 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def loss_fn(logits: torch.Tensor, labels: torch.Tensor, label_smoothing: float = 0.0
-            ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token-mean cross-entropy in fp32. logits (B, T, V), labels (B, T) -> (scalar loss, tokens counted as a
-    scalar tensor on the same device: counting must not force a host sync).
-
-    ``label_smoothing`` eps in [0, 1): the target puts 1 - eps on the label and eps spread evenly over the
-    vocabulary (Szegedy et al. 2016; Vaswani et al. 2017, eps = 0.1), exactly ``F.cross_entropy``'s
-    ``label_smoothing``; 0 is plain cross-entropy. The trainer passes ``training.label_smoothing`` for training
-    steps only: validation loss stays plain cross-entropy.
-
-    Computed by ``torch_handle.model.kernels.cross_entropy`` (chunk by chunk in cache on CPU)."""
-    n_tokens = (labels != IGNORE_INDEX).sum()
-    flat, targets = logits.flatten(0, 1), labels.flatten()  # (B·T, V), (B·T,)
-    return cross_entropy(flat, targets, label_smoothing, IGNORE_INDEX), n_tokens
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """A replicated DTensor (native TP's loss) as a plain tensor; a plain tensor as it is."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 class Trainer:
@@ -80,6 +70,7 @@ class Trainer:
         self.training = preset.training
         self.events = EventWriter(self.run_dir / EVENTS_FILE) if ctx.is_main else NullEventWriter()
         self.step = 0
+        self.tp: Any = None  # the TensorParallel share of this process when parallel.tp > 1 (see build)
         self.epoch = 0
         self.samples_in_epoch = 0
         """The data position: samples of this epoch's global order consumed by all ranks (GlobalBatchSampler)."""
@@ -107,7 +98,13 @@ class Trainer:
 
     # -- build ---------------------------------------------------------------------------------------------------
     def build(self) -> None:
-        p, ctx = self.preset, self.ctx
+        p = self.preset
+        if p.parallel.tp > 1:
+            from torch_handle.train.tensor_parallel import TensorParallel, attach_layout
+
+            self.ctx = attach_layout(self.ctx, p.parallel)
+            self.tp = TensorParallel(p.parallel, self.ctx)
+        ctx = self.ctx
         seed_everything(p.run.seed)
         data_plugin = self.registry.get("dataset", p.data.name)
         cache_dir = Path(p.run.output_dir) / ".cache"
@@ -134,29 +131,32 @@ class Trainer:
         self.model_info = {"params": sum(t.numel() for t in model.parameters()),
                            "flops_per_token": float(flops(self.data.max_len)) if flops is not None else None}
         model.to(ctx.device)
+        if self.tp is not None:
+            self.tp.parallelize(model)
         if self.training.compile:
             # Per block and in place (nn.Module.compile), as torchtitan does: the blocks stay the modules that
             # blocks() returns, so fsdp's fully_shard per block and activation checkpointing see them unchanged.
             for block in model_blocks(model, default=[model]):
                 block.compile()
-        # From here on each rank draws its own dropout masks.
-        seed_everything(p.run.seed + 1000 * ctx.rank)
+        # From here on each replica draws its own dropout masks (the TP ranks of one replica draw the same).
+        seed_everything(p.run.seed + 1000 * ctx.dp_rank)
 
         strategy_plugin = self.registry.get("strategy", p.strategy.name)
         self.strategy: Strategy = strategy_plugin.factory(p.strategy.options, self.training, ctx, model)
+        self.strategy.clips_gradients = self.tp is None
 
         t = self.training
         # the samples of each step depend on the seed and the step, not on the world size (see GlobalBatchSampler)
-        global_batch = t.micro_batch_size * t.grad_accum * ctx.world_size
+        global_batch = t.micro_batch_size * t.grad_accum * ctx.dp_size
         if len(self.data.train) < global_batch:
             raise ValueError(f"training split has {len(self.data.train)} samples: too few for one batch of "
-                             f"micro_batch_size={t.micro_batch_size} on each of {ctx.world_size} ranks "
+                             f"micro_batch_size={t.micro_batch_size} on each of {ctx.dp_size} ranks "
                              f"(x grad_accum {t.grad_accum}: {global_batch} samples per step)")
         self.train_sampler = GlobalBatchSampler(len(self.data.train), micro_batch_size=t.micro_batch_size,
-                                                grad_accum=t.grad_accum, world_size=ctx.world_size, rank=ctx.rank,
+                                                grad_accum=t.grad_accum, world_size=ctx.dp_size, rank=ctx.dp_rank,
                                                 seed=p.run.seed, shuffle=True)
-        self.valid_sampler = ResumableDistributedSampler(self.data.valid, num_replicas=ctx.world_size,
-                                                         rank=ctx.rank, shuffle=False, drop_last=True)
+        self.valid_sampler = ResumableDistributedSampler(self.data.valid, num_replicas=ctx.dp_size,
+                                                         rank=ctx.dp_rank, shuffle=False, drop_last=True)
         self.train_loader = self._loader(self.data.train, batch_sampler=self.train_sampler)
         self.valid_loader = self._loader(self.data.valid, self.valid_sampler)
         self.profiler = self.registry.get("profiler", p.profiler.name).factory(
@@ -169,27 +169,13 @@ class Trainer:
         ctx.barrier()  # the other ranks wait (idle) while rank 0 measures the peak, which needs the cores
 
     def _peak(self) -> float | None:
-        """The peak FLOP/s of this device for ``training.precision`` at this worker's thread count, from the
-        cache or measured now (a few seconds, once per device, thread count and torch version)."""
-        from torch_handle.observe.peak import cached_peak, peak_flops
+        """The matmul peak behind MFU (:func:`torch_handle.observe.peak.peak_for_mfu`), reported as a log event."""
+        from torch_handle.observe.peak import peak_for_mfu
 
-        precision, threads = self.training.precision, torch.get_num_threads()
-        value = cached_peak(self.ctx.device, precision, threads)
-        how = "cached"
-        if value is None:
-            log.info("measuring the %s matmul peak of %s with %d threads (for MFU)", precision, self.ctx.device,
-                     threads)
-            with busy("peak"):  # seconds of matmuls on this rank alone: progress, not a hang
-                entry = peak_flops(self.ctx.device)
-            value, how = entry.get(precision), "measured"
-            value = float(value) if isinstance(value, (int, float)) and value > 0 else None
-        if value is None:
-            log.warning("no %s matmul peak for %s: step events carry no mfu", precision, self.ctx.device)
-            return None
-        message = (f"peak {value / 1e12:.3f} TFLOP/s ({precision} matmul, {how}, {threads} threads per rank) "
-                   f"for mfu")
-        log.info(message)
-        self.events.emit(Kind.LOG, level=Level.INFO, message=message)
+        with busy("peak"):  # seconds of matmuls on this rank alone when not cached: progress, not a hang
+            value, message = peak_for_mfu(self.ctx.device, self.training.precision, torch.get_num_threads())
+        if value is not None:
+            self.events.emit(Kind.LOG, level=Level.INFO, message=message)
         return value
 
     def _loader(self, dataset: Any, sampler: ResumableDistributedSampler | None = None, *,
@@ -333,7 +319,12 @@ class Trainer:
         labels = batch.pop("labels")
         with self.strategy.autocast():
             logits = self.strategy.model(**batch)
-        return loss_fn(logits, labels, self.training.label_smoothing if train else 0.0)
+        eps = self.training.label_smoothing if train else 0.0
+        return loss_fn(logits, labels, eps) if self.tp is None else self.tp.loss(logits, labels, eps)
+
+    def _micro_batch(self):
+        """Context of one micro-batch's forward, loss and backward (``loss_parallel()`` for native TP)."""
+        return contextlib.nullcontext() if self.tp is None else self.tp.micro_batch()
 
     def train_step(self, batches: Iterator[dict[str, torch.Tensor]]) -> dict[str, Any]:
         """One optimizer step over ``grad_accum`` micro-batches; returns its ``step`` event (plus ``stop``).
@@ -345,6 +336,8 @@ class Trainer:
         t = self.training
         timer = self.timer
         timer.begin()
+        if self.tp is not None:
+            self.tp.begin_step()
         # [loss * tokens, tokens, stop] stays on the device until the one sync below (nccl needs it there too)
         stats = torch.zeros(3, dtype=torch.float64, device=self.ctx.device)
         for i in range(t.grad_accum):
@@ -353,7 +346,7 @@ class Trainer:
                 batch = next(batches)
                 if self.test_delay_s:
                     time.sleep(self.test_delay_s)  # HANDLE_TEST_DELAY_RANK: a slow input pipeline, for tests
-            with self.strategy.accumulating(sync=i == t.grad_accum - 1):
+            with self.strategy.accumulating(sync=i == t.grad_accum - 1), self._micro_batch():
                 with timer.phase("forward"):
                     if i == 0 and self.activation_saved_bytes is None:  # once per process: what autograd saves
                         with self._activation_counter() as counter:
@@ -361,8 +354,9 @@ class Trainer:
                         self.activation_saved_bytes = counter.bytes
                     else:
                         loss, n = self.forward_loss(batch)
-                    stats[0] += loss.detach().double() * n
-                    stats[1] += n
+                    once = float(self.ctx.tp_rank == 0)  # a replica's TP ranks hold the same loss: count it once
+                    stats[0] += _plain(loss).detach().double() * n * once
+                    stats[1] += n * once
                 with timer.phase("backward"):
                     self.strategy.backward(loss)
         log_memory = (self.step + 1) % t.log_every == 0 or self.step == 0
@@ -385,6 +379,9 @@ class Trainer:
                 self.strategy.skip_step()
                 record["skipped"] = True
                 grad_norm = float("nan")
+            elif self.tp is not None:  # the norm over the split gradients, clipped here (clips_gradients is off)
+                grad_norm = self.tp.before_step(self.strategy.unwrapped(), t.grad_clip or float("inf"))
+                self.strategy.step()
             else:
                 grad_norm = self.strategy.step()
         if self.ctx.device.type == "cuda":
@@ -394,6 +391,8 @@ class Trainer:
         record.update(lr=self.strategy.lr, grad_norm=grad_norm, step_time_s=dt, tokens_per_s=record["tokens"] / dt)
         stats_of_strategy = self.strategy.step_stats()  # e.g. comm_s, allreduce_calls, allreduce_bytes (scratch-ddp)
         record.update(stats_of_strategy)
+        if self.tp is not None:
+            record.update(self.tp.step_stats())  # the layout; the scratch path's TP traffic
         parts = timer.read()
         if parts:
             # the strategy's gradient-communication wait happened inside its backward: count it once, as comm_s
@@ -478,9 +477,11 @@ class Trainer:
             if i >= self.training.eval_steps:
                 break
             batch = {k: v.to(self.ctx.device, non_blocking=True) for k, v in batch.items()}
-            loss, n = self.forward_loss(batch, train=False)
-            total[0] += loss.double() * n
-            total[1] += n
+            with self._micro_batch():
+                loss, n = self.forward_loss(batch, train=False)
+            once = float(self.ctx.tp_rank == 0)
+            total[0] += _plain(loss).double() * n * once
+            total[1] += n * once
         if self.ctx.distributed:
             dist.all_reduce(total)
         total = total.cpu()
@@ -523,7 +524,8 @@ class Trainer:
     def export(self) -> None:
         """Final weights as ``model.safetensors`` (rank 0; every rank takes part in gathering them)."""
         beat("export", self.step)
-        state = self.strategy.full_state_dict()
+        model = self.strategy.unwrapped()
+        state = self.strategy.full_state_dict() if self.tp is None else self.tp.full_state_dict(model)
         if state is None:
             return
         from safetensors.torch import save_file

@@ -20,10 +20,19 @@ from torch import Tensor, nn
 from torch_handle.parallel.tensor.mappings import (TPGroup, copy_to_tp, gather_from_sp, reduce_from_tp,
                                                    scatter_to_sp)
 
+SHARD_ATTR = "tensor_parallel_shard"
+"""Set on a parameter of which this rank holds a slice (the weight of a column- or row-parallel linear, the bias of
+a column-parallel one, the vocabulary-parallel table): its gradient norm is a sum over the TP group."""
 SP_GRAD_ATTR = "sequence_parallel_grad"
 """Set on a parameter whose gradient is a partial sum over the sequence shards of the TP group (LayerNorm weights
 and the bias of a row-parallel linear under sequence parallelism): :func:`all_reduce_sp_grads` must sum it over
 the TP group before the optimizer step, or each rank steps with the gradient of its 1/tp of the tokens."""
+
+
+def _shard(t: Tensor) -> nn.Parameter:
+    p = nn.Parameter(t)
+    setattr(p, SHARD_ATTR, True)
+    return p
 
 
 def _column_rows(weight: Tensor, tp: TPGroup, parts: int) -> Tensor:
@@ -48,8 +57,8 @@ class ColumnParallelLinear(nn.Module):
                  parts: int = 1) -> None:
         super().__init__()
         self.tp, self.sequence_parallel, self.parts = tp, sequence_parallel, parts
-        self.weight = nn.Parameter(weight)
-        self.bias = None if bias is None else nn.Parameter(bias)
+        self.weight = _shard(weight)
+        self.bias = None if bias is None else _shard(bias)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, tp: TPGroup, *, sequence_parallel: bool = False,
@@ -81,7 +90,7 @@ class RowParallelLinear(nn.Module):
     def __init__(self, weight: Tensor, bias: Tensor | None, tp: TPGroup, *, sequence_parallel: bool = False) -> None:
         super().__init__()
         self.tp, self.sequence_parallel = tp, sequence_parallel
-        self.weight = nn.Parameter(weight)
+        self.weight = _shard(weight)
         self.bias = None if bias is None else nn.Parameter(bias)
         if self.bias is not None and sequence_parallel:
             setattr(self.bias, SP_GRAD_ATTR, True)
@@ -115,7 +124,7 @@ class VocabParallelEmbedding(nn.Module):
     def __init__(self, weight: Tensor, vocab_size: int, tp: TPGroup, *, sequence_parallel: bool = False) -> None:
         super().__init__()
         self.tp, self.sequence_parallel = tp, sequence_parallel
-        self.weight = nn.Parameter(weight)
+        self.weight = _shard(weight)
         self.vocab_start = tp.rank * weight.shape[0]
         self.vocab_size = vocab_size
 

@@ -209,3 +209,38 @@ def gather_sequence(x: Tensor, tp: TPGroup, dim: int = 1) -> Tensor:
     """Leave the sequence-parallel layout into a replicated tensor: all-gather forward, keep this rank's slice of
     the gradient backward (the conjugate of :func:`split_to_sp`). x (b, s/tp, h) -> (b, s, h)."""
     return _GatherKeepGrad.apply(x, tp, dim)
+
+
+def step_volume(*, n_layers: int, micro_batch_size: int, seq_len: int, d_model: int, grad_accum: int = 1,
+                sequence_parallel: bool = False, element_bytes: int = 4, sp_grad_elements: int = 0
+                ) -> dict[str, int]:
+    """The TP collectives of one optimizer step of the decoder split by hand, counted as :class:`CommStats` counts
+    them: ``{"calls", "bytes"}`` (bytes of the full tensors), with every activation ``element_bytes`` wide (fp32: 4;
+    under autocast the row-parallel outputs are 16-bit while the gradients entering the TP regions stay fp32).
+
+    Per micro-batch, with A = micro_batch_size · seq_len · d_model · element_bytes (one activation) and
+    N = micro_batch_size · seq_len tokens:
+
+    - each of the 2·n_layers TP regions (attention, FFN): one all-reduce forward (g) and one backward (f), 2A; with
+      sequence parallelism an all-gather and a reduce-scatter each way instead, 4A (the same data: an all-reduce
+      is a reduce-scatter followed by an all-gather; Korthikanti et al. 2022 §4.2.2);
+    - the vocabulary-parallel embedding: one all-reduce forward (A); with sequence parallelism the hand-over to
+      the sequence shards adds an all-gather of the gradient backward (A);
+    - the LM head's input: f's all-reduce backward (A); with sequence parallelism an all-gather forward and a
+      reduce-scatter backward (2A);
+    - the vocabulary-parallel cross-entropy: an all-reduce of N fp32 maxima and one of (N, 3) fp32 sums: 16N.
+
+    Per step, with sequence parallelism: one all-reduce of the ``sp_grad_elements`` fp32 gradients of the
+    LayerNorms and row-parallel biases (:func:`~torch_handle.parallel.tensor.layers.all_reduce_sp_grads`).
+    """
+    n = micro_batch_size * seq_len
+    act = n * d_model * element_bytes
+    regions = 2 * n_layers
+    if sequence_parallel:
+        calls, nbytes = regions * 4 + 2 + 2 + 2, regions * 4 * act + 2 * act + 2 * act + 16 * n
+    else:
+        calls, nbytes = regions * 2 + 1 + 1 + 2, regions * 2 * act + act + act + 16 * n
+    calls, nbytes = calls * grad_accum, nbytes * grad_accum
+    if sequence_parallel and sp_grad_elements:
+        calls, nbytes = calls + 1, nbytes + 4 * sp_grad_elements
+    return {"calls": calls, "bytes": nbytes}

@@ -1,0 +1,135 @@
+"""What a training process does differently when ``parallel.tp > 1``: the mesh, the split model, the loss over a
+split vocabulary, the gradient norm over split gradients, and the TP traffic in the step event.
+
+The trainer calls :class:`TensorParallel` at five points (build, loss, backward, before the optimizer step, step
+event); everything else (the data-parallel strategy, the loop, checkpoints of the replicated state) is unchanged.
+Ranks are laid out dp × tp with TP fastest (:mod:`torch_handle.parallel.mesh`): the TP ranks of one replica read
+the same micro-batches, so the data samplers use the data-parallel rank and size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import replace
+from typing import Any, ContextManager
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from torch_handle.config.schema import ParallelConfig
+from torch_handle.data.datasets import IGNORE_INDEX
+from torch_handle.model.parallelize import parallelize_tensor, tensor_parallel_plan
+from torch_handle.parallel.mesh import Layout, build_mesh
+from torch_handle.parallel.tensor.cross_entropy import vocab_parallel_cross_entropy
+from torch_handle.parallel.tensor.layers import SHARD_ATTR, all_reduce_sp_grads
+from torch_handle.parallel.tensor.mappings import TPGroup
+from torch_handle.train.strategy import DistContext
+
+
+def attach_layout(ctx: DistContext, parallel: ParallelConfig) -> DistContext:
+    """``ctx`` with the dp × tp layout of ``parallel``: the device mesh, the TP group and the data-parallel rank and
+    size (``ctx.dp_rank``, ``ctx.dp_size``). With tp = 1: ``ctx`` unchanged (dp = world size)."""
+    if parallel.tp == 1:
+        return ctx
+    layout = Layout(ctx.world_size, parallel.tp)
+    mesh = build_mesh(layout, ctx.device.type)
+    return replace(ctx, layout=layout, mesh=mesh, tp_group=TPGroup(mesh["tp"].get_group()))
+
+
+class TensorParallel:
+    """One process's share of tensor parallelism (``parallel.tp > 1``), for the trainer.
+
+    ``impl`` ``"scratch"``: the hand-written layers; the model returns this rank's vocabulary slice of the logits
+    and the loss is :func:`vocab_parallel_cross_entropy`. ``"native"``: DTensor; the model returns a DTensor of
+    logits sharded over the vocabulary, and forward, loss and backward of a micro-batch run under
+    ``loss_parallel()`` (:meth:`micro_batch`)."""
+
+    def __init__(self, parallel: ParallelConfig, ctx: DistContext) -> None:
+        self.impl, self.sequence_parallel = parallel.tp_impl, parallel.sequence_parallel
+        self.ctx, self.tp = ctx, ctx.tp_group
+        self.plan: dict[str, Any] = {}
+
+    def parallelize(self, model: nn.Module) -> nn.Module:
+        """Split ``model`` (same weights on every rank) over this rank's TP group, in place."""
+        self.plan = tensor_parallel_plan(model)
+        target = self.tp if self.impl == "scratch" else self.ctx.mesh["tp"]
+        return parallelize_tensor(model, self.impl, target, sequence_parallel=self.sequence_parallel)
+
+    def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor] | None:
+        """The one-process state dict (names and values of the unsplit model) on rank 0, None elsewhere; a
+        collective over the TP group."""
+        from torch_handle.parallel.tensor.checkpoint import full_model_state
+
+        target = self.tp if self.impl == "scratch" else self.ctx.mesh["tp"]
+        state = full_model_state(model, self.impl, self.plan, target)
+        return state if self.ctx.is_main else None
+
+    def micro_batch(self) -> ContextManager:
+        """Context of one micro-batch's forward, loss and backward: ``loss_parallel()`` for the native path."""
+        if self.impl == "native":
+            from torch.distributed.tensor.parallel import loss_parallel
+
+            return loss_parallel()
+        return contextlib.nullcontext()
+
+    def loss(self, logits: Any, labels: torch.Tensor, label_smoothing: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(token-mean loss, labelled tokens) of vocabulary-split logits (B, T, V/tp), replicated on the TP ranks."""
+        if self.impl == "scratch":
+            return vocab_parallel_cross_entropy(logits, labels, self.tp, label_smoothing)
+        import torch.nn.functional as F
+
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
+                               label_smoothing=label_smoothing)
+        return loss, (labels != IGNORE_INDEX).sum()
+
+    def begin_step(self) -> None:
+        """Start counting this step's TP traffic (evaluation's forwards are not the step's)."""
+        self.tp.stats.reset()
+
+    def before_step(self, model: nn.Module, max_norm: float) -> float:
+        """After the last backward of a step, before the strategy's optimizer step: sum the sequence-parallel
+        gradients over the TP group (scratch), then clip every gradient by the norm over the whole model (each split
+        gradient's square summed over the TP group, each replicated one counted once). Returns that norm, before
+        clipping; the strategy's own clip then finds nothing above ``max_norm``."""
+        params = [p for p in model.parameters() if p.grad is not None]
+        if self.impl == "scratch" and self.sequence_parallel:
+            all_reduce_sp_grads(model, self.tp)
+        split = torch.zeros((), dtype=torch.float64, device=self.ctx.device)
+        whole = torch.zeros((), dtype=torch.float64, device=self.ctx.device)
+        for p in params:
+            g = _local(p.grad)
+            square = g.detach().double().pow(2).sum()
+            if _is_split(p):
+                split += square
+            else:
+                whole += square
+        dist.all_reduce(split, group=self.tp.group)  # outside the counted step traffic: one scalar
+        norm = math.sqrt(float(split + whole))
+        if math.isfinite(norm) and norm > max_norm:
+            scale = max_norm / (norm + 1e-6)
+            for p in params:
+                _local(p.grad).mul_(scale)
+        return norm
+
+    def step_stats(self) -> dict[str, Any]:
+        """The layout, and for the hand-written path this step's TP collectives: ``tp_comm_calls``,
+        ``tp_comm_bytes`` (full-tensor bytes) and ``tp_comm_s`` (seconds this rank spent in them)."""
+        out: dict[str, Any] = {"layout": self.ctx.layout.describe()}
+        if self.impl == "scratch":
+            s = self.tp.stats
+            out.update(tp_comm_calls=s.calls, tp_comm_bytes=s.bytes, tp_comm_s=s.wait_s)
+        return out
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _is_split(p: torch.Tensor) -> bool:
+    """Whether this rank holds only a slice of ``p``: a hand-written TP shard, or a DTensor with a Shard placement."""
+    if getattr(p, SHARD_ATTR, False):
+        return True
+    placements = getattr(p, "placements", ())
+    return any(pl.is_shard() for pl in placements)
