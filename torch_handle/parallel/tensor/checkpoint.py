@@ -49,26 +49,23 @@ def _tp_rank(impl: str, tp: Any) -> int:
 
 def _full(name: str, value: Tensor, impl: str, plan: Plan, tp: Any) -> Tensor:
     """The one-process tensor of ``value`` (parameter ``name``, or state shaped like it), a CPU copy; a collective
-    for a split tensor."""
+    for a split tensor. A DTensor is gathered first (native TP, or a data-parallel shard of a scratch TP slice)."""
     with torch.no_grad():
-        if isinstance(value, DTensor):
-            full = value.full_tensor()
-        elif impl == "scratch" and value.dim() > 0:
-            full = unshard(name, value, plan, tp)
-        else:
-            full = value
+        full = value.full_tensor() if isinstance(value, DTensor) else value  # native, or FSDP over scratch
+        if impl == "scratch" and full.dim() > 0:
+            full = unshard(name, full, plan, tp)
         return full.detach().to("cpu", copy=True)
 
 
 def _local(name: str, full: Tensor, like: Tensor, impl: str, plan: Plan, tp: Any) -> Tensor:
     """This rank's slice of the one-process tensor ``full``, laid out as ``like`` (the parameter or its state):
     a DTensor with ``like``'s placements for a DTensor, else a plain tensor. No communication."""
-    full = full.detach().to(like.device)
-    if isinstance(like, DTensor):
-        return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None)
-    if impl == "scratch" and full.dim() > 0:
-        return shard(name, full, plan, tp)
-    return full
+    local = full.detach().to(like.device)
+    if impl == "scratch" and local.dim() > 0:
+        local = shard(name, local, plan, tp)
+    if isinstance(like, DTensor):  # native, or FSDP over scratch
+        local = distribute_tensor(local, like.device_mesh, like.placements, src_data_rank=None)
+    return local
 
 
 def full_model_state(model: nn.Module, impl: str, plan: Plan, tp: Any) -> dict[str, Tensor] | None:
