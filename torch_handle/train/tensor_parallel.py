@@ -12,16 +12,19 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import replace
+from pathlib import Path
 from typing import Any, ContextManager
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from torch_handle.checkpoint.convert import load_schedule, read_portable, write_portable
 from torch_handle.config.schema import ParallelConfig
 from torch_handle.data.datasets import IGNORE_INDEX
 from torch_handle.model.parallelize import parallelize_tensor, tensor_parallel_plan
 from torch_handle.parallel.mesh import Layout, build_mesh
+from torch_handle.parallel.tensor.checkpoint import full_model_state, full_optimizer_state, load_full_state
 from torch_handle.parallel.tensor.cross_entropy import vocab_parallel_cross_entropy
 from torch_handle.parallel.tensor.layers import SHARD_ATTR, all_reduce_sp_grads
 from torch_handle.parallel.tensor.mappings import TPGroup
@@ -50,6 +53,14 @@ class TensorParallel:
         self.impl, self.sequence_parallel = parallel.tp_impl, parallel.sequence_parallel
         self.ctx, self.tp = ctx, ctx.tp_group
         self.plan: dict[str, Any] = {}
+        self.strategy: Any = None  # the data-parallel strategy that steps the split model (set by the trainer)
+
+    def bind(self, strategy: Any) -> TensorParallel:
+        """Work with the data-parallel ``strategy`` that steps the split model: it stops clipping (the norm over the
+        split gradients is :meth:`before_step`'s), and its model's state is saved and loaded here. Returns self."""
+        self.strategy = strategy
+        strategy.clips_gradients = False
+        return self
 
     def parallelize(self, model: nn.Module) -> nn.Module:
         """Split ``model`` (same weights on every rank) over this rank's TP group, in place."""
@@ -57,14 +68,39 @@ class TensorParallel:
         target = self.tp if self.impl == "scratch" else self.ctx.mesh["tp"]
         return parallelize_tensor(model, self.impl, target, sequence_parallel=self.sequence_parallel)
 
+    # -- checkpoints: the one-process state, in the portable form (any strategy or world size resumes it) ---------
+    def _target(self) -> Any:
+        return self.tp if self.impl == "scratch" else self.ctx.mesh["tp"]
+
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor] | None:
         """The one-process state dict (names and values of the unsplit model) on rank 0, None elsewhere; a
         collective over the TP group."""
-        from torch_handle.parallel.tensor.checkpoint import full_model_state
-
-        target = self.tp if self.impl == "scratch" else self.ctx.mesh["tp"]
-        state = full_model_state(model, self.impl, self.plan, target)
+        state = full_model_state(model, self.impl, self.plan, self._target())
         return state if self.ctx.is_main else None
+
+    def checkpoint_layout(self) -> dict[str, Any]:
+        """A TP checkpoint is the portable form itself (DCP, full tensors by name: ``format = "dcp"``), so that
+        ``single``, ``ddp`` or ``fsdp`` on any world size resume it, and it records the layout that wrote it."""
+        return {"format": "dcp", "strategy": self.strategy.name, "tp": self.tp.size, "tp_impl": self.impl}
+
+    def loads_natively(self, layout: dict[str, Any]) -> bool:
+        return False  # every checkpoint reaches a TP run through its portable form (load_portable)
+
+    def save(self, ckpt_dir: Path) -> None:
+        """Gather the full model and optimizer state to rank 0 and write it as the portable form (with the LR
+        schedule); every rank calls it. A GradScaler's state (fp16) is not kept: it starts afresh on resume."""
+        model, optimizer = self.strategy.unwrapped(), self.strategy.optimizer
+        weights = full_model_state(model, self.impl, self.plan, self._target())
+        state = full_optimizer_state(model, optimizer, self.impl, self.plan, self._target())
+        if self.ctx.is_main:
+            write_portable(Path(ckpt_dir), weights, state, self.strategy.scheduler.state_dict())
+
+    def load_portable(self, portable: Path) -> None:
+        """Every rank reads the full portable form and keeps its slices (no communication); then the LR schedule."""
+        weights, state, scheduler = read_portable(Path(portable))
+        load_full_state(self.strategy.unwrapped(), self.strategy.optimizer, weights, state, self.impl, self.plan,
+                        self._target())
+        load_schedule(self.strategy.optimizer, self.strategy.scheduler, scheduler)
 
     def micro_batch(self) -> ContextManager:
         """Context of one micro-batch's forward, loss and backward: ``loss_parallel()`` for the native path."""
@@ -131,5 +167,7 @@ def _is_split(p: torch.Tensor) -> bool:
     """Whether this rank holds only a slice of ``p``: a hand-written TP shard, or a DTensor with a Shard placement."""
     if getattr(p, SHARD_ATTR, False):
         return True
-    placements = getattr(p, "placements", ())
-    return any(pl.is_shard() for pl in placements)
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    # _StridedShard (the fused QKV) is neither a Shard subclass nor is_shard() in torch 2.13
+    return any(pl.is_shard() or isinstance(pl, _StridedShard) for pl in getattr(p, "placements", ()))

@@ -143,7 +143,7 @@ class Trainer:
 
         strategy_plugin = self.registry.get("strategy", p.strategy.name)
         self.strategy: Strategy = strategy_plugin.factory(p.strategy.options, self.training, ctx, model)
-        self.strategy.clips_gradients = self.tp is None
+        self.state_io = self.strategy if self.tp is None else self.tp.bind(self.strategy)  # saves, loads the state
 
         t = self.training
         # the samples of each step depend on the seed and the step, not on the world size (see GlobalBatchSampler)
@@ -212,7 +212,7 @@ class Trainer:
     def checkpoint_layout(self) -> dict[str, Any]:
         """This run's ``layout.json`` (see :data:`torch_handle.checkpoint.store.LAYOUT`)."""
         t = self.training
-        return {**self.strategy.checkpoint_layout(), "world_size": self.ctx.world_size,
+        return {**self.state_io.checkpoint_layout(), "world_size": self.ctx.world_size,
                 "micro_batch_size": t.micro_batch_size, "grad_accum": t.grad_accum,
                 "global_batch": self.train_sampler.global_batch, "precision": t.precision}
 
@@ -227,7 +227,7 @@ class Trainer:
         """
         if "world_size" not in layout or ("strategy" not in layout and layout.get("format") != "dcp"):
             layout = {**self.strategy.checkpoint_layout(), "world_size": self.ctx.world_size, **layout}  # older
-        if self.strategy.loads_natively(layout):
+        if self.state_io.loads_natively(layout):
             self.strategy.load(path)
             return ""
         from torch_handle.checkpoint import convert
@@ -251,7 +251,7 @@ class Trainer:
         if failed is not None:
             raise ckpt.CheckpointError(f"cannot convert {path} (written by {convert.describe(layout)}): {failed}")
         start = time.perf_counter()
-        self.strategy.load_portable(convert.portable_dir(path, layout))
+        self.state_io.load_portable(convert.portable_dir(path, layout))
         loaded_s = time.perf_counter() - start
         done = outcomes[self.dir_leaders[self.ctx.rank]]
         if done is None:
@@ -379,7 +379,7 @@ class Trainer:
                 self.strategy.skip_step()
                 record["skipped"] = True
                 grad_norm = float("nan")
-            elif self.tp is not None:  # the norm over the split gradients, clipped here (clips_gradients is off)
+            elif self.tp is not None:  # the norm over the split gradients, clipped here (see TensorParallel.bind)
                 grad_norm = self.tp.before_step(self.strategy.unwrapped(), t.grad_clip or float("inf"))
                 self.strategy.step()
             else:
@@ -500,7 +500,7 @@ class Trainer:
                 shutil.rmtree(tmp, ignore_errors=True)
                 tmp.mkdir(parents=True)
             self.ctx.barrier()
-            self.strategy.save(tmp)
+            self.state_io.save(tmp)
             if self.ctx.is_main:
                 ckpt.save_layout(tmp, self.checkpoint_layout())
             steps_done = self.samples_in_epoch // self.train_sampler.global_batch

@@ -3,7 +3,7 @@
 Each layer is made from the one-process layer it replaces (``from_linear`` / ``from_embedding``) by keeping this
 rank's slice of the weights, so a model built with one seed on every rank and then split equals the one-process
 model exactly. Parameter names stay ``weight``/``bias``: a checkpoint or a gradient can be matched name by name
-with the one-process model after gathering the slices (:func:`full_tensor`).
+with the one-process model after gathering the slices (:func:`~torch_handle.parallel.tensor.plan.unshard`).
 
 Megatron's layout (Shoeybi et al. 2019, §3): in an attention block Q, K, V are column-parallel (each rank gets
 n_heads/tp whole heads) and the output projection is row-parallel; in the FFN the first linear is column-parallel
@@ -35,12 +35,14 @@ def _shard(t: Tensor) -> nn.Parameter:
     return p
 
 
-def _column_rows(weight: Tensor, tp: TPGroup, parts: int) -> Tensor:
-    """Rows of ``weight`` (out, ...) that rank ``tp.rank`` keeps when ``out`` is ``parts`` stacked blocks (3 for a
-    fused [Q; K; V] projection): the rank's slice of every block, so that each rank keeps whole heads of Q, K and
-    V (Megatron's per-group layout; torchtitan's FusedQKVLinear)."""
-    blocks = weight.chunk(parts, dim=0)
-    return torch.cat([b.chunk(tp.size, dim=0)[tp.rank] for b in blocks], dim=0)
+def shard_along(full: Tensor, tp: TPGroup, dim: int, parts: int = 1) -> Tensor:
+    """Rank ``tp.rank``'s slice of ``full`` along ``dim``, a new contiguous tensor: the one slicing rule of every
+    layer here and of checkpoint loading (:func:`~torch_handle.parallel.tensor.plan.shard`).
+
+    ``parts`` > 1 when ``full`` is that many equal blocks stacked along ``dim`` (3 for a fused [Q; K; V] weight
+    (3·C, C) or bias (3·C,)): the rank keeps its slice of every block, so that it holds whole heads of Q, K and V
+    (Megatron's per-group layout; torchtitan's FusedQKVLinear). Shape: ``full``'s with ``dim`` divided by tp."""
+    return torch.cat([tp.split(block, dim) for block in full.detach().chunk(parts, dim=dim)], dim=dim)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -66,8 +68,8 @@ class ColumnParallelLinear(nn.Module):
         """Raises ValueError when ``out_features`` is not divisible by parts · tp."""
         if linear.out_features % (parts * tp.size):
             raise ValueError(f"out_features {linear.out_features} is not divisible by {parts} x tp {tp.size}")
-        bias = None if linear.bias is None else _column_rows(linear.bias.detach(), tp, parts).clone()
-        return cls(_column_rows(linear.weight.detach(), tp, parts).clone(), bias, tp,
+        bias = None if linear.bias is None else shard_along(linear.bias, tp, 0, parts)
+        return cls(shard_along(linear.weight, tp, 0, parts), bias, tp,
                    sequence_parallel=sequence_parallel, parts=parts)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -100,9 +102,8 @@ class RowParallelLinear(nn.Module):
         """Raises ValueError when ``in_features`` is not divisible by tp."""
         if linear.in_features % tp.size:
             raise ValueError(f"in_features {linear.in_features} is not divisible by tp {tp.size}")
-        weight = linear.weight.detach().chunk(tp.size, dim=1)[tp.rank].clone()
         bias = None if linear.bias is None else linear.bias.detach().clone()
-        return cls(weight, bias, tp, sequence_parallel=sequence_parallel)
+        return cls(shard_along(linear.weight, tp, 1), bias, tp, sequence_parallel=sequence_parallel)
 
     def forward(self, x: Tensor) -> Tensor:
         y = F.linear(x, self.weight)
@@ -135,8 +136,7 @@ class VocabParallelEmbedding(nn.Module):
         vocab = embedding.num_embeddings
         if vocab % tp.size:
             raise ValueError(f"vocab_size {vocab} is not divisible by tp {tp.size}")
-        weight = embedding.weight.detach().chunk(tp.size, dim=0)[tp.rank].clone()
-        return cls(weight, vocab, tp, sequence_parallel=sequence_parallel)
+        return cls(shard_along(embedding.weight, tp, 0), vocab, tp, sequence_parallel=sequence_parallel)
 
     @property
     def embedding_dim(self) -> int:

@@ -36,7 +36,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleOut
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from torch_handle.parallel.tensor.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
-                                                 mark_sequence_parallel)
+                                                 mark_sequence_parallel, shard_along)
 from torch_handle.parallel.tensor.mappings import TPGroup, split_to_sp
 
 
@@ -133,19 +133,39 @@ class FusedColwiseParallel(ColwiseParallel):
         return outputs.to_local() if use_local_output else outputs
 
 
-def unshard(name: str, local: Tensor, plan: Plan, tp: TPGroup) -> Tensor:
-    """The one-process tensor of parameter ``name`` (e.g. ``"layers.0.ff.linear1.weight"``) of a model split by
-    :func:`apply_scratch`, from this rank's ``local`` slice of it (the parameter or its gradient); a collective:
-    every TP rank calls it for the same names in the same order. Replicated tensors are returned as they are."""
+def split_rule(name: str, plan: Plan) -> tuple[int, int] | None:
+    """How :func:`apply_scratch` splits the parameter ``name`` (e.g. ``"layers.0.ff.linear1.weight"``): ``(dim,
+    parts)`` for :func:`~torch_handle.parallel.tensor.layers.shard_along`, or None for a tensor every TP rank holds
+    whole (norms, the row-parallel bias, buffers)."""
     module, _, kind = name.rpartition(".")
     style = plan.get(module)
     if style in (Style.COLWISE, Style.VOCAB_HEAD, Style.VOCAB_EMBED):
-        return _gather(local, tp, 0)
-    if style is Style.COLWISE_QKV:  # each part gathered on its own: [Q_0 Q_1 .. ; K_0 K_1 .. ; V_0 V_1 ..]
-        return torch.cat([_gather(part, tp, 0) for part in local.chunk(3, dim=0)], dim=0)
+        return 0, 1
+    if style is Style.COLWISE_QKV:
+        return 0, 3
     if style is Style.ROWWISE and kind == "weight":
-        return _gather(local, tp, 1)
-    return local
+        return 1, 1
+    return None
+
+
+def shard(name: str, full: Tensor, plan: Plan, tp: TPGroup) -> Tensor:
+    """This rank's slice of the one-process tensor ``full`` of parameter ``name`` (or of a tensor shaped like it:
+    a gradient, an Adam moment), as :func:`apply_scratch` cuts it; no communication. A new tensor, or ``full``
+    itself when the parameter is not split."""
+    rule = split_rule(name, plan)
+    return full if rule is None else shard_along(full, tp, *rule)
+
+
+def unshard(name: str, local: Tensor, plan: Plan, tp: TPGroup) -> Tensor:
+    """The one-process tensor of parameter ``name`` of a model split by :func:`apply_scratch`, from this rank's
+    ``local`` slice of it (the parameter, its gradient or an Adam moment): the inverse of :func:`shard`. A
+    collective: every TP rank calls it for the same names in the same order. Replicated tensors are returned as
+    they are."""
+    rule = split_rule(name, plan)
+    if rule is None:
+        return local
+    dim, parts = rule  # each part gathered on its own: [Q_0 Q_1 .. ; K_0 K_1 .. ; V_0 V_1 ..]
+    return torch.cat([_gather(part, tp, dim) for part in local.chunk(parts, dim=dim)], dim=dim)
 
 
 def _gather(x: Tensor, tp: TPGroup, dim: int) -> Tensor:
