@@ -8,6 +8,7 @@ same seed builds the same model everywhere), so the comparison needs no communic
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import traceback
@@ -157,3 +158,42 @@ def test_handle_run_with_tp_2_gives_the_one_process_losses(tmp_path: Path) -> No
                        sequence_parallel=True, sp_grad_elements=sp_grads)
     assert [(e["tp_comm_calls"], e["tp_comm_bytes"]) for e in scratch] == [(want["calls"], want["bytes"])] * 4
     assert all("tp_comm_calls" not in e for e in native)  # DTensor's collectives are not counted
+
+
+def _losses(run_dir: Path) -> dict[int, float]:
+    return {e["step"]: e["loss"] for e in _steps(run_dir)}  # a step run twice keeps its last value
+
+
+def _resume(run: Path, stopped: Path, *overrides: str) -> dict[int, float]:
+    """Copy ``run`` without its last checkpoint (what a stop after step 2 leaves), resume it with ``overrides``."""
+    shutil.copytree(run, stopped)
+    shutil.rmtree(stopped / "checkpoints" / "step-4")
+    proc = subprocess.run([sys.executable, "-m", "handle_cli", "run", "--resume", str(stopped), *overrides],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"{stopped.name}: exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"
+    return _losses(stopped)
+
+
+def test_a_tp_checkpoint_resumes_as_single_and_fsdp_and_the_reverse(tmp_path: Path) -> None:
+    """A tp = 2 run's checkpoint is the one-process state in the portable form: resumed at step 2 as `single` on 1
+    rank and as `fsdp` on 2, it continues the uninterrupted losses within 1e-4; and a `single` checkpoint resumed
+    with tp = 2 (DTensor) does the same."""
+    preset = tmp_path / "tiny.toml"
+    preset.write_text(tiny_preset(tmp_path / "runs", strategy="single").replace("nproc_per_node = 2",
+                                                                                "nproc_per_node = 1"))
+    every = ("--set", "training.checkpoint_every=2")
+    tp = ("--set", "launch.nproc_per_node=2", "--set", "parallel.tp=2")
+    split = _run(preset, "tp", *every, *tp, "--set", "parallel.tp_impl=scratch")
+    layout = json.loads((split / "checkpoints" / "step-2" / "layout.json").read_text())
+    assert layout["format"] == "dcp" and layout["tp"] == 2
+    one = _run(preset, "one", *every)
+    want_split, want_one = _losses(split), _losses(one)
+    cases = [(split, "as-single", ("--set", "parallel.tp=1", "--set", "launch.nproc_per_node=1"), want_split),
+             # 2 data-parallel ranks with half the accumulation: the same global batch of 8 sequences
+             (split, "as-fsdp", ("--set", "parallel.tp=1", "--set", "strategy.name=fsdp", "--set",
+                                 "training.grad_accum=1"), want_split),
+             (one, "as-tp", (*tp, "--set", "parallel.tp_impl=native"), want_one)]
+    for run, name, overrides, want in cases:
+        got = _resume(run, tmp_path / name, *overrides)
+        for step in (3, 4):
+            assert abs(got[step] - want[step]) <= 1e-4 * want[step], (name, step, got[step], want[step])
