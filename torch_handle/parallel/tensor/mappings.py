@@ -29,7 +29,9 @@ all-reduce (torch's ProcessGroupGloo), so its time on CPU is not what NCCL's wou
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -110,105 +112,57 @@ class TPGroup:
         return x.chunk(self.size, dim)[self.rank].contiguous()
 
 
-class _CopyToTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: Tensor, tp: TPGroup) -> Tensor:
-        ctx.tp = tp
-        return x.view_as(x)
+class _Conjugate(torch.autograd.Function):
+    """y = forward(x), dL/dx = backward(dL/dy): each function of the table above is one such pair."""
 
     @staticmethod
-    def backward(ctx, grad: Tensor):
-        return ctx.tp.all_reduce(grad), None
-
-
-class _ReduceFromTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: Tensor, tp: TPGroup) -> Tensor:
-        return tp.all_reduce(x)
+    def forward(ctx, x: Tensor, forward: Callable[[Tensor], Tensor], backward: Callable[[Tensor], Tensor]) -> Tensor:
+        ctx.backward_fn = backward
+        return forward(x)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        return grad, None
+        return ctx.backward_fn(grad), None, None
 
 
-class _GatherFromSP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: Tensor, tp: TPGroup, dim: int) -> Tensor:
-        ctx.tp, ctx.dim = tp, dim
-        return tp.all_gather(x, dim)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        return ctx.tp.reduce_scatter(grad, ctx.dim), None, None
-
-
-class _ScatterToSP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: Tensor, tp: TPGroup, dim: int) -> Tensor:
-        ctx.tp, ctx.dim = tp, dim
-        return tp.reduce_scatter(x, dim)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        return ctx.tp.all_gather(grad, ctx.dim), None, None
-
-
-class _SplitToSP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: Tensor, tp: TPGroup, dim: int) -> Tensor:
-        ctx.tp, ctx.dim = tp, dim
-        return tp.split(x, dim)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        return ctx.tp.all_gather(grad, ctx.dim), None, None
-
-
-class _GatherKeepGrad(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: Tensor, tp: TPGroup, dim: int) -> Tensor:
-        ctx.tp, ctx.dim = tp, dim
-        return tp.all_gather(x, dim)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        return ctx.tp.split(grad, ctx.dim), None, None
+def _identity(x: Tensor) -> Tensor:
+    return x.view_as(x)
 
 
 def copy_to_tp(x: Tensor, tp: TPGroup) -> Tensor:
     """Megatron's f, entering a TP region: identity forward, all-reduce of the gradient backward.
     x (..., h) replicated on every TP rank -> the same tensor."""
-    return _CopyToTP.apply(x, tp)
+    return _Conjugate.apply(x, _identity, tp.all_reduce)
 
 
 def reduce_from_tp(x: Tensor, tp: TPGroup) -> Tensor:
     """Megatron's g, leaving a TP region: all-reduce forward (each rank holds a partial sum), identity backward.
     x (..., h) partial sums -> (..., h) the full sum, replicated."""
-    return _ReduceFromTP.apply(x, tp)
+    return _Conjugate.apply(x, tp.all_reduce, _identity)
 
 
 def gather_from_sp(x: Tensor, tp: TPGroup, dim: int = 1) -> Tensor:
     """Sequence-parallel f: all-gather along the sequence forward, reduce-scatter backward.
     x (b, s/tp, h), this rank's sequence shard -> (b, s, h) replicated."""
-    return _GatherFromSP.apply(x, tp, dim)
+    return _Conjugate.apply(x, partial(tp.all_gather, dim=dim), partial(tp.reduce_scatter, dim=dim))
 
 
 def scatter_to_sp(x: Tensor, tp: TPGroup, dim: int = 1) -> Tensor:
     """Sequence-parallel g: reduce-scatter along the sequence forward, all-gather backward.
     x (b, s, h) partial sums -> (b, s/tp, h), this rank's shard of the full sum."""
-    return _ScatterToSP.apply(x, tp, dim)
+    return _Conjugate.apply(x, partial(tp.reduce_scatter, dim=dim), partial(tp.all_gather, dim=dim))
 
 
 def split_to_sp(x: Tensor, tp: TPGroup, dim: int = 1) -> Tensor:
     """Enter the sequence-parallel layout from a replicated tensor: keep this rank's shard forward (no
     communication), all-gather the gradient backward. x (b, s, h) replicated -> (b, s/tp, h)."""
-    return _SplitToSP.apply(x, tp, dim)
+    return _Conjugate.apply(x, partial(tp.split, dim=dim), partial(tp.all_gather, dim=dim))
 
 
 def gather_sequence(x: Tensor, tp: TPGroup, dim: int = 1) -> Tensor:
     """Leave the sequence-parallel layout into a replicated tensor: all-gather forward, keep this rank's slice of
     the gradient backward (the conjugate of :func:`split_to_sp`). x (b, s/tp, h) -> (b, s, h)."""
-    return _GatherKeepGrad.apply(x, tp, dim)
+    return _Conjugate.apply(x, partial(tp.all_gather, dim=dim), partial(tp.split, dim=dim))
 
 
 def step_volume(*, n_layers: int, micro_batch_size: int, seq_len: int, d_model: int, grad_accum: int = 1,
