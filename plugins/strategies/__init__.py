@@ -25,6 +25,8 @@ class SingleConfig:
 class DDPConfig:
     """``[strategy]`` options of ``ddp`` (torch.nn.parallel.DistributedDataParallel)."""
 
+    tensor_parallel: ClassVar[bool] = True  # replicas of a model split by hand (parallel.tp_impl = "scratch")
+
     bucket_cap_mb: float = param(25.0, gt=0.0)
     """Gradient bucket size: gradients of one bucket are all-reduced as soon as they are ready (overlap)."""
     gradient_as_bucket_view: bool = True
@@ -74,6 +76,8 @@ class DeepSpeedConfig:
 class FSDPConfig:
     """``[strategy]`` options of ``fsdp`` (FSDP2: torch.distributed.fsdp.fully_shard)."""
 
+    tensor_parallel: ClassVar[bool] = True  # FSDP x TP: each TP shard sharded again over the data-parallel ranks
+
     reshard_after_forward: bool = True
     """Free gathered parameters after forward (ZeRO-3-like); false keeps them until backward (ZeRO-2-like)."""
 
@@ -102,6 +106,12 @@ def _check_single(options, preset) -> None:
     if preset.world_size != tp:
         raise InvalidValue("launch.nproc_per_node", f"strategy 'single' runs one process (world size "
                                                     f"{preset.world_size}); use ddp, deepspeed or fsdp")
+
+
+def _check_ddp(options, preset) -> None:
+    if preset.parallel.tp > 1 and preset.parallel.tp_impl == "native":
+        raise InvalidValue("name", "ddp does not wrap DTensor parameters (parallel.tp_impl = 'native'); use fsdp "
+                                   "for data x tensor parallelism with DTensor, or parallel.tp_impl = 'scratch'")
 
 
 def _check_deepspeed(options: DeepSpeedConfig, preset) -> None:
@@ -167,7 +177,8 @@ def build_scratch_ddp(options, training, ctx, model):
 @hookimpl
 def handle_register_strategies(register):
     register("single", SingleConfig, build_single, "one process, no wrapping", _check_single)
-    register("ddp", DDPConfig, build_ddp, "DistributedDataParallel: replicate, all-reduce gradients in buckets")
+    register("ddp", DDPConfig, build_ddp, "DistributedDataParallel: replicate, all-reduce gradients in buckets",
+             _check_ddp)
     register("deepspeed", DeepSpeedConfig, build_deepspeed, "DeepSpeed ZeRO stages 0-3 with CPU/NVMe offload",
              _check_deepspeed)
     register("fsdp", FSDPConfig, build_fsdp, "FSDP2 fully_shard: per-parameter sharding (DTensor)")

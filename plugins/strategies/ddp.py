@@ -17,7 +17,9 @@ class DDPStrategy(SingleStrategy):
     def wrap(self, model: torch.nn.Module) -> DDP:
         o = self.options
         device_ids = [self.ctx.local_rank] if self.ctx.device.type == "cuda" else None
-        return DDP(model, device_ids=device_ids, bucket_cap_mb=o.bucket_cap_mb,
+        # with tensor parallelism: all-reduce over the ranks that hold the same shard (the mesh's "dp" dimension)
+        group = None if self.ctx.mesh is None else self.ctx.mesh["dp"].get_group()
+        return DDP(model, device_ids=device_ids, process_group=group, bucket_cap_mb=o.bucket_cap_mb,
                    gradient_as_bucket_view=o.gradient_as_bucket_view, find_unused_parameters=o.find_unused_parameters)
 
     def accumulating(self, sync: bool) -> ContextManager:

@@ -38,6 +38,8 @@ class FSDPStrategy(Strategy):
             mp = MixedPrecisionPolicy(param_dtype=torch_dtype(self.training.precision), reduce_dtype=torch.float32)
         kwargs = {"reshard_after_forward": self.options.reshard_after_forward,
                   **({"mp_policy": mp} if mp is not None else {})}
+        if self.ctx.mesh is not None:  # FSDP x TP: shard each TP shard again over the data-parallel ranks
+            kwargs["mesh"] = self.ctx.mesh["dp"]
         try:
             blocks = model_blocks(model)
         except NoBlocksError as e:

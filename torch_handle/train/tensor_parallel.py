@@ -26,8 +26,9 @@ from torch_handle.model.parallelize import parallelize_tensor, tensor_parallel_p
 from torch_handle.parallel.mesh import Layout, build_mesh
 from torch_handle.parallel.tensor.checkpoint import full_model_state, full_optimizer_state, load_full_state
 from torch_handle.parallel.tensor.cross_entropy import vocab_parallel_cross_entropy
-from torch_handle.parallel.tensor.layers import SHARD_ATTR, all_reduce_sp_grads
+from torch_handle.parallel.tensor.layers import all_reduce_grads
 from torch_handle.parallel.tensor.mappings import TPGroup
+from torch_handle.parallel.tensor.plan import sequence_parallel_grad, split_rule
 from torch_handle.train.strategy import DistContext
 
 
@@ -129,20 +130,21 @@ class TensorParallel:
         gradients over the TP group (scratch), then clip every gradient by the norm over the whole model (each split
         gradient's square summed over the TP group, each replicated one counted once). Returns that norm, before
         clipping; the strategy's own clip then finds nothing above ``max_norm``."""
-        params = [p for p in model.parameters() if p.grad is not None]
-        if self.impl == "scratch" and self.sequence_parallel:
-            all_reduce_sp_grads(model, self.tp)
-        split = torch.zeros((), dtype=torch.float64, device=self.ctx.device)
-        whole = torch.zeros((), dtype=torch.float64, device=self.ctx.device)
-        for p in params:
-            g = _local(p.grad)
-            square = g.detach().double().pow(2).sum()
-            if _is_split(p):
-                split += square
-            else:
-                whole += square
-        dist.all_reduce(split, group=self.tp.group)  # outside the counted step traffic: one scalar
-        norm = math.sqrt(float(split + whole))
+        named = [(n, p) for n, p in model.named_parameters() if p.grad is not None]
+        params = [p for _, p in named]
+        if self.impl == "scratch" and self.sequence_parallel:  # by name: FSDP's parameters are new tensors
+            all_reduce_grads([_local(p.grad) for n, p in named if sequence_parallel_grad(n, self.plan)], self.tp)
+        # squares summed by where their tensor is split: over dp (fsdp), over tp, over both, or nowhere
+        sums = torch.zeros(4, dtype=torch.float64, device=self.ctx.device)
+        for name, p in named:
+            over_dp, over_tp = _split_over(p)
+            over_tp = over_tp or split_rule(name, self.plan) is not None  # a hand-written shard, FSDP-wrapped or not
+            sums[2 * over_dp + over_tp] += _local(p.grad).detach().double().pow(2).sum()
+        mesh = self.ctx.mesh  # outside the counted step traffic: scalars
+        dist.all_reduce(sums[1:2], group=mesh["tp"].get_group())
+        dist.all_reduce(sums[2:3], group=mesh["dp"].get_group())
+        dist.all_reduce(sums[3:4])
+        norm = math.sqrt(float(sums.sum()))
         if math.isfinite(norm) and norm > max_norm:
             scale = max_norm / (norm + 1e-6)
             for p in params:
@@ -163,11 +165,16 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def _is_split(p: torch.Tensor) -> bool:
-    """Whether this rank holds only a slice of ``p``: a hand-written TP shard, or a DTensor with a Shard placement."""
-    if getattr(p, SHARD_ATTR, False):
-        return True
+def _split_over(p: torch.Tensor) -> tuple[bool, bool]:
+    """Whether the DTensor ``p`` is split over the data-parallel ranks (FSDP) and over the TP ranks (native TP);
+    ``(False, False)`` for a plain tensor. A hand-written TP shard is a plain tensor (or FSDP's DTensor over dp):
+    the plan says it is split (:func:`~torch_handle.parallel.tensor.plan.split_rule`)."""
     from torch.distributed.tensor.placement_types import _StridedShard
 
-    # _StridedShard (the fused QKV) is neither a Shard subclass nor is_shard() in torch 2.13
-    return any(pl.is_shard() or isinstance(pl, _StridedShard) for pl in getattr(p, "placements", ()))
+    over = {"dp": False, "tp": False}
+    mesh = getattr(p, "device_mesh", None)
+    for dim_name, placement in zip(getattr(mesh, "mesh_dim_names", None) or (), getattr(p, "placements", ())):
+        # _StridedShard (the fused QKV) is neither a Shard subclass nor is_shard() in torch 2.13
+        if placement.is_shard() or isinstance(placement, _StridedShard):
+            over[dim_name] = True
+    return over["dp"], over["tp"]

@@ -160,10 +160,16 @@ def mark_sequence_parallel(module: nn.Module) -> None:
 
 
 def all_reduce_sp_grads(model: nn.Module, tp: TPGroup) -> int:
-    """Sum over the TP group the gradients of the parameters flagged with ``SP_GRAD_ATTR``, in one flat all-reduce
-    (Korthikanti et al. 2022 §4.2.2: LayerNorm parameters see 1/tp of the tokens on each rank). Call after
-    backward, before clipping and the optimizer step. Returns the number of elements reduced."""
-    grads = [p.grad for p in model.parameters() if getattr(p, SP_GRAD_ATTR, False) and p.grad is not None]
+    """Sum over the TP group the gradients of the parameters flagged with ``SP_GRAD_ATTR`` (Korthikanti et al. 2022
+    §4.2.2: LayerNorm parameters see 1/tp of the tokens on each rank). Call after backward, before clipping and the
+    optimizer step. Returns the number of elements reduced."""
+    return all_reduce_grads([p.grad for p in model.parameters() if getattr(p, SP_GRAD_ATTR, False)], tp)
+
+
+def all_reduce_grads(grads: list[Tensor | None], tp: TPGroup) -> int:
+    """Sum ``grads`` (plain tensors; None skipped) over the TP group in one flat all-reduce, in place. Returns the
+    number of elements reduced."""
+    grads = [g for g in grads if g is not None]
     if not grads:
         return 0
     flat = tp.all_reduce(torch.cat([g.reshape(-1) for g in grads]))

@@ -173,3 +173,11 @@ def _gather(x: Tensor, tp: TPGroup, dim: int) -> Tensor:
     parts = [torch.empty_like(x) for _ in range(tp.size)]
     dist.all_gather(parts, x.contiguous(), group=tp.group)
     return torch.cat(parts, dim=dim)
+
+
+def sequence_parallel_grad(name: str, plan: Plan) -> bool:
+    """Whether parameter ``name``'s gradient is a partial sum over the sequence shards under sequence parallelism
+    (the LayerNorms' parameters and the row-parallel biases): what must be summed over the TP group."""
+    module, _, kind = name.rpartition(".")
+    style = plan.get(module)
+    return style is Style.NORM or (style is Style.ROWWISE and kind == "bias")
