@@ -331,6 +331,10 @@ def _header(plan: ScalingPlan, as_json: bool) -> dict[str, Any]:
                f"(first {n_skip} skipped); {len(plan.runs)} runs under {directory}"), how,
               (f"efficiency = tokens/s at N / (N/B x tokens/s at B), B = each strategy's smallest world size "
                f"measured (here {nprocs[0]})")]
+    tps = sorted({r["tp"] for r in plan.runs})
+    if tps[-1] > 1:
+        header.append(f"tensor parallel: tp {', '.join(map(str, tps))}, series <strategy>-tp<N> on dp = world size / "
+                      f"N replicas (single where dp = 1); the global batch counts replicas")
     per_rank = {n: scaling_math.threads_per_rank(n, cores, omp) for n in nprocs}
     if len(set(per_rank.values())) > 1:
         header.append("threads per rank: " + ", ".join(f"{k} at {_ranks(n)}" for n, k in per_rank.items())

@@ -170,7 +170,7 @@ def test_tp_sweep_sets_parallel_tp_and_runs_one_replica_as_single(monkeypatch, t
     preset = tomllib.loads((bench / "ddp-tp2-n2" / "preset.toml").read_text())
     assert preset["parallel"]["tp"] == 2 and preset["strategy"]["name"] == "single"
     assert preset["launch"]["nproc_per_node"] == 2 and preset["training"]["micro_batch_size"] == 4
-    assert "tp 2 skipped at 1 rank" in result.stderr
+    assert "tp 2 skipped at 1 rank" in result.stderr and "tensor parallel: tp 1, 2, series" in result.stderr
     (tmp_path / "b").mkdir()
     bad = invoke(monkeypatch, tmp_path / "b", "--nproc", "4", "--tp", "2", "--strategies", "zero2")
     assert bad.exit_code == 2 and bad.stderr.count("\n") == 1, bad.output
