@@ -15,9 +15,9 @@ from torch_handle.common.units import fmt_bytes, parse_bytes
 
 DEFAULT_NPROC = "1,2,4,8"
 NOTE = ("activations: one micro-batch's tensors saved for backward (+ the fp32 logits, + one recomputed block with "
-        "activation checkpointing), measured on fake tensors (with tp > 1: on one TP rank's split model); not "
-        "included: allocator fragmentation and caching, communication buffers (DDP/ZeRO buckets, FSDP's gathered "
-        "block, TP collectives), backward temporaries, CUDA context")
+        "activation checkpointing), measured on fake tensors; not included: allocator fragmentation and caching, "
+        "communication buffers (DDP/ZeRO buckets, FSDP's gathered block, TP collectives), backward temporaries, "
+        "CUDA context; with tp > 1, every figure is one TP rank's")
 
 
 def parse_nproc(text: str) -> list[int]:
