@@ -15,8 +15,8 @@ cross-entropy, so the figure is what this project's TP code saves, including wha
 with sequence parallelism a column-parallel linear keeps its all-gathered (b, s, h) input for backward, where
 Megatron-LM keeps the 1/tp shard and gathers it again. The analytic figure is Korthikanti et al. 2022,
 "Reducing Activation Recomputation in Large Transformer Models", Table 2 (:func:`korthikanti_layer_bytes`); the
-logits buffer is (b, s, V/tp) with the vocabulary-parallel loss. DTensor's ``native`` split is taken to save the
-same tensors (same layout; its DTensor wrappers hold the same local storages).
+logits buffer is (b, s, V/tp) with the vocabulary-parallel loss. DTensor's ``native`` split saves the same local
+storages but a few small ones (checked on real 2-rank runs of both, ``tests/test_estimate.py``).
 
 torch is imported inside the functions, so importing this module is cheap.
 """
