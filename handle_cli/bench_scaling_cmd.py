@@ -33,7 +33,7 @@ class ScalingPlan:
     base: Any
     """The preset as loaded with the user's overrides (``Preset``)."""
     runs: list[dict[str, Any]]
-    """One per (strategy, world size), as :func:`_scaling_plan` makes them."""
+    """One per (strategy, world size, tp), as :func:`_scaling_plan` makes them."""
     notes: list[str]
     nprocs: list[int]
     skip: int
@@ -45,10 +45,11 @@ class ScalingPlan:
 
 
 def _scaling_plan(preset: str, overrides: tuple[str, ...], nprocs: list[int], labels: list[str] | None,
-                  steps: int | None, skip: int, strong: bool) -> tuple[list[dict[str, Any]], list[str], Any]:
-    """Validate every (strategy, world size) preset before anything starts: ``(runs, notes, base preset)``,
-    each run ``{"spec", "nproc", "overrides", "preset", "micro_batch_size", "grad_accum"}``. Bad input: one
-    line, exit 2."""
+                  steps: int | None, skip: int, strong: bool, tps: list[int] | None = None
+                  ) -> tuple[list[dict[str, Any]], list[str], Any]:
+    """Validate every (strategy, world size, tp) preset before anything starts: ``(runs, notes, base preset)``,
+    each run ``{"label", "spec", "nproc", "tp", "dp", "overrides", "preset", "micro_batch_size", "grad_accum",
+    "global_batch"}`` (the sweep: :func:`torch_handle.plan.bench_scaling.sweep`). Bad input: one line, exit 2."""
     from torch_handle.config.loader import load_preset
     from torch_handle.errors import USER_ERRORS
     from torch_handle.launch.run import check_data
@@ -79,30 +80,35 @@ def _scaling_plan(preset: str, overrides: tuple[str, ...], nprocs: list[int], la
         notes.append(f"{spec.label} skipped: strategy plugin {spec.plugin!r} is not registered "
                      f"(available: {', '.join(sorted(registered))})")
     specs = [s for s in specs if s.plugin in registered]
-    mbs0, ga0, n0 = base.training.micro_batch_size, base.training.grad_accum, nprocs[0]
-    global_batch = mbs0 * ga0 * n0
-    runs = []
+    sweeps = []
     for spec in specs:
-        for n in nprocs:
-            if spec.single_rank_only and n > 1:
-                notes.append(f"{spec.label} skipped at {n} ranks: it runs on world size 1 only")
-                continue
-            mbs, ga = mbs0, ga0
-            if strong:
-                try:
-                    mbs, ga = scaling_math.strong_batch(global_batch, mbs0, ga0, n)
-                except ValueError:
-                    fail(f"--strong: the global batch of {global_batch} samples (micro_batch_size {mbs0} x "
-                         f"grad_accum {ga0} x {n0} ranks) does not divide over {n} ranks (choose other --nproc "
-                         f"or set training.micro_batch_size)")
-            extra = [*spec.overrides, f"launch.nproc_per_node={n}", "launch.max_restarts=0",
-                     f"run.name={spec.label}-n{n}", f"training.micro_batch_size={mbs}", f"training.grad_accum={ga}"]
+        spec_runs, spec_notes = scaling_math.sweep(spec, nprocs, tps)
+        sweeps += spec_runs
+        notes += [n for n in spec_notes if n not in notes]
+    mbs0, ga0 = base.training.micro_batch_size, base.training.grad_accum
+    dp0 = sweeps[0].dp if sweeps else nprocs[0]  # the strong-scaling base: the first run's replicas
+    global_batch = mbs0 * ga0 * dp0
+    runs = []
+    for run in sweeps:
+        n, dp = run.nproc, run.dp
+        mbs, ga = mbs0, ga0
+        if strong:
             try:
-                loaded = load_preset(preset, [*user, *extra])
-            except USER_ERRORS as e:
-                fail(f"{spec.label} on {_ranks(n)}: {e}")
-            runs.append({"spec": spec, "nproc": n, "overrides": [*user, *extra], "preset": loaded,
-                         "micro_batch_size": mbs, "grad_accum": ga})
+                mbs, ga = scaling_math.strong_batch(global_batch, mbs0, ga0, dp)
+            except ValueError:
+                unit = "replicas" if any((r.tp or 1) > 1 for r in sweeps) else "ranks"  # dp = ranks without TP
+                fail(f"--strong: the global batch of {global_batch} samples (micro_batch_size {mbs0} x "
+                     f"grad_accum {ga0} x {dp0} {unit}) does not divide over {dp} {unit} (choose other "
+                     f"--nproc or set training.micro_batch_size)")
+        extra = [*run.overrides, f"launch.nproc_per_node={n}", "launch.max_restarts=0",
+                 f"run.name={run.label}-n{n}", f"training.micro_batch_size={mbs}", f"training.grad_accum={ga}"]
+        try:
+            loaded = load_preset(preset, [*user, *extra])
+        except USER_ERRORS as e:
+            fail(f"{run.label} on {_ranks(n)}: {e}")
+        runs.append({"label": run.label, "spec": run.spec, "nproc": n, "tp": loaded.parallel.tp,
+                     "dp": n // loaded.parallel.tp, "overrides": [*user, *extra], "preset": loaded,
+                     "micro_batch_size": mbs, "grad_accum": ga, "global_batch": mbs * ga * (n // loaded.parallel.tp)})
     if not runs:
         fail("nothing to run: " + "; ".join(notes))
     return runs, notes, base
@@ -111,13 +117,11 @@ def _scaling_plan(preset: str, overrides: tuple[str, ...], nprocs: list[int], la
 def _run_one(preset: str, run: dict[str, Any], directory: Path) -> tuple[int, dict[str, Any], list[dict], float]:
     """One run through ``handle run``'s launcher (prepare_run + supervise, quiet): ``(exit code, run.json,
     events, wall seconds)``. Ctrl-C is supervise's: the workers stop (a second one kills them), exit code 130."""
-    from torch_handle.observe.tail import EventReader
-    from torch_handle.rundir import read_run_info
-    from torch_handle.observe.telemetry import EVENTS_FILE
-
-    from torch_handle.launch.run import prepare_run
-
     from handle_cli.runner import supervise
+    from torch_handle.launch.run import prepare_run
+    from torch_handle.observe.tail import EventReader
+    from torch_handle.observe.telemetry import EVENTS_FILE
+    from torch_handle.rundir import read_run_info
 
     run_dir = directory / run["run_name"]
     t0 = time.perf_counter()
@@ -129,15 +133,15 @@ def _run_one(preset: str, run: dict[str, Any], directory: Path) -> tuple[int, di
 
 def _scaling_record(run: dict[str, Any], rc: int, info: dict[str, Any], events: list[dict], wall: float, skip: int,
                     mode: str, cores: int, run_dir: Path) -> dict[str, Any]:
-    spec, n = run["spec"], run["nproc"]
+    n = run["nproc"]
     summary = scaling_math.summarize(events, skip)
     status, message = info.get("status") or "failed", info.get("message") or None
     if rc == 0 and (not summary["measured_steps"] or summary["tokens_per_s"] is None):
         status, message = "failed", f"no step events after the first {skip} (see {run_dir}/events.jsonl)"
     omp = os.environ.get("OMP_NUM_THREADS")
-    return {"strategy": spec.label, "plugin": spec.plugin, "nproc": n, "status": status, "message": message,
-            "mode": mode, "micro_batch_size": run["micro_batch_size"], "grad_accum": run["grad_accum"],
-            "global_batch": run["micro_batch_size"] * run["grad_accum"] * n, **summary,
+    return {"strategy": run["label"], "plugin": run["spec"].plugin, "nproc": n, "dp": run["dp"], "tp": run["tp"],
+            "status": status, "message": message, "mode": mode, "micro_batch_size": run["micro_batch_size"],
+            "grad_accum": run["grad_accum"], "global_batch": run["global_batch"], **summary,
             "efficiency": None, "base_nproc": None, "base_tokens_per_s": None,
             "threads_per_rank": scaling_math.threads_per_rank(n, cores, omp),
             "oversubscribed": scaling_math.oversubscribed(n, cores, omp), "wall_s": round(wall, 2),
@@ -232,6 +236,9 @@ def scaling_plots(records: list[dict[str, Any]], width: int = 100, height: int =
                    "is given).")
 @click.option("--skip", default="2", show_default=True, metavar="N",
               help="Warm-up steps left out of the medians.")
+@click.option("--tp", "tp_spec", default=None, metavar="N[,N...]",
+              help="Tensor-parallel degrees to sweep: each world size runs with each N that divides it (--set "
+                   "parallel.tp=N; strategy single where dp = world / N is 1); default: the preset's own.")
 @click.option("--weak/--strong", "weak", default=True, show_default=True,
               help="weak: the per-rank batch stays fixed; strong: the global batch of the smallest world size "
                    "stays fixed (grad_accum, else micro_batch_size, adjusted).")
@@ -243,7 +250,7 @@ def scaling_plots(records: list[dict[str, Any]], width: int = 100, height: int =
 @click.option("--output-dir", type=click.Path(path_type=Path), default=None, metavar="DIR",
               help=f"Runs and results go to DIR/scaling-<UTC time>/ (default DIR: {DEFAULT_OUTPUT_DIR}).")
 def scaling(preset: str, overrides: tuple[str, ...], nproc_spec: str, strategies_spec: str | None,
-            steps: str | None, skip: str, weak: bool, threads: str | None, as_json: bool,
+            tp_spec: str | None, steps: str | None, skip: str, weak: bool, threads: str | None, as_json: bool,
             output_dir: Path | None) -> None:
     """Measure how training throughput scales with the world size, per strategy, with short real runs.
 
@@ -258,23 +265,27 @@ def scaling(preset: str, overrides: tuple[str, ...], nproc_spec: str, strategies
     share, so compare with --threads 1 before reading efficiency above 1 as real.
 
     Strategies: ddp, zero0..zero3 (DeepSpeed stages), fsdp, single (world size 1), scratch-ddp and
-    scratch-zero1 (where registered). Prints a table and plots (--json: JSON lines) and writes results.csv and
+    scratch-zero1 (where registered). With --tp each world size also runs with each tensor-parallel degree
+    that divides it, as the series <strategy>-tp<N> (dp = world / N replicas; global batch and --strong
+    count replicas, not ranks). Prints a table and plots (--json: JSON lines) and writes results.csv and
     results.json. Exit code: 0 every run finished, 1 a run failed (the others still run), 2 bad input
     (nothing started), 130 stopped by Ctrl-C (the current run's workers stopped).
 
     \b
     Examples:
       handle bench scaling presets/ddp.toml --nproc 1,2 --steps 12
+      handle bench scaling presets/ddp.toml --nproc 2,4 --tp 1,2 --steps 12
     """
-    plan = _validate(preset, overrides, nproc_spec, strategies_spec, steps, skip, weak, threads, output_dir)
+    plan = _validate(preset, overrides, nproc_spec, strategies_spec, tp_spec, steps, skip, weak, threads,
+                     output_dir)
     meta = _header(plan, as_json)
     records, stopped = _run(plan, meta, as_json)
     _results(plan, meta, records, stopped, as_json)
 
 
 def _validate(preset: str, overrides: tuple[str, ...], nproc_spec: str, strategies_spec: str | None,
-              steps: str | None, skip: str, weak: bool, threads: str | None, output_dir: Path | None
-              ) -> ScalingPlan:
+              tp_spec: str | None, steps: str | None, skip: str, weak: bool, threads: str | None,
+              output_dir: Path | None) -> ScalingPlan:
     """Every option and every run's preset checked before anything starts (a one-line error, exit 2), then the
     output directory."""
     try:
@@ -285,6 +296,10 @@ def _validate(preset: str, overrides: tuple[str, ...], nproc_spec: str, strategi
         labels = scaling_math.parse_strategies(strategies_spec) if strategies_spec is not None else None
     except ValueError as e:
         fail(f"--strategies: {e}")
+    try:
+        tps = scaling_math.parse_nproc(tp_spec) if tp_spec is not None else None
+    except ValueError as e:
+        fail(f"--tp: {e}")
     n_steps = int_option("--steps", steps, 1, 1_000_000) if steps is not None else None
     n_skip = int_option("--skip", skip, 0, 1_000_000)
     n_threads = int_option("--threads", threads, 1, 1024) if threads is not None else None
@@ -292,7 +307,7 @@ def _validate(preset: str, overrides: tuple[str, ...], nproc_spec: str, strategi
     from handle_cli.presets_cmd import resolve_preset_spec
 
     preset = resolve_preset_spec(preset)
-    runs, notes, base = _scaling_plan(preset, overrides, nprocs, labels, n_steps, n_skip, not weak)
+    runs, notes, base = _scaling_plan(preset, overrides, nprocs, labels, n_steps, n_skip, not weak, tps)
     return ScalingPlan(preset, base, runs, notes, nprocs, n_skip, weak, n_threads, overrides,
                        new_dir(parent, "scaling"))
 
@@ -310,12 +325,16 @@ def _header(plan: ScalingPlan, as_json: bool) -> dict[str, Any]:
         how = (f"weak scaling: per-rank batch fixed (micro_batch_size {t.micro_batch_size} x grad_accum "
                f"{t.grad_accum}); the global batch grows with the world size")
     else:
-        how = (f"strong scaling: global batch fixed at {t.micro_batch_size * t.grad_accum * nprocs[0]} samples (the "
-               f"preset's at {_ranks(nprocs[0])}); grad_accum, else micro_batch_size, adjusted per world size")
+        how = (f"strong scaling: global batch fixed at {plan.runs[0]['global_batch']} samples (the preset's at "
+               f"{_ranks(plan.runs[0]['nproc'])}); grad_accum, else micro_batch_size, adjusted per world size")
     header = [(f"bench scaling: {plan.preset}, {t.steps} steps per run, medians of steps {n_skip + 1}..{t.steps} "
                f"(first {n_skip} skipped); {len(plan.runs)} runs under {directory}"), how,
               (f"efficiency = tokens/s at N / (N/B x tokens/s at B), B = each strategy's smallest world size "
                f"measured (here {nprocs[0]})")]
+    tps = sorted({r["tp"] for r in plan.runs})
+    if tps[-1] > 1:
+        header.append(f"tensor parallel: tp {', '.join(map(str, tps))}, series <strategy>-tp<N> on dp = world size / "
+                      f"N replicas (single where dp = 1); the global batch counts replicas")
     per_rank = {n: scaling_math.threads_per_rank(n, cores, omp) for n in nprocs}
     if len(set(per_rank.values())) > 1:
         header.append("threads per rank: " + ", ".join(f"{k} at {_ranks(n)}" for n, k in per_rank.items())
@@ -336,7 +355,7 @@ def _header(plan: ScalingPlan, as_json: bool) -> dict[str, Any]:
     for line in header:
         click.echo(line, err=as_json)
     return {"kind": "scaling", "status": "running", "preset": plan.preset, "overrides": list(plan.overrides),
-            "mode": mode, "nproc": nprocs, "strategies": [r["spec"].label for r in plan.runs], "steps": t.steps,
+            "mode": mode, "nproc": nprocs, "strategies": [r["label"] for r in plan.runs], "steps": t.steps,
             "skip": n_skip, "cores": cores, "omp_num_threads": omp, "load_avg_1m": round(load, 2),
             "notes": plan.notes, "header": header, "start_time": time.time(), "results": []}
 
@@ -349,9 +368,9 @@ def _run(plan: ScalingPlan, meta: dict[str, Any], as_json: bool) -> tuple[list[d
     progress_tty = sys.stderr.isatty()
     stopped = False
     for i, run in enumerate(plan.runs, 1):
-        spec, n = run["spec"], run["nproc"]
-        run["run_name"] = f"{spec.label}-n{n}"
-        what = f"[{i}/{len(plan.runs)}] {spec.label} on {_ranks(n)}"
+        n = run["nproc"]
+        run["run_name"] = f"{run['label']}-n{n}"
+        what = f"[{i}/{len(plan.runs)}] {run['label']} on {_ranks(n)}"
         if progress_tty:
             click.echo(f"{what}: running ({directory / run['run_name']})", err=True, nl=False)
         run_load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None

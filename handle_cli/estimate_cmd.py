@@ -16,7 +16,8 @@ from torch_handle.common.units import fmt_bytes, parse_bytes
 DEFAULT_NPROC = "1,2,4,8"
 NOTE = ("activations: one micro-batch's tensors saved for backward (+ the fp32 logits, + one recomputed block with "
         "activation checkpointing), measured on fake tensors; not included: allocator fragmentation and caching, "
-        "communication buffers (DDP/ZeRO buckets, FSDP's gathered block), backward temporaries, CUDA context")
+        "communication buffers (DDP/ZeRO buckets, FSDP's gathered block, TP collectives), backward temporaries, "
+        "CUDA context; with tp > 1, every figure is one TP rank's")
 
 
 def parse_nproc(text: str) -> list[int]:
@@ -34,15 +35,39 @@ def parse_nproc(text: str) -> list[int]:
     return sorted(out)
 
 
+def layout_overrides(overrides: tuple[str, ...] | list[str]) -> list[str]:
+    """The ``--set`` list an estimate loads the preset with: when it sets ``parallel.tp`` = N > 1 and no launch size,
+    ``launch.nproc_per_node=N`` goes first, so that the preset's own world size (one TP replica) passes the layout
+    checks; the world sizes estimated are --nproc's. A malformed --set is left for the loader to report."""
+    from torch_handle.config.overrides import parse_override
+    from torch_handle.errors import PresetError
+
+    tp, launch = None, False
+    for text in overrides:
+        try:
+            keys, value = parse_override(text)
+        except PresetError:
+            return list(overrides)
+        if keys == ["parallel", "tp"]:
+            tp = value
+        launch = launch or keys[:2] in (["launch", "nproc_per_node"], ["launch", "nnodes"])
+    if isinstance(tp, int) and tp > 1 and not launch:
+        return [f"launch.nproc_per_node={tp}", *overrides]
+    return list(overrides)
+
+
 def _table(rows: list, device_memory: int | None) -> list[str]:
-    head = ["strategy", "world", "params", "grads", "optimizer", "activations", "device total", "host"]
+    layout = any(r.tp > 1 for r in rows)
+    head = ["strategy", "world", *(["dp x tp"] if layout else []), "params", "grads", "optimizer", "activations",
+            "device total", "host"]
     if device_memory is not None:
         head.append("fits")
     body = []
     for r in rows:
-        cells = [r.strategy, str(r.world_size), *(fmt_bytes(x, precise=True) for x in (
-            r.param_bytes, r.grad_bytes, r.optimizer_bytes, r.activation_bytes, r.device_bytes)),
-            fmt_bytes(r.host_bytes, precise=True) if r.host_bytes else "-"]
+        sizes = (r.param_bytes, r.grad_bytes, r.optimizer_bytes, r.activation_bytes, r.device_bytes)
+        cells = [r.strategy, str(r.world_size), *([f"{r.dp} x {r.tp}"] if layout else []),
+                 *(fmt_bytes(x, precise=True) for x in sizes),
+                 fmt_bytes(r.host_bytes, precise=True) if r.host_bytes else "-"]
         if device_memory is not None:
             cells.append("yes" if r.fits else "no")
         body.append(cells)
@@ -78,6 +103,11 @@ def estimate(preset: str, overrides: tuple[str, ...], nproc: str, nnodes: int | 
     With --json, activation_bytes comes with its parts: activation_saved_bytes (what a run's memory telemetry
     reports), activation_logits_bytes and activation_recompute_bytes.
 
+    With --set parallel.tp=N (tensor parallelism) each row is one TP rank of a dp x tp layout, dp = world / N:
+    its shard of the model (the preset's model split by its own plan: split tensors 1/N, LayerNorms and
+    row-parallel biases whole) under the strategy's own sharding over dp, and its activations, measured on the
+    split model. World sizes N does not divide are left out; --compare lists the strategies that run with tp.
+
     \b
     Examples:
       handle estimate presets/zero2.toml
@@ -85,6 +115,7 @@ def estimate(preset: str, overrides: tuple[str, ...], nproc: str, nnodes: int | 
       handle estimate zero3 --set model.d_model=2048 --set model.n_heads=16 --set model.n_layers=20 \\
         --set model.d_ff=8192 --compare --json                  # about 1B parameters
       handle estimate presets/fsdp.toml --nproc 8 --nnodes 4 --json
+      handle estimate presets/single.toml --set parallel.tp=2 --set parallel.sequence_parallel=true --nproc 2
 
     Exit code 2 with one line on stderr for a bad preset, --set, --nproc or --device-memory.
     """
@@ -100,16 +131,30 @@ def estimate(preset: str, overrides: tuple[str, ...], nproc: str, nnodes: int | 
 
     start = time.perf_counter()
     registry = get_registry()
-    loaded = load_preset(resolve_preset_spec(preset), overrides, registry)  # PresetError: one line, exit 2
-    from torch_handle.plan.estimate import COMPARE_VARIANTS, estimate_preset, smallest_fit
+    # PresetError: one line, exit 2
+    loaded = load_preset(resolve_preset_spec(preset), layout_overrides(overrides), registry)
+    from torch_handle.plan.estimate import COMPARE_VARIANTS, estimate_preset, smallest_fit, supports_tensor_parallel
 
     nodes = nnodes or loaded.launch.nnodes
     worlds = [n * nodes for n in nprocs]
+    tp = loaded.parallel.tp
+    variants, left_out = list(COMPARE_VARIANTS) if compare else None, []
+    if compare and tp > 1:
+        left_out = sorted({v.strategy for v in variants if not supports_tensor_parallel(registry, v.strategy)})
+        variants = [v for v in variants if v.strategy not in left_out]
     try:
-        rows = estimate_preset(loaded, registry, worlds, COMPARE_VARIANTS if compare else None, memory)
+        rows = estimate_preset(loaded, registry, worlds, variants, memory)
     except ValueError as e:
         fail(str(e))
     if not rows:
+        if tp > 1 and all(w % tp for w in worlds):
+            fail(f"no world size in --nproc is divisible by parallel.tp = {tp} (the data-parallel degree is world "
+                 f"size / tp)")
+        if tp > 1 and compare:
+            fail(f"no strategy that runs with parallel.tp = {tp} fits these world sizes (single: --nproc {tp}; "
+                 f"left out: {', '.join(left_out)})")
+        if tp > 1:
+            fail(f"strategy 'single' runs one replica of parallel.tp = {tp} ranks: use --nproc {tp}, or --compare")
         fail(f"strategy {loaded.strategy.name!r} runs one process: use --nproc 1, or --compare")
     if as_json:
         for r in rows:
@@ -120,6 +165,13 @@ def estimate(preset: str, overrides: tuple[str, ...], nproc: str, nnodes: int | 
     click.echo(f"{loaded.source}: {rows[0].params:,} parameters, {t.precision}, micro_batch_size "
                f"{t.micro_batch_size} x seq_len {loaded.data.options.seq_len}, activation checkpointing "
                f"{'on' if checkpointing else 'off'}, {nodes} node(s)")
+    if tp > 1:
+        p = loaded.parallel
+        sp = "on" if p.sequence_parallel else "off"
+        click.echo(f"tensor parallel: tp = {tp} ({p.tp_impl}, sequence parallelism {sp}), "
+                   f"{rows[0].tp_shard_params:,} parameters per TP rank; data parallel: dp = world / tp")
+    if left_out:
+        click.echo(f"left out: {', '.join(left_out)} (no parallel.tp > 1)")
     click.echo("bytes per rank (the rank that holds the most); host = offloaded to CPU memory")
     click.echo("")
     for line in _table(rows, memory):

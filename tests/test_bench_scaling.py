@@ -158,6 +158,27 @@ def test_strong_scaling_shrinks_the_micro_batch_when_grad_accum_cannot(monkeypat
     assert [(t["micro_batch_size"], t["grad_accum"]) for t in got] == [(4, 1), (2, 1), (1, 1)]
 
 
+def test_tp_sweep_sets_parallel_tp_and_runs_one_replica_as_single(monkeypatch, tmp_path):
+    result = invoke(monkeypatch, tmp_path, "--nproc", "1,2", "--tp", "1,2", "--strategies", "ddp", "--steps", "3",
+                    "--strong", "--json")
+    assert result.exit_code == 0, result.output
+    bench = only_dir(tmp_path / "bench")
+    records = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [(r["strategy"], r["plugin"], r["nproc"], r["dp"], r["tp"]) for r in records] == [
+        ("ddp", "ddp", 1, 1, 1), ("ddp", "ddp", 2, 2, 1), ("ddp-tp2", "single", 2, 1, 2)]
+    assert [r["global_batch"] for r in records] == [4, 4, 4]  # strong: replicas share the batch, not ranks
+    preset = tomllib.loads((bench / "ddp-tp2-n2" / "preset.toml").read_text())
+    assert preset["parallel"]["tp"] == 2 and preset["strategy"]["name"] == "single"
+    assert preset["launch"]["nproc_per_node"] == 2 and preset["training"]["micro_batch_size"] == 4
+    assert "tp 2 skipped at 1 rank" in result.stderr and "tensor parallel: tp 1, 2, series" in result.stderr
+    (tmp_path / "b").mkdir()
+    bad = invoke(monkeypatch, tmp_path / "b", "--nproc", "4", "--tp", "2", "--strategies", "zero2")
+    assert bad.exit_code == 2 and bad.stderr.count("\n") == 1, bad.output
+    assert bad.stderr.startswith("error: zero2-tp2 on 4 ranks: ") and "parallel.tp = 2" in bad.stderr
+    (tmp_path / "c").mkdir()
+    assert invoke(monkeypatch, tmp_path / "c", "--tp", "0").stderr.startswith("error: --tp: 0 is out of range")
+
+
 def test_a_failed_run_is_reported_and_the_others_still_run(monkeypatch, tmp_path):
     result = invoke(monkeypatch, tmp_path, "--nproc", "1,2,4", fail_at={2})
     assert result.exit_code == 1, result.output

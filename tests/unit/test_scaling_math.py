@@ -9,8 +9,8 @@ import io
 import pytest
 
 from torch_handle.plan.bench_scaling import (CSV_COLUMNS, add_efficiency, csv_text, efficiency, oversubscribed,
-                                        parse_nproc, parse_strategies, preset_strategy_label, strategy_spec,
-                                        strong_batch, summarize, table_parts, threads_per_rank)
+                                             parse_nproc, parse_strategies, preset_strategy_label, strategy_spec,
+                                             strong_batch, summarize, sweep, table_parts, threads_per_rank)
 
 
 def test_efficiency():
@@ -54,6 +54,30 @@ def test_strategy_specs():
         with pytest.raises(ValueError, match="unknown strategy"):
             strategy_spec(bad)
     assert preset_strategy_label("deepspeed", 3) == "zero3" and preset_strategy_label("ddp") == "ddp"
+
+
+def test_sweep_runs_each_world_size_with_each_tp_that_divides_it():
+    runs, notes = sweep(strategy_spec("fsdp"), [1, 2, 4], [1, 2, 4])
+    got = [(r.label, r.spec.plugin, r.nproc, r.dp, r.tp) for r in runs]
+    assert got == [("fsdp", "fsdp", 1, 1, 1),
+                   ("fsdp", "fsdp", 2, 2, 1), ("fsdp-tp2", "single", 2, 1, 2),  # dp = 1: one TP replica
+                   ("fsdp", "fsdp", 4, 4, 1), ("fsdp-tp2", "fsdp", 4, 2, 2), ("fsdp-tp4", "single", 4, 1, 4)]
+    assert runs[4].overrides == ("strategy.name=fsdp", "parallel.tp=2")
+    assert runs[2].overrides == ("strategy.name=single", "parallel.tp=2")
+    assert notes == ["tp 2 skipped at 1 rank: it does not divide the world size",
+                     "tp 4 skipped at 1 rank: it does not divide the world size",
+                     "tp 4 skipped at 2 ranks: it does not divide the world size"]
+
+
+def test_sweep_of_single_and_without_tp():
+    runs, notes = sweep(strategy_spec("single"), [1, 2, 4], [1, 2])
+    assert [(r.label, r.nproc, r.tp) for r in runs] == [("single", 1, 1), ("single-tp2", 2, 2)]
+    assert "single skipped at 4 ranks with tp 2: it runs one model replica (world size = tp)" in notes
+    plain, notes = sweep(strategy_spec("ddp"), [1, 2])  # no --tp: the preset's own layout, no override
+    assert [(r.label, r.nproc, r.tp, r.overrides) for r in plain] == [("ddp", 1, None, ("strategy.name=ddp",)),
+                                                                      ("ddp", 2, None, ("strategy.name=ddp",))]
+    assert notes == [] and sweep(strategy_spec("single"), [1, 2])[1] == [
+        "single skipped at 2 ranks: it runs on world size 1 only"]
 
 
 def test_parse_lists():

@@ -16,7 +16,9 @@ if TYPE_CHECKING:
 
 def _storage(t: torch.Tensor) -> tuple[int, int]:
     """(identity, bytes) of the storage behind ``t``; works for real, meta and fake tensors alike (views share
-    the storage, so they count once)."""
+    the storage, so they count once), and for a DTensor its local shard's (a DTensor wrapper has a storage of its
+    own, sized like the global tensor)."""
+    t = getattr(t, "_local_tensor", t)  # a DTensor's shard
     s = t.untyped_storage()
     return s._cdata, s.nbytes()
 

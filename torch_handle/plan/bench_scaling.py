@@ -1,7 +1,8 @@
-"""The pure half of ``handle bench scaling``: strategy names as preset overrides, the strong-scaling batch split,
-scaling efficiency, the summary of a run's step events and the CSV/JSON rows (no torch, no processes).
+"""The pure half of ``handle bench scaling``: strategy names as preset overrides, the sweep over world sizes and
+tensor-parallel degrees, the strong-scaling batch split, scaling efficiency, the summary of a run's step events and
+the CSV/JSON rows (no torch, no processes).
 
-A measurement is one short real run (``handle run``'s launcher) per strategy and world size; its step events
+A measurement is one short real run (``handle run``'s launcher) per strategy, world size and tp; its step events
 (:mod:`torch_handle.observe.fields`) after the first ``skip`` ones give the figures. Standard library only.
 """
 
@@ -62,6 +63,55 @@ def strategy_spec(label: str) -> StrategySpec:
 def preset_strategy_label(plugin: str, zero_stage: Any = None) -> str:
     """The label of a preset's own strategy: ``zero<stage>`` for deepspeed, else the plugin name."""
     return f"zero{zero_stage}" if plugin == "deepspeed" and zero_stage is not None else plugin
+
+
+@dataclass(frozen=True)
+class ScalingRun:
+    """One run of a sweep: ``spec`` on ``nproc`` ranks laid out as dp x tp (dp = nproc / tp replicas)."""
+
+    label: str
+    """The series the run belongs to (its efficiency base): the strategy's label, ``-tp<N>`` added for tp > 1."""
+    spec: StrategySpec
+    """The strategy as run: ``single`` for one tensor-parallel replica (dp = 1)."""
+    nproc: int
+    tp: int | None = None
+    """None: the preset's own ``[parallel] tp``, not overridden (a sweep without ``--tp``)."""
+
+    @property
+    def dp(self) -> int:
+        return self.nproc // (self.tp or 1)
+
+    @property
+    def overrides(self) -> tuple[str, ...]:
+        return (*self.spec.overrides, *(() if self.tp is None else (f"parallel.tp={self.tp}",)))
+
+
+SINGLE = StrategySpec("single", "single", ("strategy.name=single",))
+
+
+def sweep(spec: StrategySpec, nprocs: list[int], tps: list[int] | None = None) -> tuple[list[ScalingRun], list[str]]:
+    """The runs of ``spec``: every world size of ``nprocs`` with every tp of ``tps`` that divides it (world size
+    outer, tp inner), and notes on the pairs left out. With tp > 1 and dp = 1 the run is one tensor-parallel
+    replica, run by ``single`` (in the strategy's series); ``single`` itself runs only where dp = 1. ``tps`` None
+    (no ``--tp``): each world size once with the preset's own tp, ``single`` on world size 1 only."""
+    runs, notes = [], []
+    for n in nprocs:
+        if tps is None:
+            if spec.single_rank_only and n > 1:
+                notes.append(f"{spec.label} skipped at {n} ranks: it runs on world size 1 only")
+            else:
+                runs.append(ScalingRun(spec.label, spec, n))
+            continue
+        for tp in tps:
+            if n % tp:
+                notes.append(f"tp {tp} skipped at {n} rank{'s' if n != 1 else ''}: it does not divide the world size")
+            elif spec.single_rank_only and n != tp:
+                notes.append(f"{spec.label} skipped at {n} ranks with tp {tp}: it runs one model replica "
+                             f"(world size = tp)")
+            else:
+                as_run = SINGLE if tp > 1 and n == tp else spec
+                runs.append(ScalingRun(spec.label if tp == 1 else f"{spec.label}-tp{tp}", as_run, n, tp))
+    return runs, list(dict.fromkeys(notes))
 
 
 def parse_strategies(text: str) -> list[str]:
@@ -207,7 +257,7 @@ def add_efficiency(records: list[dict[str, Any]]) -> None:
 
 
 CSV_COLUMNS = ("strategy", "plugin", "nproc", "status", "message", "mode", "micro_batch_size", "grad_accum",
-               "global_batch", "measured_steps", "tokens_per_s", "step_time_s", "efficiency", "base_nproc",
+               "global_batch", "dp", "tp", "measured_steps", "tokens_per_s", "step_time_s", "efficiency", "base_nproc",
                *BREAKDOWN, "peak_rss_bytes", "peak_model_state_bytes", "peak_cuda_max_allocated_bytes",
                "threads_per_rank", "oversubscribed", "load_avg_1m", "wall_s", "run_dir")
 """Columns of ``results.csv`` (the memory peaks: the largest of any rank; per rank in ``results.json``)."""

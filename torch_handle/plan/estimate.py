@@ -9,19 +9,18 @@ Two parts, each measured rather than guessed:
   2-rank runs (``tensor_bytes``: distinct storages; see :data:`MEASURED`) and is computed from the parameter
   list of the model built on the meta device -- its partitions, paddings and boundary-straddling parameters
   included -- so rank 0's figure matches the telemetry to the byte for the strategies measured.
-* **Activations** for one micro-batch: one forward and backward of the real model on fake tensors
-  (``torch._subclasses.fake_tensor.FakeTensorMode``: shapes and dtypes only, no memory), counting the distinct
-  storages autograd saves for backward (:class:`~torch_handle.observe.activations.SavedTensorCounter`) at the
-  preset's precision, sequence length, micro-batch size and activation checkpointing (``activation_saved_bytes``);
-  plus the fp32 logits buffer (``activation_logits_bytes``), and with checkpointing the largest block's
-  activations recomputed during backward (``activation_recompute_bytes``); ``activation_bytes`` is their total.
-  The same counter on real tensors is :func:`saved_activation_bytes`, what the memory telemetry reports as
-  ``activation_saved_bytes``. Like torchtitan's memory estimator (which runs the train step under
-  ``FakeTensorMode`` and tracks allocations), nothing is allocated, so a 1B-parameter model estimates in seconds.
+* **Activations** for one micro-batch, measured by running the model's forward and backward on fake tensors
+  (:mod:`torch_handle.plan.estimate_activations`).
+
+With tensor parallelism (``[parallel] tp > 1``, dp = world_size / tp replicas of tp ranks each) both are those of
+one TP rank: the model is split by its own plan on the meta device (:mod:`torch_handle.plan.estimate_model`: split
+tensors count 1/tp, replicated ones whole), and the data-parallel strategy's formula applies to that shard over
+the dp ranks of its data-parallel group (FSDP2 shards each local tensor again on dim 0; single and DDP keep it
+whole). Nothing is allocated, so a 1B-parameter model estimates in seconds.
 
 Not included, and said so in every output: allocator fragmentation and caching, communication buffers (DDP's
-all-reduce, ZeRO's gather/reduce buckets, FSDP's all-gathered block), temporaries of the backward pass
-(gradients of activations in flight), the CUDA context and kernels' workspaces.
+all-reduce, ZeRO's gather/reduce buckets, FSDP's all-gathered block, TP's collectives), temporaries of the backward
+pass (gradients of activations in flight), the CUDA context and kernels' workspaces.
 
 torch is imported inside the functions, so importing this module is cheap.
 """
@@ -29,24 +28,19 @@ torch is imported inside the functions, so importing this module is cheap.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
-from torch_handle.common.precision import torch_dtype
-from torch_handle.observe.activations import SavedTensorCounter
-from torch_handle.observe.fields import (ACTIVATION_BYTES, ACTIVATION_LOGITS_BYTES, ACTIVATION_RECOMPUTE_BYTES,
-                                         ACTIVATION_SAVED_BYTES)
+from torch_handle.plan.estimate_activations import ActivationBytes, activation_bytes, compute_mode
+from torch_handle.plan.estimate_model import ModelShape, model_shape
 
 if TYPE_CHECKING:
-    import torch
-
-    from torch_handle.registry import PluginRegistry
     from torch_handle.config.schema import Preset
+    from torch_handle.registry import PluginRegistry
 
-__all__ = ["COMPARE_VARIANTS", "MEASURED", "ActivationBytes", "Estimate", "ModelShape", "Variant", "activation_bytes",
-           "estimate_preset", "model_shape", "model_state_bytes", "preset_variant",
-           "saved_activation_bytes", "smallest_fit"]
+__all__ = ["COMPARE_VARIANTS", "MEASURED", "Estimate", "Variant", "estimate_preset", "model_state_bytes",
+           "preset_variant", "smallest_fit", "supports_tensor_parallel"]
 
 # ---------------------------------------------------------------------------------------------------------------
 # What is estimated
@@ -103,72 +97,6 @@ MEASURED = {
 }
 """(param_bytes, grad_bytes, optimizer_bytes) of rank 0 that the formulas were derived from: `handle run` on 2
 ranks, gloo, log_every = 1 (tests/test_estimate.py re-measures them)."""
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# The model, on the meta device
-# ---------------------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """The trainable parameters of a model, each tensor once (tied weights once), in registration order."""
-
-    numels: tuple[int, ...]
-    """Elements of each parameter tensor."""
-    dim0: tuple[int, ...]
-    """Size of each tensor's first dimension (FSDP2 shards on it); 1 for a scalar."""
-
-    @property
-    def n_params(self) -> int:
-        return sum(self.numels)
-
-    @property
-    def n_tensors(self) -> int:
-        return len(self.numels)
-
-    @classmethod
-    def of(cls, model: torch.nn.Module) -> ModelShape:
-        params = [p for p in model.parameters() if p.requires_grad]
-        return cls(tuple(p.numel() for p in params), tuple(p.shape[0] if p.dim() else 1 for p in params))
-
-
-@dataclass(frozen=True)
-class _Build:
-    factory: Callable[..., Any]
-    options: Any
-    vocab_size: int
-    pad_id: int
-    max_len: int
-    kind: str  # "lm" or "translation": the model's forward arguments
-
-
-def _model_build(preset: Preset, registry: PluginRegistry) -> _Build:
-    from torch_handle.data.datasets import PAD_ID
-    from torch_handle.errors import PresetError
-
-    data = preset.data.options
-    vocab, seq_len = getattr(data, "vocab_size", None), getattr(data, "seq_len", None)
-    if not isinstance(vocab, int) or not isinstance(seq_len, int):
-        raise PresetError(f"dataset {preset.data.name!r} has no vocab_size/seq_len options: cannot size the model",
-                          file=preset.source, key="data")
-    task = getattr(data, "task", "lm")
-    factory = registry.get("model", preset.model.name).factory
-    return _Build(factory, preset.model.options, vocab, PAD_ID, seq_len + 1 if task == "translation" else seq_len,
-                  task)
-
-
-def model_shape(preset: Preset, registry: PluginRegistry) -> ModelShape:
-    """The preset's model built on the meta device (no memory, no initialisation cost): its parameter list.
-
-    The vocabulary is ``[data] vocab_size`` (the tokenizer's actual vocabulary can only be smaller).
-    """
-    import torch
-
-    b = _model_build(preset, registry)
-    with torch.device("meta"):
-        model = b.factory(b.options, b.vocab_size, b.pad_id, b.max_len)
-    return ModelShape.of(model)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -279,6 +207,11 @@ def model_state_bytes(shape: ModelShape, variant: Variant, precision: str, world
     ``overlap_comm = false``); NVMe offload counts as host memory. fp16 was measured for ddp and fsdp (equal to
     the byte); DeepSpeed refuses fp16 on a CPU, so its fp16 figures are the bf16 formulas, not measured.
 
+    With tensor parallelism, ``shape`` is one TP rank's shard (:func:`~torch_handle.plan.estimate_model.
+    model_shape` of the split model) and ``world``/``rank`` are the data-parallel degree dp = world_size / tp and
+    this rank's index among the dp replicas: each formula applies to the shard unchanged (FSDP2 shards every local
+    tensor again on its dim 0 over dp; single and DDP keep it whole).
+
     Raises:
         ValueError: for a strategy that is not built in, or ``single`` with ``world > 1``.
     """
@@ -325,145 +258,6 @@ def model_state_bytes(shape: ModelShape, variant: Variant, precision: str, world
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Activations
-# ---------------------------------------------------------------------------------------------------------------
-
-
-
-
-def saved_activation_bytes(run_forward_backward: Callable[[], Any], model: torch.nn.Module | None = None) -> int:
-    """Bytes of the distinct storages autograd saves for backward during ``run_forward_backward()`` (one
-    micro-batch's forward, loss and backward), on real tensors: the telemetry's ``activation_saved_bytes``.
-
-    ``model``: its parameters and buffers are left out (model state), and with activation checkpointing
-    (``model.args.activation_checkpointing``) its ``blocks()``' inputs count in place of what the checkpointed
-    blocks would have saved. The function adds nothing to the memory held: tensors are saved unchanged.
-
-    This is the ``saved`` part of :class:`ActivationBytes` (the estimate adds the fp32 logits buffer and the
-    recomputed block). ``model`` may be wrapped (DDP, a DeepSpeed engine: its ``.module`` is used). Under ZeRO-3
-    and FSDP2 the parameters gathered for a block are other storages than the shards, so weights that autograd
-    saves (e.g. for a matmul's backward) count here too, at their gathered size, although the strategy may free
-    or reshard them between forward and backward.
-    """
-    from torch_handle.model.parallelize import checkpointed_blocks
-
-    exclude = [*model.parameters(), *model.buffers()] if model is not None else []
-    with SavedTensorCounter(exclude, checkpointed_blocks(model) if model is not None else []) as counter:
-        run_forward_backward()
-    return counter.bytes
-
-
-@dataclass(frozen=True)
-class ActivationBytes:
-    """Activation bytes of one micro-batch on one rank."""
-
-    saved: int
-    """Distinct storages autograd saves in forward (inputs of checkpointed blocks included): held until backward
-    frees them."""
-    logits: int
-    """One fp32 (B, T, V) buffer: the logits in forward, their gradient in backward, beside the saved
-    log-probabilities."""
-    recompute: int
-    """With activation checkpointing: the largest block's saved tensors, rebuilt in backward; else 0."""
-
-    @property
-    def total(self) -> int:
-        return self.saved + self.logits + self.recompute
-
-    def as_fields(self) -> dict[str, int]:
-        """The parts and their total under the names the memory telemetry uses
-        (:mod:`torch_handle.observe.fields`): ``activation_bytes`` is the total, ``activation_saved_bytes`` what
-        the trainer measures."""
-        return {ACTIVATION_BYTES: self.total, ACTIVATION_SAVED_BYTES: self.saved,
-                ACTIVATION_LOGITS_BYTES: self.logits, ACTIVATION_RECOMPUTE_BYTES: self.recompute}
-
-
-def _compute_mode(strategy: str, precision: str) -> str:
-    """How the strategy computes: ``fp32``; ``autocast`` (single, ddp, scratch-ddp: fp32 weights, bf16/fp16
-    autocast); ``cast`` (deepspeed and fsdp: the weights themselves are bf16/fp16 during compute)."""
-    if precision == "fp32":
-        return "fp32"
-    return "autocast" if strategy in ("single", "ddp", "scratch-ddp") else "cast"
-
-
-def _cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> None:
-    """``model.to(dtype)`` for floating parameters and buffers, tied weights kept tied; works on fake tensors
-    (where ``Module.to`` refuses to swap them)."""
-    import torch
-
-    cast: dict[int, Any] = {}
-    for module in model.modules():
-        for table, make in ((module._parameters, torch.nn.Parameter), (module._buffers, lambda t: t)):
-            for name, t in table.items():
-                if t is not None and t.is_floating_point():
-                    if id(t) not in cast:
-                        cast[id(t)] = make(t.detach().to(dtype))
-                    table[name] = cast[id(t)]
-
-
-def _fake_activations(build: _Build, batch: int, seq_len: int, precision: str, mode: str, checkpointing: bool
-                      ) -> ActivationBytes:
-    import contextlib
-
-    import torch
-    import torch.nn.functional as F
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from torch_handle.model.parallelize import checkpointed_blocks, model_blocks, set_activation_checkpointing
-
-    dtype = torch_dtype(precision)
-    with FakeTensorMode(allow_non_fake_inputs=False):
-        model = build.factory(build.options, build.vocab_size, build.pad_id, build.max_len)
-        model.train()
-        if mode == "cast":
-            _cast_parameters(model, dtype)
-        ids = torch.randint(4, build.vocab_size, (batch, seq_len))
-        inputs = {"input_ids": ids} if build.kind == "lm" else {"src_ids": ids, "tgt_ids": ids.clone()}
-        labels = torch.randint(4, build.vocab_size, (batch, seq_len))
-        autocast = torch.autocast("cpu", dtype=dtype) if mode == "autocast" else contextlib.nullcontext()
-        exclude = [*model.parameters(), *model.buffers()]
-        per_block: list[int] = []
-
-        def step(counter: SavedTensorCounter, blocks: list[Any]) -> None:
-            before: list[int] = []
-            handles = [b.register_forward_pre_hook(lambda *_: before.append(counter.bytes)) for b in blocks]
-            handles += [b.register_forward_hook(lambda *_: per_block.append(counter.bytes - before.pop()))
-                        for b in blocks]
-            try:
-                with counter:
-                    with autocast:
-                        logits = model(**inputs)
-                    loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100)
-                    loss.backward()
-            finally:
-                for h in handles:
-                    h.remove()
-
-        counter = SavedTensorCounter(exclude, checkpointed_blocks(model))
-        step(counter, [])
-        recompute = 0
-        if checkpointing:  # what one block saves, measured on the same model without checkpointing
-            set_activation_checkpointing(model, False)
-            step(SavedTensorCounter(exclude), model_blocks(model))
-            recompute = max(per_block, default=0)
-        return ActivationBytes(counter.bytes, batch * seq_len * build.vocab_size * 4, recompute)
-
-
-def activation_bytes(preset: Preset, registry: PluginRegistry, strategy: str | None = None) -> ActivationBytes:
-    """Activation bytes of one micro-batch (``training.micro_batch_size`` x ``data.seq_len``) of ``preset``'s
-    model under ``strategy``'s way of computing (default: the preset's), measured on fake tensors.
-
-    Encoder-decoder models take source and target of ``seq_len`` tokens each (an upper bound: batches are
-    padded to their longest sentence).
-    """
-    build = _model_build(preset, registry)
-    mode = _compute_mode(strategy or preset.strategy.name, preset.training.precision)
-    seq = preset.data.options.seq_len
-    return _fake_activations(build, preset.training.micro_batch_size, seq, preset.training.precision, mode,
-                             bool(getattr(preset.model.options, "activation_checkpointing", False)))
-
-
-# ---------------------------------------------------------------------------------------------------------------
 # The estimate
 # ---------------------------------------------------------------------------------------------------------------
 
@@ -478,7 +272,7 @@ class Estimate:
     rank: int
     precision: str
     params: int
-    """Parameters of the model (count)."""
+    """Parameters of the whole model (count)."""
     param_bytes: int
     grad_bytes: int
     optimizer_bytes: int
@@ -492,10 +286,20 @@ class Estimate:
     fits: bool | None = None
     """``device_bytes <= device memory`` when one was given."""
     options: dict[str, Any] = field(default_factory=dict)
+    tp: int = 1
+    """Tensor-parallel degree: every figure above is one TP rank's; ``as_dict`` adds ``dp`` = world_size / tp."""
+    tp_shard_params: int | None = None
+    """Parameters of one TP rank's shard (split tensors at 1/tp, replicated ones whole) when tp > 1."""
+    sequence_parallel: bool = False
 
     @property
     def activation_bytes(self) -> int:
         return self.activation.total
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree: model replicas, world_size / tp."""
+        return self.world_size // self.tp
 
     def as_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -505,7 +309,16 @@ class Estimate:
                 out.update(value.as_fields())
             else:
                 out[f.name] = dict(value) if isinstance(value, dict) else value
+            if f.name == "world_size":
+                out["dp"] = self.dp
         return out
+
+
+def supports_tensor_parallel(registry: PluginRegistry, strategy: str) -> bool:
+    """Whether the strategy plugin declares that it runs with ``[parallel] tp > 1`` (its options class has
+    ``tensor_parallel = True``, what the preset loader checks)."""
+    registration = registry.registrations["strategy"].get(strategy)
+    return registration is not None and bool(getattr(registration.config_cls, "tensor_parallel", False))
 
 
 def preset_variant(preset: Preset) -> Variant:
@@ -528,46 +341,55 @@ def estimate_preset(preset: Preset, registry: PluginRegistry, world_sizes: Seque
                     variants: Sequence[Variant] | None = None, device_memory: int | None = None,
                     rank: int | None = None) -> list[Estimate]:
     """Estimates for every variant (default: the preset's strategy) at every world size, ordered by variant then
-    world size. ``single`` is estimated at world size 1 only.
+    world size, for the preset's ``[parallel]`` layout: with tp > 1, world sizes that tp does not divide are
+    left out, and each row is one TP rank's, its strategy's formula applied to the TP shard over dp = world_size /
+    tp ranks. ``single`` is estimated where dp = 1 only (world size 1, or tp).
 
-    ``rank``: the rank to report (default: the one with the largest device total; ranks differ by a partition
-    boundary at most).
+    ``rank``: the (global) rank to report (default: the one with the largest device total; ranks differ by a
+    partition boundary at most; the TP ranks of a replica hold the same).
 
     Raises:
-        ValueError: a strategy that is not built in (no measured memory model), or an empty ``world_sizes``.
+        ValueError: a strategy that is not built in (no measured memory model), one that does not run with tp > 1
+            when tp > 1, or an empty ``world_sizes``.
         PresetError: a dataset without ``vocab_size``/``seq_len`` options.
     """
     if not world_sizes:
         raise ValueError("no world sizes to estimate")
     variants = list(variants) if variants else [preset_variant(preset)]
+    tp = preset.parallel.tp
     for v in variants:
         if v.strategy not in BUILTIN:
             raise ValueError(f"strategy {v.strategy!r} has no memory model (built in: {', '.join(BUILTIN)})")
-    shape = model_shape(preset, registry)
+        if tp > 1 and not supports_tensor_parallel(registry, v.strategy):
+            raise ValueError(f"strategy {v.strategy!r} does not run with parallel.tp = {tp}")
+    whole = model_shape(preset, registry, tp=1)
+    shape = model_shape(preset, registry) if tp > 1 else whole
     precision = preset.training.precision
     acts: dict[str, ActivationBytes] = {}
     rows = []
     for v in variants:
-        mode = _compute_mode(v.strategy, precision)
+        mode = compute_mode(v.strategy, precision)
         if mode not in acts:
             acts[mode] = activation_bytes(preset, registry, v.strategy)
         act = acts[mode]
         for world in world_sizes:
-            if v.strategy == "single" and world != 1:
+            dp = world // tp
+            if world % tp or (v.strategy == "single" and dp != 1):
                 continue
-            ranks = [rank] if rank is not None else range(world)
+            ranks = [rank] if rank is not None else range(0, world, tp)
             best: tuple[int, int, States] | None = None
             for r in ranks:
-                s = model_state_bytes(shape, v, precision, world, r)
+                s = model_state_bytes(shape, v, precision, dp, r // tp)
                 device = s.param + s.grad + s.optimizer - s.host + act.total
                 if best is None or device > best[0]:
                     best = (device, r, s)
                 if v.strategy in ("single", "ddp") or (v.strategy == "scratch-ddp" and not v.shard_optimizer):
                     break  # every rank holds the same
             device, r, s = best
-            rows.append(Estimate(v.label, world, r, precision, shape.n_params, s.param, s.grad, s.optimizer, act,
+            rows.append(Estimate(v.label, world, r, precision, whole.n_params, s.param, s.grad, s.optimizer, act,
                                  device, s.host, None if device_memory is None else device <= device_memory,
-                                 {k: val for k, val in asdict(v).items() if k not in ("label",)}))
+                                 {k: val for k, val in asdict(v).items() if k not in ("label",)}, tp,
+                                 shape.n_params if tp > 1 else None, preset.parallel.sequence_parallel))
     return rows
 
 

@@ -1,0 +1,209 @@
+"""Activation bytes of one micro-batch on one rank, measured on fake tensors: the activation part of ``handle
+estimate`` (:mod:`torch_handle.plan.estimate`).
+
+One forward and backward of the real model on fake tensors (``torch._subclasses.fake_tensor.FakeTensorMode``:
+shapes and dtypes only, no memory), counting the distinct storages autograd saves for backward
+(:class:`~torch_handle.observe.activations.SavedTensorCounter`) at the preset's precision, sequence length,
+micro-batch size and activation checkpointing (``activation_saved_bytes``); plus the fp32 logits buffer
+(``activation_logits_bytes``), and with checkpointing the largest block's activations recomputed during backward
+(``activation_recompute_bytes``); ``activation_bytes`` is their total. Like torchtitan's memory estimator (which
+runs the train step under ``FakeTensorMode`` and tracks allocations), nothing is allocated.
+
+With ``[parallel] tp > 1`` the model measured is one TP rank's split model (:func:`~torch_handle.plan.
+estimate_model.build_model`: the hand-written layers with a shape-only group), its loss the vocabulary-parallel
+cross-entropy, so the figure is what this project's TP code saves, including what the analytic figure leaves out:
+with sequence parallelism a column-parallel linear keeps its all-gathered (b, s, h) input for backward, where
+Megatron-LM keeps the 1/tp shard and gathers it again. The analytic figure is Korthikanti et al. 2022,
+"Reducing Activation Recomputation in Large Transformer Models", Table 2 (:func:`korthikanti_layer_bytes`); the
+logits buffer is (b, s, V/tp) with the vocabulary-parallel loss. DTensor's ``native`` split saves the same local
+storages but a few small ones (checked on real 2-rank runs of both, ``tests/test_estimate.py``).
+
+torch is imported inside the functions, so importing this module is cheap.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from torch_handle.common.precision import torch_dtype
+from torch_handle.observe.activations import SavedTensorCounter
+from torch_handle.observe.fields import (ACTIVATION_BYTES, ACTIVATION_LOGITS_BYTES, ACTIVATION_RECOMPUTE_BYTES,
+                                         ACTIVATION_SAVED_BYTES)
+from torch_handle.plan.estimate_model import ModelBuild, build_model, model_build
+
+if TYPE_CHECKING:
+    import torch
+
+    from torch_handle.config.schema import Preset
+    from torch_handle.registry import PluginRegistry
+
+__all__ = ["ActivationBytes", "activation_bytes", "compute_mode", "fake_activations", "korthikanti_layer_bytes",
+           "saved_activation_bytes"]
+
+
+def saved_activation_bytes(run_forward_backward: Callable[[], Any], model: torch.nn.Module | None = None) -> int:
+    """Bytes of the distinct storages autograd saves for backward during ``run_forward_backward()`` (one
+    micro-batch's forward, loss and backward), on real tensors: the telemetry's ``activation_saved_bytes``.
+
+    ``model``: its parameters and buffers are left out (model state), and with activation checkpointing
+    (``model.args.activation_checkpointing``) its ``blocks()``' inputs count in place of what the checkpointed
+    blocks would have saved. The function adds nothing to the memory held: tensors are saved unchanged.
+
+    This is the ``saved`` part of :class:`ActivationBytes` (the estimate adds the fp32 logits buffer and the
+    recomputed block). ``model`` may be wrapped (DDP, a DeepSpeed engine: its ``.module`` is used). Under ZeRO-3
+    and FSDP2 the parameters gathered for a block are other storages than the shards, so weights that autograd
+    saves (e.g. for a matmul's backward) count here too, at their gathered size, although the strategy may free
+    or reshard them between forward and backward.
+    """
+    from torch_handle.model.parallelize import checkpointed_blocks
+
+    exclude = [*model.parameters(), *model.buffers()] if model is not None else []
+    with SavedTensorCounter(exclude, checkpointed_blocks(model) if model is not None else []) as counter:
+        run_forward_backward()
+    return counter.bytes
+
+
+@dataclass(frozen=True)
+class ActivationBytes:
+    """Activation bytes of one micro-batch on one rank."""
+
+    saved: int
+    """Distinct storages autograd saves in forward (inputs of checkpointed blocks included): held until backward
+    frees them."""
+    logits: int
+    """One fp32 (B, T, V) buffer (V/tp with tensor parallelism): the logits in forward, their gradient in backward,
+    beside the saved log-probabilities."""
+    recompute: int
+    """With activation checkpointing: the largest block's saved tensors, rebuilt in backward; else 0."""
+
+    @property
+    def total(self) -> int:
+        return self.saved + self.logits + self.recompute
+
+    def as_fields(self) -> dict[str, int]:
+        """The parts and their total under the names the memory telemetry uses
+        (:mod:`torch_handle.observe.fields`): ``activation_bytes`` is the total, ``activation_saved_bytes`` what
+        the trainer measures."""
+        return {ACTIVATION_BYTES: self.total, ACTIVATION_SAVED_BYTES: self.saved,
+                ACTIVATION_LOGITS_BYTES: self.logits, ACTIVATION_RECOMPUTE_BYTES: self.recompute}
+
+
+def korthikanti_layer_bytes(seq_len: int, micro_batch_size: int, d_model: int, n_heads: int, tp: int = 1,
+                            sequence_parallel: bool = False) -> float:
+    """Activation bytes one Transformer layer keeps for backward on one TP rank, by Korthikanti et al. 2022, Table 2
+    (16-bit activations, 1-byte dropout masks, FFN of 4h, no recomputation): s = ``seq_len``, b =
+    ``micro_batch_size``, h = ``d_model``, a = ``n_heads``, t = ``tp``::
+
+        s·b·h·(10 + 24/t + 5·a·s/(h·t))     tensor parallel
+        s·b·h·(34/t + 5·a·s/(h·t))           tensor + sequence parallel
+
+    (t = 1: s·b·h·(34 + 5·a·s/h)). The reference the measured figure is checked against, not what the estimate
+    reports (that is measured, :func:`activation_bytes`)."""
+    s, b, h, a, t = seq_len, micro_batch_size, d_model, n_heads, tp
+    attention_scores = 5 * a * s / (h * t)
+    per_token = 34 / t if sequence_parallel else 10 + 24 / t
+    return s * b * h * (per_token + attention_scores)
+
+
+def compute_mode(strategy: str, precision: str) -> str:
+    """How the strategy computes: ``fp32``; ``autocast`` (single, ddp, scratch-ddp: fp32 weights, bf16/fp16
+    autocast); ``cast`` (deepspeed and fsdp: the weights themselves are bf16/fp16 during compute)."""
+    if precision == "fp32":
+        return "fp32"
+    return "autocast" if strategy in ("single", "ddp", "scratch-ddp") else "cast"
+
+
+def _cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """``model.to(dtype)`` for floating parameters and buffers, tied weights kept tied; works on fake tensors
+    (where ``Module.to`` refuses to swap them)."""
+    import torch
+
+    cast: dict[int, Any] = {}
+    for module in model.modules():
+        for table, make in ((module._parameters, torch.nn.Parameter), (module._buffers, lambda t: t)):
+            for name, t in table.items():
+                if t is not None and t.is_floating_point():
+                    if id(t) not in cast:
+                        cast[id(t)] = make(t.detach().to(dtype))
+                    table[name] = cast[id(t)]
+
+
+def fake_activations(build: ModelBuild, batch: int, seq_len: int, precision: str, mode: str, checkpointing: bool
+                     ) -> ActivationBytes:
+    """:class:`ActivationBytes` of ``build``'s model (one TP rank's split model when ``build.tp`` > 1) for one
+    micro-batch of ``batch`` x ``seq_len`` tokens, computed in ``mode`` (:func:`compute_mode`), on fake tensors."""
+    import contextlib
+
+    import torch
+    import torch.nn.functional as F
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from torch_handle.model.parallelize import checkpointed_blocks, model_blocks, set_activation_checkpointing
+    from torch_handle.parallel.tensor.cross_entropy import vocab_parallel_cross_entropy
+    from torch_handle.plan.shape_tp_group import ShapeTPGroup
+
+    dtype = torch_dtype(precision)
+    group = ShapeTPGroup(build.tp) if build.tp > 1 else None
+    # the vocabulary-parallel loss's backward indexes with nonzero(): a data-dependent shape needs a ShapeEnv
+    with FakeTensorMode(allow_non_fake_inputs=False, shape_env=ShapeEnv() if group else None):
+        model = build_model(build, group)
+        model.train()
+        if mode == "cast":
+            _cast_parameters(model, dtype)
+        ids = torch.randint(4, build.vocab_size, (batch, seq_len))
+        inputs = {"input_ids": ids} if build.kind == "lm" else {"src_ids": ids, "tgt_ids": ids.clone()}
+        labels = torch.randint(4, build.vocab_size, (batch, seq_len))
+        autocast = torch.autocast("cpu", dtype=dtype) if mode == "autocast" else contextlib.nullcontext()
+        exclude = [*model.parameters(), *model.buffers()]
+        per_block: list[int] = []
+        vocab_local: list[int] = []
+
+        def step(counter: SavedTensorCounter, blocks: list[Any]) -> None:
+            before: list[int] = []
+            handles = [b.register_forward_pre_hook(lambda *_: before.append(counter.bytes)) for b in blocks]
+            handles += [b.register_forward_hook(lambda *_: per_block.append(counter.bytes - before.pop()))
+                        for b in blocks]
+            try:
+                with counter:
+                    with autocast:
+                        logits = model(**inputs)
+                    vocab_local.append(logits.shape[-1])
+                    if group is None:
+                        loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100)
+                    else:
+                        loss, _ = vocab_parallel_cross_entropy(logits, labels, group)
+                    loss.backward()
+            finally:
+                for h in handles:
+                    h.remove()
+
+        counter = SavedTensorCounter(exclude, checkpointed_blocks(model))
+        step(counter, [])
+        recompute = 0
+        if checkpointing:  # what one block saves, measured on the same model without checkpointing
+            set_activation_checkpointing(model, False)
+            step(SavedTensorCounter(exclude), model_blocks(model))
+            recompute = max(per_block, default=0)
+        return ActivationBytes(counter.bytes, batch * seq_len * vocab_local[0] * 4, recompute)
+
+
+def activation_bytes(preset: Preset, registry: PluginRegistry, strategy: str | None = None) -> ActivationBytes:
+    """Activation bytes of one micro-batch (``training.micro_batch_size`` x ``data.seq_len``) of ``preset``'s
+    model under ``strategy``'s way of computing (default: the preset's), on one rank, measured on fake tensors;
+    with ``[parallel] tp > 1``, of one TP rank (with or without sequence parallelism, as the preset says).
+
+    Encoder-decoder models take source and target of ``seq_len`` tokens each (an upper bound: batches are
+    padded to their longest sentence).
+
+    Raises:
+        PresetError: a dataset without ``vocab_size``/``seq_len`` options.
+        ValueError: tp > 1 for a model that has no tensor-parallel plan.
+    """
+    build = model_build(preset, registry)
+    mode = compute_mode(strategy or preset.strategy.name, preset.training.precision)
+    seq = preset.data.options.seq_len
+    return fake_activations(build, preset.training.micro_batch_size, seq, preset.training.precision, mode,
+                            bool(getattr(preset.model.options, "activation_checkpointing", False)))

@@ -1,0 +1,127 @@
+"""The model ``handle estimate`` sizes: a preset's model built on the meta device or on fake tensors (no memory),
+and, with ``[parallel] tp > 1``, split the way a tensor-parallel run splits it.
+
+The split is the model's own plan (:func:`torch_handle.model.parallelize.tensor_parallel_plan`) carried out by the
+hand-written layers (``parallelize_tensor(..., "scratch", ...)``) with a :class:`~torch_handle.plan.shape_tp_group.
+ShapeTPGroup` in place of a process group. So what one rank holds -- column-parallel weights and biases and the
+vocabulary-split embedding and LM head at 1/tp, row-parallel weights at 1/tp with their biases whole, LayerNorms
+whole -- comes from the code that splits real runs, not from a formula beside it. DTensor's ``native`` split keeps
+the same local shapes (``torch.chunk`` on the same dimensions); where the vocabulary is not divisible by tp (only
+``native`` allows it), rank 0's ceil(V/tp) rows are estimated: the vocabulary is rounded up to a multiple of tp.
+
+torch is imported inside the functions, so importing this module is cheap.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from torch_handle.config.schema import Preset
+    from torch_handle.parallel.tensor.mappings import TPGroup
+    from torch_handle.registry import PluginRegistry
+
+__all__ = ["ModelBuild", "ModelShape", "build_model", "model_build", "model_shape"]
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The trainable parameters of a model, each tensor once (tied weights once), in registration order."""
+
+    numels: tuple[int, ...]
+    """Elements of each parameter tensor."""
+    dim0: tuple[int, ...]
+    """Size of each tensor's first dimension (FSDP2 shards on it); 1 for a scalar."""
+
+    @property
+    def n_params(self) -> int:
+        return sum(self.numels)
+
+    @property
+    def n_tensors(self) -> int:
+        return len(self.numels)
+
+    @classmethod
+    def of(cls, model: torch.nn.Module) -> ModelShape:
+        params = [p for p in model.parameters() if p.requires_grad]
+        return cls(tuple(p.numel() for p in params), tuple(p.shape[0] if p.dim() else 1 for p in params))
+
+
+@dataclass(frozen=True)
+class ModelBuild:
+    """How to build a preset's model: its plugin's factory and options, and the layout of one rank."""
+
+    factory: Callable[..., Any]
+    options: Any
+    vocab_size: int
+    pad_id: int
+    max_len: int
+    kind: str
+    """``"lm"`` or ``"translation"``: the model's forward arguments."""
+    tp: int = 1
+    """Tensor-parallel degree ``[parallel] tp``: the model is split over this many ranks."""
+    sequence_parallel: bool = False
+
+
+def model_build(preset: Preset, registry: PluginRegistry) -> ModelBuild:
+    """The preset's model: ``[model]`` with the vocabulary ``[data] vocab_size`` (the tokenizer's actual vocabulary
+    can only be smaller) and ``[parallel]``'s tp and sequence parallelism.
+
+    Raises:
+        PresetError: a dataset without ``vocab_size``/``seq_len`` options.
+    """
+    from torch_handle.data.datasets import PAD_ID
+    from torch_handle.errors import PresetError
+
+    data = preset.data.options
+    vocab, seq_len = getattr(data, "vocab_size", None), getattr(data, "seq_len", None)
+    if not isinstance(vocab, int) or not isinstance(seq_len, int):
+        raise PresetError(f"dataset {preset.data.name!r} has no vocab_size/seq_len options: cannot size the model",
+                          file=preset.source, key="data")
+    task = getattr(data, "task", "lm")
+    factory = registry.get("model", preset.model.name).factory
+    return ModelBuild(factory, preset.model.options, vocab, PAD_ID, seq_len + 1 if task == "translation" else seq_len,
+                      task, preset.parallel.tp, preset.parallel.sequence_parallel)
+
+
+def build_model(build: ModelBuild, tp_group: TPGroup | None = None) -> torch.nn.Module:
+    """The model on the current device and tensor mode (call it under ``torch.device("meta")`` or
+    ``FakeTensorMode``), split over ``build.tp`` ranks when tp > 1 as TP rank ``tp_group.rank`` holds it (default:
+    rank 0 of a :class:`ShapeTPGroup`, whose collectives only compute shapes).
+
+    Raises:
+        ValueError: one line, for a model that has no tensor-parallel plan.
+    """
+    if build.tp == 1:
+        return build.factory(build.options, build.vocab_size, build.pad_id, build.max_len)
+    from torch_handle.model.parallelize import parallelize_tensor
+    from torch_handle.plan.shape_tp_group import ShapeTPGroup
+
+    vocab = math.ceil(build.vocab_size / build.tp) * build.tp
+    model = build.factory(build.options, vocab, build.pad_id, build.max_len)
+    group = tp_group if tp_group is not None else ShapeTPGroup(build.tp)
+    return parallelize_tensor(model, "scratch", group, sequence_parallel=build.sequence_parallel)
+
+
+def model_shape(preset: Preset, registry: PluginRegistry, tp: int | None = None) -> ModelShape:
+    """The parameter list of the preset's model built on the meta device (no memory, no initialisation cost): of
+    one TP rank's shard when ``tp`` (default: ``[parallel] tp``) is above 1.
+
+    Raises:
+        PresetError: a dataset without ``vocab_size``/``seq_len`` options.
+        ValueError: tp > 1 for a model that has no tensor-parallel plan.
+    """
+    import dataclasses
+
+    import torch
+
+    build = model_build(preset, registry)
+    if tp is not None:
+        build = dataclasses.replace(build, tp=tp)
+    with torch.device("meta"):
+        return ModelShape.of(build_model(build))
