@@ -1,6 +1,6 @@
 """Tensor parallelism on 2 ranks against one process: tokens/s, and the counted TP bytes against the formula.
 
-    python benchmarks/tensor_parallel.py [--rounds 2] [--steps 4] [--micro-batch-size 8] [--precision fp32,bf16]
+    python benchmarks/tensor_parallel.py [--rounds 2] [--steps 3] [--micro-batch-size 8] [--precision fp32,bf16]
                                          [--out tensor_parallel.json]
 
 Runs ``handle run`` with the demo's decoder (``presets/single.toml``'s [model]: d_model 256, 4 heads, 4 layers,
@@ -128,7 +128,7 @@ def table(a: argparse.Namespace, rows: dict[str, dict[str, dict]], model: dict) 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=2, help="every case once per round, in turn")
-    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--skip", type=int, default=1, help="leave out the first steps (warm-up)")
     ap.add_argument("--micro-batch-size", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=128)
