@@ -197,3 +197,23 @@ def test_a_tp_checkpoint_resumes_as_single_and_fsdp_and_the_reverse(tmp_path: Pa
         got = _resume(run, tmp_path / name, *overrides)
         for step in (3, 4):
             assert abs(got[step] - want[step]) <= 1e-4 * want[step], (name, step, got[step], want[step])
+
+
+def test_data_times_tensor_parallel_on_four_ranks(tmp_path: Path) -> None:
+    """dp = 2 x tp = 2 on one ("dp", "tp") mesh (4 processes): `ddp` over the hand-written TP with sequence
+    parallelism and `fsdp` over DTensor TP give the one-process losses and gradient norms (same global batch of 8
+    sequences: 2 replicas x micro-batch 4, against 1 process x 2 micro-batches)."""
+    preset = tmp_path / "tiny.toml"
+    preset.write_text(tiny_preset(tmp_path / "runs", strategy="single").replace("nproc_per_node = 2",
+                                                                                "nproc_per_node = 1"))
+    one = _steps(_run(preset, "one"))
+    mesh = ("--set", "launch.nproc_per_node=4", "--set", "parallel.tp=2", "--set", "training.grad_accum=1")
+    for name, overrides in (("ddp-scratch", ("--set", "strategy.name=ddp", "--set", "parallel.tp_impl=scratch",
+                                             "--set", "parallel.sequence_parallel=true")),
+                            ("fsdp-native", ("--set", "strategy.name=fsdp", "--set", "parallel.tp_impl=native"))):
+        split = _steps(_run(preset, name, *mesh, *overrides))
+        assert [e["step"] for e in split] == [1, 2, 3, 4]
+        for a, b in zip(one, split):
+            assert abs(a["loss"] - b["loss"]) <= 1e-5 * a["loss"], (name, a["step"], a["loss"], b["loss"])
+            assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-4 * a["grad_norm"], (name, a["step"])
+            assert b["layout"] == {"dp": 2, "tp": 2}
