@@ -115,18 +115,18 @@ def test_decoder_split_two_ways_equals_one_process(tmp_path: Path) -> None:
         raise AssertionError("\n".join(p.read_text() for p in sorted(tmp_path.glob("rank*.txt"))) or str(e)) from None
 
 
-# ---- real runs through `handle run`: the layout, the losses, the counted traffic -------------------------------------
+# ---- real runs through `handle run`: the layout, the losses, the counted traffic, checkpoints ----------------------
 
 TINY = ("--set", "model.dropout=0", "--set", "model.norm_first=true", "--set", "training.steps=4",
-        "--set", "training.log_every=1", "--set", "training.grad_accum=2")
+        "--set", "training.log_every=1", "--set", "training.grad_accum=2", "--set", "training.checkpoint_every=2")
+TP2 = ("--set", "launch.nproc_per_node=2", "--set", "parallel.tp=2")
 
 
 def _run(preset: Path, name: str, *overrides: str) -> Path:
     proc = subprocess.run([sys.executable, "-m", "handle_cli", "run", str(preset), "--set", f"run.name={name}",
                            *TINY, *overrides], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"{name}: exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"
-    run_dir = Path(next(ln for ln in proc.stdout.splitlines() if ln.startswith("run directory: ")).split(": ", 1)[1])
-    return run_dir
+    return Path(next(ln for ln in proc.stdout.splitlines() if ln.startswith("run directory: ")).split(": ", 1)[1])
 
 
 def _steps(run_dir: Path) -> list[dict]:
@@ -134,24 +134,38 @@ def _steps(run_dir: Path) -> list[dict]:
     return [e for e in map(json.loads, lines) if e["kind"] == "step"]
 
 
-def test_handle_run_with_tp_2_gives_the_one_process_losses(tmp_path: Path) -> None:
-    """fp32, dropout 0, 4 steps of 2 micro-batches: `parallel.tp = 2` on 2 ranks (by hand with sequence
-    parallelism, and DTensor without) trains as one process does, and the hand-written path's counted TP traffic
-    is exactly the analytic volume of every step."""
-    preset = tmp_path / "tiny.toml"
-    preset.write_text(tiny_preset(tmp_path / "runs", strategy="single").replace("nproc_per_node = 2",
-                                                                                "nproc_per_node = 1"))
-    one = _steps(_run(preset, "one"))
-    tp = ("--set", "launch.nproc_per_node=2", "--set", "parallel.tp=2")
-    scratch = _steps(_run(preset, "scratch", *tp, "--set", "parallel.tp_impl=scratch",
-                          "--set", "parallel.sequence_parallel=true"))
-    native = _steps(_run(preset, "native", *tp, "--set", "parallel.tp_impl=native"))
-    for split in (scratch, native):
-        assert [e["step"] for e in split] == [1, 2, 3, 4]
-        for a, b in zip(one, split):
-            assert abs(a["loss"] - b["loss"]) <= 1e-5 * a["loss"], (a["step"], a["loss"], b["loss"])
-            assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-4 * a["grad_norm"]
-            assert b["tokens"] == a["tokens"] and b["layout"] == {"dp": 1, "tp": 2}
+def _losses(run_dir: Path) -> dict[int, float]:
+    return {e["step"]: e["loss"] for e in _steps(run_dir)}  # a step run twice keeps its last value
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    """The tiny decoder, fp32, dropout 0, 4 steps of 2 micro-batches, checkpoints at steps 2 and 4: one process,
+    and tp = 2 by hand with sequence parallelism. Shared by the tests below (each run costs seconds)."""
+    root = tmp_path_factory.mktemp("tp-runs")
+    preset = root / "tiny.toml"
+    preset.write_text(tiny_preset(root / "runs", strategy="single").replace("nproc_per_node = 2",
+                                                                            "nproc_per_node = 1"))
+    return {"preset": preset, "one": _run(preset, "one"),
+            "scratch": _run(preset, "scratch", *TP2, "--set", "parallel.tp_impl=scratch",
+                            "--set", "parallel.sequence_parallel=true")}
+
+
+def _assert_same_training(one: list[dict], split: list[dict], name: str, layout: dict[str, int]) -> None:
+    assert [e["step"] for e in split] == [1, 2, 3, 4], name
+    for a, b in zip(one, split):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * a["loss"], (name, a["step"], a["loss"], b["loss"])
+        assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-4 * a["grad_norm"], (name, a["step"])
+        assert b["tokens"] == a["tokens"] and b["layout"] == layout, name
+
+
+def test_handle_run_with_tp_2_gives_the_one_process_losses(runs) -> None:
+    """`parallel.tp = 2` on 2 ranks (by hand with sequence parallelism, and DTensor without) trains as one process
+    does, and the hand-written path's counted TP traffic is exactly the analytic volume of every step."""
+    one, scratch = _steps(runs["one"]), _steps(runs["scratch"])
+    native = _steps(_run(runs["preset"], "native", *TP2, "--set", "parallel.tp_impl=native"))
+    for name, split in (("scratch", scratch), ("native", native)):
+        _assert_same_training(one, split, name, {"dp": 1, "tp": 2})
     d_model, n_layers = 64, 2
     sp_grads = n_layers * (2 * 2 * d_model + 2 * d_model) + 2 * d_model  # 2 LayerNorms + 2 row biases a layer, final
     want = step_volume(n_layers=n_layers, micro_batch_size=4, seq_len=32, d_model=d_model, grad_accum=2,
@@ -160,8 +174,16 @@ def test_handle_run_with_tp_2_gives_the_one_process_losses(tmp_path: Path) -> No
     assert all("tp_comm_calls" not in e for e in native)  # DTensor's collectives are not counted
 
 
-def _losses(run_dir: Path) -> dict[int, float]:
-    return {e["step"]: e["loss"] for e in _steps(run_dir)}  # a step run twice keeps its last value
+def test_data_times_tensor_parallel_on_four_ranks(runs) -> None:
+    """dp = 2 x tp = 2 on one ("dp", "tp") mesh (4 processes): `ddp` over the hand-written TP with sequence
+    parallelism and `fsdp` over DTensor TP give the one-process losses and gradient norms (same global batch of 8
+    sequences: 2 replicas x micro-batch 4, against 1 process x 2 micro-batches)."""
+    mesh = ("--set", "launch.nproc_per_node=4", "--set", "parallel.tp=2", "--set", "training.grad_accum=1")
+    for name, overrides in (("ddp-scratch", ("--set", "strategy.name=ddp", "--set", "parallel.tp_impl=scratch",
+                                             "--set", "parallel.sequence_parallel=true")),
+                            ("fsdp-native", ("--set", "strategy.name=fsdp", "--set", "parallel.tp_impl=native"))):
+        split = _steps(_run(runs["preset"], name, *mesh, *overrides))
+        _assert_same_training(_steps(runs["one"]), split, name, {"dp": 2, "tp": 2})
 
 
 def _resume(run: Path, stopped: Path, *overrides: str) -> dict[int, float]:
@@ -174,46 +196,20 @@ def _resume(run: Path, stopped: Path, *overrides: str) -> dict[int, float]:
     return _losses(stopped)
 
 
-def test_a_tp_checkpoint_resumes_as_single_and_fsdp_and_the_reverse(tmp_path: Path) -> None:
+def test_a_tp_checkpoint_resumes_as_single_and_fsdp_and_the_reverse(runs, tmp_path: Path) -> None:
     """A tp = 2 run's checkpoint is the one-process state in the portable form: resumed at step 2 as `single` on 1
     rank and as `fsdp` on 2, it continues the uninterrupted losses within 1e-4; and a `single` checkpoint resumed
     with tp = 2 (DTensor) does the same."""
-    preset = tmp_path / "tiny.toml"
-    preset.write_text(tiny_preset(tmp_path / "runs", strategy="single").replace("nproc_per_node = 2",
-                                                                                "nproc_per_node = 1"))
-    every = ("--set", "training.checkpoint_every=2")
-    tp = ("--set", "launch.nproc_per_node=2", "--set", "parallel.tp=2")
-    split = _run(preset, "tp", *every, *tp, "--set", "parallel.tp_impl=scratch")
+    split, one = runs["scratch"], runs["one"]
     layout = json.loads((split / "checkpoints" / "step-2" / "layout.json").read_text())
     assert layout["format"] == "dcp" and layout["tp"] == 2
-    one = _run(preset, "one", *every)
     want_split, want_one = _losses(split), _losses(one)
-    cases = [(split, "as-single", ("--set", "parallel.tp=1", "--set", "launch.nproc_per_node=1"), want_split),
+    no_tp = ("--set", "parallel.tp=1", "--set", "parallel.sequence_parallel=false")
+    cases = [(split, "as-single", (*no_tp, "--set", "launch.nproc_per_node=1"), want_split),
              # 2 data-parallel ranks with half the accumulation: the same global batch of 8 sequences
-             (split, "as-fsdp", ("--set", "parallel.tp=1", "--set", "strategy.name=fsdp", "--set",
-                                 "training.grad_accum=1"), want_split),
-             (one, "as-tp", (*tp, "--set", "parallel.tp_impl=native"), want_one)]
+             (split, "as-fsdp", (*no_tp, "--set", "strategy.name=fsdp", "--set", "training.grad_accum=1"), want_split),
+             (one, "as-tp", (*TP2, "--set", "parallel.tp_impl=native"), want_one)]
     for run, name, overrides, want in cases:
         got = _resume(run, tmp_path / name, *overrides)
         for step in (3, 4):
             assert abs(got[step] - want[step]) <= 1e-4 * want[step], (name, step, got[step], want[step])
-
-
-def test_data_times_tensor_parallel_on_four_ranks(tmp_path: Path) -> None:
-    """dp = 2 x tp = 2 on one ("dp", "tp") mesh (4 processes): `ddp` over the hand-written TP with sequence
-    parallelism and `fsdp` over DTensor TP give the one-process losses and gradient norms (same global batch of 8
-    sequences: 2 replicas x micro-batch 4, against 1 process x 2 micro-batches)."""
-    preset = tmp_path / "tiny.toml"
-    preset.write_text(tiny_preset(tmp_path / "runs", strategy="single").replace("nproc_per_node = 2",
-                                                                                "nproc_per_node = 1"))
-    one = _steps(_run(preset, "one"))
-    mesh = ("--set", "launch.nproc_per_node=4", "--set", "parallel.tp=2", "--set", "training.grad_accum=1")
-    for name, overrides in (("ddp-scratch", ("--set", "strategy.name=ddp", "--set", "parallel.tp_impl=scratch",
-                                             "--set", "parallel.sequence_parallel=true")),
-                            ("fsdp-native", ("--set", "strategy.name=fsdp", "--set", "parallel.tp_impl=native"))):
-        split = _steps(_run(preset, name, *mesh, *overrides))
-        assert [e["step"] for e in split] == [1, 2, 3, 4]
-        for a, b in zip(one, split):
-            assert abs(a["loss"] - b["loss"]) <= 1e-5 * a["loss"], (name, a["step"], a["loss"], b["loss"])
-            assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-4 * a["grad_norm"], (name, a["step"])
-            assert b["layout"] == {"dp": 2, "tp": 2}

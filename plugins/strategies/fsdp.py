@@ -28,8 +28,9 @@ class FSDPStrategy(Strategy):
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         """``fully_shard`` each of ``model.blocks()`` (one all-gather/reduce-scatter per block), then the model.
 
-        A model that declares no blocks (``model_blocks`` raises) is sharded as one unit -- every parameter gathered for the whole
-        forward, which defeats most of FSDP's memory saving -- with a logged warning.
+        A model that declares no blocks (``model_blocks`` raises) is sharded as one unit -- every parameter gathered
+        for the whole forward, which defeats most of FSDP's memory saving -- with a logged warning. With tensor
+        parallelism the shards of the mesh's "tp" dimension are sharded again over its "dp" dimension (FSDP x TP).
         """
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
