@@ -7,6 +7,7 @@ module also puts the repository first, so that a benchmark imports this checkout
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -54,3 +55,17 @@ def write_preset(directory: Path, **tables: dict[str, Any]) -> Path:
     path = directory / "bench.toml"
     path.write_text(tomli_w.dumps(preset), encoding="utf-8")
     return path
+
+
+def step_medians(run_dir: Path, skip: int, keys: tuple[str, ...]) -> dict[str, Any]:
+    """Medians of the numeric ``keys`` over a run's step events after the first ``skip`` (None where a key is
+    absent), plus the last step's ``loss`` and ``layout``. Exits with a message when no step is left."""
+    steps = read_events(run_dir, "step")[skip:]
+    if not steps:
+        raise SystemExit(f"no steps after the first {skip}: raise --steps")
+
+    def med(key: str) -> float | None:
+        xs = [e[key] for e in steps if isinstance(e.get(key), (int, float))]
+        return statistics.median(xs) if xs else None
+
+    return {**{k: med(k) for k in keys}, "loss": steps[-1]["loss"], "layout": steps[-1].get("layout")}

@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from _common import handle_run, read_events, write_preset
+from _common import handle_run, step_medians, write_preset
 
 CASES = {
     "ddp (PyTorch)": ["strategy.name=ddp"],
@@ -36,17 +35,7 @@ def measure(preset: Path, sets: list[str], skip: int) -> dict:
     t0 = time.perf_counter()
     run_dir = handle_run(preset, sets)
     wall = time.perf_counter() - t0
-    steps = read_events(run_dir, "step")[skip:]
-    if not steps:
-        raise SystemExit(f"no steps after the first {skip}: raise --steps")
-
-    def med(key: str) -> float | None:
-        xs = [e[key] for e in steps if isinstance(e.get(key), (int, float))]
-        return statistics.median(xs) if xs else None
-
-    return {"step_time_s": med("step_time_s"), "tokens_per_s": med("tokens_per_s"),
-            "allreduce_calls": med("allreduce_calls"), "allreduce_bytes": med("allreduce_bytes"),
-            "comm_s": med("comm_s"), "loss": steps[-1]["loss"], "wall_s": wall}
+    return {**step_medians(run_dir, skip, ("step_time_s", "tokens_per_s", "allreduce_calls", "allreduce_bytes", "comm_s")), "wall_s": wall}
 
 
 def main() -> None:

@@ -33,7 +33,7 @@ import time
 import tomllib
 from pathlib import Path
 
-from _common import ROOT, handle_run, read_events, write_preset
+from _common import ROOT, handle_run, step_medians, write_preset
 
 CASES = {
     "single": ["launch.nproc_per_node=1", "parallel.tp=1"],
@@ -82,18 +82,7 @@ def measure(preset: Path, overrides: list[str], skip: int, env: dict[str, str]) 
     t0 = time.perf_counter()
     run_dir = handle_run(preset, overrides, env=env)
     wall = time.perf_counter() - t0
-    steps = read_events(run_dir, "step")[skip:]
-    if not steps:
-        raise SystemExit(f"no steps after the first {skip}: raise --steps")
-
-    def med(key: str) -> float | None:
-        xs = [e[key] for e in steps if isinstance(e.get(key), (int, float))]
-        return statistics.median(xs) if xs else None
-
-    return {"tokens_per_s": med("tokens_per_s"), "step_time_s": med("step_time_s"),
-            "tp_comm_calls": med("tp_comm_calls"), "tp_comm_bytes": med("tp_comm_bytes"),
-            "tp_comm_s": med("tp_comm_s"), "layout": steps[-1].get("layout"), "loss": steps[-1]["loss"],
-            "wall_s": wall}
+    return {**step_medians(run_dir, skip, ("tokens_per_s", "step_time_s", "tp_comm_calls", "tp_comm_bytes", "tp_comm_s")), "wall_s": wall}
 
 
 def table(a: argparse.Namespace, rows: dict[str, dict[str, dict]], model: dict) -> list[str]:

@@ -69,3 +69,32 @@ def find_worker(run_dir: str | Path, rank: int) -> psutil.Process | None:
         except psutil.Error:
             pass
     return None
+
+
+def _gloo_rank(rank: int, body, world_size: int, tmp: str) -> None:
+    import traceback
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{Path(tmp) / 'rendezvous'}", rank=rank,
+                            world_size=world_size)
+    try:
+        body(rank, Path(tmp))
+    except BaseException:
+        (Path(tmp) / f"rank{rank}.txt").write_text(traceback.format_exc())
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def run_on_gloo(body, tmp_path: Path, world_size: int = 2) -> None:
+    """Run ``body(rank, tmp_path)`` (a module-level function: it is pickled) on ``world_size`` fresh processes in one
+    gloo group, one thread each; a failure raises AssertionError with the failing ranks' own tracebacks."""
+    import torch.multiprocessing as mp
+
+    try:
+        mp.spawn(_gloo_rank, args=(body, world_size, str(tmp_path)), nprocs=world_size, join=True)
+    except Exception as e:
+        raise AssertionError("\n".join(p.read_text() for p in sorted(tmp_path.glob("rank*.txt"))) or str(e)) from None

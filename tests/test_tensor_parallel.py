@@ -11,13 +11,10 @@ import json
 import shutil
 import subprocess
 import sys
-import traceback
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from torch_handle.model.args import TransformerArgs
@@ -28,7 +25,7 @@ from torch_handle.parallel.tensor.layers import all_reduce_sp_grads
 from torch_handle.parallel.tensor.mappings import TPGroup, step_volume
 from torch_handle.parallel.tensor.plan import unshard
 
-from tests.helpers import tiny_preset
+from tests.helpers import run_on_gloo, tiny_preset
 
 pytestmark = pytest.mark.dist
 
@@ -84,35 +81,24 @@ def _tensor_parallel(args: TransformerArgs, impl: str, sp: bool, tp: TPGroup, me
     return loss.item(), grads
 
 
-def _worker(rank: int, init: str, errors: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
-    try:
-        from torch.distributed.device_mesh import init_device_mesh
+def _cases(rank: int, tmp: Path) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
-        tp = TPGroup(mesh.get_group())
-        for impl, sp, norm_first, fused in CASES:
-            case = f"{impl} sp={sp} norm_first={norm_first} fused_qkv={fused}"
-            args = _args(norm_first, fused)
-            ref_loss, ref_grads = _reference(args)
-            loss, grads = _tensor_parallel(args, impl, sp, tp, mesh)
-            assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss), (case, loss, ref_loss)
-            assert grads.keys() == ref_grads.keys(), case
-            for name, ref in ref_grads.items():
-                torch.testing.assert_close(grads[name], ref, rtol=1e-5, atol=1e-6, msg=lambda m: f"{case} {name}: {m}")
-    except BaseException:
-        Path(errors, f"rank{rank}.txt").write_text(traceback.format_exc())
-        raise
-    finally:
-        dist.destroy_process_group()
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    tp = TPGroup(mesh.get_group())
+    for impl, sp, norm_first, fused in CASES:
+        case = f"{impl} sp={sp} norm_first={norm_first} fused_qkv={fused}"
+        args = _args(norm_first, fused)
+        ref_loss, ref_grads = _reference(args)
+        loss, grads = _tensor_parallel(args, impl, sp, tp, mesh)
+        assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss), (case, loss, ref_loss)
+        assert grads.keys() == ref_grads.keys(), case
+        for name, ref in ref_grads.items():
+            torch.testing.assert_close(grads[name], ref, rtol=1e-5, atol=1e-6, msg=lambda m: f"{case} {name}: {m}")
 
 
 def test_decoder_split_two_ways_equals_one_process(tmp_path: Path) -> None:
-    try:
-        mp.spawn(_worker, args=(f"file://{tmp_path / 'rendezvous'}", str(tmp_path)), nprocs=2, join=True)
-    except Exception as e:
-        raise AssertionError("\n".join(p.read_text() for p in sorted(tmp_path.glob("rank*.txt"))) or str(e)) from None
+    run_on_gloo(_cases, tmp_path)
 
 
 # ---- real runs through `handle run`: the layout, the losses, the counted traffic, checkpoints ----------------------

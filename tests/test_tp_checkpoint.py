@@ -13,13 +13,11 @@ itself (the same seed builds the same model everywhere), so the reference needs 
 
 from __future__ import annotations
 
-import traceback
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.tensor import DTensor
@@ -32,6 +30,8 @@ from torch_handle.parallel.tensor.checkpoint import full_model_state, full_optim
 from torch_handle.parallel.tensor.cross_entropy import vocab_parallel_cross_entropy
 from torch_handle.parallel.tensor.layers import all_reduce_sp_grads
 from torch_handle.parallel.tensor.mappings import TPGroup
+
+from tests.helpers import run_on_gloo
 
 pytestmark = pytest.mark.dist
 
@@ -168,25 +168,14 @@ def _check_case(impl: str, fused: bool, sp: bool, norm_first: bool, tp: TPGroup,
     dist.barrier()  # rank 0 may write the next case's portable form
 
 
-def _worker(rank: int, init: str, tmp: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
-    try:
-        from torch.distributed.device_mesh import init_device_mesh
+def _cases(rank: int, tmp: Path) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
-        tp = TPGroup(mesh.get_group())
-        for k, case in enumerate(CASES):
-            _check_case(*case, tp, mesh, Path(tmp, f"case{k}"))
-    except BaseException:
-        Path(tmp, f"rank{rank}.txt").write_text(traceback.format_exc())
-        raise
-    finally:
-        dist.destroy_process_group()
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    tp = TPGroup(mesh.get_group())
+    for k, case in enumerate(CASES):
+        _check_case(*case, tp, mesh, tmp / f"case{k}")
 
 
 def test_tp_checkpoint_is_the_one_process_checkpoint(tmp_path: Path) -> None:
-    try:
-        mp.spawn(_worker, args=(f"file://{tmp_path / 'rendezvous'}", str(tmp_path)), nprocs=2, join=True)
-    except Exception as e:
-        raise AssertionError("\n".join(p.read_text() for p in sorted(tmp_path.glob("rank*.txt"))) or str(e)) from None
+    run_on_gloo(_cases, tmp_path)

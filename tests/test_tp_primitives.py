@@ -6,14 +6,11 @@ Each check builds the one-process module with one seed on both ranks, splits it,
 
 from __future__ import annotations
 
-import os
-import traceback
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
@@ -21,6 +18,8 @@ from torch_handle.parallel.tensor.cross_entropy import IGNORE_INDEX, vocab_paral
 from torch_handle.parallel.tensor.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                                  all_reduce_sp_grads, mark_sequence_parallel)
 from torch_handle.parallel.tensor.mappings import TPGroup, gather_sequence, split_to_sp
+
+from tests.helpers import run_on_gloo
 
 pytestmark = pytest.mark.dist
 
@@ -110,28 +109,14 @@ def check_embedding_and_loss(tp: TPGroup, eps: float) -> None:
     assert tp.stats.calls == 4  # + the head's f in backward; the loss sends nothing backward
 
 
-def _worker(rank: int, world: int, init: str, errors: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-    try:
-        tp = TPGroup()
-        check_mlp(tp, sequence_parallel=False)
-        check_mlp(tp, sequence_parallel=True)
-        check_fused_qkv(tp)
-        check_embedding_and_loss(tp, eps=0.0)
-        check_embedding_and_loss(tp, eps=0.1)
-    except BaseException:
-        Path(errors, f"rank{rank}.txt").write_text(traceback.format_exc())
-        raise
-    finally:
-        dist.destroy_process_group()
+def _checks(rank: int, tmp: Path) -> None:
+    tp = TPGroup()
+    check_mlp(tp, sequence_parallel=False)
+    check_mlp(tp, sequence_parallel=True)
+    check_fused_qkv(tp)
+    check_embedding_and_loss(tp, eps=0.0)
+    check_embedding_and_loss(tp, eps=0.1)
 
 
 def test_tp_pieces_equal_one_process(tmp_path: Path) -> None:
-    init = f"file://{tmp_path / 'rendezvous'}"
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    try:
-        mp.spawn(_worker, args=(2, init, str(tmp_path)), nprocs=2, join=True)
-    except Exception as e:  # show the rank's own traceback, not the spawn wrapper's
-        found = sorted(tmp_path.glob("rank*.txt"))
-        raise AssertionError("\n".join(p.read_text() for p in found) or str(e)) from None
+    run_on_gloo(_checks, tmp_path)
