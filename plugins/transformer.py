@@ -24,7 +24,8 @@ TransformerConfig = dataclasses.make_dataclass(
     [("kind", ModelKind, dataclasses.field(default="decoder")),
      *((f.name, f.type, dataclasses.field(default=f.default, metadata=f.metadata))
        for f in dataclasses.fields(TransformerArgs) if f.name not in DATASET_FIELDS)],
-    namespace={"__module__": __name__, "__doc__": _DOC, "check": _check, "tensor_parallel": True})
+    namespace={"__module__": __name__, "__doc__": _DOC, "check": _check, "tensor_parallel": True,
+               "pipeline_parallel": True})
 
 
 def check_preset(options: TransformerConfig, preset) -> None:
@@ -46,6 +47,12 @@ def check_preset(options: TransformerConfig, preset) -> None:
                                                      sequence_parallel=parallel.sequence_parallel,
                                                      scratch=parallel.tp_impl == "scratch"):
             raise InvalidValue(key if key in ("n_heads", "d_ff") else f"data.{key}", message)
+    if parallel.pp > 1:
+        from torch_handle.model.pipeline import pipeline_problems
+
+        stages = parallel.pp * parallel.pp_stages_per_rank
+        for key, message in pipeline_problems(options, options.kind, stages, parallel.pp_layers):
+            raise InvalidValue(key if key != "pp_layers" else "parallel.pp_layers", message)
 
 
 def build(options: TransformerConfig, vocab_size: int, pad_id: int, max_len: int):

@@ -16,9 +16,10 @@ from torch_handle.api import InvalidValue, hookimpl, param
 @dataclass
 class SingleConfig:
     """``[strategy]`` with ``name = "single"``: one model replica, no wrapping (one process, or the tp processes
-    of one tensor-parallel replica)."""
+    of one tensor-parallel or pipeline replica)."""
 
     tensor_parallel: ClassVar[bool] = True
+    pipeline_parallel: ClassVar[bool] = True
 
 
 @dataclass
@@ -99,11 +100,12 @@ class ScratchDDPConfig:
 
 
 def _check_single(options, preset) -> None:
-    tp = preset.parallel.tp
-    if preset.world_size != tp and tp > 1:
+    replica = preset.parallel.tp * preset.parallel.pp  # the ranks one model replica spans
+    if preset.world_size != replica and replica > 1:
         raise InvalidValue("launch.nproc_per_node", f"strategy 'single' runs one model replica: world size "
-                                                    f"{preset.world_size} must equal parallel.tp = {tp}")
-    if preset.world_size != tp:
+                                                    f"{preset.world_size} must equal parallel.tp x parallel.pp = "
+                                                    f"{replica}")
+    if preset.world_size != replica:
         raise InvalidValue("launch.nproc_per_node", f"strategy 'single' runs one process (world size "
                                                     f"{preset.world_size}); use ddp, deepspeed or fsdp")
 

@@ -36,7 +36,7 @@ LAYERS: dict[str, set[str]] = {
     "config": _BASE | {"registry"},
     "rundir": _BASE,
     "observe": _BASE | {"config", "rundir"},
-    "parallel": _BASE,
+    "parallel": _BASE | {"config", "observe"},  # the schedules' names; the heartbeat and saved-tensor counter
     "model": _BASE | {"config", "parallel"},  # config: the schema's field ranges (param) for TransformerArgs
     "data": _BASE,
     "checkpoint": _BASE | {"registry", "config", "rundir", "observe"},

@@ -52,6 +52,7 @@ else:  # pragma: no cover
 
 from torch_handle.errors import InvalidValue, PresetError
 from torch_handle.registry import PluginRegistry, Registration, get_registry
+from torch_handle.config.layout import check_parallel
 from torch_handle.config.overrides import Overrides, apply_overrides
 from torch_handle.config.schema import (CORE_TABLES, DEFAULT_PLUGINS, PLUGIN_TABLES, TABLE_ORDER, LaunchConfig,
                                         PluginSection, Preset, RunConfig, TrainingConfig, field_docs, param,
@@ -471,7 +472,7 @@ def _walk(data: dict[str, Any], registry: PluginRegistry | None, source: str
     if problems:
         return None, problems
     preset = Preset(**sections, source=source)
-    layout_problem = _check_parallel(preset, registry)
+    layout_problem = check_parallel(preset, registry)
     if layout_problem is not None:
         return None, [layout_problem]
     for table, registration in registrations.items():
@@ -484,27 +485,6 @@ def _walk(data: dict[str, Any], registry: PluginRegistry | None, source: str
         except Exception as e:  # noqa: BLE001 - a bug in a plugin's check is still one line, naming the plugin
             return None, [_plugin_bug(table, registration, e)]
     return preset, []
-
-
-def _check_parallel(preset: Preset, registry: PluginRegistry) -> PresetError | None:
-    """The ``[parallel]`` layout against the world size and the plugins: tp must divide the world size, and the
-    model and strategy plugins must support tensor parallelism (their options class says so with a class attribute
-    ``tensor_parallel = True``). The model's own limits (heads, widths) are its plugin's ``check_preset``."""
-    tp = preset.parallel.tp
-    if tp == 1:
-        return None
-    if preset.world_size % tp:
-        return PresetError(f"{tp} does not divide the world size {preset.world_size} (launch.nproc_per_node x "
-                           f"launch.nnodes); the data-parallel degree is world size / tp", key="parallel.tp")
-    for table in ("model", "strategy"):
-        section = getattr(preset, table)
-        if not getattr(type(section.options), "tensor_parallel", False):
-            kind = PLUGIN_TABLES[table]
-            valid = sorted(n for n, r in registry.registrations[kind].items()
-                           if getattr(r.config_cls, "tensor_parallel", False))
-            return PresetError(f"{section.name!r} does not support parallel.tp = {tp} (valid with tp > 1: "
-                               f"{', '.join(valid) or 'none'})", key=f"{table}.name")
-    return None
 
 
 def preset_from_dict(data: dict[str, Any], registry: PluginRegistry | None = None, *, source: str = "<preset>"

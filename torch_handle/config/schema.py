@@ -185,6 +185,14 @@ class LaunchConfig:
                                                      f"visible: nccl needs one device per process (or use gloo)")
 
 
+PP_SCRATCH = ("gpipe", "1f1b")
+"""The pipeline schedules written by hand (``pp_impl = "scratch"``)."""
+PP_MULTI_STAGE = frozenset({"interleaved-1f1b", "looped-bfs", "interleaved-zb", "zbv", "dualpipev"})
+"""Schedules that run several model chunks (stages) per rank: ``parallel.pp_stages_per_rank`` v >= 2."""
+PP_V_SHAPED = frozenset({"zbv", "dualpipev"})
+"""Schedules that place stages in a V (rank r holds stages r and 2p - 1 - r) and need exactly v = 2."""
+
+
 @dataclass
 class ParallelConfig:
     """``[parallel]``: how each model replica is split across ranks. The data-parallel degree (the ``[strategy]``'s
@@ -200,9 +208,49 @@ class ParallelConfig:
     """Run LayerNorm and dropout on 1/tp of the sequence between the TP regions (Korthikanti et al. 2022);
     needs seq_len divisible by tp."""
 
+    pp: int = param(1, ge=1)
+    """Pipeline-parallel degree: the model's layers split into this many stages on as many ranks
+    (docs/pipeline-parallel.md). tp x pp must divide the world size."""
+    pp_impl: Literal["native", "scratch"] = "native"
+    """native: torch.distributed.pipelining (PipelineStage and its schedule classes); scratch: the hand-written
+    GPipe and 1F1B of torch_handle/parallel/pipeline/."""
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "interleaved-zb", "zbv",
+                         "dualpipev"] = "1f1b"
+    """The order of forwards and backwards: gpipe and 1f1b (both implementations); the rest run several stages
+    per rank (pp_stages_per_rank >= 2) and are native only; zbv and dualpipev need exactly 2."""
+    pp_microbatches: int = param(0, ge=0)
+    """m: pipeline micro-batches per step; they split the step's micro_batch_size x grad_accum samples, which m
+    must divide. 0: grad_accum (each of the step's micro-batches is one pipeline micro-batch)."""
+    pp_stages_per_rank: int = param(1, ge=1)
+    """v: model chunks (stages) per pipeline rank; the model splits into pp x v stages."""
+    pp_layers: list[int] = field(default_factory=list)
+    """Layers of each stage, first to last (pp x v counts adding up to n_layers); empty: balanced by pp_split."""
+    pp_split: Literal["layers", "params"] = "layers"
+    """How an empty pp_layers balances the stages: equal layers, or equal parameters (the embedding counts on the
+    first stage, the head on the last)."""
+
     def check(self) -> None:
         if self.sequence_parallel and self.tp == 1:
             raise InvalidValue("sequence_parallel", "needs parallel.tp > 1 (it splits the sequence over the TP group)")
+        if self.pp > 1:
+            multi, v = self.pp_schedule in PP_MULTI_STAGE, self.pp_stages_per_rank
+            if self.pp_impl == "scratch" and self.pp_schedule not in PP_SCRATCH:
+                raise InvalidValue("pp_schedule", f"{self.pp_schedule!r} is native only; pp_impl = \"scratch\" runs "
+                                                  f"{' or '.join(PP_SCRATCH)}")
+            if multi and v < 2:
+                raise InvalidValue("pp_stages_per_rank", f"{self.pp_schedule} runs several stages per rank: set "
+                                                         f"pp_stages_per_rank >= 2 (it is {v})")
+            if self.pp_schedule in PP_V_SHAPED and v != 2:
+                raise InvalidValue("pp_stages_per_rank", f"{self.pp_schedule} needs exactly 2 (it is {v})")
+            if not multi and v > 1:
+                raise InvalidValue("pp_stages_per_rank", f"{v} needs a schedule with several stages per rank "
+                                                         f"(interleaved-1f1b, looped-bfs, interleaved-zb, zbv, "
+                                                         f"dualpipev), not {self.pp_schedule}")
+            if self.pp_layers and len(self.pp_layers) != self.pp * v:
+                raise InvalidValue("pp_layers", f"lists {len(self.pp_layers)} stages; pp x pp_stages_per_rank = "
+                                                f"{self.pp * v}")
+            if self.pp_layers and min(self.pp_layers) < 1:
+                raise InvalidValue("pp_layers", "every stage needs at least one layer")
 
 
 @dataclass

@@ -72,7 +72,7 @@ class PhaseTimer:
         self.cuda = torch.device(device).type == "cuda"
         self.enabled, self.ranges = enabled, ranges
         self._pool: list[Any] = []  # CUDA events, reused step after step
-        self._marks: list[tuple[str, Any]] = []  # (phase that ends here, time or event)
+        self._marks: list[tuple[Any, Any]] = []  # (phase that ends here or {phase: share}, time or event)
         self._n = 0
 
     def _mark(self) -> Any:
@@ -97,6 +97,12 @@ class PhaseTimer:
         if self.enabled:
             self._marks.append((name, self._mark()))
 
+    def lap_shared(self, weights: dict[str, float]) -> None:
+        """End a stretch in which several phases interleaved (a pipeline schedule's forwards and backwards): its
+        time is shared among ``weights``' phases in proportion (e.g. the seconds each measured itself)."""
+        if self.enabled:
+            self._marks.append((dict(weights), self._mark()))
+
     def phase(self, name: str) -> _Phase:
         """Context manager: a ``handle/<phase>`` profiler range, and a lap of ``name`` at its exit."""
         return _Phase(self, name)
@@ -111,6 +117,9 @@ class PhaseTimer:
         prev = self._marks[0][1]
         for name, mark in self._marks[1:]:
             dt = prev.elapsed_time(mark) / 1000.0 if self.cuda else mark - prev
-            out[name] = out.get(name, 0.0) + dt
+            shares = name if isinstance(name, dict) else {name: 1.0}
+            total = sum(shares.values()) or 1.0
+            for phase, weight in shares.items():
+                out[phase] = out.get(phase, 0.0) + dt * weight / total
             prev = mark
         return out

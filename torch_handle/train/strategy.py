@@ -5,11 +5,13 @@ wrapped, how gradients are synchronised and stepped, and how its state is saved.
 model -- ``factory(options, training, ctx, model) -> Strategy`` -- and its constructor wraps the model and builds
 the optimizer and LR schedule, so ``model``, ``optimizer`` and ``scheduler`` are always set. One optimizer step is:
 
-    for i, micro_batch in enumerate(micro_batches):
+    for i, micro_batch in enumerate(micro_batches):       # GradientAccumulation (torch_handle.train.loop)
         with strategy.accumulating(sync=(i == last)), strategy.autocast():
             loss = loss_fn(strategy.model(**inputs), labels)
         strategy.backward(loss)            # loss: mean over this micro-batch's tokens, unscaled
     grad_norm = strategy.step()            # clip, optimizer step, LR schedule step, zero grads
+
+A strategy that runs the micro-batches itself (a pipeline schedule) returns its loop from ``micro_batch_loop``.
 
 Checkpoints: ``save``/``load`` in the strategy's own format; ``checkpoint_layout`` says which format that is and
 ``loads_natively`` whether ``load`` reads a given checkpoint; any other checkpoint is converted to the portable
@@ -41,11 +43,14 @@ class DistContext:
     device: torch.device
     backend: str
     layout: Any = None
-    """The dp x tp :class:`~torch_handle.parallel.mesh.Layout` when ``parallel.tp > 1``, else None (dp = world size)."""
+    """The pp x dp x tp :class:`~torch_handle.parallel.mesh.Layout` when ``parallel.tp`` or ``parallel.pp`` > 1, else
+    None (dp = world size)."""
     mesh: Any = None
-    """The ("dp", "tp") ``DeviceMesh`` of ``layout``."""
+    """The ("dp", "tp") or ("pp", "dp", "tp") ``DeviceMesh`` of ``layout``."""
     tp_group: Any = None
     """This rank's :class:`~torch_handle.parallel.tensor.mappings.TPGroup` (the mesh's "tp" dimension)."""
+    pp_group: Any = None
+    """This rank's pipeline process group (the mesh's "pp" dimension), None without a pipeline."""
 
     @property
     def is_main(self) -> bool:
@@ -58,12 +63,17 @@ class DistContext:
 
     @property
     def dp_size(self) -> int:
-        """Model replicas: world_size / tp."""
+        """Model replicas: world_size / (tp · pp)."""
         return self.world_size if self.layout is None else self.layout.dp
 
     @property
     def tp_rank(self) -> int:
         return 0 if self.layout is None else self.layout.tp_rank(self.rank)
+
+    @property
+    def pp_rank(self) -> int:
+        """This rank's place in its pipeline (it runs stage pp_rank, and with v stages per rank more)."""
+        return 0 if self.layout is None else self.layout.pp_rank(self.rank)
 
     @property
     def distributed(self) -> bool:
@@ -174,6 +184,13 @@ class Strategy:
         if p == "fp32":
             return contextlib.nullcontext()
         return torch.autocast(self.ctx.device.type, dtype=torch_dtype(p))
+
+    def micro_batch_loop(self) -> Any:
+        """The loop that runs a step's micro-batches (a :class:`~torch_handle.train.loop.MicroBatchLoop`: forward,
+        loss and backward of each, and the step's loss sum), for a strategy that schedules them itself; None (the
+        default): the trainer's :class:`~torch_handle.train.loop.GradientAccumulation`, whose calls are the ones
+        this class documents (``accumulating``, ``autocast``, ``backward``). A pipeline is such a loop."""
+        return None
 
     def accumulating(self, sync: bool) -> ContextManager:
         """Context of one micro-batch; ``sync`` is false for all but the last micro-batch of a step."""

@@ -41,6 +41,7 @@ from torch_handle.observe.fields import (ACTIVATION_SAVED_BYTES, BACKWARD_S, COM
 from torch_handle.observe.heartbeat import beat, busy
 from torch_handle.observe.state import SLOW_RANK_LOGS, SLOW_RANK_RATIO, slowest_rank
 from torch_handle.observe.telemetry import EVENTS_FILE, EventWriter, NullEventWriter
+from torch_handle.train.loop import GradientAccumulation, MicroBatchLoop, plain
 from torch_handle.train.loss import loss_fn
 from torch_handle.train.phases import PhaseTimer
 
@@ -57,11 +58,6 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def _plain(t: torch.Tensor) -> torch.Tensor:
-    """A replicated DTensor (native TP's loss) as a plain tensor; a plain tensor as it is."""
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
-
-
 class Trainer:
     """Owns one rank's run: build, resume, loop, evaluate, checkpoint, export, close."""
 
@@ -71,6 +67,8 @@ class Trainer:
         self.events = EventWriter(self.run_dir / EVENTS_FILE) if ctx.is_main else NullEventWriter()
         self.step = 0
         self.tp: Any = None  # the TensorParallel share of this process when parallel.tp > 1 (see build)
+        self.pp: Any = None  # the PipelineParallel share when parallel.pp > 1: also the step's micro-batch loop
+        self.loop: MicroBatchLoop = GradientAccumulation()
         self.epoch = 0
         self.samples_in_epoch = 0
         """The data position: samples of this epoch's global order consumed by all ranks (GlobalBatchSampler)."""
@@ -99,11 +97,17 @@ class Trainer:
     # -- build ---------------------------------------------------------------------------------------------------
     def build(self) -> None:
         p = self.preset
-        if p.parallel.tp > 1:
+        if p.parallel.tp > 1 or p.parallel.pp > 1:
             from torch_handle.train.tensor_parallel import TensorParallel, attach_layout
 
             self.ctx = attach_layout(self.ctx, p.parallel)
+        if p.parallel.tp > 1:
             self.tp = TensorParallel(p.parallel, self.ctx)
+        if p.parallel.pp > 1:
+            from torch_handle.config.layout import pipeline_microbatches
+            from torch_handle.train.pipeline_parallel import PipelineParallel
+
+            self.pp = PipelineParallel(p.parallel, self.ctx, pipeline_microbatches(p), self.training.label_smoothing)
         ctx = self.ctx
         seed_everything(p.run.seed)
         data_plugin = self.registry.get("dataset", p.data.name)
@@ -133,17 +137,21 @@ class Trainer:
         model.to(ctx.device)
         if self.tp is not None:
             self.tp.parallelize(model)
+        if self.pp is not None:
+            model = self.pp.split(model)
         if self.training.compile:
             # Per block and in place (nn.Module.compile), as torchtitan does: the blocks stay the modules that
             # blocks() returns, so fsdp's fully_shard per block and activation checkpointing see them unchanged.
             for block in model_blocks(model, default=[model]):
                 block.compile()
-        # From here on each replica draws its own dropout masks (the TP ranks of one replica draw the same).
-        seed_everything(p.run.seed + 1000 * ctx.dp_rank)
+        # From here on each replica (and pipeline stage) draws its own dropout masks; a replica's TP ranks the same.
+        seed_everything(p.run.seed + 1000 * ctx.dp_rank + 100_003 * ctx.pp_rank)
 
         strategy_plugin = self.registry.get("strategy", p.strategy.name)
         self.strategy: Strategy = strategy_plugin.factory(p.strategy.options, self.training, ctx, model)
-        self.state_io = self.strategy if self.tp is None else self.tp.bind(self.strategy)  # saves, loads the state
+        share = self.tp or self.pp  # a model split over ranks saves and loads its state itself
+        self.state_io = self.strategy if share is None else share.bind(self.strategy)
+        self.loop = self.pp or self.strategy.micro_batch_loop() or GradientAccumulation()
 
         t = self.training
         # the samples of each step depend on the seed and the step, not on the world size (see GlobalBatchSampler)
@@ -322,7 +330,7 @@ class Trainer:
         eps = self.training.label_smoothing if train else 0.0
         return loss_fn(logits, labels, eps) if self.tp is None else self.tp.loss(logits, labels, eps)
 
-    def _micro_batch(self):
+    def micro_batch(self):
         """Context of one micro-batch's forward, loss and backward (``loss_parallel()`` for native TP)."""
         return contextlib.nullcontext() if self.tp is None else self.tp.micro_batch()
 
@@ -340,25 +348,7 @@ class Trainer:
             self.tp.begin_step()
         # [loss * tokens, tokens, stop] stays on the device until the one sync below (nccl needs it there too)
         stats = torch.zeros(3, dtype=torch.float64, device=self.ctx.device)
-        for i in range(t.grad_accum):
-            beat("train_step", self.step)
-            with timer.phase("data"):
-                batch = next(batches)
-                if self.test_delay_s:
-                    time.sleep(self.test_delay_s)  # HANDLE_TEST_DELAY_RANK: a slow input pipeline, for tests
-            with self.strategy.accumulating(sync=i == t.grad_accum - 1), self._micro_batch():
-                with timer.phase("forward"):
-                    if i == 0 and self.activation_saved_bytes is None:  # once per process: what autograd saves
-                        with self._activation_counter() as counter:
-                            loss, n = self.forward_loss(batch)
-                        self.activation_saved_bytes = counter.bytes
-                    else:
-                        loss, n = self.forward_loss(batch)
-                    once = float(self.ctx.tp_rank == 0)  # a replica's TP ranks hold the same loss: count it once
-                    stats[0] += _plain(loss).detach().double() * n * once
-                    stats[1] += n * once
-                with timer.phase("backward"):
-                    self.strategy.backward(loss)
+        self.loop.run(self, batches, stats)
         log_memory = (self.step + 1) % t.log_every == 0 or self.step == 0
         with timer.phase("sync"):
             # One small all-reduce carries the global loss, token count and the stop request (rank 0 reads the
@@ -382,6 +372,9 @@ class Trainer:
             elif self.tp is not None:  # the norm over the split gradients, clipped here (see TensorParallel.bind)
                 grad_norm = self.tp.before_step(self.strategy.unwrapped(), t.grad_clip or float("inf"))
                 self.strategy.step()
+            elif self.pp is not None:  # the norm over every stage's gradients (see PipelineParallel.bind)
+                grad_norm = self.pp.before_step(t.grad_clip or float("inf"))
+                self.strategy.step()
             else:
                 grad_norm = self.strategy.step()
         if self.ctx.device.type == "cuda":
@@ -393,6 +386,8 @@ class Trainer:
         record.update(stats_of_strategy)
         if self.tp is not None:
             record.update(self.tp.step_stats())  # the layout; the scratch path's TP traffic
+        if self.pp is not None:
+            record.update(self.pp.step_stats(timeline=log_memory))  # the layout; busy, idle, the bubble
         parts = timer.read()
         if parts:
             # the strategy's gradient-communication wait happened inside its backward: count it once, as comm_s
@@ -416,7 +411,7 @@ class Trainer:
         record["stop"] = bool(stats[2] > 0)
         return record
 
-    def _activation_counter(self):
+    def activation_counter(self):
         """Counts the distinct storages autograd saves during one micro-batch's forward (parameters and buffers
         left out; with activation checkpointing the blocks' inputs instead): ``activation_saved_bytes`` in the
         memory telemetry, as ``handle estimate`` names its prediction."""
@@ -477,10 +472,14 @@ class Trainer:
             if i >= self.training.eval_steps:
                 break
             batch = {k: v.to(self.ctx.device, non_blocking=True) for k, v in batch.items()}
-            with self._micro_batch():
+            if self.pp is not None:
+                loss_sum, n = self.pp.evaluate(batch)  # on the last stage; zeros elsewhere
+                total += torch.stack([loss_sum, n]).to(total)
+                continue
+            with self.micro_batch():
                 loss, n = self.forward_loss(batch, train=False)
             once = float(self.ctx.tp_rank == 0)
-            total[0] += _plain(loss).double() * n * once
+            total[0] += plain(loss).double() * n * once
             total[1] += n * once
         if self.ctx.distributed:
             dist.all_reduce(total)
@@ -525,7 +524,8 @@ class Trainer:
         """Final weights as ``model.safetensors`` (rank 0; every rank takes part in gathering them)."""
         beat("export", self.step)
         model = self.strategy.unwrapped()
-        state = self.strategy.full_state_dict() if self.tp is None else self.tp.full_state_dict(model)
+        share = self.tp or self.pp
+        state = self.strategy.full_state_dict() if share is None else share.full_state_dict(model)
         if state is None:
             return
         from safetensors.torch import save_file

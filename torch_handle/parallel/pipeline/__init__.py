@@ -1,0 +1,1 @@
+"""Pipeline parallelism: schedules, point-to-point links and the executor, written by hand; and the timeline."""

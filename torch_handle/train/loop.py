@@ -1,0 +1,55 @@
+"""Who runs a step's micro-batches: the trainer's gradient accumulation, or a loop a strategy brings (a pipeline).
+
+A :class:`MicroBatchLoop` runs the forward, loss and backward of every micro-batch of one optimizer step and adds
+the step's summed loss and token count into ``stats`` (``[loss · tokens, tokens, ...]``: the trainer all-reduces
+it once). The trainer does everything around it: the step's timer and TP traffic, the sync, the optimizer step,
+the event. :class:`GradientAccumulation` is the loop of every data-parallel strategy, micro-batch after micro-batch;
+:class:`~torch_handle.train.pipeline_parallel.PipelineParallel` schedules them over the stages of a pipeline.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Iterator, Protocol
+
+import torch
+
+from torch_handle.observe.heartbeat import beat
+
+
+def plain(t: torch.Tensor) -> torch.Tensor:
+    """A replicated DTensor (native TP's loss) as a plain tensor; a plain tensor as it is."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+class MicroBatchLoop(Protocol):
+    def run(self, trainer: Any, batches: Iterator[dict[str, torch.Tensor]], stats: torch.Tensor) -> None:
+        """Forward, loss and backward of the step's ``training.grad_accum`` micro-batches from ``batches``; adds
+        Σ loss · tokens to ``stats[0]`` and the tokens to ``stats[1]`` (each once per model replica)."""
+
+
+class GradientAccumulation:
+    """One micro-batch after another: forward and loss under the strategy's autocast, backward, with the
+    strategy's gradient sync on the last one only (``accumulating(sync=...)``)."""
+
+    def run(self, trainer: Any, batches: Iterator[dict[str, torch.Tensor]], stats: torch.Tensor) -> None:
+        t, timer, strategy = trainer.training, trainer.timer, trainer.strategy
+        for i in range(t.grad_accum):
+            beat("train_step", trainer.step)
+            with timer.phase("data"):
+                batch = next(batches)
+                if trainer.test_delay_s:
+                    time.sleep(trainer.test_delay_s)  # HANDLE_TEST_DELAY_RANK: a slow input pipeline, for tests
+            with strategy.accumulating(sync=i == t.grad_accum - 1), trainer.micro_batch():
+                with timer.phase("forward"):
+                    if i == 0 and trainer.activation_saved_bytes is None:  # once per process: what autograd saves
+                        with trainer.activation_counter() as counter:
+                            loss, n = trainer.forward_loss(batch)
+                        trainer.activation_saved_bytes = counter.bytes
+                    else:
+                        loss, n = trainer.forward_loss(batch)
+                    once = float(trainer.ctx.tp_rank == 0)  # a replica's TP ranks hold the same loss: count it once
+                    stats[0] += plain(loss).detach().double() * n * once
+                    stats[1] += n * once
+                with timer.phase("backward"):
+                    strategy.backward(loss)

@@ -1,0 +1,291 @@
+"""What a training process does differently when ``parallel.pp > 1``: its stages of the split model, the schedule
+that runs a step's micro-batches over them, the gradient norm over all stages, the measured bubble in the step
+event, and checkpoints that join the stages by name.
+
+:class:`PipelineParallel` is the step's :class:`~torch_handle.train.loop.MicroBatchLoop`: the trainer reads the
+step's ``grad_accum`` micro-batches, and the pipeline re-splits their ``micro_batch_size · grad_accum`` samples
+into ``m`` pipeline micro-batches and runs them through its schedule: hand-written (``pp_impl = "scratch"``:
+:mod:`torch_handle.parallel.pipeline.scratch`) or torch's (``"native"``: ``torch.distributed.pipelining``).
+
+The loss of micro-batch i is its summed token losses over the step's token count N, so the gradients summed over
+the m micro-batches are those of the step's token-mean loss (the one-process loss of the same samples; no
+rescaling afterwards, ``scale_grads=False`` for torch's schedules). With ``grad_accum`` > 1 and micro-batches of
+unequal token counts (padding) this weights tokens equally where gradient accumulation weights micro-batches
+equally; the language-model data has equal counts, so the two agree.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from torch_handle.checkpoint.convert import load_schedule, read_portable, write_portable
+from torch_handle.config.schema import ParallelConfig
+from torch_handle.data.datasets import IGNORE_INDEX
+from torch_handle.errors import CheckpointError
+from torch_handle.model.kernels import cross_entropy
+from torch_handle.model.pipeline import split_decoder, split_layers, tied_names
+from torch_handle.observe.heartbeat import beat
+from torch_handle.parallel.pipeline.p2p import StageLink
+from torch_handle.parallel.pipeline.schedules import stage_ranks
+from torch_handle.parallel.pipeline.scratch import ScratchPipeline
+from torch_handle.parallel.pipeline.timeline import Timeline, summarize
+from torch_handle.train.strategy import DistContext
+
+
+class PipelineParallel:
+    """One process's share of a pipeline (``parallel.pp > 1``; dp = tp = 1 for now): the stages it runs, its
+    schedule, and what the trainer asks of it.
+
+    Args:
+        parallel: the ``[parallel]`` table.
+        ctx: this rank's place, with its layout (``attach_layout``).
+        n_microbatches: m (``parallel.pp_microbatches``, or ``grad_accum``).
+        label_smoothing: the training loss's ``training.label_smoothing``.
+    """
+
+    def __init__(self, parallel: ParallelConfig, ctx: DistContext, n_microbatches: int, label_smoothing: float):
+        self.parallel, self.ctx, self.m, self.label_smoothing = parallel, ctx, n_microbatches, label_smoothing
+        self.impl, self.schedule_name = parallel.pp_impl, parallel.pp_schedule
+        self.pp, self.v = parallel.pp, parallel.pp_stages_per_rank
+        self.n_stages = self.pp * self.v
+        self.stage_to_rank = stage_ranks(self.pp, self.v, self.schedule_name)  # pipeline ranks
+        self.my_stages = [s for s, r in enumerate(self.stage_to_rank) if r == ctx.pp_rank]
+        self.group = ctx.pp_group
+        self.group_ranks = dist.get_process_group_ranks(self.group)  # global rank of each pipeline rank
+        self.timeline = Timeline(ctx.device)
+        self.strategy: Any = None
+        self.shard: nn.Module | None = None
+        self.tied: dict[str, str] = {}
+        self._tie_group = self._tie_groups()
+        self._tokens = torch.ones((), dtype=torch.float64)  # N of the running step (the loss's denominator)
+        self.smoothing = label_smoothing  # of the running schedule (evaluation: 0)
+        self.first_stage_saved_bytes: int | None = None
+        self.peak_saved_bytes: int | None = None
+
+    # -- build ---------------------------------------------------------------------------------------------------
+    def _tie_groups(self) -> Any:
+        """The process group of the ranks that run the first and the last stage (tied embeddings), when they
+        differ; every rank creates every such group (``new_group`` is collective), keeps its own."""
+        first, last = self.stage_to_rank[0], self.stage_to_rank[-1]
+        if first == last:
+            return None
+        layout, mine = self.ctx.layout, None
+        for dp_rank in range(layout.dp):
+            for tp_rank in range(layout.tp):
+                ranks = [layout.rank(first, dp_rank, tp_rank), layout.rank(last, dp_rank, tp_rank)]
+                group = dist.new_group(ranks)
+                if self.ctx.rank in ranks:
+                    mine = group
+        return mine
+
+    def split(self, model: nn.Module) -> nn.Module:
+        """Keep this rank's stages of ``model`` (same weights on every rank) and build its schedule; returns the
+        :class:`~torch_handle.model.pipeline.PipelineShard` the strategy steps."""
+        args = model.args
+        per_layer = sum(p.numel() for p in model.layers[0].parameters())
+        embed = model.embed.weight.numel()
+        ranges = split_layers(args.n_layers, self.n_stages, self.parallel.pp_layers, by=self.parallel.pp_split,
+                              layer_params=per_layer, embed_params=embed,
+                              head_params=0 if args.tie_embeddings else model.lm_head.weight.numel())
+        self.ranges = ranges
+        self.tied = tied_names(model)
+        self.shard, self.stages = split_decoder(model, ranges, self.my_stages)
+        if self.impl == "scratch":
+            link = StageLink(self.group, self.group_ranks, self.my_stages[0], self.ctx.device, self.timeline)
+            self.engine: Any = ScratchPipeline(self.stages[0], link, self.n_stages, self.schedule_name, self.timeline)
+        else:
+            from torch_handle.train.pipeline_native import native_schedule
+
+            self.engine = native_schedule(self)
+        return self.shard
+
+    def bind(self, strategy: Any) -> PipelineParallel:
+        """Work with the strategy that steps this rank's shard: it stops clipping (the norm spans every stage:
+        :meth:`before_step`), and its state is saved and loaded here. Returns self."""
+        self.strategy = strategy
+        strategy.clips_gradients = False
+        return self
+
+    # -- the step ------------------------------------------------------------------------------------------------
+    @property
+    def has_last(self) -> bool:
+        return self.n_stages - 1 in self.my_stages
+
+    def _chunks(self, batch: dict[str, torch.Tensor]) -> tuple[list[dict[str, torch.Tensor]], list[torch.Tensor]]:
+        labels = batch.pop("labels")
+        inputs = [dict(zip(batch, values)) for values in zip(*(v.chunk(self.m) for v in batch.values()))]
+        return inputs, list(labels.chunk(self.m))
+
+    def native_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The ``loss_fn(output, target)`` of torch's schedules."""
+        return self._loss(logits, labels, self.smoothing)
+
+    def _loss(self, logits: torch.Tensor, labels: torch.Tensor, label_smoothing: float) -> torch.Tensor:
+        """Micro-batch loss: its summed token losses / the step's tokens N (see the module docstring)."""
+        n = (labels != IGNORE_INDEX).sum()
+        mean = cross_entropy(logits.flatten(0, 1), labels.flatten(), label_smoothing, IGNORE_INDEX)
+        return mean * n / self._tokens
+
+    def run(self, trainer: Any, batches: Iterator[dict[str, torch.Tensor]], stats: torch.Tensor) -> None:
+        """The step's micro-batches through the schedule (see :class:`~torch_handle.train.loop.MicroBatchLoop`)."""
+        timer = trainer.timer
+        beat("train_step", trainer.step)
+        with timer.phase("data"):
+            parts = [next(batches) for _ in range(trainer.training.grad_accum)]
+            batch = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+        inputs, labels = self._chunks(batch)
+        tokens = sum((y != IGNORE_INDEX).sum() for y in labels)
+        self._tokens = tokens.double()
+        self.timeline.begin()
+        counting = self.first_stage_saved_bytes is None and self.impl == "scratch"
+        self.engine.count_saved = counting
+        with trainer.strategy.autocast():
+            losses = self._step(inputs, labels)
+        if counting:
+            self.first_stage_saved_bytes = self.engine.saved_bytes[0] if 0 in self.my_stages else 0
+            self.peak_saved_bytes = self.engine.peak_saved_bytes
+            trainer.activation_saved_bytes = self.engine.saved_bytes[0]
+        spans = self.timeline.spans()
+        busy = {"forward": sum(b - a for k, *_, a, b in spans if k == "F"),
+                "backward": sum(b - a for k, *_, a, b in spans if k in ("B", "W"))}
+        timer.lap_shared(busy if any(busy.values()) else {"forward": 1.0})
+        if self.has_last:
+            stats[0] += torch.stack(losses).sum().double() * tokens
+            stats[1] += tokens
+
+    def _step(self, inputs: list[dict[str, torch.Tensor]], labels: list[torch.Tensor]) -> list[torch.Tensor]:
+        eps = self.label_smoothing
+        if self.impl == "scratch":
+            return self.engine.step(inputs, lambda out, i: self._loss(out, labels[i], eps))
+        losses: list[torch.Tensor] = []
+        kwargs = {k: torch.cat([x[k] for x in inputs]) for k in inputs[0]}
+        target = torch.cat(labels) if self.has_last else None
+        self.smoothing = eps
+        self.engine.step(**kwargs, target=target, losses=losses)
+        return [x.detach() for x in losses]
+
+    @torch.no_grad()
+    def evaluate(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(Σ token losses, tokens) of one evaluation batch, on the rank of the last stage (zeros elsewhere);
+        plain cross-entropy, forwards only."""
+        inputs, labels = self._chunks(dict(batch))
+        tokens = sum((y != IGNORE_INDEX).sum() for y in labels)
+        self._tokens = tokens.double()
+        if self.impl == "scratch":
+            losses = self.engine.evaluate(inputs, lambda out, i: self._loss(out, labels[i], 0.0))
+        else:
+            losses = []
+            kwargs = {k: torch.cat([x[k] for x in inputs]) for k in inputs[0]}
+            self.smoothing = 0.0
+            self.engine.eval(**kwargs, target=torch.cat(labels) if self.has_last else None, losses=losses)
+        if not self.has_last:
+            return torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
+        return torch.stack(losses).sum().double() * tokens, tokens.double()
+
+    def before_step(self, max_norm: float) -> float:
+        """After the schedule, before the optimizer step: sum the tied embedding's gradients of the first and last
+        stage, then clip every gradient by the norm over all stages (the tied matrix counted once). Returns that
+        norm before clipping."""
+        named = [(n, p) for n, p in self.shard.named_parameters() if p.grad is not None]
+        if self._tie_group is not None:
+            for name, p in named:
+                if name in self.tied or name in self.tied.values():
+                    dist.all_reduce(p.grad, group=self._tie_group)
+        squares = torch.zeros((), dtype=torch.float64, device=self.ctx.device)
+        for name, p in named:
+            if name not in self.tied:  # the tied copy on the last stage: counted on the first
+                squares += p.grad.detach().double().pow(2).sum()
+        dist.all_reduce(squares, group=self.group)
+        norm = math.sqrt(float(squares))
+        if math.isfinite(norm) and norm > max_norm:
+            for _, p in named:
+                p.grad.mul_(max_norm / (norm + 1e-6))
+        return norm
+
+    def step_stats(self, timeline: bool = False) -> dict[str, Any]:
+        """The layout and ``pipeline``: every pipeline rank's busy, wait and idle seconds and the measured and
+        theoretical bubble (:func:`~torch_handle.parallel.pipeline.timeline.summarize`), with the spans themselves
+        when ``timeline``. A collective over the pipeline group; the figures on rank 0."""
+        spans = self.timeline.spans()
+        gathered: list[Any] = [None] * self.pp if self.ctx.is_main else None
+        dist.gather_object((spans, self.peak_saved_bytes), gathered, group=self.group, group_dst=0)
+        if not self.ctx.is_main:
+            return {}
+        pipeline = summarize([s for s, _ in gathered], self.schedule_name, self.pp, self.m, self.v, timeline=timeline)
+        pipeline["impl"] = self.impl
+        pipeline["layers"] = [len(r) for r in self.ranges]
+        if all(peak is not None for _, peak in gathered):
+            for row, (_, peak) in zip(pipeline["ranks"], gathered):
+                row["activation_peak_bytes"] = peak
+        return {"layout": self.ctx.layout.describe(), "pipeline": pipeline}
+
+    # -- checkpoints: the stages joined by name, in the portable form ------------------------------------------
+    def checkpoint_layout(self) -> dict[str, Any]:
+        """A pipeline checkpoint is the portable form (DCP, full tensors by name: ``format = "dcp"``), joined from
+        every stage on rank 0, so that any strategy or world size resumes it (torchtitan #474: every stage's
+        parameters, not the first stage's only)."""
+        return {"format": "dcp", "strategy": self.strategy.name, "pp": self.pp, "pp_impl": self.impl}
+
+    def loads_natively(self, layout: dict[str, Any]) -> bool:
+        return False  # every checkpoint reaches a pipeline run through its portable form
+
+    def _gather(self, own: Any) -> list[Any] | None:
+        out: list[Any] = [None] * self.pp if self.ctx.is_main else None
+        dist.gather_object(own, out, group=self.group, group_dst=0)
+        return out
+
+    def full_state_dict(self, model: nn.Module | None = None) -> dict[str, torch.Tensor] | None:
+        """The one-process state dict, joined from every stage on rank 0 (None elsewhere); a collective."""
+        own = {k: v.detach().cpu() for k, v in self.shard.state_dict().items()}
+        parts = self._gather(own)
+        return None if parts is None else {k: v for part in parts for k, v in part.items()}
+
+    def save(self, ckpt_dir: Path) -> None:
+        """Join every stage's weights and optimizer state (by parameter name) on rank 0 and write the portable
+        form with the LR schedule; every rank calls it."""
+        weights = self.full_state_dict()
+        optimizer = self.strategy.optimizer
+        own = {}
+        for name, p in self.shard.named_parameters():
+            state = optimizer.state.get(p)
+            if state and name not in self.tied:
+                own[name] = {k: v.detach().cpu() if torch.is_tensor(v) else torch.tensor(float(v))
+                             for k, v in state.items()}
+        parts = self._gather(own)
+        if parts is not None:
+            state_by_name = {k: v for part in parts for k, v in part.items()}
+            write_portable(Path(ckpt_dir), weights, state_by_name, self.strategy.scheduler.state_dict())
+
+    def load_portable(self, portable: Path) -> None:
+        """Every rank reads the portable form and keeps its stages' tensors (no communication); then the LR
+        schedule.
+
+        Raises:
+            CheckpointError: a name this rank's stages have and the checkpoint lacks."""
+        weights, state, scheduler = read_portable(Path(portable))
+        own = self.shard.state_dict()
+        missing = sorted(own.keys() - weights.keys())
+        if missing:
+            raise CheckpointError(f"{portable}: model state has no {missing[0]} ({len(missing)} name(s) missing)")
+        self.shard.load_state_dict({k: weights[k] for k in own})
+        optimizer = self.strategy.optimizer
+        index = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
+        loaded = {}
+        for name, p in self.shard.named_parameters():
+            entry = state.get(self.tied.get(name, name))
+            if entry is None:
+                raise CheckpointError(f"{portable}: optimizer state has no {self.tied.get(name, name)}")
+            loaded[index[id(p)]] = {k: torch.as_tensor(v).to(p.device) if torch.as_tensor(v).dim() else
+                                    torch.as_tensor(v).clone() for k, v in entry.items()}
+        optimizer.load_state_dict({"state": loaded, "param_groups": optimizer.state_dict()["param_groups"]})
+        load_schedule(optimizer, self.strategy.scheduler, scheduler)
+
+    def micro_batch(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
