@@ -284,7 +284,8 @@ def test_the_page_walks_the_whole_path():
     expected = ["presets/single.toml", "handle bench comm", "presets/ddp.toml", "strategy.sync=naive",
                 "strategy.sync=flat", "strategy.sync=overlap", "presets/scratch-zero1.toml", "presets/zero1.toml",
                 "presets/zero2.toml", "presets/zero3.toml", "presets/fsdp.toml", "model.activation_checkpointing=true",
-                "profiler.name=torch", "handle profile", "handle estimate", "handle bench scaling"]
+                "profiler.name=torch", "handle profile", "handle estimate", "handle bench scaling", "presets/tp.toml",
+                "presets/pp.toml", "parallel.pp_schedule=gpipe", "--pipeline"]
     at = 0
     for what in expected:  # each after the one before
         found = joined.find(what, at)
