@@ -63,6 +63,9 @@ def check_parallel(preset: Preset, registry: Any) -> PresetError | None:
                                    f"{name} > 1: {', '.join(valid) or 'none'})", key=f"{table}.name")
     if par.pp > 1:
         t = preset.training
+        if t.precision == "fp16":
+            return PresetError("fp16 needs loss scaling, which the pipeline schedules do not apply: use bf16 or fp32 "
+                               "with parallel.pp > 1", key="training.precision")
         m, samples = pipeline_microbatches(preset), t.micro_batch_size * t.grad_accum
         if samples % m:
             return PresetError(f"{m} does not divide the step's micro_batch_size x grad_accum = {samples} samples "

@@ -91,9 +91,17 @@ class PipelineShard(nn.Module):
         self.layers = nn.ModuleDict({str(i): model.layers[i] for i in layer_ids})
         if last:
             self.final_norm, self.lm_head = model.final_norm, model.lm_head
+        self.stage_views: list[nn.Module] = []  # a plain list: the views' modules are this shard's, registered once
 
     def blocks(self) -> list[nn.Module]:
         return list(self.layers.values())
+
+    def train(self, mode: bool = True) -> PipelineShard:
+        """Train or eval mode for the shard and its stage views (their ``training`` decides checkpointing)."""
+        super().train(mode)
+        for view in self.stage_views:
+            view.training = mode
+        return self
 
 
 class DecoderStage(nn.Module):
@@ -136,6 +144,7 @@ def split_decoder(model: nn.Module, ranges: list[range], my_stages: Sequence[int
     first, last = 0 in my_stages, last_stage in my_stages
     shard = PipelineShard(model, [i for s in my_stages for i in ranges[s]], first=first, last=last)
     stages = [DecoderStage(shard, ranges[s], first=s == 0, last=s == last_stage) for s in my_stages]
+    shard.stage_views.extend(stages)
     return shard, stages
 
 
