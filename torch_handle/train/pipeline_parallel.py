@@ -96,6 +96,8 @@ class PipelineParallel:
                               head_params=0 if args.tie_embeddings else model.lm_head.weight.numel())
         self.ranges = ranges
         self.tied = tied_names(model)
+        self.full_names = [n for n, _ in model.named_parameters()]
+        """The one-process parameter names, in order (an optimizer state saved by index is read by them)."""
         self.shard, self.stages = split_decoder(model, ranges, self.my_stages)
         if self.impl == "scratch":
             link = StageLink(self.group, self.group_ranks, self.my_stages[0], self.ctx.device, self.timeline)
