@@ -77,8 +77,9 @@ def _spans(pipeline: dict[str, Any]) -> list[tuple[int, str, int, int, float, fl
 def gantt_rows(pipeline: dict[str, Any], width: int) -> list[GanttRow]:
     """The chart's rows, ``width`` columns each (the window of the step, ``window_s`` or the last span's end).
 
-    Every compute span gets at least one column (its kind letter) and keeps its order on the row even when it
-    is shorter than a column; receive waits fill only the columns no compute span took."""
+    Every compute span gets at least one column (its kind letter; the label ``F12`` only where it fits) and keeps
+    its order on the row even when it is shorter than a column (as long as the row has ``width`` or fewer);
+    receive waits fill only the columns no compute span took."""
     spans = _spans(pipeline)
     width = max(1, width)
     window = max([float(pipeline.get("window_s") or 0.0)] + [end for *_, end in spans])
@@ -102,9 +103,11 @@ def gantt_rows(pipeline: dict[str, Any], width: int) -> list[GanttRow]:
             for c in range(int(start / dt), min(width, max(int(start / dt) + 1, round(end / dt)))):
                 cells[c] = Cell(RECV, "recv")
         taken = 0
-        for _, kind, mb, _, start, end in sorted((s for s in mine if s[1] in COMPUTE_FILL), key=lambda s: s[4]):
-            c0 = max(taken, round(start / dt))
-            c1 = min(width, max(c0 + 1, round(end / dt)))
+        compute = sorted((s for s in mine if s[1] in COMPUTE_FILL), key=lambda s: s[4])
+        for n, (_, kind, mb, _, start, end) in enumerate(compute):
+            last = width - (len(compute) - n - 1)  # a column left for each span after this one
+            c0 = max(taken, min(round(start / dt), last - 1))
+            c1 = min(last, max(c0 + 1, round(end / dt)))
             label = f"{kind}{mb}" if c1 - c0 > len(str(mb)) else kind
             for i, c in enumerate(range(c0, c1)):
                 cells[c] = Cell(label[i] if i < len(label) else COMPUTE_FILL[kind], kind)
