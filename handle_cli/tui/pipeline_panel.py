@@ -9,7 +9,7 @@ from typing import Any
 from rich.text import Text
 from textual.widget import Widget
 
-from torch_handle.observe.pipeline_view import IDLE, RECV, gantt_rows, has_timeline, pipeline_steps
+from torch_handle.observe.pipeline_view import IDLE, RECV, gantt_rows, has_timeline, pct, pipeline_steps
 
 STYLES = {"F": "green", "B": "yellow", "W": "magenta", "recv": "red", "idle": "grey37"}
 
@@ -65,9 +65,9 @@ class PipelinePanel(Widget):
         p = t.figures
         head = Text(no_wrap=True, overflow="ellipsis", end="")
         head.append("bubble ")
-        head.append(_pct(p.get("bubble")), "bold")
+        head.append(pct(p.get("bubble")), "bold")
         head.append(" · theory ")
-        head.append(_pct(p.get("bubble_theory")), "bold")
+        head.append(pct(p.get("bubble_theory")), "bold")
         lines = [head]
         ranks = [r for r in p.get("ranks") or [] if isinstance(r, dict)]
         bar_w = max(4, width - 14)
@@ -98,7 +98,3 @@ class PipelinePanel(Widget):
     def render(self) -> Text:
         return Text("\n", no_wrap=True, overflow="ellipsis", end="").join(
             self.lines(max(20, self.size.width), max(1, self.size.height)))
-
-
-def _pct(x: Any) -> str:
-    return f"{x:.1%}" if isinstance(x, (int, float)) and x == x else "-"

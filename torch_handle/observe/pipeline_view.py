@@ -134,7 +134,8 @@ def axis(window_s: float, width: int) -> str:
     return "".join(line)
 
 
-def _pct(x: Any) -> str:
+def pct(x: Any) -> str:
+    """A fraction as a percentage with one decimal; "-" for a missing or non-finite value."""
     return f"{x:.1%}" if isinstance(x, (int, float)) and math.isfinite(x) else "-"
 
 
@@ -142,7 +143,7 @@ def bubble_line(pipeline: dict[str, Any]) -> str:
     """``bubble measured 41.2%  theory 33.3% = (p-1)/(m+p-1), p 2 m 4``."""
     p, m, v = pipeline.get("pp"), pipeline.get("microbatches"), pipeline.get("v") or 1
     formula = f"(p-1)/(m+p-1), p {p} m {m}" if v == 1 else f"(p-1)/(v·m+p-1), p {p} v {v} m {m}"
-    return f"bubble measured {_pct(pipeline.get('bubble'))}  theory {_pct(pipeline.get('bubble_theory'))} = {formula}"
+    return f"bubble measured {pct(pipeline.get('bubble'))}  theory {pct(pipeline.get('bubble_theory'))} = {formula}"
 
 
 def rank_lines(pipeline: dict[str, Any], width: int) -> list[str]:
