@@ -19,7 +19,14 @@ from handle_cli.common import fail
               help="Add up every trace file of the rank (one per profiling cycle) instead of only the newest.")
 @click.option("--top", default=10, show_default=True, type=click.IntRange(min=1), help="Operators to list.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
-def profile(run_dir: Path, rank: int, all_traces: bool, top: int, as_json: bool) -> None:
+@click.option("--pipeline", is_flag=True,
+              help="Draw a pipeline-parallel step as it ran (from events.jsonl) instead of reading traces.")
+@click.option("--step", type=click.IntRange(min=1), default=None,
+              help="With --pipeline: the step to draw (default: the last step with a timeline).")
+@click.option("--width", default=80, show_default=True, type=click.IntRange(min=40),
+              help="With --pipeline: columns of the chart.")
+def profile(run_dir: Path, rank: int, all_traces: bool, top: int, as_json: bool, pipeline: bool, step: int | None,
+            width: int) -> None:
     """Summarise the torch.profiler traces of RUN for one rank.
 
     Reads RUN/traces/rank<R>/*.pt.trace.json (written with [profiler] name = "torch"; the same files open in
@@ -33,7 +40,20 @@ def profile(run_dir: Path, rank: int, all_traces: bool, top: int, as_json: bool)
       handle run presets/ddp.toml --set profiler.name=torch --set 'profiler.ranks=[0,1]'
       handle profile runs/ddp-20260101-120000 --rank 1 --top 15
       handle profile runs/ddp-20260101-120000 --json | jq .split
+
+    With --pipeline (a run with [parallel] pp > 1): the schedule of one step as it actually ran, one row per
+    pipeline rank (per stage with pp_stages_per_rank > 1), F<mb>/B<mb>/W<mb> cells, ~ receive waits, · idle;
+    then busy / wait / idle per rank and the measured bubble next to the schedule's theory. Timelines are
+    recorded on log steps (training.log_every). --json prints the step's pipeline dict.
+
+    \b
+    Example:
+      handle run tiny.toml --set launch.nproc_per_node=2 --set parallel.pp=2 --set parallel.pp_schedule=1f1b
+      handle profile runs/tiny-20260101-120000 --pipeline --step 4
     """
+    if pipeline:
+        _pipeline(run_dir, step, as_json, width)
+        return
     from torch_handle.observe.profile_summary import TraceError, find_traces, format_summary, summarize_files
     from torch_handle.rundir import read_run_info
 
@@ -51,3 +71,29 @@ def profile(run_dir: Path, rank: int, all_traces: bool, top: int, as_json: bool)
     summary["rank"] = rank
     summary["run_dir"] = str(run_dir)
     click.echo(json.dumps(summary) if as_json else format_summary(summary, rank))
+
+
+def _pipeline(run_dir: Path, step: int | None, as_json: bool, width: int) -> None:
+    from torch_handle.observe.pipeline_view import format_pipeline, has_timeline, pipeline_steps
+    from torch_handle.observe.tail import EventReader
+    from torch_handle.observe.telemetry import EVENTS_FILE
+    from torch_handle.rundir import read_run_info
+
+    read_run_info(run_dir)
+    steps = pipeline_steps(EventReader(run_dir / EVENTS_FILE).poll())
+    if not steps:
+        fail(f"{run_dir}: no pipeline steps in {EVENTS_FILE} (a run with [parallel] pp > 1 writes them, e.g. "
+             f"--set launch.nproc_per_node=2 --set parallel.pp=2)")
+    drawn = [(n, p) for n, p in steps if has_timeline(p)]
+    if step is None:
+        if not drawn:
+            fail(f"{run_dir}: no step with a pipeline timeline (they are recorded on log steps: training.log_every)")
+        step, chosen = drawn[-1]
+    else:
+        chosen = next((p for n, p in reversed(drawn) if n == step), None)
+        if chosen is None:
+            chosen = next((p for n, p in reversed(steps) if n == step), None)
+        if chosen is None:
+            have = ", ".join(str(n) for n, _ in drawn[-10:]) or "none"
+            fail(f"{run_dir}: --step {step} has no pipeline figures; steps with a timeline: {have}")
+    click.echo(json.dumps(chosen) if as_json else format_pipeline(chosen, width=width, step=step))

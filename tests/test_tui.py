@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import re
 import shutil
 import time
 from pathlib import Path
@@ -18,6 +19,7 @@ import pytest
 
 from handle_cli.tui.app import HandleDashboard
 from handle_cli.tui.model import LogTail, run_rows
+from handle_cli.tui.pipeline_panel import PipelinePanel
 from torch_handle.observe.state import RunState
 from torch_handle.common.text import clean
 from handle_cli.tui.screens import HelpScreen, RunPicker
@@ -25,6 +27,7 @@ from handle_cli.tui.widgets import Chart, LogPanel, MemoryBars, StatusHeader, Ti
 
 FIXTURES = Path(__file__).parent / "fixtures" / "recorded"
 BREAKDOWN_FIXTURES = Path(__file__).parent / "fixtures" / "recorded-breakdown"
+PIPELINE_FIXTURES = Path(__file__).parent / "fixtures" / "recorded-pipeline"
 SIZE = (120, 40)
 
 
@@ -135,7 +138,36 @@ async def test_runs_without_breakdown_keep_their_layout(runs: Path) -> None:
     async with app.run_test(size=SIZE) as pilot:
         await loaded(pilot)
         assert not app.screen.has_class("-breakdown") and not app.query_one("#time-row").display
+        assert not app.screen.has_class("-pipeline") and not app.query_one("#pipeline-panel").display
         assert "mfu" not in header(app)
+
+
+@pytest.fixture
+def pipeline_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A copy of the recorded pp = 2 run (1F1B, m = 4, timelines every 4th step) at ./runs."""
+    shutil.copytree(PIPELINE_FIXTURES, tmp_path / "runs")
+    monkeypatch.chdir(tmp_path)
+    return Path("runs")
+
+
+@async_test
+async def test_pipeline_run_shows_the_pipeline_panel(pipeline_runs: Path) -> None:
+    app = HandleDashboard(pipeline_runs / "pp-1f1b", pipeline_runs)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await loaded(pilot)
+        assert app.screen.has_class("-pipeline") and app.query_one("#pipeline-panel").display
+        assert app.query_one("#pipeline-panel").border_title == "pipeline 1f1b m 4 · step 12"
+        panel = app.query_one(PipelinePanel)
+        assert panel.size.width <= 40 and panel.size.height == 5
+        lines = [line.plain for line in panel.lines(panel.size.width, panel.size.height)]
+        assert lines[0] == "bubble 25.0% · theory 20.0%"
+        assert lines[1].startswith("r0  ████") and lines[1].endswith(" 75% busy")
+        assert lines[2].startswith("r1  ████") and "~" in lines[2] and "·" in lines[2]
+        assert lines[3].startswith("r0  F0") and lines[4].startswith("r1  ~~")
+        assert [re.findall(r"[FB]\d", line) for line in lines[3:]] == [
+            ["F0", "F1", "B0", "F2", "B1", "F3", "B2", "B3"], ["F0", "B0", "F1", "B1", "F2", "B2", "F3", "B3"]]
+        short = [line.plain for line in panel.lines(36, 3)]  # no room for the chart: the figures stay
+        assert len(short) == 3 and short[2].startswith("r1 ")
 
 
 @async_test
@@ -498,6 +530,11 @@ def test_snapshot_breakdown_run(breakdown_runs: Path, snap_compare) -> None:
 
 def test_snapshot_breakdown_run_80x24(breakdown_runs: Path, snap_compare) -> None:
     assert snap_compare(HandleDashboard(breakdown_runs / "ddp-breakdown", breakdown_runs), terminal_size=(80, 24),
+                        run_before=loaded)
+
+
+def test_snapshot_pipeline_run_80x24(pipeline_runs: Path, snap_compare) -> None:
+    assert snap_compare(HandleDashboard(pipeline_runs / "pp-1f1b", pipeline_runs), terminal_size=(80, 24),
                         run_before=loaded)
 
 

@@ -26,6 +26,7 @@ from torch_handle.rundir import RunDirError, read_run_info
 from torch_handle.common.text import clean
 
 from handle_cli.tui.model import Batch, RunTailer
+from handle_cli.tui.pipeline_panel import PipelinePanel, PipelineTracker
 from handle_cli.tui.screens import HelpScreen, RunPicker
 from handle_cli.tui.widgets import Chart, LogPanel, MemoryBars, Series, StatusHeader, TimePanel
 
@@ -64,6 +65,10 @@ class HandleDashboard(App[None]):
     Screen.-compact #time-row { height: 7; }
     #time-panel { width: 1fr; height: 1fr; border: round $primary 50%; border-title-color: $text;
                   border-title-style: bold; }
+    #pipeline-panel { display: none; width: 1fr; height: 1fr; border: round $primary 50%;
+                      border-title-color: $text; border-title-style: bold; }
+    Screen.-pipeline #time-row { display: block; }
+    Screen.-pipeline #pipeline-panel { display: block; }
     #logs { height: 12; }
     Screen.-compact #logs { display: none; }
     Screen.-logs #charts { display: none; }
@@ -88,6 +93,7 @@ class HandleDashboard(App[None]):
         self.output_dirs = dirs
         self.poll_interval = poll_interval
         self.state = RunState(self.run_dir)
+        self.pipeline = PipelineTracker()
         self.generation = 0
         self.paused = False
         self._resume = threading.Event()
@@ -117,6 +123,8 @@ class HandleDashboard(App[None]):
             with Horizontal(id="time-row"):
                 with Vertical(id="time-panel"):
                     yield TimePanel(id="time")
+                with Vertical(id="pipeline-panel"):  # shown once a step event carries ``pipeline``
+                    yield PipelinePanel(id="pipeline")
         yield LogPanel(id="logs")
         yield Footer()
 
@@ -129,6 +137,7 @@ class HandleDashboard(App[None]):
         self.query_one("#memory-panel").border_title = "memory per rank"
         self.time_panel = self.query_one(TimePanel)
         self.query_one("#time-panel").border_title = "time per step"
+        self.pipeline_panel = self.query_one(PipelinePanel)
         self.state.info = _read_info(self.run_dir)  # the header is right from the first frame
         self._apply_size()
         self._redraw()
@@ -179,6 +188,7 @@ class HandleDashboard(App[None]):
         was_hung = state.status == Status.HUNG
         if batch.info is not None:
             state.info = batch.info
+        self.pipeline.apply(batch.events)
         for notice in state.apply(batch.events):
             logs.add_notice(notice)
         for bad in batch.bad_lines:
@@ -241,6 +251,7 @@ class HandleDashboard(App[None]):
         s = self.state
         # the time row first: the charts below are then drawn at their final height
         self.header_widget.screen.set_class(s.breakdown_seen, "-breakdown")
+        self.header_widget.screen.set_class(self.pipeline.figures is not None, "-pipeline")
         self.header_widget.show(s, paused=self.paused, bad_lines=self.bad_line_count)
         self.charts["loss"].set_series([
             Series("train", s.steps, s.loss, "cyan"),
@@ -253,6 +264,8 @@ class HandleDashboard(App[None]):
         self.charts["lr"].set_series([Series("lr", s.steps, s.lr, "yellow")])
         self.memory_bars.set_memory(s.memory)
         self.time_panel.set_state(s)
+        self.pipeline_panel.set_tracker(self.pipeline)
+        self.query_one("#pipeline-panel").border_title = self.pipeline_panel.title()
         self.title = f"handle tui: {clean(s.run_dir.name, 80)}"
 
     # -- actions ---------------------------------------------------------------------------------------------
@@ -279,6 +292,7 @@ class HandleDashboard(App[None]):
         self.workers.cancel_group(self, "tail")
         self.run_dir = Path(run_dir)
         self.state = RunState(self.run_dir, info=_read_info(self.run_dir))
+        self.pipeline = PipelineTracker()
         self.bad_line_count = 0
         self.batches_applied = 0
         self.log_panel.reset()
