@@ -11,6 +11,9 @@ at step 1 only: after an AdamW step the 1e-7 differences of the weights are no l
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -25,7 +28,7 @@ from torch_handle.parallel.tensor.layers import all_reduce_sp_grads
 from torch_handle.parallel.tensor.mappings import TPGroup, step_volume
 from torch_handle.parallel.tensor.plan import unshard
 
-from tests.helpers import run_on_gloo
+from tests.helpers import parallel_corpus, run_on_gloo, tp_mesh
 
 pytestmark = pytest.mark.dist
 
@@ -120,10 +123,7 @@ def _tensor_parallel(args: TransformerArgs, impl: str, sp: bool, tp: TPGroup, me
 
 
 def _cases(rank: int, tmp: Path) -> None:
-    from torch.distributed.device_mesh import init_device_mesh
-
-    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
-    tp = TPGroup(mesh.get_group())
+    mesh, tp = tp_mesh()
     for impl, sp, norm_first, fused in CASES:
         case = f"{impl} sp={sp} norm_first={norm_first} fused_qkv={fused}"
         args = _args(norm_first, fused)
@@ -139,3 +139,59 @@ def _cases(rank: int, tmp: Path) -> None:
 
 def test_encoder_decoder_split_two_ways_trains_as_one_process(tmp_path: Path) -> None:
     run_on_gloo(_cases, tmp_path)
+
+
+# ---- a real run through `handle run`: translation batches of any length, on 2 ranks -------------------------------
+
+
+def _steps(run_dir: Path) -> list[dict]:
+    lines = (run_dir / "events.jsonl").read_text().splitlines()
+    return [e for e in map(json.loads, lines) if e["kind"] in ("step", "eval")]
+
+
+def _run(preset: Path, name: str, *overrides: str) -> list[dict]:
+    proc = subprocess.run([sys.executable, "-m", "handle_cli", "run", str(preset), "--set", f"run.name={name}",
+                           *overrides], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"{name}: exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"
+    return _steps(Path(next(ln for ln in proc.stdout.splitlines() if ln.startswith("run directory: ")).split(": ", 1)[1]))
+
+
+def test_handle_run_translates_with_tp_2_and_sequence_parallelism(tmp_path: Path) -> None:
+    """A translation preset (sentence pairs of 3-6 words, each batch padded to its longest: odd lengths too) with
+    `parallel.tp = 2` by hand with sequence parallelism trains and evaluates as one process does."""
+    preset = tmp_path / "translate.toml"
+    preset.write_text(f"""
+[run]
+output_dir = "{tmp_path / 'runs'}"
+[model]
+kind = "encoder-decoder"
+d_model = 32
+n_heads = 4
+n_layers = 2
+d_ff = 64
+dropout = 0.0
+[data]
+name = "parallel"
+path = "{parallel_corpus(tmp_path / 'pairs')}"
+seq_len = 16
+vocab_size = 300
+[training]
+steps = 3
+micro_batch_size = 4
+precision = "fp32"
+eval_every = 3
+eval_steps = 1
+log_every = 1
+checkpoint_every = 0
+[strategy]
+name = "single"
+""")
+    one = _run(preset, "one")
+    split = _run(preset, "tp", "--set", "launch.nproc_per_node=2", "--set", "parallel.tp=2",
+                 "--set", "parallel.tp_impl=scratch", "--set", "parallel.sequence_parallel=true")
+    assert [(e["kind"], e["step"]) for e in split] == [(e["kind"], e["step"]) for e in one]
+    assert sum(e["kind"] == "eval" for e in one) >= 1 and len(one) >= 4
+    for a, b in zip(one, split):
+        key = "loss" if a["kind"] == "step" else "val_loss"
+        assert abs(a[key] - b[key]) <= 1e-5 * a[key], (a["kind"], a["step"], a[key], b[key])
+    assert all(e["layout"] == {"dp": 1, "tp": 2} and e["tp_comm_bytes"] > 0 for e in split if e["kind"] == "step")

@@ -158,13 +158,13 @@ def parallelize_tensor(model: Any, impl: str, tp: Any, *, sequence_parallel: boo
     layers; the forward returns local logits (B, T, V/tp) for ``vocab_parallel_cross_entropy``) or ``"native"``
     (``tp`` the "tp" ``DeviceMesh``: DTensor ``parallelize_module``; the forward returns a vocabulary-sharded
     DTensor for ``F.cross_entropy`` under ``loss_parallel()``). Tied embeddings stay tied: the token table and the
-    LM head are split over the same vocabulary rows, so each rank's slices are one tensor.
+    LM head are split over the same vocabulary rows, so each rank's slices are one tensor. An encoder-decoder under
+    sequence parallelism pads its inputs to a multiple of tp inside its forward (:class:`PadToMultiple`).
 
     Raises:
         ValueError: a model without a plan, or an unknown ``impl``."""
-    from torch_handle.parallel.tensor.plan import apply_native, apply_scratch
-
     from torch_handle.model.transformer import EncoderDecoder
+    from torch_handle.parallel.tensor.plan import apply_native, apply_scratch
 
     plan = tensor_parallel_plan(model)
     if impl == "scratch":
