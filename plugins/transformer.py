@@ -38,9 +38,6 @@ def check_preset(options: TransformerConfig, preset) -> None:
     if parallel.tp > 1:
         from torch_handle.model.parallelize import tensor_parallel_problems
 
-        if options.kind != "decoder":
-            raise InvalidValue("kind", f"{options.kind!r} has no tensor-parallel plan yet (parallel.tp = "
-                                       f"{parallel.tp}); the decoder has one")
         vocab_size = getattr(preset.data.options, "vocab_size", None)
         seq_len = getattr(preset.data.options, "seq_len", 0)
         for key, message in tensor_parallel_problems(options, parallel.tp, vocab_size=vocab_size, seq_len=seq_len,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import uuid
 from pathlib import Path
 
@@ -35,6 +36,23 @@ name = "{strategy}"
 [launch]
 nproc_per_node = 2
 """
+
+
+_WORDS = {"a": "ein", "dog": "Hund", "cat": "Katze", "runs": "läuft", "sleeps": "schläft", "big": "großer",
+          "small": "kleiner", "red": "roter", "man": "Mann", "eats": "isst", "the": "der", "green": "grüner"}
+
+
+def parallel_corpus(root: Path) -> Path:
+    """A parallel corpus for ``[data] name = "parallel"`` in ``root``: train/valid/test .en/.de, word-by-word
+    'translations' of random 3-6 word sentences (300/20/12 pairs; a 300-token vocabulary fills)."""
+    rng = random.Random(0)
+    root.mkdir(parents=True, exist_ok=True)
+    for split, n in (("train", 300), ("valid", 20), ("test", 12)):
+        en = [" ".join(rng.choice(list(_WORDS)) for _ in range(rng.randint(3, 6))) for _ in range(n)]
+        (root / f"{split}.en").write_text("\n".join(en) + "\n", encoding="utf-8")
+        (root / f"{split}.de").write_text("\n".join(" ".join(_WORDS[w] for w in s.split()) for s in en) + "\n",
+                                          encoding="utf-8")
+    return root
 
 
 def tagged_env(**extra: str) -> tuple[dict[str, str], str]:
@@ -98,3 +116,14 @@ def run_on_gloo(body, tmp_path: Path, world_size: int = 2) -> None:
         mp.spawn(_gloo_rank, args=(body, world_size, str(tmp_path)), nprocs=world_size, join=True)
     except Exception as e:
         raise AssertionError("\n".join(p.read_text() for p in sorted(tmp_path.glob("rank*.txt"))) or str(e)) from None
+
+
+def tp_mesh(size: int = 2):
+    """On a gloo group of ``size`` ranks (inside ``run_on_gloo``'s body): the one-dimensional "tp" ``DeviceMesh``
+    over all of them and its :class:`~torch_handle.parallel.tensor.mappings.TPGroup`, (mesh, tp)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from torch_handle.parallel.tensor.mappings import TPGroup
+
+    mesh = init_device_mesh("cpu", (size,), mesh_dim_names=("tp",))
+    return mesh, TPGroup(mesh.get_group())

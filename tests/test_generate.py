@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import json
-import random
 import shutil
 import subprocess
 import sys
@@ -24,20 +23,7 @@ from torch_handle.rundir import create_run_dir
 from torch_handle.train.strategy import DistContext
 from torch_handle.train.trainer import Trainer
 
-_WORDS = {"a": "ein", "dog": "Hund", "cat": "Katze", "runs": "läuft", "sleeps": "schläft", "big": "großer",
-          "small": "kleiner", "red": "roter", "man": "Mann", "eats": "isst", "the": "der", "green": "grüner"}
-
-
-def _parallel_corpus(root: Path) -> Path:
-    """train/valid/test .en/.de: word-by-word 'translations' of random 3-6 word sentences."""
-    rng = random.Random(0)
-    root.mkdir(parents=True, exist_ok=True)
-    for split, n in (("train", 300), ("valid", 20), ("test", 12)):
-        en = [" ".join(rng.choice(list(_WORDS)) for _ in range(rng.randint(3, 6))) for _ in range(n)]
-        (root / f"{split}.en").write_text("\n".join(en) + "\n", encoding="utf-8")
-        (root / f"{split}.de").write_text("\n".join(" ".join(_WORDS[w] for w in s.split()) for s in en) + "\n",
-                                          encoding="utf-8")
-    return root
+from tests.helpers import parallel_corpus
 
 
 def _preset_text(tmp: Path, kind: str) -> str:
@@ -48,7 +34,7 @@ def _preset_text(tmp: Path, kind: str) -> str:
         data = f'name = "text"\npath = "{corpus}"\nseq_len = 16\nvocab_size = 300'
     else:
         model = 'kind = "encoder-decoder"'
-        data = f'name = "parallel"\npath = "{_parallel_corpus(tmp / "pairs")}"\nseq_len = 16\nvocab_size = 300'
+        data = f'name = "parallel"\npath = "{parallel_corpus(tmp / "pairs")}"\nseq_len = 16\nvocab_size = 300'
     return f"""
 [run]
 output_dir = "{tmp / 'runs'}"

@@ -25,7 +25,7 @@ from torch_handle.parallel.tensor.layers import all_reduce_sp_grads
 from torch_handle.parallel.tensor.mappings import TPGroup, step_volume
 from torch_handle.parallel.tensor.plan import unshard
 
-from tests.helpers import run_on_gloo, tiny_preset
+from tests.helpers import run_on_gloo, tiny_preset, tp_mesh
 
 pytestmark = pytest.mark.dist
 
@@ -82,10 +82,7 @@ def _tensor_parallel(args: TransformerArgs, impl: str, sp: bool, tp: TPGroup, me
 
 
 def _cases(rank: int, tmp: Path) -> None:
-    from torch.distributed.device_mesh import init_device_mesh
-
-    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
-    tp = TPGroup(mesh.get_group())
+    mesh, tp = tp_mesh()
     for impl, sp, norm_first, fused in CASES:
         case = f"{impl} sp={sp} norm_first={norm_first} fused_qkv={fused}"
         args = _args(norm_first, fused)

@@ -3,6 +3,7 @@
 * ``scaled_dot_product_attention_reference`` -- softmax(Q Kᵀ / √d_k) V written out, the twin of
   ``F.scaled_dot_product_attention``.
 * ``MultiHeadAttention`` -- project Q/K/V, split into H heads, attend with one of the two kernels, merge, project.
+* ``StackedLinear`` -- the fused Q/K/V projection: one Linear, any run of its parts computed by one call.
 
 Masks are bool, True = may attend (SDPA's convention); padding masks are bool, True = pad
 (``nn.MultiheadAttention``'s). Shape letters: B batch, T query length, S key length, C = d_model channels,
@@ -105,6 +106,37 @@ def _attend_masked(kernel: Callable[..., Tensor], q: Tensor, k: Tensor, v: Tenso
     return kernel(q, k, v, mask, dropout_p).masked_fill(empty_rows, 0.0)
 
 
+class StackedLinear(nn.Linear):
+    """``n_parts`` projections of one width stacked in one Linear: weight [W_0; W_1; ...] (n_parts·out, in), bias
+    likewise; the state dict is an ``nn.Linear``'s.
+
+    ``forward(x)`` computes every part in one matmul: (B, L, in) -> (B, L, n_parts·out). ``forward(x, parts=
+    slice(i, j))`` computes only parts i..j-1: (B, L, (j - i)·out), e.g. a cross-attention's Q of the decoder state
+    and K, V of the encoder memory. Either is a call of this module, so a tensor-parallel version of it (which keeps
+    a slice of every part: ``ColumnParallelLinear(parts=n_parts)``, DTensor's ``_StridedShard``) serves both; the
+    parts are selected through a view (n_parts, out, in) of the weight, which both layouts support locally.
+    """
+
+    def __init__(self, in_features: int, out_features: int, n_parts: int, bias: bool = True) -> None:
+        super().__init__(in_features, n_parts * out_features, bias=bias)
+        self.n_parts = n_parts
+
+    def forward(self, x: Tensor, parts: slice | None = None) -> Tensor:
+        if parts is None:
+            return super().forward(x)
+        bias = None if self.bias is None else select_parts(self.bias, self.n_parts, parts)
+        return F.linear(x, select_parts(self.weight, self.n_parts, parts), bias)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, n_parts={self.n_parts}"
+
+
+def select_parts(stacked: Tensor, n_parts: int, parts: slice) -> Tensor:
+    """Rows of ``parts`` from ``stacked``, ``n_parts`` equal blocks along dim 0 ((n_parts·n, ...) ->
+    (len(parts)·n, ...)), as a view. Also a local operation on a DTensor split per block (``_StridedShard``)."""
+    return stacked.unflatten(0, (n_parts, -1))[parts].flatten(0, 1)
+
+
 class MultiHeadAttention(nn.Module):
     """Multi-head scaled dot-product attention (Vaswani et al. 2017, §3.2.2).
 
@@ -115,9 +147,10 @@ class MultiHeadAttention(nn.Module):
         d_model: model width C.
         n_heads: number of heads H; must divide d_model.
         dropout: dropout on the attention weights (training only).
-        fused_qkv: keep Q/K/V projections in one ``qkv_proj`` Linear(C, 3C) -- one matmul for
-            self-attention -- instead of separate ``q_proj`` / ``k_proj`` / ``v_proj``. The fused
-            weight is laid out [W_q; W_k; W_v], like ``nn.MultiheadAttention.in_proj_weight``.
+        fused_qkv: keep Q/K/V projections in one ``qkv_proj`` Linear(C, 3C) (a ``StackedLinear``) -- one
+            matmul for self-attention, and for cross-attention one for Q and one for K, V -- instead of
+            separate ``q_proj`` / ``k_proj`` / ``v_proj``. The fused weight is laid out [W_q; W_k; W_v], like
+            ``nn.MultiheadAttention.in_proj_weight``.
         bias: whether the projections have biases.
         attention: the kernel, ``"sdpa"`` (``F.scaled_dot_product_attention``) or
             ``"reference"`` (``scaled_dot_product_attention_reference``). Both give the same
@@ -150,7 +183,7 @@ class MultiHeadAttention(nn.Module):
         self.fused_qkv = fused_qkv
         self.attention = attention  # validated by the setter below
         if fused_qkv:
-            self.qkv_proj = nn.Linear(d_model, 3 * d_model, bias=bias)
+            self.qkv_proj = StackedLinear(d_model, d_model, 3, bias=bias)
         else:
             self.q_proj = nn.Linear(d_model, d_model, bias=bias)
             self.k_proj = nn.Linear(d_model, d_model, bias=bias)
@@ -189,29 +222,23 @@ class MultiHeadAttention(nn.Module):
 
     # ---- projections: (B, L, C) in, (B, H, L, d_k) out -------------------------------------------------------
 
-    def _fused_rows(self, x: Tensor, rows: slice) -> Tensor:
-        """x (B, L, C) through ``rows`` of the fused weight [W_q; W_k; W_v] (and bias): (B, L, len(rows))."""
-        weight, bias = self.qkv_proj.weight, self.qkv_proj.bias  # (3C, C), (3C,)
-        return F.linear(x, weight[rows], None if bias is None else bias[rows])
-
     def _project_q(self, query: Tensor) -> Tensor:
-        return self._fused_rows(query, slice(0, self.d_model)) if self.fused_qkv else self.q_proj(query)
+        return self.qkv_proj(query, parts=slice(0, 1)) if self.fused_qkv else self.q_proj(query)
 
     def _project_qkv(self, query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """Input projections; each result is (B, len, C)."""
+        """Input projections, each one module call; each result is (B, len, C)."""
         if not self.fused_qkv:
             return self.q_proj(query), self.k_proj(key), self.v_proj(value)
         if query is key and key is value:
             # Self-attention: one (C -> 3C) matmul instead of three.
             return self.qkv_proj(query).chunk(3, dim=-1)
-        # Cross-attention: the inputs differ, so slice the fused weight by rows.
-        C = self.d_model
+        # Cross-attention: the inputs differ, so each projects through its parts of the fused weight.
         q = self._project_q(query)
         if key is value:
             # Encoder memory feeds both K and V: still one matmul for the pair.
-            k, v = self._fused_rows(key, slice(C, 3 * C)).chunk(2, dim=-1)
+            k, v = self.qkv_proj(key, parts=slice(1, 3)).chunk(2, dim=-1)
             return q, k, v
-        return q, self._fused_rows(key, slice(C, 2 * C)), self._fused_rows(value, slice(2 * C, 3 * C))
+        return q, self.qkv_proj(key, parts=slice(1, 2)), self.qkv_proj(value, parts=slice(2, 3))
 
     def _split_heads(self, x: Tensor) -> Tensor:
         B, L, _ = x.shape

@@ -82,38 +82,52 @@ def checkpointed_blocks(model: Any) -> list[nn.Module]:
 
 
 def tensor_parallel_plan(model: Any) -> dict[str, Any]:
-    """The tensor-parallel plan of the project's decoder (Megatron's layout, Shoeybi et al. 2019 §3): module name
-    -> :class:`torch_handle.parallel.tensor.plan.Style`.
+    """The tensor-parallel plan of the project's decoder or encoder-decoder (Megatron's layout, Shoeybi et al. 2019
+    §3): module name -> :class:`torch_handle.parallel.tensor.plan.Style`.
 
     In each block, Q, K and V (or the fused QKV, split per head group) are column-parallel and the attention's
     output projection row-parallel, so each rank attends with n_heads/tp whole heads; the FFN's first linear is
-    column-parallel and its second row-parallel (d_ff/tp hidden units per rank). The token embedding and the LM
-    head are split over the vocabulary (the loss is vocabulary-parallel: the logits are never gathered). Under
-    sequence parallelism the LayerNorms run on 1/tp of the sequence, from the positional encoding on.
+    column-parallel and its second row-parallel (d_ff/tp hidden units per rank). The encoder-decoder's
+    cross-attention is split the same way: Q from the decoder state and K, V from the encoder memory are
+    column-parallel (two calls of the one fused projection), so the memory enters the TP region of every decoder
+    block, gathered along the sequence under sequence parallelism. The token embedding (shared by source and target)
+    and the LM head are split over the vocabulary (the loss is vocabulary-parallel: the logits are never gathered).
+    Under sequence parallelism the LayerNorms run on 1/tp of the sequence, from the positional encoding on (the
+    encoder's and the decoder's).
 
     Raises:
-        ValueError: one line, for a model without a plan (the encoder-decoder: not yet).
+        ValueError: one line, for a model without a plan (one that is not ``DecoderLM`` or ``EncoderDecoder``).
     """
-    from torch_handle.model.transformer import DecoderLM
+    from torch_handle.model.transformer import DecoderLM, EncoderDecoder
     from torch_handle.parallel.tensor.plan import Style
 
-    if not isinstance(model, DecoderLM):
-        raise ValueError(f"{type(model).__name__} has no tensor-parallel plan (the decoder has one)")
+    if isinstance(model, DecoderLM):
+        stacks, final_norms = {"layers": model.layers}, ["final_norm"]
+    elif isinstance(model, EncoderDecoder):
+        stacks = {"encoder_layers": model.encoder_layers, "decoder_layers": model.decoder_layers}
+        final_norms = ["encoder_norm", "decoder_norm"]
+    else:
+        raise ValueError(f"{type(model).__name__} has no tensor-parallel plan (the project's decoder and "
+                         f"encoder-decoder have one)")
     plan = {"embed": Style.VOCAB_EMBED, "pos_encoding": Style.TO_SEQUENCE}
-    for i, layer in enumerate(model.layers):
-        prefix = f"layers.{i}"
-        attn = layer.self_attn
-        if attn.fused_qkv:
-            plan[f"{prefix}.self_attn.qkv_proj"] = Style.COLWISE_QKV
-        else:
-            plan.update({f"{prefix}.self_attn.{p}_proj": Style.COLWISE for p in "qkv"})
-        plan[f"{prefix}.self_attn.out_proj"] = Style.ROWWISE
-        plan[f"{prefix}.ff.linear1"] = Style.COLWISE
-        plan[f"{prefix}.ff.linear2"] = Style.ROWWISE
-        plan[f"{prefix}.self_attn_norm"] = Style.NORM
-        plan[f"{prefix}.ff_norm"] = Style.NORM
+    for stack, layers in stacks.items():
+        for i, layer in enumerate(layers):
+            prefix = f"{stack}.{i}"
+            for name in ("self_attn", "cross_attn"):
+                attn = getattr(layer, name, None)
+                if attn is None:
+                    continue
+                if attn.fused_qkv:
+                    plan[f"{prefix}.{name}.qkv_proj"] = Style.COLWISE_QKV
+                else:
+                    plan.update({f"{prefix}.{name}.{p}_proj": Style.COLWISE for p in "qkv"})
+                plan[f"{prefix}.{name}.out_proj"] = Style.ROWWISE
+            plan[f"{prefix}.ff.linear1"] = Style.COLWISE
+            plan[f"{prefix}.ff.linear2"] = Style.ROWWISE
+            plan.update({f"{prefix}.{norm}": Style.NORM for norm in ("self_attn_norm", "cross_attn_norm", "ff_norm")
+                         if getattr(layer, norm, None) is not None})
     if model.args.norm_first:
-        plan["final_norm"] = Style.NORM
+        plan.update({norm: Style.NORM for norm in final_norms})
     plan["lm_head"] = Style.VOCAB_HEAD
     return plan
 
@@ -144,10 +158,12 @@ def parallelize_tensor(model: Any, impl: str, tp: Any, *, sequence_parallel: boo
     layers; the forward returns local logits (B, T, V/tp) for ``vocab_parallel_cross_entropy``) or ``"native"``
     (``tp`` the "tp" ``DeviceMesh``: DTensor ``parallelize_module``; the forward returns a vocabulary-sharded
     DTensor for ``F.cross_entropy`` under ``loss_parallel()``). Tied embeddings stay tied: the token table and the
-    LM head are split over the same vocabulary rows, so each rank's slices are one tensor.
+    LM head are split over the same vocabulary rows, so each rank's slices are one tensor. An encoder-decoder under
+    sequence parallelism pads its inputs to a multiple of tp inside its forward (:class:`PadToMultiple`).
 
     Raises:
         ValueError: a model without a plan, or an unknown ``impl``."""
+    from torch_handle.model.transformer import EncoderDecoder
     from torch_handle.parallel.tensor.plan import apply_native, apply_scratch
 
     plan = tensor_parallel_plan(model)
@@ -159,4 +175,45 @@ def parallelize_tensor(model: Any, impl: str, tp: Any, *, sequence_parallel: boo
         raise ValueError(f"unknown tensor-parallel implementation {impl!r}; expected 'scratch' or 'native'")
     if model.args.tie_embeddings:
         model.lm_head.weight = model.embed.weight
+    if sequence_parallel and isinstance(model, EncoderDecoder):
+        PadToMultiple(tp.size if impl == "scratch" else tp.size(), model.args.pad_id).attach(model)
     return model
+
+
+class PadToMultiple:
+    """Right-pad the encoder-decoder's source and target to a multiple of tp, for sequence parallelism, and cut
+    the logits back to the target's length.
+
+    A translation batch is padded to its longest sentence (``pad_collate``), any length; sequence parallelism
+    splits both sequences evenly. Extra ``pad_id`` positions change nothing the loss sees: padded source
+    positions are masked as keys (encoder self-attention, cross-attention), padded target positions come after
+    every real one (causal) and are masked as keys too, and their logits are dropped, so they get no gradient.
+    The data never exceeds ``data.seq_len`` tokens, a multiple of tp under sequence parallelism, so the padded
+    length stays within the positional table.
+
+    Shapes: forward(src_ids (B, S), tgt_ids (B, T)) -> logits (B, T, V or V/tp), S and T padded inside."""
+
+    def __init__(self, multiple: int, pad_id: int | None) -> None:
+        self.multiple, self.pad_id = multiple, pad_id
+        self.tgt_len = 0
+
+    def attach(self, model: Any) -> None:
+        model.register_forward_pre_hook(self.pad, with_kwargs=True)
+        model.register_forward_hook(self.cut)
+
+    def _pad(self, ids: Any) -> Any:
+        import torch.nn.functional as F
+
+        extra = -ids.shape[1] % self.multiple
+        if extra and self.pad_id is None:
+            raise ValueError(f"sequence length {ids.shape[1]} is not divisible by parallel.tp = {self.multiple} and "
+                             f"the model has no pad_id to pad it with (sequence parallelism splits it evenly)")
+        return F.pad(ids, (0, extra), value=self.pad_id) if extra else ids
+
+    def pad(self, _model: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        ids = {**dict(zip(("src_ids", "tgt_ids"), args)), **kwargs}
+        self.tgt_len = ids["tgt_ids"].shape[1]
+        return (), {**ids, "src_ids": self._pad(ids["src_ids"]), "tgt_ids": self._pad(ids["tgt_ids"])}
+
+    def cut(self, _model: Any, _args: tuple, logits: Any) -> Any:
+        return logits[:, :self.tgt_len] if logits.shape[1] != self.tgt_len else logits

@@ -52,7 +52,9 @@ class ColumnParallelLinear(nn.Module):
     here). Output: (b, s, h_out/tp), this rank's features, never gathered (the next layer is row-parallel or the
     vocabulary-parallel loss). weight (h_out/tp, h_in), bias (h_out/tp,) or None.
 
-    ``parts`` > 1 when the output is several projections stacked (fused QKV: 3): each part is split on its own.
+    ``parts`` > 1 when the output is several projections stacked (fused QKV: 3): each part is split on its own,
+    and ``forward(x, parts=slice(i, j))`` computes only parts i..j-1 of this rank's slice, (b, s, (j - i)·h_out/
+    (parts·tp)) (the model's ``StackedLinear``: a cross-attention's Q of the decoder state, K and V of the memory).
     """
 
     def __init__(self, weight: Tensor, bias: Tensor | None, tp: TPGroup, *, sequence_parallel: bool = False,
@@ -72,9 +74,13 @@ class ColumnParallelLinear(nn.Module):
         return cls(shard_along(linear.weight, tp, 0, parts), bias, tp,
                    sequence_parallel=sequence_parallel, parts=parts)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, parts: slice | None = None) -> Tensor:
         x = gather_from_sp(x, self.tp) if self.sequence_parallel else copy_to_tp(x, self.tp)
-        return F.linear(x, self.weight, self.bias)
+        weight, bias = self.weight, self.bias
+        if parts is not None:  # local [A_0,r; A_1,r; ...]: this rank's rows of each part, a view of the selected
+            weight = weight.unflatten(0, (self.parts, -1))[parts].flatten(0, 1)
+            bias = None if bias is None else bias.unflatten(0, (self.parts, -1))[parts].flatten(0, 1)
+        return F.linear(x, weight, bias)
 
     def extra_repr(self) -> str:
         return (f"local {tuple(self.weight.shape)}, tp={self.tp.size}, parts={self.parts}, "

@@ -166,14 +166,15 @@ def gather_sequence(x: Tensor, tp: TPGroup, dim: int = 1) -> Tensor:
 
 
 def step_volume(*, n_layers: int, micro_batch_size: int, seq_len: int, d_model: int, grad_accum: int = 1,
-                sequence_parallel: bool = False, element_bytes: int = 4, sp_grad_elements: int = 0
-                ) -> dict[str, int]:
-    """The TP collectives of one optimizer step of the decoder split by hand, counted as :class:`CommStats` counts
-    them: ``{"calls", "bytes"}`` (bytes of the full tensors), with every activation ``element_bytes`` wide (fp32: 4;
-    under autocast the row-parallel outputs are 16-bit while the gradients entering the TP regions stay fp32).
+                sequence_parallel: bool = False, element_bytes: int = 4, sp_grad_elements: int = 0,
+                src_len: int | None = None) -> dict[str, int]:
+    """The TP collectives of one optimizer step of the decoder (or, with ``src_len``, the encoder-decoder) split by
+    hand with fused QKV, counted as :class:`CommStats` counts them: ``{"calls", "bytes"}`` (bytes of the full
+    tensors), with every activation ``element_bytes`` wide (fp32: 4; under autocast the row-parallel outputs are
+    16-bit while the gradients entering the TP regions stay fp32).
 
-    Per micro-batch, with A = micro_batch_size · seq_len · d_model · element_bytes (one activation) and
-    N = micro_batch_size · seq_len tokens:
+    Per micro-batch, with A = micro_batch_size · seq_len · d_model · element_bytes (one activation of the target, or
+    only, sequence) and N = micro_batch_size · seq_len tokens:
 
     - each of the 2·n_layers TP regions (attention, FFN): one all-reduce forward (g) and one backward (f), 2A; with
       sequence parallelism an all-gather and a reduce-scatter each way instead, 4A (the same data: an all-reduce
@@ -184,16 +185,24 @@ def step_volume(*, n_layers: int, micro_batch_size: int, seq_len: int, d_model: 
       reduce-scatter backward (2A);
     - the vocabulary-parallel cross-entropy: an all-reduce of N fp32 maxima and one of (N, 3) fp32 sums: 16N.
 
+    The encoder-decoder adds, with A_src the source's activation (``src_len`` tokens, the encoder's sequence):
+    2·n_layers encoder regions on A_src, the embedding of the source (as above, on A_src), and in each decoder layer
+    a cross-attention region (Q in, output out: as any region, on A) plus the memory entering it for K and V: f's
+    all-reduce of A_src backward, or with sequence parallelism an all-gather forward and a reduce-scatter backward.
+    Under sequence parallelism both lengths must be multiples of tp (the model pads them so).
+
     Per step, with sequence parallelism: one all-reduce of the ``sp_grad_elements`` fp32 gradients of the
     LayerNorms and row-parallel biases (:func:`~torch_handle.parallel.tensor.layers.all_reduce_sp_grads`).
     """
     n = micro_batch_size * seq_len
     act = n * d_model * element_bytes
-    regions = 2 * n_layers
-    if sequence_parallel:
-        calls, nbytes = regions * 4 + 2 + 2 + 2, regions * 4 * act + 2 * act + 2 * act + 16 * n
-    else:
-        calls, nbytes = regions * 2 + 1 + 1 + 2, regions * 2 * act + act + act + 16 * n
+    per = 4 if sequence_parallel else 2  # collectives of one TP region, one activation each
+    edge = per // 2  # collectives where the embedding hands over, at the LM head, and of the memory
+    calls, nbytes = per * 2 * n_layers + edge + edge + 2, (per * 2 * n_layers + edge + edge) * act + 16 * n
+    if src_len is not None:
+        src_act = micro_batch_size * src_len * d_model * element_bytes
+        calls += per * 2 * n_layers + edge + n_layers * (per + edge)
+        nbytes += (per * 2 * n_layers + edge) * src_act + n_layers * (per * act + edge * src_act)
     calls, nbytes = calls * grad_accum, nbytes * grad_accum
     if sequence_parallel and sp_grad_elements:
         calls, nbytes = calls + 1, nbytes + 4 * sp_grad_elements

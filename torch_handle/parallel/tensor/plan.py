@@ -116,7 +116,9 @@ class FusedColwiseParallel(ColwiseParallel):
     """ColwiseParallel for ``parts`` projections stacked in one weight ([W_q; W_k; W_v]): each part is split on its
     own, so rank r keeps slice r of every part, i.e. whole heads of Q, K and V (Megatron's per-group layout). DTensor
     names that placement ``_StridedShard(0, split_factor=parts)``; the global weight keeps the one-process layout,
-    so a checkpoint needs no permutation."""
+    so a checkpoint needs no permutation. A module that computes only some parts (the model's ``StackedLinear``,
+    called with ``parts=``: a cross-attention's Q, or K and V) selects them through the view (parts, C/tp, C) of
+    the weight, a plain ``Shard(1)``: no communication."""
 
     def __init__(self, parts: int, **kwargs) -> None:
         super().__init__(**kwargs)
@@ -129,7 +131,7 @@ class FusedColwiseParallel(ColwiseParallel):
 
     @staticmethod
     def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
-        # (B, T, parts·C/tp) locally: [Q_r, K_r, V_r]; the strided placement is already the layout wanted
+        # (B, T, parts·C/tp) locally: [Q_r, K_r, V_r] (or the parts selected); the strided placement is the layout
         return outputs.to_local() if use_local_output else outputs
 
 
