@@ -96,6 +96,7 @@ class PipelineParallel:
                               head_params=0 if args.tie_embeddings else model.lm_head.weight.numel())
         self.ranges = ranges
         self.tied = tied_names(model)
+        self._names = [n for n, _ in model.named_parameters()]
         self.shard, self.stages = split_decoder(model, ranges, self.my_stages)
         if self.impl == "scratch":
             link = StageLink(self.group, self.group_ranks, self.my_stages[0], self.ctx.device, self.timeline)
@@ -235,6 +236,11 @@ class PipelineParallel:
 
     def loads_natively(self, layout: dict[str, Any]) -> bool:
         return False  # every checkpoint reaches a pipeline run through its portable form
+
+    def parameter_names(self) -> list[str]:
+        """The one-process model's parameter names (every stage's), in its ``named_parameters()`` order: a
+        ``torch`` checkpoint of another run numbers its optimizer state so."""
+        return self._names
 
     def _gather(self, own: Any) -> list[Any] | None:
         out: list[Any] = [None] * self.pp if self.ctx.is_main else None
