@@ -10,7 +10,9 @@ DELAY_ENV = "HANDLE_TEST_DELAY_RANK"
 pipeline; :func:`parse_test_delay`)."""
 HANG_ENV = "HANDLE_TEST_HANG_RANK"
 """``RANK:STEP[:SECONDS]``: that rank sleeps SECONDS (default 3600) before the loss all-reduce of step STEP
-(1-based), so its peers wait in the collective (:func:`parse_test_hang`)."""
+(1-based), so its peers wait in the collective (:func:`parse_test_hang`). ``RANK:STEP:SECONDS:MB`` (a pipeline
+run): it sleeps inside the schedule instead, before the forward of micro-batch MB (0-based) of its first stage,
+so the other stages wait in their receives (:func:`parse_test_stall`)."""
 
 
 def rank_values(spec: str, rank: int, counts: tuple[int, ...]) -> list[str] | None:
@@ -44,3 +46,16 @@ def parse_test_hang(spec: str, rank: int) -> tuple[int, float] | None:
     except ValueError:
         return None
     return (step, seconds) if step >= 1 and seconds > 0 else None
+
+
+def parse_test_stall(spec: str, rank: int) -> tuple[int, float, int] | None:
+    """``(STEP, SECONDS, MB)`` of :data:`HANG_ENV` = ``RANK:STEP:SECONDS:MB`` for ``rank``; None for another rank,
+    the forms without MB, or an invalid spec."""
+    values = rank_values(spec, rank, (3,))
+    if values is None:
+        return None
+    try:
+        step, seconds, microbatch = int(values[0]), float(values[1]), int(values[2])
+    except ValueError:
+        return None
+    return (step, seconds, microbatch) if step >= 1 and seconds > 0 and microbatch >= 0 else None

@@ -45,10 +45,11 @@ def check_parallel(preset: Preset, registry: Any) -> PresetError | None:
     if par.tp == 1 and par.pp == 1:
         return None
     if world % (par.tp * par.pp):
-        key = "parallel.tp" if par.pp == 1 else "parallel.pp"
+        name, other = ("tp", par.pp) if par.pp == 1 else ("pp", par.tp)
+        valid = ", ".join(str(d) for d in range(1, world + 1) if world % (d * other) == 0) or "none"
         return PresetError(f"tp x pp = {par.tp} x {par.pp} does not divide the world size {world} "
                            f"(launch.nproc_per_node x launch.nnodes); the data-parallel degree is world size / "
-                           f"(tp x pp)", key=key)
+                           f"(tp x pp) (valid {name}: {valid})", key=f"parallel.{name}")
     if par.pp > 1 and par.tp > 1:
         return PresetError(f"pipeline with tensor parallelism (pp = {par.pp}, tp = {par.tp}) is not supported yet: "
                            f"set one of them to 1", key="parallel.pp")
@@ -68,8 +69,9 @@ def check_parallel(preset: Preset, registry: Any) -> PresetError | None:
                                "with parallel.pp > 1", key="training.precision")
         m, samples = pipeline_microbatches(preset), t.micro_batch_size * t.grad_accum
         if samples % m:
+            valid = ", ".join(str(d) for d in range(1, samples + 1) if samples % d == 0)
             return PresetError(f"{m} does not divide the step's micro_batch_size x grad_accum = {samples} samples "
-                               f"per replica (each pipeline micro-batch takes an equal share)",
+                               f"per replica (each pipeline micro-batch takes an equal share; valid: {valid})",
                                key="parallel.pp_microbatches")
         problem = microbatch_problem(par.pp_schedule, par.pp, par.pp_stages_per_rank, m)
         if problem:

@@ -247,8 +247,8 @@ class ParallelConfig:
                                                          f"(interleaved-1f1b, looped-bfs, interleaved-zb, zbv, "
                                                          f"dualpipev), not {self.pp_schedule}")
             if self.pp_layers and len(self.pp_layers) != self.pp * v:
-                raise InvalidValue("pp_layers", f"lists {len(self.pp_layers)} stages; pp x pp_stages_per_rank = "
-                                                f"{self.pp * v}")
+                raise InvalidValue("pp_layers", f"lists {len(self.pp_layers)} stages; it needs pp x "
+                                                f"pp_stages_per_rank = {self.pp * v} layer counts (or [] to balance)")
             if self.pp_layers and min(self.pp_layers) < 1:
                 raise InvalidValue("pp_layers", "every stage needs at least one layer")
 

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
+import time
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -26,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from torch_handle.checkpoint.convert import load_schedule, read_portable, write_portable
+from torch_handle.common.testhooks import HANG_ENV, parse_test_stall
 from torch_handle.config.schema import ParallelConfig
 from torch_handle.data.datasets import IGNORE_INDEX
 from torch_handle.errors import CheckpointError
@@ -68,6 +71,8 @@ class PipelineParallel:
         self.smoothing = label_smoothing  # of the running schedule (evaluation: 0)
         self.first_stage_saved_bytes: int | None = None
         self.peak_saved_bytes: int | None = None
+        self.test_stall = parse_test_stall(os.environ.get(HANG_ENV, ""), ctx.rank)
+        self._running, self._forwards = 0, 0  # the running step (1-based), its forwards so far on the first stage
 
     # -- build ---------------------------------------------------------------------------------------------------
     def _tie_groups(self) -> Any:
@@ -96,8 +101,7 @@ class PipelineParallel:
                               head_params=0 if args.tie_embeddings else model.lm_head.weight.numel())
         self.ranges = ranges
         self.tied = tied_names(model)
-        self.full_names = [n for n, _ in model.named_parameters()]
-        """The one-process parameter names, in order (an optimizer state saved by index is read by them)."""
+        self._names = [n for n, _ in model.named_parameters()]
         self.shard, self.stages = split_decoder(model, ranges, self.my_stages)
         if self.impl == "scratch":
             link = StageLink(self.group, self.group_ranks, self.my_stages[0], self.ctx.device, self.timeline)
@@ -106,7 +110,17 @@ class PipelineParallel:
             from torch_handle.train.pipeline_native import native_schedule
 
             self.engine = native_schedule(self)
+        if self.test_stall is not None:
+            self.stages[0].register_forward_pre_hook(self._stall)
         return self.shard
+
+    def _stall(self, module: nn.Module, args: Any) -> None:
+        """``HANDLE_TEST_HANG_RANK = RANK:STEP:SECONDS:MB``: sleep before the first stage's forward of micro-batch
+        MB in step STEP (:func:`~torch_handle.common.testhooks.parse_test_stall`)."""
+        step, seconds, microbatch = self.test_stall
+        if self._running == step and self._forwards == microbatch:
+            time.sleep(seconds)
+        self._forwards += 1
 
     def bind(self, strategy: Any) -> PipelineParallel:
         """Work with the strategy that steps this rank's shard: it stops clipping (the norm spans every stage:
@@ -145,6 +159,7 @@ class PipelineParallel:
         inputs, labels = self._chunks(batch)
         tokens = sum((y != IGNORE_INDEX).sum() for y in labels)
         self._tokens = tokens.double()
+        self._running, self._forwards = trainer.step + 1, 0
         self.timeline.begin()
         counting = self.first_stage_saved_bytes is None and self.impl == "scratch"
         self.engine.count_saved = counting
@@ -237,6 +252,11 @@ class PipelineParallel:
 
     def loads_natively(self, layout: dict[str, Any]) -> bool:
         return False  # every checkpoint reaches a pipeline run through its portable form
+
+    def parameter_names(self) -> list[str]:
+        """The one-process model's parameter names (every stage's), in its ``named_parameters()`` order: a
+        ``torch`` checkpoint of another run numbers its optimizer state so."""
+        return self._names
 
     def _gather(self, own: Any) -> list[Any] | None:
         out: list[Any] = [None] * self.pp if self.ctx.is_main else None

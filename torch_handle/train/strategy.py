@@ -255,6 +255,11 @@ class Strategy:
     def unwrapped(self) -> torch.nn.Module:
         return getattr(self.model, "module", self.model)
 
+    def parameter_names(self) -> list[str]:
+        """The one-process model's parameter names in ``named_parameters()`` order (shared ones once): how a
+        ``torch`` checkpoint's numbered optimizer state maps to names (``convert.ensure_portable``)."""
+        return [n for n, _ in self.unwrapped().named_parameters()]
+
     def checkpoint_layout(self) -> dict[str, Any]:
         """What :meth:`save` writes, recorded in every checkpoint's ``layout.json`` (the trainer adds the world
         size and the batch settings): ``format`` -- one that :mod:`torch_handle.checkpoint.convert` can turn into the

@@ -248,7 +248,7 @@ class Trainer:
                                        f"nodes (its shards are spread over the nodes' directories)")
         outcome: Any = None
         if self.is_dir_main:  # one conversion per run directory, while that directory's other ranks wait
-            names = self.pp.full_names if self.pp else [n for n, _ in self.strategy.unwrapped().named_parameters()]
+            names = getattr(self.state_io, "parameter_names", self.strategy.parameter_names)()
             try:
                 with busy("convert"):
                     outcome = convert.ensure_portable(path, layout, names)

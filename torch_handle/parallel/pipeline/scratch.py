@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from torch_handle.observe.activations import SavedTensorCounter
+from torch_handle.observe.heartbeat import beat
 from torch_handle.parallel.pipeline.p2p import StageLink
 from torch_handle.parallel.pipeline.schedules import SCRATCH_SCHEDULES, Action
 from torch_handle.parallel.pipeline.timeline import Timeline
@@ -80,6 +81,7 @@ class ScratchPipeline:
 
     def _forward(self, i: int, kwargs: dict[str, Any], loss_fn: LossFn, losses: list[torch.Tensor]) -> None:
         h = None if self.is_first else self.link.recv_activation(i)
+        beat(f"forward mb {i}")
         counter = SavedTensorCounter(self.module.parameters()) if self.count_saved else None
         with self.timeline.span("F", i, self.stage):
             if counter is not None:
@@ -100,6 +102,7 @@ class ScratchPipeline:
     def _backward(self, i: int) -> None:
         grad = None if self.is_last else self.link.recv_grad(i)
         out, h = self._outputs.pop(i), self._inputs.pop(i)
+        beat(f"backward mb {i}")
         with self.timeline.span("B", i, self.stage):
             torch.autograd.backward(out, grad_tensors=grad)
         if not self.is_first:
