@@ -79,20 +79,28 @@ def _batches() -> list[dict[str, torch.Tensor]]:
     return [{"input_ids": ids[i:i + MICRO], "labels": labels[i:i + MICRO]} for i in range(0, MICRO * ACCUM, MICRO)]
 
 
-def _reference() -> tuple[float, float, dict[str, torch.Tensor]]:
+def _eval_batch() -> dict[str, torch.Tensor]:
+    """3 sequences: fewer than m (they split into 3 pipeline micro-batches of 1)."""
+    return {k: v[1:4] for k, v in _batches()[1].items()}
+
+
+def _reference() -> tuple[float, float, dict[str, torch.Tensor], float]:
     torch.manual_seed(0)
     model = DecoderLM(_args())
+    with torch.no_grad():
+        batch = _eval_batch()
+        val_loss = F.cross_entropy(model(batch["input_ids"]).flatten(0, 1), batch["labels"].flatten()).item()
     batch = {k: torch.cat([b[k] for b in _batches()]) for k in ("input_ids", "labels")}
     loss = F.cross_entropy(model(batch["input_ids"]).flatten(0, 1), batch["labels"].flatten(), ignore_index=-100)
     loss.backward()
     grads = {n: p.grad for n, p in model.named_parameters()}
     norm = torch.stack([g.double().pow(2).sum() for g in grads.values()]).sum().sqrt()
-    return loss.item(), norm.item(), grads
+    return loss.item(), norm.item(), grads, val_loss
 
 
-def _pipeline_step(impl: str, schedule: str, v: int) -> tuple[torch.Tensor, float, dict[str, torch.Tensor]]:
-    """One step of PipelineParallel on this rank: (Σ loss·tokens, tokens), the norm before_step returns, and the
-    gradients of this rank's shard by their one-process names."""
+def _pipeline_step(impl: str, schedule: str, v: int) -> tuple[torch.Tensor, float, dict[str, torch.Tensor], float]:
+    """One evaluation and one step of PipelineParallel on this rank: (Σ loss·tokens, tokens), the norm before_step
+    returns, the gradients of this rank's shard by their one-process names, and the evaluation loss."""
     from torch_handle.train.pipeline_parallel import PipelineParallel
     from torch_handle.train.strategy import DistContext
     from torch_handle.train.tensor_parallel import attach_layout
@@ -107,19 +115,24 @@ def _pipeline_step(impl: str, schedule: str, v: int) -> tuple[torch.Tensor, floa
     shard = pp.split(DecoderLM(_args()))
     trainer = SimpleNamespace(timer=PhaseTimer(), training=SimpleNamespace(grad_accum=ACCUM), step=1,
                               strategy=SimpleNamespace(autocast=contextlib.nullcontext))
+    val = torch.stack(pp.evaluate(_eval_batch()))
+    dist.all_reduce(val)
     trainer.timer.begin()
     stats = torch.zeros(2, dtype=torch.float64)
     pp.run(trainer, iter(_batches()), stats)
     norm = pp.before_step(float("inf"))
     dist.all_reduce(stats)  # the trainer's all-reduce of the step's stats
-    return stats, norm, {n: p.grad for n, p in shard.named_parameters()}
+    return stats, norm, {n: p.grad for n, p in shard.named_parameters()}, (val[0] / val[1]).item()
 
 
 def _every_schedule(rank: int, tmp: Path) -> None:
-    ref_loss, ref_norm, ref_grads = _reference()
+    import torch.distributed as dist
+
+    ref_loss, ref_norm, ref_grads, ref_val = _reference()
     for impl, schedule, v in CASES:
         case = f"{impl} {schedule} v={v} rank {rank}"
-        stats, norm, grads = _pipeline_step(impl, schedule, v)
+        stats, norm, grads, val_loss = _pipeline_step(impl, schedule, v)
+        assert abs(val_loss - ref_val) <= 1e-6 * ref_val, (case, val_loss, ref_val)
         loss = (stats[0] / stats[1]).item()
         assert abs(loss - ref_loss) <= 1e-6 * abs(ref_loss), (case, loss, ref_loss)
         assert abs(norm - ref_norm) <= 1e-6 * ref_norm, (case, norm, ref_norm)
@@ -128,13 +141,9 @@ def _every_schedule(rank: int, tmp: Path) -> None:
             want = ref_grads["embed.weight" if name == "lm_head.weight" else name]  # tied: the summed copies
             assert grad is not None, (case, name)
             torch.testing.assert_close(grad, want, rtol=1e-6, atol=1e-7, msg=lambda m: f"{case} {name}: {m}")
-        # the two ranks' shards hold every parameter of the model between them
         names: list[set[str] | None] = [None, None]
-        dist_names = set(grads) - {"lm_head.weight"}
-        import torch.distributed as dist
-
-        dist.all_gather_object(names, dist_names)
-        assert set().union(*names) == set(ref_grads), case
+        dist.all_gather_object(names, set(grads) - {"lm_head.weight"})
+        assert set().union(*names) == set(ref_grads), case  # the two shards hold every parameter between them
 
 
 def test_one_step_of_every_schedule_gives_every_one_process_gradient(tmp_path: Path) -> None:
@@ -142,3 +151,90 @@ def test_one_step_of_every_schedule_gives_every_one_process_gradient(tmp_path: P
     step's loss and gradient norm within 1e-6 relative, and every gradient of each stage (the tied embedding after
     summing the first and last stage's copies) within 1e-6."""
     run_on_gloo(_every_schedule, tmp_path)
+
+
+# ---- real runs through `handle run`: 10 steps, one process against pp = 2 ------------------------------------
+
+COMMON = ("--set", "model.dropout=0", "--set", "model.norm_first=true", "--set", "model.n_layers=4",
+          "--set", "training.log_every=1", "--set", "training.eval_every=5")
+STEP_OF_8 = {  # 8 sequences a step (and an evaluation of 8): 4 x 2 re-split into m = 4, or 2 x 4 (m = grad_accum)
+    "resplit": ("--set", "training.micro_batch_size=4", "--set", "training.grad_accum=2",
+                "--set", "parallel.pp_microbatches=4", "--set", "training.eval_steps=2"),
+    "accum": ("--set", "training.micro_batch_size=2", "--set", "training.grad_accum=4",
+              "--set", "training.eval_steps=4")}
+PP2 = ("--set", "launch.nproc_per_node=2", "--set", "parallel.pp=2")
+RUNS = {"one": ("--set", "training.micro_batch_size=4", "--set", "training.grad_accum=2", "--set", "training.eval_steps=2"),
+        **{f"{impl}-{schedule}": (*PP2, "--set", f"parallel.pp_impl={impl}", "--set", f"parallel.pp_schedule={schedule}",
+                                  *STEP_OF_8["resplit" if impl == "scratch" else "accum"])
+           for impl in ("scratch", "native") for schedule in ("gpipe", "1f1b")},
+        **{f"native-{schedule}-v2": (*PP2, "--set", f"parallel.pp_schedule={schedule}",
+                                     "--set", "parallel.pp_stages_per_rank=2", *STEP_OF_8["resplit"])
+           for schedule in ("interleaved-1f1b", "zbv")}}
+
+
+def _events(run_dir: Path, kind: str) -> list[dict]:
+    events = map(json.loads, (run_dir / "events.jsonl").read_text().splitlines())
+    return [e for e in events if e["kind"] == kind]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    """Every run of :data:`RUNS` (the tiny preset with 4 layers, fp32, dropout 0, 10 steps of 8 sequences, evals at
+    steps 0, 5 and 10), at most four at a time: each costs seconds, mostly starting up."""
+    root = tmp_path_factory.mktemp("pp-runs")
+    preset = root / "tiny.toml"
+    preset.write_text(tiny_preset(root / "runs", strategy="single").replace("nproc_per_node = 2",
+                                                                            "nproc_per_node = 1"))
+    pending, running, done = list(RUNS.items()), {}, {}
+    while pending or running:
+        while pending and len(running) < 4:
+            name, overrides = pending.pop(0)
+            running[name] = subprocess.Popen(
+                [sys.executable, "-m", "handle_cli", "run", str(preset), "--set", f"run.name={name}", *COMMON,
+                 *overrides], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        name = next(iter(running))
+        out, _ = running.pop(name).communicate(timeout=300)
+        assert "run directory: " in out, f"{name}:\n{out[-3000:]}"
+        done[name] = Path(next(ln for ln in out.splitlines() if ln.startswith("run directory: ")).split(": ", 1)[1])
+    return done
+
+
+def _assert_trains_as_one_process(runs: dict[str, Path], name: str) -> list[dict]:
+    one, split = _events(runs["one"], "step"), _events(runs[name], "step")
+    assert [e["step"] for e in split] == list(range(1, 11)), name
+    for a, b in zip(one, split):
+        assert abs(b["loss"] - a["loss"]) <= 1e-6 * a["loss"], (name, a["step"], a["loss"], b["loss"])
+        assert abs(b["grad_norm"] - a["grad_norm"]) <= 1e-5 * a["grad_norm"], (name, a["step"])
+        assert b["tokens"] == a["tokens"] and b["layout"] == {"dp": 1, "tp": 1, "pp": 2}, name
+    evals = [(e["step"], e["val_loss"]) for e in _events(runs["one"], "eval")]
+    got = [(e["step"], e["val_loss"]) for e in _events(runs[name], "eval")]
+    assert [s for s, _ in got] == [s for s, _ in evals] == [0, 5, 10], name
+    for (_, want), (_, loss) in zip(evals, got):
+        assert abs(loss - want) <= 1e-6 * want, (name, evals, got)
+    return split
+
+
+@pytest.mark.parametrize("impl", ["scratch", "native"])
+def test_handle_run_with_pp_2_trains_as_one_process(runs, impl: str) -> None:
+    """`parallel.pp = 2`, GPipe and 1F1B, m = 4 (hand-written: the step's 2 micro-batches re-split into 4; torch's:
+    m = grad_accum = 4): the one-process losses within 1e-6 and gradient norms within 1e-5 for 10 steps, the same
+    eval losses, and step events that carry the layout and the pipeline's figures."""
+    for schedule in ("gpipe", "1f1b"):
+        name = f"{impl}-{schedule}"
+        for e in _assert_trains_as_one_process(runs, name):
+            pipeline = e["pipeline"]
+            assert (pipeline["schedule"], pipeline["impl"], pipeline["pp"], pipeline["microbatches"]) == (
+                schedule, impl, 2, 4), name
+            assert pipeline["layers"] == [2, 2] and len(pipeline["ranks"]) == 2, name
+            assert pipeline["bubble_theory"] == pytest.approx((2 - 1) / (4 + 2 - 1)), name
+            assert 0 < pipeline["bubble"] < 1 and all(r["busy_s"] > 0 for r in pipeline["ranks"]), name
+
+
+def test_handle_run_with_interleaved_and_zero_bubble_schedules(runs) -> None:
+    """torch's interleaved 1F1B and ZBV with 2 stages per rank (4 stages of one layer on 2 ranks) train as one
+    process does; the theory counts v = 2 chunks for interleaving."""
+    for schedule in ("interleaved-1f1b", "zbv"):
+        split = _assert_trains_as_one_process(runs, f"native-{schedule}-v2")
+        assert all(e["pipeline"]["layers"] == [1, 1, 1, 1] for e in split), schedule
+    theory = _events(runs["native-interleaved-1f1b-v2"], "step")[0]["pipeline"]["bubble_theory"]
+    assert theory == pytest.approx(1 / (2 * 4 + 1))
