@@ -27,6 +27,8 @@ from torch_handle.train.phases import PhaseTimer
 
 from tests.helpers import run_on_gloo, tiny_preset
 
+pytestmark = pytest.mark.dist
+
 MICRO, ACCUM, T, VOCAB = 4, 2, 8, 32  # a step of 8 sequences, re-split into m = 4 pipeline micro-batches of 2
 CASES = [("scratch", "gpipe", 1), ("scratch", "1f1b", 1), ("native", "gpipe", 1), ("native", "1f1b", 1),
          ("native", "interleaved-1f1b", 2), ("native", "zbv", 2)]
@@ -157,14 +159,15 @@ def test_one_step_of_every_schedule_gives_every_one_process_gradient(tmp_path: P
 
 COMMON = ("--set", "model.dropout=0", "--set", "model.norm_first=true", "--set", "model.n_layers=4",
           "--set", "training.log_every=1", "--set", "training.eval_every=5")
+ONE_STEP = ("--set", "training.micro_batch_size=4", "--set", "training.grad_accum=2", "--set", "training.eval_steps=2")
 STEP_OF_8 = {  # 8 sequences a step (and an evaluation of 8): 4 x 2 re-split into m = 4, or 2 x 4 (m = grad_accum)
-    "resplit": ("--set", "training.micro_batch_size=4", "--set", "training.grad_accum=2",
-                "--set", "parallel.pp_microbatches=4", "--set", "training.eval_steps=2"),
+    "resplit": (*ONE_STEP, "--set", "parallel.pp_microbatches=4"),
     "accum": ("--set", "training.micro_batch_size=2", "--set", "training.grad_accum=4",
               "--set", "training.eval_steps=4")}
 PP2 = ("--set", "launch.nproc_per_node=2", "--set", "parallel.pp=2")
-RUNS = {"one": ("--set", "training.micro_batch_size=4", "--set", "training.grad_accum=2", "--set", "training.eval_steps=2"),
-        **{f"{impl}-{schedule}": (*PP2, "--set", f"parallel.pp_impl={impl}", "--set", f"parallel.pp_schedule={schedule}",
+RUNS = {"one": ONE_STEP,
+        **{f"{impl}-{schedule}": (*PP2, "--set", f"parallel.pp_impl={impl}",
+                                  "--set", f"parallel.pp_schedule={schedule}",
                                   *STEP_OF_8["resplit" if impl == "scratch" else "accum"])
            for impl in ("scratch", "native") for schedule in ("gpipe", "1f1b")},
         **{f"native-{schedule}-v2": (*PP2, "--set", f"parallel.pp_schedule={schedule}",
