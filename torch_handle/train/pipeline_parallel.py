@@ -198,13 +198,32 @@ class PipelineParallel:
         if self.impl == "scratch":
             losses = self.engine.evaluate(inputs, lambda out, i: self._loss(out, labels[i], 0.0))
         else:
-            losses = []
-            kwargs = {k: torch.cat([x[k] for x in inputs]) for k in inputs[0]}
-            self.smoothing = 0.0
-            self.engine.eval(**kwargs, target=torch.cat(labels) if self.has_last else None, losses=losses)
+            losses = self._forward_only(inputs, labels)
         if not self.has_last:
             return torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
         return torch.stack(losses).sum().double() * tokens, tokens.double()
+
+    def _forward_only(self, inputs: list[dict[str, torch.Tensor]], labels: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Every micro-batch through this rank's stages, stage after stage: the last stage's losses. Evaluation on
+        the native path: torch's ``schedule.eval`` needs exactly m micro-batches (an evaluation batch of
+        ``micro_batch_size`` samples may have fewer) and fails for ZBV (torch 2.13: "can't steal_bwd_input")."""
+        ranks = [self.group_ranks[r] for r in self.stage_to_rank]  # global rank of every stage
+        off = Timeline(enabled=False)
+        links = {s: StageLink(self.group, ranks, s, self.ctx.device, off) for s in self.my_stages}
+        losses = []
+        for i, kwargs in enumerate(inputs):
+            h = None
+            for s, module in zip(self.my_stages, self.stages):
+                if s > 0 and ranks[s - 1] != self.ctx.rank:
+                    h = links[s].recv_activation(i)
+                h = module(h, **kwargs)
+                if s == self.n_stages - 1:
+                    losses.append(self._loss(h, labels[i], 0.0))
+                elif ranks[s + 1] != self.ctx.rank:
+                    links[s].send_activation(h, i)
+        for link in links.values():
+            link.flush()
+        return losses
 
     def before_step(self, max_norm: float) -> float:
         """After the schedule, before the optimizer step: sum the tied embedding's gradients of the first and last
