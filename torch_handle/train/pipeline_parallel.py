@@ -195,10 +195,11 @@ class PipelineParallel:
         inputs, labels = self._chunks(dict(batch))
         tokens = sum((y != IGNORE_INDEX).sum() for y in labels)
         self._tokens = tokens.double()
-        if self.impl == "scratch":
-            losses = self.engine.evaluate(inputs, lambda out, i: self._loss(out, labels[i], 0.0))
-        else:
-            losses = self._forward_only(inputs, labels)
+        with self.strategy.autocast():  # as the trainer's forward_loss
+            if self.impl == "scratch":
+                losses = self.engine.evaluate(inputs, lambda out, i: self._loss(out, labels[i], 0.0))
+            else:
+                losses = self._forward_only(inputs, labels)
         if not self.has_last:
             return torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
         return torch.stack(losses).sum().double() * tokens, tokens.double()
