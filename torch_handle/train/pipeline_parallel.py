@@ -144,7 +144,7 @@ class PipelineParallel:
         tokens = sum((y != IGNORE_INDEX).sum() for y in labels)
         self._tokens = tokens.double()
         self.timeline.begin()
-        counting = self.first_stage_saved_bytes is None and self.impl == "scratch"
+        counting = self.first_stage_saved_bytes is None
         self.engine.count_saved = counting
         with trainer.strategy.autocast():
             losses = self._step(inputs, labels)
