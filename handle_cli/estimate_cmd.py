@@ -36,36 +36,40 @@ def parse_nproc(text: str) -> list[int]:
 
 
 def layout_overrides(overrides: tuple[str, ...] | list[str]) -> list[str]:
-    """The ``--set`` list an estimate loads the preset with: when it sets ``parallel.tp`` = N > 1 and no launch size,
-    ``launch.nproc_per_node=N`` goes first, so that the preset's own world size (one TP replica) passes the layout
-    checks; the world sizes estimated are --nproc's. A malformed --set is left for the loader to report."""
+    """The ``--set`` list an estimate loads the preset with: when it sets ``parallel.tp`` and/or ``parallel.pp``
+    (product N > 1) and no launch size, ``launch.nproc_per_node=N`` goes first, so that the preset's own world size
+    (one replica of tp x pp ranks) passes the layout checks; the world sizes estimated are --nproc's. A malformed
+    --set is left for the loader to report."""
     from torch_handle.config.overrides import parse_override
     from torch_handle.errors import PresetError
 
-    tp, launch = None, False
+    degrees, launch = {"tp": 1, "pp": 1}, False
     for text in overrides:
         try:
             keys, value = parse_override(text)
         except PresetError:
             return list(overrides)
-        if keys == ["parallel", "tp"]:
-            tp = value
+        if keys[0] == "parallel" and keys[1:] in (["tp"], ["pp"]) and isinstance(value, int) and value > 0:
+            degrees[keys[1]] = value
         launch = launch or keys[:2] in (["launch", "nproc_per_node"], ["launch", "nnodes"])
-    if isinstance(tp, int) and tp > 1 and not launch:
-        return [f"launch.nproc_per_node={tp}", *overrides]
+    n = degrees["tp"] * degrees["pp"]
+    if n > 1 and not launch:
+        return [f"launch.nproc_per_node={n}", *overrides]
     return list(overrides)
 
 
 def _table(rows: list, device_memory: int | None) -> list[str]:
     layout = any(r.tp > 1 for r in rows)
-    head = ["strategy", "world", *(["dp x tp"] if layout else []), "params", "grads", "optimizer", "activations",
-            "device total", "host"]
+    pipeline = any(r.pp > 1 for r in rows)
+    head = ["strategy", "world", *(["dp x tp"] if layout else []), *(["stage", "in flight"] if pipeline else []),
+            "params", "grads", "optimizer", "activations", "device total", "host"]
     if device_memory is not None:
         head.append("fits")
     body = []
     for r in rows:
         sizes = (r.param_bytes, r.grad_bytes, r.optimizer_bytes, r.activation_bytes, r.device_bytes)
-        cells = [r.strategy, str(r.world_size), *([f"{r.dp} x {r.tp}"] if layout else []),
+        stage = [",".join(map(str, r.pp_stages or [])), "+".join(map(str, r.pp_in_flight or []))] if pipeline else []
+        cells = [r.strategy, str(r.world_size), *([f"{r.dp} x {r.tp}"] if layout else []), *stage,
                  *(fmt_bytes(x, precise=True) for x in sizes),
                  fmt_bytes(r.host_bytes, precise=True) if r.host_bytes else "-"]
         if device_memory is not None:
@@ -108,6 +112,11 @@ def estimate(preset: str, overrides: tuple[str, ...], nproc: str, nnodes: int | 
     row-parallel biases whole) under the strategy's own sharding over dp, and its activations, measured on the
     split model. World sizes N does not divide are left out; --compare lists the strategies that run with tp.
 
+    With --set parallel.pp=N (pipeline parallelism) each row is one pipeline rank: the model states of its stages'
+    layers (the embedding on the first, the head on the last, a tied embedding on both), and the activations of
+    the micro-batches its schedule keeps in flight: GPipe all m, 1F1B min(m, p - stage), interleaved and
+    zero-bubble schedules walked in torch's order (--json: pp_in_flight, pp_microbatch_saved_bytes per stage).
+
     \b
     Examples:
       handle estimate presets/zero2.toml
@@ -116,6 +125,8 @@ def estimate(preset: str, overrides: tuple[str, ...], nproc: str, nnodes: int | 
         --set model.d_ff=8192 --compare --json                  # about 1B parameters
       handle estimate presets/fsdp.toml --nproc 8 --nnodes 4 --json
       handle estimate presets/single.toml --set parallel.tp=2 --set parallel.sequence_parallel=true --nproc 2
+      handle estimate presets/single.toml --set parallel.pp=2 --set parallel.pp_schedule=gpipe \
+        --set training.grad_accum=8 --nproc 2
 
     Exit code 2 with one line on stderr for a bad preset, --set, --nproc or --device-memory.
     """
@@ -133,20 +144,24 @@ def estimate(preset: str, overrides: tuple[str, ...], nproc: str, nnodes: int | 
     registry = get_registry()
     # PresetError: one line, exit 2
     loaded = load_preset(resolve_preset_spec(preset), layout_overrides(overrides), registry)
-    from torch_handle.plan.estimate import COMPARE_VARIANTS, estimate_preset, smallest_fit, supports_tensor_parallel
+    from torch_handle.plan.estimate import (COMPARE_VARIANTS, estimate_preset, smallest_fit,
+                                           supports_pipeline_parallel, supports_tensor_parallel)
 
     nodes = nnodes or loaded.launch.nnodes
     worlds = [n * nodes for n in nprocs]
-    tp = loaded.parallel.tp
+    tp, pp = loaded.parallel.tp, loaded.parallel.pp
     variants, left_out = list(COMPARE_VARIANTS) if compare else None, []
-    if compare and tp > 1:
-        left_out = sorted({v.strategy for v in variants if not supports_tensor_parallel(registry, v.strategy)})
+    if compare and (tp > 1 or pp > 1):
+        supports = supports_tensor_parallel if tp > 1 else supports_pipeline_parallel
+        left_out = sorted({v.strategy for v in variants if not supports(registry, v.strategy)})
         variants = [v for v in variants if v.strategy not in left_out]
     try:
         rows = estimate_preset(loaded, registry, worlds, variants, memory)
     except ValueError as e:
         fail(str(e))
     if not rows:
+        if pp > 1:
+            fail(f"strategy 'single' runs one pipeline of parallel.pp = {pp} ranks (dp = 1): use --nproc {pp}")
         if tp > 1 and all(w % tp for w in worlds):
             fail(f"no world size in --nproc is divisible by parallel.tp = {tp} (the data-parallel degree is world "
                  f"size / tp)")
@@ -170,9 +185,16 @@ def estimate(preset: str, overrides: tuple[str, ...], nproc: str, nnodes: int | 
         sp = "on" if p.sequence_parallel else "off"
         click.echo(f"tensor parallel: tp = {tp} ({p.tp_impl}, sequence parallelism {sp}), "
                    f"{rows[0].tp_shard_params:,} parameters per TP rank; data parallel: dp = world / tp")
+    if pp > 1:
+        p, r0 = loaded.parallel, rows[0]
+        batch = t.micro_batch_size * t.grad_accum // r0.pp_microbatches
+        click.echo(f"pipeline: pp = {pp} ({p.pp_impl} {p.pp_schedule}, {p.pp_stages_per_rank} stage(s) per rank), "
+                   f"m = {r0.pp_microbatches} micro-batches of {batch} sample(s); one row per pipeline rank: its "
+                   f"stages' model states, activations of the micro-batches in flight per stage at the peak")
     if left_out:
-        click.echo(f"left out: {', '.join(left_out)} (no parallel.tp > 1)")
-    click.echo("bytes per rank (the rank that holds the most); host = offloaded to CPU memory")
+        click.echo(f"left out: {', '.join(left_out)} (no parallel.{'pp' if pp > 1 else 'tp'} > 1)")
+    click.echo("bytes per rank (the rank that holds the most; with pp > 1 every pipeline rank); host = offloaded to "
+               "CPU memory")
     click.echo("")
     for line in _table(rows, memory):
         click.echo(line)

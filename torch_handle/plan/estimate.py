@@ -32,6 +32,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
+from torch_handle.config.layout import pipeline_microbatches
 from torch_handle.plan.estimate_activations import ActivationBytes, activation_bytes, compute_mode
 from torch_handle.plan.estimate_model import ModelShape, model_shape
 
@@ -40,7 +41,8 @@ if TYPE_CHECKING:
     from torch_handle.registry import PluginRegistry
 
 __all__ = ["COMPARE_VARIANTS", "MEASURED", "Estimate", "Variant", "estimate_preset", "model_state_bytes",
-           "preset_variant", "smallest_fit", "supports_tensor_parallel"]
+           "preset_variant", "smallest_fit", "supports_pipeline_parallel",
+           "supports_tensor_parallel"]
 
 # ---------------------------------------------------------------------------------------------------------------
 # What is estimated
@@ -291,6 +293,17 @@ class Estimate:
     tp_shard_params: int | None = None
     """Parameters of one TP rank's shard (split tensors at 1/tp, replicated ones whole) when tp > 1."""
     sequence_parallel: bool = False
+    pp: int = 1
+    """Pipeline degree: with pp > 1 each row is one pipeline rank's (:mod:`torch_handle.plan.estimate_pipeline`)."""
+    pp_rank: int | None = None
+    pp_stages: list[int] | None = None
+    """The stages this pipeline rank runs."""
+    pp_microbatches: int | None = None
+    """m: micro-batches of a step through the pipeline."""
+    pp_microbatch_saved_bytes: list[int] | None = None
+    """Bytes one pipeline micro-batch saves for backward in each of ``pp_stages``."""
+    pp_in_flight: list[int] | None = None
+    """The most micro-batches alive at once in each of ``pp_stages`` under the schedule."""
 
     @property
     def activation_bytes(self) -> int:
@@ -298,8 +311,8 @@ class Estimate:
 
     @property
     def dp(self) -> int:
-        """Data-parallel degree: model replicas, world_size / tp."""
-        return self.world_size // self.tp
+        """Data-parallel degree: model replicas, world_size / (tp x pp)."""
+        return self.world_size // (self.tp * self.pp)
 
     def as_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -307,7 +320,7 @@ class Estimate:
             value = getattr(self, f.name)
             if isinstance(value, ActivationBytes):
                 out.update(value.as_fields())
-            else:
+            elif not (f.name.startswith("pp_") and self.pp == 1):
                 out[f.name] = dict(value) if isinstance(value, dict) else value
             if f.name == "world_size":
                 out["dp"] = self.dp
@@ -362,6 +375,8 @@ def estimate_preset(preset: Preset, registry: PluginRegistry, world_sizes: Seque
             raise ValueError(f"strategy {v.strategy!r} has no memory model (built in: {', '.join(BUILTIN)})")
         if tp > 1 and not supports_tensor_parallel(registry, v.strategy):
             raise ValueError(f"strategy {v.strategy!r} does not run with parallel.tp = {tp}")
+    if preset.parallel.pp > 1:
+        return _pipeline_rows(preset, registry, world_sizes, variants, device_memory)
     whole = model_shape(preset, registry, tp=1)
     shape = model_shape(preset, registry) if tp > 1 else whole
     precision = preset.training.precision
@@ -393,11 +408,56 @@ def estimate_preset(preset: Preset, registry: PluginRegistry, world_sizes: Seque
     return rows
 
 
+def supports_pipeline_parallel(registry: PluginRegistry, strategy: str) -> bool:
+    """Whether the strategy plugin runs with ``[parallel] pp > 1`` (``pipeline_parallel = True`` on its options
+    class, what the preset loader checks)."""
+    registration = registry.registrations["strategy"].get(strategy)
+    return registration is not None and bool(getattr(registration.config_cls, "pipeline_parallel", False))
+
+
+def _pipeline_rows(preset: Preset, registry: PluginRegistry, world_sizes: Sequence[int], variants: list[Variant],
+                   device_memory: int | None) -> list[Estimate]:
+    """One row per pipeline rank (its stages' model states and activations in flight) per variant and world size
+    that pp divides (``single``: world size pp only)."""
+    from torch_handle.plan.estimate_pipeline import pipeline_ranks
+
+    pp = preset.parallel.pp
+    for v in variants:
+        if not supports_pipeline_parallel(registry, v.strategy):
+            raise ValueError(f"strategy {v.strategy!r} does not run with parallel.pp = {pp}")
+    whole = model_shape(preset, registry, tp=1)
+    precision = preset.training.precision
+    ranks: dict[str, list[Any]] = {}
+    rows = []
+    for v in variants:
+        mode = compute_mode(v.strategy, precision)
+        if mode not in ranks:
+            ranks[mode] = pipeline_ranks(preset, registry, mode)
+        for world in world_sizes:
+            dp = world // pp
+            if world % pp or (v.strategy == "single" and dp != 1):
+                continue
+            for pr in ranks[mode]:
+                s = model_state_bytes(pr.shape, v, precision, dp, 0)
+                device = s.param + s.grad + s.optimizer - s.host + pr.activation.total
+                rows.append(Estimate(
+                    v.label, world, pr.pp_rank * dp, precision, whole.n_params, s.param, s.grad, s.optimizer,
+                    pr.activation, device, s.host, None if device_memory is None else device <= device_memory,
+                    {k: val for k, val in asdict(v).items() if k not in ("label",)}, pp=pp, pp_rank=pr.pp_rank,
+                    pp_stages=list(pr.stages), pp_microbatches=pipeline_microbatches(preset),
+                    pp_microbatch_saved_bytes=list(pr.microbatch_saved), pp_in_flight=list(pr.in_flight)))
+    return rows
+
+
 def smallest_fit(rows: Sequence[Estimate]) -> dict[str, int | None]:
-    """Per strategy label: the smallest world size whose device bytes fit (None: none of those estimated)."""
-    out: dict[str, int | None] = {}
+    """Per strategy label: the smallest world size whose device bytes fit on every rank listed (None: none of
+    those estimated)."""
+    fits: dict[tuple[str, int], bool] = {}
     for row in rows:
-        out.setdefault(row.strategy, None)
-        if row.fits and (out[row.strategy] is None or row.world_size < out[row.strategy]):
-            out[row.strategy] = row.world_size
+        fits[row.strategy, row.world_size] = fits.get((row.strategy, row.world_size), True) and bool(row.fits)
+    out: dict[str, int | None] = {}
+    for (label, world), ok in fits.items():
+        out.setdefault(label, None)
+        if ok and (out[label] is None or world < out[label]):
+            out[label] = world
     return out

@@ -161,7 +161,7 @@ class PipelineParallel:
         self._tokens = tokens.double()
         self._running, self._forwards = trainer.step + 1, 0
         self.timeline.begin()
-        counting = self.first_stage_saved_bytes is None and self.impl == "scratch"
+        counting = self.first_stage_saved_bytes is None
         self.engine.count_saved = counting
         with trainer.strategy.autocast():
             losses = self._step(inputs, labels)
