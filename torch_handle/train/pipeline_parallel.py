@@ -195,7 +195,7 @@ class PipelineParallel:
         inputs, labels = self._chunks(dict(batch))
         tokens = sum((y != IGNORE_INDEX).sum() for y in labels)
         self._tokens = tokens.double()
-        with self.strategy.autocast():  # as the trainer's forward_loss
+        with self.strategy.autocast() if self.strategy else contextlib.nullcontext():  # as forward_loss
             if self.impl == "scratch":
                 losses = self.engine.evaluate(inputs, lambda out, i: self._loss(out, labels[i], 0.0))
             else:
