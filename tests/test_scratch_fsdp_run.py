@@ -19,7 +19,19 @@ pytestmark = pytest.mark.dist
 STOP_AT, STEPS = 4, 8
 
 
+def _estimated(preset) -> dict[str, int]:
+    """``handle estimate``'s model-state bytes of rank 0 for the same preset and overrides."""
+    from torch_handle.config.loader import load_preset
+    from torch_handle.plan.estimate import estimate_preset
+    from torch_handle.registry import get_registry
+
+    registry = get_registry()
+    (row,) = estimate_preset(load_preset(preset, ["model.dropout=0"], registry), registry, [2], rank=0)
+    return {"param_bytes": row.param_bytes, "grad_bytes": row.grad_bytes, "optimizer_bytes": row.optimizer_bytes}
+
+
 def test_a_scratch_fsdp_run_resumes_as_single(tmp_path):
+    """Also: rank 0's model-state telemetry equals ``handle estimate``'s figures to the byte."""
     preset = tmp_path / "tiny.toml"
     preset.write_text(tiny_preset(tmp_path / "runs", steps=STEPS, strategy="scratch-fsdp", log_every=1))
     run = tmp_path / "zero3"
@@ -30,6 +42,8 @@ def test_a_scratch_fsdp_run_resumes_as_single(tmp_path):
     assert step_event["allgather_calls"] > 0 and step_event["reducescatter_calls"] > 0
     params = [m["param_bytes"] for m in step_event["memory"]]
     optimizer = [m["optimizer_bytes"] for m in step_event["memory"]]
+    assert _estimated(preset) == {k: step_event["memory"][0][k] for k in ("param_bytes", "grad_bytes",
+                                                                          "optimizer_bytes")}
     layout = json.loads((run / "checkpoints" / f"step-{STOP_AT}" / "layout.json").read_text())
     assert (layout["format"], layout["strategy"], layout["zero_stage"]) == ("flat-sharded", "scratch-fsdp", 3)
 
