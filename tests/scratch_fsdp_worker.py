@@ -6,6 +6,8 @@ ranks, runs every check once in that process group and rank 0 writes the results
   (embedding, LayerNorm, Linears: :class:`Small`), 10 optimizer steps of grad_accum 2; per variant the max abs
   parameter difference to DDP (clipping off), and with clipping at 0.5 active.
 - ``memory``: per rank, AdamW state and master elements, parameter bytes between steps, and one process's.
+- ``bf16``: ZeRO-2 and ZeRO-3 with bf16 compute, 3 steps, against one process that casts its weights the same way.
+- ``checkpoint``: save, convert, load natively and through the portable form, and the reverse from torch's.
 - ``comm``: one step's ``step_stats`` per variant, and the number of units.
 """
 
@@ -162,6 +164,70 @@ def check_memory(rank: int) -> dict[str, Any]:
     return out
 
 
+BF16_STEPS = 3
+
+
+def cast_reference(make) -> dict[str, torch.Tensor]:
+    """bf16 compute emulated in one process: every step, for each rank's micro-batches in turn, a copy of the model
+    whose weights are the fp32 masters cast to bf16 (buffers stay fp32) runs forward under bf16 autocast and
+    backward, accumulating bf16 gradients over the micro-batches; the ranks' gradients are summed in fp32 and
+    halved, and the project's AdamW steps the fp32 masters. What scratch-fsdp should do on 2 ranks."""
+    import dataclasses
+
+    from torch_handle.train.strategy import lr_lambda
+
+    t = dataclasses.replace(config(0.0), precision="bf16")
+    masters = [torch.nn.Parameter(p.detach().clone()) for p in make().parameters()]
+    optimizer = torch.optim.AdamW(masters, lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8, weight_decay=t.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(t))
+    data = [batches(r, BF16_STEPS * ACCUM) for r in range(WORLD)]
+    for step in range(BF16_STEPS):
+        summed = [torch.zeros_like(m) for m in masters]
+        for r in range(WORLD):
+            model = make()
+            for p, m in zip(model.parameters(), masters):
+                p.data = m.detach().to(torch.bfloat16)
+            for i in range(ACCUM):
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    loss = loss_of(model, data[r][step * ACCUM + i])
+                (loss / ACCUM).backward()
+            for acc, p in zip(summed, model.parameters()):
+                acc += p.grad.float()
+        for m, g in zip(masters, summed):
+            m.grad = g / WORLD
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+    return {n: m.detach() for (n, _), m in zip(make().named_parameters(), masters)}
+
+
+def check_bf16(rank: int) -> dict[str, Any]:
+    """ZeRO-2 and ZeRO-3 in bf16 against :func:`cast_reference` (and, for scale, against fp32 DDP)."""
+    import dataclasses
+
+    from handle_plugins.strategies import ScratchFSDPConfig
+    from handle_plugins.strategies.scratch_fsdp.strategy import ScratchFSDPStrategy
+
+    expected = cast_reference(tiny_model) if rank == 0 else None
+    fp32 = ddp(tiny_model, 0.0)
+    ddp_train(fp32, rank, 0.0, steps=BF16_STEPS)
+    out = {}
+    for stage in (2, 3):
+        t = dataclasses.replace(config(0.0), precision="bf16")
+        strategy = ScratchFSDPStrategy(ScratchFSDPConfig(zero_stage=stage), t, ctx_of(rank), tiny_model())
+        stats = train(strategy, rank, steps=BF16_STEPS)
+        weights = strategy.full_state_dict()
+        if rank == 0:
+            out[f"zero{stage}"] = {
+                "max_abs_diff": max(float((weights[n] - v).abs().max()) for n, v in expected.items()),
+                "fp32_ddp_diff": max(float((weights[n] - p.detach()).abs().max())
+                                     for n, p in fp32[0].module.named_parameters()),
+                "allgather_bytes": stats[-1]["allgather_bytes"], "reducescatter_bytes": stats[-1]["reducescatter_bytes"],
+                "weight_dtype": str(strategy.units[0].full.dtype)}
+        strategy.close()
+    return out
+
+
 def shared_dir(rank: int, root: str | None) -> Path:
     found = [root]
     dist.broadcast_object_list(found, src=0)
@@ -248,7 +314,7 @@ def run_checks(rank: int, store: str, out_path: str) -> None:
     try:
         results: dict[str, Any] = {}
         timings = {}
-        for name, check in (("equivalence", check_equivalence), ("memory", check_memory)):
+        for name, check in (("equivalence", check_equivalence), ("memory", check_memory), ("bf16", check_bf16)):
             t0 = time.perf_counter()
             results[name] = check(rank)
             timings[name] = time.perf_counter() - t0
