@@ -15,17 +15,16 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import sys
 import tempfile
 import time
-import traceback
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from tests import scratch_ddp_worker
 from tests.scratch_ddp_worker import ACCUM, STEPS, VOCAB, batches, ctx_of, loss_of, tiny_model, training_config
 
 WORLD = 2
@@ -292,19 +291,6 @@ def check_checkpoint(rank: int, root: Path) -> dict[str, Any]:
     return out
 
 
-def worker(rank: int, store: str, out_path: str) -> None:
-    code = 1
-    try:
-        run_checks(rank, store, out_path)
-        code = 0
-    except BaseException:  # noqa: BLE001 - printed, and the exit code tells the parent
-        traceback.print_exc()
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)  # as tests/scratch_ddp_worker.py: skip C++ static destructors after gloo
-
-
 def run_checks(rank: int, store: str, out_path: str) -> None:
     import warnings
 
@@ -332,12 +318,5 @@ def run_checks(rank: int, store: str, out_path: str) -> None:
         dist.destroy_process_group()
 
 
-def main(out_path: str) -> None:
-    import torch.multiprocessing as mp
-
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(worker, args=(str(Path(tmp) / "store"), out_path), nprocs=WORLD, join=True)
-
-
 if __name__ == "__main__":
-    main(sys.argv[1])
+    scratch_ddp_worker.main(sys.argv[1], run_checks)

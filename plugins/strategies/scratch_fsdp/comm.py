@@ -1,34 +1,33 @@
-"""The two collectives of sharded data parallelism, counted and timed."""
+"""The collectives of sharded data parallelism, counted and timed."""
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from handle_plugins.strategies.scratch_ddp.comm import CountedAllReduce
 
-class CountedCollectives:
+
+class CountedCollectives(CountedAllReduce):
     """All-gather and reduce-scatter over the default group (``all_gather_single``, ``reduce_scatter_single``:
-    gloo emulates both in torch 2.13, NCCL has them natively), counted and timed for ``step_stats``.
+    gloo emulates both in torch 2.13, NCCL has them natively), beside scratch-ddp's counted all-reduce (the
+    gradient norm's one float), all counted and timed for ``step_stats``.
 
-    ``stats`` since the last :meth:`take_stats`: ``allgather_calls``, ``allgather_bytes`` (the gathered output, the
-    unit's full padded buffer: what every rank receives, numel x element size), ``reducescatter_calls``,
-    ``reducescatter_bytes`` (the full padded input each rank contributes) and ``comm_s``: seconds this rank waited
-    in :meth:`wait` (an asynchronous collective that finished behind compute costs nothing here).
+    ``stats`` since the last :meth:`take_stats`: scratch-ddp's ``allreduce_calls``/``allreduce_bytes``;
+    ``allgather_calls``, ``allgather_bytes`` (the gathered output, the unit's full padded buffer: what every rank
+    receives, numel x element size); ``reducescatter_calls``, ``reducescatter_bytes`` (the full padded input each
+    rank contributes); ``comm_s``: seconds this rank waited (a blocking all-reduce, or :meth:`wait` on an
+    asynchronous collective: one that finished behind compute costs nothing here).
 
     Args:
-        world_size: ranks in the default group.
+        ctx: this rank's ``DistContext`` (``world_size``).
     """
-
-    def __init__(self, world_size: int) -> None:
-        self.world_size = world_size
-        self.stats = self._zero()
 
     @staticmethod
     def _zero() -> dict[str, Any]:
-        return {"comm_s": 0.0, "allgather_calls": 0, "allgather_bytes": 0, "reducescatter_calls": 0,
+        return {**CountedAllReduce._zero(), "allgather_calls": 0, "allgather_bytes": 0, "reducescatter_calls": 0,
                 "reducescatter_bytes": 0}
 
     def all_gather(self, full: torch.Tensor, shard: torch.Tensor) -> Any:
@@ -50,13 +49,3 @@ class CountedCollectives:
         self.stats["reducescatter_calls"] += 1
         self.stats["reducescatter_bytes"] += full.numel() * full.element_size()
         return dist.reduce_scatter_single(shard, full, async_op=True)
-
-    def wait(self, work: Any) -> None:
-        start = time.perf_counter()
-        work.wait()
-        self.stats["comm_s"] += time.perf_counter() - start
-
-    def take_stats(self) -> dict[str, Any]:
-        """The figures since the previous call, then start counting afresh."""
-        stats, self.stats = self.stats, self._zero()
-        return stats

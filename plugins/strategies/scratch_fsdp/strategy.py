@@ -33,8 +33,8 @@ class ScratchFSDPStrategy(Strategy):
     fp32. fp16 is refused by the preset check (its loss scaler would have to agree across shards: not written).
 
     :meth:`step_stats`: ``allgather_calls``/``bytes``, ``reducescatter_calls``/``bytes`` (full padded buffers,
-    numel x element size) and ``comm_s`` (seconds waited, not hidden behind compute); the gradient-norm
-    all-reduce (one float) is not counted. Memory: :meth:`param_bytes` is the resident shards (ZeRO-3) or full
+    numel x element size), ``allreduce_calls``/``bytes`` (the gradient norm: one float per step) and ``comm_s``
+    (seconds waited, not hidden behind compute). Memory: :meth:`param_bytes` is the resident shards (ZeRO-3) or full
     weights (ZeRO-2) plus, for ZeRO-3, whatever unit is gathered at the moment of measurement (between steps:
     none); :meth:`optimizer_bytes` is AdamW's state, plus the master shards for ZeRO-2 (a copy beside the full
     weights). Needs a process group (torchrun starts one for every run).
@@ -43,7 +43,7 @@ class ScratchFSDPStrategy(Strategy):
     name = "scratch-fsdp"
 
     def __init__(self, options: Any, training: Any, ctx: Any, model: torch.nn.Module) -> None:
-        self.comm = CountedCollectives(ctx.world_size)
+        self.comm = CountedCollectives(ctx)
         super().__init__(options, training, ctx, model)
         self.shards = FlatShardCheckpoint(self)
 
@@ -105,7 +105,7 @@ class ScratchFSDPStrategy(Strategy):
         squares = torch.zeros((), dtype=torch.float32, device=self.units[0].master.device)
         for g in grads:
             squares += g.square().sum()
-        dist.all_reduce(squares)
+        self.comm(squares)
         total = squares.sqrt()
         max_norm = self.training.grad_clip if self.training.grad_clip > 0 else float("inf")
         coefficient = (max_norm / (total + 1e-6)).clamp(max=1.0)
