@@ -166,58 +166,74 @@ def check_memory(rank: int) -> dict[str, Any]:
 BF16_STEPS = 3
 
 
-def cast_reference(make) -> dict[str, torch.Tensor]:
-    """bf16 compute emulated in one process: every step, for each rank's micro-batches in turn, a copy of the model
-    whose weights are the fp32 masters cast to bf16 (buffers stay fp32) runs forward under bf16 autocast and
-    backward, accumulating bf16 gradients over the micro-batches; the ranks' gradients are summed in fp32 and
-    halved, and the project's AdamW steps the fp32 masters. What scratch-fsdp should do on 2 ranks."""
+def cast_reference(make, precision: str, scale: float = 2.0 ** 16) -> tuple[dict[str, torch.Tensor], list[bool]]:
+    """bf16/fp16 compute emulated in one process: every step, for each rank's micro-batches in turn, a copy of the
+    model whose weights are the fp32 masters cast to the compute dtype (buffers stay fp32) runs forward under
+    autocast and backward (fp16: of the loss times the loss scale), accumulating gradients in that dtype; the ranks'
+    gradients are summed in fp32 and halved (fp16: unscaled, or the step skipped and the scale halved when any is
+    inf/nan), and the project's AdamW steps the fp32 masters. What scratch-fsdp should do on 2 ranks. Returns the
+    masters by name and, per step, whether it was skipped."""
     import dataclasses
 
     from torch_handle.train.strategy import lr_lambda
 
-    t = dataclasses.replace(config(0.0), precision="bf16")
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    t = dataclasses.replace(config(0.0), precision=precision)
     masters = [torch.nn.Parameter(p.detach().clone()) for p in make().parameters()]
     optimizer = torch.optim.AdamW(masters, lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8, weight_decay=t.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(t))
+    scale = scale if precision == "fp16" else 1.0
     data = [batches(r, BF16_STEPS * ACCUM) for r in range(WORLD)]
+    skipped = []
     for step in range(BF16_STEPS):
         summed = [torch.zeros_like(m) for m in masters]
         for r in range(WORLD):
             model = make()
             for p, m in zip(model.parameters(), masters):
-                p.data = m.detach().to(torch.bfloat16)
+                p.data = m.detach().to(dtype)
             for i in range(ACCUM):
-                with torch.autocast("cpu", dtype=torch.bfloat16):
+                with torch.autocast("cpu", dtype=dtype):
                     loss = loss_of(model, data[r][step * ACCUM + i])
-                (loss / ACCUM).backward()
+                loss = loss / ACCUM
+                (loss * scale if precision == "fp16" else loss).backward()
             for acc, p in zip(summed, model.parameters()):
                 acc += p.grad.float()
-        for m, g in zip(masters, summed):
-            m.grad = g / WORLD
-        optimizer.step()
+        grads = [g / WORLD for g in summed]
+        skipped.append(not all(bool(torch.isfinite(g).all()) for g in grads))
+        if not skipped[-1]:
+            for m, g in zip(masters, grads):
+                m.grad = g.mul_(1.0 / scale) if precision == "fp16" else g
+            optimizer.step()
+        else:
+            scale /= 2
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-    return {n: m.detach() for (n, _), m in zip(make().named_parameters(), masters)}
+    return {n: m.detach() for (n, _), m in zip(make().named_parameters(), masters)}, skipped
 
 
 def check_bf16(rank: int) -> dict[str, Any]:
-    """ZeRO-2 and ZeRO-3 in bf16 against :func:`cast_reference` (and, for scale, against fp32 DDP)."""
+    """ZeRO-2 and ZeRO-3 in bf16 and fp16 against :func:`cast_reference` (and, for scale, against fp32 DDP)."""
     import dataclasses
 
     from handle_plugins.strategies import ScratchFSDPConfig
     from handle_plugins.strategies.scratch_fsdp.strategy import ScratchFSDPStrategy
 
-    expected = cast_reference(tiny_model) if rank == 0 else None
     fp32 = ddp(tiny_model, 0.0)
     ddp_train(fp32, rank, 0.0, steps=BF16_STEPS)
     out = {}
-    for stage in (2, 3):
-        t = dataclasses.replace(config(0.0), precision="bf16")
+    for name, precision, stage, scale in (("bf16/zero2", "bf16", 2, 1.0), ("bf16/zero3", "bf16", 3, 1.0),
+                                          ("fp16/zero3", "fp16", 3, 2.0 ** 16),
+                                          ("fp16-overflow/zero2", "fp16", 2, 2.0 ** 20)):
+        expected, skipped = cast_reference(tiny_model, precision, scale) if rank == 0 else (None, None)
+        t = dataclasses.replace(config(0.0), precision=precision)
         strategy = ScratchFSDPStrategy(ScratchFSDPConfig(zero_stage=stage), t, ctx_of(rank), tiny_model())
+        if strategy.scaler is not None:
+            strategy.scaler.scale = scale
         stats = train(strategy, rank, steps=BF16_STEPS)
         weights = strategy.full_state_dict()
         if rank == 0:
-            out[f"zero{stage}"] = {
+            out[name] = {
+                "skipped": skipped, "grad_norms": [x["grad_norm"] for x in stats],
                 "max_abs_diff": max(float((weights[n] - v).abs().max()) for n, v in expected.items()),
                 "fp32_ddp_diff": max(float((weights[n] - p.detach()).abs().max())
                                      for n, p in fp32[0].module.named_parameters()),

@@ -73,16 +73,24 @@ def test_clipping_uses_the_norm_of_all_shards(results, stage):
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("stage", ["zero2", "zero3"])
-def test_bf16_compute_matches_one_process_that_casts_the_same_way(results, stage):
-    """bf16, 3 steps of grad_accum 2: the fp32 masters equal (within 1e-6; measured: bitwise) those of one process
-    that, for each rank's micro-batches, casts the masters to bf16, accumulates bf16 gradients under autocast,
-    sums the ranks' gradients in fp32, halves them and steps AdamW in fp32 (tests/scratch_fsdp_worker.py,
+@pytest.mark.parametrize("case", ["bf16/zero2", "bf16/zero3", "fp16/zero3", "fp16-overflow/zero2"])
+def test_low_precision_compute_matches_one_process_that_casts_the_same_way(results, case):
+    """bf16 and fp16, 3 steps of grad_accum 2: the fp32 masters equal (within 1e-6; measured: bitwise) those of one
+    process that, for each rank's micro-batches, casts the masters to the compute dtype, accumulates gradients in
+    it under autocast (fp16: of the loss times the loss scale), sums the ranks' gradients in fp32, halves them
+    (fp16: unscales them, or skips the step on inf/nan) and steps AdamW in fp32 (tests/scratch_fsdp_worker.py,
     ``cast_reference``). The same ops in the same order, so no tolerance is needed; 1e-6 is 4 orders of magnitude
-    below the distance to fp32 DDP (2e-2, checked > 1e-3 so the comparison can tell bf16 from fp32). The
-    weights are gathered in bf16 (half the fp32 bytes), gradients reduced in fp32."""
-    v = results[0]["bf16"][stage]
-    assert v["weight_dtype"] == "torch.bfloat16"
+    below the distance to fp32 DDP (about 2e-2, checked > 1e-3 so the comparison can tell the precisions apart).
+    The weights are gathered in the compute dtype (half the fp32 bytes), gradients reduced in fp32; fp16 skips
+    exactly the steps the reference skips, on every rank alike: none at the initial scale 2**16, the first at 2**20
+    (whose scaled gradients overflow fp16; measured), after which the scale halves and training goes on."""
+    kind, stage = case.split("/")
+    precision = kind.split("-")[0]
+    v = results[0]["bf16"][case]
+    assert v["weight_dtype"] == {"bf16": "torch.bfloat16", "fp16": "torch.float16"}[precision]
+    assert [n == float("inf") for n in v["grad_norms"]] == v["skipped"]
+    if case.startswith("fp16-overflow"):
+        assert v["skipped"][0] and not all(v["skipped"])
     assert v["max_abs_diff"] <= 1e-6, v
     assert v["fp32_ddp_diff"] > 1e-3, v
     fp32 = results[0]["equivalence"][f"transformer/{stage}/clip0.0"]["last_step"]
@@ -169,8 +177,9 @@ def test_options_are_typed_and_validated(tmp_path):
     assert (o.zero_stage, o.prefetch) == (2, True)
     with pytest.raises(PresetError, match="strategy.zero_stage"):
         load_preset(_preset(tmp_path, "zero_stage = 1"))
-    with pytest.raises(PresetError, match="fp16"):
-        load_preset(_preset(tmp_path, "", 'precision = "fp16"'))
+    assert load_preset(_preset(tmp_path, "", 'precision = "fp16"')).training.precision == "fp16"
+    with pytest.raises(PresetError, match="'scratch-fsdp' does not support parallel.tp = 2"):
+        load_preset(_preset(tmp_path, "", "[parallel]\ntp = 2"))
 
 
 def test_shipped_preset_selects_scratch_fsdp():

@@ -162,14 +162,6 @@ def _check_deepspeed(options: DeepSpeedConfig, preset) -> None:
                                             f"(set it in [training] instead)")
 
 
-def _check_scratch_fsdp(options: ScratchFSDPConfig, preset) -> None:
-    if preset.training.precision == "fp16":
-        raise InvalidValue("name", "scratch-fsdp has no fp16 loss scaling (its shards would have to agree on "
-                                   "overflow): use training.precision = 'bf16' or 'fp32'")
-    if preset.parallel.tp > 1 or preset.parallel.pp > 1:
-        raise InvalidValue("name", "scratch-fsdp shards over every rank: parallel.tp and parallel.pp must be 1")
-
-
 def build_single(options, training, ctx, model):
     from handle_plugins.strategies.single import SingleStrategy
 
@@ -217,4 +209,4 @@ def handle_register_strategies(register):
     register("scratch-ddp", ScratchDDPConfig, build_scratch_ddp,
              "data parallelism from scratch: naive/flat/overlap/bucketed all-reduce, optional ZeRO-1")
     register("scratch-fsdp", ScratchFSDPConfig, build_scratch_fsdp,
-             "ZeRO-2/3 from scratch: flat per-unit shards, all-gather and reduce-scatter by hand", _check_scratch_fsdp)
+             "ZeRO-2/3 from scratch: flat per-unit shards, all-gather and reduce-scatter by hand")

@@ -16,7 +16,8 @@ STATE_KEYS = ("exp_avg", "exp_avg_sq")
 class FlatShardCheckpoint:
     """Checkpoints of ``scratch-fsdp`` (layout format ``flat-sharded``): every rank writes ``shard-rank<R>.pt``,
     per unit its fp32 master shard, AdamW's ``exp_avg``/``exp_avg_sq`` shards and ``step``, and the unit's layout
-    (parameter names, shapes, ``numel``, ``padded``); every file holds the LR schedule, rank 0's the buffers and
+    (parameter names, shapes, ``numel``, ``padded``); every file holds the LR schedule (and in fp16 the loss
+    scaler's state), rank 0's the buffers and
     the names under which ``state_dict`` lists each parameter (``aliases``: tied weights). Nothing full is ever
     built: each rank writes ``1/world_size`` of the state, as FSDP's sharded state dict does.
 
@@ -55,6 +56,8 @@ class FlatShardCheckpoint:
             units.append(entry)
         out: dict[str, Any] = {"rank": s.ctx.rank, "world_size": s.ctx.world_size, "units": units,
                                "scheduler": s.scheduler.state_dict()}
+        if s.scaler is not None:
+            out["scaler"] = s.scaler.state_dict()
         if s.ctx.is_main:
             model = s.unwrapped()
             out["buffers"] = {k: v.detach().cpu() for k, v in model.state_dict(keep_vars=True).items()
@@ -89,6 +92,8 @@ class FlatShardCheckpoint:
         self._set_optimizer_state(state)
         self._load_buffers(safe_load(ckpt_dir / "shard-rank0.pt", s.ctx.device)["buffers"])
         convert.load_schedule(s.optimizer, s.scheduler, saved["scheduler"])
+        if s.scaler is not None and "scaler" in saved:
+            s.scaler.load_state_dict(saved["scaler"])
 
     @torch.no_grad()
     def load_portable(self, portable: Path) -> None:

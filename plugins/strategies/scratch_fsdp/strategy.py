@@ -12,6 +12,7 @@ import torch.distributed as dist
 from handle_plugins.strategies.scratch_fsdp.checkpoint import FlatShardCheckpoint
 from handle_plugins.strategies.scratch_fsdp.comm import CountedCollectives
 from handle_plugins.strategies.scratch_fsdp.reduce import GradientReducer
+from handle_plugins.strategies.scratch_fsdp.scaler import ShardedLossScaler
 from handle_plugins.strategies.scratch_fsdp.units import FlatUnit, find_units
 from handle_plugins.strategies.scratch_fsdp.zero3 import ParameterGatherer
 from torch_handle.api import Strategy, optimizer_state_tensors, tensor_bytes
@@ -28,9 +29,10 @@ class ScratchFSDPStrategy(Strategy):
     the shards and gathers a unit for its forward and its backward (:class:`ParameterGatherer`). Both
     reduce-scatter the gradients unit by unit during the last micro-batch's backward (:class:`GradientReducer`).
 
-    Mixed precision (``training.precision = "bf16"``): the gathered weights, hence the compute, are bf16 and the
-    base class's autocast stays on (norms and softmax in fp32); gradients are reduced and the shards stepped in
-    fp32. fp16 is refused by the preset check (its loss scaler would have to agree across shards: not written).
+    Mixed precision (``training.precision`` bf16 or fp16): the gathered weights, hence the compute, are in that
+    dtype and the base class's autocast stays on (norms and softmax in fp32); gradients are reduced and the shards
+    stepped in fp32. fp16 adds dynamic loss scaling whose overflow check spans every rank's shards
+    (:class:`ShardedLossScaler`).
 
     :meth:`step_stats`: ``allgather_calls``/``bytes``, ``reducescatter_calls``/``bytes`` (full padded buffers,
     numel x element size), ``allreduce_calls``/``bytes`` (the gradient norm: one float per step) and ``comm_s``
@@ -45,6 +47,7 @@ class ScratchFSDPStrategy(Strategy):
     def __init__(self, options: Any, training: Any, ctx: Any, model: torch.nn.Module) -> None:
         self.comm = CountedCollectives(ctx)
         super().__init__(options, training, ctx, model)
+        self.scaler = ShardedLossScaler(self.comm) if training.precision == "fp16" else None
         self.shards = FlatShardCheckpoint(self)
 
     # -- set-up --------------------------------------------------------------------------------------------------
@@ -84,9 +87,11 @@ class ScratchFSDPStrategy(Strategy):
         return super().accumulating(sync)
 
     def backward(self, loss: torch.Tensor) -> None:
-        """Backward of ``loss / grad_accum``; then the reducer finishes (on the last micro-batch: every
-        ``master.grad`` is the mean over the ranks) and ZeRO-3 frees whatever is still gathered."""
-        (loss / self.training.grad_accum).backward()
+        """Backward of ``loss / grad_accum`` (times the loss scale in fp16); then the reducer finishes (on the
+        last micro-batch: every ``master.grad`` is the mean over the ranks) and ZeRO-3 frees whatever is still
+        gathered."""
+        loss = loss / self.training.grad_accum
+        (loss * self.scaler.scale if self.scaler is not None else loss).backward()
         self.reducer.finish(self._sync)
         if self.gatherer is not None:
             self.gatherer.release_all()
@@ -114,12 +119,21 @@ class ScratchFSDPStrategy(Strategy):
         return total
 
     def step(self) -> float:
-        """Clip, step AdamW on the shards and the LR schedule, zero the gradients; ZeRO-2 then all-gathers the
-        updated shards into the full weights (ZeRO-3 gathers them when a unit next computes).
+        """fp16: unscale, or skip the step on every rank when any shard overflowed (the LR schedule still
+        steps, as with ``GradScaler``). Clip, step AdamW on the shards and the LR schedule, zero the gradients;
+        ZeRO-2 then all-gathers the updated shards into the full weights (ZeRO-3 gathers them when a unit next
+        computes).
 
         Returns:
-            The global gradient norm before clipping.
+            The global gradient norm before clipping (inf for a step skipped on overflow).
         """
+        if self.scaler is not None:
+            overflow = self.scaler.unscale([u.master.grad for u in self.units if u.master.grad is not None])
+            self.scaler.update(overflow)
+            if overflow:
+                self.skip_step()
+                self.scheduler.step()
+                return float("inf")
         grad_norm = super().step()
         if self.gatherer is None:
             self.gather_all()
