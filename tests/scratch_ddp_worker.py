@@ -339,12 +339,17 @@ def run_checks(rank: int, store: str, out_path: str) -> None:
             dist.barrier()
         timings["resume"] = time.perf_counter() - t0
         results["timings_s"] = timings
-        gathered: list[Any] = [None] * WORLD
-        dist.all_gather_object(gathered, results)
-        if rank == 0:
-            Path(out_path).write_text(json.dumps({"ranks": gathered}, indent=1, default=str), encoding="utf-8")
+        write_results(results, out_path)
     finally:
         dist.destroy_process_group()
+
+
+def write_results(results: dict[str, Any], out_path: str) -> None:
+    """Every rank's ``results``, gathered; rank 0 writes them to ``out_path`` as ``{"ranks": [...]}``."""
+    gathered: list[Any] = [None] * WORLD
+    dist.all_gather_object(gathered, results)
+    if dist.get_rank() == 0:
+        Path(out_path).write_text(json.dumps({"ranks": gathered}, indent=1, default=str), encoding="utf-8")
 
 
 def main(out_path: str, checks: Any = None) -> None:

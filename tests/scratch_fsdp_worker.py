@@ -14,7 +14,6 @@ ranks, runs every check once in that process group and rank 0 writes the results
 from __future__ import annotations
 
 import contextlib
-import json
 import sys
 import tempfile
 import time
@@ -326,10 +325,7 @@ def run_checks(rank: int, store: str, out_path: str) -> None:
             dist.barrier()
         timings["checkpoint"] = time.perf_counter() - t0
         results["timings_s"] = timings
-        gathered: list[Any] = [None] * WORLD
-        dist.all_gather_object(gathered, results)
-        if rank == 0:
-            Path(out_path).write_text(json.dumps({"ranks": gathered}, indent=1, default=str), encoding="utf-8")
+        scratch_ddp_worker.write_results(results, out_path)
     finally:
         dist.destroy_process_group()
 
