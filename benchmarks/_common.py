@@ -69,3 +69,30 @@ def step_medians(run_dir: Path, skip: int, keys: tuple[str, ...]) -> dict[str, A
         return statistics.median(xs) if xs else None
 
     return {**{k: med(k) for k in keys}, "loss": steps[-1]["loss"], "layout": steps[-1].get("layout")}
+
+
+def bench_args(doc: str, cases: dict[str, list[str]], *, d_model: int, n_layers: int, steps: int,
+               precision: str) -> Any:
+    """The command line the strategy benchmarks share: the decoder's size, steps, precision, ``--cases``."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--d-model", type=int, default=d_model)
+    ap.add_argument("--n-layers", type=int, default=n_layers)
+    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--micro-batch-size", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=steps)
+    ap.add_argument("--skip", type=int, default=2, help="leave out the first steps (warm-up)")
+    ap.add_argument("--precision", default=precision, choices=["fp32", "bf16"])
+    ap.add_argument("--cases", default=",".join(cases), help="comma-separated subset of: " + ", ".join(cases))
+    ap.add_argument("--json", action="store_true", help="one JSON object per case instead of the table")
+    return ap.parse_args()
+
+
+def bench_preset(directory: Path, a: Any, strategy: str, log_every: int) -> Path:
+    """A 2-rank preset of :func:`bench_args`' decoder (8 heads, d_ff 4 d_model, vocabulary 4096)."""
+    model = {"d_model": a.d_model, "n_heads": 8, "n_layers": a.n_layers, "d_ff": 4 * a.d_model, "norm_first": True}
+    training = {"steps": a.steps, "micro_batch_size": a.micro_batch_size, "precision": a.precision,
+                "eval_steps": 1, "log_every": log_every}
+    return write_preset(directory, model=model, data={"seq_len": a.seq_len, "vocab_size": 4096},
+                        training=training, strategy={"name": strategy}, launch={"nproc_per_node": 2})

@@ -11,14 +11,13 @@ where per-parameter all-reduces, flattening and buckets differ most.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from _common import handle_run, step_medians, write_preset
+from _common import bench_args, bench_preset, handle_run, step_medians
 
 CASES = {
     "ddp (PyTorch)": ["strategy.name=ddp"],
@@ -39,23 +38,9 @@ def measure(preset: Path, sets: list[str], skip: int) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--d-model", type=int, default=512)
-    ap.add_argument("--n-layers", type=int, default=8)
-    ap.add_argument("--seq-len", type=int, default=128)
-    ap.add_argument("--micro-batch-size", type=int, default=8)
-    ap.add_argument("--steps", type=int, default=12)
-    ap.add_argument("--skip", type=int, default=2, help="leave out the first steps (warm-up)")
-    ap.add_argument("--precision", default="bf16", choices=["fp32", "bf16"])
-    ap.add_argument("--cases", default=",".join(CASES), help="comma-separated subset of: " + ", ".join(CASES))
-    ap.add_argument("--json", action="store_true", help="one JSON object per case instead of the table")
-    a = ap.parse_args()
+    a = bench_args(__doc__, CASES, d_model=512, n_layers=8, steps=12, precision="bf16")
     with tempfile.TemporaryDirectory() as tmp:
-        model = {"d_model": a.d_model, "n_heads": 8, "n_layers": a.n_layers, "d_ff": 4 * a.d_model, "norm_first": True}
-        training = {"steps": a.steps, "micro_batch_size": a.micro_batch_size, "precision": a.precision,
-                    "eval_steps": 1, "log_every": 1000}
-        preset = write_preset(Path(tmp), model=model, data={"seq_len": a.seq_len, "vocab_size": 4096},
-                              training=training, strategy={"name": "ddp"}, launch={"nproc_per_node": 2})
+        preset = bench_preset(Path(tmp), a, "ddp", log_every=1000)
         rows = {}
         for name in a.cases.split(","):
             rows[name] = measure(preset, CASES[name], a.skip)

@@ -302,10 +302,11 @@ def check_resume(rank: int, root: Path) -> dict[str, Any]:
     return out
 
 
-def worker(rank: int, store: str, out_path: str) -> None:
+def worker(rank: int, store: str, out_path: str, checks: Any = None) -> None:
+    """Run ``checks(rank, store, out_path)`` (default :func:`run_checks`) and exit without C++ destructors."""
     code = 1
     try:
-        run_checks(rank, store, out_path)
+        (checks or run_checks)(rank, store, out_path)
         code = 0
     except BaseException:  # noqa: BLE001 - printed, and the exit code tells the parent
         traceback.print_exc()
@@ -338,19 +339,25 @@ def run_checks(rank: int, store: str, out_path: str) -> None:
             dist.barrier()
         timings["resume"] = time.perf_counter() - t0
         results["timings_s"] = timings
-        gathered: list[Any] = [None] * WORLD
-        dist.all_gather_object(gathered, results)
-        if rank == 0:
-            Path(out_path).write_text(json.dumps({"ranks": gathered}, indent=1, default=str), encoding="utf-8")
+        write_results(results, out_path)
     finally:
         dist.destroy_process_group()
 
 
-def main(out_path: str) -> None:
+def write_results(results: dict[str, Any], out_path: str) -> None:
+    """Every rank's ``results``, gathered; rank 0 writes them to ``out_path`` as ``{"ranks": [...]}``."""
+    gathered: list[Any] = [None] * WORLD
+    dist.all_gather_object(gathered, results)
+    if dist.get_rank() == 0:
+        Path(out_path).write_text(json.dumps({"ranks": gathered}, indent=1, default=str), encoding="utf-8")
+
+
+def main(out_path: str, checks: Any = None) -> None:
+    """Spawn ``WORLD`` ranks running ``checks`` (a module-level function, default :func:`run_checks`)."""
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(worker, args=(str(Path(tmp) / "store"), out_path), nprocs=WORLD, join=True)
+        mp.spawn(worker, args=(str(Path(tmp) / "store"), out_path, checks), nprocs=WORLD, join=True)
 
 
 if __name__ == "__main__":

@@ -88,7 +88,7 @@ CASES = [
     Case("unknown-dataset-plugin", preset('[data]\nname = "wiki"\n'), ["p.toml"],
          ["data.name", "unknown dataset 'wiki'", "available: parallel, pydoc, text"]),
     Case("unknown-strategy", preset('[strategy]\nname = "zero2"\n'), ["p.toml"],
-         ["strategy.name", "unknown strategy 'zero2'", "available: ddp, deepspeed, fsdp, scratch-ddp, single"]),
+         ["strategy.name", "unknown strategy 'zero2'", "available: ddp, deepspeed, fsdp, scratch-ddp, scratch-fsdp, single"]),
     Case("offload-param-stage-2", preset('[strategy]\nname = "deepspeed"\nzero_stage = 2\noffload_param = "cpu"\n'),
          ["p.toml"], ["p.toml:6: strategy.offload_param", "needs zero_stage = 3 (got 2)"]),
     Case("nvme-without-path", preset('[strategy]\nname = "deepspeed"\nzero_stage = 3\noffload_optimizer = "nvme"\n'),

@@ -14,8 +14,8 @@ from click.testing import CliRunner
 from torch import nn
 
 from handle_cli.main import cli
-from handle_plugins.strategies import (DDPConfig, FSDPConfig, ScratchDDPConfig, SingleConfig, build_ddp, build_fsdp,
-                                       build_scratch_ddp, build_single)
+from handle_plugins.strategies import (DDPConfig, FSDPConfig, ScratchDDPConfig, ScratchFSDPConfig, SingleConfig,
+                                       build_ddp, build_fsdp, build_scratch_ddp, build_scratch_fsdp, build_single)
 from torch_handle.errors import DataError
 from torch_handle.hookspecs import hookimpl
 from torch_handle.model.args import TransformerArgs
@@ -56,11 +56,12 @@ def one_step(strategy, kind: str) -> float:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["single", "ddp", "fsdp", "scratch-ddp"])
+@pytest.mark.parametrize("name", ["single", "ddp", "fsdp", "scratch-ddp", "scratch-fsdp"])
 def test_a_strategy_is_built_with_its_model(name, one_rank):
     factory, options = {"single": (build_single, SingleConfig()), "ddp": (build_ddp, DDPConfig()),
                         "fsdp": (build_fsdp, FSDPConfig()),
-                        "scratch-ddp": (build_scratch_ddp, ScratchDDPConfig())}[name]
+                        "scratch-ddp": (build_scratch_ddp, ScratchDDPConfig()),
+                        "scratch-fsdp": (build_scratch_fsdp, ScratchFSDPConfig())}[name]
     model = tiny("decoder")
     strategy = factory(options, TRAINING, one_rank, model)
     assert strategy.model is not None and strategy.optimizer is not None and strategy.scheduler is not None

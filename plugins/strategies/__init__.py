@@ -1,5 +1,6 @@
 """Strategy plugins: ``single``, ``ddp``, ``deepspeed`` (ZeRO 0-3, offload), ``fsdp`` (FSDP2 fully_shard) and
-``scratch-ddp`` (data parallelism and ZeRO-1 written from scratch).
+``scratch-ddp`` (data parallelism and ZeRO-1 written from scratch), ``scratch-fsdp`` (ZeRO-2 and ZeRO-3 written
+from scratch).
 
 This module only declares the options and registers factories; each strategy's torch/DeepSpeed code lives in
 its own module and is imported when a run starts.
@@ -99,6 +100,21 @@ class ScratchDDPConfig:
     the updated parameters; checkpoints hold one optimizer file per rank."""
 
 
+@dataclass
+class ScratchFSDPConfig:
+    """``[strategy]`` options of ``scratch-fsdp``: ZeRO-2 and ZeRO-3 (fully sharded data parallelism) written from
+    scratch (Rajbhandari et al. 2020; Zhao et al. 2023)."""
+
+    zero_stage: int = param(3, ge=2, le=3)
+    """2: gradients and optimizer state sharded, full weights on every rank; 3: the weights sharded too, each
+    unit (a block, or the rest of the model) gathered only for its forward and backward."""
+    reshard_after_forward: bool = True
+    """zero_stage 3: free a block's gathered weights after its forward (gather again for backward); false keeps
+    them until its backward (more memory, one all-gather fewer per block)."""
+    prefetch: bool = False
+    """zero_stage 3: start the next unit's all-gather while the current one computes (forward and backward)."""
+
+
 def _check_single(options, preset) -> None:
     replica = preset.parallel.tp * preset.parallel.pp  # the ranks one model replica spans
     if preset.world_size != replica and replica > 1:
@@ -176,6 +192,12 @@ def build_scratch_ddp(options, training, ctx, model):
     return ScratchDDPStrategy(options, training, ctx, model)
 
 
+def build_scratch_fsdp(options, training, ctx, model):
+    from handle_plugins.strategies.scratch_fsdp.strategy import ScratchFSDPStrategy
+
+    return ScratchFSDPStrategy(options, training, ctx, model)
+
+
 @hookimpl
 def handle_register_strategies(register):
     register("single", SingleConfig, build_single, "one process, no wrapping", _check_single)
@@ -186,3 +208,5 @@ def handle_register_strategies(register):
     register("fsdp", FSDPConfig, build_fsdp, "FSDP2 fully_shard: per-parameter sharding (DTensor)")
     register("scratch-ddp", ScratchDDPConfig, build_scratch_ddp,
              "data parallelism from scratch: naive/flat/overlap/bucketed all-reduce, optional ZeRO-1")
+    register("scratch-fsdp", ScratchFSDPConfig, build_scratch_fsdp,
+             "ZeRO-2/3 from scratch: flat per-unit shards, all-gather and reduce-scatter by hand")

@@ -16,6 +16,8 @@ DCP reshards them on load for any world size. The other formats are converted on
   numbered in ``named_parameters()`` order): the numbers are mapped to names;
 - ``torch-sharded`` (scratch-ddp with ``shard_optimizer``): ``model.pt`` + one ``optim-rank<R>.pt`` per rank,
   each listing the parameters it owns: the shards are merged;
+- ``flat-sharded`` (scratch-fsdp, ZeRO-2/3): one ``shard-rank<R>.pt`` per rank, per unit a slice of the unit's
+  flat padded fp32 weights and AdamW state: the slices are joined and cut into the named parameters;
 - ``deepspeed`` (ZeRO 1-3): DeepSpeed's own converter to its *universal checkpoint*
   (``deepspeed.checkpoint.ds_to_universal``, one directory per parameter with ``fp32.pt``, ``exp_avg.pt``,
   ``exp_avg_sq.pt`` and, for stages 1-2, ``step.pt``), then its per-parameter files are mapped to the names
@@ -100,7 +102,8 @@ def ensure_portable(ckpt_dir: Path, layout: dict[str, Any], param_names: list[st
     if fmt == "dcp":
         return None
     ckpt_dir = Path(ckpt_dir)
-    readers = {"torch": _from_torch, "torch-sharded": _from_torch_sharded, "deepspeed": _from_deepspeed}
+    readers = {"torch": _from_torch, "torch-sharded": _from_torch_sharded, "flat-sharded": _from_flat_sharded,
+               "deepspeed": _from_deepspeed}
     if fmt not in readers:
         raise CheckpointError(f"{ckpt_dir}: cannot convert a checkpoint of format {fmt!r} (known: dcp, "
                               f"{', '.join(readers)})")
@@ -259,6 +262,36 @@ def _from_torch_sharded(ckpt_dir: Path, param_names: list[str], work: Path):
     if scheduler is None:
         raise CheckpointError(f"{ckpt_dir}: no optim-rank*.pt files")
     return model, state, scheduler
+
+
+def _from_flat_sharded(ckpt_dir: Path, param_names: list[str], work: Path):
+    """scratch-fsdp: rank r's file holds elements ``r * padded / N : (r + 1) * padded / N`` of each unit's flat
+    vector (parameters end to end, then zero padding) of the weights, ``exp_avg`` and ``exp_avg_sq``."""
+    files = sorted(ckpt_dir.glob("shard-rank*.pt"), key=lambda f: int(f.stem[len("shard-rank"):]))
+    if not files:
+        raise CheckpointError(f"{ckpt_dir}: no shard-rank*.pt files")
+    shards = [safe_load(f) for f in files]
+    if shards[0]["world_size"] != len(shards):
+        raise CheckpointError(f"{ckpt_dir}: {len(shards)} shard files, written by {shards[0]['world_size']} ranks")
+    model: dict[str, torch.Tensor] = dict(shards[0]["buffers"])
+    state: StateByName = {}
+    for i, unit in enumerate(shards[0]["units"]):
+        def joined(key: str) -> torch.Tensor:
+            return torch.cat([shard["units"][i][key] for shard in shards])[:unit["numel"]]
+
+        master = joined("master")
+        moments = {key: joined(key) for key in ("exp_avg", "exp_avg_sq") if key in unit}
+        offset = 0
+        for name, shape in zip(unit["params"], unit["shapes"]):
+            n = torch.Size(shape).numel()
+            model[name] = master[offset:offset + n].reshape(shape).clone()
+            if moments:
+                state[name] = {"step": unit["step"].clone(),
+                               **{k: v[offset:offset + n].reshape(shape).clone() for k, v in moments.items()}}
+            offset += n
+    for key, name in shards[0]["aliases"].items():
+        model[key] = model[name]
+    return model, state, shards[0]["scheduler"]
 
 
 def deepspeed_safe_globals() -> list[Any]:

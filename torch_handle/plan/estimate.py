@@ -56,7 +56,7 @@ class Variant:
     label: str
     """Short name in tables, e.g. ``"zero3+offload"``."""
     strategy: str
-    """The registered strategy name: single, ddp, deepspeed, fsdp, scratch-ddp."""
+    """The registered strategy name: single, ddp, deepspeed, fsdp, scratch-ddp, scratch-fsdp."""
     zero_stage: int = 0
     offload_optimizer: str = "none"
     offload_param: str = "none"
@@ -77,10 +77,12 @@ COMPARE_VARIANTS: tuple[Variant, ...] = (
     Variant("zero3+offload", "deepspeed", zero_stage=3, offload_optimizer="cpu"),
     Variant("zero3+offload+param", "deepspeed", zero_stage=3, offload_optimizer="cpu", offload_param="cpu"),
     Variant("fsdp", "fsdp"),
+    Variant("scratch-zero2", "scratch-fsdp", zero_stage=2),
+    Variant("scratch-zero3", "scratch-fsdp", zero_stage=3),
 )
 """Every built-in strategy, as ``handle estimate --compare`` lists them (offload = to the CPU)."""
 
-BUILTIN = ("single", "ddp", "deepspeed", "fsdp", "scratch-ddp")
+BUILTIN = ("single", "ddp", "deepspeed", "fsdp", "scratch-ddp", "scratch-fsdp")
 
 MEASURED = {
     # rank 0 of 2, model of 132,864 parameters in 27 tensors (benchmarks/zero_memory.py's tiny preset)
@@ -196,6 +198,10 @@ def model_state_bytes(shape: ModelShape, variant: Variant, precision: str, world
     * deepspeed stage 3: b N/W + b N/W + 12 N/W + 4, each parameter padded to a multiple of W.
     * fsdp (FSDP2): fp32 shards whatever the precision (MixedPrecisionPolicy casts per use): 4 N/W + 4 N/W +
       8 N/W + 4T, per-parameter dim-0 chunks (parameter and gradient shards padded to equal rows).
+    * scratch-fsdp: per unit (:attr:`ModelShape.units`) a shard of ceil(n_unit / W) elements, S in all: the fp32
+      gradient shards 4S, AdamW 8S + 4 per unit; stage 3 holds only the fp32 master shards as its weights (4S;
+      no unit is gathered when the trainer measures, after the step), stage 2 the full padded weights in the
+      compute dtype (b S W) and the master shards beside them (4S, counted as optimizer state).
     * deepspeed with ``offload_optimizer`` (DeepSpeedCPUAdam: ``step`` is no tensor): the fp32 master partition
       and Adam moments, 12 N/W, live in host memory, and so does an fp32 gradient partition, 4 N/W. Stages 1/2
       add two staging buffers of the largest parameter L in the model dtype (one on the host, one on the
@@ -232,6 +238,13 @@ def model_state_bytes(shape: ModelShape, variant: Variant, precision: str, world
     if name == "fsdp":
         padded, owned, tensors = _fsdp_local(shape, world, rank)
         s.param, s.grad, s.optimizer = 4 * padded, 4 * padded, 8 * owned + 4 * tensors
+        return s
+    if name == "scratch-fsdp":
+        units = shape.units or shape.numels
+        shards = sum(math.ceil(u / world) for u in units)
+        s.param, s.grad, s.optimizer = 4 * shards, 4 * shards, 8 * shards + 4 * len(units)
+        if variant.zero_stage == 2:
+            s.param, s.optimizer = b * shards * world, s.optimizer + 4 * shards
         return s
     if name != "deepspeed":
         raise ValueError(f"no memory model for strategy {name!r} (built in: {', '.join(BUILTIN)})")
@@ -344,6 +357,8 @@ def preset_variant(preset: Preset) -> Variant:
             "+param" if o.offload_param != "none" else "")
     elif name == "scratch-ddp" and getattr(o, "shard_optimizer", False):
         label = "scratch-ddp+zero1"
+    elif name == "scratch-fsdp":
+        label = f"scratch-zero{o.zero_stage}"
     return Variant(label, name, zero_stage=getattr(o, "zero_stage", 0),
                    offload_optimizer=getattr(o, "offload_optimizer", "none"),
                    offload_param=getattr(o, "offload_param", "none"),

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -37,6 +37,9 @@ class ModelShape:
     """Elements of each parameter tensor."""
     dim0: tuple[int, ...]
     """Size of each tensor's first dimension (FSDP2 shards on it); 1 for a scalar."""
+    units: tuple[int, ...] = field(default=(), compare=False)
+    """Elements of each ``scratch-fsdp`` unit: the model's ``blocks()``, then the rest; empty for a model without
+    blocks (its units are its modules: estimated as one per tensor)."""
 
     @property
     def n_params(self) -> int:
@@ -48,8 +51,13 @@ class ModelShape:
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> ModelShape:
+        from torch_handle.model.parallelize import model_blocks
+
         params = [p for p in model.parameters() if p.requires_grad]
-        return cls(tuple(p.numel() for p in params), tuple(p.shape[0] if p.dim() else 1 for p in params))
+        blocks = [sum(p.numel() for p in b.parameters() if p.requires_grad) for b in model_blocks(model, default=[])]
+        rest = sum(p.numel() for p in params) - sum(blocks)
+        units = (*blocks, rest) if blocks and rest else tuple(blocks)
+        return cls(tuple(p.numel() for p in params), tuple(p.shape[0] if p.dim() else 1 for p in params), units)
 
 
 @dataclass(frozen=True)
