@@ -89,7 +89,8 @@ def tensor_parallel_plan(model: Any) -> dict[str, Any]:
     output projection row-parallel, so each rank attends with n_heads/tp whole heads; the FFN's first linear is
     column-parallel and its second row-parallel (d_ff/tp hidden units per rank). The token embedding and the LM
     head are split over the vocabulary (the loss is vocabulary-parallel: the logits are never gathered). Under
-    sequence parallelism the LayerNorms run on 1/tp of the sequence, from the positional encoding on.
+    sequence parallelism the LayerNorms and the embedding and residual dropouts run on 1/tp of the sequence, from
+    the positional encoding on (the dropouts draw the one-process masks: ``Style.DROPOUT``).
 
     Raises:
         ValueError: one line, for a model without a plan (the encoder-decoder: not yet).
@@ -99,7 +100,7 @@ def tensor_parallel_plan(model: Any) -> dict[str, Any]:
 
     if not isinstance(model, DecoderLM):
         raise ValueError(f"{type(model).__name__} has no tensor-parallel plan (the decoder has one)")
-    plan = {"embed": Style.VOCAB_EMBED, "pos_encoding": Style.TO_SEQUENCE}
+    plan = {"embed": Style.VOCAB_EMBED, "pos_encoding": Style.TO_SEQUENCE, "embed_dropout": Style.DROPOUT}
     for i, layer in enumerate(model.layers):
         prefix = f"layers.{i}"
         attn = layer.self_attn
@@ -112,6 +113,7 @@ def tensor_parallel_plan(model: Any) -> dict[str, Any]:
         plan[f"{prefix}.ff.linear2"] = Style.ROWWISE
         plan[f"{prefix}.self_attn_norm"] = Style.NORM
         plan[f"{prefix}.ff_norm"] = Style.NORM
+        plan[f"{prefix}.dropout"] = Style.DROPOUT
     if model.args.norm_first:
         plan["final_norm"] = Style.NORM
     plan["lm_head"] = Style.VOCAB_HEAD
