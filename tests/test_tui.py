@@ -28,6 +28,7 @@ from handle_cli.tui.widgets import Chart, LogPanel, MemoryBars, StatusHeader, Ti
 FIXTURES = Path(__file__).parent / "fixtures" / "recorded"
 BREAKDOWN_FIXTURES = Path(__file__).parent / "fixtures" / "recorded-breakdown"
 PIPELINE_FIXTURES = Path(__file__).parent / "fixtures" / "recorded-pipeline"
+TP_FIXTURES = Path(__file__).parent / "fixtures" / "recorded-tp"
 SIZE = (120, 40)
 
 
@@ -262,6 +263,20 @@ def test_header_shows_comm_only_when_the_strategy_reports_it(tmp_path: Path) -> 
     assert "  comm " not in without
     widget.state.apply([{**step_event(2), "comm_s": 0.0123}])
     assert "0.500 s/step  comm 12 ms" in widget.lines(200)[1].plain
+
+
+def test_header_shows_the_layout_only_when_the_steps_carry_it(tmp_path: Path) -> None:
+    widget = StatusHeader()
+    widget.state = RunState(tmp_path, info={"world_size": 4, "preset": "tp"})
+    widget.state.apply([step_event(1)])
+    assert widget.lines(200)[0].plain.count("world 4  step") == 1  # nothing between the world size and the step
+    widget.state.apply([{**step_event(2), "layout": {"dp": 2, "tp": 2}}])
+    assert "  world 4  dp 2 × tp 2  step" in widget.lines(200)[0].plain
+    assert "  dp 2 × tp 2  step" in widget.lines(70)[0].plain and "world" not in widget.lines(70)[0].plain
+    widget.state.apply([{**step_event(3), "layout": {"dp": 1, "tp": 1, "pp": 2}}])  # a later degree: no new code
+    assert "  world 4  dp 1 × pp 2  step" in widget.lines(200)[0].plain
+    widget.state.apply([{**step_event(4), "layout": {"dp": "x", "tp": True}}, step_event(5)])
+    assert "world 4  step" in widget.lines(200)[0].plain  # a resume without tp: the newest step says
 
 
 def append(path: Path, text: str) -> None:
@@ -536,6 +551,13 @@ def test_snapshot_breakdown_run_80x24(breakdown_runs: Path, snap_compare) -> Non
 def test_snapshot_pipeline_run_80x24(pipeline_runs: Path, snap_compare) -> None:
     assert snap_compare(HandleDashboard(pipeline_runs / "pp-1f1b", pipeline_runs), terminal_size=(80, 24),
                         run_before=loaded)
+
+
+def test_snapshot_tensor_parallel_run_80x24(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, snap_compare) -> None:
+    shutil.copytree(TP_FIXTURES, tmp_path / "runs")
+    monkeypatch.chdir(tmp_path)
+    runs = Path("runs")
+    assert snap_compare(HandleDashboard(runs / "fsdp-tp", runs), terminal_size=(80, 24), run_before=loaded)
 
 
 def test_snapshot_run_picker(runs: Path, snap_compare) -> None:

@@ -58,8 +58,9 @@ def _piece(*parts: str | tuple[str, str]) -> Text:
 
 
 class StatusHeader(Widget):
-    """Status badge, preset, strategy, world size, progress, ETA, elapsed; then the latest numbers; then the
-    failure or stop message. Parts that do not fit the width are left out, least important first."""
+    """Status badge, preset, strategy, world size (and its layout, dp × tp), progress, ETA, elapsed; then the latest
+    numbers; then the failure or stop message. Parts that do not fit the width are left out, least important
+    first."""
 
     DEFAULT_CSS = """
     StatusHeader { height: auto; padding: 0 1; background: $panel; }
@@ -95,7 +96,11 @@ class StatusHeader(Widget):
         p1: list[tuple[int, Text]] = [(0, Text(f" {status.upper()} ", STATUS_STYLES.get(status, "reverse")))]
         p1.append((1, _piece("  ", (state.preset, "bold"))))
         p1.append((2, _piece("  ", (state.strategy, "cyan"))))
-        p1.append((3, _piece(f"  world {state.world_size if state.world_size is not None else '?'}")))
+        world = _piece(f"  world {state.world_size if state.world_size is not None else '?'}")
+        if state.layout:  # only runs whose step events carry it (tp > 1); it names the world size too, so it wins
+            p1 += [(5, world), (3, _piece("  ", (state.layout, "cyan")))]
+        else:
+            p1.append((3, world))
         p1.append((0, _piece("  step ", (f"{step}/{total if total else '?'}", "bold"))))
         if total:
             frac = min(1.0, max(0.0, step / total))

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from torch_handle.errors import CheckpointError
+from torch_handle.parallel.tensor.random import get_rng_tracker, seed_tensor_parallel_rng
 
 MANIFEST = "manifest.json"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -148,14 +149,26 @@ def verify_weights_only(paths: list[Path], allowed_globals: list[Any] = ()) -> N
 # ---------------------------------------------------------------------------------------------------------------
 
 
+def seed_everything(seed: int, tp_rank: int = 0) -> None:
+    """Seed every generator :func:`rng_state` captures: Python's, NumPy's and torch's with ``seed``, the
+    tensor-parallel dropout stream with ``seed + 2718 + tp_rank``
+    (:func:`~torch_handle.parallel.tensor.random.seed_tensor_parallel_rng`)."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    seed_tensor_parallel_rng(seed, tp_rank)
+
+
 def rng_state() -> dict[str, Any]:
-    """RNG states of torch (CPU and CUDA), Python and NumPy, as weights_only-loadable values."""
+    """RNG states of torch (CPU and CUDA), Python and NumPy, and the tensor-parallel dropout stream
+    (``"tracker"``: :meth:`~torch_handle.parallel.tensor.random.RNGTracker.get_states`), as weights_only-loadable
+    values."""
     py = random.getstate()
     np_state = np.random.get_state()
     state = {
         "torch": torch.get_rng_state(),
         "python": [py[0], torch.tensor(py[1], dtype=torch.int64), py[2]],
         "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]],
+        "tracker": get_rng_tracker().get_states(),
     }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
@@ -170,6 +183,8 @@ def set_rng_state(state: dict[str, Any]) -> None:
     np.random.set_state((name, keys.numpy().astype(np.uint32), int(pos), int(has_gauss), float(cached)))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
+    if "tracker" in state:  # absent from checkpoints written before it: the stream goes on from its seed
+        get_rng_tracker().set_states(state["tracker"])
 
 
 @dataclass
@@ -199,6 +214,14 @@ def trainer_state_path(ckpt_dir: Path, rank: int) -> Path:
 
 def save_trainer_state(ckpt_dir: Path, rank: int, state: TrainerState) -> None:
     torch.save(state.to_dict(), trainer_state_path(ckpt_dir, rank))
+
+
+def own_rng_state(ckpt_dir: Path, rank: int, layout: dict[str, Any], tp: int) -> bool:
+    """Whether ``rank`` resumes its own saved RNG states: it wrote a trainer state, under the same ``parallel.tp``
+    (``layout["tp"]``, 1 when absent). Otherwise it must be seeded afresh, alike on the TP ranks of a replica:
+    restoring states that two ranks wrote as data-parallel replicas would give one replica's TP ranks different
+    replicated dropout masks."""
+    return trainer_state_path(ckpt_dir, rank).is_file() and int(layout.get("tp", 1)) == tp
 
 
 def load_trainer_state(ckpt_dir: Path, rank: int, *, restore_rng: bool = True) -> TrainerState:

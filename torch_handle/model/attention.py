@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from torch_handle.model.args import ATTENTION_IMPLS, AttentionImpl, check_choice
 from torch_handle.model.kernels import dropout
 from torch_handle.model.kv_cache import AttentionCache
+from torch_handle.parallel.tensor.random import tensor_parallel_rng
 
 
 def _unmask_empty_rows(mask: Tensor) -> tuple[Tensor, Tensor]:
@@ -270,12 +271,13 @@ class MultiHeadAttention(nn.Module):
         * SDPA with a mask tensor otherwise (padding, or a causal mask shifted by cached keys).
         """
         dropout_p = self.dropout if self.training else 0.0
-        if self.attention == "reference" or (dropout_p > 0.0 and q.device.type == "cpu"):
-            return _attend_masked(scaled_dot_product_attention_reference, q, k, v, key_padding_mask, causal, offset,
-                                  dropout_p)
-        if key_padding_mask is None and not (causal and offset):
-            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=causal)
-        return _attend_masked(F.scaled_dot_product_attention, q, k, v, key_padding_mask, causal, offset, dropout_p)
+        with tensor_parallel_rng(dropout_p > 0.0):  # under TP these are this rank's heads: masks of its own
+            if self.attention == "reference" or (dropout_p > 0.0 and q.device.type == "cpu"):
+                return _attend_masked(scaled_dot_product_attention_reference, q, k, v, key_padding_mask, causal,
+                                      offset, dropout_p)
+            if key_padding_mask is None and not (causal and offset):
+                return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=causal)
+            return _attend_masked(F.scaled_dot_product_attention, q, k, v, key_padding_mask, causal, offset, dropout_p)
 
     def forward(
         self,

@@ -21,6 +21,7 @@ from torch_handle.model.attention import MultiHeadAttention
 from torch_handle.model.kernels import Dropout
 from torch_handle.model.kv_cache import LayerCache
 from torch_handle.model.profiling import record_range
+from torch_handle.parallel.tensor.random import tensor_parallel_rng
 
 
 class PositionwiseFeedForward(nn.Module):
@@ -57,7 +58,10 @@ class PositionwiseFeedForward(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         act = F.relu if self.activation == "relu" else F.gelu
-        return self.linear2(self.dropout(act(self.linear1(x))))  # (B, T, d_ff) inside
+        h = act(self.linear1(x))  # (B, T, d_ff); under TP this rank's d_ff/tp units, masks of its own
+        with tensor_parallel_rng(self.training and self.dropout.p > 0):
+            h = self.dropout(h)
+        return self.linear2(h)
 
 
 class _ResidualLayer(nn.Module):

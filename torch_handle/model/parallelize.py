@@ -92,8 +92,9 @@ def tensor_parallel_plan(model: Any) -> dict[str, Any]:
     column-parallel (two calls of the one fused projection), so the memory enters the TP region of every decoder
     block, gathered along the sequence under sequence parallelism. The token embedding (shared by source and target)
     and the LM head are split over the vocabulary (the loss is vocabulary-parallel: the logits are never gathered).
-    Under sequence parallelism the LayerNorms run on 1/tp of the sequence, from the positional encoding on (the
-    encoder's and the decoder's).
+    Under sequence parallelism the LayerNorms and the embedding and residual dropouts run on 1/tp of the sequence,
+    from the positional encoding on (the encoder's and the decoder's; the dropouts draw the one-process masks:
+    ``Style.DROPOUT``).
 
     Raises:
         ValueError: one line, for a model without a plan (one that is not ``DecoderLM`` or ``EncoderDecoder``).
@@ -109,7 +110,7 @@ def tensor_parallel_plan(model: Any) -> dict[str, Any]:
     else:
         raise ValueError(f"{type(model).__name__} has no tensor-parallel plan (the project's decoder and "
                          f"encoder-decoder have one)")
-    plan = {"embed": Style.VOCAB_EMBED, "pos_encoding": Style.TO_SEQUENCE}
+    plan = {"embed": Style.VOCAB_EMBED, "pos_encoding": Style.TO_SEQUENCE, "embed_dropout": Style.DROPOUT}
     for stack, layers in stacks.items():
         for i, layer in enumerate(layers):
             prefix = f"{stack}.{i}"
@@ -126,6 +127,7 @@ def tensor_parallel_plan(model: Any) -> dict[str, Any]:
             plan[f"{prefix}.ff.linear2"] = Style.ROWWISE
             plan.update({f"{prefix}.{norm}": Style.NORM for norm in ("self_attn_norm", "cross_attn_norm", "ff_norm")
                          if getattr(layer, norm, None) is not None})
+            plan[f"{prefix}.dropout"] = Style.DROPOUT
     if model.args.norm_first:
         plan.update({norm: Style.NORM for norm in final_norms})
     plan["lm_head"] = Style.VOCAB_HEAD

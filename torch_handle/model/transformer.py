@@ -27,6 +27,7 @@ from torch_handle.model.kernels import Dropout
 from torch_handle.model.kv_cache import KVCache, LayerCache
 from torch_handle.model.layers import DecoderLayer, EncoderLayer
 from torch_handle.model.profiling import record_range
+from torch_handle.parallel.tensor.random import checkpoint_rng_contexts
 
 
 class _TransformerModel(nn.Module):
@@ -125,7 +126,8 @@ class _TransformerModel(nn.Module):
         activation memory (Chen et al. 2016, "Training Deep Nets with Sublinear Memory Cost")."""
         with record_range(name):
             if self.args.activation_checkpointing and self.training:
-                return checkpoint(block, *args, use_reentrant=False, **kwargs)
+                # context_fn: the recompute draws the tensor-parallel dropout masks the forward drew
+                return checkpoint(block, *args, use_reentrant=False, context_fn=checkpoint_rng_contexts, **kwargs)
             return block(*args, **kwargs)
 
     def num_params(self, exclude_embeddings: bool = False) -> int:

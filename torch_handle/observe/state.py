@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
-from torch_handle.common.text import clean, strategy_label
+from torch_handle.common.text import clean, layout_label, strategy_label
 from torch_handle.observe.fields import (ACTIVATION_BYTES, ACTIVATION_SAVED_BYTES, BREAKDOWN, DATA_S, MEMORY, WAIT_S,
                                          Kind, Level, Status)
 from torch_handle.observe.tail import BadLine, integer, number
@@ -101,6 +101,9 @@ class RunState:
     it)."""
     mfu: float | None = None
     """The newest model FLOPs utilisation (0..1)."""
+    layout: str | None = None
+    """The newest step event's parallel layout as :func:`~torch_handle.common.text.layout_label` writes it
+    (``dp 2 × tp 2``); None when it has none."""
     peak_flops: float | None = None
     """FLOP/s per rank behind ``mfu`` (status event)."""
     breakdown_seen: bool = False
@@ -220,6 +223,7 @@ class RunState:
         self.breakdown_seen = self.breakdown_seen or self.forward_s[-1] is not None
         if (mfu := number(event.get("mfu"))) is not None:
             self.mfu = mfu
+        self.layout = layout_label(event.get("layout"))
         ranks = event.get("ranks")
         if isinstance(ranks, list):
             self.slowest = slowest_rank(ranks)

@@ -12,13 +12,11 @@ import json
 import logging
 import math
 import os
-import random
 import shutil
 import time
 from pathlib import Path
 from typing import Any, Iterator
 
-import numpy as np
 import psutil
 import torch
 import torch.distributed as dist
@@ -31,6 +29,7 @@ from torch_handle.checkpoint import shared_dirs
 from torch_handle.config.loader import Preset
 from torch_handle.data.datasets import DataBundle, DataContext, GlobalBatchSampler, ResumableDistributedSampler
 from torch_handle.model.parallelize import checkpointed_blocks, model_blocks
+from torch_handle.parallel.tensor.random import get_rng_tracker
 from torch_handle.registry import PluginRegistry
 from torch_handle.rundir import HEARTBEAT_S, STOP_FILE, touch_heartbeat, update_run_info
 from torch_handle.train.strategy import DistContext, Strategy
@@ -52,10 +51,6 @@ class NonFiniteLoss(Exception):
     """The loss was NaN/inf and ``on_nan = "stop"``."""
 
 
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
 
 
 class Trainer:
@@ -109,7 +104,7 @@ class Trainer:
 
             self.pp = PipelineParallel(p.parallel, self.ctx, pipeline_microbatches(p), self.training.label_smoothing)
         ctx = self.ctx
-        seed_everything(p.run.seed)
+        ckpt.seed_everything(p.run.seed)
         data_plugin = self.registry.get("dataset", p.data.name)
         cache_dir = Path(p.run.output_dir) / ".cache"
         # one filesystem for all nodes, or one each? (for the run directory and the tokenizer cache separately)
@@ -144,8 +139,9 @@ class Trainer:
             # blocks() returns, so fsdp's fully_shard per block and activation checkpointing see them unchanged.
             for block in model_blocks(model, default=[model]):
                 block.compile()
-        # From here on each replica (and pipeline stage) draws its own dropout masks; a replica's TP ranks the same.
-        seed_everything(p.run.seed + 1000 * ctx.dp_rank + 100_003 * ctx.pp_rank)
+        # From here on each replica and pipeline stage draws its own dropout masks; a replica's TP ranks the same
+        # ones, but in the TP regions each its own (torch_handle.parallel.tensor.random)
+        ckpt.seed_everything(p.run.seed + 1000 * ctx.dp_rank + 100_003 * ctx.pp_rank, ctx.tp_rank)
 
         strategy_plugin = self.registry.get("strategy", p.strategy.name)
         self.strategy: Strategy = strategy_plugin.factory(p.strategy.options, self.training, ctx, model)
@@ -278,14 +274,14 @@ class Trainer:
     def _load_position(self, path: Path, layout: dict[str, Any]) -> None:
         """Step, epoch and data position (the same for every rank), and this rank's RNG states when the
         checkpoint has them (else a fresh seed, logged)."""
-        own = ckpt.trainer_state_path(path, self.ctx.rank).is_file()
+        own = ckpt.own_rng_state(path, self.ctx.rank, layout, self.preset.parallel.tp)
         state = ckpt.load_trainer_state(path, self.ctx.rank if own else 0, restore_rng=own)
         if not own:
-            seed_everything(self.preset.run.seed + 1000 * self.ctx.rank + state.step)
-        if self.ctx.is_main and layout.get("world_size") and layout["world_size"] < self.ctx.world_size:
-            self._note(Level.INFO, f"ranks {layout['world_size']}-{self.ctx.world_size - 1} have no RNG state in "
-                                   f"the checkpoint (written on {layout['world_size']} ranks): their generators "
-                                   f"are seeded from run.seed + 1000 x rank + step")
+            ckpt.seed_everything(self.preset.run.seed + 1000 * self.ctx.dp_rank + state.step, self.ctx.tp_rank)
+        if self.ctx.is_main and (not own or (layout.get("world_size") or self.ctx.world_size) < self.ctx.world_size):
+            self._note(Level.INFO, f"ranks with no RNG state of their own in the checkpoint (written on "
+                                   f"{layout.get('world_size')} ranks, tp = {layout.get('tp', 1)}) are seeded from "
+                                   f"run.seed + 1000 x dp rank + step")
         self.step, self.epoch = state.step, state.epoch
         t, global_batch = self.training, self.train_sampler.global_batch
         if state.samples_in_epoch is not None:
@@ -598,3 +594,4 @@ class Trainer:
         if self.is_dir_main:  # rank 0, and a node's first rank when its run directory is not rank 0's
             update_run_info(self.run_dir, status=status, end_time=time.time(), step=self.step, message=message)
         self.events.close()  # closes the sinks too
+        get_rng_tracker().reset()  # the process's generators are torch's alone again (a run in this process: tests)

@@ -15,11 +15,13 @@ style              by hand                               native (torch.distribut
 ``VOCAB_HEAD``     ColumnParallelLinear, local logits    ColwiseParallel(output Shard(-1)) + loss_parallel
 ``NORM``           (SP) grads all-reduced over TP        (SP) SequenceParallel
 ``TO_SEQUENCE``    (SP) output split along the sequence  (SP) PrepareModuleOutput(Replicate -> Shard(1))
+``DROPOUT``        (SP) SequenceParallelDropout          (SP) SequenceParallelDropout
 =================  ====================================  ===============================================
 
 ``NORM`` and ``TO_SEQUENCE`` act only under sequence parallelism: a module marked ``TO_SEQUENCE`` (the positional
 encoding: the last step on the whole sequence) hands its output over as this rank's 1/tp of the sequence, and the
-norms then run on that shard.
+norms then run on that shard, and so do the dropouts marked ``DROPOUT`` (drawing the one-process mask and keeping
+this rank's slice: :mod:`torch_handle.parallel.tensor.random`).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from torch_handle.parallel.tensor.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                                  mark_sequence_parallel, shard_along)
 from torch_handle.parallel.tensor.mappings import TPGroup, split_to_sp
+from torch_handle.parallel.tensor.random import SequenceParallelDropout
 
 
 class Style(enum.Enum):
@@ -48,6 +51,7 @@ class Style(enum.Enum):
     VOCAB_HEAD = "vocab_head"
     NORM = "norm"
     TO_SEQUENCE = "to_sequence"
+    DROPOUT = "dropout"
 
 
 Plan = dict[str, Style]
@@ -84,6 +88,8 @@ def apply_scratch(model: nn.Module, plan: Plan, tp: TPGroup, *, sequence_paralle
                 mark_sequence_parallel(module)
             elif style is Style.TO_SEQUENCE and sp:
                 module.register_forward_hook(lambda _m, _args, out: split_to_sp(out, tp))
+            elif style is Style.DROPOUT and sp:
+                _set(model, name, SequenceParallelDropout(module, tp.rank, tp.size))
         except ValueError as e:
             raise ValueError(f"{name}: {e}") from None
     return model
@@ -107,8 +113,12 @@ def apply_native(model: nn.Module, plan: Plan, tp_mesh: DeviceMesh, *, sequence_
         Style.NORM: lambda: SequenceParallel(use_local_output=True),
         Style.TO_SEQUENCE: lambda: PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1)),
     }
+    for name, style in plan.items():
+        if style is Style.DROPOUT and sp:
+            _set(model, name, SequenceParallelDropout(model.get_submodule(name), tp_mesh.get_local_rank(),
+                                                      tp_mesh.size()))
     plan = {name: styles[style]() for name, style in plan.items()
-            if sp or style not in (Style.NORM, Style.TO_SEQUENCE)}
+            if style is not Style.DROPOUT and (sp or style not in (Style.NORM, Style.TO_SEQUENCE))}
     return parallelize_module(model, tp_mesh, plan)
 
 
