@@ -176,10 +176,10 @@ path = "{parallel_corpus(tmp_path / 'pairs')}"
 seq_len = 16
 vocab_size = 300
 [training]
-steps = 3
+steps = 10
 micro_batch_size = 4
 precision = "fp32"
-eval_every = 3
+eval_every = 5
 eval_steps = 1
 log_every = 1
 checkpoint_every = 0
