@@ -164,6 +164,9 @@ class Walk:
         elif path == ("estimate",):
             if not re.search(r"[\d,]+ parameters", output) or "activations" not in output:
                 self.fail(cmd, "no estimate table", output)
+        elif path == ("profile",) and "--pipeline" in rest:
+            if "bubble measured" not in output or "rank 1" not in output:
+                self.fail(cmd, "no pipeline chart", output)
         elif path == ("profile",):
             if "time split" not in output or "top operators" not in output:
                 self.fail(cmd, "no profile summary", output)
