@@ -127,3 +127,16 @@ def tp_mesh(size: int = 2):
 
     mesh = init_device_mesh("cpu", (size,), mesh_dim_names=("tp",))
     return mesh, TPGroup(mesh.get_group())
+
+
+def worker_results(module: str, out: Path) -> list[dict]:
+    """Run ``python -m module OUT`` (a 2-process worker such as tests/scratch_ddp_worker.py) from the repository
+    root and return the per-rank results it wrote to ``out`` (JSON ``{"ranks": [...]}``)."""
+    import json
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", module, str(out)], cwd=Path(__file__).resolve().parents[1],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}"
+    return json.loads(out.read_text())["ranks"]

@@ -23,15 +23,14 @@ the tests assert the contract (max abs diff <= 1e-6), not the bits.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from torch_handle.config.loader import load_preset
 from torch_handle.errors import PresetError
+
+from tests.helpers import worker_results
 
 REPO = Path(__file__).resolve().parents[1]
 VARIANTS = [f"{sync}{suffix}" for suffix in ("", "+zero1") for sync in ("naive", "flat", "overlap", "bucketed")]
@@ -40,11 +39,7 @@ VARIANTS = [f"{sync}{suffix}" for suffix in ("", "+zero1") for sync in ("naive",
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> list[dict]:
     """Per rank, what tests/scratch_ddp_worker.py measured in its 2-process group."""
-    out = tmp_path_factory.mktemp("scratch") / "results.json"
-    proc = subprocess.run([sys.executable, "-m", "tests.scratch_ddp_worker", str(out)], cwd=REPO,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}"
-    return json.loads(out.read_text())["ranks"]
+    return worker_results("tests.scratch_ddp_worker", tmp_path_factory.mktemp("scratch") / "results.json")
 
 
 @pytest.mark.dist

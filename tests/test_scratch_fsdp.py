@@ -21,15 +21,14 @@ effect tests/test_scratch_ddp.py describes for a summed norm). Those runs are he
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from torch_handle.config.loader import load_preset
 from torch_handle.errors import PresetError
+
+from tests.helpers import worker_results
 
 REPO = Path(__file__).resolve().parents[1]
 EXACT = [f"{model}/{variant}/clip0.0" for model, variants in (
@@ -40,11 +39,7 @@ EXACT = [f"{model}/{variant}/clip0.0" for model, variants in (
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> list[dict]:
     """Per rank, what tests/scratch_fsdp_worker.py measured in its 2-process group."""
-    out = tmp_path_factory.mktemp("scratch-fsdp") / "results.json"
-    proc = subprocess.run([sys.executable, "-m", "tests.scratch_fsdp_worker", str(out)], cwd=REPO,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}"
-    return json.loads(out.read_text())["ranks"]
+    return worker_results("tests.scratch_fsdp_worker", tmp_path_factory.mktemp("scratch-fsdp") / "results.json")
 
 
 @pytest.mark.dist

@@ -70,13 +70,12 @@ NATIVE_SCHEDULES: dict[str, str] = {
 }
 """``parallel.pp_schedule`` name -> class of ``torch.distributed.pipelining`` (``pp_impl = "native"``)."""
 
-MULTI_STAGE, V_SHAPED = PP_MULTI_STAGE, PP_V_SHAPED
 
 
 def stage_ranks(pp: int, v: int, schedule: str) -> list[int]:
     """The pipeline rank that runs each of the ``pp · v`` stages: round-robin (stage s on rank s mod pp, Megatron's
     interleaving), or a V for the V-shaped schedules (stages r and 2·pp - 1 - r on rank r)."""
-    if schedule in V_SHAPED:
+    if schedule in PP_V_SHAPED:
         return [s if s < pp else 2 * pp - 1 - s for s in range(pp * v)]
     return [s % pp for s in range(pp * v)]
 
@@ -86,5 +85,5 @@ def theoretical_bubble(schedule: str, pp: int, n_microbatches: int, v: int = 1) 
     (p - 1) / (m + p - 1) for GPipe and 1F1B, (p - 1) / (v·m + p - 1) for interleaved schedules. The zero-bubble
     schedules (Qi et al. 2023) split B into input- and weight-gradient parts to fill it: the same formula is
     their upper bound, reported as such."""
-    chunks = v if schedule in MULTI_STAGE else 1
+    chunks = v if schedule in PP_MULTI_STAGE else 1
     return (pp - 1) / (chunks * n_microbatches + pp - 1)
