@@ -38,8 +38,15 @@ def pp_case(id: str, sets: list[str], expect: list[str], body: str = PP, **files
 CASES = [
     pp_case("world-not-divisible", ["parallel.pp=3"],
             ["parallel.pp: tp x pp = 1 x 3 does not divide the world size 2", "valid pp: 1, 2"]),
-    pp_case("pp-with-tp", ["parallel.tp=2", "launch.nproc_per_node=4"],
-            ["parallel.pp: pipeline with tensor parallelism (pp = 2, tp = 2)", "set one of them to 1"]),
+    pp_case("pp-with-native-tp", ["parallel.tp=2", "launch.nproc_per_node=4"],
+            ["parallel.tp_impl: tensor parallelism inside pipeline stages is hand-written only",
+             "set parallel.tp_impl = \"scratch\""]),
+    pp_case("dp-world-not-divisible", ["parallel.tp=2", "parallel.tp_impl=scratch", "launch.nproc_per_node=6"],
+            ["parallel.pp: tp x pp = 2 x 2 does not divide the world size 6", "valid pp: 1, 3"]),
+    pp_case("tied-zbv-with-dp", ["launch.nproc_per_node=4", "strategy.name=ddp", "parallel.pp_schedule=zbv",
+                                 "parallel.pp_stages_per_rank=2", "model.n_layers=4", "model.tie_embeddings=true"],
+            ["parallel.pp_schedule: zbv runs the first and the last stage on one rank", "(dp = 2)",
+             "set model.tie_embeddings = false or use a looped schedule"]),
     pp_case("1f1b-too-few-microbatches", ["parallel.pp_schedule=1f1b", "parallel.pp_microbatches=1"],
             ["parallel.pp_microbatches: 1 micro-batches are fewer than the 2 stages 1f1b needs", "use >= 2, or gpipe"]),
     pp_case("microbatches-do-not-split-the-batch", ["parallel.pp_microbatches=3"],
@@ -60,8 +67,8 @@ CASES = [
     pp_case("encoder-decoder", ["model.kind=encoder-decoder"],
             ["model.kind: 'encoder-decoder' has no pipeline split", "the decoder has one"],
             body=PP + '[data]\nname = "parallel"\npath = "pairs"\n', **PAIRS),
-    pp_case("strategy-without-pipelines", ["strategy.name=ddp"],
-            ["strategy.name: 'ddp' does not support parallel.pp = 2", "valid with pp > 1: single"]),
+    pp_case("strategy-without-pipelines", ["strategy.name=scratch-ddp"],
+            ["strategy.name: 'scratch-ddp' does not support parallel.pp = 2", "valid with pp > 1: ddp, fsdp, single"]),
 ]
 
 

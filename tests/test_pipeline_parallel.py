@@ -115,8 +115,10 @@ def _pipeline_step(impl: str, schedule: str, v: int) -> tuple[torch.Tensor, floa
     pp = PipelineParallel(parallel, ctx, n_microbatches=4, label_smoothing=0.0)
     torch.manual_seed(0)
     shard = pp.split(DecoderLM(_args()))
+    strategy = SimpleNamespace(autocast=contextlib.nullcontext, clips_gradients=True)
+    pp.bind(strategy)
     trainer = SimpleNamespace(timer=PhaseTimer(), training=SimpleNamespace(grad_accum=ACCUM), step=1,
-                              strategy=SimpleNamespace(autocast=contextlib.nullcontext))
+                              strategy=strategy)
     val = torch.stack(pp.evaluate(_eval_batch()))
     dist.all_reduce(val)
     trainer.timer.begin()

@@ -28,6 +28,7 @@ class DDPConfig:
     """``[strategy]`` options of ``ddp`` (torch.nn.parallel.DistributedDataParallel)."""
 
     tensor_parallel: ClassVar[bool] = True  # replicas of a model split by hand (parallel.tp_impl = "scratch")
+    pipeline_parallel: ClassVar[bool] = True  # each pipeline stage its own DDP over the stage's data-parallel ranks
 
     bucket_cap_mb: float = param(25.0, gt=0.0)
     """Gradient bucket size: gradients of one bucket are all-reduced as soon as they are ready (overlap)."""
@@ -79,6 +80,7 @@ class FSDPConfig:
     """``[strategy]`` options of ``fsdp`` (FSDP2: torch.distributed.fsdp.fully_shard)."""
 
     tensor_parallel: ClassVar[bool] = True  # FSDP x TP: each TP shard sharded again over the data-parallel ranks
+    pipeline_parallel: ClassVar[bool] = True  # FSDP x PP: each stage sharded over its data-parallel ranks
 
     reshard_after_forward: bool = True
     """Free gathered parameters after forward (ZeRO-3-like); false keeps them until backward (ZeRO-2-like)."""

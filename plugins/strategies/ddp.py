@@ -10,16 +10,28 @@ import torch
 from handle_plugins.strategies.single import SingleStrategy
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from torch_handle.model.parallelize import pipeline_parts
+
 
 class DDPStrategy(SingleStrategy):
     name = "ddp"
 
-    def wrap(self, model: torch.nn.Module) -> DDP:
+    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        """``DDP(model)``; for a pipeline's shard, each of its stage modules its own ``DDP`` and the shard as it is
+        (the pipeline calls the stages; each syncs its gradients once a step, on its last backward, as torch's
+        ``PipelineStage`` does for a DDP submodule)."""
+        parts = pipeline_parts(model)
+        if parts is None:
+            return self._ddp(model)
+        parts[:] = [self._ddp(part) for part in parts]
+        return model
+
+    def _ddp(self, module: torch.nn.Module) -> DDP:
         o = self.options
         device_ids = [self.ctx.local_rank] if self.ctx.device.type == "cuda" else None
-        # with tensor parallelism: all-reduce over the ranks that hold the same shard (the mesh's "dp" dimension)
+        # with tensor or pipeline parallelism: all-reduce over the ranks that hold the same shard ("dp" of the mesh)
         group = None if self.ctx.mesh is None else self.ctx.mesh["dp"].get_group()
-        return DDP(model, device_ids=device_ids, process_group=group, bucket_cap_mb=o.bucket_cap_mb,
+        return DDP(module, device_ids=device_ids, process_group=group, bucket_cap_mb=o.bucket_cap_mb,
                    gradient_as_bucket_view=o.gradient_as_bucket_view, find_unused_parameters=o.find_unused_parameters)
 
     def accumulating(self, sync: bool) -> ContextManager:

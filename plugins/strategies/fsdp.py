@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from torch_handle.api import Strategy, optimizer_state_tensors, tensor_bytes
 from torch_handle.common.precision import torch_dtype
-from torch_handle.model.parallelize import NoBlocksError, model_blocks
+from torch_handle.model.parallelize import NoBlocksError, model_blocks, pipeline_parts
 
 log = logging.getLogger("torch_handle")
 
@@ -31,6 +31,8 @@ class FSDPStrategy(Strategy):
         A model that declares no blocks (``model_blocks`` raises) is sharded as one unit -- every parameter gathered
         for the whole forward, which defeats most of FSDP's memory saving -- with a logged warning. With tensor
         parallelism the shards of the mesh's "tp" dimension are sharded again over its "dp" dimension (FSDP x TP).
+        A pipeline's shard is not sharded as a whole: each of its stage modules is (FSDP x PP; torch's
+        ``PipelineStage`` reduces a sharded stage's gradients once a step).
         """
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -50,7 +52,8 @@ class FSDPStrategy(Strategy):
                             "whole forward and backward", e)
         for block in blocks:
             fully_shard(block, **kwargs)
-        fully_shard(model, **kwargs)
+        for part in pipeline_parts(model) or [model]:  # a pipeline's stages each a root, as torchtitan shards them
+            fully_shard(part, **kwargs)
         return model
 
     def autocast(self):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from torch_handle.config.schema import PLUGIN_TABLES, Preset
+from torch_handle.config.schema import PLUGIN_TABLES, PP_V_SHAPED, Preset
 from torch_handle.errors import PresetError
 
 
@@ -37,7 +37,7 @@ def _supports(registry: Any, kind: str, attribute: str) -> list[str]:
 
 def check_parallel(preset: Preset, registry: Any) -> PresetError | None:
     """The ``[parallel]`` layout against the world size, the plugins and the batch: tp x pp must divide the world
-    size; the model and strategy plugins must support each kind of split (their options class says so with a class
+    size (the rest is the data-parallel degree); the model and strategy plugins must support each kind of split (their options class says so with a class
     attribute ``tensor_parallel = True`` / ``pipeline_parallel = True``); a pipeline's micro-batches must split the
     step's batch evenly and be enough for its schedule. The model's own limits (heads, widths, layers) are its
     plugin's ``check_preset``."""
@@ -50,9 +50,6 @@ def check_parallel(preset: Preset, registry: Any) -> PresetError | None:
         return PresetError(f"tp x pp = {par.tp} x {par.pp} does not divide the world size {world} "
                            f"(launch.nproc_per_node x launch.nnodes); the data-parallel degree is world size / "
                            f"(tp x pp) (valid {name}: {valid})", key=f"parallel.{name}")
-    if par.pp > 1 and par.tp > 1:
-        return PresetError(f"pipeline with tensor parallelism (pp = {par.pp}, tp = {par.tp}) is not supported yet: "
-                           f"set one of them to 1", key="parallel.pp")
     for degree, attribute, name in ((par.tp, "tensor_parallel", "tp"), (par.pp, "pipeline_parallel", "pp")):
         if degree == 1:
             continue
@@ -62,7 +59,16 @@ def check_parallel(preset: Preset, registry: Any) -> PresetError | None:
                 valid = _supports(registry, PLUGIN_TABLES[table], attribute)
                 return PresetError(f"{section.name!r} does not support parallel.{name} = {degree} (valid with "
                                    f"{name} > 1: {', '.join(valid) or 'none'})", key=f"{table}.name")
+    if par.pp > 1 and par.tp > 1 and par.tp_impl == "native":
+        return PresetError("tensor parallelism inside pipeline stages is hand-written only: set parallel.tp_impl = "
+                           "\"scratch\" with parallel.pp > 1 (DTensor's collectives inside torch's schedules do not "
+                           "match across the stage's TP ranks in torch 2.13)", key="parallel.tp_impl")
     if par.pp > 1:
+        dp = world // (par.tp * par.pp)
+        if dp > 1 and par.pp_schedule in PP_V_SHAPED and getattr(preset.model.options, "tie_embeddings", False):
+            return PresetError(f"{par.pp_schedule} runs the first and the last stage on one rank, whose tied embedding "
+                               f"would be two data-parallel units there (dp = {dp}): set model.tie_embeddings = false "
+                               f"or use a looped schedule (gpipe, 1f1b, interleaved-1f1b)", key="parallel.pp_schedule")
         t = preset.training
         if t.precision == "fp16":
             return PresetError("fp16 needs loss scaling, which the pipeline schedules do not apply: use bf16 or fp32 "

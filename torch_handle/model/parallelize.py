@@ -58,6 +58,13 @@ def model_blocks(model: Any, default: Any = _REQUIRED) -> list[nn.Module]:
     raise NoBlocksError(f"{type(model).__name__} has no blocks() (its repeated layers)")
 
 
+def pipeline_parts(model: Any) -> list[nn.Module] | None:
+    """The stage modules of a pipeline's shard (:class:`~torch_handle.model.pipeline.PipelineShard`: the modules the
+    pipeline calls, one per stage this rank runs), as a list a data-parallel strategy may replace items of with their
+    wrappers (DDP) or change in place (fully_shard); None for a model that is not such a shard."""
+    return getattr(model, "stage_views", None)
+
+
 def activation_checkpointing(model: Any) -> bool:
     """``model.args.activation_checkpointing``; False for a model without it."""
     return bool(getattr(getattr(model, "args", None), "activation_checkpointing", False))

@@ -99,8 +99,8 @@ class PipelineShard(nn.Module):
     def train(self, mode: bool = True) -> PipelineShard:
         """Train or eval mode for the shard and its stage views (their ``training`` decides checkpointing)."""
         super().train(mode)
-        for view in self.stage_views:
-            view.training = mode
+        for view in self.stage_views:  # a view may be wrapped (DDP): its own train() reaches the view
+            view.train(mode)
         return self
 
 

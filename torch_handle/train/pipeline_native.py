@@ -17,6 +17,7 @@ from torch.distributed.pipelining import PipelineStage
 
 from torch_handle.observe.activations import SavedTensorCounter
 from torch_handle.observe.heartbeat import beat
+from torch_handle.parallel.pipeline import data_parallel
 from torch_handle.parallel.pipeline.schedules import NATIVE_SCHEDULES
 from torch_handle.parallel.pipeline.timeline import Timeline
 
@@ -31,6 +32,13 @@ class TimedStage(PipelineStage):
         self.count_saved = False
         self.saved_bytes: dict[int, int] = {}
         self.peak_saved_bytes = 0
+
+    def _forward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
+        """torch 2.13 infers the stage's shapes with a real forward outside ``no_sync``, which arms a DDP
+        submodule's reducer for the next backward (the first micro-batch's) as well as the last: run it under
+        ``no_sync``, as the schedule's forwards are."""
+        with data_parallel.forward_context(self.submod):
+            return super()._forward_metadata_inference(*args, **kwargs)
 
     def get_fwd_recv_ops(self, fwd_chunk_id: int) -> list:
         if not self.is_first:

@@ -17,10 +17,10 @@ equally; the language-model data has equal counts, so the two agree.
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Iterator
 
 import torch
@@ -39,22 +39,35 @@ from torch_handle.parallel.pipeline.p2p import StageLink
 from torch_handle.parallel.pipeline.schedules import stage_ranks
 from torch_handle.parallel.pipeline.scratch import ScratchPipeline
 from torch_handle.parallel.pipeline.timeline import Timeline, summarize
+from torch_handle.parallel.tensor.checkpoint import full_model_state, full_optimizer_state, load_full_state
+from torch_handle.train.grad_norm import clip_, local, mesh_grad_norm
+from torch_handle.train.loop import plain
 from torch_handle.train.strategy import DistContext
 
 
+_WHOLE = SimpleNamespace(rank=0)
+"""The TP "group" of a rank without tensor parallelism: rank 0 of one, nothing split."""
+
+
 class PipelineParallel:
-    """One process's share of a pipeline (``parallel.pp > 1``; dp = tp = 1 for now): the stages it runs, its
-    schedule, and what the trainer asks of it.
+    """One process's share of a pipeline (``parallel.pp > 1``): the stages it runs, its schedule, and what the
+    trainer asks of it. With tensor parallelism (``tp``) each stage's layers are split over the stage's TP ranks
+    and the last stage's loss is vocabulary-parallel; with data parallelism the strategy wraps each stage (DDP,
+    FSDP2), which syncs once a step. The pipeline's group is this rank's ("pp") line of the mesh: the ranks at its
+    (dp, tp) coordinate in every stage.
 
     Args:
         parallel: the ``[parallel]`` table.
         ctx: this rank's place, with its layout (``attach_layout``).
         n_microbatches: m (``parallel.pp_microbatches``, or ``grad_accum``).
         label_smoothing: the training loss's ``training.label_smoothing``.
+        tp: the :class:`~torch_handle.train.tensor_parallel.TensorParallel` share of this rank, or None.
     """
 
-    def __init__(self, parallel: ParallelConfig, ctx: DistContext, n_microbatches: int, label_smoothing: float):
-        self.parallel, self.ctx, self.m, self.label_smoothing = parallel, ctx, n_microbatches, label_smoothing
+    def __init__(self, parallel: ParallelConfig, ctx: DistContext, n_microbatches: int, label_smoothing: float,
+                 tp: Any = None):
+        self.parallel, self.ctx, self.m, self.label_smoothing, self.tp = parallel, ctx, n_microbatches, \
+            label_smoothing, tp
         self.impl, self.schedule_name = parallel.pp_impl, parallel.pp_schedule
         self.pp, self.v = parallel.pp, parallel.pp_stages_per_rank
         self.n_stages = self.pp * self.v
@@ -102,16 +115,10 @@ class PipelineParallel:
         self.ranges = ranges
         self.tied = tied_names(model)
         self._names = [n for n, _ in model.named_parameters()]
-        self.shard, self.stages = split_decoder(model, ranges, self.my_stages)
-        if self.impl == "scratch":
-            link = StageLink(self.group, self.group_ranks, self.my_stages[0], self.ctx.device, self.timeline)
-            self.engine: Any = ScratchPipeline(self.stages[0], link, self.n_stages, self.schedule_name, self.timeline)
-        else:
-            from torch_handle.train.pipeline_native import native_schedule
-
-            self.engine = native_schedule(self)
+        self.shard, stages = split_decoder(model, ranges, self.my_stages)
         if self.test_stall is not None:
-            self.stages[0].register_forward_pre_hook(self._stall)
+            stages[0].register_forward_pre_hook(self._stall)
+        self.stages = self.shard.stage_views  # the modules the schedule calls: a strategy may wrap them (DDP)
         return self.shard
 
     def _stall(self, module: nn.Module, args: Any) -> None:
@@ -123,10 +130,20 @@ class PipelineParallel:
         self._forwards += 1
 
     def bind(self, strategy: Any) -> PipelineParallel:
-        """Work with the strategy that steps this rank's shard: it stops clipping (the norm spans every stage:
+        """Work with the strategy that steps this rank's shard (it has wrapped the stage modules it syncs, DDP or
+        FSDP2) and build the schedule over them: the strategy stops clipping (the norm spans every stage:
         :meth:`before_step`), and its state is saved and loaded here. Returns self."""
         self.strategy = strategy
         strategy.clips_gradients = False
+        if self.tp is not None:
+            self.tp.bind(strategy)
+        if self.impl == "scratch":
+            link = StageLink(self.group, self.group_ranks, self.my_stages[0], self.ctx.device, self.timeline)
+            self.engine: Any = ScratchPipeline(self.stages[0], link, self.n_stages, self.schedule_name, self.timeline)
+        else:
+            from torch_handle.train.pipeline_native import native_schedule
+
+            self.engine = native_schedule(self)
         return self
 
     # -- the step ------------------------------------------------------------------------------------------------
@@ -144,9 +161,13 @@ class PipelineParallel:
         return self._loss(logits, labels, self.smoothing)
 
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor, label_smoothing: float) -> torch.Tensor:
-        """Micro-batch loss: its summed token losses / the step's tokens N (see the module docstring)."""
+        """Micro-batch loss: its summed token losses / the step's tokens N (see the module docstring); the
+        vocabulary-parallel loss of logits split over the TP ranks."""
         n = (labels != IGNORE_INDEX).sum()
-        mean = cross_entropy(logits.flatten(0, 1), labels.flatten(), label_smoothing, IGNORE_INDEX)
+        if self.tp is not None:
+            mean = self.tp.loss(logits, labels, label_smoothing)[0]
+        else:
+            mean = cross_entropy(logits.flatten(0, 1), labels.flatten(), label_smoothing, IGNORE_INDEX)
         return mean * n / self._tokens
 
     def run(self, trainer: Any, batches: Iterator[dict[str, torch.Tensor]], stats: torch.Tensor) -> None:
@@ -163,7 +184,7 @@ class PipelineParallel:
         self.timeline.begin()
         counting = self.first_stage_saved_bytes is None
         self.engine.count_saved = counting
-        with trainer.strategy.autocast():
+        with trainer.strategy.autocast(), self.micro_batch():
             losses = self._step(inputs, labels)
         if counting:
             self.first_stage_saved_bytes = self.engine.saved_bytes[0] if 0 in self.my_stages else 0
@@ -173,8 +194,8 @@ class PipelineParallel:
         busy = {"forward": sum(b - a for k, *_, a, b in spans if k == "F"),
                 "backward": sum(b - a for k, *_, a, b in spans if k in ("B", "W"))}
         timer.lap_shared(busy if any(busy.values()) else {"forward": 1.0})
-        if self.has_last:
-            stats[0] += torch.stack(losses).sum().double() * tokens
+        if self.has_last and self.ctx.tp_rank == 0:  # a stage's TP ranks hold the same loss: count it once
+            stats[0] += plain(torch.stack([plain(x) for x in losses]).sum()).double() * tokens
             stats[1] += tokens
 
     def _step(self, inputs: list[dict[str, torch.Tensor]], labels: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -195,14 +216,14 @@ class PipelineParallel:
         inputs, labels = self._chunks(dict(batch))
         tokens = sum((y != IGNORE_INDEX).sum() for y in labels)
         self._tokens = tokens.double()
-        with self.strategy.autocast() if self.strategy else contextlib.nullcontext():  # as forward_loss
+        with self.strategy.autocast() if self.strategy else contextlib.nullcontext(), self.micro_batch():
             if self.impl == "scratch":
                 losses = self.engine.evaluate(inputs, lambda out, i: self._loss(out, labels[i], 0.0))
             else:
                 losses = self._forward_only(inputs, labels)
-        if not self.has_last:
+        if not self.has_last or self.ctx.tp_rank > 0:  # counted once per replica
             return torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
-        return torch.stack(losses).sum().double() * tokens, tokens.double()
+        return plain(torch.stack([plain(x) for x in losses]).sum()).double() * tokens, tokens.double()
 
     def _forward_only(self, inputs: list[dict[str, torch.Tensor]], labels: list[torch.Tensor]) -> list[torch.Tensor]:
         """Every micro-batch through this rank's stages, stage after stage: the last stage's losses. Evaluation on
@@ -228,31 +249,25 @@ class PipelineParallel:
 
     def before_step(self, max_norm: float) -> float:
         """After the schedule, before the optimizer step: sum the tied embedding's gradients of the first and last
-        stage, then clip every gradient by the norm over all stages (the tied matrix counted once). Returns that
-        norm before clipping."""
+        stage, then clip every gradient by the norm over all stages, TP shards and FSDP shards (the tied matrix
+        counted once: :func:`~torch_handle.train.grad_norm.mesh_grad_norm`). Returns that norm before clipping."""
         named = [(n, p) for n, p in self.shard.named_parameters() if p.grad is not None]
         if self._tie_group is not None:
             for name, p in named:
                 if name in self.tied or name in self.tied.values():
-                    dist.all_reduce(p.grad, group=self._tie_group)
-        squares = torch.zeros((), dtype=torch.float64, device=self.ctx.device)
-        for name, p in named:
-            if name not in self.tied:  # the tied copy on the last stage: counted on the first
-                squares += p.grad.detach().double().pow(2).sum()
-        dist.all_reduce(squares, group=self.group)
-        norm = math.sqrt(float(squares))
-        if math.isfinite(norm) and norm > max_norm:
-            for _, p in named:
-                p.grad.mul_(max_norm / (norm + 1e-6))
+                    dist.all_reduce(local(p.grad), group=self._tie_group)
+        if self.tp is not None:
+            self.tp.sync_sequence_parallel_grads(named)
+        plan = self.tp.plan if self.tp is not None and self.tp.impl == "scratch" else None
+        norm = mesh_grad_norm(named, self.ctx.mesh, plan, exclude=self.tied, pp_group=self.group)
+        clip_((p for _, p in named), norm, max_norm)
         return norm
 
     def step_stats(self, timeline: bool = False) -> dict[str, Any]:
         """The layout and ``pipeline``: every pipeline rank's busy, wait and idle seconds and the measured and
         theoretical bubble (:func:`~torch_handle.parallel.pipeline.timeline.summarize`), with the spans themselves
         when ``timeline``. A collective over the pipeline group; the figures on rank 0."""
-        spans = self.timeline.spans()
-        gathered: list[Any] = [None] * self.pp if self.ctx.is_main else None
-        dist.gather_object((spans, self.peak_saved_bytes), gathered, group=self.group, group_dst=0)
+        gathered = self._gather((self.timeline.spans(), self.peak_saved_bytes))
         if not self.ctx.is_main:
             return {}
         pipeline = summarize([s for s, _ in gathered], self.schedule_name, self.pp, self.m, self.v, timeline=timeline)
@@ -279,55 +294,58 @@ class PipelineParallel:
         return self._names
 
     def _gather(self, own: Any) -> list[Any] | None:
-        out: list[Any] = [None] * self.pp if self.ctx.is_main else None
+        """``own`` of every pipeline rank, on the group's first (None elsewhere); every pipeline line of the mesh
+        gathers on its own, rank 0's holds the stages of (dp 0, tp 0)."""
+        first = dist.get_rank(self.group) == 0
+        out: list[Any] = [None] * self.pp if first else None
         dist.gather_object(own, out, group=self.group, group_dst=0)
         return out
 
+    def _split(self) -> tuple[str, Any, Any]:
+        """(impl, plan, TP target) for the TP checkpoint functions (:mod:`torch_handle.parallel.tensor.checkpoint`):
+        this rank's TP split, or none (an empty plan: whole tensors, FSDP's DTensors gathered)."""
+        if self.tp is None:
+            return "scratch", {}, _WHOLE
+        return self.tp.impl, self.tp.plan, self.tp._target()
+
     def full_state_dict(self, model: nn.Module | None = None) -> dict[str, torch.Tensor] | None:
-        """The one-process state dict, joined from every stage on rank 0 (None elsewhere); a collective."""
-        own = {k: v.detach().cpu() for k, v in self.shard.state_dict().items()}
-        parts = self._gather(own)
-        return None if parts is None else {k: v for part in parts for k, v in part.items()}
+        """The one-process state dict, joined from every stage (each gathered over its TP and FSDP shards) on rank
+        0 (None elsewhere); a collective."""
+        parts = self._gather(full_model_state(self.shard, *self._split()))
+        return None if parts is None else {k: v for part in parts if part for k, v in part.items()}
 
     def save(self, ckpt_dir: Path) -> None:
-        """Join every stage's weights and optimizer state (by parameter name) on rank 0 and write the portable
-        form with the LR schedule; every rank calls it."""
+        """Join every stage's weights and optimizer state (by parameter name; gathered over TP and FSDP shards) on
+        rank 0 and write the portable form with the LR schedule; every rank calls it."""
         weights = self.full_state_dict()
-        optimizer = self.strategy.optimizer
-        own = {}
-        for name, p in self.shard.named_parameters():
-            state = optimizer.state.get(p)
-            if state and name not in self.tied:
-                own[name] = {k: v.detach().cpu() if torch.is_tensor(v) else torch.tensor(float(v))
-                             for k, v in state.items()}
+        state = full_optimizer_state(self.shard, self.strategy.optimizer, *self._split())
+        own = None if state is None else {k: v for k, v in state.items() if k not in self.tied}
         parts = self._gather(own)
-        if parts is not None:
-            state_by_name = {k: v for part in parts for k, v in part.items()}
+        if self.ctx.is_main:
+            state_by_name = {k: v for part in parts if part for k, v in part.items()}
             write_portable(Path(ckpt_dir), weights, state_by_name, self.strategy.scheduler.state_dict())
 
     def load_portable(self, portable: Path) -> None:
-        """Every rank reads the portable form and keeps its stages' tensors (no communication); then the LR
-        schedule.
+        """Every rank reads the portable form and keeps its stages' tensors, cut to its TP and FSDP shards (no
+        communication); then the LR schedule.
 
         Raises:
             CheckpointError: a name this rank's stages have and the checkpoint lacks."""
         weights, state, scheduler = read_portable(Path(portable))
-        own = self.shard.state_dict()
-        missing = sorted(own.keys() - weights.keys())
+        own = self.shard.state_dict().keys()
+        missing = sorted(own - weights.keys())
         if missing:
             raise CheckpointError(f"{portable}: model state has no {missing[0]} ({len(missing)} name(s) missing)")
-        self.shard.load_state_dict({k: weights[k] for k in own})
-        optimizer = self.strategy.optimizer
-        index = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
-        loaded = {}
-        for name, p in self.shard.named_parameters():
+        by_name = {}
+        for name, _ in self.shard.named_parameters():
             entry = state.get(self.tied.get(name, name))
             if entry is None:
                 raise CheckpointError(f"{portable}: optimizer state has no {self.tied.get(name, name)}")
-            loaded[index[id(p)]] = {k: torch.as_tensor(v).to(p.device) if torch.as_tensor(v).dim() else
-                                    torch.as_tensor(v).clone() for k, v in entry.items()}
-        optimizer.load_state_dict({"state": loaded, "param_groups": optimizer.state_dict()["param_groups"]})
-        load_schedule(optimizer, self.strategy.scheduler, scheduler)
+            by_name[name] = entry
+        load_full_state(self.shard, self.strategy.optimizer, {k: weights[k] for k in own}, by_name,
+                        *self._split())
+        load_schedule(self.strategy.optimizer, self.strategy.scheduler, scheduler)
 
     def micro_batch(self) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext()
+        """Context of the step's schedule (and of evaluation): ``loss_parallel()`` under native TP."""
+        return contextlib.nullcontext() if self.tp is None else self.tp.micro_batch()

@@ -10,13 +10,11 @@ the same micro-batches, so the data samplers use the data-parallel rank and size
 from __future__ import annotations
 
 import contextlib
-import math
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, ContextManager
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from torch_handle.checkpoint.convert import load_schedule, read_portable, write_portable
@@ -28,7 +26,8 @@ from torch_handle.parallel.tensor.checkpoint import full_model_state, full_optim
 from torch_handle.parallel.tensor.cross_entropy import vocab_parallel_cross_entropy
 from torch_handle.parallel.tensor.layers import all_reduce_grads
 from torch_handle.parallel.tensor.mappings import TPGroup
-from torch_handle.parallel.tensor.plan import sequence_parallel_grad, split_rule
+from torch_handle.parallel.tensor.plan import sequence_parallel_grad
+from torch_handle.train.grad_norm import clip_, local, mesh_grad_norm
 from torch_handle.train.strategy import DistContext
 
 
@@ -127,31 +126,22 @@ class TensorParallel:
         """Start counting this step's TP traffic (evaluation's forwards are not the step's)."""
         self.tp.stats.reset()
 
-    def before_step(self, model: nn.Module, max_norm: float) -> float:
+    def before_step(self, max_norm: float) -> float:
         """After the last backward of a step, before the strategy's optimizer step: sum the sequence-parallel
         gradients over the TP group (scratch), then clip every gradient by the norm over the whole model (each split
         gradient's square summed over the TP group, each replicated one counted once). Returns that norm, before
         clipping; the strategy's own clip then finds nothing above ``max_norm``."""
-        named = [(n, p) for n, p in model.named_parameters() if p.grad is not None]
-        params = [p for _, p in named]
-        if self.impl == "scratch" and self.sequence_parallel:  # by name: FSDP's parameters are new tensors
-            all_reduce_grads([_local(p.grad) for n, p in named if sequence_parallel_grad(n, self.plan)], self.tp)
-        # squares summed by where their tensor is split: over dp (fsdp), over tp, over both, or nowhere
-        sums = torch.zeros(4, dtype=torch.float64, device=self.ctx.device)
-        for name, p in named:
-            over_dp, over_tp = _split_over(p)
-            over_tp = over_tp or split_rule(name, self.plan) is not None  # a hand-written shard, FSDP-wrapped or not
-            sums[2 * over_dp + over_tp] += _local(p.grad).detach().double().pow(2).sum()
-        mesh = self.ctx.mesh  # outside the counted step traffic: scalars
-        dist.all_reduce(sums[1:2], group=mesh["tp"].get_group())
-        dist.all_reduce(sums[2:3], group=mesh["dp"].get_group())
-        dist.all_reduce(sums[3:4])
-        norm = math.sqrt(float(sums.sum()))
-        if math.isfinite(norm) and norm > max_norm:
-            scale = max_norm / (norm + 1e-6)
-            for p in params:
-                _local(p.grad).mul_(scale)
+        named = [(n, p) for n, p in self.strategy.unwrapped().named_parameters() if p.grad is not None]
+        self.sync_sequence_parallel_grads(named)
+        norm = mesh_grad_norm(named, self.ctx.mesh, self.plan)
+        clip_((p for _, p in named), norm, max_norm)
         return norm
+
+    def sync_sequence_parallel_grads(self, named: list[tuple[str, nn.Parameter]]) -> None:
+        """Sum the sequence-parallel gradients (replicated norms' partial sums over the sequence shards) over the TP
+        group: the hand-written path's part of :meth:`before_step` (by name: FSDP's parameters are new tensors)."""
+        if self.impl == "scratch" and self.sequence_parallel:
+            all_reduce_grads([local(p.grad) for n, p in named if sequence_parallel_grad(n, self.plan)], self.tp)
 
     def step_stats(self) -> dict[str, Any]:
         """The layout, and for the hand-written path this step's TP collectives: ``tp_comm_calls``,
@@ -161,22 +151,3 @@ class TensorParallel:
             s = self.tp.stats
             out.update(tp_comm_calls=s.calls, tp_comm_bytes=s.bytes, tp_comm_s=s.wait_s)
         return out
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
-def _split_over(p: torch.Tensor) -> tuple[bool, bool]:
-    """Whether the DTensor ``p`` is split over the data-parallel ranks (FSDP) and over the TP ranks (native TP);
-    ``(False, False)`` for a plain tensor. A hand-written TP shard is a plain tensor (or FSDP's DTensor over dp):
-    the plan says it is split (:func:`~torch_handle.parallel.tensor.plan.split_rule`)."""
-    from torch.distributed.tensor.placement_types import _StridedShard
-
-    over = {"dp": False, "tp": False}
-    mesh = getattr(p, "device_mesh", None)
-    for dim_name, placement in zip(getattr(mesh, "mesh_dim_names", None) or (), getattr(p, "placements", ())):
-        # _StridedShard (the fused QKV) is neither a Shard subclass nor is_shard() in torch 2.13
-        if placement.is_shard() or isinstance(placement, _StridedShard):
-            over[dim_name] = True
-    return over["dp"], over["tp"]

@@ -102,7 +102,8 @@ class Trainer:
             from torch_handle.config.layout import pipeline_microbatches
             from torch_handle.train.pipeline_parallel import PipelineParallel
 
-            self.pp = PipelineParallel(p.parallel, self.ctx, pipeline_microbatches(p), self.training.label_smoothing)
+            self.pp = PipelineParallel(p.parallel, self.ctx, pipeline_microbatches(p), self.training.label_smoothing,
+                                       self.tp)
         ctx = self.ctx
         ckpt.seed_everything(p.run.seed)
         data_plugin = self.registry.get("dataset", p.data.name)
@@ -145,7 +146,7 @@ class Trainer:
 
         strategy_plugin = self.registry.get("strategy", p.strategy.name)
         self.strategy: Strategy = strategy_plugin.factory(p.strategy.options, self.training, ctx, model)
-        share = self.tp or self.pp  # a model split over ranks saves and loads its state itself
+        share = self.pp or self.tp  # a model split over ranks saves and loads its state itself (pp: with its TP)
         self.state_io = self.strategy if share is None else share.bind(self.strategy)
         self.loop = self.pp or self.strategy.micro_batch_loop() or GradientAccumulation()
 
@@ -365,11 +366,8 @@ class Trainer:
                 self.strategy.skip_step()
                 record["skipped"] = True
                 grad_norm = float("nan")
-            elif self.tp is not None:  # the norm over the split gradients, clipped here (see TensorParallel.bind)
-                grad_norm = self.tp.before_step(self.strategy.unwrapped(), t.grad_clip or float("inf"))
-                self.strategy.step()
-            elif self.pp is not None:  # the norm over every stage's gradients (see PipelineParallel.bind)
-                grad_norm = self.pp.before_step(t.grad_clip or float("inf"))
+            elif share := self.pp or self.tp:  # the norm over every stage's and shard's gradients, clipped there
+                grad_norm = share.before_step(t.grad_clip or float("inf"))
                 self.strategy.step()
             else:
                 grad_norm = self.strategy.step()

@@ -19,6 +19,7 @@ from torch import nn
 
 from torch_handle.observe.activations import SavedTensorCounter
 from torch_handle.observe.heartbeat import beat
+from torch_handle.parallel.pipeline import data_parallel
 from torch_handle.parallel.pipeline.p2p import StageLink
 from torch_handle.parallel.pipeline.schedules import SCRATCH_SCHEDULES, Action
 from torch_handle.parallel.pipeline.timeline import Timeline
@@ -31,7 +32,8 @@ class ScratchPipeline:
     """Runs one stage of a pipeline (``pp_impl = "scratch"``; one stage per rank).
 
     Args:
-        module: this stage's layers: ``module(h, **inputs)`` with ``h`` None on the first stage.
+        module: this stage's layers: ``module(h, **inputs)`` with ``h`` None on the first stage; a DDP or FSDP2
+            module syncs its gradients over its data-parallel ranks once a step (:mod:`.data_parallel`).
         link: the stage's sends and receives.
         n_stages: p.
         schedule: ``"gpipe"`` or ``"1f1b"`` (:data:`~torch_handle.parallel.pipeline.schedules.SCRATCH_SCHEDULES`).
@@ -57,11 +59,15 @@ class ScratchPipeline:
         parameters' ``.grad`` hold the step's gradients."""
         losses: list[torch.Tensor] = []
         self.saved_bytes, self.peak_saved_bytes = [0] * len(inputs), 0
-        for action in self.order_of(self.n_stages, self.stage, len(inputs)):
+        order = self.order_of(self.n_stages, self.stage, len(inputs))
+        last = max(i for i, action in enumerate(order) if action.kind == "B")
+        for i, action in enumerate(order):
             if action.kind == "F":
-                self._forward(action.microbatch, inputs[action.microbatch], loss_fn, losses)
+                with data_parallel.forward_context(self.module):
+                    self._forward(action.microbatch, inputs[action.microbatch], loss_fn, losses)
             else:
-                self._backward(action.microbatch)
+                self._backward(action.microbatch, last=i == last)
+        data_parallel.reduce_grads(self.module)
         self.link.flush()
         return losses
 
@@ -99,11 +105,11 @@ class ScratchPipeline:
         if not self.is_last:
             self.link.send_activation(out, i)
 
-    def _backward(self, i: int) -> None:
+    def _backward(self, i: int, last: bool) -> None:
         grad = None if self.is_last else self.link.recv_grad(i)
         out, h = self._outputs.pop(i), self._inputs.pop(i)
         beat(f"backward mb {i}")
         with self.timeline.span("B", i, self.stage):
-            torch.autograd.backward(out, grad_tensors=grad)
+            data_parallel.backward(self.module, out, grad, last)  # the data-parallel sync on the stage's last
         if not self.is_first:
             self.link.send_grad(h.grad, i)
