@@ -47,10 +47,49 @@ def _tp_rank(impl: str, tp: Any) -> int:
     return tp.rank if impl == "scratch" else tp.get_local_rank()
 
 
+def _fsdp_over_tp(t: Any) -> bool:
+    """Whether ``t`` is FSDP2's shard of a native TP shard: a DTensor on a ("dp", "tp") mesh."""
+    return isinstance(t, DTensor) and tuple(t.device_mesh.mesh_dim_names or ()) == ("dp", "tp")
+
+
+def _gather_fsdp_over_tp(value: DTensor) -> Tensor:
+    """The one-process tensor of an FSDP2 shard of a native TP shard, gathered one dimension at a time: FSDP2's
+    chunks (``torch.chunk`` on dim 0, possibly uneven) over "dp" into the TP shard, then the TP shard over "tp" by its
+    own placement. ``full_tensor()`` of the 2-D DTensor itself puts the rows of a fused QKV (``_StridedShard`` on
+    "tp" under FSDP2's ``Shard(0)`` on "dp") in the wrong order in torch 2.13."""
+    import torch.distributed as dist
+
+    mesh, chunk = value.device_mesh, value.to_local()
+    group = mesh["dp"].get_group()
+    rows = [torch.zeros((), dtype=torch.long) for _ in range(mesh["dp"].size())]
+    dist.all_gather(rows, torch.tensor(chunk.shape[0] if chunk.dim() else 0), group=group)
+    most = max(int(r) for r in rows)
+    padded = torch.zeros((most, *chunk.shape[1:]), dtype=chunk.dtype, device=chunk.device)
+    padded[:chunk.shape[0]] = chunk
+    parts = [torch.empty_like(padded) for _ in rows]
+    dist.all_gather(parts, padded, group=group)
+    tp_shard = torch.cat([part[:int(r)] for part, r in zip(parts, rows)])
+    return DTensor.from_local(tp_shard, mesh["tp"], [value.placements[1]], run_check=False).full_tensor()
+
+
+def _slice_fsdp_over_tp(full: Tensor, like: DTensor) -> Tensor:
+    """This rank's FSDP2 chunk of its TP shard of ``full`` (the inverse of :func:`_gather_fsdp_over_tp`), a DTensor
+    laid out as ``like``; no communication."""
+    mesh = like.device_mesh
+    tp_shard = distribute_tensor(full, mesh["tp"], [like.placements[1]], src_data_rank=None).to_local()
+    chunks = torch.chunk(tp_shard, mesh["dp"].size(), dim=0)
+    rank = mesh["dp"].get_local_rank()
+    piece = chunks[rank] if rank < len(chunks) else tp_shard[:0]
+    return DTensor.from_local(piece.contiguous(), mesh, like.placements, run_check=False, shape=like.shape,
+                              stride=like.stride())
+
+
 def _full(name: str, value: Tensor, impl: str, plan: Plan, tp: Any) -> Tensor:
     """The one-process tensor of ``value`` (parameter ``name``, or state shaped like it), a CPU copy; a collective
     for a split tensor. A DTensor is gathered first (native TP, or a data-parallel shard of a scratch TP slice)."""
     with torch.no_grad():
+        if _fsdp_over_tp(value):
+            return _gather_fsdp_over_tp(value).detach().to("cpu", copy=True)
         full = value.full_tensor() if isinstance(value, DTensor) else value  # native, or FSDP over scratch
         if impl == "scratch" and full.dim() > 0:
             full = unshard(name, full, plan, tp)
@@ -61,6 +100,8 @@ def _local(name: str, full: Tensor, like: Tensor, impl: str, plan: Plan, tp: Any
     """This rank's slice of the one-process tensor ``full``, laid out as ``like`` (the parameter or its state):
     a DTensor with ``like``'s placements for a DTensor, else a plain tensor. No communication."""
     local = full.detach().to(like.device)
+    if _fsdp_over_tp(like):
+        return _slice_fsdp_over_tp(local, like)
     if impl == "scratch" and local.dim() > 0:
         local = shard(name, local, plan, tp)
     if isinstance(like, DTensor):  # native, or FSDP over scratch
