@@ -67,8 +67,11 @@ CASES = [
     pp_case("encoder-decoder", ["model.kind=encoder-decoder"],
             ["model.kind: 'encoder-decoder' has no pipeline split", "the decoder has one"],
             body=PP + '[data]\nname = "parallel"\npath = "pairs"\n', **PAIRS),
-    pp_case("strategy-without-pipelines", ["strategy.name=scratch-ddp"],
-            ["strategy.name: 'scratch-ddp' does not support parallel.pp = 2", "valid with pp > 1: ddp, fsdp, single"]),
+    pp_case("strategy-without-pipelines", ["strategy.name=scratch-fsdp"],
+            ["strategy.name: 'scratch-fsdp' does not support parallel.pp = 2",
+             "valid with pp > 1: ddp, fsdp, scratch-ddp, single"]),
+    pp_case("zero1-with-pipelines", ["strategy.name=scratch-ddp", "strategy.shard_optimizer=true"],
+            ["strategy.shard_optimizer: with parallel.pp > 1 is not supported", "set it to false, or use fsdp"]),
 ]
 
 

@@ -97,6 +97,8 @@ class ScratchDDPConfig:
     its gradient is ready), bucketed (async all-reduce per bucket of bucket_mb, started as the bucket fills)."""
     bucket_mb: float = param(25.0, gt=0.0)
     """Bucket size in MiB for sync = "bucketed" (buckets fill in reverse registration order, as in DDP)."""
+    pipeline_parallel: ClassVar[bool] = True  # each stage's gradients all-reduced over its data-parallel ranks
+
     shard_optimizer: bool = False
     """ZeRO-1: each rank keeps optimizer state for a balanced share of the parameters, steps it and broadcasts
     the updated parameters; checkpoints hold one optimizer file per rank."""
@@ -132,6 +134,12 @@ def _check_ddp(options, preset) -> None:
     if preset.parallel.tp > 1 and preset.parallel.tp_impl == "native":
         raise InvalidValue("name", "ddp does not wrap DTensor parameters (parallel.tp_impl = 'native'); use fsdp "
                                    "for data x tensor parallelism with DTensor, or parallel.tp_impl = 'scratch'")
+
+
+def _check_scratch_ddp(options, preset) -> None:
+    if options.shard_optimizer and preset.parallel.pp > 1:
+        raise InvalidValue("shard_optimizer", "with parallel.pp > 1 is not supported (ZeRO-1 shards over every "
+                                              "rank, not a stage's data-parallel ranks): set it to false, or use fsdp")
 
 
 def _check_deepspeed(options: DeepSpeedConfig, preset) -> None:
@@ -209,6 +217,7 @@ def handle_register_strategies(register):
              _check_deepspeed)
     register("fsdp", FSDPConfig, build_fsdp, "FSDP2 fully_shard: per-parameter sharding (DTensor)")
     register("scratch-ddp", ScratchDDPConfig, build_scratch_ddp,
-             "data parallelism from scratch: naive/flat/overlap/bucketed all-reduce, optional ZeRO-1")
+             "data parallelism from scratch: naive/flat/overlap/bucketed all-reduce, optional ZeRO-1",
+             _check_scratch_ddp)
     register("scratch-fsdp", ScratchFSDPConfig, build_scratch_fsdp,
              "ZeRO-2/3 from scratch: flat per-unit shards, all-gather and reduce-scatter by hand")

@@ -26,9 +26,9 @@ class TimedStage(PipelineStage):
     """A ``PipelineStage`` that records its actions on ``timeline`` (and, when ``count_saved`` is set, the bytes
     autograd saves for each micro-batch's forward and the most alive at once)."""
 
-    def __init__(self, *args: Any, timeline: Timeline, **kwargs: Any):
+    def __init__(self, *args: Any, timeline: Timeline, grad_sync: data_parallel.GradSync, **kwargs: Any):
         super().__init__(*args, **kwargs)
-        self.timeline = timeline
+        self.timeline, self.grad_sync = timeline, grad_sync
         self.count_saved = False
         self.saved_bytes: dict[int, int] = {}
         self.peak_saved_bytes = 0
@@ -64,11 +64,13 @@ class TimedStage(PipelineStage):
 
     def backward_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
         beat(f"backward mb {bwd_chunk_id} stage {self.stage_index}")
-        with self.timeline.span("B", bwd_chunk_id, self.stage_index):
+        with self.timeline.span("B", bwd_chunk_id, self.stage_index), \
+                self.grad_sync.backward(kwargs.get("last_backward", False)):
             return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
 
     def backward_weight_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
-        with self.timeline.span("W", bwd_chunk_id, self.stage_index):
+        with self.timeline.span("W", bwd_chunk_id, self.stage_index), \
+                self.grad_sync.backward(kwargs.get("last_backward", False)):
             return super().backward_weight_one_chunk(bwd_chunk_id, *args, **kwargs)
 
 
@@ -99,7 +101,9 @@ class NativeEngine:
         return sum(stage.peak_saved_bytes for stage in self.stages)
 
     def step(self, **kwargs: Any) -> Any:
-        return self.schedule.step(**kwargs)
+        out = self.schedule.step(**kwargs)
+        self.stages[0].grad_sync.finish()
+        return out
 
     def eval(self, **kwargs: Any) -> Any:
         return self.schedule.eval(**kwargs)
@@ -108,8 +112,8 @@ class NativeEngine:
 def native_schedule(pp: Any) -> NativeEngine:
     """The :class:`NativeEngine` of :class:`~torch_handle.train.pipeline_parallel.PipelineParallel` ``pp`` (its
     stages built, its group set)."""
-    stages = [TimedStage(module, index, pp.n_stages, pp.ctx.device, group=pp.group, timeline=pp.timeline)
-              for module, index in zip(pp.stages, pp.my_stages)]
+    stages = [TimedStage(module, index, pp.n_stages, pp.ctx.device, group=pp.group, timeline=pp.timeline,
+                         grad_sync=pp.grad_sync) for module, index in zip(pp.stages, pp.my_stages)]
     cls = getattr(pipelining.schedules, NATIVE_SCHEDULES[pp.schedule_name])
     single = pp.schedule_name in ("gpipe", "1f1b")
     schedule = cls(stages[0] if single else stages, n_microbatches=pp.m, loss_fn=pp.native_loss, scale_grads=False)

@@ -35,6 +35,7 @@ from torch_handle.errors import CheckpointError
 from torch_handle.model.kernels import cross_entropy
 from torch_handle.model.pipeline import split_decoder, split_layers, tied_names
 from torch_handle.observe.heartbeat import beat
+from torch_handle.parallel.pipeline import data_parallel
 from torch_handle.parallel.pipeline.p2p import StageLink
 from torch_handle.parallel.pipeline.schedules import stage_ranks
 from torch_handle.parallel.pipeline.scratch import ScratchPipeline
@@ -137,9 +138,11 @@ class PipelineParallel:
         strategy.clips_gradients = False
         if self.tp is not None:
             self.tp.bind(strategy)
+        self.grad_sync = strategy.pipeline_grad_sync() or data_parallel.NoSync()
         if self.impl == "scratch":
             link = StageLink(self.group, self.group_ranks, self.my_stages[0], self.ctx.device, self.timeline)
-            self.engine: Any = ScratchPipeline(self.stages[0], link, self.n_stages, self.schedule_name, self.timeline)
+            self.engine: Any = ScratchPipeline(self.stages[0], link, self.n_stages, self.schedule_name, self.timeline,
+                                               self.grad_sync)
         else:
             from torch_handle.train.pipeline_native import native_schedule
 

@@ -192,6 +192,12 @@ class Strategy:
         this class documents (``accumulating``, ``autocast``, ``backward``). A pipeline is such a loop."""
         return None
 
+    def pipeline_grad_sync(self) -> Any:
+        """Under a pipeline, this strategy's own gradient sync over a stage's data-parallel ranks
+        (:class:`~torch_handle.parallel.pipeline.data_parallel.GradSync`), or None (the default): none, or the one
+        its DDP or FSDP2 stage modules bring."""
+        return None
+
     def accumulating(self, sync: bool) -> ContextManager:
         """Context of one micro-batch; ``sync`` is false for all but the last micro-batch of a step."""
         self._sync = sync

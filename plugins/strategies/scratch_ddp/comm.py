@@ -17,7 +17,8 @@ def grad_or_zeros(p: torch.nn.Parameter) -> torch.Tensor:
 
 
 class CountedAllReduce:
-    """``dist.all_reduce`` (a sum over the default group, in place), counted and timed for ``step_stats``.
+    """``dist.all_reduce`` (a sum over the data-parallel ranks, in place: the default group, or the mesh's "dp"
+    dimension under pipeline parallelism), counted and timed for ``step_stats``.
 
     ``stats`` since the last :meth:`take_stats`: ``allreduce_calls``, ``allreduce_bytes`` (this rank's payload,
     numel × element size of every tensor reduced; a ring all-reduce over N ranks sends 2(N-1)/N times the payload
@@ -30,6 +31,7 @@ class CountedAllReduce:
 
     def __init__(self, ctx: Any) -> None:
         self.ctx = ctx
+        self.group = None if ctx.mesh is None else ctx.mesh["dp"].get_group()
         self.stats = self._zero()
 
     @staticmethod
@@ -43,7 +45,8 @@ class CountedAllReduce:
 
     @property
     def world_size(self) -> int:
-        return self.ctx.world_size
+        """The ranks a gradient is averaged over: the data-parallel degree."""
+        return self.ctx.dp_size
 
     def __call__(self, tensor: torch.Tensor, async_op: bool = False) -> Any:
         """Sum ``tensor`` over the ranks in place.
@@ -54,9 +57,9 @@ class CountedAllReduce:
         self.stats["allreduce_calls"] += 1
         self.stats["allreduce_bytes"] += tensor.numel() * tensor.element_size()
         if async_op:
-            return dist.all_reduce(tensor, async_op=True)
+            return dist.all_reduce(tensor, group=self.group, async_op=True)
         start = time.perf_counter()
-        dist.all_reduce(tensor)
+        dist.all_reduce(tensor, group=self.group)
         self.stats["comm_s"] += time.perf_counter() - start
         return None
 

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
-from typing import Any, ContextManager, Iterable
+from typing import Any, ContextManager, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -60,7 +61,7 @@ class ScratchDDPStrategy(SingleStrategy):
         if self.ctx.distributed:
             with torch.no_grad():
                 for t in [*model.parameters(), *model.buffers()]:
-                    dist.broadcast(t, src=0)
+                    dist.broadcast(t, group=self.all_reduce.group, group_src=0)
         self.synchronizer = self.build_synchronizer(self.params)
         return model
 
@@ -100,6 +101,11 @@ class ScratchDDPStrategy(SingleStrategy):
         super().backward(loss)
         if self._sync:
             self.sync_gradients()
+
+    def pipeline_grad_sync(self) -> Any:
+        """For a pipeline stage's backwards: hooks launch their all-reduces in the stage's last backward only,
+        finished once after the schedule (:class:`~torch_handle.parallel.pipeline.data_parallel.GradSync`)."""
+        return _PipelineSync(self)
 
     def sync_gradients(self) -> None:
         """Average the gradients over the ranks with the synchronizer (a no-op without a process group)."""
@@ -168,3 +174,22 @@ class ScratchDDPStrategy(SingleStrategy):
             self.shards.load(ckpt_dir)
         else:
             super().load(ckpt_dir)
+
+
+class _PipelineSync:
+    """scratch-ddp's gradient sync under a pipeline schedule: the last backward of a stage launches."""
+
+    def __init__(self, strategy: ScratchDDPStrategy) -> None:
+        self.strategy = strategy
+
+    @contextlib.contextmanager
+    def backward(self, last: bool) -> Iterator[None]:
+        self.strategy.synchronizer.last_micro_batch = last
+        try:
+            yield
+        finally:
+            self.strategy.synchronizer.last_micro_batch = False
+
+    def finish(self) -> None:
+        self.strategy.sync_gradients()
+        self.strategy.synchronizer.last_micro_batch = True

@@ -16,11 +16,31 @@ torch's ``PipelineStage`` does for its submodule (``forward_maybe_with_nosync``,
 from __future__ import annotations
 
 import contextlib
-from typing import Any, ContextManager
+from typing import Any, ContextManager, Protocol
 
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+
+
+class GradSync(Protocol):
+    """A strategy's own gradient sync under a pipeline (one that is not a DDP or FSDP2 module: ``scratch-ddp``'s
+    hooks), from ``Strategy.pipeline_grad_sync()``: ``backward(last)`` is the context of each of a stage's
+    backwards (the sync may start only when ``last``), ``finish()`` runs once after the schedule."""
+
+    def backward(self, last: bool) -> ContextManager: ...
+
+    def finish(self) -> None: ...
+
+
+class NoSync:
+    """The :class:`GradSync` of a strategy without one of its own."""
+
+    def backward(self, last: bool) -> ContextManager:
+        return contextlib.nullcontext()
+
+    def finish(self) -> None:
+        pass
 
 
 def _is_fsdp(module: nn.Module) -> bool:

@@ -38,10 +38,14 @@ class ScratchPipeline:
         n_stages: p.
         schedule: ``"gpipe"`` or ``"1f1b"`` (:data:`~torch_handle.parallel.pipeline.schedules.SCRATCH_SCHEDULES`).
         timeline: records each F and B.
+        grad_sync: a strategy's own gradient sync (``scratch-ddp``), started in the stage's last backward and
+            finished after the schedule.
     """
 
-    def __init__(self, module: nn.Module, link: StageLink, n_stages: int, schedule: str, timeline: Timeline):
+    def __init__(self, module: nn.Module, link: StageLink, n_stages: int, schedule: str, timeline: Timeline,
+                 grad_sync: data_parallel.GradSync | None = None):
         self.module, self.link, self.n_stages, self.timeline = module, link, n_stages, timeline
+        self.grad_sync = grad_sync or data_parallel.NoSync()
         self.stage = link.stage
         self.order_of: Callable[[int, int, int], list[Action]] = SCRATCH_SCHEDULES[schedule]
         self.is_first, self.is_last = self.stage == 0, self.stage == n_stages - 1
@@ -68,6 +72,7 @@ class ScratchPipeline:
             else:
                 self._backward(action.microbatch, last=i == last)
         data_parallel.reduce_grads(self.module)
+        self.grad_sync.finish()
         self.link.flush()
         return losses
 
@@ -110,6 +115,7 @@ class ScratchPipeline:
         out, h = self._outputs.pop(i), self._inputs.pop(i)
         beat(f"backward mb {i}")
         with self.timeline.span("B", i, self.stage):
-            data_parallel.backward(self.module, out, grad, last)  # the data-parallel sync on the stage's last
+            with self.grad_sync.backward(last):  # the data-parallel sync in the stage's last backward
+                data_parallel.backward(self.module, out, grad, last)
         if not self.is_first:
             self.link.send_grad(h.grad, i)
