@@ -175,8 +175,9 @@ def _ms(seconds: float | None) -> str:
 
 
 def scaling_table(records: list[dict[str, Any]]):
-    """A rich Table: strategy, ranks, status, tokens/s, step time and phases (ms, medians), efficiency, and the
-    largest per-rank memory peaks (rss, model state = param + grad + optimizer; CUDA max allocated if any)."""
+    """A rich Table: strategy, layout (with ``--layouts``), ranks, status, tokens/s, step time and phases (ms,
+    medians), efficiency, and the largest per-rank memory peaks (rss, model state = param + grad + optimizer; CUDA
+    max allocated if any)."""
     from rich.table import Table
 
     cuda = any(m.get("cuda_max_allocated_bytes") is not None for r in records for m in r.get("memory") or [])
@@ -291,7 +292,7 @@ def _layout_plots(ok: list[dict[str, Any]], width: int, height: int, color: bool
               help="Intra-op threads per rank in every run (OMP_NUM_THREADS); default: OMP_NUM_THREADS if set, "
                    "else the launcher's cores / ranks, which differs between world sizes.")
 @click.option("--json", "as_json", is_flag=True,
-              help="One JSON object per strategy and world size per line on stdout, nothing else.")
+              help="One JSON object per run (strategy and world size or layout) per line on stdout, nothing else.")
 @click.option("--output-dir", type=click.Path(path_type=Path), default=None, metavar="DIR",
               help=f"Runs and results go to DIR/scaling-<UTC time>/ (default DIR: {DEFAULT_OUTPUT_DIR}).")
 def scaling(preset: str, overrides: tuple[str, ...], nproc_spec: str | None, strategies_spec: str | None,
@@ -323,7 +324,8 @@ def scaling(preset: str, overrides: tuple[str, ...], nproc_spec: str | None, str
     Examples:
       handle bench scaling presets/ddp.toml --nproc 1,2 --steps 12
       handle bench scaling presets/ddp.toml --nproc 2,4 --tp 1,2 --steps 12
-      handle bench scaling presets/scratch-ddp.toml --layouts dp1,dp2,tp2,pp2,dp2xtp2 --steps 12
+      handle bench scaling presets/ddp.toml --layouts dp1,dp2,tp2,pp2,dp2xtp2 --steps 12 \\
+        --set parallel.tp_impl=scratch --set training.grad_accum=2
     """
     plan = _validate(preset, overrides, nproc_spec, strategies_spec, tp_spec, layouts_spec, steps, skip, weak,
                      threads, output_dir)
@@ -417,7 +419,8 @@ def _header(plan: ScalingPlan, as_json: bool) -> dict[str, Any]:
     for line in header:
         click.echo(line, err=as_json)
     return {"kind": "scaling", "status": "running", "preset": plan.preset, "overrides": list(plan.overrides),
-            "mode": mode, "nproc": nprocs, "strategies": [r["label"] for r in plan.runs], "steps": t.steps,
+            "mode": mode, "nproc": nprocs, "strategies": [r["label"] for r in plan.runs],
+            "layouts": [r["layout"] for r in plan.runs if r["layout"]] or None, "steps": t.steps,
             "skip": n_skip, "cores": cores, "omp_num_threads": omp, "load_avg_1m": round(load, 2),
             "notes": plan.notes, "header": header, "start_time": time.time(), "results": []}
 

@@ -335,8 +335,8 @@ def add_efficiency(records: list[dict[str, Any]]) -> None:
         r["efficiency"] = efficiency(r["tokens_per_s"], r["nproc"], base[1], base[0]) if ok else None
 
 
-CSV_COLUMNS = ("strategy", "plugin", "layout", "nproc", "status", "message", "mode", "micro_batch_size",
-               "grad_accum", "global_batch", "dp", "tp", "pp", "measured_steps", "tokens_per_s", "step_time_s",
+CSV_COLUMNS = ("strategy", "plugin", "nproc", "status", "message", "mode", "micro_batch_size", "grad_accum",
+               "global_batch", "dp", "tp", "pp", "layout", "measured_steps", "tokens_per_s", "step_time_s",
                "efficiency", "base_nproc", *BREAKDOWN, "comm_dp_s", "comm_tp_s", "comm_pp_s", "peak_rss_bytes",
                "peak_model_state_bytes", "peak_cuda_max_allocated_bytes", "threads_per_rank", "oversubscribed",
                "load_avg_1m", "wall_s", "run_dir")
