@@ -56,12 +56,13 @@ def test_bad_layouts_exit_2_with_one_line(monkeypatch, tmp_path, args, message):
 
 @pytest.mark.dist
 def test_real_dp1_and_pp2_json(tmp_path):
-    """The pp2 run's step events carry ``comm`` (rank 0's pipeline receive wait), and its median reaches the JSON."""
+    """The pp2 run's step events carry ``comm`` (rank 0's receive wait in the hand-written pipeline), and its
+    median reaches the JSON."""
     env, tag = tagged_env()
     t0 = time.perf_counter()
     proc = handle("bench", "scaling", str(write_tiny(tmp_path)), "--layouts", "dp1,pp2", "--steps", "2", "--skip",
-                  "1", "--set", "training.grad_accum=2", "--json", "--output-dir", str(tmp_path / "bench"), env=env,
-                  timeout=300)
+                  "1", "--set", "training.grad_accum=2", "--set", "parallel.pp_impl=scratch", "--json",
+                  "--output-dir", str(tmp_path / "bench"), env=env, timeout=300)
     wall = time.perf_counter() - t0
     assert proc.returncode == 0, proc.stdout + proc.stderr
     records = [json.loads(line) for line in proc.stdout.splitlines()]

@@ -7,8 +7,9 @@ import math
 from torch_handle.observe.comm import comm_fields, read_comm
 from torch_handle.observe.state import RunState
 
-PIPELINE = {"schedule": "1f1b", "pp": 2, "ranks": [{"busy_s": 0.03, "wait_s": 0.004, "idle_s": 0.0},
-                                                    {"busy_s": 0.03, "wait_s": 0.009, "idle_s": 0.001}]}
+PIPELINE = {"schedule": "1f1b", "pp": 2, "impl": "scratch",
+            "ranks": [{"busy_s": 0.03, "wait_s": 0.004, "idle_s": 0.0},
+                      {"busy_s": 0.03, "wait_s": 0.009, "idle_s": 0.001}]}
 
 
 def test_every_dimension_from_the_field_it_is_read_from() -> None:
@@ -25,6 +26,9 @@ def test_only_dimensions_above_1_and_only_what_was_measured() -> None:
     # native TP reports no tp_comm_s, dp = 1: nothing to say
     assert comm_fields({"layout": {"dp": 1, "tp": 2}, "comm_s": 0.1}) == {}
     assert comm_fields({"layout": {"dp": 1, "tp": 1, "pp": 2}, "pipeline": PIPELINE}) == {"comm": {"pp": 0.004}}
+    # torch's schedules wait where a stage cannot observe it (wait_s 0 by construction): pp is left out
+    native = {**PIPELINE, "impl": "native", "ranks": [{"busy_s": 0.03, "wait_s": 0, "idle_s": 0.01}] * 2}
+    assert comm_fields({"layout": {"dp": 1, "tp": 1, "pp": 2}, "pipeline": native}) == {}
 
 
 def test_no_layout_or_malformed_fields_give_nothing() -> None:

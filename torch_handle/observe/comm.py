@@ -6,7 +6,8 @@ from what the event already carries (rank 0's figures, seconds of the step):
 - ``tp``: the step's tensor-parallel collectives, ``tp_comm_s`` (``tp_impl = "scratch"``; native DTensor TP
   reports none);
 - ``pp``: rank 0's blocked receives in the pipeline schedule, ``pipeline.ranks[0].wait_s``
-  (:func:`torch_handle.parallel.pipeline.timeline.summarize`).
+  (:func:`torch_handle.parallel.pipeline.timeline.summarize`; ``pp_impl = "scratch"``: torch's schedules wait
+  inside the schedule, where a stage cannot observe it, and report 0, so ``pipeline.impl = "native"`` gives none).
 
 Only the dimensions of degree > 1 in the event's ``layout`` appear. Standard library only.
 """
@@ -22,7 +23,9 @@ DIMENSIONS = ("dp", "tp", "pp")
 
 
 def _pipeline_wait(pipeline: Any) -> Any:
-    ranks = pipeline.get("ranks") if isinstance(pipeline, dict) else None
+    if not isinstance(pipeline, dict) or pipeline.get("impl") == "native":
+        return None
+    ranks = pipeline.get("ranks")
     first = ranks[0] if isinstance(ranks, list) and ranks else None
     return first.get("wait_s") if isinstance(first, dict) else None
 
