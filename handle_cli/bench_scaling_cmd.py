@@ -217,52 +217,42 @@ def scaling_plots(records: list[dict[str, Any]], width: int = 100, height: int =
     import plotext as plt
 
     ok = [r for r in records if r.get("tokens_per_s") is not None and r["status"] == "finished"]
-    if any(r.get("layout") for r in ok):
-        return _layout_plots(ok, width, height, color)
-    strategies = list(dict.fromkeys(r["strategy"] for r in ok))
+    layouts = any(r.get("layout") for r in ok)
+    titles = (("tokens/s (global) by layout", "scaling efficiency by layout (1.0 = linear in ranks)") if layouts
+              else ("tokens/s (global) by world size", "scaling efficiency by world size (1.0 = linear)"))
+    out = []
+    for key, title in zip(("tokens_per_s", "efficiency"), titles):
+        plt.clear_figure()
+        plt.limitsize(False, False)
+        plt.plotsize(width, height)
+        plt.theme("pro" if color else "clear")
+        (_draw_bars if layouts else _draw_lines)(plt, ok, key, color)
+        plt.title(title)
+        text = plt.build()
+        out.append(text if color else plt.uncolorize(text))
+    plt.clear_figure()
+    return "\n".join(out)
+
+
+def _draw_lines(plt: Any, ok: list[dict[str, Any]], key: str, color: bool) -> None:
+    """``key`` against the world size, one line per strategy."""
     sizes = sorted({r["nproc"] for r in ok})
-    out = []
-    for key, title in (("tokens_per_s", "tokens/s (global) by world size"),
-                       ("efficiency", "scaling efficiency by world size (1.0 = linear)")):
-        plt.clear_figure()
-        plt.limitsize(False, False)
-        plt.plotsize(width, height)
-        plt.theme("pro" if color else "clear")
-        for i, label in enumerate(strategies):
-            rows = sorted((r for r in ok if r["strategy"] == label and r.get(key) is not None),
-                          key=lambda r: r["nproc"])
-            if rows:
-                plt.plot([r["nproc"] for r in rows], [r[key] for r in rows], label=label,
-                         marker="braille" if color else "*o+x#@%&"[i % 8])
-        if key == "efficiency":
-            plt.ylim(0, max([1.1, *(r["efficiency"] * 1.1 for r in ok if r.get("efficiency"))]))
-        plt.xticks(sizes, [str(s) for s in sizes])
-        plt.title(title)
-        plt.xlabel("world size (ranks)")
-        text = plt.build()
-        out.append(text if color else plt.uncolorize(text))
-    plt.clear_figure()
-    return "\n".join(out)
+    for i, label in enumerate(dict.fromkeys(r["strategy"] for r in ok)):
+        rows = sorted((r for r in ok if r["strategy"] == label and r.get(key) is not None), key=lambda r: r["nproc"])
+        if rows:
+            plt.plot([r["nproc"] for r in rows], [r[key] for r in rows], label=label,
+                     marker="braille" if color else "*o+x#@%&"[i % 8])
+    if key == "efficiency":
+        plt.ylim(0, max([1.1, *(r["efficiency"] * 1.1 for r in ok if r.get("efficiency"))]))
+    plt.xticks(sizes, [str(s) for s in sizes])
+    plt.xlabel("world size (ranks)")
 
 
-def _layout_plots(ok: list[dict[str, Any]], width: int, height: int, color: bool) -> str:
-    import plotext as plt
-
+def _draw_bars(plt: Any, ok: list[dict[str, Any]], key: str, color: bool) -> None:
+    """``key`` of each run, one bar per layout (``strategy layout`` with several strategies)."""
     one = len({r["strategy"] for r in ok}) == 1
-    names = [r["layout"] if one else f"{r['strategy']} {r['layout']}" for r in ok]
-    out = []
-    for key, title in (("tokens_per_s", "tokens/s (global) by layout"),
-                       ("efficiency", "scaling efficiency by layout (1.0 = linear in ranks)")):
-        plt.clear_figure()
-        plt.limitsize(False, False)
-        plt.plotsize(width, height)
-        plt.theme("pro" if color else "clear")
-        plt.bar(names, [r.get(key) or 0.0 for r in ok], width=0.5)
-        plt.title(title)
-        text = plt.build()
-        out.append(text if color else plt.uncolorize(text))
-    plt.clear_figure()
-    return "\n".join(out)
+    plt.bar([r["layout"] if one else f"{r['strategy']} {r['layout']}" for r in ok], [r.get(key) or 0.0 for r in ok],
+            width=0.5)
 
 
 @click.command("scaling")
