@@ -45,13 +45,15 @@ class ScalingPlan:
 
 
 def _scaling_plan(preset: str, overrides: tuple[str, ...], nprocs: list[int], labels: list[str] | None,
-                  steps: int | None, skip: int, strong: bool, tps: list[int] | None = None
-                  ) -> tuple[list[dict[str, Any]], list[str], Any]:
-    """Validate every (strategy, world size, tp) preset before anything starts: ``(runs, notes, base preset)``,
-    each run ``{"label", "spec", "nproc", "tp", "dp", "overrides", "preset", "micro_batch_size", "grad_accum",
-    "global_batch"}`` (the sweep: :func:`torch_handle.plan.bench_scaling.sweep`). Bad input: one line, exit 2."""
+                  steps: int | None, skip: int, strong: bool, tps: list[int] | None = None,
+                  layouts: list[scaling_math.LayoutSpec] | None = None) -> tuple[list[dict[str, Any]], list[str], Any]:
+    """Validate every (strategy, world size, tp or layout) preset before anything starts: ``(runs, notes, base
+    preset)``, each run ``{"label", "layout", "name", "spec", "nproc", "dp", "tp", "pp", "overrides", "preset",
+    "micro_batch_size", "grad_accum", "global_batch"}`` (the sweep: :func:`torch_handle.plan.bench_scaling.sweep`
+    or :func:`~torch_handle.plan.bench_scaling.layout_runs`). A layout the preset's validation refuses is left
+    out with its reason as a note. Bad input: one line, exit 2."""
     from torch_handle.config.loader import load_preset
-    from torch_handle.errors import USER_ERRORS
+    from torch_handle.errors import USER_ERRORS, PresetError
     from torch_handle.launch.run import check_data
     from torch_handle.registry import get_registry
 
@@ -82,7 +84,10 @@ def _scaling_plan(preset: str, overrides: tuple[str, ...], nprocs: list[int], la
     specs = [s for s in specs if s.plugin in registered]
     sweeps = []
     for spec in specs:
-        spec_runs, spec_notes = scaling_math.sweep(spec, nprocs, tps)
+        if layouts is None:
+            spec_runs, spec_notes = scaling_math.sweep(spec, nprocs, tps)
+        else:
+            spec_runs, spec_notes = scaling_math.layout_runs(spec, layouts)
         sweeps += spec_runs
         notes += [n for n in spec_notes if n not in notes]
     mbs0, ga0 = base.training.micro_batch_size, base.training.grad_accum
@@ -96,19 +101,25 @@ def _scaling_plan(preset: str, overrides: tuple[str, ...], nprocs: list[int], la
             try:
                 mbs, ga = scaling_math.strong_batch(global_batch, mbs0, ga0, dp)
             except ValueError:
-                unit = "replicas" if any((r.tp or 1) > 1 for r in sweeps) else "ranks"  # dp = ranks without TP
+                unit = "replicas" if any(r.dp != r.nproc for r in sweeps) else "ranks"  # dp = ranks without TP/PP
                 fail(f"--strong: the global batch of {global_batch} samples (micro_batch_size {mbs0} x "
                      f"grad_accum {ga0} x {dp0} {unit}) does not divide over {dp} {unit} (choose other "
                      f"--nproc or set training.micro_batch_size)")
+        name = f"{run.label}-{run.layout}" if run.layout else f"{run.label}-n{n}"
         extra = [*run.overrides, f"launch.nproc_per_node={n}", "launch.max_restarts=0",
-                 f"run.name={run.label}-n{n}", f"training.micro_batch_size={mbs}", f"training.grad_accum={ga}"]
+                 f"run.name={name}", f"training.micro_batch_size={mbs}", f"training.grad_accum={ga}"]
         try:
             loaded = load_preset(preset, [*user, *extra])
         except USER_ERRORS as e:
-            fail(f"{run.label} on {_ranks(n)}: {e}")
-        runs.append({"label": run.label, "spec": run.spec, "nproc": n, "tp": loaded.parallel.tp,
-                     "dp": n // loaded.parallel.tp, "overrides": [*user, *extra], "preset": loaded,
-                     "micro_batch_size": mbs, "grad_accum": ga, "global_batch": mbs * ga * (n // loaded.parallel.tp)})
+            if run.layout is None:
+                fail(f"{run.label} on {_ranks(n)}: {e}")
+            reason = f"{e.key}: {e.message}" if isinstance(e, PresetError) and e.key else str(e)
+            notes.append(f"{run.label} {run.layout} skipped: {reason}")
+            continue
+        dp = n // (loaded.parallel.tp * loaded.parallel.pp)
+        runs.append({"label": run.label, "layout": run.layout, "name": name, "spec": run.spec, "nproc": n,
+                     "dp": dp, "tp": loaded.parallel.tp, "pp": loaded.parallel.pp, "overrides": [*user, *extra],
+                     "preset": loaded, "micro_batch_size": mbs, "grad_accum": ga, "global_batch": mbs * ga * dp})
     if not runs:
         fail("nothing to run: " + "; ".join(notes))
     return runs, notes, base
@@ -139,7 +150,8 @@ def _scaling_record(run: dict[str, Any], rc: int, info: dict[str, Any], events: 
     if rc == 0 and (not summary["measured_steps"] or summary["tokens_per_s"] is None):
         status, message = "failed", f"no step events after the first {skip} (see {run_dir}/events.jsonl)"
     omp = os.environ.get("OMP_NUM_THREADS")
-    return {"strategy": run["label"], "plugin": run["spec"].plugin, "nproc": n, "dp": run["dp"], "tp": run["tp"],
+    return {"strategy": run["label"], "plugin": run["spec"].plugin, "layout": run["layout"], "nproc": n,
+            "dp": run["dp"], "tp": run["tp"], "pp": run["pp"],
             "status": status, "message": message, "mode": mode, "micro_batch_size": run["micro_batch_size"],
             "grad_accum": run["grad_accum"], "global_batch": run["global_batch"], **summary,
             "efficiency": None, "base_nproc": None, "base_tokens_per_s": None,
@@ -152,18 +164,27 @@ def _ranks(n: int) -> str:
     return f"{n} rank{'s' if n != 1 else ''}"
 
 
+def _what(r: dict[str, Any]) -> str:
+    """How a run or record is named in messages: ``ddp on 2 ranks``, ``ddp dp2xtp2 on 4 ranks``."""
+    label = r.get("label") or r["strategy"]
+    return f"{label}{' ' + r['layout'] if r.get('layout') else ''} on {_ranks(r['nproc'])}"
+
+
 def _ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds * 1e3:,.1f}"
 
 
 def scaling_table(records: list[dict[str, Any]]):
-    """A rich Table: strategy, ranks, status, tokens/s, step time and phases (ms, medians), efficiency, and the
-    largest per-rank memory peaks (rss, model state = param + grad + optimizer; CUDA max allocated if any)."""
+    """A rich Table: strategy, layout (with ``--layouts``), ranks, status, tokens/s, step time and phases (ms,
+    medians), efficiency, and the largest per-rank memory peaks (rss, model state = param + grad + optimizer; CUDA
+    max allocated if any)."""
     from rich.table import Table
 
     cuda = any(m.get("cuda_max_allocated_bytes") is not None for r in records for m in r.get("memory") or [])
     table = Table(header_style="bold")
-    columns = [("strategy", "left"), ("ranks", "right"), ("status", "left"), ("tokens/s", "right"),
+    layouts = any(r.get("layout") for r in records)
+    columns = [("strategy", "left"), *([("layout", "left")] if layouts else []), ("ranks", "right"),
+               ("status", "left"), ("tokens/s", "right"),
                ("step ms", "right"), ("eff.", "right"), ("rss", "right"), ("state", "right")]
     columns += [("cuda", "right")] if cuda else []
     columns += [(label, "right") for label, _ in scaling_math.TABLE_PARTS]
@@ -178,7 +199,8 @@ def scaling_table(records: list[dict[str, Any]]):
         memory = r.get("memory") or []
         eff = r.get("efficiency")
         status = "ok" if r["status"] == "finished" else f"[bold red]{r['status']}[/]"
-        row = [r["strategy"], f"{r['nproc']}{'*' if r.get('oversubscribed') else ''}", status,
+        row = [r["strategy"], *([r.get("layout") or "-"] if layouts else []),
+               f"{r['nproc']}{'*' if r.get('oversubscribed') else ''}", status,
                "-" if r.get("tokens_per_s") is None else f"{r['tokens_per_s']:,.0f}", _ms(r.get("step_time_s")),
                "-" if eff is None else f"{eff:.2f}",
                fmt_bytes(scaling_math.peak_over_ranks(memory, "rss_bytes")),
@@ -191,43 +213,54 @@ def scaling_table(records: list[dict[str, Any]]):
 
 def scaling_plots(records: list[dict[str, Any]], width: int = 100, height: int = 14, color: bool = False) -> str:
     """Two plotext plots drawn into a string: tokens/s and scaling efficiency against world size, one line per
-    strategy (finished runs only)."""
+    strategy (finished runs only); with layouts, one bar per run instead."""
     import plotext as plt
 
     ok = [r for r in records if r.get("tokens_per_s") is not None and r["status"] == "finished"]
-    strategies = list(dict.fromkeys(r["strategy"] for r in ok))
-    sizes = sorted({r["nproc"] for r in ok})
+    layouts = any(r.get("layout") for r in ok)
+    titles = (("tokens/s (global) by layout", "scaling efficiency by layout (1.0 = linear in ranks)") if layouts
+              else ("tokens/s (global) by world size", "scaling efficiency by world size (1.0 = linear)"))
     out = []
-    for key, title in (("tokens_per_s", "tokens/s (global) by world size"),
-                       ("efficiency", "scaling efficiency by world size (1.0 = linear)")):
+    for key, title in zip(("tokens_per_s", "efficiency"), titles):
         plt.clear_figure()
         plt.limitsize(False, False)
         plt.plotsize(width, height)
         plt.theme("pro" if color else "clear")
-        for i, label in enumerate(strategies):
-            rows = sorted((r for r in ok if r["strategy"] == label and r.get(key) is not None),
-                          key=lambda r: r["nproc"])
-            if rows:
-                plt.plot([r["nproc"] for r in rows], [r[key] for r in rows], label=label,
-                         marker="braille" if color else "*o+x#@%&"[i % 8])
-        if key == "efficiency":
-            plt.ylim(0, max([1.1, *(r["efficiency"] * 1.1 for r in ok if r.get("efficiency"))]))
-        plt.xticks(sizes, [str(s) for s in sizes])
+        (_draw_bars if layouts else _draw_lines)(plt, ok, key, color)
         plt.title(title)
-        plt.xlabel("world size (ranks)")
         text = plt.build()
         out.append(text if color else plt.uncolorize(text))
     plt.clear_figure()
     return "\n".join(out)
 
 
+def _draw_lines(plt: Any, ok: list[dict[str, Any]], key: str, color: bool) -> None:
+    """``key`` against the world size, one line per strategy."""
+    sizes = sorted({r["nproc"] for r in ok})
+    for i, label in enumerate(dict.fromkeys(r["strategy"] for r in ok)):
+        rows = sorted((r for r in ok if r["strategy"] == label and r.get(key) is not None), key=lambda r: r["nproc"])
+        if rows:
+            plt.plot([r["nproc"] for r in rows], [r[key] for r in rows], label=label,
+                     marker="braille" if color else "*o+x#@%&"[i % 8])
+    if key == "efficiency":
+        plt.ylim(0, max([1.1, *(r["efficiency"] * 1.1 for r in ok if r.get("efficiency"))]))
+    plt.xticks(sizes, [str(s) for s in sizes])
+    plt.xlabel("world size (ranks)")
+
+
+def _draw_bars(plt: Any, ok: list[dict[str, Any]], key: str, color: bool) -> None:
+    """``key`` of each run, one bar per layout (``strategy layout`` with several strategies)."""
+    one = len({r["strategy"] for r in ok}) == 1
+    plt.bar([r["layout"] if one else f"{r['strategy']} {r['layout']}" for r in ok], [r.get(key) or 0.0 for r in ok],
+            width=0.5)
+
 
 @click.command("scaling")
 @click.argument("preset")
 @click.option("--set", "overrides", multiple=True, metavar="TABLE.KEY=VALUE",
               help="Override a preset key for every run (repeatable), as in handle run.")
-@click.option("--nproc", "nproc_spec", default="1,2", show_default=True, metavar="N[,N...]",
-              help="World sizes (ranks on this machine) to measure.")
+@click.option("--nproc", "nproc_spec", default=None, metavar="N[,N...]",
+              help="World sizes (ranks on this machine) to measure  [default: 1,2].")
 @click.option("--strategies", "strategies_spec", default=None, metavar="S[,S...]",
               help=f"Strategies to compare: {', '.join(scaling_math.STRATEGY_NAMES)} (scratch-* only where that "
                    "plugin is registered); default: the preset's own.")
@@ -239,6 +272,9 @@ def scaling_plots(records: list[dict[str, Any]], width: int = 100, height: int =
 @click.option("--tp", "tp_spec", default=None, metavar="N[,N...]",
               help="Tensor-parallel degrees to sweep: each world size runs with each N that divides it (--set "
                    "parallel.tp=N; strategy single where dp = world / N is 1); default: the preset's own.")
+@click.option("--layouts", "layouts_spec", default=None, metavar="L[,L...]",
+              help=f"Layouts to measure instead of --nproc/--tp: {scaling_math.LAYOUT_FORMS}; each runs on its "
+                   "product of ranks (dp2xtp2: 4) with parallel.tp and parallel.pp set.")
 @click.option("--weak/--strong", "weak", default=True, show_default=True,
               help="weak: the per-rank batch stays fixed; strong: the global batch of the smallest world size "
                    "stays fixed (grad_accum, else micro_batch_size, adjusted).")
@@ -246,12 +282,12 @@ def scaling_plots(records: list[dict[str, Any]], width: int = 100, height: int =
               help="Intra-op threads per rank in every run (OMP_NUM_THREADS); default: OMP_NUM_THREADS if set, "
                    "else the launcher's cores / ranks, which differs between world sizes.")
 @click.option("--json", "as_json", is_flag=True,
-              help="One JSON object per strategy and world size per line on stdout, nothing else.")
+              help="One JSON object per run (strategy and world size or layout) per line on stdout, nothing else.")
 @click.option("--output-dir", type=click.Path(path_type=Path), default=None, metavar="DIR",
               help=f"Runs and results go to DIR/scaling-<UTC time>/ (default DIR: {DEFAULT_OUTPUT_DIR}).")
-def scaling(preset: str, overrides: tuple[str, ...], nproc_spec: str, strategies_spec: str | None,
-            tp_spec: str | None, steps: str | None, skip: str, weak: bool, threads: str | None, as_json: bool,
-            output_dir: Path | None) -> None:
+def scaling(preset: str, overrides: tuple[str, ...], nproc_spec: str | None, strategies_spec: str | None,
+            tp_spec: str | None, layouts_spec: str | None, steps: str | None, skip: str, weak: bool,
+            threads: str | None, as_json: bool, output_dir: Path | None) -> None:
     """Measure how training throughput scales with the world size, per strategy, with short real runs.
 
     Each (strategy, world size) is one run of PRESET through handle run's launcher, a run directory under
@@ -267,29 +303,42 @@ def scaling(preset: str, overrides: tuple[str, ...], nproc_spec: str, strategies
     Strategies: ddp, zero0..zero3 (DeepSpeed stages), fsdp, single (world size 1), scratch-ddp and
     scratch-zero1 (where registered). With --tp each world size also runs with each tensor-parallel degree
     that divides it, as the series <strategy>-tp<N> (dp = world / N replicas; global batch and --strong
-    count replicas, not ranks). Prints a table and plots (--json: JSON lines) and writes results.csv and
-    results.json. Exit code: 0 every run finished, 1 a run failed (the others still run), 2 bad input
-    (nothing started), 130 stopped by Ctrl-C (the current run's workers stopped).
+    count replicas, not ranks). With --layouts each item is one run on dp x tp x pp ranks (parallel.tp and
+    parallel.pp set; single where dp = 1), a layout column in the table, efficiency against the strategy's
+    smallest run; a layout the preset's checks refuse is skipped with their reason. Prints a table and plots
+    (--json: JSON lines) and writes results.csv and results.json. Exit code: 0 every run finished, 1 a run
+    failed (the others still run), 2 bad input (nothing started), 130 stopped by Ctrl-C (the current run's
+    workers stopped).
 
     \b
     Examples:
       handle bench scaling presets/ddp.toml --nproc 1,2 --steps 12
       handle bench scaling presets/ddp.toml --nproc 2,4 --tp 1,2 --steps 12
+      handle bench scaling presets/ddp.toml --layouts dp1,dp2,tp2,pp2,dp2xtp2 --steps 12 \\
+        --set parallel.tp_impl=scratch --set training.grad_accum=2
     """
-    plan = _validate(preset, overrides, nproc_spec, strategies_spec, tp_spec, steps, skip, weak, threads,
-                     output_dir)
+    plan = _validate(preset, overrides, nproc_spec, strategies_spec, tp_spec, layouts_spec, steps, skip, weak,
+                     threads, output_dir)
     meta = _header(plan, as_json)
     records, stopped = _run(plan, meta, as_json)
     _results(plan, meta, records, stopped, as_json)
 
 
-def _validate(preset: str, overrides: tuple[str, ...], nproc_spec: str, strategies_spec: str | None,
-              tp_spec: str | None, steps: str | None, skip: str, weak: bool, threads: str | None,
-              output_dir: Path | None) -> ScalingPlan:
+def _validate(preset: str, overrides: tuple[str, ...], nproc_spec: str | None, strategies_spec: str | None,
+              tp_spec: str | None, layouts_spec: str | None, steps: str | None, skip: str, weak: bool,
+              threads: str | None, output_dir: Path | None) -> ScalingPlan:
     """Every option and every run's preset checked before anything starts (a one-line error, exit 2), then the
     output directory."""
+    layouts = None
+    if layouts_spec is not None:
+        if nproc_spec is not None or tp_spec is not None:
+            fail("--layouts sets each run's world size and tp: leave out --nproc and --tp")
+        try:
+            layouts = scaling_math.parse_layouts(layouts_spec)
+        except ValueError as e:
+            fail(f"--layouts: {e}")
     try:
-        nprocs = scaling_math.parse_nproc(nproc_spec)
+        nprocs = scaling_math.parse_nproc(nproc_spec or "1,2")
     except ValueError as e:
         fail(f"--nproc: {e}")
     try:
@@ -307,7 +356,9 @@ def _validate(preset: str, overrides: tuple[str, ...], nproc_spec: str, strategi
     from handle_cli.presets_cmd import resolve_preset_spec
 
     preset = resolve_preset_spec(preset)
-    runs, notes, base = _scaling_plan(preset, overrides, nprocs, labels, n_steps, n_skip, not weak, tps)
+    runs, notes, base = _scaling_plan(preset, overrides, nprocs, labels, n_steps, n_skip, not weak, tps, layouts)
+    if layouts is not None:
+        nprocs = sorted({r["nproc"] for r in runs})
     return ScalingPlan(preset, base, runs, notes, nprocs, n_skip, weak, n_threads, overrides,
                        new_dir(parent, "scaling"))
 
@@ -332,7 +383,10 @@ def _header(plan: ScalingPlan, as_json: bool) -> dict[str, Any]:
               (f"efficiency = tokens/s at N / (N/B x tokens/s at B), B = each strategy's smallest world size "
                f"measured (here {nprocs[0]})")]
     tps = sorted({r["tp"] for r in plan.runs})
-    if tps[-1] > 1:
+    if plan.runs[0]["layout"]:
+        header.append(f"layouts: {', '.join(dict.fromkeys(r['layout'] for r in plan.runs))}, each on dp x tp x pp "
+                      f"ranks (single where dp = 1); the global batch counts replicas (dp)")
+    elif tps[-1] > 1:
         header.append(f"tensor parallel: tp {', '.join(map(str, tps))}, series <strategy>-tp<N> on dp = world size / "
                       f"N replicas (single where dp = 1); the global batch counts replicas")
     per_rank = {n: scaling_math.threads_per_rank(n, cores, omp) for n in nprocs}
@@ -355,7 +409,8 @@ def _header(plan: ScalingPlan, as_json: bool) -> dict[str, Any]:
     for line in header:
         click.echo(line, err=as_json)
     return {"kind": "scaling", "status": "running", "preset": plan.preset, "overrides": list(plan.overrides),
-            "mode": mode, "nproc": nprocs, "strategies": [r["label"] for r in plan.runs], "steps": t.steps,
+            "mode": mode, "nproc": nprocs, "strategies": [r["label"] for r in plan.runs],
+            "layouts": [r["layout"] for r in plan.runs if r["layout"]] or None, "steps": t.steps,
             "skip": n_skip, "cores": cores, "omp_num_threads": omp, "load_avg_1m": round(load, 2),
             "notes": plan.notes, "header": header, "start_time": time.time(), "results": []}
 
@@ -368,9 +423,8 @@ def _run(plan: ScalingPlan, meta: dict[str, Any], as_json: bool) -> tuple[list[d
     progress_tty = sys.stderr.isatty()
     stopped = False
     for i, run in enumerate(plan.runs, 1):
-        n = run["nproc"]
-        run["run_name"] = f"{run['label']}-n{n}"
-        what = f"[{i}/{len(plan.runs)}] {run['label']} on {_ranks(n)}"
+        run["run_name"] = run["name"]
+        what = f"[{i}/{len(plan.runs)}] {_what(run)}"
         if progress_tty:
             click.echo(f"{what}: running ({directory / run['run_name']})", err=True, nl=False)
         run_load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
@@ -418,8 +472,8 @@ def _results(plan: ScalingPlan, meta: dict[str, Any], records: list[dict[str, An
     if failed:
         r = failed[0]
         more = f" (and {len(failed) - 1} more)" if len(failed) > 1 else ""
-        fail(f"bench scaling: {r['strategy']} on {_ranks(r['nproc'])} failed: {r['message'] or r['status']}{more}; "
-             f"see {r['run_dir']}/logs", code=EXIT_FAILED)
+        fail(f"bench scaling: {_what(r)} failed: {r['message'] or r['status']}{more}; see {r['run_dir']}/logs",
+             code=EXIT_FAILED)
 
 
 def _print_scaling_report(records: list[dict[str, Any]], directory: Path) -> None:
@@ -436,7 +490,7 @@ def _print_scaling_report(records: list[dict[str, Any]], directory: Path) -> Non
                   + ": peak per rank, the largest rank's", markup=False)
     for r in records:
         if r["status"] != "finished" and r.get("message"):
-            console.print(f"{r['strategy']} on {_ranks(r['nproc'])} {r['status']}: {r['message']}", markup=False)
+            console.print(f"{_what(r)} {r['status']}: {r['message']}", markup=False)
     superlinear = [r for r in records if (r.get("efficiency") or 0) > 1.1]
     if superlinear:
         loads = sorted({r["load_avg_1m"] for r in records if r.get("load_avg_1m") is not None})
@@ -451,4 +505,4 @@ def _print_scaling_report(records: list[dict[str, Any]], directory: Path) -> Non
         plots = scaling_plots(records, width=width, height=14, color=tty and console.color_system is not None)
         console.print(Text.from_ansi(plots) if tty else plots, markup=False, highlight=False, soft_wrap=True)
     console.print(f"results: {directory / 'results.csv'}, {directory / 'results.json'}; runs: handle tui "
-                  f"{directory}/<strategy>-n<N>", markup=False)
+                  f"{directory}/<strategy>-{'<layout>' if records[0].get('layout') else 'n<N>'}", markup=False)

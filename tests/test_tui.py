@@ -20,6 +20,7 @@ import pytest
 from handle_cli.tui.app import HandleDashboard
 from handle_cli.tui.model import LogTail, run_rows
 from handle_cli.tui.pipeline_panel import PipelinePanel
+from torch_handle.observe.comm import comm_fields
 from torch_handle.observe.state import RunState
 from torch_handle.common.text import clean
 from handle_cli.tui.screens import HelpScreen, RunPicker
@@ -169,6 +170,41 @@ async def test_pipeline_run_shows_the_pipeline_panel(pipeline_runs: Path) -> Non
             ["F0", "F1", "B0", "F2", "B1", "F3", "B2", "B3"], ["F0", "B0", "F1", "B1", "F2", "B2", "F3", "B3"]]
         short = [line.plain for line in panel.lines(36, 3)]  # no room for the chart: the figures stay
         assert len(short) == 3 and short[2].startswith("r1 ")
+
+
+@pytest.fixture
+def mesh_runs(pipeline_runs: Path) -> Path:
+    """The recorded pp = 2 run made a dp 2 × tp 2 × pp 2 run of scratch-ddp on 8 ranks: every step event also
+    carries the strategy's ``comm_s``, the hand-written TP's ``tp_comm_s`` and the ``comm`` the trainer derives
+    from them (synthetic figures, deterministic)."""
+    run = pipeline_runs / "pp-1f1b"
+    events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+    for e in events:
+        if e["kind"] == "status" and e.get("strategy"):
+            e.update(strategy="scratch-ddp", world_size=8)
+        if e["kind"] == "step":
+            e.update(layout={"dp": 2, "tp": 2, "pp": 2}, comm_s=0.0008 + 0.0001 * e["step"], tp_comm_s=0.0215)
+            e.update(comm_fields(e))
+    (run / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    info = json.loads((run / "run.json").read_text())
+    (run / "run.json").write_text(json.dumps({**info, "strategy": "scratch-ddp", "world_size": 8}))
+    return pipeline_runs
+
+
+@async_test
+async def test_a_3d_run_shows_its_mesh_and_the_comm_of_each_dimension(mesh_runs: Path) -> None:
+    app = HandleDashboard(mesh_runs / "pp-1f1b", mesh_runs)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await loaded(pilot)
+        assert "dp 2 × tp 2 × pp 2" in header(app)
+        panel = app.query_one(TimePanel)
+        lines = [line.plain for line in panel.lines(panel.size.width, panel.size.height)]
+        wait = app.state.comm["pp"]  # rank 0's blocked receives in step 12's pipeline
+        assert lines[0].startswith("■ data 1.0 ■ fwd") and lines[1].startswith("■ opt 2.5 ■ comm 2.0 ms")
+        assert lines[2] == f"comm dp 2.0 · tp 21.5 · pp {wait * 1000:.1f} ms"
+        assert len(lines) == panel.size.height and max(map(len, lines)) <= panel.size.width
+        assert lines[-1].startswith("12 ")  # the bars keep the newest step
+    assert TimePanel.comm_line({"tp": 0.1234}).plain == "comm tp 123 ms"
 
 
 @async_test
@@ -551,6 +587,10 @@ def test_snapshot_breakdown_run_80x24(breakdown_runs: Path, snap_compare) -> Non
 def test_snapshot_pipeline_run_80x24(pipeline_runs: Path, snap_compare) -> None:
     assert snap_compare(HandleDashboard(pipeline_runs / "pp-1f1b", pipeline_runs), terminal_size=(80, 24),
                         run_before=loaded)
+
+
+def test_snapshot_3d_run_80x24(mesh_runs: Path, snap_compare) -> None:
+    assert snap_compare(HandleDashboard(mesh_runs / "pp-1f1b", mesh_runs), terminal_size=(80, 24), run_before=loaded)
 
 
 def test_snapshot_tensor_parallel_run_80x24(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, snap_compare) -> None:

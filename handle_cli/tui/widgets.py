@@ -98,7 +98,7 @@ class StatusHeader(Widget):
         p1.append((2, _piece("  ", (state.strategy, "cyan"))))
         world = _piece(f"  world {state.world_size if state.world_size is not None else '?'}")
         if state.layout:  # only runs whose step events carry it (tp > 1); it names the world size too, so it wins
-            p1 += [(5, world), (3, _piece("  ", (state.layout, "cyan")))]
+            p1 += [(5, world), (2, _piece("  ", (state.layout, "cyan")))]
         else:
             p1.append((3, world))
         p1.append((0, _piece("  step ", (f"{step}/{total if total else '?'}", "bold"))))
@@ -146,6 +146,18 @@ class StatusHeader(Widget):
             line.truncate(width, overflow="ellipsis")
             lines.append(line)
         return lines
+
+
+def wrap_pieces(pieces: list[Text], width: int) -> list[Text]:
+    """``pieces`` joined into lines of at most ``width`` cells, breaking only between pieces (a piece wider than
+    ``width`` gets a line of its own), so that the caller knows how many lines it draws."""
+    lines: list[Text] = []
+    for piece in pieces:
+        if lines and lines[-1].cell_len + piece.cell_len <= width:
+            lines[-1].append_text(piece)
+        else:
+            lines.append(Text(no_wrap=True, overflow="ellipsis", end="").append_text(piece))
+    return lines
 
 
 @dataclass
@@ -394,8 +406,9 @@ class MemoryBars(Widget):
 
 
 class TimePanel(Widget):
-    """Where the step time goes: a legend with the mean of each part over the recent steps, the slowest rank and
-    its lag, then one stacked bar per recent step (newest last; the width is the slowest shown step)."""
+    """Where the step time goes: a legend with the mean of each part over the recent steps, the newest step's
+    communication per dimension of the layout (when its event carries ``comm``), the slowest rank and its lag, then
+    one stacked bar per recent step (newest last; the width is the slowest shown step)."""
 
     DEFAULT_CSS = """
     TimePanel { height: 1fr; padding: 0 1; }
@@ -436,13 +449,14 @@ class TimePanel(Widget):
         if s is None or not s.breakdown_seen:
             return [Text("waiting for step times", "dim", no_wrap=True, overflow="ellipsis")]
         recent = self.rows(self.MEAN_OF)
-        legend = Text(no_wrap=True, overflow="ellipsis", end="")
+        legend = []
         for key, color, label, _ in self.PARTS:
             mean = sum(p[key] for _, _, p in recent) / max(1, len(recent))
-            legend.append("■ ", color)
-            legend.append(f"{label} {mean * 1000:.1f} ")
-        legend.append("ms", "dim")
-        lines = [legend]
+            legend.append(Text.assemble(("■ ", color), f"{label} {mean * 1000:.1f} "))
+        legend[-1].append("ms", "dim")
+        lines = wrap_pieces(legend, width)
+        if s.comm:
+            lines.append(self.comm_line(s.comm))
         slow = s.slowest
         if slow is not None:
             line = Text(no_wrap=True, overflow="ellipsis", end="")
@@ -451,6 +465,8 @@ class TimePanel(Widget):
             line.append(f" +{slow['lag_s'] * 1000:.0f} ms ({slow['ratio']:.0%} of a step)")
             line.append(f"  spread {slow['spread_s'] * 1000:.0f} ms", "dim")
             lines.append(line)
+        for line in lines:
+            line.truncate(width, overflow="ellipsis")
         n_bars = max(0, height - len(lines))
         bars = self.rows(n_bars)
         if not bars:
@@ -476,6 +492,19 @@ class TimePanel(Widget):
             line.append(f"{total * 1000:>5.0f} ms")
             lines.append(line)
         return lines
+
+    @staticmethod
+    def comm_line(comm: dict[str, float]) -> Text:
+        """The newest step's communication per dimension of the layout: ``comm dp 12.0 · tp 30.0 · pp 4.0 ms``."""
+        line = Text(no_wrap=True, overflow="ellipsis", end="")
+        line.append("comm", "dim")
+        for i, (name, seconds) in enumerate(comm.items()):
+            ms = seconds * 1000
+            line.append(" · " if i else " ", "dim")
+            line.append(clean(name, 8), "red")
+            line.append(f" {ms:.1f}" if ms < 100 else f" {ms:.0f}")
+        line.append(" ms", "dim")
+        return line
 
     def render(self) -> Text:
         return Text("\n", no_wrap=True, overflow="ellipsis", end="").join(

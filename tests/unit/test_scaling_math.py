@@ -8,9 +8,10 @@ import io
 
 import pytest
 
-from torch_handle.plan.bench_scaling import (CSV_COLUMNS, add_efficiency, csv_text, efficiency, oversubscribed,
-                                             parse_nproc, parse_strategies, preset_strategy_label, strategy_spec,
-                                             strong_batch, summarize, sweep, table_parts, threads_per_rank)
+from torch_handle.plan.bench_scaling import (CSV_COLUMNS, LayoutSpec, add_efficiency, csv_text, efficiency,
+                                             layout_runs, oversubscribed, parse_layout, parse_layouts, parse_nproc,
+                                             parse_strategies, preset_strategy_label, strategy_spec, strong_batch,
+                                             summarize, sweep, table_parts, threads_per_rank)
 
 
 def test_efficiency():
@@ -92,6 +93,34 @@ def test_parse_lists():
             parse_strategies(bad)
 
 
+def test_parse_layouts():
+    got = parse_layouts("dp2, tp2,pp2,dp2xtp2,tp2xdp2,dp1,dp1xpp2,PP2xDP2xTP2,dp02")
+    assert [(x.label, x.nproc) for x in got] == [("dp2", 2), ("tp2", 2), ("pp2", 2), ("dp2xtp2", 4), ("dp1", 1),
+                                                 ("dp2xtp2xpp2", 8)]  # the same degrees once, in the given order
+    assert parse_layout("tp2xpp4") == LayoutSpec(dp=1, tp=2, pp=4)
+    for bad in ("dp0", "dp", "dp2x", "xdp2", "dp2xdp2", "tp2.5", "cp2", "dp-1", "dp²", "dp 2", "2"):
+        with pytest.raises(ValueError, match=f"^{bad!r} is not a layout \\(valid: dp<N>, tp<N>, pp<N>, or"):
+            parse_layout(bad)
+    with pytest.raises(ValueError, match="'dp16xtp32' needs 512 ranks"):
+        parse_layout("dp16xtp32")
+    for bad in ("", "dp2,,tp2", "dp2,"):
+        with pytest.raises(ValueError, match="expected a comma list of layouts"):
+            parse_layouts(bad)
+
+
+def test_layout_runs_set_tp_and_pp_and_run_one_replica_as_single():
+    runs, notes = layout_runs(strategy_spec("scratch-ddp"), parse_layouts("dp1,dp2,tp2,pp2,dp2xtp2xpp2"))
+    got = [(r.label, r.layout, r.spec.plugin, r.nproc, r.dp, r.tp, r.pp) for r in runs]
+    assert got == [("scratch-ddp", "dp1", "scratch-ddp", 1, 1, 1, 1), ("scratch-ddp", "dp2", "scratch-ddp", 2, 2, 1, 1),
+                   ("scratch-ddp", "tp2", "single", 2, 1, 2, 1), ("scratch-ddp", "pp2", "single", 2, 1, 1, 2),
+                   ("scratch-ddp", "dp2xtp2xpp2", "scratch-ddp", 8, 2, 2, 2)]
+    assert runs[4].overrides == ("strategy.name=scratch-ddp", "parallel.tp=2", "parallel.pp=2")
+    assert runs[0].overrides == ("strategy.name=scratch-ddp", "parallel.tp=1", "parallel.pp=1") and notes == []
+    single, notes = layout_runs(strategy_spec("single"), parse_layouts("dp1,dp2,tp2"))
+    assert [r.layout for r in single] == ["dp1", "tp2"]
+    assert notes == ["single skipped at dp2: it runs one model replica (dp = 1)"]
+
+
 def test_threads_and_oversubscription():
     assert threads_per_rank(1, 2, None) == 2 and threads_per_rank(2, 2, None) == 1
     assert threads_per_rank(4, 2, None) == 1 and threads_per_rank(2, 2, "3") == 3
@@ -120,6 +149,7 @@ def test_summarize_skips_warmup_and_takes_medians_and_peaks():
     assert s["measured_steps"] == 3
     assert s["tokens_per_s"] == 200.0 and s["step_time_s"] == 0.75
     assert s["comm_s"] == pytest.approx(0.375) and s["data_s"] is None and s["forward_s"] is None
+    assert s["comm_dp_s"] is s["comm_tp_s"] is s["comm_pp_s"] is None
     assert s["memory"] == [
         {"rank": 0, "rss_bytes": 5000, "model_state_bytes": 400, "cuda_max_allocated_bytes": None},
         {"rank": 1, "rss_bytes": 9000, "model_state_bytes": 350, "cuda_max_allocated_bytes": 123}]
@@ -135,6 +165,13 @@ def test_summary_covers_every_breakdown_field_and_the_table_adds_sync_to_comm():
     assert table_parts(s) == [0.1, 0.2, 0.3, 0.05, 0.01]
     assert table_parts({**s, "comm_s": 0.02}) == [0.1, 0.2, 0.3, 0.05, pytest.approx(0.03)]
     assert table_parts({}) == [None] * 5
+
+
+def test_summary_takes_the_median_comm_of_each_dimension():
+    comm = [{"dp": 0.1, "pp": 0.02}, {"dp": 0.3, "pp": 0.04}, {"dp": 0.2}, {"pp": "x"}]
+    s = summarize([_step(i + 1, 100.0, 0.5, comm=c) for i, c in enumerate(comm)], skip=0)
+    assert (s["comm_dp_s"], s["comm_tp_s"], s["comm_pp_s"]) == (pytest.approx(0.2), None, pytest.approx(0.03))
+    assert {"layout", "pp", "comm_dp_s", "comm_tp_s", "comm_pp_s"} <= set(CSV_COLUMNS)
 
 
 def _rec(strategy, n, tps, status="finished"):

@@ -58,6 +58,8 @@ BACKWARD_S = "backward_s"  # without COMM_S
 SYNC_S = "sync_s"  # the trainer's loss/stop all-reduce
 OPTIMIZER_S = "optimizer_s"  # clip, step, schedule
 COMM_S = "comm_s"  # gradient communication not hidden behind backward (a strategy's step_stats, scratch-ddp)
+TP_COMM_S = "tp_comm_s"  # rank 0's seconds in the step's tensor-parallel collectives (tp_impl = "scratch")
+COMM = "comm"  # {"dp": s, "tp": s, "pp": s}: communication per dimension of the layout (observe.comm)
 
 STEP_PHASES = {"data": DATA_S, "forward": FORWARD_S, "backward": BACKWARD_S, "sync": SYNC_S,
                "optimizer": OPTIMIZER_S}

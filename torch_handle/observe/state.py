@@ -11,8 +11,9 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from torch_handle.common.text import clean, layout_label, strategy_label
-from torch_handle.observe.fields import (ACTIVATION_BYTES, ACTIVATION_SAVED_BYTES, BREAKDOWN, DATA_S, MEMORY, WAIT_S,
-                                         Kind, Level, Status)
+from torch_handle.observe.comm import read_comm
+from torch_handle.observe.fields import (ACTIVATION_BYTES, ACTIVATION_SAVED_BYTES, BREAKDOWN, COMM, DATA_S, MEMORY,
+                                         WAIT_S, Kind, Level, Status)
 from torch_handle.observe.tail import BadLine, integer, number
 
 SLOW_RANK_RATIO = 0.2
@@ -104,6 +105,9 @@ class RunState:
     layout: str | None = None
     """The newest step event's parallel layout as :func:`~torch_handle.common.text.layout_label` writes it
     (``dp 2 × tp 2``); None when it has none."""
+    comm: dict[str, float] | None = None
+    """The newest step event's communication seconds per dimension of the layout (``{"dp": .., "tp": ..}``,
+    :func:`~torch_handle.observe.comm.read_comm`); None when it has none."""
     peak_flops: float | None = None
     """FLOP/s per rank behind ``mfu`` (status event)."""
     breakdown_seen: bool = False
@@ -224,6 +228,7 @@ class RunState:
         if (mfu := number(event.get("mfu"))) is not None:
             self.mfu = mfu
         self.layout = layout_label(event.get("layout"))
+        self.comm = read_comm(event.get(COMM))
         ranks = event.get("ranks")
         if isinstance(ranks, list):
             self.slowest = slowest_rank(ranks)

@@ -1,9 +1,10 @@
 """The pure half of ``handle bench scaling``: strategy names as preset overrides, the sweep over world sizes and
-tensor-parallel degrees, the strong-scaling batch split, scaling efficiency, the summary of a run's step events and
-the CSV/JSON rows (no torch, no processes).
+tensor-parallel degrees or over layouts (dp x tp x pp), the strong-scaling batch split, scaling efficiency, the
+summary of a run's step events and the CSV/JSON rows (no torch, no processes).
 
-A measurement is one short real run (``handle run``'s launcher) per strategy, world size and tp; its step events
-(:mod:`torch_handle.observe.fields`) after the first ``skip`` ones give the figures. Standard library only.
+A measurement is one short real run (``handle run``'s launcher) per strategy and world size, tp or layout; its
+step events (:mod:`torch_handle.observe.fields`) after the first ``skip`` ones give the figures. Standard library
+only.
 """
 
 from __future__ import annotations
@@ -15,8 +16,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from torch_handle.observe.fields import (BACKWARD_S, BREAKDOWN, COMM_S, CUDA_MAX_ALLOCATED_BYTES, DATA_S, FORWARD_S,
-                                         GRAD_BYTES, OPTIMIZER_BYTES, OPTIMIZER_S, PARAM_BYTES, RSS_BYTES, SYNC_S, Kind)
+from torch_handle.observe.comm import DIMENSIONS, read_comm
+from torch_handle.observe.fields import (BACKWARD_S, BREAKDOWN, COMM, COMM_S, CUDA_MAX_ALLOCATED_BYTES, DATA_S,
+                                         FORWARD_S, GRAD_BYTES, OPTIMIZER_BYTES, OPTIMIZER_S, PARAM_BYTES, RSS_BYTES,
+                                         SYNC_S, Kind)
 from torch_handle.observe.tail import integer, number
 
 MAX_NPROC = 256
@@ -65,25 +68,83 @@ def preset_strategy_label(plugin: str, zero_stage: Any = None) -> str:
     return f"zero{zero_stage}" if plugin == "deepspeed" and zero_stage is not None else plugin
 
 
+LAYOUT_FORMS = "dp<N>, tp<N>, pp<N>, or several joined by x such as dp2xtp2xpp2"
+
+
+@dataclass(frozen=True)
+class LayoutSpec:
+    """One ``--layouts`` item: the data-, tensor- and pipeline-parallel degrees of a run on ``dp x tp x pp``
+    ranks."""
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+
+    @property
+    def nproc(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @property
+    def label(self) -> str:
+        """The canonical form: the degrees above 1 in the order dp, tp, pp (``dp2xpp2``); ``dp1`` for one rank."""
+        return "x".join(f"{d}{getattr(self, d)}" for d in DIMENSIONS if getattr(self, d) > 1) or "dp1"
+
+
+def parse_layout(item: str, limit: int = MAX_NPROC) -> LayoutSpec:
+    """``dp2xtp2`` -> its :class:`LayoutSpec` (dimensions in any order, each at most once, the others 1).
+
+    Raises:
+        ValueError: naming ``item`` and the valid forms, for anything else or a product above ``limit``.
+    """
+    degrees: dict[str, int] = {}
+    for part in item.strip().lower().split("x"):
+        name, digits = part[:2], part[2:]
+        if name not in DIMENSIONS or name in degrees or not (digits.isascii() and digits.isdigit()) or int(digits) < 1:
+            raise ValueError(f"{item!r} is not a layout (valid: {LAYOUT_FORMS}; each dimension once, N >= 1)")
+        degrees[name] = int(digits)
+    layout = LayoutSpec(**degrees)
+    if layout.nproc > limit:
+        raise ValueError(f"{item!r} needs {layout.nproc} ranks (at most {limit})")
+    return layout
+
+
+def parse_layouts(text: str) -> list[LayoutSpec]:
+    """``dp2,tp2,dp2xtp2`` -> the layouts, in order, duplicates (the same degrees) dropped.
+
+    Raises:
+        ValueError: for an empty list or an item :func:`parse_layout` refuses.
+    """
+    items = [s.strip() for s in text.split(",")]
+    if not items or "" in items:
+        raise ValueError(f"{text!r}: expected a comma list of layouts ({LAYOUT_FORMS})")
+    return list(dict.fromkeys(parse_layout(item) for item in items))
+
+
 @dataclass(frozen=True)
 class ScalingRun:
-    """One run of a sweep: ``spec`` on ``nproc`` ranks laid out as dp x tp (dp = nproc / tp replicas)."""
+    """One run of a sweep: ``spec`` on ``nproc`` ranks laid out as dp x tp x pp (dp = nproc / (tp x pp))."""
 
     label: str
-    """The series the run belongs to (its efficiency base): the strategy's label, ``-tp<N>`` added for tp > 1."""
+    """The series the run belongs to (its efficiency base): the strategy's label, ``-tp<N>`` added for tp > 1
+    in a ``--tp`` sweep."""
     spec: StrategySpec
-    """The strategy as run: ``single`` for one tensor-parallel replica (dp = 1)."""
+    """The strategy as run: ``single`` for one tensor- or pipeline-parallel replica (dp = 1)."""
     nproc: int
     tp: int | None = None
-    """None: the preset's own ``[parallel] tp``, not overridden (a sweep without ``--tp``)."""
+    """None: the preset's own ``[parallel] tp``, not overridden (a sweep without ``--tp`` or ``--layouts``)."""
+    pp: int | None = None
+    """None: the preset's own ``[parallel] pp`` (a sweep without ``--layouts``)."""
+    layout: str | None = None
+    """The ``--layouts`` item (:attr:`LayoutSpec.label`) the run measures."""
 
     @property
     def dp(self) -> int:
-        return self.nproc // (self.tp or 1)
+        return self.nproc // ((self.tp or 1) * (self.pp or 1))
 
     @property
     def overrides(self) -> tuple[str, ...]:
-        return (*self.spec.overrides, *(() if self.tp is None else (f"parallel.tp={self.tp}",)))
+        degrees = (("tp", self.tp), ("pp", self.pp))
+        return (*self.spec.overrides, *(f"parallel.{d}={n}" for d, n in degrees if n is not None))
 
 
 SINGLE = StrategySpec("single", "single", ("strategy.name=single",))
@@ -112,6 +173,20 @@ def sweep(spec: StrategySpec, nprocs: list[int], tps: list[int] | None = None) -
                 as_run = SINGLE if tp > 1 and n == tp else spec
                 runs.append(ScalingRun(spec.label if tp == 1 else f"{spec.label}-tp{tp}", as_run, n, tp))
     return runs, list(dict.fromkeys(notes))
+
+
+def layout_runs(spec: StrategySpec, layouts: list[LayoutSpec]) -> tuple[list[ScalingRun], list[str]]:
+    """The runs of ``spec`` over ``layouts`` (in their order, each on its product of ranks, ``parallel.tp`` and
+    ``parallel.pp`` set), and notes on those left out. One replica (dp = 1) on more than one rank is run by
+    ``single``, as in :func:`sweep`; ``single`` itself runs only where dp = 1."""
+    runs, notes = [], []
+    for layout in layouts:
+        if spec.single_rank_only and layout.dp > 1:
+            notes.append(f"{spec.label} skipped at {layout.label}: it runs one model replica (dp = 1)")
+            continue
+        as_run = SINGLE if layout.dp == 1 and layout.nproc > 1 else spec
+        runs.append(ScalingRun(spec.label, as_run, layout.nproc, layout.tp, layout.pp, layout.label))
+    return runs, notes
 
 
 def parse_strategies(text: str) -> list[str]:
@@ -196,7 +271,8 @@ def _median(values: Iterable[float | None]) -> float | None:
 def summarize(events: Iterable[dict[str, Any]], skip: int) -> dict[str, Any]:
     """Figures of one run from its events: medians over the step events after the first ``skip`` (global
     ``tokens_per_s``, ``step_time_s`` in seconds, each of :data:`BREAKDOWN` in seconds or None when no step
-    has it), ``measured_steps``, and per rank the peaks over every memory report (warm-up included), in bytes:
+    has it), ``comm_dp_s``, ``comm_tp_s``, ``comm_pp_s`` (the events' ``comm`` per dimension, seconds, None
+    where absent), ``measured_steps``, and per rank the peaks over every memory report (warm-up included), in bytes:
     ``rss_bytes``, ``model_state_bytes`` (param + grad + optimizer) and ``cuda_max_allocated_bytes`` (None
     off CUDA). Malformed events and fields are skipped."""
     steps = [e for e in events if e.get("kind") == Kind.STEP and integer(e.get("step")) is not None]
@@ -207,6 +283,9 @@ def summarize(events: Iterable[dict[str, Any]], skip: int) -> dict[str, Any]:
                            "step_time_s": _median(number(e.get("step_time_s")) for e in measured)}
     for key in BREAKDOWN:
         out[key] = _median(number(e.get(key)) for e in measured)
+    comms = [read_comm(e.get(COMM)) or {} for e in measured]
+    for dim in DIMENSIONS:
+        out[f"comm_{dim}_s"] = _median(c.get(dim) for c in comms)
     peaks: dict[int, dict[str, int | None]] = {}
     for e in steps:
         memory = e.get("memory")
@@ -257,9 +336,10 @@ def add_efficiency(records: list[dict[str, Any]]) -> None:
 
 
 CSV_COLUMNS = ("strategy", "plugin", "nproc", "status", "message", "mode", "micro_batch_size", "grad_accum",
-               "global_batch", "dp", "tp", "measured_steps", "tokens_per_s", "step_time_s", "efficiency", "base_nproc",
-               *BREAKDOWN, "peak_rss_bytes", "peak_model_state_bytes", "peak_cuda_max_allocated_bytes",
-               "threads_per_rank", "oversubscribed", "load_avg_1m", "wall_s", "run_dir")
+               "global_batch", "dp", "tp", "pp", "layout", "measured_steps", "tokens_per_s", "step_time_s",
+               "efficiency", "base_nproc", *BREAKDOWN, "comm_dp_s", "comm_tp_s", "comm_pp_s", "peak_rss_bytes",
+               "peak_model_state_bytes", "peak_cuda_max_allocated_bytes", "threads_per_rank", "oversubscribed",
+               "load_avg_1m", "wall_s", "run_dir")
 """Columns of ``results.csv`` (the memory peaks: the largest of any rank; per rank in ``results.json``)."""
 
 

@@ -37,6 +37,7 @@ from torch_handle.observe.fields import (ACTIVATION_SAVED_BYTES, BACKWARD_S, COM
                                          CUDA_MAX_ALLOCATED_BYTES, CUDA_RESERVED_BYTES, DATA_S, GRAD_BYTES,
                                          OPTIMIZER_BYTES, PARAM_BYTES, RSS_BYTES, STEP_PHASES, WAIT_S, Kind, Level,
                                          Status)
+from torch_handle.observe.comm import comm_fields
 from torch_handle.observe.heartbeat import beat, busy
 from torch_handle.observe.state import SLOW_RANK_LOGS, SLOW_RANK_RATIO, slowest_rank
 from torch_handle.observe.telemetry import EVENTS_FILE, EventWriter, NullEventWriter
@@ -382,6 +383,7 @@ class Trainer:
             record.update(self.tp.step_stats())  # the layout; the scratch path's TP traffic
         if self.pp is not None:
             record.update(self.pp.step_stats(timeline=log_memory))  # the layout; busy, idle, the bubble
+        record.update(comm_fields(record))  # comm: seconds per dimension of the layout (observe.comm)
         parts = timer.read()
         if parts:
             # the strategy's gradient-communication wait happened inside its backward: count it once, as comm_s

@@ -1,0 +1,80 @@
+"""``handle bench scaling --layouts``: one run per dp x tp x pp layout on its product of ranks, layouts the preset's
+checks refuse skipped with their reason, bad items refused before anything starts; one real dp1/pp2 pair."""
+
+from __future__ import annotations
+
+import json
+import time
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import leftovers, tagged_env
+from tests.test_bench_comm import handle
+from tests.test_bench_scaling import invoke, only_dir, write_tiny
+
+
+def test_layouts_run_on_their_product_of_ranks_and_refused_ones_are_notes(monkeypatch, tmp_path):
+    result = invoke(monkeypatch, tmp_path, "--layouts", "dp1,dp2,tp2,pp2,dp2xpp2,tp2xpp2", "--steps", "3",
+                    "--set", "training.grad_accum=2")
+    assert result.exit_code == 0, result.output
+    bench = only_dir(tmp_path / "bench")
+    records = json.loads((bench / "results.json").read_text())["results"]
+    assert [(r["strategy"], r["layout"], r["plugin"], r["nproc"], r["dp"], r["tp"], r["pp"]) for r in records] == [
+        ("ddp", "dp1", "ddp", 1, 1, 1, 1), ("ddp", "dp2", "ddp", 2, 2, 1, 1), ("ddp", "tp2", "single", 2, 1, 2, 1),
+        ("ddp", "pp2", "single", 2, 1, 1, 2)]
+    assert [r["efficiency"] for r in records] == pytest.approx([1.0] + [2 ** 0.9 / 2] * 3)  # base: the 1-rank run
+    assert [r["global_batch"] for r in records] == [8, 16, 8, 8]  # weak: per replica
+    for r in records:
+        preset = tomllib.loads((bench / f"ddp-{r['layout']}" / "preset.toml").read_text())
+        assert (preset["parallel"]["tp"], preset["parallel"]["pp"]) == (r["tp"], r["pp"])
+        assert preset["launch"]["nproc_per_node"] == r["nproc"] and preset["strategy"]["name"] == r["plugin"]
+    out = result.stdout
+    assert "note: ddp dp2xpp2 skipped: strategy.name: 'ddp' does not support parallel.pp = 2" in out
+    assert "note: ddp tp2xpp2 skipped: parallel.pp: " in out  # whatever the preset's checks say, one line each
+    assert "layouts: dp1, dp2, tp2, pp2, each on dp x tp x pp ranks" in out
+    assert "┃ strategy ┃ layout ┃ ranks ┃" in out and "tokens/s (global) by layout" in out
+    assert "[4/4] ddp pp2 on 2 ranks: finished" in result.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--layouts", "dp2,tp0"], "error: --layouts: 'tp0' is not a layout (valid: dp<N>, tp<N>, pp<N>, or several "
+                               "joined by x such as dp2xtp2xpp2"),
+    (["--layouts", "dp2xdp2"], "error: --layouts: 'dp2xdp2' is not a layout"),
+    (["--layouts", "dp2,"], "error: --layouts: 'dp2,': expected a comma list of layouts"),
+    (["--layouts", "dp2", "--nproc", "2"], "error: --layouts sets each run's world size and tp: leave out --nproc"),
+    (["--layouts", "dp2", "--tp", "2"], "error: --layouts sets each run's world size and tp: leave out --nproc"),
+    (["--layouts", "tp2xpp2,dp2xpp2"], "error: nothing to run: ddp tp2xpp2 skipped: parallel.pp: "),
+])
+def test_bad_layouts_exit_2_with_one_line(monkeypatch, tmp_path, args, message):
+    result = invoke(monkeypatch, tmp_path, *args)
+    assert result.exit_code == 2, result.output
+    assert result.stderr.count("\n") == 1 and result.stderr.startswith(message), result.stderr
+    assert result.stdout == "" and not (tmp_path / "bench").exists()
+
+
+@pytest.mark.dist
+def test_real_dp1_and_pp2_json(tmp_path):
+    """The pp2 run's step events carry ``comm`` (rank 0's receive wait in the hand-written pipeline), and its
+    median reaches the JSON."""
+    env, tag = tagged_env()
+    t0 = time.perf_counter()
+    proc = handle("bench", "scaling", str(write_tiny(tmp_path)), "--layouts", "dp1,pp2", "--steps", "2", "--skip",
+                  "1", "--set", "training.grad_accum=2", "--set", "parallel.pp_impl=scratch", "--json",
+                  "--output-dir", str(tmp_path / "bench"), env=env, timeout=300)
+    wall = time.perf_counter() - t0
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    records = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert [(r["layout"], r["plugin"], r["nproc"], r["pp"], r["status"]) for r in records] == [
+        ("dp1", "ddp", 1, 1, "finished"), ("pp2", "single", 2, 2, "finished")]
+    one, pp = records
+    assert one["efficiency"] == 1.0
+    assert pp["efficiency"] == pytest.approx(pp["tokens_per_s"] / (2 * one["tokens_per_s"]))
+    assert one["comm_pp_s"] is None and pp["comm_pp_s"] >= 0 and pp["comm_dp_s"] is None
+    steps = [json.loads(line) for line in (Path(pp["run_dir"]) / "events.jsonl").read_text().splitlines()]
+    steps = [e for e in steps if e["kind"] == "step"]
+    assert [e["layout"] for e in steps] == [{"dp": 1, "tp": 1, "pp": 2}] * 2
+    assert [e["comm"] for e in steps] == [{"pp": e["pipeline"]["ranks"][0]["wait_s"]} for e in steps]
+    print(f"bench scaling --layouts dp1,pp2, 2 steps each: {wall:.1f} s")
+    assert leftovers(tag) == []
