@@ -61,39 +61,33 @@ def test_real_run_every_op_and_size_json(tmp_path):
 
 
 @pytest.mark.dist
-def test_table_and_plot(tmp_path):
-    env, tag = tagged_env()
-    proc = handle("bench", "comm", "--ops", "all_reduce,broadcast", "--sizes", "4K,64K", "--iters", "2",
-                  "--warmup", "0", "--output-dir", str(tmp_path), env=env)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    out = proc.stdout
-    for text in ("time (µs)", "algbw (GB/s)", "busbw (GB/s)", "all_reduce", "broadcast", "64K", "ok",
-                 "bus bandwidth (GB/s) by message size", "results: "):
-        assert text in out, out
-    assert "\x1b[" not in out  # not a terminal: no colours
-    assert str(only_dir(tmp_path) / "results.jsonl") in out
-    assert leftovers(tag) == []
-
-
-@pytest.mark.dist
-def test_wrong_result_is_caught(tmp_path):
+def test_wrong_result_is_caught_and_reported_in_the_table_and_plot(tmp_path):
     """Rank 0 perturbs one input element of all_gather's check call: the collective really returns a wrong
-    result, which the check must catch (exit 1, one line naming op and size); broadcast stays right."""
+    result, which the check must catch (exit 1, one line naming op and size); broadcast stays right. Without
+    --json the table (WRONG next to ok) and the bandwidth plot are still printed."""
     env, tag = tagged_env(**{CORRUPT_ENV: "all_gather"})
-    proc = handle("bench", "comm", "--ops", "all_gather,broadcast", "--sizes", "1K,2K", "--iters", "2", "--warmup",
-                  "1", "--json", "--output-dir", str(tmp_path), env=env)
+    proc = handle("bench", "comm", "--ops", "all_gather,broadcast", "--sizes", "1K,64K", "--iters", "2", "--warmup",
+                  "1", "--output-dir", str(tmp_path), env=env)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
     assert len(errors) == 1 and errors[0].startswith("error: bench comm: wrong result: all_gather at 1K "), \
         proc.stderr
     assert "(and 1 more)" in errors[0]
-    records = {(r["op"], r["bytes"]): r for r in map(json.loads, proc.stdout.splitlines())}
-    assert set(records) == {("all_gather", 1024), ("all_gather", 2048), ("broadcast", 1024), ("broadcast", 2048)}
-    assert [records[("all_gather", s)]["correct"] for s in (1024, 2048)] == [False, False]
-    assert [records[("broadcast", s)]["correct"] for s in (1024, 2048)] == [True, True]
+    directory = only_dir(tmp_path)
+    records = {(r["op"], r["bytes"]): r
+               for r in map(json.loads, (directory / "results.jsonl").read_text().splitlines())}
+    assert set(records) == {("all_gather", 1024), ("all_gather", 65536), ("broadcast", 1024), ("broadcast", 65536)}
+    assert [records[("all_gather", s)]["correct"] for s in (1024, 65536)] == [False, False]
+    assert [records[("broadcast", s)]["correct"] for s in (1024, 65536)] == [True, True]
     assert records[("all_gather", 1024)]["max_rel_error"] > 0
-    meta = json.loads((only_dir(tmp_path) / "bench.json").read_text())
+    meta = json.loads((directory / "bench.json").read_text())
     assert meta["status"] == "failed" and "all_gather at 1K" in meta["message"]
+    out = proc.stdout
+    for text in ("time (µs)", "algbw (GB/s)", "busbw (GB/s)", "all_gather", "broadcast", "64K", "ok", "WRONG",
+                 "bus bandwidth (GB/s) by message size", "results: "):
+        assert text in out, out
+    assert "\x1b[" not in out  # not a terminal: no colours
+    assert str(directory / "results.jsonl") in out
     assert leftovers(tag) == []
 
 

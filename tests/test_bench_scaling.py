@@ -32,39 +32,46 @@ def only_dir(parent: Path) -> Path:
 
 
 @pytest.mark.dist
-def test_real_runs_1_and_2_ranks_json(tmp_path):
+def test_real_runs_1_and_2_ranks_json_strong_scaling_halves_grad_accum(tmp_path):
+    """One real sweep (1 and 2 ranks, --strong): the measured records, the run directories under the bench's, the
+    saved results, and the global batch of 8 kept by halving grad_accum in the 2-rank run's preset and events.
+    Weak scaling's plan is checked in-process (test_threads_fix_omp_num_threads_for_every_run)."""
     env, tag = tagged_env()
     t0 = time.perf_counter()
     proc = handle("bench", "scaling", str(write_tiny(tmp_path)), "--nproc", "1,2", "--steps", "4", "--skip", "1",
-                  "--json",
-                  "--output-dir", str(tmp_path / "bench"), env=env, timeout=300)
+                  "--strong", "--set", "training.grad_accum=2", "--json", "--output-dir", str(tmp_path / "bench"),
+                  env=env, timeout=300)
     wall = time.perf_counter() - t0
     assert proc.returncode == 0, proc.stdout + proc.stderr
     records = [json.loads(line) for line in proc.stdout.splitlines()]  # JSON lines and nothing else
     assert [(r["strategy"], r["nproc"], r["status"]) for r in records] == [("ddp", 1, "finished"),
                                                                           ("ddp", 2, "finished")]
+    assert [(r["nproc"], r["grad_accum"], r["global_batch"], r["mode"]) for r in records] == [(1, 2, 8, "strong"),
+                                                                                            (2, 1, 8, "strong")]
     one, two = records
     for r in records:
         assert r["measured_steps"] == 3 and r["tokens_per_s"] > 0 and r["step_time_s"] > 0
-        assert r["mode"] == "weak" and r["base_nproc"] == 1 and r["micro_batch_size"] == 4
+        assert r["base_nproc"] == 1 and r["micro_batch_size"] == 4
         assert [m["rank"] for m in r["memory"]] == list(range(r["nproc"]))
         assert all(m["rss_bytes"] > 0 and m["model_state_bytes"] > 0 for m in r["memory"])
         assert r["comm_s"] is None or r["comm_s"] >= 0
     assert one["efficiency"] == 1.0
     assert two["efficiency"] == pytest.approx(two["tokens_per_s"] / (2 * one["tokens_per_s"]))
-    assert two["global_batch"] == 2 * one["global_batch"] == 8
     bench = only_dir(tmp_path / "bench")
     assert not (tmp_path / "runs").exists()  # every run lives under the bench directory
     for r in records:
         run_dir = Path(r["run_dir"])
         assert run_dir.parent == bench and run_dir.name == f"ddp-n{r['nproc']}"
         assert json.loads((run_dir / "run.json").read_text())["status"] == "finished"
-        assert (run_dir / "events.jsonl").exists()
+        training = tomllib.loads((run_dir / "preset.toml").read_text())["training"]
+        assert (training["micro_batch_size"], training["grad_accum"]) == (4, r["grad_accum"])
+        events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+        assert {e["tokens"] for e in events if e["kind"] == "step"} == {8 * 32}  # the same global batch
     saved = json.loads((bench / "results.json").read_text())
-    assert saved["status"] == "finished" and saved["results"] == records and saved["mode"] == "weak"
+    assert saved["status"] == "finished" and saved["results"] == records and saved["mode"] == "strong"
     csv_lines = (bench / "results.csv").read_text().splitlines()
     assert csv_lines[0].startswith("strategy,plugin,nproc,status") and len(csv_lines) == 3
-    assert "weak scaling" in proc.stderr and "results: " in proc.stderr
+    assert "strong scaling: global batch fixed at 8 samples" in proc.stderr and "results: " in proc.stderr
     print(f"bench scaling tiny, 1 and 2 ranks x 4 steps: {wall:.1f} s")
     assert leftovers(tag) == []
 
@@ -233,6 +240,14 @@ def test_threads_fix_omp_num_threads_for_every_run(monkeypatch, tmp_path):
     assert result.exit_code == 0, result.output
     records = [json.loads(line) for line in result.stdout.splitlines()]
     assert [r["threads_per_rank"] for r in records] == [1, 1]
+    # weak scaling (the default): each rank keeps its batch, so the global batch grows with the world size
+    assert [(r["mode"], r["micro_batch_size"], r["grad_accum"], r["global_batch"]) for r in records] == [
+        ("weak", 4, 1, 4), ("weak", 4, 1, 8)]
+    assert "weak scaling" in result.stderr
+    bench = only_dir(tmp_path / "bench")
+    assert json.loads((bench / "results.json").read_text())["mode"] == "weak"
+    assert [tomllib.loads((bench / f"ddp-n{n}" / "preset.toml").read_text())["training"]["grad_accum"]
+            for n in (1, 2)] == [1, 1]
     assert "threads per rank: 1 in every run (OMP_NUM_THREADS)" in result.stderr
     assert os.environ["OMP_NUM_THREADS"] == "1"  # what the launcher hands to the workers
     (tmp_path / "b").mkdir()
@@ -266,22 +281,3 @@ def test_unregistered_strategy_plugin_is_skipped_with_a_note(monkeypatch, tmp_pa
     assert "note: scratch-ddp skipped: strategy plugin 'scratch-ddp' is not registered" in result.stdout
     assert [r["strategy"] for r in json.loads((only_dir(tmp_path / "bench") / "results.json").read_text())
             ["results"]] == ["ddp"]
-
-
-@pytest.mark.dist
-def test_real_strong_scaling_halves_grad_accum(tmp_path):
-    env, tag = tagged_env()
-    proc = handle("bench", "scaling", str(write_tiny(tmp_path)), "--nproc", "1,2", "--steps", "3", "--skip", "1",
-                  "--strong", "--set", "training.grad_accum=2", "--json", "--output-dir", str(tmp_path / "bench"),
-                  env=env, timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    records = [json.loads(line) for line in proc.stdout.splitlines()]
-    assert [(r["nproc"], r["grad_accum"], r["global_batch"], r["mode"]) for r in records] == [(1, 2, 8, "strong"),
-                                                                                            (2, 1, 8, "strong")]
-    for r in records:
-        training = tomllib.loads((Path(r["run_dir"]) / "preset.toml").read_text())["training"]
-        assert (training["micro_batch_size"], training["grad_accum"]) == (4, r["grad_accum"])
-        events = [json.loads(line) for line in (Path(r["run_dir"]) / "events.jsonl").read_text().splitlines()]
-        assert {e["tokens"] for e in events if e["kind"] == "step"} == {8 * 32}  # the same global batch
-    assert "strong scaling: global batch fixed at 8 samples" in proc.stderr
-    assert leftovers(tag) == []
