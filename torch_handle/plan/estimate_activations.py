@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from torch_handle.common.precision import torch_dtype
-from torch_handle.observe.activations import SavedTensorCounter
+from torch_handle.observe.activations import SavedTensorCounter, _storage
 from torch_handle.observe.fields import (ACTIVATION_BYTES, ACTIVATION_LOGITS_BYTES, ACTIVATION_RECOMPUTE_BYTES,
                                          ACTIVATION_SAVED_BYTES)
 from torch_handle.plan.estimate_model import ModelBuild, build_model, model_build
@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from torch_handle.config.schema import Preset
     from torch_handle.registry import PluginRegistry
 
-__all__ = ["ActivationBytes", "activation_bytes", "compute_mode", "fake_activations", "korthikanti_layer_bytes",
+__all__ = ["ActivationBytes", "PartSaved", "activation_bytes", "compute_mode", "fake_activations", "korthikanti_layer_bytes",
            "saved_activation_bytes"]
 
 
@@ -90,6 +90,70 @@ class ActivationBytes:
                 ACTIVATION_LOGITS_BYTES: self.logits, ACTIVATION_RECOMPUTE_BYTES: self.recompute}
 
 
+class PartSaved:
+    """Which parts of a decoder save each storage for backward, from one forward and backward of the whole model:
+    part 0 is the embedding (token table, positions, embedding dropout), 1 .. L the layers, L + 1 the final norm,
+    the head and the loss. A storage belongs to the part whose forward saves it (under activation checkpointing
+    a block's input belongs to that block), to every such part when several save it.
+
+    A pipeline stage running parts a .. b saves every storage that one of them saves: :meth:`stage_bytes`. A
+    tensor the whole model computes once and several layers save (the padding mask) counts once per stage, as
+    each stage computes its own; a stage's received activation is what its first layer saves of the previous
+    layer's output."""
+
+    def __init__(self) -> None:
+        self.saved: dict[frozenset[int], int] = {}
+        """Bytes of the distinct storages saved by exactly each set of parts."""
+        self.n_layers = 0
+
+    def counter(self, model: Any, exclude: list[Any], blocks: list[Any]) -> SavedTensorCounter:
+        """A :class:`SavedTensorCounter` for ``model``'s step that fills this object when it exits."""
+        return _PartCounter(self, model, exclude, blocks)
+
+    def stage_bytes(self, first: int, last: int) -> int:
+        """Bytes one micro-batch saves in a stage that runs parts ``first`` .. ``last`` (inclusive)."""
+        return sum(n for parts, n in self.saved.items() if any(first <= p <= last for p in parts))
+
+
+class _PartCounter(SavedTensorCounter):
+    def __init__(self, out: PartSaved, model: Any, exclude: list[Any], blocks: list[Any]) -> None:
+        super().__init__(exclude, blocks)
+        self._out, self._model, self._part = out, model, 0
+        self._parts: dict[int, set[int]] = {}
+        self._labels: list[Any] = []
+
+    def add(self, t: Any) -> None:
+        super().add(t)
+        if getattr(t, "numel", None) is not None and t.numel() > 0:
+            key = _storage(t)[0]
+            if key in self._seen:
+                self._parts.setdefault(key, set()).add(self._part)
+
+    def _label(self, part: int) -> Callable[..., None]:
+        def hook(*_: Any) -> None:
+            self._part = part
+        return hook
+
+    def __enter__(self) -> _PartCounter:
+        m = self._model
+        n = len(m.layers)
+        labelled = [(m.embed, 0), (m.pos_encoding, 0), (m.embed_dropout, 0), *((x, i + 1) for i, x in
+                                                                              enumerate(m.layers)),
+                    (m.final_norm, n + 1), (m.lm_head, n + 1)]
+        self._labels = [module.register_forward_pre_hook(self._label(p)) for module, p in labelled]  # before the
+        super().__enter__()  # counter's block hooks, so that a checkpointed block's input counts in its block
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        super().__exit__(*exc)
+        for h in self._labels:
+            h.remove()
+        self._out.n_layers = len(self._model.layers)
+        for key, parts in self._parts.items():
+            ps = frozenset(parts)
+            self._out.saved[ps] = self._out.saved.get(ps, 0) + self._seen[key]
+
+
 def korthikanti_layer_bytes(seq_len: int, micro_batch_size: int, d_model: int, n_heads: int, tp: int = 1,
                             sequence_parallel: bool = False) -> float:
     """Activation bytes one Transformer layer keeps for backward on one TP rank, by Korthikanti et al. 2022, Table 2
@@ -130,10 +194,12 @@ def _cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> None:
                     table[name] = cast[id(t)]
 
 
-def fake_activations(build: ModelBuild, batch: int, seq_len: int, precision: str, mode: str, checkpointing: bool
-                     ) -> ActivationBytes:
+def fake_activations(build: ModelBuild, batch: int, seq_len: int, precision: str, mode: str, checkpointing: bool,
+                     parts: PartSaved | None = None) -> ActivationBytes:
     """:class:`ActivationBytes` of ``build``'s model (one TP rank's split model when ``build.tp`` > 1) for one
-    micro-batch of ``batch`` x ``seq_len`` tokens, computed in ``mode`` (:func:`compute_mode`), on fake tensors."""
+    micro-batch of ``batch`` x ``seq_len`` tokens, computed in ``mode`` (:func:`compute_mode`), on fake tensors.
+
+    ``parts`` (a decoder's only): filled with which parts of the model save each storage (:class:`PartSaved`)."""
     import contextlib
 
     import torch
@@ -181,6 +247,8 @@ def fake_activations(build: ModelBuild, batch: int, seq_len: int, precision: str
                     h.remove()
 
         counter = SavedTensorCounter(exclude, checkpointed_blocks(model))
+        if parts is not None:
+            counter = parts.counter(model, exclude, checkpointed_blocks(model))
         step(counter, [])
         recompute = 0
         if checkpointing:  # what one block saves, measured on the same model without checkpointing
