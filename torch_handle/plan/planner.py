@@ -121,6 +121,8 @@ class Row:
                 "grad_accum": self.batch.grad_accum, "largest_rank": largest.rank,
                 "largest_bytes": largest.total_bytes, "largest_state_bytes": _states(largest),
                 "largest_activation_bytes": largest.activations_bytes,
+                "largest_saved_activation_bytes": max((r.microbatch_saved_bytes or (0,))[0]
+                                                      for r in self.estimate.ranks),
                 "ranks": [_rank_dict(r) for r in self.estimate.ranks],
                 "predicted_tokens_per_s": self.tokens_per_s, **self.cost.as_dict(), "overrides": self.overrides}
 
@@ -161,9 +163,7 @@ def _states(rank: Any) -> int:
 
 
 def _rank_dict(rank: Any) -> dict[str, Any]:
-    keys = ("rank", "pp_rank", "dp_rank", "tp_rank", "params_bytes", "grads_bytes", "optimizer_bytes",
-            "activations_bytes", "total_bytes")
-    return {**{k: getattr(rank, k) for k in keys}, "stages": list(rank.stages)}
+    return rank.as_dict()
 
 
 def factorizations(n: int) -> list[tuple[int, int, int]]:
@@ -275,7 +275,7 @@ def step_cost(layout: Layout, batch: Batch, preset: Preset, est: Any, flops_per_
                              seq_len=seq_len, d_model=d_model, grad_accum=batch.grad_accum,
                              sequence_parallel=preset.parallel.sequence_parallel, element_bytes=element)
         tp_bytes, tp_s = volume["bytes"], plan_cost.tp_seconds(volume, layout.tp, links)
-    grad_bytes = max(_grad_bytes(r, layout, preset) for r in est.ranks)
+    grad_bytes = max(_grad_bytes(r, preset) for r in est.ranks)
     dp_s = plan_cost.dp_seconds(grad_bytes, layout.dp, _strategy_label(preset), links,
                                 plan_cost.crosses_nodes(layout.dp, layout.tp, per_node))
     pp_bytes, pp_s = 0, 0.0
@@ -294,14 +294,11 @@ def _strategy_label(preset: Preset) -> str:
     return "scratch-zero3" if label == "scratch-fsdp" and preset.strategy.options.zero_stage == 3 else label
 
 
-def _grad_bytes(rank: Any, layout: Layout, preset: Preset) -> int:
-    """The gradient bytes rank ``rank`` synchronises over dp: its (unsharded) parameters, in the dtype gradients
+def _grad_bytes(rank: Any, preset: Preset) -> int:
+    """The gradient bytes ``rank`` synchronises over dp: its parameters before dp sharding, in the dtype gradients
     are reduced in (fp32 but for DeepSpeed's 16-bit models)."""
-    label = _strategy_label(preset)
     deepspeed16 = preset.strategy.name == "deepspeed" and preset.training.precision != "fp32"
-    param_element = 2 if deepspeed16 else 4
-    elements = rank.params_bytes // param_element * (layout.dp if label in plan_cost.PARAM_SHARDING else 1)
-    return elements * param_element
+    return rank.params * (2 if deepspeed16 else 4)
 
 
 def model_flops_per_token(preset: Preset, registry: PluginRegistry) -> float:
