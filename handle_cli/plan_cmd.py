@@ -265,7 +265,7 @@ def _report(made, records: list[dict[str, Any]] | None, as_json: bool) -> None:
     from rich.text import Text
 
     tty = sys.stdout.isatty()
-    console = Console(highlight=False, width=None if tty else 160)
+    console = Console(highlight=False, width=None if tty else 200)
     for line in header_lines(out):
         console.print(line, markup=False)
     console.print(plan_table(out["layouts"]))
