@@ -42,12 +42,14 @@ MEASURE_SKIP = 2
 @click.option("--comm", "comm_path", type=click.Path(path_type=Path), default=None, metavar="RESULTS",
               help="A handle bench comm results.jsonl for the bandwidths (default: the newest under "
                    f"{DEFAULT_OUTPUT_DIR}/comm-*/ for the backend, else assumed defaults, said so).")
+@click.option("--backend", type=click.Choice(["gloo", "nccl"]), default=None,
+              help="Whose bandwidths to use (default: the preset's launch.backend; auto = nccl with CUDA).")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object on stdout, nothing else.")
 @click.option("--output-dir", type=click.Path(path_type=Path), default=None, metavar="DIR",
               help="--measure: keep the runs under DIR/plan-<UTC time>/ (default: a temporary directory, removed).")
 def plan(preset: str, nproc: str, nnodes: str, device_memory: str | None, overrides: tuple[str, ...],
-         measure: str | None, steps: str, peak_tflops: str | None, comm_path: Path | None, as_json: bool,
-         output_dir: Path | None) -> None:
+         measure: str | None, steps: str, peak_tflops: str | None, comm_path: Path | None, backend: str | None,
+         as_json: bool, output_dir: Path | None) -> None:
     """Rank every dp x tp x pp layout of PRESET on N ranks by predicted speed, before running anything.
 
     Layouts: every dp x tp x pp = N (tp inside a node), for pp > 1 the schedules gpipe, 1f1b and
@@ -67,7 +69,7 @@ def plan(preset: str, nproc: str, nnodes: str, device_memory: str | None, overri
     \b
     Examples:
       handle plan presets/ddp.toml --nproc 4
-      handle plan presets/gpt2-small.toml --nproc 8 --device-memory 80GiB --peak-tflops 700 --json
+      handle plan presets/gpt2-small.toml --nproc 8 --device-memory 80GiB --peak-tflops 408 --backend nccl
       handle plan presets/ddp.toml --nproc 4 --measure 3 --set training.micro_batch_size=4
     """
     n = int_option("--nproc", nproc, 1, 4096)
@@ -84,8 +86,7 @@ def plan(preset: str, nproc: str, nnodes: str, device_memory: str | None, overri
     from handle_cli.presets_cmd import resolve_preset_spec
 
     preset = resolve_preset_spec(preset)
-    result = _plan(preset, list(overrides), n, k, memory, peak, comm_path, measuring=top is not None)
-    made, user = result
+    made, user = _plan(preset, list(overrides), n, k, memory, peak, comm_path, backend, measuring=top is not None)
     if top is None:
         _report(made, None, as_json)
         return
@@ -117,7 +118,7 @@ def _tflops_option(text: str) -> float:
 
 
 def _plan(preset: str, user: list[str], n: int, k: int, memory: int | None, peak: float | None,
-          comm_path: Path | None, measuring: bool):
+          comm_path: Path | None, backend: str | None, measuring: bool):
     """Load the preset, find the peak, the links and the device memory, and plan: ``(Plan, overrides used)``."""
     from torch_handle.config.loader import load_preset
     from torch_handle.errors import USER_ERRORS
@@ -142,7 +143,7 @@ def _plan(preset: str, user: list[str], n: int, k: int, memory: int | None, peak
     except USER_ERRORS as e:
         fail(str(e))
     per_node = n // k
-    backend = base.launch.backend if base.launch.backend != "auto" else ("nccl" if cuda else "gloo")
+    backend = backend or (base.launch.backend if base.launch.backend != "auto" else ("nccl" if cuda else "gloo"))
     cores = os.cpu_count() or 1
     threads = threads_per_rank(per_node, cores, os.environ.get("OMP_NUM_THREADS"))
     contention = 1.0
