@@ -84,3 +84,15 @@ def test_spearman():
     assert plan_cost.spearman([1, 2, 3, 4], [1, 3, 2, 4]) == pytest.approx(0.8)
     assert plan_cost.spearman([1, 2, 2, 3], [1, 2, 3, 4]) == pytest.approx(0.9486833)  # ties: average ranks
     assert plan_cost.spearman([1], [2]) is None and plan_cost.spearman([1, 1], [1, 2]) is None
+
+
+def test_measured_activations_prefer_the_pipelines_in_flight_peak():
+    from torch_handle.plan.plan_measured import peak_saved_activations
+
+    plain = [{"kind": "step", "step": 1, "memory": [{"rank": 0, "activation_saved_bytes": 100},
+                                                    {"rank": 1, "activation_saved_bytes": 300}]},
+             {"kind": "eval", "memory": [{"rank": 0, "activation_saved_bytes": 999}]}]
+    assert peak_saved_activations(plain) == 300
+    piped = [{**plain[0], "pipeline": {"ranks": [{"activation_peak_bytes": 700}, {"activation_peak_bytes": 500}]}}]
+    assert peak_saved_activations(piped) == 700
+    assert peak_saved_activations([{"kind": "step", "step": 1}]) is None

@@ -1,10 +1,10 @@
 """``handle plan --measure``: a planned layout's prediction beside what a short real run of it measured, and how well
 the planner ordered the layouts (Spearman's rank correlation). Standard library only.
 
-Measured memory is the run's own telemetry: per rank the peak of parameters + gradients + optimizer state (the
-``memory`` reports, :func:`torch_handle.plan.bench_scaling.summarize`) and of ``activation_saved_bytes`` (what
-autograd saved for one micro-batch), the largest rank of each; the prediction compared with the latter is the
-estimate's saved activations, without the logits buffer and recompute it adds on top.
+Measured memory is the run's own telemetry, the largest rank of each: the peak of parameters + gradients + optimizer
+state (the ``memory`` reports, :func:`torch_handle.plan.bench_scaling.summarize`), and the most activation bytes
+autograd held saved at once (:func:`peak_saved_activations`), compared with the estimate's
+``activation_saved_bytes`` (its in-flight peak, without the logits buffer and recompute it adds on top).
 """
 
 from __future__ import annotations
@@ -19,16 +19,25 @@ from torch_handle.plan.plan_cost import spearman
 
 
 def peak_saved_activations(events: Iterable[dict[str, Any]]) -> int | None:
-    """The largest ``activation_saved_bytes`` any rank's memory report carries (None when none does)."""
-    best = None
+    """The most bytes autograd held saved at once on any rank: with a pipeline the largest
+    ``activation_peak_bytes`` of the step events' ``pipeline`` ranks (the micro-batches in flight), else the
+    largest ``activation_saved_bytes`` (one micro-batch) of any rank's memory report; None when no event has it."""
+    peaks, saved = [], []
     for e in events:
-        if e.get("kind") != Kind.STEP or not isinstance(e.get("memory"), list):
+        if e.get("kind") != Kind.STEP:
             continue
-        for m in e["memory"]:
+        pipeline = e.get("pipeline")
+        rows = pipeline.get("ranks") if isinstance(pipeline, dict) else None
+        for row in rows if isinstance(rows, list) else []:
+            value = integer(row.get("activation_peak_bytes")) if isinstance(row, dict) else None
+            if value is not None:
+                peaks.append(value)
+        for m in e.get("memory") if isinstance(e.get("memory"), list) else []:
             value = integer(m.get(ACTIVATION_SAVED_BYTES)) if isinstance(m, dict) else None
-            if value is not None and (best is None or value > best):
-                best = value
-    return best
+            if value is not None:
+                saved.append(value)
+    found = peaks or saved
+    return max(found) if found else None
 
 
 def measured_record(row: dict[str, Any], status: str, message: str | None, events: list[dict[str, Any]],

@@ -121,8 +121,7 @@ class Row:
                 "grad_accum": self.batch.grad_accum, "largest_rank": largest.rank,
                 "largest_bytes": largest.total_bytes, "largest_state_bytes": _states(largest),
                 "largest_activation_bytes": largest.activations_bytes,
-                "largest_saved_activation_bytes": max((r.microbatch_saved_bytes or (0,))[0]
-                                                      for r in self.estimate.ranks),
+                "largest_saved_activation_bytes": max(r.activation_saved_bytes for r in self.estimate.ranks),
                 "ranks": [_rank_dict(r) for r in self.estimate.ranks],
                 "predicted_tokens_per_s": self.tokens_per_s, **self.cost.as_dict(), "overrides": self.overrides}
 
