@@ -25,6 +25,7 @@ def write_tiny(tmp_path: Path) -> Path:
 
 
 def plan_json(tmp_path: Path, *args: str) -> dict:
+    """``handle plan tiny.toml --json ARGS`` in a subprocess (--measure starts workers: their leftovers are checked)."""
     env, tag = tagged_env(HANDLE_PEAK_CACHE=str(tmp_path / "peak.json"))
     proc = subprocess.run([sys.executable, "-m", "handle_cli", "plan", str(write_tiny(tmp_path)), "--json", *args],
                           capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
@@ -33,8 +34,16 @@ def plan_json(tmp_path: Path, *args: str) -> dict:
     return json.loads(proc.stdout)
 
 
-def test_layouts_of_4_ranks(tmp_path):
-    out = plan_json(tmp_path, "--nproc", "4", "--peak-tflops", PEAK, "--set", "model.n_heads=2")
+def plan_here(tmp_path: Path, monkeypatch, *args: str) -> dict:
+    """``handle plan tiny.toml --json ARGS`` in this process (the model's estimates are cached between tests)."""
+    monkeypatch.setenv("HANDLE_PEAK_CACHE", str(tmp_path / "peak.json"))
+    result = CliRunner().invoke(cli, ["plan", str(write_tiny(tmp_path)), "--json", *args])
+    assert result.exit_code == 0, result.output[-3000:]
+    return json.loads(result.stdout)
+
+
+def test_layouts_of_4_ranks(tmp_path, monkeypatch, no_launch):
+    out = plan_here(tmp_path, monkeypatch, "--nproc", "4", "--peak-tflops", PEAK, "--set", "model.n_heads=2")
     rows, dropped = out["layouts"], out["dropped"]
     assert rows and dropped
     for r in rows:
@@ -52,6 +61,7 @@ def test_layouts_of_4_ranks(tmp_path):
         if r["pp"] > 1:
             v, m, p = r["v"], r["microbatches"], r["pp"]
             assert r["bubble"] == pytest.approx((p - 1) / (v * m + p - 1)) and r["pp_bytes"] > 0
+            assert r["bubble_s"] == pytest.approx(r["compute_s"] * (p - 1) / (v * m))
         else:
             assert r["bubble"] == 0 and r["pp_bytes"] == 0
         assert (r["tp_bytes"] > 0) == (r["tp"] > 1) and (r["dp_bytes"] > 0) == (r["dp"] > 1)
@@ -70,15 +80,15 @@ def test_layouts_of_4_ranks(tmp_path):
     assert out["links"]["source"].startswith(("assumed", "measured"))
 
 
-def test_a_tiny_device_drops_everything(tmp_path):
-    out = plan_json(tmp_path, "--nproc", "4", "--peak-tflops", PEAK, "--device-memory", "64KiB")
+def test_a_tiny_device_drops_everything(tmp_path, monkeypatch, no_launch):
+    out = plan_here(tmp_path, monkeypatch, "--nproc", "4", "--peak-tflops", PEAK, "--device-memory", "64KiB")
     assert out["layouts"] == []
     memory = [d for d in out["dropped"] if d["reason"].startswith("largest rank needs")]
     assert memory and all(d["reason"].split(" (rank")[0].endswith("> 64.0 KiB") for d in memory), memory[:2]
 
 
-def test_tp_stays_inside_a_node(tmp_path):
-    out = plan_json(tmp_path, "--nproc", "4", "--nnodes", "2", "--peak-tflops", PEAK)
+def test_tp_stays_inside_a_node(tmp_path, monkeypatch, no_launch):
+    out = plan_here(tmp_path, monkeypatch, "--nproc", "4", "--nnodes", "2", "--peak-tflops", PEAK)
     assert all(r["tp"] <= 2 for r in out["layouts"])
     assert any(d["tp"] == 4 and "spans nodes" in d["reason"] for d in out["dropped"])
 
