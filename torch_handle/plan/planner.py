@@ -306,13 +306,13 @@ def model_flops_per_token(preset: Preset, registry: PluginRegistry) -> float:
     Raises:
         ValueError: a model without ``flops_per_token``.
     """
+    import dataclasses
+
     import torch
 
     from torch_handle.plan.estimate_model import build_model, model_build
 
     build = model_build(preset, registry)
-    import dataclasses
-
     with torch.device("meta"):
         model = build_model(dataclasses.replace(build, tp=1))
     if not hasattr(model, "flops_per_token"):
