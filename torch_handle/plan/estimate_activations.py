@@ -136,18 +136,23 @@ class _PartCounter(SavedTensorCounter):
 
     def __enter__(self) -> _PartCounter:
         m = self._model
-        n = len(m.layers)
-        labelled = [(m.embed, 0), (m.pos_encoding, 0), (m.embed_dropout, 0), *((x, i + 1) for i, x in
-                                                                              enumerate(m.layers)),
-                    (m.final_norm, n + 1), (m.lm_head, n + 1)]
-        self._labels = [module.register_forward_pre_hook(self._label(p)) for module, p in labelled]  # before the
-        super().__enter__()  # counter's block hooks, so that a checkpointed block's input counts in its block
+        parts = {id(layer): i + 1 for i, layer in enumerate(m.layers)}
+        run_block = m._run_block
+
+        def labelled(name: str, block: Any, *args: Any, **kwargs: Any) -> Any:
+            self._part = parts[id(block)]  # before checkpointing saves the block's inputs
+            return run_block(name, block, *args, **kwargs)
+
+        m._run_block = labelled
+        self._labels = [m.final_norm.register_forward_pre_hook(self._label(len(m.layers) + 1))]
+        super().__enter__()
         return self
 
     def __exit__(self, *exc: object) -> None:
         super().__exit__(*exc)
         for h in self._labels:
             h.remove()
+        del self._model._run_block
         self._out.n_layers = len(self._model.layers)
         for key, parts in self._parts.items():
             ps = frozenset(parts)

@@ -147,20 +147,25 @@ class _Params:
     parts: tuple[tuple[tuple[int, int], ...], ...]
     whole: ModelShape
     """The whole split model (tied weights once): what pp = 1 holds."""
+    tied: frozenset[int] = frozenset()
+    """Positions in the head part of the embedding's tied matrix."""
     split_counts: tuple[int, int, int] = (0, 0, 0)
     """(one layer's, the embedding's, the head's parameters; the head 0 when tied): what ``pp_split = "params"``
     balances, as :func:`torch_handle.plan.estimate_pipeline._ranges` counts them."""
 
-    def stage_shape(self, first: int, last: int) -> ModelShape:
-        """The parameters of parts ``first`` .. ``last`` (a pipeline rank's shard; a tied embedding counts on
-        both the first and the last stage); blocks are the layers, the rest one unit."""
-        if first == 0 and last == len(self.parts) - 1:
+    def shape(self, parts: set[int]) -> ModelShape:
+        """The parameters of ``parts`` (a pipeline rank's shard, in the order it registers them): a tied embedding
+        counts once on a rank that runs both the first and the last stage, twice in a pipeline that puts them on
+        two ranks. Its blocks are its layers, the rest one unit."""
+        if not self.parts or len(parts) == len(self.parts):
             return self.whole
-        chosen = [p for i in range(first, last + 1) for p in self.parts[i]]
-        blocks = [sum(n for n, _ in self.parts[i]) for i in range(max(first, 1), min(last, len(self.parts) - 2) + 1)]
+        head = len(self.parts) - 1
+        chosen = [p for i in sorted(parts) for j, p in enumerate(self.parts[i])
+                  if not (i == head and j in self.tied and 0 in parts)]
+        blocks = [sum(n for n, _ in self.parts[i]) for i in sorted(parts) if 0 < i < head]
         rest = sum(n for n, _ in chosen) - sum(blocks)
-        return ModelShape(tuple(n for n, _ in chosen), tuple(d for _, d in chosen), (*blocks, rest) if rest else
-                          tuple(blocks))
+        return ModelShape(tuple(n for n, _ in chosen), tuple(d for _, d in chosen),
+                          (*blocks, rest) if rest else tuple(blocks))
 
 
 def _build_key(build: ModelBuild) -> tuple:
@@ -192,18 +197,21 @@ def _params(key: tuple) -> _Params:
     n = len(layers)
     parts: list[list[tuple[int, int]]] = [[] for _ in range(n + 2)]
     seen: set[int] = set()
+    tied = set()
     for name, p in model.named_parameters(remove_duplicate=False):
         if not p.requires_grad:
             continue
         head = name.split(".")[0]
         part = int(name.split(".")[1]) + 1 if head == "layers" else n + 1 if head in ("final_norm", "lm_head") else 0
-        if id(p) in seen and part != n + 1:
-            continue
+        if id(p) in seen:
+            if part != n + 1:
+                continue
+            tied.add(len(parts[part]))
         seen.add(id(p))
         parts[part].append((p.numel(), p.shape[0] if p.dim() else 1))
     head = 0 if model.args.tie_embeddings else model.lm_head.weight.numel()
     counts = (sum(p.numel() for p in layers[0].parameters()), model.embed.weight.numel(), head)
-    return _Params(tuple(tuple(x) for x in parts), whole, counts)
+    return _Params(tuple(tuple(x) for x in parts), whole, frozenset(tied), counts)
 
 
 @dataclass(frozen=True)
@@ -299,10 +307,7 @@ def estimate_layout(preset: Preset, registry: PluginRegistry, *, every_rank: boo
     rows = []
     for pp_rank in range(pp):
         stages = tuple(s for s, r in enumerate(owner) if r == pp_rank)
-        shapes = [params.stage_shape(*stage_parts[s]) for s in stages]
-        shape = shapes[0] if len(shapes) == 1 else ModelShape(
-            tuple(n for sh in shapes for n in sh.numels), tuple(d for sh in shapes for d in sh.dim0),
-            tuple(u for sh in shapes for u in sh.units))
+        shape = params.shape({p for s in stages for p in range(stage_parts[s][0], stage_parts[s][1] + 1)})
         last = pp * v - 1 in stages
         logits = acts.whole.logits if last else 0
         act_saved = peaks[pp_rank][0]
