@@ -30,7 +30,7 @@ from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
 from torch_handle.config.layout import pipeline_microbatches
-from torch_handle.plan.estimate import BUILTIN, model_state_bytes, preset_variant
+from torch_handle.plan.estimate import BUILTIN, Variant, model_state_bytes, preset_variant
 from torch_handle.plan.estimate_activations import ActivationBytes, PartSaved, compute_mode, fake_activations
 from torch_handle.plan.estimate_model import ModelBuild, ModelShape, model_build
 
@@ -109,6 +109,8 @@ class LayoutEstimate:
     """Samples of one micro-batch through the model: micro_batch_size, or micro_batch_size · grad_accum / m with a
     pipeline."""
     sequence_parallel: bool = False
+    tp_shard_params: int = 0
+    """Parameters of one TP rank's shard of the whole model (= ``params`` when tp = 1)."""
 
     @property
     def largest(self) -> RankMemory:
@@ -252,7 +254,8 @@ def _stage_parts(preset: Preset, params: _Params, n_stages: int) -> list[tuple[i
     return out
 
 
-def estimate_layout(preset: Preset, registry: PluginRegistry, *, every_rank: bool = False) -> LayoutEstimate:
+def estimate_layout(preset: Preset, registry: PluginRegistry, *, every_rank: bool = False,
+                    variant: Variant | None = None) -> LayoutEstimate:
     """The memory of every rank of ``preset``'s layout: world size ``launch.nproc_per_node`` x ``launch.nnodes``,
     ``parallel.tp`` / ``pp`` / ``pp_schedule`` / ``pp_microbatches`` (0 = ``training.grad_accum``) /
     ``pp_stages_per_rank`` / ``pp_layers`` / ``pp_split`` / ``sequence_parallel``, ``model.activation_checkpointing``,
@@ -260,6 +263,7 @@ def estimate_layout(preset: Preset, registry: PluginRegistry, *, every_rank: boo
     ``training.precision``. Whether the plugins run the layout is the preset loader's check, not this function's.
 
     ``every_rank``: one :class:`RankMemory` per global rank (default: per (pp_rank, tp_rank), the largest dp rank).
+    ``variant``: another strategy configuration than the preset's (``handle estimate --compare``).
 
     Raises:
         ValueError: one line: tp x pp does not divide the world size, a strategy without a memory model (or
@@ -273,7 +277,7 @@ def estimate_layout(preset: Preset, registry: PluginRegistry, *, every_rank: boo
     par, t = preset.parallel, preset.training
     layout = Layout(preset.world_size, par.tp, par.pp)
     dp, tp, pp = layout.dp, par.tp, par.pp
-    variant = preset_variant(preset)
+    variant = variant or preset_variant(preset)
     if variant.strategy not in BUILTIN:
         raise ValueError(f"strategy {variant.strategy!r} has no memory model (built in: {', '.join(BUILTIN)})")
     if variant.strategy == "single" and dp != 1:
@@ -332,4 +336,4 @@ def estimate_layout(preset: Preset, registry: PluginRegistry, *, every_rank: boo
     rows.sort(key=lambda r: r.rank)
     return LayoutEstimate(preset.world_size, dp, tp, pp, par.pp_schedule if pp > 1 else None, m, checkpointing,
                           variant.label, rows, t.precision, whole_params.whole.n_params, v, batch,
-                          par.sequence_parallel)
+                          par.sequence_parallel, params.whole.n_params)
