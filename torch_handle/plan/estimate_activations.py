@@ -104,15 +104,20 @@ class PartSaved:
     def __init__(self) -> None:
         self.saved: dict[frozenset[int], int] = {}
         """Bytes of the distinct storages saved by exactly each set of parts."""
+        self.params: dict[frozenset[int], int] = {}
+        """The same for the parameters autograd saves (a matmul's weight): what FSDP2 and ZeRO-3 hold gathered,
+        at full size, while a micro-batch's saved tensors reference them."""
         self.n_layers = 0
 
     def counter(self, model: Any, exclude: list[Any], blocks: list[Any]) -> SavedTensorCounter:
         """A :class:`SavedTensorCounter` for ``model``'s step that fills this object when it exits."""
         return _PartCounter(self, model, exclude, blocks)
 
-    def stage_bytes(self, first: int, last: int) -> int:
-        """Bytes one micro-batch saves in a stage that runs parts ``first`` .. ``last`` (inclusive)."""
-        return sum(n for parts, n in self.saved.items() if any(first <= p <= last for p in parts))
+    def stage_bytes(self, first: int, last: int, params: bool = False) -> int:
+        """Bytes one micro-batch saves in a stage that runs parts ``first`` .. ``last`` (inclusive); ``params``:
+        of the parameters it saves."""
+        table = self.params if params else self.saved
+        return sum(n for parts, n in table.items() if any(first <= p <= last for p in parts))
 
 
 class _PartCounter(SavedTensorCounter):
@@ -120,14 +125,17 @@ class _PartCounter(SavedTensorCounter):
         super().__init__(exclude, blocks)
         self._out, self._model, self._part = out, model, 0
         self._parts: dict[int, set[int]] = {}
+        self._params: dict[int, tuple[int, set[int]]] = {}
         self._labels: list[Any] = []
 
     def add(self, t: Any) -> None:
         super().add(t)
         if getattr(t, "numel", None) is not None and t.numel() > 0:
-            key = _storage(t)[0]
+            key, nbytes = _storage(t)
             if key in self._seen:
                 self._parts.setdefault(key, set()).add(self._part)
+            elif key in self._exclude and t.is_floating_point():
+                self._params.setdefault(key, (nbytes, set()))[1].add(self._part)
 
     def _label(self, part: int) -> Callable[..., None]:
         def hook(*_: Any) -> None:
@@ -157,6 +165,9 @@ class _PartCounter(SavedTensorCounter):
         for key, parts in self._parts.items():
             ps = frozenset(parts)
             self._out.saved[ps] = self._out.saved.get(ps, 0) + self._seen[key]
+        for nbytes, parts in self._params.values():
+            ps = frozenset(parts)
+            self._out.params[ps] = self._out.params.get(ps, 0) + nbytes
 
 
 def korthikanti_layer_bytes(seq_len: int, micro_batch_size: int, d_model: int, n_heads: int, tp: int = 1,

@@ -70,6 +70,12 @@ class RankMemory:
     """The most saved bytes alive at once (a pipeline's ``activation_peak_bytes``)."""
     activation_logits_bytes: int = 0
     activation_recompute_bytes: int = 0
+    activation_gathered_bytes: int = 0
+    """Under fsdp and ZeRO-3: the parameters of this rank's stages that autograd saves (a linear's weight), which
+    the strategy gathers to full size (its TP shard) for the forward. A micro-batch's saved tensors reference
+    them, so the memory telemetry's ``activation_saved_bytes`` counts them; the strategy frees them after the
+    forward and gathers them again for the backward, so ``activations_bytes`` leaves them out (0 for strategies
+    that keep whole parameters: there they are model state)."""
 
     @property
     def total_bytes(self) -> int:
@@ -313,6 +319,9 @@ def estimate_layout(preset: Preset, registry: PluginRegistry, *, every_rank: boo
         stages = tuple(s for s, r in enumerate(owner) if r == pp_rank)
         shape = params.shape({p for s in stages for p in range(stage_parts[s][0], stage_parts[s][1] + 1)})
         last = pp * v - 1 in stages
+        gathered = 0
+        if variant.strategy == "fsdp" or (variant.strategy == "deepspeed" and variant.zero_stage == 3):
+            gathered = sum(acts.parts.stage_bytes(*stage_parts[x], params=True) for x in stages) if acts.parts else 0
         logits = acts.whole.logits if last else 0
         act_saved = peaks[pp_rank][0]
         act = act_saved + logits + acts.whole.recompute
@@ -332,7 +341,7 @@ def estimate_layout(preset: Preset, registry: PluginRegistry, *, every_rank: boo
                 rows.append(RankMemory(
                     layout.rank(pp_rank, dp_rank, tp_rank), pp_rank, dp_rank, tp_rank, stages, s.param, s.grad,
                     s.optimizer, act, s.host, shape.n_params, tuple(saved[x] for x in stages),
-                    tuple(peaks[pp_rank][1]), act_saved, logits, acts.whole.recompute))
+                    tuple(peaks[pp_rank][1]), act_saved, logits, acts.whole.recompute, gathered))
     rows.sort(key=lambda r: r.rank)
     return LayoutEstimate(preset.world_size, dp, tp, pp, par.pp_schedule if pp > 1 else None, m, checkpointing,
                           variant.label, rows, t.precision, whole_params.whole.n_params, v, batch,
