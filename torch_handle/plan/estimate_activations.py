@@ -113,6 +113,32 @@ class PartSaved:
         """A :class:`SavedTensorCounter` for ``model``'s step that fills this object when it exits."""
         return _PartCounter(self, model, exclude, blocks)
 
+    def extended(self, n_layers: int) -> PartSaved | None:
+        """The parts of the same decoder with ``n_layers`` layers, from this measurement of it with 3 (first,
+        middle, last layer): the middle layer's own storages repeat for every middle layer, storages saved by all
+        three layers (the padding mask) by all ``n_layers``. None where a storage is shared otherwise (measure the
+        whole model then)."""
+        n = self.n_layers
+        if n == n_layers:
+            return self
+        if n != 3 or n_layers < 3:
+            return None
+        out = PartSaved()
+        out.n_layers = n_layers
+        middle = range(2, n_layers)
+        where = {0: [0], 1: [1], 2: list(middle), 3: [n_layers], 4: [n_layers + 1]}
+        for table, into in ((self.saved, out.saved), (self.params, out.params)):
+            for parts, nbytes in table.items():
+                if parts == {2}:
+                    sets = [frozenset([j]) for j in middle]
+                elif {1, 2, 3} <= parts or 2 not in parts:
+                    sets = [frozenset(j for p in parts for j in where[p])]
+                else:
+                    return None
+                for key in sets:
+                    into[key] = into.get(key, 0) + nbytes
+        return out
+
     def stage_bytes(self, first: int, last: int, params: bool = False) -> int:
         """Bytes one micro-batch saves in a stage that runs parts ``first`` .. ``last`` (inclusive); ``params``:
         of the parameters it saves."""
@@ -211,11 +237,13 @@ def _cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> None:
 
 
 def fake_activations(build: ModelBuild, batch: int, seq_len: int, precision: str, mode: str, checkpointing: bool,
-                     parts: PartSaved | None = None) -> ActivationBytes:
+                     parts: PartSaved | None = None, backward: bool = True) -> ActivationBytes:
     """:class:`ActivationBytes` of ``build``'s model (one TP rank's split model when ``build.tp`` > 1) for one
     micro-batch of ``batch`` x ``seq_len`` tokens, computed in ``mode`` (:func:`compute_mode`), on fake tensors.
 
-    ``parts`` (a decoder's only): filled with which parts of the model save each storage (:class:`PartSaved`)."""
+    ``parts`` (a decoder's only): filled with which parts of the model save each storage (:class:`PartSaved`).
+    ``backward=False``: forward and loss only; what is saved is counted when the forward saves it, so only the
+    time differs (checkpointed blocks' recomputation in backward saves through the checkpoint's own hooks)."""
     import contextlib
 
     import torch
@@ -257,7 +285,8 @@ def fake_activations(build: ModelBuild, batch: int, seq_len: int, precision: str
                         loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100)
                     else:
                         loss, _ = vocab_parallel_cross_entropy(logits, labels, group)
-                    loss.backward()
+                    if backward:
+                        loss.backward()
             finally:
                 for h in handles:
                     h.remove()
