@@ -92,8 +92,8 @@ class ActivationBytes:
 
 class PartSaved:
     """Which parts of a decoder save each storage for backward, from one forward and backward of the whole model:
-    part 0 is the embedding (token table, positions, embedding dropout), 1 .. L the layers, L + 1 the final norm,
-    the head and the loss. A storage belongs to the part whose forward saves it (under activation checkpointing
+    part 0 is the embedding (token table, positions, embedding dropout), 1 .. L the layers, L + 1 the final norm
+    and the head, L + 2 the loss. A storage belongs to the part whose forward saves it (under activation checkpointing
     a block's input belongs to that block), to every such part when several save it.
 
     A pipeline stage running parts a .. b saves every storage that one of them saves: :meth:`stage_bytes`. A
@@ -126,7 +126,7 @@ class PartSaved:
         out = PartSaved()
         out.n_layers = n_layers
         middle = range(2, n_layers)
-        where = {0: [0], 1: [1], 2: list(middle), 3: [n_layers], 4: [n_layers + 1]}
+        where = {0: [0], 1: [1], 2: list(middle), 3: [n_layers], 4: [n_layers + 1], 5: [n_layers + 2]}
         for table, into in ((self.saved, out.saved), (self.params, out.params)):
             for parts, nbytes in table.items():
                 if parts == {2}:
@@ -178,7 +178,8 @@ class _PartCounter(SavedTensorCounter):
             return run_block(name, block, *args, **kwargs)
 
         m._run_block = labelled
-        self._labels = [m.final_norm.register_forward_pre_hook(self._label(len(m.layers) + 1))]
+        self._labels = [m.final_norm.register_forward_pre_hook(self._label(len(m.layers) + 1)),
+                        m.lm_head.register_forward_hook(self._label(len(m.layers) + 2))]
         super().__enter__()
         return self
 

@@ -70,6 +70,9 @@ class RankMemory:
     """The most saved bytes alive at once (a pipeline's ``activation_peak_bytes``)."""
     activation_logits_bytes: int = 0
     activation_recompute_bytes: int = 0
+    activation_loss_bytes: int = 0
+    """On the last stage: what the loss saves for backward per micro-batch (the fp32 log-probabilities), part of
+    ``microbatch_saved_bytes``; a pipeline's telemetry counts the stage's forward without it."""
     activation_gathered_bytes: int = 0
     """Under fsdp and ZeRO-3: the parameters of this rank's stages that autograd saves (a linear's weight), which
     the strategy gathers to full size (its TP shard) for the forward. A micro-batch's saved tensors reference
@@ -165,6 +168,7 @@ class _Params:
         """The parameters of ``parts`` (a pipeline rank's shard, in the order it registers them): a tied embedding
         counts once on a rank that runs both the first and the last stage, twice in a pipeline that puts them on
         two ranks. Its blocks are its layers, the rest one unit."""
+        parts = {p for p in parts if p < len(self.parts)}  # the loss (part L + 2) has no parameters
         if not self.parts or len(parts) == len(self.parts):
             return self.whole
         head = len(self.parts) - 1
@@ -244,7 +248,7 @@ def _activations(key: tuple, batch: int, seq_len: int, precision: str, mode: str
         whole = fake_activations(small, batch, seq_len, precision, mode, checkpointing, parts, backward=False)
         extended = parts.extended(n_layers)
         if extended is not None:
-            saved = extended.stage_bytes(0, n_layers + 1)
+            saved = extended.stage_bytes(0, n_layers + 2)
             return _Activations(dataclasses.replace(whole, saved=saved), extended)
     parts = PartSaved() if build.kind == "lm" else None
     whole = fake_activations(build, batch, seq_len, precision, mode, checkpointing, parts, backward=False)
@@ -257,7 +261,8 @@ def _activations(key: tuple, batch: int, seq_len: int, precision: str, mode: str
 
 
 def _stage_parts(preset: Preset, params: _Params, n_stages: int) -> list[tuple[int, int]]:
-    """(first part, last part) of every stage, as a run splits the layers (counts of the un-split model)."""
+    """(first part, last part) of every stage, as a run splits the layers (counts of the un-split model); the
+    last stage's last part is the loss."""
     from torch_handle.model.pipeline import split_layers
 
     par, n_layers = preset.parallel, len(params.parts) - 2
@@ -267,7 +272,7 @@ def _stage_parts(preset: Preset, params: _Params, n_stages: int) -> list[tuple[i
     out = []
     for s, r in enumerate(ranges):
         first = 0 if s == 0 else r.start + 1
-        last = n_layers + 1 if s == n_stages - 1 else r.stop
+        last = n_layers + 2 if s == n_stages - 1 else r.stop
         out.append((first, last))
     return out
 
@@ -311,7 +316,7 @@ def estimate_layout(preset: Preset, registry: PluginRegistry, *, every_rank: boo
     whole_params = _params(_cached_build(dataclasses.replace(_BUILDS[key], tp=1, sequence_parallel=False)))
 
     if pp == 1:
-        stage_parts = [(0, len(params.parts) - 1)]
+        stage_parts = [(0, len(params.parts))]
         saved = [acts.whole.saved]
         peaks = [(acts.whole.saved, [1])]
         owner = [0]
@@ -331,7 +336,9 @@ def estimate_layout(preset: Preset, registry: PluginRegistry, *, every_rank: boo
         stages = tuple(s for s, r in enumerate(owner) if r == pp_rank)
         shape = params.shape({p for s in stages for p in range(stage_parts[s][0], stage_parts[s][1] + 1)})
         last = pp * v - 1 in stages
-        gathered = 0
+        gathered, loss = 0, 0
+        if last and acts.parts:
+            loss = acts.parts.stage_bytes(acts.parts.n_layers + 2, acts.parts.n_layers + 2)
         if variant.strategy == "fsdp" or (variant.strategy == "deepspeed" and variant.zero_stage == 3):
             gathered = sum(acts.parts.stage_bytes(*stage_parts[x], params=True) for x in stages) if acts.parts else 0
         logits = acts.whole.logits if last else 0
@@ -353,7 +360,7 @@ def estimate_layout(preset: Preset, registry: PluginRegistry, *, every_rank: boo
                 rows.append(RankMemory(
                     layout.rank(pp_rank, dp_rank, tp_rank), pp_rank, dp_rank, tp_rank, stages, s.param, s.grad,
                     s.optimizer, act, s.host, shape.n_params, tuple(saved[x] for x in stages),
-                    tuple(peaks[pp_rank][1]), act_saved, logits, acts.whole.recompute, gathered))
+                    tuple(peaks[pp_rank][1]), act_saved, logits, acts.whole.recompute, loss, gathered))
     rows.sort(key=lambda r: r.rank)
     return LayoutEstimate(preset.world_size, dp, tp, pp, par.pp_schedule if pp > 1 else None, m, checkpointing,
                           variant.label, rows, t.precision, whole_params.whole.n_params, v, batch,
