@@ -32,7 +32,6 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
-from torch_handle.config.layout import pipeline_microbatches
 from torch_handle.plan.estimate_activations import ActivationBytes, activation_bytes, compute_mode
 from torch_handle.plan.estimate_model import ModelShape, model_shape
 
@@ -317,6 +316,8 @@ class Estimate:
     """Bytes one pipeline micro-batch saves for backward in each of ``pp_stages``."""
     pp_in_flight: list[int] | None = None
     """The most micro-batches alive at once in each of ``pp_stages`` under the schedule."""
+    largest: bool | None = None
+    """With pp > 1: whether this pipeline rank holds the most device bytes of its (strategy, world size)."""
 
     @property
     def activation_bytes(self) -> int:
@@ -333,7 +334,7 @@ class Estimate:
             value = getattr(self, f.name)
             if isinstance(value, ActivationBytes):
                 out.update(value.as_fields())
-            elif not (f.name.startswith("pp_") and self.pp == 1):
+            elif not ((f.name.startswith("pp_") or f.name == "largest") and self.pp == 1):
                 out[f.name] = dict(value) if isinstance(value, dict) else value
             if f.name == "world_size":
                 out["dp"] = self.dp
@@ -432,35 +433,36 @@ def supports_pipeline_parallel(registry: PluginRegistry, strategy: str) -> bool:
 
 def _pipeline_rows(preset: Preset, registry: PluginRegistry, world_sizes: Sequence[int], variants: list[Variant],
                    device_memory: int | None) -> list[Estimate]:
-    """One row per pipeline rank (its stages' model states and activations in flight) per variant and world size
-    that pp divides (``single``: world size pp only)."""
-    from torch_handle.plan.estimate_pipeline import pipeline_ranks
+    """One row per pipeline rank (its stages' model states, split by tp when tp > 1, and activations in flight;
+    :func:`~torch_handle.plan.estimate_layout.estimate_layout`) per variant and world size that tp x pp divides
+    (``single``: dp = 1 only). ``largest`` marks the rank with the most device bytes of each (variant, world)."""
+    from torch_handle.plan.estimate_layout import estimate_layout, with_layout
 
-    pp = preset.parallel.pp
+    par = preset.parallel
     for v in variants:
         if not supports_pipeline_parallel(registry, v.strategy):
-            raise ValueError(f"strategy {v.strategy!r} does not run with parallel.pp = {pp}")
-    whole = model_shape(preset, registry, tp=1)
-    precision = preset.training.precision
-    ranks: dict[str, list[Any]] = {}
+            raise ValueError(f"strategy {v.strategy!r} does not run with parallel.pp = {par.pp}")
     rows = []
     for v in variants:
-        mode = compute_mode(v.strategy, precision)
-        if mode not in ranks:
-            ranks[mode] = pipeline_ranks(preset, registry, mode)
         for world in world_sizes:
-            dp = world // pp
-            if world % pp or (v.strategy == "single" and dp != 1):
+            dp = world // (par.tp * par.pp)
+            if world % (par.tp * par.pp) or (v.strategy == "single" and dp != 1):
                 continue
-            for pr in ranks[mode]:
-                s = model_state_bytes(pr.shape, v, precision, dp, 0)
-                device = s.param + s.grad + s.optimizer - s.host + pr.activation.total
+            est = estimate_layout(with_layout(preset, nproc_per_node=world, nnodes=1), registry, variant=v)
+            largest = est.largest
+            for r in est.ranks:
+                if r.tp_rank:
+                    continue  # the TP ranks of a stage hold the same
+                act = ActivationBytes(r.activation_saved_bytes, r.activation_logits_bytes,
+                                      r.activation_recompute_bytes)
                 rows.append(Estimate(
-                    v.label, world, pr.pp_rank * dp, precision, whole.n_params, s.param, s.grad, s.optimizer,
-                    pr.activation, device, s.host, None if device_memory is None else device <= device_memory,
-                    {k: val for k, val in asdict(v).items() if k not in ("label",)}, pp=pp, pp_rank=pr.pp_rank,
-                    pp_stages=list(pr.stages), pp_microbatches=pipeline_microbatches(preset),
-                    pp_microbatch_saved_bytes=list(pr.microbatch_saved), pp_in_flight=list(pr.in_flight)))
+                    v.label, world, r.rank, est.precision, est.params, r.params_bytes, r.grads_bytes,
+                    r.optimizer_bytes, act, r.total_bytes, r.host_bytes,
+                    None if device_memory is None else r.total_bytes <= device_memory,
+                    {k: val for k, val in asdict(v).items() if k not in ("label",)}, par.tp,
+                    est.tp_shard_params if par.tp > 1 else None, par.sequence_parallel, par.pp, r.pp_rank,
+                    list(r.stages), est.microbatches, list(r.microbatch_saved_bytes), list(r.in_flight),
+                    r.pp_rank == largest.pp_rank))
     return rows
 
 

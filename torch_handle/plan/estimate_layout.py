@@ -30,7 +30,7 @@ from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
 from torch_handle.config.layout import pipeline_microbatches
-from torch_handle.plan.estimate import BUILTIN, model_state_bytes, preset_variant
+from torch_handle.plan.estimate import BUILTIN, Variant, model_state_bytes, preset_variant
 from torch_handle.plan.estimate_activations import ActivationBytes, PartSaved, compute_mode, fake_activations
 from torch_handle.plan.estimate_model import ModelBuild, ModelShape, model_build
 
@@ -70,6 +70,15 @@ class RankMemory:
     """The most saved bytes alive at once (a pipeline's ``activation_peak_bytes``)."""
     activation_logits_bytes: int = 0
     activation_recompute_bytes: int = 0
+    activation_loss_bytes: int = 0
+    """On the last stage: what the loss saves for backward per micro-batch (the fp32 log-probabilities), part of
+    ``microbatch_saved_bytes``; a pipeline's telemetry counts the stage's forward without it."""
+    activation_gathered_bytes: int = 0
+    """Under fsdp and ZeRO-3: the parameters of this rank's stages that autograd saves (a linear's weight), which
+    the strategy gathers to full size (its TP shard) for the forward. A micro-batch's saved tensors reference
+    them, so the memory telemetry's ``activation_saved_bytes`` counts them; the strategy frees them after the
+    forward and gathers them again for the backward, so ``activations_bytes`` leaves them out (0 for strategies
+    that keep whole parameters: there they are model state)."""
 
     @property
     def total_bytes(self) -> int:
@@ -109,6 +118,8 @@ class LayoutEstimate:
     """Samples of one micro-batch through the model: micro_batch_size, or micro_batch_size · grad_accum / m with a
     pipeline."""
     sequence_parallel: bool = False
+    tp_shard_params: int = 0
+    """Parameters of one TP rank's shard of the whole model (= ``params`` when tp = 1)."""
 
     @property
     def largest(self) -> RankMemory:
@@ -147,20 +158,26 @@ class _Params:
     parts: tuple[tuple[tuple[int, int], ...], ...]
     whole: ModelShape
     """The whole split model (tied weights once): what pp = 1 holds."""
+    tied: frozenset[int] = frozenset()
+    """Positions in the head part of the embedding's tied matrix."""
     split_counts: tuple[int, int, int] = (0, 0, 0)
     """(one layer's, the embedding's, the head's parameters; the head 0 when tied): what ``pp_split = "params"``
     balances, as :func:`torch_handle.plan.estimate_pipeline._ranges` counts them."""
 
-    def stage_shape(self, first: int, last: int) -> ModelShape:
-        """The parameters of parts ``first`` .. ``last`` (a pipeline rank's shard; a tied embedding counts on
-        both the first and the last stage); blocks are the layers, the rest one unit."""
-        if first == 0 and last == len(self.parts) - 1:
+    def shape(self, parts: set[int]) -> ModelShape:
+        """The parameters of ``parts`` (a pipeline rank's shard, in the order it registers them): a tied embedding
+        counts once on a rank that runs both the first and the last stage, twice in a pipeline that puts them on
+        two ranks. Its blocks are its layers, the rest one unit."""
+        parts = {p for p in parts if p < len(self.parts)}  # the loss (part L + 2) has no parameters
+        if not self.parts or len(parts) == len(self.parts):
             return self.whole
-        chosen = [p for i in range(first, last + 1) for p in self.parts[i]]
-        blocks = [sum(n for n, _ in self.parts[i]) for i in range(max(first, 1), min(last, len(self.parts) - 2) + 1)]
+        head = len(self.parts) - 1
+        chosen = [p for i in sorted(parts) for j, p in enumerate(self.parts[i])
+                  if not (i == head and j in self.tied and 0 in parts)]
+        blocks = [sum(n for n, _ in self.parts[i]) for i in sorted(parts) if 0 < i < head]
         rest = sum(n for n, _ in chosen) - sum(blocks)
-        return ModelShape(tuple(n for n, _ in chosen), tuple(d for _, d in chosen), (*blocks, rest) if rest else
-                          tuple(blocks))
+        return ModelShape(tuple(n for n, _ in chosen), tuple(d for _, d in chosen),
+                          (*blocks, rest) if rest else tuple(blocks))
 
 
 def _build_key(build: ModelBuild) -> tuple:
@@ -192,18 +209,21 @@ def _params(key: tuple) -> _Params:
     n = len(layers)
     parts: list[list[tuple[int, int]]] = [[] for _ in range(n + 2)]
     seen: set[int] = set()
+    tied = set()
     for name, p in model.named_parameters(remove_duplicate=False):
         if not p.requires_grad:
             continue
         head = name.split(".")[0]
         part = int(name.split(".")[1]) + 1 if head == "layers" else n + 1 if head in ("final_norm", "lm_head") else 0
-        if id(p) in seen and part != n + 1:
-            continue
+        if id(p) in seen:
+            if part != n + 1:
+                continue
+            tied.add(len(parts[part]))
         seen.add(id(p))
         parts[part].append((p.numel(), p.shape[0] if p.dim() else 1))
     head = 0 if model.args.tie_embeddings else model.lm_head.weight.numel()
     counts = (sum(p.numel() for p in layers[0].parameters()), model.embed.weight.numel(), head)
-    return _Params(tuple(tuple(x) for x in parts), whole, counts)
+    return _Params(tuple(tuple(x) for x in parts), whole, frozenset(tied), counts)
 
 
 @dataclass(frozen=True)
@@ -217,9 +237,21 @@ class _Activations:
 @lru_cache(maxsize=256)
 def _activations(key: tuple, batch: int, seq_len: int, precision: str, mode: str, checkpointing: bool
                  ) -> _Activations:
+    """A decoder's are measured on 3 of its layers (first, middle, last) and extended to all of them
+    (:meth:`PartSaved.extended`), forward only: what a planner asks for hundreds of times is then cheap. Other
+    models, and a decoder whose storages do not extend, run whole."""
     build = _BUILDS[key]
+    n_layers = getattr(build.options, "n_layers", None)
+    if build.kind == "lm" and isinstance(n_layers, int) and n_layers > 3:
+        small = dataclasses.replace(build, options=dataclasses.replace(build.options, n_layers=3))
+        parts = PartSaved()
+        whole = fake_activations(small, batch, seq_len, precision, mode, checkpointing, parts, backward=False)
+        extended = parts.extended(n_layers)
+        if extended is not None:
+            saved = extended.stage_bytes(0, n_layers + 2)
+            return _Activations(dataclasses.replace(whole, saved=saved), extended)
     parts = PartSaved() if build.kind == "lm" else None
-    whole = fake_activations(build, batch, seq_len, precision, mode, checkpointing, parts)
+    whole = fake_activations(build, batch, seq_len, precision, mode, checkpointing, parts, backward=False)
     return _Activations(whole, parts)
 
 
@@ -229,7 +261,8 @@ def _activations(key: tuple, batch: int, seq_len: int, precision: str, mode: str
 
 
 def _stage_parts(preset: Preset, params: _Params, n_stages: int) -> list[tuple[int, int]]:
-    """(first part, last part) of every stage, as a run splits the layers (counts of the un-split model)."""
+    """(first part, last part) of every stage, as a run splits the layers (counts of the un-split model); the
+    last stage's last part is the loss."""
     from torch_handle.model.pipeline import split_layers
 
     par, n_layers = preset.parallel, len(params.parts) - 2
@@ -239,12 +272,13 @@ def _stage_parts(preset: Preset, params: _Params, n_stages: int) -> list[tuple[i
     out = []
     for s, r in enumerate(ranges):
         first = 0 if s == 0 else r.start + 1
-        last = n_layers + 1 if s == n_stages - 1 else r.stop
+        last = n_layers + 2 if s == n_stages - 1 else r.stop
         out.append((first, last))
     return out
 
 
-def estimate_layout(preset: Preset, registry: PluginRegistry, *, every_rank: bool = False) -> LayoutEstimate:
+def estimate_layout(preset: Preset, registry: PluginRegistry, *, every_rank: bool = False,
+                    variant: Variant | None = None) -> LayoutEstimate:
     """The memory of every rank of ``preset``'s layout: world size ``launch.nproc_per_node`` x ``launch.nnodes``,
     ``parallel.tp`` / ``pp`` / ``pp_schedule`` / ``pp_microbatches`` (0 = ``training.grad_accum``) /
     ``pp_stages_per_rank`` / ``pp_layers`` / ``pp_split`` / ``sequence_parallel``, ``model.activation_checkpointing``,
@@ -252,6 +286,7 @@ def estimate_layout(preset: Preset, registry: PluginRegistry, *, every_rank: boo
     ``training.precision``. Whether the plugins run the layout is the preset loader's check, not this function's.
 
     ``every_rank``: one :class:`RankMemory` per global rank (default: per (pp_rank, tp_rank), the largest dp rank).
+    ``variant``: another strategy configuration than the preset's (``handle estimate --compare``).
 
     Raises:
         ValueError: one line: tp x pp does not divide the world size, a strategy without a memory model (or
@@ -265,7 +300,7 @@ def estimate_layout(preset: Preset, registry: PluginRegistry, *, every_rank: boo
     par, t = preset.parallel, preset.training
     layout = Layout(preset.world_size, par.tp, par.pp)
     dp, tp, pp = layout.dp, par.tp, par.pp
-    variant = preset_variant(preset)
+    variant = variant or preset_variant(preset)
     if variant.strategy not in BUILTIN:
         raise ValueError(f"strategy {variant.strategy!r} has no memory model (built in: {', '.join(BUILTIN)})")
     if variant.strategy == "single" and dp != 1:
@@ -281,7 +316,7 @@ def estimate_layout(preset: Preset, registry: PluginRegistry, *, every_rank: boo
     whole_params = _params(_cached_build(dataclasses.replace(_BUILDS[key], tp=1, sequence_parallel=False)))
 
     if pp == 1:
-        stage_parts = [(0, len(params.parts) - 1)]
+        stage_parts = [(0, len(params.parts))]
         saved = [acts.whole.saved]
         peaks = [(acts.whole.saved, [1])]
         owner = [0]
@@ -299,11 +334,13 @@ def estimate_layout(preset: Preset, registry: PluginRegistry, *, every_rank: boo
     rows = []
     for pp_rank in range(pp):
         stages = tuple(s for s, r in enumerate(owner) if r == pp_rank)
-        shapes = [params.stage_shape(*stage_parts[s]) for s in stages]
-        shape = shapes[0] if len(shapes) == 1 else ModelShape(
-            tuple(n for sh in shapes for n in sh.numels), tuple(d for sh in shapes for d in sh.dim0),
-            tuple(u for sh in shapes for u in sh.units))
+        shape = params.shape({p for s in stages for p in range(stage_parts[s][0], stage_parts[s][1] + 1)})
         last = pp * v - 1 in stages
+        gathered, loss = 0, 0
+        if last and acts.parts:
+            loss = acts.parts.stage_bytes(acts.parts.n_layers + 2, acts.parts.n_layers + 2)
+        if variant.strategy == "fsdp" or (variant.strategy == "deepspeed" and variant.zero_stage == 3):
+            gathered = sum(acts.parts.stage_bytes(*stage_parts[x], params=True) for x in stages) if acts.parts else 0
         logits = acts.whole.logits if last else 0
         act_saved = peaks[pp_rank][0]
         act = act_saved + logits + acts.whole.recompute
@@ -323,8 +360,8 @@ def estimate_layout(preset: Preset, registry: PluginRegistry, *, every_rank: boo
                 rows.append(RankMemory(
                     layout.rank(pp_rank, dp_rank, tp_rank), pp_rank, dp_rank, tp_rank, stages, s.param, s.grad,
                     s.optimizer, act, s.host, shape.n_params, tuple(saved[x] for x in stages),
-                    tuple(peaks[pp_rank][1]), act_saved, logits, acts.whole.recompute))
+                    tuple(peaks[pp_rank][1]), act_saved, logits, acts.whole.recompute, loss, gathered))
     rows.sort(key=lambda r: r.rank)
     return LayoutEstimate(preset.world_size, dp, tp, pp, par.pp_schedule if pp > 1 else None, m, checkpointing,
                           variant.label, rows, t.precision, whole_params.whole.n_params, v, batch,
-                          par.sequence_parallel)
+                          par.sequence_parallel, params.whole.n_params)
