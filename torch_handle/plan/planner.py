@@ -121,7 +121,8 @@ class Row:
                 "grad_accum": self.batch.grad_accum, "largest_rank": largest.rank,
                 "largest_bytes": largest.total_bytes, "largest_state_bytes": _states(largest),
                 "largest_activation_bytes": largest.activations_bytes,
-                "largest_saved_activation_bytes": max(r.activation_saved_bytes for r in self.estimate.ranks),
+                "largest_saved_activation_bytes": max(telemetry_saved_bytes(r, self.layout.pp)
+                                                      for r in self.estimate.ranks),
                 "ranks": [_rank_dict(r) for r in self.estimate.ranks],
                 "predicted_tokens_per_s": self.tokens_per_s, **self.cost.as_dict(), "overrides": self.overrides}
 
@@ -155,6 +156,17 @@ class Plan:
                 "layouts": [r.as_dict() for r in self.rows],
                 "dropped": [{**layout.as_dict(), "reason": reason} for layout, reason in self.dropped],
                 "notes": self.notes}
+
+
+def telemetry_saved_bytes(rank: Any, pp: int) -> int:
+    """The saved activation bytes a run's telemetry reports for ``rank`` (a
+    :class:`~torch_handle.plan.estimate_layout.RankMemory`), for ``--measure`` to compare: with a pipeline its peak
+    of micro-batches in flight (``activation_peak_bytes``), which counts the weights FSDP gathers for each and not
+    what the loss saves; else one micro-batch with the gathered weights (``activation_saved_bytes``)."""
+    if pp > 1:
+        return rank.activation_saved_bytes + rank.in_flight[0] * (rank.activation_gathered_bytes
+                                                                  - rank.activation_loss_bytes)
+    return rank.microbatch_saved_bytes[0] + rank.activation_gathered_bytes
 
 
 def _states(rank: Any) -> int:
