@@ -254,7 +254,11 @@ def plan_layouts(base: Preset, registry: PluginRegistry, *, nproc: int, nnodes: 
         except PresetError as e:
             plan.dropped.append((layout, _one_line(e)))
             continue
-        est = estimate(preset, registry)
+        try:
+            est = estimate(preset, registry)
+        except ValueError as e:  # a layout validation accepts but the estimate cannot size: dropped, said why
+            plan.dropped.append((layout, f"the memory estimate: {_one_line(e)}"))
+            continue
         largest = est.largest
         if largest.total_bytes > device_memory:
             plan.dropped.append((layout, f"largest rank needs {fmt_bytes(largest.total_bytes)} > "
