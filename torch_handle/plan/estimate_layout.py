@@ -30,7 +30,7 @@ from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
 from torch_handle.config.layout import pipeline_microbatches
-from torch_handle.plan.estimate import BUILTIN, Variant, model_state_bytes, preset_variant
+from torch_handle.plan.model_states import BUILTIN, Variant, model_state_bytes, preset_variant
 from torch_handle.plan.estimate_activations import ActivationBytes, PartSaved, compute_mode, fake_activations
 from torch_handle.plan.estimate_model import ModelBuild, ModelShape, model_build
 
