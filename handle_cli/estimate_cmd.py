@@ -63,15 +63,15 @@ def _table(rows: list, device_memory: int | None) -> list[str]:
     mesh = pipeline and any(r.tp > 1 or r.dp > 1 for r in rows)
     layout = any(r.tp > 1 for r in rows) and not mesh
     head = ["strategy", "world", *(["dp x tp x pp"] if mesh else ["dp x tp"] if layout else []),
-            *(["rank", "stage", "in flight"] if pipeline else []),
+            *(["stage", "in flight", "rank"] if pipeline else []),
             "params", "grads", "optimizer", "activations", "device total", "host"]
     if device_memory is not None:
         head.append("fits")
     body = []
     for r in rows:
         sizes = (r.param_bytes, r.grad_bytes, r.optimizer_bytes, r.activation_bytes, r.device_bytes)
-        stage = [f"{r.rank}{'*' if r.largest else ''}", ",".join(map(str, r.pp_stages or [])),
-                 "+".join(map(str, r.pp_in_flight or []))] if pipeline else []
+        stage = [",".join(map(str, r.pp_stages or [])), "+".join(map(str, r.pp_in_flight or [])),
+                 f"{r.rank}{'*' if r.largest else ''}"] if pipeline else []
         cells = [r.strategy, str(r.world_size), *([f"{r.dp} x {r.tp} x {r.pp}"] if mesh else
                                                   [f"{r.dp} x {r.tp}"] if layout else []), *stage,
                  *(fmt_bytes(x, precise=True) for x in sizes),
