@@ -25,8 +25,7 @@ from handle_cli.estimate_cmd import estimate, layout_overrides
 from tests.helpers import tiny_preset
 from torch_handle.config.layout import check_parallel
 from torch_handle.config.loader import load_preset
-from torch_handle.model.parallelize import tensor_parallel_plan
-from torch_handle.parallel.tensor.plan import Style
+from torch_handle.model.parallelize import replicated_numel
 from torch_handle.plan import estimate_layout as L
 from torch_handle.plan.estimate_model import build_model, model_build
 from torch_handle.registry import get_registry
@@ -60,14 +59,7 @@ def _model_counts(path: Path, *sets: str) -> dict[str, int]:
     preset = load_preset(path, ["launch.nproc_per_node=1", *sets], get_registry())
     with torch.device("meta"):
         model = build_model(model_build(preset, get_registry()))
-    replicated = 0
-    for name, style in tensor_parallel_plan(model).items():
-        module = model.get_submodule(name)
-        if style is Style.NORM:
-            replicated += sum(p.numel() for p in module.parameters())
-        elif style is Style.ROWWISE and module.bias is not None:
-            replicated += module.bias.numel()
-    return {"params": sum(p.numel() for p in model.parameters()), "replicated": replicated,
+    return {"params": sum(p.numel() for p in model.parameters()), "replicated": replicated_numel(model),
             "embed": model.embed.weight.numel(), "head": model.lm_head.weight.numel(),
             "final_norm": sum(p.numel() for p in model.final_norm.parameters()),
             "layer": sum(p.numel() for p in model.layers[0].parameters())}
