@@ -30,7 +30,7 @@ from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
 from torch_handle.config.layout import pipeline_microbatches
-from torch_handle.plan.model_states import BUILTIN, Variant, model_state_bytes, preset_variant
+from torch_handle.plan.model_states import BUILTIN, States, Variant, model_state_bytes, preset_variant
 from torch_handle.plan.estimate_activations import ActivationBytes, PartSaved, compute_mode, fake_activations
 from torch_handle.plan.estimate_model import ModelBuild, ModelShape, model_build
 
@@ -277,6 +277,21 @@ def _stage_parts(preset: Preset, params: _Params, n_stages: int) -> list[tuple[i
     return out
 
 
+def _dp_states(shape: ModelShape, variant: Variant, precision: str, dp: int, every_rank: bool
+               ) -> list[tuple[int, States]]:
+    """(dp_rank, model states) of every dp rank holding ``shape``, or only of the one with the most device bytes
+    (the lowest among equals)."""
+    out = []
+    for dp_rank in range(dp):
+        out.append((dp_rank, model_state_bytes(shape, variant, precision, dp, dp_rank)))
+        if variant.strategy in ("single", "ddp") or (variant.strategy == "scratch-ddp" and not variant.shard_optimizer):
+            out += [(r, out[0][1]) for r in range(1, dp)]  # every dp rank holds the same
+            break
+    if every_rank:
+        return out
+    return [max(out, key=lambda x: (x[1].param + x[1].grad + x[1].optimizer - x[1].host, -x[0]))]
+
+
 def estimate_layout(preset: Preset, registry: PluginRegistry, *, every_rank: bool = False,
                     variant: Variant | None = None) -> LayoutEstimate:
     """The memory of every rank of ``preset``'s layout: world size ``launch.nproc_per_node`` x ``launch.nnodes``,
@@ -344,18 +359,7 @@ def estimate_layout(preset: Preset, registry: PluginRegistry, *, every_rank: boo
         logits = acts.whole.logits if last else 0
         act_saved = peaks[pp_rank][0]
         act = act_saved + logits + acts.whole.recompute
-        per_dp = []
-        for dp_rank in range(dp):
-            s = model_state_bytes(shape, variant, t.precision, dp, dp_rank)
-            per_dp.append((dp_rank, s))
-            if variant.strategy in ("single", "ddp") or (variant.strategy == "scratch-ddp"
-                                                         and not variant.shard_optimizer):
-                break  # every dp rank holds the same
-        if not every_rank:
-            per_dp = [max(per_dp, key=lambda x: (x[1].param + x[1].grad + x[1].optimizer - x[1].host, -x[0]))]
-        elif len(per_dp) < dp:
-            per_dp = [(r, per_dp[0][1]) for r in range(dp)]
-        for dp_rank, s in per_dp:
+        for dp_rank, s in _dp_states(shape, variant, t.precision, dp, every_rank):
             for tp_rank in range(tp):
                 rows.append(RankMemory(
                     layout.rank(pp_rank, dp_rank, tp_rank), pp_rank, dp_rank, tp_rank, stages, s.param, s.grad,
