@@ -196,7 +196,8 @@ def estimate(preset: str, overrides: tuple[str, ...], nproc: str, nnodes: int | 
         p = loaded.parallel
         sp = "on" if p.sequence_parallel else "off"
         click.echo(f"tensor parallel: tp = {tp} ({p.tp_impl}, sequence parallelism {sp}), "
-                   f"{rows[0].tp_shard_params:,} parameters per TP rank; data parallel: dp = world / tp")
+                   f"{rows[0].tp_shard_params:,} parameters per TP rank; data parallel: dp = world / "
+                   f"{'(tp x pp)' if pp > 1 else 'tp'}")
     if pp > 1:
         p, r0 = loaded.parallel, rows[0]
         batch = t.micro_batch_size * t.grad_accum // r0.pp_microbatches
