@@ -128,6 +128,9 @@ def estimate(preset: str, overrides: tuple[str, ...], nproc: str, nnodes: int | 
     layers (the embedding on the first, the head on the last, a tied embedding on both), and the activations of
     the micro-batches its schedule keeps in flight: GPipe all m, 1F1B min(m, p - stage), interleaved and
     zero-bubble schedules walked in torch's order (--json: pp_in_flight, pp_microbatch_saved_bytes per stage).
+    With tp and pp both, and dp = world / (tp x pp), each row is a pipeline rank's TP shard of its stages, the
+    strategy's sharding over dp applied per stage; `rank` is its global rank (TP fastest), * (--json: largest)
+    marks the rank that holds the most, named below the table.
 
     \b
     Examples:
