@@ -171,6 +171,19 @@ def test_activations_extended_from_three_layers_equal_the_whole_models(preset_pa
         (s.shape.n_params, s.microbatch_saved, s.in_flight, s.activation.total) for s in stages]
 
 
+@pytest.mark.parametrize("tp,checkpointing", [(1, True), (2, False)])
+def test_activations_interpolated_in_the_batch_equal_measured_ones(preset_path, tp, checkpointing):
+    """Measured at 2 and 4 samples, a micro-batch of 6 or 8 is on their line, part by part, to the byte."""
+    preset = _preset(preset_path, "model.n_layers=4", f"model.activation_checkpointing={str(checkpointing).lower()}",
+                     world=tp, tp=tp)
+    key = L._cached_build(model_build(preset, get_registry()))
+    for batch in (6, 8):
+        line = L._activations(key, batch, 32, "fp32", "fp32", checkpointing)
+        measured = L._measured(key, batch, 32, "fp32", "fp32", checkpointing)
+        assert line is not measured and line.whole == measured.whole
+        assert line.parts.saved == measured.parts.saved and line.parts.params == measured.parts.params
+
+
 def test_a_planner_estimates_a_hundred_layouts_in_seconds(preset_path):
     registry, count = get_registry(), 0
     start = time.process_time()

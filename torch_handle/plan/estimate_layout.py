@@ -235,8 +235,8 @@ class _Activations:
 
 
 @lru_cache(maxsize=256)
-def _activations(key: tuple, batch: int, seq_len: int, precision: str, mode: str, checkpointing: bool
-                 ) -> _Activations:
+def _measured(key: tuple, batch: int, seq_len: int, precision: str, mode: str, checkpointing: bool
+              ) -> _Activations:
     """A decoder's are measured on 3 of its layers (first, middle, last) and extended to all of them
     (:meth:`PartSaved.extended`), forward only: what a planner asks for hundreds of times is then cheap. Other
     models, and a decoder whose storages do not extend, run whole."""
@@ -252,6 +252,43 @@ def _activations(key: tuple, batch: int, seq_len: int, precision: str, mode: str
             return _Activations(dataclasses.replace(whole, saved=saved), extended)
     parts = PartSaved() if build.kind == "lm" else None
     whole = fake_activations(build, batch, seq_len, precision, mode, checkpointing, parts, backward=False)
+    return _Activations(whole, parts)
+
+
+def _activations(key: tuple, batch: int, seq_len: int, precision: str, mode: str, checkpointing: bool
+                 ) -> _Activations:
+    """One micro-batch of ``batch`` samples: measured at 2 and 4 samples and interpolated (every saved storage has
+    the batch dimension or does not depend on it, so bytes are affine in it), measured at ``batch`` itself where
+    the two do not fit such a line. A planner varying m then measures each model and tp twice."""
+    if batch <= 4:
+        return _measured(key, batch, seq_len, precision, mode, checkpointing)
+    two, four = (_measured(key, b, seq_len, precision, mode, checkpointing) for b in (2, 4))
+    line = _affine(two, four, batch)
+    return line if line is not None else _measured(key, batch, seq_len, precision, mode, checkpointing)
+
+
+def _affine(two: _Activations, four: _Activations, batch: int) -> _Activations | None:
+    """The figures at ``batch`` samples on the line through those at 2 and 4; None where a figure shrinks or its
+    per-sample bytes are not whole."""
+    def at(a: int, b: int) -> int:
+        if b < a or (b - a) % 2:
+            raise ArithmeticError
+        return a + (b - a) // 2 * (batch - 2)
+
+    def table(a: dict[frozenset[int], int], b: dict[frozenset[int], int]) -> dict[frozenset[int], int]:
+        return {k: at(a.get(k, 0), b.get(k, 0)) for k in {*a, *b}}
+
+    try:
+        whole = ActivationBytes(*(at(getattr(two.whole, f), getattr(four.whole, f))
+                                  for f in ("saved", "logits", "recompute")))
+        if two.parts is None or four.parts is None:
+            return _Activations(whole, None)
+        parts = PartSaved()
+        parts.n_layers = two.parts.n_layers
+        parts.saved, parts.params = table(two.parts.saved, four.parts.saved), table(two.parts.params,
+                                                                                    four.parts.params)
+    except ArithmeticError:
+        return None
     return _Activations(whole, parts)
 
 
