@@ -80,7 +80,7 @@ class Estimate:
     """Parameters of one TP rank's shard (split tensors at 1/tp, replicated ones whole) when tp > 1."""
     sequence_parallel: bool = False
     pp: int = 1
-    """Pipeline degree: with pp > 1 each row is one pipeline rank's (:mod:`torch_handle.plan.estimate_pipeline`)."""
+    """Pipeline degree: with pp > 1 each row is one pipeline rank's (:mod:`torch_handle.plan.estimate_layout`)."""
     pp_rank: int | None = None
     pp_stages: list[int] | None = None
     """The stages this pipeline rank runs."""

@@ -1,23 +1,25 @@
-"""What every rank of a dp x tp x pp layout holds: ``handle estimate`` for any layout, and the memory model
-``handle plan`` ranks layouts with.
+"""What every rank of a dp x tp x pp layout holds: ``handle estimate`` for any layout with a pipeline, and the
+memory model a layout planner ranks layouts with (issue 21).
 
 Ranks are laid out as :class:`torch_handle.parallel.mesh.Layout` says (rank = (pp_rank · dp + dp_rank) · tp +
 tp_rank). A rank holds the layers of its pipeline stages (:func:`torch_handle.model.pipeline.split_layers`: the
 embedding on the first stage, the final norm and the head on the last, a tied embedding on both), each split by
 the model's tensor-parallel plan (:mod:`torch_handle.plan.estimate_model`: column- and row-parallel weights and
 the vocabulary-split embedding and head at 1/tp, LayerNorms and row-parallel biases whole), and of that the share
-its ``[strategy]`` keeps over the dp ranks of its stage (:func:`torch_handle.plan.estimate.model_state_bytes`:
+its ``[strategy]`` keeps over the dp ranks of its stage (:func:`torch_handle.plan.model_states.model_state_bytes`:
 single/ddp/scratch-ddp replicate, scratch-ddp ``shard_optimizer`` shards the optimizer state, fsdp/scratch-fsdp
 shard parameters, gradients and optimizer state; torchtitan applies FSDP per pipeline stage the same way).
 
-Activations: the bytes one micro-batch saves in each stage (its layers' share of one forward and backward of the
-tp-split model on fake tensors, :class:`~torch_handle.plan.estimate_activations.PartSaved`) times the micro-batches
-the schedule keeps in flight (:func:`torch_handle.plan.estimate_pipeline.in_flight_peak`), plus the fp32 logits
-buffer on the last stage and, with activation checkpointing, one recomputed block. Without sequence parallelism a
-TP region's input is full size on every TP rank, so what is divided by tp is the split layers' share only.
+Activations: the bytes one micro-batch saves in each stage (its parts' share of one forward of the tp-split model
+on fake tensors, :class:`~torch_handle.plan.estimate_activations.PartSaved`: the embedding, each layer, the head,
+the loss) times the micro-batches the schedule keeps in flight (:func:`torch_handle.plan.estimate_pipeline.
+in_flight_peak`), plus the fp32 logits buffer on the last stage and, with activation checkpointing, one
+recomputed block. What is split by tp is measured on the split model: without sequence parallelism a TP region's
+input is full size on every TP rank, only the split layers' own tensors are 1/tp.
 
-The model is built (on the meta device and on fake tensors) once per model, tp and micro-batch size and cached;
-each layout is arithmetic on those numbers, so a planner can ask for hundreds of layouts.
+The model is measured (on the meta device and on fake tensors: nothing is allocated) once per model and tp, at
+2 and 4 samples per micro-batch and on 3 of its layers, and cached; each layout is arithmetic on those numbers,
+equal to measuring it whole to the byte (``tests/test_estimate_layout.py``), so a planner can ask for hundreds.
 
 torch is imported inside the functions, so importing this module is cheap.
 """
@@ -30,9 +32,9 @@ from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
 from torch_handle.config.layout import pipeline_microbatches
-from torch_handle.plan.model_states import BUILTIN, States, Variant, model_state_bytes, preset_variant
 from torch_handle.plan.estimate_activations import ActivationBytes, PartSaved, compute_mode, fake_activations
 from torch_handle.plan.estimate_model import ModelBuild, ModelShape, model_build
+from torch_handle.plan.model_states import BUILTIN, States, Variant, model_state_bytes, preset_variant
 
 if TYPE_CHECKING:
     from torch_handle.config.schema import Preset
