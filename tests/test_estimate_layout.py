@@ -210,6 +210,10 @@ def test_bad_layouts_raise_one_line(preset_path):
         L.estimate_layout(_preset(preset_path, world=6, tp=4), get_registry())
     with pytest.raises(ValueError, match="2 layers cannot fill"):
         L.estimate_layout(_preset(preset_path, world=4, pp=4), get_registry())
+    with pytest.raises(ValueError, match="pp_microbatches: 3 micro-batches do not divide"):
+        L.estimate_layout(_preset(preset_path, world=2, pp=2, pp_microbatches=3), get_registry())
+    with pytest.raises(ValueError, match="pp_microbatches: 1 micro-batches are fewer than the 2 stages 1f1b"):
+        L.estimate_layout(_preset(preset_path, world=2, pp=2, pp_microbatches=1), get_registry())
     with pytest.raises(ValueError, match="'single' runs one replica"):
         L.estimate_layout(_preset(preset_path, world=4, tp=2), get_registry())
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
-from torch_handle.config.layout import pipeline_microbatches
+from torch_handle.config.layout import microbatch_problem, pipeline_microbatches
 from torch_handle.plan.estimate_activations import ActivationBytes, PartSaved, compute_mode, fake_activations
 from torch_handle.plan.estimate_model import ModelBuild, ModelShape, model_build
 from torch_handle.plan.model_states import BUILTIN, States, Variant, model_state_bytes, preset_variant
@@ -344,7 +344,8 @@ def estimate_layout(preset: Preset, registry: PluginRegistry, *, every_rank: boo
 
     Raises:
         ValueError: one line: tp x pp does not divide the world size, a strategy without a memory model (or
-            ``single`` with dp > 1), more stages than layers, a pipeline of a model without a split.
+            ``single`` with dp > 1), more stages than layers, micro-batches the step's samples or the schedule do
+            not allow, a pipeline of a model without a split, a split tp does not divide.
         PresetError: a dataset without ``vocab_size``/``seq_len`` options.
     """
     from torch_handle.parallel.mesh import Layout
@@ -361,6 +362,12 @@ def estimate_layout(preset: Preset, registry: PluginRegistry, *, every_rank: boo
         raise ValueError(f"strategy 'single' runs one replica: dp = world size / (tp x pp) = {dp} must be 1")
     v = par.pp_stages_per_rank if pp > 1 else 1
     m = pipeline_microbatches(preset) if pp > 1 else 1
+    if pp > 1:
+        samples = t.micro_batch_size * t.grad_accum
+        problem = (f"{m} micro-batches do not divide micro_batch_size x grad_accum = {samples} samples"
+                   if samples % m else microbatch_problem(par.pp_schedule, pp, v, m))
+        if problem:
+            raise ValueError(f"parallel.pp_microbatches: {problem}")
     batch = t.micro_batch_size * t.grad_accum // m if pp > 1 else t.micro_batch_size
     checkpointing = bool(getattr(preset.model.options, "activation_checkpointing", False))
     mode = compute_mode(variant.strategy, t.precision)
