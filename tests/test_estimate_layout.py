@@ -25,8 +25,7 @@ from handle_cli.estimate_cmd import estimate, layout_overrides
 from tests.helpers import tiny_preset
 from torch_handle.config.layout import check_parallel
 from torch_handle.config.loader import load_preset
-from torch_handle.model.parallelize import tensor_parallel_plan
-from torch_handle.parallel.tensor.plan import Style
+from torch_handle.model.parallelize import replicated_numel
 from torch_handle.plan import estimate_layout as L
 from torch_handle.plan.estimate_model import build_model, model_build
 from torch_handle.registry import get_registry
@@ -60,14 +59,7 @@ def _model_counts(path: Path, *sets: str) -> dict[str, int]:
     preset = load_preset(path, ["launch.nproc_per_node=1", *sets], get_registry())
     with torch.device("meta"):
         model = build_model(model_build(preset, get_registry()))
-    replicated = 0
-    for name, style in tensor_parallel_plan(model).items():
-        module = model.get_submodule(name)
-        if style is Style.NORM:
-            replicated += sum(p.numel() for p in module.parameters())
-        elif style is Style.ROWWISE and module.bias is not None:
-            replicated += module.bias.numel()
-    return {"params": sum(p.numel() for p in model.parameters()), "replicated": replicated,
+    return {"params": sum(p.numel() for p in model.parameters()), "replicated": replicated_numel(model),
             "embed": model.embed.weight.numel(), "head": model.lm_head.weight.numel(),
             "final_norm": sum(p.numel() for p in model.final_norm.parameters()),
             "layer": sum(p.numel() for p in model.layers[0].parameters())}
@@ -179,6 +171,19 @@ def test_activations_extended_from_three_layers_equal_the_whole_models(preset_pa
         (s.shape.n_params, s.microbatch_saved, s.in_flight, s.activation.total) for s in stages]
 
 
+@pytest.mark.parametrize("tp,checkpointing", [(1, True), (2, False)])
+def test_activations_interpolated_in_the_batch_equal_measured_ones(preset_path, tp, checkpointing):
+    """Measured at 2 and 4 samples, a micro-batch of 6 or 8 is on their line, part by part, to the byte."""
+    preset = _preset(preset_path, "model.n_layers=4", f"model.activation_checkpointing={str(checkpointing).lower()}",
+                     world=tp, tp=tp)
+    key = L._cached_build(model_build(preset, get_registry()))
+    for batch in (6, 8):
+        line = L._activations(key, batch, 32, "fp32", "fp32", checkpointing)
+        measured = L._measured(key, batch, 32, "fp32", "fp32", checkpointing)
+        assert line is not measured and line.whole == measured.whole
+        assert line.parts.saved == measured.parts.saved and line.parts.params == measured.parts.params
+
+
 def test_a_planner_estimates_a_hundred_layouts_in_seconds(preset_path):
     registry, count = get_registry(), 0
     start = time.process_time()
@@ -205,6 +210,10 @@ def test_bad_layouts_raise_one_line(preset_path):
         L.estimate_layout(_preset(preset_path, world=6, tp=4), get_registry())
     with pytest.raises(ValueError, match="2 layers cannot fill"):
         L.estimate_layout(_preset(preset_path, world=4, pp=4), get_registry())
+    with pytest.raises(ValueError, match="pp_microbatches: 3 micro-batches do not divide"):
+        L.estimate_layout(_preset(preset_path, world=2, pp=2, pp_microbatches=3), get_registry())
+    with pytest.raises(ValueError, match="pp_microbatches: 1 micro-batches are fewer than the 2 stages 1f1b"):
+        L.estimate_layout(_preset(preset_path, world=2, pp=2, pp_microbatches=1), get_registry())
     with pytest.raises(ValueError, match="'single' runs one replica"):
         L.estimate_layout(_preset(preset_path, world=4, tp=2), get_registry())
 

@@ -1,23 +1,25 @@
-"""What every rank of a dp x tp x pp layout holds: ``handle estimate`` for any layout, and the memory model
-``handle plan`` ranks layouts with.
+"""What every rank of a dp x tp x pp layout holds: ``handle estimate`` for any layout with a pipeline, and the
+memory model a layout planner ranks layouts with (issue 21).
 
 Ranks are laid out as :class:`torch_handle.parallel.mesh.Layout` says (rank = (pp_rank · dp + dp_rank) · tp +
 tp_rank). A rank holds the layers of its pipeline stages (:func:`torch_handle.model.pipeline.split_layers`: the
 embedding on the first stage, the final norm and the head on the last, a tied embedding on both), each split by
 the model's tensor-parallel plan (:mod:`torch_handle.plan.estimate_model`: column- and row-parallel weights and
 the vocabulary-split embedding and head at 1/tp, LayerNorms and row-parallel biases whole), and of that the share
-its ``[strategy]`` keeps over the dp ranks of its stage (:func:`torch_handle.plan.estimate.model_state_bytes`:
+its ``[strategy]`` keeps over the dp ranks of its stage (:func:`torch_handle.plan.model_states.model_state_bytes`:
 single/ddp/scratch-ddp replicate, scratch-ddp ``shard_optimizer`` shards the optimizer state, fsdp/scratch-fsdp
 shard parameters, gradients and optimizer state; torchtitan applies FSDP per pipeline stage the same way).
 
-Activations: the bytes one micro-batch saves in each stage (its layers' share of one forward and backward of the
-tp-split model on fake tensors, :class:`~torch_handle.plan.estimate_activations.PartSaved`) times the micro-batches
-the schedule keeps in flight (:func:`torch_handle.plan.estimate_pipeline.in_flight_peak`), plus the fp32 logits
-buffer on the last stage and, with activation checkpointing, one recomputed block. Without sequence parallelism a
-TP region's input is full size on every TP rank, so what is divided by tp is the split layers' share only.
+Activations: the bytes one micro-batch saves in each stage (its parts' share of one forward of the tp-split model
+on fake tensors, :class:`~torch_handle.plan.estimate_activations.PartSaved`: the embedding, each layer, the head,
+the loss) times the micro-batches the schedule keeps in flight (:func:`torch_handle.plan.estimate_pipeline.
+in_flight_peak`), plus the fp32 logits buffer on the last stage and, with activation checkpointing, one
+recomputed block. What is split by tp is measured on the split model: without sequence parallelism a TP region's
+input is full size on every TP rank, only the split layers' own tensors are 1/tp.
 
-The model is built (on the meta device and on fake tensors) once per model, tp and micro-batch size and cached;
-each layout is arithmetic on those numbers, so a planner can ask for hundreds of layouts.
+The model is measured (on the meta device and on fake tensors: nothing is allocated) once per model and tp, at
+2 and 4 samples per micro-batch and on 3 of its layers, and cached; each layout is arithmetic on those numbers,
+equal to measuring it whole to the byte (``tests/test_estimate_layout.py``), so a planner can ask for hundreds.
 
 torch is imported inside the functions, so importing this module is cheap.
 """
@@ -29,10 +31,10 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
-from torch_handle.config.layout import pipeline_microbatches
-from torch_handle.plan.estimate import BUILTIN, Variant, model_state_bytes, preset_variant
+from torch_handle.config.layout import microbatch_problem, pipeline_microbatches
 from torch_handle.plan.estimate_activations import ActivationBytes, PartSaved, compute_mode, fake_activations
 from torch_handle.plan.estimate_model import ModelBuild, ModelShape, model_build
+from torch_handle.plan.model_states import BUILTIN, States, Variant, model_state_bytes, preset_variant
 
 if TYPE_CHECKING:
     from torch_handle.config.schema import Preset
@@ -235,8 +237,8 @@ class _Activations:
 
 
 @lru_cache(maxsize=256)
-def _activations(key: tuple, batch: int, seq_len: int, precision: str, mode: str, checkpointing: bool
-                 ) -> _Activations:
+def _measured(key: tuple, batch: int, seq_len: int, precision: str, mode: str, checkpointing: bool
+              ) -> _Activations:
     """A decoder's are measured on 3 of its layers (first, middle, last) and extended to all of them
     (:meth:`PartSaved.extended`), forward only: what a planner asks for hundreds of times is then cheap. Other
     models, and a decoder whose storages do not extend, run whole."""
@@ -252,6 +254,43 @@ def _activations(key: tuple, batch: int, seq_len: int, precision: str, mode: str
             return _Activations(dataclasses.replace(whole, saved=saved), extended)
     parts = PartSaved() if build.kind == "lm" else None
     whole = fake_activations(build, batch, seq_len, precision, mode, checkpointing, parts, backward=False)
+    return _Activations(whole, parts)
+
+
+def _activations(key: tuple, batch: int, seq_len: int, precision: str, mode: str, checkpointing: bool
+                 ) -> _Activations:
+    """One micro-batch of ``batch`` samples: measured at 2 and 4 samples and interpolated (every saved storage has
+    the batch dimension or does not depend on it, so bytes are affine in it), measured at ``batch`` itself where
+    the two do not fit such a line. A planner varying m then measures each model and tp twice."""
+    if batch <= 4:
+        return _measured(key, batch, seq_len, precision, mode, checkpointing)
+    two, four = (_measured(key, b, seq_len, precision, mode, checkpointing) for b in (2, 4))
+    line = _affine(two, four, batch)
+    return line if line is not None else _measured(key, batch, seq_len, precision, mode, checkpointing)
+
+
+def _affine(two: _Activations, four: _Activations, batch: int) -> _Activations | None:
+    """The figures at ``batch`` samples on the line through those at 2 and 4; None where a figure shrinks or its
+    per-sample bytes are not whole."""
+    def at(a: int, b: int) -> int:
+        if b < a or (b - a) % 2:
+            raise ArithmeticError
+        return a + (b - a) // 2 * (batch - 2)
+
+    def table(a: dict[frozenset[int], int], b: dict[frozenset[int], int]) -> dict[frozenset[int], int]:
+        return {k: at(a.get(k, 0), b.get(k, 0)) for k in {*a, *b}}
+
+    try:
+        whole = ActivationBytes(*(at(getattr(two.whole, f), getattr(four.whole, f))
+                                  for f in ("saved", "logits", "recompute")))
+        if two.parts is None or four.parts is None:
+            return _Activations(whole, None)
+        parts = PartSaved()
+        parts.n_layers = two.parts.n_layers
+        parts.saved, parts.params = table(two.parts.saved, four.parts.saved), table(two.parts.params,
+                                                                                    four.parts.params)
+    except ArithmeticError:
+        return None
     return _Activations(whole, parts)
 
 
@@ -277,6 +316,21 @@ def _stage_parts(preset: Preset, params: _Params, n_stages: int) -> list[tuple[i
     return out
 
 
+def _dp_states(shape: ModelShape, variant: Variant, precision: str, dp: int, every_rank: bool
+               ) -> list[tuple[int, States]]:
+    """(dp_rank, model states) of every dp rank holding ``shape``, or only of the one with the most device bytes
+    (the lowest among equals)."""
+    out = []
+    for dp_rank in range(dp):
+        out.append((dp_rank, model_state_bytes(shape, variant, precision, dp, dp_rank)))
+        if variant.strategy in ("single", "ddp") or (variant.strategy == "scratch-ddp" and not variant.shard_optimizer):
+            out += [(r, out[0][1]) for r in range(1, dp)]  # every dp rank holds the same
+            break
+    if every_rank:
+        return out
+    return [max(out, key=lambda x: (x[1].param + x[1].grad + x[1].optimizer - x[1].host, -x[0]))]
+
+
 def estimate_layout(preset: Preset, registry: PluginRegistry, *, every_rank: bool = False,
                     variant: Variant | None = None) -> LayoutEstimate:
     """The memory of every rank of ``preset``'s layout: world size ``launch.nproc_per_node`` x ``launch.nnodes``,
@@ -290,7 +344,8 @@ def estimate_layout(preset: Preset, registry: PluginRegistry, *, every_rank: boo
 
     Raises:
         ValueError: one line: tp x pp does not divide the world size, a strategy without a memory model (or
-            ``single`` with dp > 1), more stages than layers, a pipeline of a model without a split.
+            ``single`` with dp > 1), more stages than layers, micro-batches the step's samples or the schedule do
+            not allow, a pipeline of a model without a split, a split tp does not divide.
         PresetError: a dataset without ``vocab_size``/``seq_len`` options.
     """
     from torch_handle.parallel.mesh import Layout
@@ -307,6 +362,12 @@ def estimate_layout(preset: Preset, registry: PluginRegistry, *, every_rank: boo
         raise ValueError(f"strategy 'single' runs one replica: dp = world size / (tp x pp) = {dp} must be 1")
     v = par.pp_stages_per_rank if pp > 1 else 1
     m = pipeline_microbatches(preset) if pp > 1 else 1
+    if pp > 1:
+        samples = t.micro_batch_size * t.grad_accum
+        problem = (f"{m} micro-batches do not divide micro_batch_size x grad_accum = {samples} samples"
+                   if samples % m else microbatch_problem(par.pp_schedule, pp, v, m))
+        if problem:
+            raise ValueError(f"parallel.pp_microbatches: {problem}")
     batch = t.micro_batch_size * t.grad_accum // m if pp > 1 else t.micro_batch_size
     checkpointing = bool(getattr(preset.model.options, "activation_checkpointing", False))
     mode = compute_mode(variant.strategy, t.precision)
@@ -344,18 +405,7 @@ def estimate_layout(preset: Preset, registry: PluginRegistry, *, every_rank: boo
         logits = acts.whole.logits if last else 0
         act_saved = peaks[pp_rank][0]
         act = act_saved + logits + acts.whole.recompute
-        per_dp = []
-        for dp_rank in range(dp):
-            s = model_state_bytes(shape, variant, t.precision, dp, dp_rank)
-            per_dp.append((dp_rank, s))
-            if variant.strategy in ("single", "ddp") or (variant.strategy == "scratch-ddp"
-                                                         and not variant.shard_optimizer):
-                break  # every dp rank holds the same
-        if not every_rank:
-            per_dp = [max(per_dp, key=lambda x: (x[1].param + x[1].grad + x[1].optimizer - x[1].host, -x[0]))]
-        elif len(per_dp) < dp:
-            per_dp = [(r, per_dp[0][1]) for r in range(dp)]
-        for dp_rank, s in per_dp:
+        for dp_rank, s in _dp_states(shape, variant, t.precision, dp, every_rank):
             for tp_rank in range(tp):
                 rows.append(RankMemory(
                     layout.rank(pp_rank, dp_rank, tp_rank), pp_rank, dp_rank, tp_rank, stages, s.param, s.grad,
