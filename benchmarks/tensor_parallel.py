@@ -49,20 +49,11 @@ def sp_grad_elements(model_table: dict, seq_len: int) -> int:
     NORM modules and the biases of its ROWWISE linears (:func:`torch_handle.parallel.tensor.layers.
     all_reduce_sp_grads`), counted on the one-process decoder."""
     from torch_handle.model.args import TransformerArgs
-    from torch_handle.model.parallelize import tensor_parallel_plan
+    from torch_handle.model.parallelize import replicated_numel
     from torch_handle.model.transformer import DecoderLM
-    from torch_handle.parallel.tensor.plan import Style
 
     fields = {k: v for k, v in model_table.items() if k in TransformerArgs.__dataclass_fields__}
-    model = DecoderLM(TransformerArgs(vocab_size=512, max_len=seq_len, **fields))
-    n = 0
-    for name, style in tensor_parallel_plan(model).items():
-        module = model.get_submodule(name)
-        if style is Style.NORM:
-            n += sum(p.numel() for p in module.parameters())
-        elif style is Style.ROWWISE and module.bias is not None:
-            n += module.bias.numel()
-    return n
+    return replicated_numel(DecoderLM(TransformerArgs(vocab_size=512, max_len=seq_len, **fields)))
 
 
 def expected(a: argparse.Namespace, model: dict, sp: bool, precision: str, sp_grads: int) -> dict[str, int]:

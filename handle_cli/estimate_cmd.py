@@ -59,17 +59,21 @@ def layout_overrides(overrides: tuple[str, ...] | list[str]) -> list[str]:
 
 
 def _table(rows: list, device_memory: int | None) -> list[str]:
-    layout = any(r.tp > 1 for r in rows)
     pipeline = any(r.pp > 1 for r in rows)
-    head = ["strategy", "world", *(["dp x tp"] if layout else []), *(["stage", "in flight"] if pipeline else []),
+    mesh = pipeline and any(r.tp > 1 or r.dp > 1 for r in rows)
+    layout = any(r.tp > 1 for r in rows) and not mesh
+    head = ["strategy", "world", *(["dp x tp x pp"] if mesh else ["dp x tp"] if layout else []),
+            *(["stage", "in flight", "rank"] if pipeline else []),
             "params", "grads", "optimizer", "activations", "device total", "host"]
     if device_memory is not None:
         head.append("fits")
     body = []
     for r in rows:
         sizes = (r.param_bytes, r.grad_bytes, r.optimizer_bytes, r.activation_bytes, r.device_bytes)
-        stage = [",".join(map(str, r.pp_stages or [])), "+".join(map(str, r.pp_in_flight or []))] if pipeline else []
-        cells = [r.strategy, str(r.world_size), *([f"{r.dp} x {r.tp}"] if layout else []), *stage,
+        stage = [",".join(map(str, r.pp_stages or [])), "+".join(map(str, r.pp_in_flight or [])),
+                 f"{r.rank}{'*' if r.largest else ''}"] if pipeline else []
+        cells = [r.strategy, str(r.world_size), *([f"{r.dp} x {r.tp} x {r.pp}"] if mesh else
+                                                  [f"{r.dp} x {r.tp}"] if layout else []), *stage,
                  *(fmt_bytes(x, precise=True) for x in sizes),
                  fmt_bytes(r.host_bytes, precise=True) if r.host_bytes else "-"]
         if device_memory is not None:
@@ -79,6 +83,14 @@ def _table(rows: list, device_memory: int | None) -> list[str]:
     fmt = lambda cells: "  ".join(c.ljust(w) if i == 0 else c.rjust(w)
                                   for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
     return [fmt(head), *(fmt(c) for c in body)]
+
+
+def _largest(rows: list) -> str:
+    """``largest rank (*): single 2: rank 0 (stage 0) 2.46 MiB, ...``: with a pipeline, the rank of each
+    (strategy, world size) that holds the most device bytes (every TP rank of its stage holds the same)."""
+    parts = [f"{r.strategy} {r.world_size}: rank {r.rank} (stage {','.join(map(str, r.pp_stages or []))}) "
+             f"{fmt_bytes(r.device_bytes, precise=True)}" for r in rows if r.largest]
+    return "largest rank (*): " + ", ".join(parts)
 
 
 @click.command("estimate", context_settings={"help_option_names": ["-h", "--help"]})
@@ -116,6 +128,9 @@ def estimate(preset: str, overrides: tuple[str, ...], nproc: str, nnodes: int | 
     layers (the embedding on the first, the head on the last, a tied embedding on both), and the activations of
     the micro-batches its schedule keeps in flight: GPipe all m, 1F1B min(m, p - stage), interleaved and
     zero-bubble schedules walked in torch's order (--json: pp_in_flight, pp_microbatch_saved_bytes per stage).
+    With tp and pp both, and dp = world / (tp x pp), each row is a pipeline rank's TP shard of its stages, the
+    strategy's sharding over dp applied per stage; `rank` is its global rank (TP fastest), * (--json: largest)
+    marks the rank that holds the most, named below the table.
 
     \b
     Examples:
@@ -184,7 +199,8 @@ def estimate(preset: str, overrides: tuple[str, ...], nproc: str, nnodes: int | 
         p = loaded.parallel
         sp = "on" if p.sequence_parallel else "off"
         click.echo(f"tensor parallel: tp = {tp} ({p.tp_impl}, sequence parallelism {sp}), "
-                   f"{rows[0].tp_shard_params:,} parameters per TP rank; data parallel: dp = world / tp")
+                   f"{rows[0].tp_shard_params:,} parameters per TP rank; data parallel: dp = world / "
+                   f"{'(tp x pp)' if pp > 1 else 'tp'}")
     if pp > 1:
         p, r0 = loaded.parallel, rows[0]
         batch = t.micro_batch_size * t.grad_accum // r0.pp_microbatches
@@ -199,6 +215,9 @@ def estimate(preset: str, overrides: tuple[str, ...], nproc: str, nnodes: int | 
     for line in _table(rows, memory):
         click.echo(line)
     click.echo("")
+    if pp > 1:
+        for line in textwrap.wrap(_largest(rows), 110, subsequent_indent="  "):
+            click.echo(line)
     if memory is not None:
         fits = smallest_fit(rows)
         parts = [f"{name} {w}" if w else f"{name} none" for name, w in fits.items()]

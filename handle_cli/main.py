@@ -175,6 +175,7 @@ from handle_cli.bench_scaling_cmd import scaling  # noqa: E402
 from handle_cli.env_cmd import env  # noqa: E402
 from handle_cli.estimate_cmd import estimate  # noqa: E402
 from handle_cli.generate_cmd import eval_cmd, generate, translate  # noqa: E402
+from handle_cli.plan_cmd import plan  # noqa: E402
 from handle_cli.plugins_cmd import plugins  # noqa: E402
 from handle_cli.presets_cmd import presets, presets_list, presets_new, presets_show, validate  # noqa: E402,F401
 from handle_cli.profile_cmd import profile  # noqa: E402
@@ -190,6 +191,7 @@ cli.add_command(bench)
 bench.add_command(comm)
 bench.add_command(scaling)
 cli.add_command(estimate)
+cli.add_command(plan)
 cli.add_command(profile)
 cli.add_command(generate)
 cli.add_command(translate)

@@ -141,6 +141,23 @@ def tensor_parallel_plan(model: Any) -> dict[str, Any]:
     return plan
 
 
+def replicated_numel(model: Any) -> int:
+    """Elements of the parameters a tensor-parallel split of ``model`` keeps whole on every TP rank: those of the
+    plan's NORM modules and the biases of its ROWWISE linears (what sequence parallelism all-reduces once a step,
+    :func:`torch_handle.parallel.tensor.layers.all_reduce_sp_grads`). Raises ValueError for a model without a
+    plan."""
+    from torch_handle.parallel.tensor.plan import Style
+
+    n = 0
+    for name, style in tensor_parallel_plan(model).items():
+        module = model.get_submodule(name)
+        if style is Style.NORM:
+            n += sum(p.numel() for p in module.parameters())
+        elif style is Style.ROWWISE and module.bias is not None:
+            n += module.bias.numel()
+    return n
+
+
 def tensor_parallel_problems(args: Any, tp: int, *, vocab_size: int | None, seq_len: int, sequence_parallel: bool,
                              scratch: bool) -> list[tuple[str, str]]:
     """What keeps a model with ``args`` (``n_heads``, ``d_ff``: a TransformerArgs or the plugin's options) from

@@ -27,250 +27,23 @@ torch is imported inside the functions, so importing this module is cheap.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
-from torch_handle.config.layout import pipeline_microbatches
 from torch_handle.plan.estimate_activations import ActivationBytes, activation_bytes, compute_mode
-from torch_handle.plan.estimate_model import ModelShape, model_shape
+from torch_handle.plan.estimate_layout import estimate_layout, with_layout
+from torch_handle.plan.estimate_model import model_shape
+from torch_handle.plan.model_states import (BUILTIN, COMPARE_VARIANTS, MEASURED, States, Variant, model_state_bytes,
+                                            preset_variant)
 
 if TYPE_CHECKING:
     from torch_handle.config.schema import Preset
     from torch_handle.registry import PluginRegistry
 
-__all__ = ["COMPARE_VARIANTS", "MEASURED", "Estimate", "Variant", "estimate_preset", "model_state_bytes",
-           "preset_variant", "smallest_fit", "supports_pipeline_parallel",
+__all__ = ["BUILTIN", "COMPARE_VARIANTS", "MEASURED", "Estimate", "States", "Variant", "estimate_preset",
+           "model_state_bytes", "preset_variant", "smallest_fit", "supports_pipeline_parallel",
            "supports_tensor_parallel"]
-
-# ---------------------------------------------------------------------------------------------------------------
-# What is estimated
-# ---------------------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Variant:
-    """One strategy configuration: the ``[strategy]`` options that change what a rank holds."""
-
-    label: str
-    """Short name in tables, e.g. ``"zero3+offload"``."""
-    strategy: str
-    """The registered strategy name: single, ddp, deepspeed, fsdp, scratch-ddp, scratch-fsdp."""
-    zero_stage: int = 0
-    offload_optimizer: str = "none"
-    offload_param: str = "none"
-    shard_optimizer: bool = False
-
-
-COMPARE_VARIANTS: tuple[Variant, ...] = (
-    Variant("single", "single"),
-    Variant("ddp", "ddp"),
-    Variant("scratch-ddp", "scratch-ddp"),
-    Variant("scratch-ddp+zero1", "scratch-ddp", shard_optimizer=True),
-    Variant("zero0", "deepspeed", zero_stage=0),
-    Variant("zero1", "deepspeed", zero_stage=1),
-    Variant("zero1+offload", "deepspeed", zero_stage=1, offload_optimizer="cpu"),
-    Variant("zero2", "deepspeed", zero_stage=2),
-    Variant("zero2+offload", "deepspeed", zero_stage=2, offload_optimizer="cpu"),
-    Variant("zero3", "deepspeed", zero_stage=3),
-    Variant("zero3+offload", "deepspeed", zero_stage=3, offload_optimizer="cpu"),
-    Variant("zero3+offload+param", "deepspeed", zero_stage=3, offload_optimizer="cpu", offload_param="cpu"),
-    Variant("fsdp", "fsdp"),
-    Variant("scratch-zero2", "scratch-fsdp", zero_stage=2),
-    Variant("scratch-zero3", "scratch-fsdp", zero_stage=3),
-)
-"""Every built-in strategy, as ``handle estimate --compare`` lists them (offload = to the CPU)."""
-
-BUILTIN = ("single", "ddp", "deepspeed", "fsdp", "scratch-ddp", "scratch-fsdp")
-
-MEASURED = {
-    # rank 0 of 2, model of 132,864 parameters in 27 tensors (benchmarks/zero_memory.py's tiny preset)
-    "fp32": {"ddp": (531_456, 531_456, 1_063_020), "zero0": (531_456, 531_456, 1_063_020),
-             "zero1": (531_456, 330_240, 797_188), "zero2": (531_456, 330_240, 797_188),
-             "zero3": (265_728, 265_728, 797_188), "fsdp": (265_728, 265_728, 531_564),
-             "scratch-ddp": (531_456, 531_456, 1_063_020), "scratch-ddp+zero1": (531_456, 531_456, 531_508),
-             "zero1+offload": (531_456, 527_872, 797_184), "zero2+offload": (531_456, 527_872, 797_184),
-             "zero3+offload": (265_728, 531_456, 797_184), "zero3+offload+param": (265_728, 531_456, 797_184)},
-    "bf16": {"ddp": (531_456, 531_456, 1_063_020), "zero0": (265_728, 265_728, 1_594_476),
-             "zero1": (265_728, 165_120, 797_188), "zero2": (265_728, 165_120, 797_188),
-             "zero3": (132_864, 132_864, 797_188), "fsdp": (265_728, 265_728, 531_564),
-             "scratch-ddp": (531_456, 531_456, 1_063_020), "scratch-ddp+zero1": (531_456, 531_456, 531_508),
-             "zero1+offload": (265_728, 396_800, 797_184), "zero2+offload": (265_728, 396_800, 797_184),
-             "zero3+offload": (132_864, 398_592, 797_184), "zero3+offload+param": (132_864, 398_592, 797_184)},
-}
-"""(param_bytes, grad_bytes, optimizer_bytes) of rank 0 that the formulas were derived from: `handle run` on 2
-ranks, gloo, log_every = 1 (tests/test_estimate.py re-measures them)."""
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Model states: the per-strategy formulas
-# ---------------------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class States:
-    """Bytes of model states one rank holds; ``host_*`` is the part of each that lives in host memory."""
-
-    param: int = 0
-    grad: int = 0
-    optimizer: int = 0
-    host_param: int = 0
-    host_grad: int = 0
-    host_optimizer: int = 0
-
-    @property
-    def host(self) -> int:
-        return self.host_param + self.host_grad + self.host_optimizer
-
-
-def _model_dtype_bytes(precision: str) -> int:
-    return 4 if precision == "fp32" else 2
-
-
-def _ds12_partition(shape: ModelShape, world: int, rank: int) -> tuple[int, int]:
-    """DeepSpeed ZeRO-1/2 (stage_1_and_2.py): all parameters in one flat buffer padded to a multiple of
-    ``2 * world`` elements (``nccl_start_alignment_factor``), cut into ``world`` equal partitions. Returns
-    (partition elements, elements of partition-straddling parameters that lie outside this rank's partition).
-
-    The second term is measured: a rank keeps the whole gradient of each parameter that starts in, or reaches
-    into, its partition (``params_in_partition``), so a parameter straddling a boundary counts in full on the
-    rank where it starts and on the rank it reaches into.
-    """
-    alignment = 2 * world
-    partition = math.ceil(shape.n_params / alignment) * alignment // world
-    start, end = partition * rank, partition * (rank + 1)
-    outside, offset = 0, 0
-    for n in shape.numels:
-        first, last = offset, offset + n
-        if start <= first < end or first < start < last:  # deepspeed's get_partition_info
-            outside += n - max(0, min(last, end) - max(first, start))
-        offset = last
-    return partition, outside
-
-
-def _ds3_partition(shape: ModelShape, world: int) -> int:
-    """DeepSpeed ZeRO-3 partitions every parameter on its own: ``ds_tensor`` of ceil(numel / world) elements
-    (padded), the same on every rank."""
-    return sum(math.ceil(n / world) for n in shape.numels)
-
-
-def _fsdp_local(shape: ModelShape, world: int, rank: int) -> tuple[int, int, int]:
-    """FSDP2 shards every parameter on dim 0 like ``torch.chunk``: rank r owns rows [r*c, (r+1)*c), c =
-    ceil(dim0 / world). Returns (padded elements: every rank's parameter and gradient shard is stored padded to
-    c rows, elements it owns: what Adam's state is allocated for, tensors with a non-empty shard here)."""
-    padded, owned, tensors = 0, 0, 0
-    for n, d0 in zip(shape.numels, shape.dim0):
-        rows_per = math.ceil(d0 / world)
-        rows = max(0, min(d0, rows_per * (rank + 1)) - rows_per * rank)
-        padded += rows_per * (n // d0)
-        owned += rows * (n // d0)
-        tensors += rows > 0
-    return padded, owned, tensors
-
-
-def _greedy_owned(shape: ModelShape, world: int, rank: int) -> tuple[int, int]:
-    """scratch-ddp's ``ShardedOptimizer`` partition: largest parameter first, each to the rank that owns the
-    fewest elements so far (ties: lowest rank). Returns (elements, tensors) owned by ``rank``."""
-    owned = [0] * world
-    mine = [0, 0]
-    for n in sorted(shape.numels, reverse=True):  # stable: equal sizes keep registration order, as in the plugin
-        r = min(range(world), key=lambda i: owned[i])
-        owned[r] += n
-        if r == rank:
-            mine[0] += n
-            mine[1] += 1
-    return mine[0], mine[1]
-
-
-def model_state_bytes(shape: ModelShape, variant: Variant, precision: str, world: int, rank: int = 0) -> States:
-    """Bytes of parameters, gradients and optimizer state (Adam(W): two fp32 moments, fp32 master weights where
-    the strategy keeps them, and a 4-byte ``step`` per state tensor) that ``rank`` of ``world`` holds: what
-    the ``memory`` telemetry reports (distinct storages; gradients before the optimizer step, optimizer state
-    after it). N = parameters, T = parameter tensors, b = 2 (bf16/fp16) or 4 (fp32) bytes.
-
-    * single, ddp, scratch-ddp: the model stays fp32 (autocast computes in bf16/fp16): 4N + 4N (DDP: gradients
-      are views of its buckets) + 8N + 4T. scratch-ddp with ``shard_optimizer``: the optimizer part only for the
-      parameters this rank owns (greedy partition, :func:`_greedy_owned`).
-    * deepspeed stage 0: fp32 like ddp (torch AdamW); bf16/fp16: bN + bN + 12N + 4T (fp32 master copy).
-    * deepspeed stage 1 and 2 (identical here: 0.19's stage 1 already reduce-scatters): bN (flat, padded) +
-      b(N/W + boundary-straddling gradients) + 12 N/W + 4 -- an fp32 master partition even for an fp32 model.
-    * deepspeed stage 3: b N/W + b N/W + 12 N/W + 4, each parameter padded to a multiple of W.
-    * fsdp (FSDP2): fp32 shards whatever the precision (MixedPrecisionPolicy casts per use): 4 N/W + 4 N/W +
-      8 N/W + 4T, per-parameter dim-0 chunks (parameter and gradient shards padded to equal rows).
-    * scratch-fsdp: per unit (:attr:`ModelShape.units`) a shard of ceil(n_unit / W) elements, S in all: the fp32
-      gradient shards 4S, AdamW 8S + 4 per unit; stage 3 holds only the fp32 master shards as its weights (4S;
-      no unit is gathered when the trainer measures, after the step), stage 2 the full padded weights in the
-      compute dtype (b S W) and the master shards beside them (4S, counted as optimizer state).
-    * deepspeed with ``offload_optimizer`` (DeepSpeedCPUAdam: ``step`` is no tensor): the fp32 master partition
-      and Adam moments, 12 N/W, live in host memory, and so does an fp32 gradient partition, 4 N/W. Stages 1/2
-      add two staging buffers of the largest parameter L in the model dtype (one on the host, one on the
-      device): gradients 4 N/W + 2bL, no straddling term. Stage 3 keeps its device gradient partition too:
-      gradients (4 + b) N/W. ``offload_param`` (stage 3) moves the parameter partition to the host as well.
-
-    Derived from 2-rank runs (:data:`MEASURED`) and re-checked on every rank of 2-rank runs with odd sizes
-    (d_model 48, vocabulary 509: paddings and boundaries) and of 4-rank runs (also with partitions that lie
-    wholly inside the embedding): equal to the byte. Strategy options
-    outside :class:`Variant` are taken at their defaults (ddp ``gradient_as_bucket_view = true``, DeepSpeed
-    ``overlap_comm = false``); NVMe offload counts as host memory. fp16 was measured for ddp and fsdp (equal to
-    the byte); DeepSpeed refuses fp16 on a CPU, so its fp16 figures are the bf16 formulas, not measured.
-
-    With tensor parallelism, ``shape`` is one TP rank's shard (:func:`~torch_handle.plan.estimate_model.
-    model_shape` of the split model) and ``world``/``rank`` are the data-parallel degree dp = world_size / tp and
-    this rank's index among the dp replicas: each formula applies to the shard unchanged (FSDP2 shards every local
-    tensor again on its dim 0 over dp; single and DDP keep it whole).
-
-    Raises:
-        ValueError: for a strategy that is not built in, or ``single`` with ``world > 1``.
-    """
-    n, t, b = shape.n_params, shape.n_tensors, _model_dtype_bytes(precision)
-    s = States()
-    name = variant.strategy
-    if name == "single" and world != 1:
-        raise ValueError("strategy 'single' runs one process")
-    if name in ("single", "ddp", "scratch-ddp") or (name == "deepspeed" and variant.zero_stage == 0
-                                                     and precision == "fp32"):
-        s.param, s.grad, s.optimizer = 4 * n, 4 * n, 8 * n + 4 * t
-        if name == "scratch-ddp" and variant.shard_optimizer:
-            owned, owned_tensors = _greedy_owned(shape, world, rank)
-            s.optimizer = 8 * owned + 4 * owned_tensors
-        return s
-    if name == "fsdp":
-        padded, owned, tensors = _fsdp_local(shape, world, rank)
-        s.param, s.grad, s.optimizer = 4 * padded, 4 * padded, 8 * owned + 4 * tensors
-        return s
-    if name == "scratch-fsdp":
-        units = shape.units or shape.numels
-        shards = sum(math.ceil(u / world) for u in units)
-        s.param, s.grad, s.optimizer = 4 * shards, 4 * shards, 8 * shards + 4 * len(units)
-        if variant.zero_stage == 2:
-            s.param, s.optimizer = b * shards * world, s.optimizer + 4 * shards
-        return s
-    if name != "deepspeed":
-        raise ValueError(f"no memory model for strategy {name!r} (built in: {', '.join(BUILTIN)})")
-    stage = variant.zero_stage
-    if stage == 0:
-        s.param, s.grad, s.optimizer = b * n, b * n, 12 * n + 4 * t
-    elif stage in (1, 2):
-        partition, outside = _ds12_partition(shape, world, rank)
-        padded = partition * world
-        s.param, s.grad, s.optimizer = b * padded, b * (partition + outside), 12 * partition + 4
-        if variant.offload_optimizer != "none":
-            # fp32 gradient partition on the host + two staging buffers of the largest parameter (host, device)
-            largest = max(shape.numels, default=0)
-            s.grad, s.optimizer = 4 * partition + 2 * b * largest, 12 * partition
-            s.host_grad, s.host_optimizer = 4 * partition + b * largest, s.optimizer
-    else:
-        partition = _ds3_partition(shape, world)
-        s.param, s.grad, s.optimizer = b * partition, b * partition, 12 * partition + 4
-        if variant.offload_optimizer != "none":
-            # fp32 gradient partition on the host beside the device's gradient partition; no step tensor
-            s.grad, s.optimizer = (4 + b) * partition, 12 * partition
-            s.host_grad, s.host_optimizer = 4 * partition, s.optimizer
-        if variant.offload_param != "none":
-            s.host_param = s.param
-    return s
-
 
 # ---------------------------------------------------------------------------------------------------------------
 # The estimate
@@ -307,7 +80,7 @@ class Estimate:
     """Parameters of one TP rank's shard (split tensors at 1/tp, replicated ones whole) when tp > 1."""
     sequence_parallel: bool = False
     pp: int = 1
-    """Pipeline degree: with pp > 1 each row is one pipeline rank's (:mod:`torch_handle.plan.estimate_pipeline`)."""
+    """Pipeline degree: with pp > 1 each row is one pipeline rank's (:mod:`torch_handle.plan.estimate_layout`)."""
     pp_rank: int | None = None
     pp_stages: list[int] | None = None
     """The stages this pipeline rank runs."""
@@ -317,6 +90,8 @@ class Estimate:
     """Bytes one pipeline micro-batch saves for backward in each of ``pp_stages``."""
     pp_in_flight: list[int] | None = None
     """The most micro-batches alive at once in each of ``pp_stages`` under the schedule."""
+    largest: bool | None = None
+    """With pp > 1: whether this pipeline rank holds the most device bytes of its (strategy, world size)."""
 
     @property
     def activation_bytes(self) -> int:
@@ -333,7 +108,7 @@ class Estimate:
             value = getattr(self, f.name)
             if isinstance(value, ActivationBytes):
                 out.update(value.as_fields())
-            elif not (f.name.startswith("pp_") and self.pp == 1):
+            elif not ((f.name.startswith("pp_") or f.name == "largest") and self.pp == 1):
                 out[f.name] = dict(value) if isinstance(value, dict) else value
             if f.name == "world_size":
                 out["dp"] = self.dp
@@ -345,24 +120,6 @@ def supports_tensor_parallel(registry: PluginRegistry, strategy: str) -> bool:
     ``tensor_parallel = True``, what the preset loader checks)."""
     registration = registry.registrations["strategy"].get(strategy)
     return registration is not None and bool(getattr(registration.config_cls, "tensor_parallel", False))
-
-
-def preset_variant(preset: Preset) -> Variant:
-    """The preset's own strategy as a :class:`Variant` (its options read by name)."""
-    o = preset.strategy.options
-    name = preset.strategy.name
-    label = name
-    if name == "deepspeed":
-        label = f"zero{o.zero_stage}" + ("+offload" if o.offload_optimizer != "none" else "") + (
-            "+param" if o.offload_param != "none" else "")
-    elif name == "scratch-ddp" and getattr(o, "shard_optimizer", False):
-        label = "scratch-ddp+zero1"
-    elif name == "scratch-fsdp":
-        label = f"scratch-zero{o.zero_stage}"
-    return Variant(label, name, zero_stage=getattr(o, "zero_stage", 0),
-                   offload_optimizer=getattr(o, "offload_optimizer", "none"),
-                   offload_param=getattr(o, "offload_param", "none"),
-                   shard_optimizer=bool(getattr(o, "shard_optimizer", False)))
 
 
 def estimate_preset(preset: Preset, registry: PluginRegistry, world_sizes: Sequence[int],
@@ -432,35 +189,34 @@ def supports_pipeline_parallel(registry: PluginRegistry, strategy: str) -> bool:
 
 def _pipeline_rows(preset: Preset, registry: PluginRegistry, world_sizes: Sequence[int], variants: list[Variant],
                    device_memory: int | None) -> list[Estimate]:
-    """One row per pipeline rank (its stages' model states and activations in flight) per variant and world size
-    that pp divides (``single``: world size pp only)."""
-    from torch_handle.plan.estimate_pipeline import pipeline_ranks
-
-    pp = preset.parallel.pp
+    """One row per pipeline rank (its stages' model states, split by tp when tp > 1, and activations in flight;
+    :func:`~torch_handle.plan.estimate_layout.estimate_layout`) per variant and world size that tp x pp divides
+    (``single``: dp = 1 only). ``largest`` marks the rank with the most device bytes of each (variant, world)."""
+    par = preset.parallel
     for v in variants:
         if not supports_pipeline_parallel(registry, v.strategy):
-            raise ValueError(f"strategy {v.strategy!r} does not run with parallel.pp = {pp}")
-    whole = model_shape(preset, registry, tp=1)
-    precision = preset.training.precision
-    ranks: dict[str, list[Any]] = {}
+            raise ValueError(f"strategy {v.strategy!r} does not run with parallel.pp = {par.pp}")
     rows = []
     for v in variants:
-        mode = compute_mode(v.strategy, precision)
-        if mode not in ranks:
-            ranks[mode] = pipeline_ranks(preset, registry, mode)
         for world in world_sizes:
-            dp = world // pp
-            if world % pp or (v.strategy == "single" and dp != 1):
+            dp = world // (par.tp * par.pp)
+            if world % (par.tp * par.pp) or (v.strategy == "single" and dp != 1):
                 continue
-            for pr in ranks[mode]:
-                s = model_state_bytes(pr.shape, v, precision, dp, 0)
-                device = s.param + s.grad + s.optimizer - s.host + pr.activation.total
+            est = estimate_layout(with_layout(preset, nproc_per_node=world, nnodes=1), registry, variant=v)
+            largest = est.largest
+            for r in est.ranks:
+                if r.tp_rank:
+                    continue  # the TP ranks of a stage hold the same
+                act = ActivationBytes(r.activation_saved_bytes, r.activation_logits_bytes,
+                                      r.activation_recompute_bytes)
                 rows.append(Estimate(
-                    v.label, world, pr.pp_rank * dp, precision, whole.n_params, s.param, s.grad, s.optimizer,
-                    pr.activation, device, s.host, None if device_memory is None else device <= device_memory,
-                    {k: val for k, val in asdict(v).items() if k not in ("label",)}, pp=pp, pp_rank=pr.pp_rank,
-                    pp_stages=list(pr.stages), pp_microbatches=pipeline_microbatches(preset),
-                    pp_microbatch_saved_bytes=list(pr.microbatch_saved), pp_in_flight=list(pr.in_flight)))
+                    v.label, world, r.rank, est.precision, est.params, r.params_bytes, r.grads_bytes,
+                    r.optimizer_bytes, act, r.total_bytes, r.host_bytes,
+                    None if device_memory is None else r.total_bytes <= device_memory,
+                    {k: val for k, val in asdict(v).items() if k not in ("label",)}, par.tp,
+                    est.tp_shard_params if par.tp > 1 else None, par.sequence_parallel, par.pp, r.pp_rank,
+                    list(r.stages), est.microbatches, list(r.microbatch_saved_bytes), list(r.in_flight),
+                    r.pp_rank == largest.pp_rank))
     return rows
 
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from torch_handle.common.precision import torch_dtype
-from torch_handle.observe.activations import SavedTensorCounter
+from torch_handle.observe.activations import SavedTensorCounter, _storage
 from torch_handle.observe.fields import (ACTIVATION_BYTES, ACTIVATION_LOGITS_BYTES, ACTIVATION_RECOMPUTE_BYTES,
                                          ACTIVATION_SAVED_BYTES)
 from torch_handle.plan.estimate_model import ModelBuild, build_model, model_build
@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from torch_handle.config.schema import Preset
     from torch_handle.registry import PluginRegistry
 
-__all__ = ["ActivationBytes", "activation_bytes", "compute_mode", "fake_activations", "korthikanti_layer_bytes",
+__all__ = ["ActivationBytes", "PartSaved", "activation_bytes", "compute_mode", "fake_activations", "korthikanti_layer_bytes",
            "saved_activation_bytes"]
 
 
@@ -90,6 +90,113 @@ class ActivationBytes:
                 ACTIVATION_LOGITS_BYTES: self.logits, ACTIVATION_RECOMPUTE_BYTES: self.recompute}
 
 
+class PartSaved:
+    """Which parts of a decoder save each storage for backward, from one forward and backward of the whole model:
+    part 0 is the embedding (token table, positions, embedding dropout), 1 .. L the layers, L + 1 the final norm
+    and the head, L + 2 the loss. A storage belongs to the part whose forward saves it (under activation checkpointing
+    a block's input belongs to that block), to every such part when several save it.
+
+    A pipeline stage running parts a .. b saves every storage that one of them saves: :meth:`stage_bytes`. A
+    tensor the whole model computes once and several layers save (the padding mask) counts once per stage, as
+    each stage computes its own; a stage's received activation is what its first layer saves of the previous
+    layer's output."""
+
+    def __init__(self) -> None:
+        self.saved: dict[frozenset[int], int] = {}
+        """Bytes of the distinct storages saved by exactly each set of parts."""
+        self.params: dict[frozenset[int], int] = {}
+        """The same for the parameters autograd saves (a matmul's weight): what FSDP2 and ZeRO-3 hold gathered,
+        at full size, while a micro-batch's saved tensors reference them."""
+        self.n_layers = 0
+
+    def counter(self, model: Any, exclude: list[Any], blocks: list[Any]) -> SavedTensorCounter:
+        """A :class:`SavedTensorCounter` for ``model``'s step that fills this object when it exits."""
+        return _PartCounter(self, model, exclude, blocks)
+
+    def extended(self, n_layers: int) -> PartSaved | None:
+        """The parts of the same decoder with ``n_layers`` layers, from this measurement of it with 3 (first,
+        middle, last layer): the middle layer's own storages repeat for every middle layer, storages saved by all
+        three layers (the padding mask) by all ``n_layers``. None where a storage is shared otherwise (measure the
+        whole model then)."""
+        n = self.n_layers
+        if n == n_layers:
+            return self
+        if n != 3 or n_layers < 3:
+            return None
+        out = PartSaved()
+        out.n_layers = n_layers
+        middle = range(2, n_layers)
+        where = {0: [0], 1: [1], 2: list(middle), 3: [n_layers], 4: [n_layers + 1], 5: [n_layers + 2]}
+        for table, into in ((self.saved, out.saved), (self.params, out.params)):
+            for parts, nbytes in table.items():
+                if parts == {2}:
+                    sets = [frozenset([j]) for j in middle]
+                elif {1, 2, 3} <= parts or 2 not in parts:
+                    sets = [frozenset(j for p in parts for j in where[p])]
+                else:
+                    return None
+                for key in sets:
+                    into[key] = into.get(key, 0) + nbytes
+        return out
+
+    def stage_bytes(self, first: int, last: int, params: bool = False) -> int:
+        """Bytes one micro-batch saves in a stage that runs parts ``first`` .. ``last`` (inclusive); ``params``:
+        of the parameters it saves."""
+        table = self.params if params else self.saved
+        return sum(n for parts, n in table.items() if any(first <= p <= last for p in parts))
+
+
+class _PartCounter(SavedTensorCounter):
+    def __init__(self, out: PartSaved, model: Any, exclude: list[Any], blocks: list[Any]) -> None:
+        super().__init__(exclude, blocks)
+        self._out, self._model, self._part = out, model, 0
+        self._parts: dict[int, set[int]] = {}
+        self._params: dict[int, tuple[int, set[int]]] = {}
+        self._labels: list[Any] = []
+
+    def add(self, t: Any) -> None:
+        super().add(t)
+        if getattr(t, "numel", None) is not None and t.numel() > 0:
+            key, nbytes = _storage(t)
+            if key in self._seen:
+                self._parts.setdefault(key, set()).add(self._part)
+            elif key in self._exclude and t.is_floating_point():
+                self._params.setdefault(key, (nbytes, set()))[1].add(self._part)
+
+    def _label(self, part: int) -> Callable[..., None]:
+        def hook(*_: Any) -> None:
+            self._part = part
+        return hook
+
+    def __enter__(self) -> _PartCounter:
+        m = self._model
+        parts = {id(layer): i + 1 for i, layer in enumerate(m.layers)}
+        run_block = m._run_block
+
+        def labelled(name: str, block: Any, *args: Any, **kwargs: Any) -> Any:
+            self._part = parts[id(block)]  # before checkpointing saves the block's inputs
+            return run_block(name, block, *args, **kwargs)
+
+        m._run_block = labelled
+        self._labels = [m.final_norm.register_forward_pre_hook(self._label(len(m.layers) + 1)),
+                        m.lm_head.register_forward_hook(self._label(len(m.layers) + 2))]
+        super().__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        super().__exit__(*exc)
+        for h in self._labels:
+            h.remove()
+        del self._model._run_block
+        self._out.n_layers = len(self._model.layers)
+        for key, parts in self._parts.items():
+            ps = frozenset(parts)
+            self._out.saved[ps] = self._out.saved.get(ps, 0) + self._seen[key]
+        for nbytes, parts in self._params.values():
+            ps = frozenset(parts)
+            self._out.params[ps] = self._out.params.get(ps, 0) + nbytes
+
+
 def korthikanti_layer_bytes(seq_len: int, micro_batch_size: int, d_model: int, n_heads: int, tp: int = 1,
                             sequence_parallel: bool = False) -> float:
     """Activation bytes one Transformer layer keeps for backward on one TP rank, by Korthikanti et al. 2022, Table 2
@@ -130,10 +237,14 @@ def _cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> None:
                     table[name] = cast[id(t)]
 
 
-def fake_activations(build: ModelBuild, batch: int, seq_len: int, precision: str, mode: str, checkpointing: bool
-                     ) -> ActivationBytes:
+def fake_activations(build: ModelBuild, batch: int, seq_len: int, precision: str, mode: str, checkpointing: bool,
+                     parts: PartSaved | None = None, backward: bool = True) -> ActivationBytes:
     """:class:`ActivationBytes` of ``build``'s model (one TP rank's split model when ``build.tp`` > 1) for one
-    micro-batch of ``batch`` x ``seq_len`` tokens, computed in ``mode`` (:func:`compute_mode`), on fake tensors."""
+    micro-batch of ``batch`` x ``seq_len`` tokens, computed in ``mode`` (:func:`compute_mode`), on fake tensors.
+
+    ``parts`` (a decoder's only): filled with which parts of the model save each storage (:class:`PartSaved`).
+    ``backward=False``: forward and loss only; what is saved is counted when the forward saves it, so only the
+    time differs (checkpointed blocks' recomputation in backward saves through the checkpoint's own hooks)."""
     import contextlib
 
     import torch
@@ -175,12 +286,15 @@ def fake_activations(build: ModelBuild, batch: int, seq_len: int, precision: str
                         loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100)
                     else:
                         loss, _ = vocab_parallel_cross_entropy(logits, labels, group)
-                    loss.backward()
+                    if backward:
+                        loss.backward()
             finally:
                 for h in handles:
                     h.remove()
 
         counter = SavedTensorCounter(exclude, checkpointed_blocks(model))
+        if parts is not None:
+            counter = parts.counter(model, exclude, checkpointed_blocks(model))
         step(counter, [])
         recompute = 0
         if checkpointing:  # what one block saves, measured on the same model without checkpointing

@@ -1,4 +1,7 @@
-"""What each pipeline rank holds (``[parallel] pp > 1``): ``handle estimate`` per pipeline rank.
+"""What each pipeline rank holds (``[parallel] pp > 1``): the schedules' micro-batches in flight
+(:func:`in_flight_peak`, which :mod:`torch_handle.plan.estimate_layout` uses for every layout), and
+:func:`pipeline_ranks`, the same estimate for tp = 1 from each stage split off and run on its own: the reference
+``estimate_layout``'s per-part figures are tested against (``tests/test_estimate_layout.py``).
 
 A rank of a pipeline keeps the parameters, gradients and optimizer state of its stages' layers only (the embedding
 on the first stage, the final norm and output projection on the last; tied embeddings: a copy on both), split as a

@@ -1,0 +1,353 @@
+"""``handle plan``: every dp x tp x pp layout of a preset on N ranks, the ones that cannot run dropped with the
+reason, the rest ranked by a predicted step time.
+
+Enumeration: every (dp, tp, pp) with dp·tp·pp = N (tp inside a node when there are several nodes); for pp > 1 the
+schedules gpipe, 1f1b and interleaved-1f1b (v = 2), each with m = pp, 2pp and 4pp micro-batches where m divides
+the replica's samples; activation checkpointing off and on. The global batch stays the preset's
+(micro_batch_size x grad_accum x its own dp), split over each layout's dp replicas as ``bench scaling --strong``
+splits it (:func:`~torch_handle.plan.bench_scaling.strong_batch`). The data-parallel strategy is the preset's,
+``ddp`` when the preset's is ``single`` and dp > 1, and ``single`` when dp = 1.
+
+Validity is ``handle run``'s own: each layout's preset goes through the loader's validation
+(:func:`~torch_handle.config.loader.preset_from_dict`: the ``[parallel]`` checks and every plugin's
+``check_preset``), so a layout the trainer learns to run is planned with no change here. Memory is
+:func:`~torch_handle.plan.estimate_layout.estimate_layout`'s largest rank against the device memory. Time is
+:mod:`torch_handle.plan.plan_cost`'s model. Nothing is allocated: models are built on the meta device or on fake
+tensors. torch is imported inside the functions.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from torch_handle.common.units import fmt_bytes
+from torch_handle.plan import plan_cost
+from torch_handle.plan.bench_scaling import preset_strategy_label, strong_batch
+
+if TYPE_CHECKING:
+    from torch_handle.config.schema import Preset
+    from torch_handle.registry import PluginRegistry
+
+PP_SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2))
+"""(schedule, stages per rank v) tried for every pp > 1."""
+MICROBATCH_FACTORS = (1, 2, 4)
+"""m = factor x pp micro-batches per step."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One way to run the preset on ``dp·tp·pp`` ranks."""
+
+    dp: int
+    tp: int
+    pp: int
+    schedule: str | None = None
+    """The pipeline schedule (None when pp = 1)."""
+    v: int = 1
+    """Pipeline stages per rank."""
+    microbatches: int = 0
+    """m, pipeline micro-batches per step (0 when pp = 1)."""
+    activation_checkpointing: bool = False
+    strategy: str = "single"
+    """The ``[strategy] name`` (``single`` when dp = 1)."""
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @property
+    def mesh(self) -> str:
+        """``dp 2 × tp 1 × pp 2``"""
+        return f"dp {self.dp} × tp {self.tp} × pp {self.pp}"
+
+    @property
+    def label(self) -> str:
+        """``dp 1 × tp 1 × pp 4, 1f1b m 8, ac`` -- the mesh, the schedule and m, activation checkpointing."""
+        parts = [self.mesh]
+        if self.pp > 1:
+            parts.append(f"{self.schedule}{f' v {self.v}' if self.v > 1 else ''} m {self.microbatches}")
+        if self.activation_checkpointing:
+            parts.append("ac")
+        return ", ".join(parts)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"label": self.label, "mesh": self.mesh, "dp": self.dp, "tp": self.tp, "pp": self.pp,
+                "schedule": self.schedule, "v": self.v, "microbatches": self.microbatches,
+                "activation_checkpointing": self.activation_checkpointing, "strategy": self.strategy}
+
+
+@dataclass(frozen=True)
+class Batch:
+    """How a layout splits the global batch: per replica ``micro_batch_size`` x ``grad_accum`` samples."""
+
+    micro_batch_size: int
+    grad_accum: int
+
+
+def layout_overrides(layout: Layout, batch: Batch, nproc_per_node: int, nnodes: int) -> list[str]:
+    """The ``--set`` overrides that run ``layout`` (``handle run PRESET --set ...``)."""
+    out = [f"launch.nproc_per_node={nproc_per_node}", f"launch.nnodes={nnodes}", f"strategy.name={layout.strategy}",
+           f"parallel.tp={layout.tp}", f"parallel.pp={layout.pp}",
+           f"training.micro_batch_size={batch.micro_batch_size}", f"training.grad_accum={batch.grad_accum}",
+           f"model.activation_checkpointing={str(layout.activation_checkpointing).lower()}"]
+    if layout.pp > 1:
+        out += [f"parallel.pp_schedule={layout.schedule}", f"parallel.pp_stages_per_rank={layout.v}",
+                f"parallel.pp_microbatches={layout.microbatches}"]
+    return out
+
+
+@dataclass
+class Row:
+    """A layout that fits, with its prediction."""
+
+    layout: Layout
+    batch: Batch
+    estimate: Any
+    """The :class:`~torch_handle.plan.estimate_layout.LayoutEstimate`."""
+    cost: plan_cost.StepCost
+    tokens_per_step: int
+    overrides: list[str]
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_per_step / self.cost.step_s
+
+    def as_dict(self) -> dict[str, Any]:
+        largest = self.estimate.largest
+        return {**self.layout.as_dict(), "micro_batch_size": self.batch.micro_batch_size,
+                "grad_accum": self.batch.grad_accum, "largest_rank": largest.rank,
+                "largest_bytes": largest.total_bytes, "largest_state_bytes": _states(largest),
+                "largest_activation_bytes": largest.activations_bytes,
+                "largest_saved_activation_bytes": max(telemetry_saved_bytes(r, self.layout.pp)
+                                                      for r in self.estimate.ranks),
+                "ranks": [_rank_dict(r) for r in self.estimate.ranks],
+                "predicted_tokens_per_s": self.tokens_per_s, **self.cost.as_dict(), "overrides": self.overrides}
+
+
+@dataclass
+class Plan:
+    """What ``handle plan`` prints: the ranked layouts, the dropped ones, and where its figures come from."""
+
+    nproc: int
+    nnodes: int
+    device_memory: int
+    global_batch: int
+    seq_len: int
+    flops_per_token: float
+    peak_flops: float
+    peak_source: str
+    links: plan_cost.Links
+    rows: list[Row] = field(default_factory=list)
+    dropped: list[tuple[Layout, str]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        links = self.links
+        return {"nproc": self.nproc, "nnodes": self.nnodes, "ranks_per_node": self.nproc // self.nnodes,
+                "device_memory_bytes": self.device_memory, "global_batch": self.global_batch,
+                "seq_len": self.seq_len, "tokens_per_step": self.global_batch * self.seq_len,
+                "flops_per_token": self.flops_per_token,
+                "peak": {"flops_per_s": self.peak_flops, "source": self.peak_source},
+                "links": {"backend": links.backend, "intra_gbps": links.intra_gbps, "inter_gbps": links.inter_gbps,
+                          "latency_s": links.latency_s, "measured": links.measured, "source": links.source},
+                "layouts": [r.as_dict() for r in self.rows],
+                "dropped": [{**layout.as_dict(), "reason": reason} for layout, reason in self.dropped],
+                "notes": self.notes}
+
+
+def telemetry_saved_bytes(rank: Any, pp: int) -> int:
+    """The saved activation bytes a run's telemetry reports for ``rank`` (a
+    :class:`~torch_handle.plan.estimate_layout.RankMemory`), for ``--measure`` to compare: with a pipeline its peak
+    of micro-batches in flight (``activation_peak_bytes``), which counts the weights FSDP gathers for each and not
+    what the loss saves; else one micro-batch with the gathered weights (``activation_saved_bytes``)."""
+    if pp > 1:
+        return rank.activation_saved_bytes + rank.in_flight[0] * (rank.activation_gathered_bytes
+                                                                  - rank.activation_loss_bytes)
+    return rank.microbatch_saved_bytes[0] + rank.activation_gathered_bytes
+
+
+def _states(rank: Any) -> int:
+    return rank.params_bytes + rank.grads_bytes + rank.optimizer_bytes
+
+
+def _rank_dict(rank: Any) -> dict[str, Any]:
+    return rank.as_dict()
+
+
+def factorizations(n: int) -> list[tuple[int, int, int]]:
+    """Every ``(dp, tp, pp)`` with dp·tp·pp = n: pp, then tp, ascending."""
+    return [(n // (tp * pp), tp, pp) for pp in range(1, n + 1) if n % pp == 0
+            for tp in range(1, n // pp + 1) if (n // pp) % tp == 0]
+
+
+def candidate_layouts(n: int, strategy: str, samples: Callable[[int], int | None]) -> list[Layout]:
+    """Every layout tried on ``n`` ranks; ``samples(dp)`` is a replica's samples per step (None: the global batch
+    does not divide over dp, the layout is still listed to be dropped)."""
+    out = []
+    for dp, tp, pp in factorizations(n):
+        name = "single" if dp == 1 else strategy
+        pipes: list[tuple[str | None, int, int]] = [(None, 1, 0)]
+        if pp > 1:
+            s = samples(dp)
+            ms = sorted({f * pp for f in MICROBATCH_FACTORS if s is None or s % (f * pp) == 0}) or [pp]
+            pipes = [(sched, v, m) for sched, v in PP_SCHEDULES for m in ms]
+        for sched, v, m in pipes:
+            for ac in (False, True):
+                out.append(Layout(dp, tp, pp, sched, v, m, ac, name))
+    return out
+
+
+def plan_layouts(base: Preset, registry: PluginRegistry, *, nproc: int, nnodes: int, device_memory: int,
+                 peak_flops: float, peak_source: str, links: plan_cost.Links, contention: float = 1.0,
+                 estimate: Callable[[Preset, PluginRegistry], Any] | None = None) -> Plan:
+    """The plan of ``base`` on ``nproc`` ranks over ``nnodes`` nodes of ``device_memory`` bytes each rank, ranked
+    fastest first by predicted tokens/s. ``peak_flops``: one rank's matmul FLOP/s in the preset's precision;
+    ``contention``: the share of it a rank gets when ranks outnumber cores (1.0 on GPUs). ``estimate``: the
+    memory estimate (default :func:`~torch_handle.plan.estimate_layout.estimate_layout`).
+
+    Raises:
+        ValueError: nproc not a multiple of nnodes (one line).
+        PresetError: a model ``handle estimate`` cannot size.
+    """
+    from torch_handle.config.loader import preset_from_dict, preset_to_dict
+    from torch_handle.errors import PresetError
+
+    if estimate is None:
+        from torch_handle.plan.estimate_layout import estimate_layout as estimate
+    if nproc % nnodes:
+        raise ValueError(f"--nproc {nproc} is not a multiple of --nnodes {nnodes}")
+    per_node = nproc // nnodes
+    t, par = base.training, base.parallel
+    base_dp = max(1, base.world_size // (par.tp * par.pp))
+    global_batch = t.micro_batch_size * t.grad_accum * base_dp
+    seq_len = int(getattr(base.data.options, "seq_len", 0) or 0)
+    flops_per_token = model_flops_per_token(base, registry)
+    own = preset_strategy_label(base.strategy.name, getattr(base.strategy.options, "zero_stage", None))
+    strategy = "ddp" if base.strategy.name == "single" else base.strategy.name
+    plan = Plan(nproc, nnodes, device_memory, global_batch, seq_len, flops_per_token, peak_flops * contention,
+                peak_source, links)
+    plan.notes.append(f"global batch {global_batch} samples x {seq_len} tokens per step (the preset's), split "
+                      f"over each layout's dp replicas; strategy {strategy} (the preset's {own}) where dp > 1, "
+                      "single where dp = 1")
+    data = preset_to_dict(base)
+
+    def samples(dp: int) -> int | None:
+        return global_batch // dp if global_batch % dp == 0 else None
+
+    for layout in candidate_layouts(nproc, strategy, samples):
+        if nnodes > 1 and per_node % layout.tp:
+            plan.dropped.append((layout, f"tp {layout.tp} spans nodes ({per_node} ranks per node): tensor "
+                                         "parallelism stays inside a node"))
+            continue
+        if samples(layout.dp) is None:
+            plan.dropped.append((layout, f"the global batch of {global_batch} samples does not divide over "
+                                         f"dp {layout.dp} replicas"))
+            continue
+        mbs, ga = strong_batch(global_batch, t.micro_batch_size, t.grad_accum, layout.dp)
+        batch = Batch(mbs, ga)
+        overrides = layout_overrides(layout, batch, per_node, nnodes)
+        try:
+            preset = preset_from_dict(_apply(data, overrides), registry, source=base.source)
+        except PresetError as e:
+            plan.dropped.append((layout, _one_line(e)))
+            continue
+        try:
+            est = estimate(preset, registry)
+        except ValueError as e:  # a layout validation accepts but the estimate cannot size: dropped, said why
+            plan.dropped.append((layout, f"the memory estimate: {_one_line(e)}"))
+            continue
+        largest = est.largest
+        if largest.total_bytes > device_memory:
+            plan.dropped.append((layout, f"largest rank needs {fmt_bytes(largest.total_bytes)} > "
+                                         f"{fmt_bytes(device_memory)} (rank {largest.rank})"))
+            continue
+        cost = step_cost(layout, batch, preset, est, flops_per_token, plan.peak_flops, links, per_node,
+                         global_batch * seq_len)
+        plan.rows.append(Row(layout, batch, est, cost, global_batch * seq_len, overrides))
+    plan.rows.sort(key=lambda r: (-r.tokens_per_s, r.estimate.largest.total_bytes))
+    return plan
+
+
+def step_cost(layout: Layout, batch: Batch, preset: Preset, est: Any, flops_per_token: float, peak_flops: float,
+              links: plan_cost.Links, per_node: int, tokens: int) -> plan_cost.StepCost:
+    """The :class:`~torch_handle.plan.plan_cost.StepCost` of ``layout`` (module docstring of
+    :mod:`~torch_handle.plan.plan_cost` for the formulas)."""
+    from torch_handle.parallel.tensor.mappings import step_volume
+
+    options = preset.model.options
+    d_model, n_layers = int(getattr(options, "d_model", 0)), int(getattr(options, "n_layers", 0))
+    seq_len = int(getattr(preset.data.options, "seq_len", 0) or 0)
+    element = 4 if preset.training.precision == "fp32" else 2
+    compute = plan_cost.compute_seconds(flops_per_token, tokens, layout.world_size, peak_flops,
+                                        layout.activation_checkpointing)
+    bubble, bubble_s = plan_cost.bubble_seconds(compute, layout.schedule, layout.pp, layout.microbatches, layout.v)
+    tp_bytes, tp_s = 0, 0.0
+    if layout.tp > 1:
+        volume = step_volume(n_layers=-(-n_layers // layout.pp), micro_batch_size=batch.micro_batch_size,
+                             seq_len=seq_len, d_model=d_model, grad_accum=batch.grad_accum,
+                             sequence_parallel=preset.parallel.sequence_parallel, element_bytes=element)
+        tp_bytes, tp_s = volume["bytes"], plan_cost.tp_seconds(volume, layout.tp, links)
+    grad_bytes = max(_grad_bytes(r, preset) for r in est.ranks)
+    dp_s = plan_cost.dp_seconds(grad_bytes, layout.dp, _strategy_label(preset), links,
+                                plan_cost.crosses_nodes(layout.dp, layout.tp, per_node))
+    pp_bytes, pp_s = 0, 0.0
+    if layout.pp > 1:
+        samples = batch.micro_batch_size * batch.grad_accum
+        sends = 2 * layout.v * layout.microbatches
+        pp_bytes = 2 * layout.v * samples * seq_len * d_model * element
+        pp_s = plan_cost.pp_seconds(pp_bytes, sends, links,
+                                    plan_cost.crosses_nodes(layout.pp, layout.tp * layout.dp, per_node))
+    return plan_cost.StepCost(compute, bubble, bubble_s, tp_bytes, tp_s, grad_bytes if layout.dp > 1 else 0, dp_s,
+                              pp_bytes, pp_s)
+
+
+def _strategy_label(preset: Preset) -> str:
+    label = preset_strategy_label(preset.strategy.name, getattr(preset.strategy.options, "zero_stage", None))
+    return "scratch-zero3" if label == "scratch-fsdp" and preset.strategy.options.zero_stage == 3 else label
+
+
+def _grad_bytes(rank: Any, preset: Preset) -> int:
+    """The gradient bytes ``rank`` synchronises over dp: its parameters before dp sharding, in the dtype gradients
+    are reduced in (fp32 but for DeepSpeed's 16-bit models)."""
+    deepspeed16 = preset.strategy.name == "deepspeed" and preset.training.precision != "fp32"
+    return rank.params * (2 if deepspeed16 else 4)
+
+
+def model_flops_per_token(preset: Preset, registry: PluginRegistry) -> float:
+    """Training FLOPs per token of the preset's model (its ``flops_per_token(seq_len)``, built on the meta device).
+
+    Raises:
+        ValueError: a model without ``flops_per_token``.
+    """
+    import dataclasses
+
+    import torch
+
+    from torch_handle.plan.estimate_model import build_model, model_build
+
+    build = model_build(preset, registry)
+    with torch.device("meta"):
+        model = build_model(dataclasses.replace(build, tp=1))
+    if not hasattr(model, "flops_per_token"):
+        raise ValueError(f"model {preset.model.name!r} has no flops_per_token: handle plan cannot time it")
+    return float(model.flops_per_token(build.max_len))
+
+
+def _apply(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    from torch_handle.config.overrides import parse_override
+
+    out = copy.deepcopy(data)
+    for text in overrides:
+        keys, value = parse_override(text)
+        table = out.setdefault(keys[0], {})
+        if keys[0] == "strategy" and keys[1] == "name" and table.get("name") != value:
+            table.clear()  # another plugin: its own options' defaults
+        table[keys[1]] = value
+    return out
+
+
+def _one_line(e: Exception) -> str:
+    return " ".join(str(e).split())
