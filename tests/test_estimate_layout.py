@@ -21,9 +21,8 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from handle_cli.estimate_cmd import estimate, layout_overrides
+from handle_cli.estimate_cmd import estimate
 from tests.helpers import tiny_preset
-from torch_handle.config.layout import check_parallel
 from torch_handle.config.loader import load_preset
 from torch_handle.model.parallelize import replicated_numel
 from torch_handle.plan import estimate_layout as L
@@ -219,9 +218,8 @@ def test_bad_layouts_raise_one_line(preset_path):
 
 
 def test_the_command_lists_every_pipeline_rank_of_a_mesh(preset_path):
-    sets = ["parallel.tp=2", "parallel.pp=2", "strategy.name=fsdp", "training.grad_accum=4"]
-    if not _composes(preset_path, sets):
-        pytest.skip("config/layout.py does not compose tp x pp with fsdp yet")
+    sets = ["parallel.tp=2", "parallel.tp_impl=scratch", "parallel.pp=2", "strategy.name=fsdp",
+            "training.grad_accum=4"]
     proc = subprocess.run([*HANDLE, "estimate", str(preset_path), *(x for s in sets for x in ("--set", s)),
                            "--nproc", "4,8", "--json"], capture_output=True, text=True, cwd=ROOT, timeout=300,
                           check=False)
@@ -232,16 +230,6 @@ def test_the_command_lists_every_pipeline_rank_of_a_mesh(preset_path):
     assert [r["largest"] for r in rows].count(True) == 2
 
 
-def _composes(path: Path, sets: list[str]) -> bool:
-    from torch_handle.errors import PresetError
-
-    try:
-        preset = load_preset(path, layout_overrides(sets), get_registry())
-    except PresetError:
-        return False
-    return check_parallel(preset, get_registry()) is None
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # measured
 # ---------------------------------------------------------------------------------------------------------------
@@ -249,9 +237,9 @@ def _composes(path: Path, sets: list[str]) -> bool:
 MEASURED = {
     "pp2": ["strategy.name=single", "parallel.pp=2", "launch.nproc_per_node=2"],
     "dp2xtp2-fsdp": ["strategy.name=fsdp", "parallel.tp=2", "launch.nproc_per_node=4"],
-    # once config/layout.py composes them:
-    # "dp2xpp2": ["strategy.name=fsdp", "parallel.pp=2", "launch.nproc_per_node=4"],
-    # "tp2xpp2": ["strategy.name=single", "parallel.tp=2", "parallel.pp=2", "launch.nproc_per_node=4"],
+    "dp2xpp2": ["strategy.name=fsdp", "parallel.pp=2", "launch.nproc_per_node=4"],
+    "tp2xpp2": ["strategy.name=single", "parallel.tp=2", "parallel.tp_impl=scratch", "parallel.pp=2",
+                "launch.nproc_per_node=4"],
 }
 """Layouts measured by real runs, one line each: --set overrides of the tiny preset (fp32, 2 steps, 4
 micro-batches of 4 samples, dropout 0)."""
