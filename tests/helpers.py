@@ -76,6 +76,18 @@ def leftovers(tag: str) -> list[str]:
     return found
 
 
+def assert_no_processes(run_dir: str | Path) -> None:
+    """Fail naming the pids of any process whose command line names ``run_dir`` (a worker that outlived its run)."""
+    left = []
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            if str(run_dir) in " ".join(p.info["cmdline"] or []):
+                left.append(p.pid)
+        except psutil.Error:
+            pass
+    assert not left, f"processes outlived the run: {left}"
+
+
 def find_worker(run_dir: str | Path, rank: int) -> psutil.Process | None:
     """The live training worker of ``run_dir`` with global rank ``rank`` (its torchrun agent left out), or None."""
     for p in psutil.process_iter(["cmdline"]):

@@ -1,24 +1,22 @@
 """Real torchrun runs: 2 worker processes on gloo, tiny models, the embedded pydoc corpus.
 
 These prove the claims of the main job: the strategies compute the same training (ZeRO is an exact
-re-partitioning of data-parallel Adam), ZeRO partitions what the paper says it partitions, and Ctrl-C + --resume
-continues exactly.
+re-partitioning of data-parallel Adam), ZeRO partitions what the paper says it partitions, and a killed worker's
+restart continues exactly (Ctrl-C + --resume under ZeRO-2: tests/test_cross_resume.py).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 
-from tests.helpers import find_worker, tiny_preset
+from tests.helpers import assert_no_processes, find_worker, tiny_preset
 
 pytestmark = pytest.mark.dist
 
@@ -52,21 +50,9 @@ def step_losses(run_dir: Path) -> dict[int, float]:
     return {e["step"]: e["loss"] for e in events(run_dir, "step")}
 
 
-def assert_no_workers(run_dir: Path) -> None:
-    left = []
-    for p in psutil.process_iter(["cmdline"]):
-        try:
-            if str(run_dir) in " ".join(p.info["cmdline"] or []):
-                left.append(p)
-        except psutil.Error:
-            pass
-    assert not left, f"processes outlived the run: {[p.pid for p in left]}"
-
-
-def test_strategies_compute_the_same_losses_fp32(base):
-    """ddp, ZeRO-1/2/3, FSDP2 and scratch-ddp (bucketed, with its hand-written ZeRO-1: the unsharded modes are
-    proven bitwise equal to DDP in tests/test_scratch_ddp.py) give the same per-step losses (fp32, same seed)
-    within 1e-4 relative."""
+@pytest.fixture(scope="module")
+def strategy_runs(base) -> dict[str, Path]:
+    """The tiny preset (10 steps, fp32, dropout 0.1) under ddp, ZeRO-1/2/3, FSDP2 and scratch-ddp with ZeRO-1."""
     runs = {}
     for name, sets in {"ddp": [], "zero1": ["strategy.name=deepspeed", "strategy.zero_stage=1"],
                        "zero2": ["strategy.name=deepspeed", "strategy.zero_stage=2"],
@@ -74,9 +60,17 @@ def test_strategies_compute_the_same_losses_fp32(base):
                        "fsdp": ["strategy.name=fsdp"],
                        "scratch-zero1": ["strategy.name=scratch-ddp", "strategy.shard_optimizer=true"]}.items():
         args = [x for s in [f"run.name={name}", *sets] for x in ("--set", s)]
-        proc = handle("run", str(base), *args)
-        runs[name] = run_dir_of(proc)
-        assert json.loads((runs[name] / "run.json").read_text())["status"] == "finished"
+        runs[name] = run_dir_of(handle("run", str(base), *args))
+    return runs
+
+
+def test_strategies_compute_the_same_losses_fp32(strategy_runs):
+    """ddp, ZeRO-1/2/3, FSDP2 and scratch-ddp (bucketed, with its hand-written ZeRO-1: the unsharded modes are
+    proven bitwise equal to DDP in tests/test_scratch_ddp.py) give the same per-step losses (fp32, same seed)
+    within 1e-4 relative."""
+    runs = strategy_runs
+    for run_dir in runs.values():
+        assert json.loads((run_dir / "run.json").read_text())["status"] == "finished"
     reference = step_losses(runs["ddp"])
     assert sorted(reference) == list(range(1, 11))
     assert reference[10] < reference[1]
@@ -90,94 +84,44 @@ def test_strategies_compute_the_same_losses_fp32(base):
 
 
 def test_zero_partitions_model_state_as_the_paper_predicts(base):
-    """bf16, 2 ranks: ZeRO-1/2 hold half of stage 0's optimizer bytes (Adam moments + fp32 master); ZeRO-2 also
-    partitions gradients; ZeRO-3 holds half of the parameters (Rajbhandari et al. 2020, section 5)."""
+    """bf16 on 2 ranks. Unpartitioned mixed-precision Adam holds 2 bytes of parameters, 2 of gradients and K = 12
+    of optimizer state (fp32 master, momentum, variance) per parameter (Rajbhandari et al. 2020, section 3.1;
+    stage 0 measures exactly that here, 12.001 with Adam's step counters). ZeRO-1/2 hold half of the 12 bytes;
+    ZeRO-2 also partitions gradients; ZeRO-3 holds half of the parameters (section 5)."""
     mem = {}
-    for stage in range(4):
-        proc = handle("run", str(base), "--set", "strategy.name=deepspeed", "--set", f"strategy.zero_stage={stage}",
-                      "--set", "training.precision=bf16", "--set", "training.steps=2", "--set", "training.log_every=1",
-                      "--set", f"run.name=mem{stage}")
-        step = [e for e in events(run_dir_of(proc), "step") if e["step"] == 2][0]
+    for stage in (1, 2, 3):
+        run_dir = run_dir_of(handle("run", str(base), "--set", "strategy.name=deepspeed",
+                                    "--set", f"strategy.zero_stage={stage}", "--set", "training.precision=bf16",
+                                    "--set", "training.steps=2", "--set", "training.log_every=1",
+                                    "--set", f"run.name=mem{stage}"))
+        n_params = events(run_dir, "status")[0]["model_params"]
+        step = [e for e in events(run_dir, "step") if e["step"] == 2][0]
         assert [m["rank"] for m in step["memory"]] == [0, 1]
-        mem[stage] = step["memory"][0]
+        mem[stage] = {k: v / n_params for k, v in step["memory"][0].items() if k.endswith("_bytes")}
         assert all(step["memory"][1][k] > 0 for k in ("param_bytes", "optimizer_bytes", "rss_bytes"))
     for stage in (1, 2):
-        ratio = mem[stage]["optimizer_bytes"] / mem[0]["optimizer_bytes"]
+        ratio = mem[stage]["optimizer_bytes"] / 12
         assert abs(ratio - 0.5) <= 0.025, f"ZeRO-{stage} optimizer bytes ratio {ratio:.3f}"
-    assert mem[2]["grad_bytes"] < 0.65 * mem[0]["grad_bytes"]
-    ratio = mem[3]["param_bytes"] / mem[0]["param_bytes"]
+    assert mem[1]["param_bytes"] == mem[2]["param_bytes"] == 2  # unpartitioned below stage 3
+    assert mem[2]["grad_bytes"] < 0.65 * 2
+    ratio = mem[3]["param_bytes"] / 2
     assert abs(ratio - 0.5) <= 0.025, f"ZeRO-3 param bytes ratio {ratio:.3f}"
 
 
-def _run_until_step_then_sigint(args: list[str], run_dir: Path, at_step: int) -> subprocess.CompletedProcess:
-    proc = subprocess.Popen([sys.executable, "-m", "handle_cli", "run", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 240
-    path = run_dir / "events.jsonl"
-    while time.monotonic() < deadline and proc.poll() is None:
-        if path.exists() and any(e.get("step", 0) >= at_step for e in events(run_dir, "step")):
-            proc.send_signal(signal.SIGINT)
-            break
-        time.sleep(0.05)
-    sent = time.monotonic()
-    out, err = proc.communicate(timeout=60)
-    assert time.monotonic() - sent < 15, "handle run took more than 15 s to stop after Ctrl-C"
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
-
-
-def test_sigint_then_resume_reproduces_the_uninterrupted_losses(base, tmp_path):
-    """ZeRO-2, fp32, dropout on: Ctrl-C after step 20, --resume, and the losses match an uninterrupted run."""
-    common = [str(base), "--set", "strategy.name=deepspeed", "--set", "strategy.zero_stage=2",
-              "--set", "training.steps=40", "--set", "training.micro_batch_size=16", "--set", "data.seq_len=64",
-              "--set", "training.checkpoint_every=10", "--set", "training.eval_every=20"]
-    full = step_losses(run_dir_of(handle("run", *common, "--set", "run.name=full")))
-
-    run_dir = tmp_path / "interrupted"
-    proc = _run_until_step_then_sigint([*common, "--run-dir", str(run_dir)], run_dir, at_step=20)
-    assert proc.returncode == 130, proc.stderr
-    assert_no_workers(run_dir)
-    info = json.loads((run_dir / "run.json").read_text())
-    stopped_at = info["step"]
-    assert info["status"] == "stopped" and 20 <= stopped_at < 40, info
-    assert (run_dir / "checkpoints" / f"step-{stopped_at}" / "manifest.json").exists()
-    assert f"handle run --resume {run_dir}" in proc.stdout
-
-    # The newest checkpoint gets damaged (a disk filled mid-copy, say): resume must notice, say so, and use the
-    # previous good one.
-    newest = run_dir / "checkpoints" / f"step-{stopped_at}"
-    shard = sorted(newest.rglob("*optim_states.pt"))[0]
-    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
-    proc = handle("run", "--resume", str(run_dir))
-    previous = 20 if stopped_at > 20 else 10  # keep_last = 2: step-10 or step-20 is the one before
-    assert f"warning: skipping {newest}" in proc.stdout
-    assert f"resumed from checkpoints/step-{previous} at step {previous}" in " ".join(
-        e["message"] for e in events(run_dir, "log"))
-    resumed = {}
-    for e in events(run_dir, "step"):
-        resumed[e["step"]] = e["loss"]  # last occurrence wins: steps after `previous` ran twice
-    assert sorted(resumed) == list(range(1, 41))
-    assert json.loads((run_dir / "run.json").read_text())["status"] == "finished"
-    for step in range(previous + 1, 41):
-        assert abs(resumed[step] - full[step]) <= 1e-5 * abs(full[step]), (step, resumed[step], full[step])
-    seqs = [e["seq"] for e in events(run_dir)]
-    assert seqs == list(range(len(seqs))), "seq must continue across the resume without gaps"
-    assert (run_dir / "model.safetensors").stat().st_size > 0
-
-
-def test_sigkilled_worker_is_restarted_and_resumes_exactly(base, tmp_path):
-    """DDP, max_restarts=1: a worker SIGKILLed at a random step; torchrun restarts the group, every rank resumes
-    from the newest checkpoint by itself, and the losses after the restart equal an uninterrupted run's. (ZeRO-2's
+def test_sigkilled_worker_is_restarted_and_resumes_exactly(base, strategy_runs, tmp_path):
+    """DDP, max_restarts=1, dropout on, a checkpoint every 2 steps, rank 1 slowed by HANDLE_TEST_DELAY_RANK (no
+    number changes): a worker SIGKILLed at a random step; torchrun restarts the group, every rank resumes from the
+    newest checkpoint by itself, and the losses after the restart equal the uninterrupted ddp run's. (ZeRO-2's
     restart: tests/test_multinode.py kills a worker of a 2-node ZeRO-2 run the same way.)"""
     import random
 
-    common = [str(base), *[x for s in ["strategy.name=ddp", "training.steps=24", "training.checkpoint_every=5",
-                                       "training.micro_batch_size=16", "data.seq_len=64", "launch.max_restarts=1"]
-                           for x in ("--set", s)]]
-    full = step_losses(run_dir_of(handle("run", *common, "--set", "run.name=uninterrupted")))
-    kill_at = random.Random().randint(6, 18)
+    common = [str(base), *[x for s in ["training.checkpoint_every=2", "launch.max_restarts=1"] for x in ("--set", s)]]
+    full = step_losses(strategy_runs["ddp"])  # the same settings without checkpoints and restarts
+    kill_at = random.Random().randint(3, 8)
     run_dir = tmp_path / "killed"
     proc = subprocess.Popen([sys.executable, "-m", "handle_cli", "run", *common, "--run-dir", str(run_dir)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "HANDLE_TEST_DELAY_RANK": "1:0.3"})  # 0.3 s a step: time to kill
     killed = None
     deadline = time.monotonic() + 240
     while proc.poll() is None and time.monotonic() < deadline:
@@ -198,14 +142,14 @@ def test_sigkilled_worker_is_restarted_and_resumes_exactly(base, tmp_path):
     resumed_from = [e["message"] for e in events(run_dir, "log") if e["message"].startswith("resumed from")]
     assert len(resumed_from) == 1
     resume_step = int(resumed_from[0].rsplit(" ", 1)[1])
-    assert killed - resume_step <= 5, "recomputed more than checkpoint_every steps"
+    assert killed - resume_step <= 2, "recomputed more than checkpoint_every steps"
     after = {}
     for e in events(run_dir, "step"):
         after[e["step"]] = e["loss"]  # the last occurrence of a step is the one after the restart
-    assert sorted(after) == list(range(1, 25))
-    for step in range(resume_step + 1, 25):
+    assert sorted(after) == list(range(1, 11))
+    for step in range(resume_step + 1, 11):
         assert abs(after[step] - full[step]) <= 1e-5 * abs(full[step]), (step, after[step], full[step])
-    assert_no_workers(run_dir)
+    assert_no_processes(run_dir)
 
 
 def test_failing_worker_fails_the_run_with_its_error_and_leaves_no_process(base, tmp_path):
@@ -215,7 +159,7 @@ def test_failing_worker_fails_the_run_with_its_error_and_leaves_no_process(base,
     assert proc.returncode == 1
     assert "too few for one batch of micro_batch_size=100000" in proc.stderr
     assert json.loads((run_dir / "run.json").read_text())["status"] == "failed"
-    assert_no_workers(run_dir)
+    assert_no_processes(run_dir)
 
 
 def test_worker_module_without_torchrun_says_how_to_launch():
@@ -244,7 +188,7 @@ def test_a_diverging_run_stops_or_skips_non_finite_steps(base, tmp_path, on_nan)
         assert proc.returncode == 0 and info["status"] == "finished"
         assert [e.get("skipped", False) for e in steps] == [False, True, True, True]
         assert all(e["loss"] is None for e in steps[1:])
-    assert_no_workers(run_dir)
+    assert_no_processes(run_dir)
 
 
 def test_two_runs_started_together_do_not_collide(base):
