@@ -23,19 +23,18 @@ def test_layouts_run_on_their_product_of_ranks_and_refused_ones_are_notes(monkey
     records = json.loads((bench / "results.json").read_text())["results"]
     assert [(r["strategy"], r["layout"], r["plugin"], r["nproc"], r["dp"], r["tp"], r["pp"]) for r in records] == [
         ("ddp", "dp1", "ddp", 1, 1, 1, 1), ("ddp", "dp2", "ddp", 2, 2, 1, 1), ("ddp", "tp2", "single", 2, 1, 2, 1),
-        ("ddp", "pp2", "single", 2, 1, 1, 2)]
-    assert [r["efficiency"] for r in records] == pytest.approx([1.0] + [2 ** 0.9 / 2] * 3)  # base: the 1-rank run
-    assert [r["global_batch"] for r in records] == [8, 16, 8, 8]  # weak: per replica
+        ("ddp", "pp2", "single", 2, 1, 1, 2), ("ddp", "dp2xpp2", "ddp", 4, 2, 1, 2)]
+    assert [r["efficiency"] for r in records] == pytest.approx([1.0] + [2 ** 0.9 / 2] * 3 + [4 ** 0.9 / 4])
+    assert [r["global_batch"] for r in records] == [8, 16, 8, 8, 16]  # weak: per replica
     for r in records:
         preset = tomllib.loads((bench / f"ddp-{r['layout']}" / "preset.toml").read_text())
         assert (preset["parallel"]["tp"], preset["parallel"]["pp"]) == (r["tp"], r["pp"])
         assert preset["launch"]["nproc_per_node"] == r["nproc"] and preset["strategy"]["name"] == r["plugin"]
     out = result.stdout
-    assert "note: ddp dp2xpp2 skipped: strategy.name: 'ddp' does not support parallel.pp = 2" in out
-    assert "note: ddp tp2xpp2 skipped: parallel.pp: " in out  # whatever the preset's checks say, one line each
-    assert "layouts: dp1, dp2, tp2, pp2, each on dp x tp x pp ranks" in out
-    assert "┃ strategy ┃ layout ┃ ranks ┃" in out and "tokens/s (global) by layout" in out
-    assert "[4/4] ddp pp2 on 2 ranks: finished" in result.stderr
+    assert "note: ddp tp2xpp2 skipped: parallel.tp_impl: tensor parallelism inside pipeline stages" in out
+    assert "layouts: dp1, dp2, tp2, pp2, dp2xpp2, each on dp x tp x pp ranks" in out
+    assert "┃ strategy ┃ layout  ┃ ranks ┃" in out and "tokens/s (global) by layout" in out
+    assert "[5/5] ddp dp2xpp2 on 4 ranks: finished" in result.stderr
 
 
 @pytest.mark.parametrize("args, message", [
@@ -45,7 +44,7 @@ def test_layouts_run_on_their_product_of_ranks_and_refused_ones_are_notes(monkey
     (["--layouts", "dp2,"], "error: --layouts: 'dp2,': expected a comma list of layouts"),
     (["--layouts", "dp2", "--nproc", "2"], "error: --layouts sets each run's world size and tp: leave out --nproc"),
     (["--layouts", "dp2", "--tp", "2"], "error: --layouts sets each run's world size and tp: leave out --nproc"),
-    (["--layouts", "tp2xpp2,dp2xpp2"], "error: nothing to run: ddp tp2xpp2 skipped: parallel.pp: "),
+    (["--layouts", "tp2xpp2"], "error: nothing to run: ddp tp2xpp2 skipped: parallel.tp_impl: "),
 ])
 def test_bad_layouts_exit_2_with_one_line(monkeypatch, tmp_path, args, message):
     result = invoke(monkeypatch, tmp_path, *args)

@@ -26,9 +26,10 @@ class TimedStage(PipelineStage):
     """A ``PipelineStage`` that records its actions on ``timeline`` (and, when ``count_saved`` is set, the bytes
     autograd saves for each micro-batch's forward and the most alive at once)."""
 
-    def __init__(self, *args: Any, timeline: Timeline, grad_sync: data_parallel.GradSync, **kwargs: Any):
+    def __init__(self, *args: Any, timeline: Timeline, grad_sync: data_parallel.GradSync | None = None,
+                 **kwargs: Any):
         super().__init__(*args, **kwargs)
-        self.timeline, self.grad_sync = timeline, grad_sync
+        self.timeline, self.grad_sync = timeline, grad_sync or data_parallel.NoSync()
         self.count_saved = False
         self.saved_bytes: dict[int, int] = {}
         self.peak_saved_bytes = 0
