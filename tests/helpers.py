@@ -152,3 +152,29 @@ def worker_results(module: str, out: Path) -> list[dict]:
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}"
     return json.loads(out.read_text())["ranks"]
+
+
+def handle_runs(root: Path, runs: dict[str, tuple[str, ...]], common: tuple[str, ...], at_once: int,
+                timeout: float = 400) -> dict[str, Path]:
+    """``handle run`` of the 1-rank tiny preset (written to ``root``) once per entry of ``runs`` (name -> its
+    ``--set`` arguments, after ``common``), ``at_once`` at a time; name -> run directory. A run that printed no
+    run directory fails the calling fixture with its output's tail."""
+    import subprocess
+    import sys
+
+    preset = root / "tiny.toml"
+    preset.write_text(tiny_preset(root / "runs", strategy="single").replace("nproc_per_node = 2",
+                                                                            "nproc_per_node = 1"))
+    pending, running, done = list(runs.items()), {}, {}
+    while pending or running:
+        while pending and len(running) < at_once:
+            name, overrides = pending.pop(0)
+            running[name] = subprocess.Popen(
+                [sys.executable, "-m", "handle_cli", "run", str(preset), "--set", f"run.name={name}", *common,
+                 *overrides], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        name = next(iter(running))
+        out, _ = running.pop(name).communicate(timeout=timeout)
+        lines = [ln for ln in out.splitlines() if ln.startswith("run directory: ")]
+        assert lines, f"{name}:\n{out[-3000:]}"
+        done[name] = Path(lines[0].split(": ", 1)[1])
+    return done

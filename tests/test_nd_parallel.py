@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import tiny_preset
+from tests.helpers import handle_runs
 
 pytestmark = pytest.mark.dist
 
@@ -44,12 +44,6 @@ LAYOUTS = {"dp2xpp2-ddp": {"dp": 2, "tp": 1, "pp": 2}, "dp2xpp2-fsdp": {"dp": 2,
            "tp2xpp2": {"dp": 1, "tp": 2, "pp": 2}, "dp2xtp2-fsdp": {"dp": 2, "tp": 2}}
 
 
-def _run_dir(out: str, name: str) -> Path:
-    lines = [ln for ln in out.splitlines() if ln.startswith("run directory: ")]
-    assert lines, f"{name}:\n{out[-3000:]}"
-    return Path(lines[0].split(": ", 1)[1])
-
-
 def _events(run_dir: Path, kind: str) -> list[dict]:
     events = map(json.loads, (run_dir / "events.jsonl").read_text().splitlines())
     return [e for e in events if e["kind"] == kind]
@@ -64,19 +58,7 @@ def _losses(run_dir: Path) -> dict[int, float]:
 def runs(tmp_path_factory) -> dict[str, Path]:
     """Every run of :data:`RUNS`, two at a time (4 ranks each on 2 cores), then the two resumes of dp 2 × tp 2."""
     root = tmp_path_factory.mktemp("nd-runs")
-    preset = root / "tiny.toml"
-    preset.write_text(tiny_preset(root / "runs", strategy="single").replace("nproc_per_node = 2",
-                                                                            "nproc_per_node = 1"))
-    pending, running, done = list(RUNS.items()), {}, {}
-    while pending or running:
-        while pending and len(running) < 2:
-            name, overrides = pending.pop(0)
-            running[name] = subprocess.Popen(
-                [sys.executable, "-m", "handle_cli", "run", str(preset), "--set", f"run.name={name}", *COMMON,
-                 *overrides], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        name = next(iter(running))
-        out, _ = running.pop(name).communicate(timeout=400)
-        done[name] = _run_dir(out, name)
+    done = handle_runs(root, RUNS, COMMON, at_once=2)
     resumes = {"as-pp2": ("--set", "launch.nproc_per_node=2", "--set", "parallel.pp=2", "--set", "parallel.tp=1",
                           "--set", "strategy.name=single"),
                "as-single": ("--set", "launch.nproc_per_node=1", "--set", "parallel.tp=1",

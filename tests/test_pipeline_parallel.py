@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -25,7 +23,7 @@ from torch_handle.model.transformer import DecoderLM
 from torch_handle.parallel.pipeline.schedules import Action, gpipe, one_f_one_b, theoretical_bubble
 from torch_handle.train.phases import PhaseTimer
 
-from tests.helpers import run_on_gloo, tiny_preset
+from tests.helpers import handle_runs, run_on_gloo
 
 pytestmark = pytest.mark.dist
 
@@ -189,22 +187,7 @@ def _events(run_dir: Path, kind: str) -> list[dict]:
 def runs(tmp_path_factory) -> dict[str, Path]:
     """Every run of :data:`RUNS` (the tiny preset with 4 layers, fp32, dropout 0, 10 steps of 8 sequences, evals at
     steps 0, 5 and 10), at most four at a time: each costs seconds, mostly starting up."""
-    root = tmp_path_factory.mktemp("pp-runs")
-    preset = root / "tiny.toml"
-    preset.write_text(tiny_preset(root / "runs", strategy="single").replace("nproc_per_node = 2",
-                                                                            "nproc_per_node = 1"))
-    pending, running, done = list(RUNS.items()), {}, {}
-    while pending or running:
-        while pending and len(running) < 4:
-            name, overrides = pending.pop(0)
-            running[name] = subprocess.Popen(
-                [sys.executable, "-m", "handle_cli", "run", str(preset), "--set", f"run.name={name}", *COMMON,
-                 *overrides], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        name = next(iter(running))
-        out, _ = running.pop(name).communicate(timeout=300)
-        assert "run directory: " in out, f"{name}:\n{out[-3000:]}"
-        done[name] = Path(next(ln for ln in out.splitlines() if ln.startswith("run directory: ")).split(": ", 1)[1])
-    return done
+    return handle_runs(tmp_path_factory.mktemp("pp-runs"), RUNS, COMMON, at_once=4, timeout=300)
 
 
 def _assert_trains_as_one_process(runs: dict[str, Path], name: str) -> list[dict]:
