@@ -67,17 +67,26 @@ class KVCache:
 
     def __init__(self, n_layers: int) -> None:
         self.layers = [LayerCache() for _ in range(n_layers)]
-        self.padding_mask: Tensor | None = None  # bool (B, length), True = pad
+        self.padding_mask: Tensor | None = None  # bool (B, length), True = pad; None while nothing is padded
         self.length = 0
 
     @classmethod
     def for_model(cls, model: nn.Module) -> KVCache:
         return cls(len(model.layers) if hasattr(model, "layers") else len(model.decoder_layers))
 
-    def extend_padding(self, mask: Tensor | None) -> Tensor | None:
-        """Append the new tokens' padding mask (B, T) and return the whole (B, length + T) one."""
-        if mask is not None:
-            self.padding_mask = mask if self.padding_mask is None else torch.cat([self.padding_mask, mask], 1)
+    def extend_padding(self, mask: Tensor | None, new: int) -> Tensor | None:
+        """Append the ``new`` tokens' padding mask, bool (B, new) or None when none of them is padded, and return
+        the whole (B, length + new) one, or None while no position seen so far is padded (attention then needs
+        no mask tensor). The first padded position turns the earlier ones into explicit False columns, and a
+        later call without padding appends False columns."""
+        if mask is None and self.padding_mask is None:
+            return None
+        rows = mask if mask is not None else self.padding_mask
+        if mask is None:
+            mask = torch.zeros(rows.shape[0], new, dtype=torch.bool, device=rows.device)
+        if self.padding_mask is None:
+            self.padding_mask = torch.zeros(rows.shape[0], self.length, dtype=torch.bool, device=rows.device)
+        self.padding_mask = torch.cat([self.padding_mask, mask], 1)
         return self.padding_mask
 
     def reorder(self, index: Tensor) -> None:

@@ -30,6 +30,28 @@ from torch_handle.model.profiling import record_range
 from torch_handle.parallel.tensor.random import checkpoint_rng_contexts
 
 
+def padding_mask_of(ids: Tensor, pad_id: int | None) -> Tensor | None:
+    """The key-padding mask of ``ids`` (B, T): bool (B, T), True where ``ids == pad_id``; None when ``pad_id`` is
+    None or no id is ``pad_id``.
+
+    None lets attention hand ``F.scaled_dot_product_attention`` no mask tensor, only ``is_causal``, so that it may
+    pick a fused kernel -- FlashAttention (Dao et al. 2022, "FlashAttention: Fast and Memory-Efficient Exact
+    Attention with IO-Awareness"; the CPU flash kernel likewise) -- where a mask tensor would force the
+    memory-efficient or math kernel and a (B, 1, T, S) mask built per layer (the SDPA documentation,
+    https://docs.pytorch.org/docs/stable/generated/torch.nn.functional.scaled_dot_product_attention.html).
+    Language-model windows are never padded (``LMDataset`` cuts one token stream), so their batches take that path;
+    translation batches (``pad_collate``) and left-padded prompts keep their mask.
+
+    The ``.any()`` reads one bool back to the host: a CUDA synchronisation, once per model (or pipeline stage)
+    forward, outside the blocks (and so outside their ``torch.compile`` regions); every tensor-parallel rank and
+    every pipeline stage sees the same ids and takes the same decision.
+    """
+    if pad_id is None:
+        return None
+    mask = ids == pad_id  # (B, T)
+    return mask if bool(mask.any()) else None
+
+
 class _TransformerModel(nn.Module):
     """What DecoderLM and EncoderDecoder share: token embedding + positional encoding on the
     way in, optional tied output projection on the way out, the block list (``blocks``) with
@@ -106,18 +128,19 @@ class _TransformerModel(nn.Module):
         return self.embed_dropout(self.pos_encoding(embed_tokens(self.embed, ids), offset))
 
     def _padding_mask(self, ids: Tensor) -> Tensor | None:
-        """bool (B, T), True where ids == pad_id; None when the model has no pad_id."""
-        return None if self.args.pad_id is None else ids == self.args.pad_id
+        """bool (B, T), True where ids == pad_id; None when nothing is padded (``padding_mask_of``)."""
+        return padding_mask_of(ids, self.args.pad_id)
 
     def _decoder_input(self, ids: Tensor, cache: KVCache | None) -> tuple[Tensor, Tensor | None]:
         """The decoder stack's input: ids (B, T) embedded from position ``cache.length`` (B, T, C), and the
-        padding mask of every key, the P cached positions' first (B, P + T) or None. Advances ``cache``."""
-        padding_mask = self._padding_mask(ids)  # (B, T) or None
+        padding mask of every key, the P cached positions' first (B, P + T), or None while none of them is
+        padded. Advances ``cache``."""
+        mask = self._padding_mask(ids)  # (B, T) or None
         x = self._embed(ids, 0 if cache is None else cache.length)  # (B, T, C)
         if cache is not None:
-            padding_mask = cache.extend_padding(padding_mask)
+            mask = cache.extend_padding(mask, ids.shape[1])  # (B, P + T) or None
             cache.length += ids.shape[1]
-        return x, padding_mask
+        return x, mask
 
     def _run_block(self, name: str, block: nn.Module, *args, **kwargs) -> Tensor:
         """Call ``block`` (one of ``blocks()``) inside the profiler range ``name`` (e.g. ``"decoder.layer3"``;
