@@ -14,15 +14,20 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
+# setuptools tells every editable install of a package-dir mapping (handle_plugins = "plugins") to beware of folders
+# named like the package in the working directory, a screen pip shows for a local build; here those folders are the
+# installed sources themselves. The filter hides that one message (it matches the start of the warning's text).
+EDITABLE := PYTHONWARNINGS="ignore:Editable installation" $(BIN)/python -m pip install --quiet -c $(CONSTRAINTS) -e
+
 # torch goes in first and pinned: an unpinned torch would pull several GB of CUDA wheels.
 $(VENV)/.installed: $(BIN)/python pyproject.toml $(CONSTRAINTS)
 	$(BIN)/python -m pip install --quiet $(TORCH_SPEC)
-	$(BIN)/python -m pip install --quiet -c $(CONSTRAINTS) -e .
+	$(EDITABLE) .
 	touch $@
 
 # The optional extras too (hf: transformers, wandb), so that the suite runs the tests of their plugins.
 $(VENV)/.installed-dev: $(VENV)/.installed
-	$(BIN)/python -m pip install --quiet -c $(CONSTRAINTS) -e ".[dev,hf,wandb]"
+	$(EDITABLE) ".[dev,hf,wandb]"
 	touch $@
 
 install: $(VENV)/.installed
