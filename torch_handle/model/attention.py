@@ -267,7 +267,8 @@ class MultiHeadAttention(nn.Module):
           where SDPA runs its math kernel (upcast to fp32 for bf16/fp16 inputs) and draws the mask with the slow
           ``bernoulli_``; the reference computes the same in the inputs' dtype with the fast CPU ``dropout``;
         * SDPA with ``is_causal`` and no mask tensor, which lets it pick its fastest (flash) kernel: nothing but
-          a top-left causal mask to apply;
+          a top-left causal mask to apply (the models pass no ``key_padding_mask`` for a batch without padding:
+          ``transformer.padding_mask_of``);
         * SDPA with a mask tensor otherwise (padding, or a causal mask shifted by cached keys).
         """
         dropout_p = self.dropout if self.training else 0.0

@@ -17,6 +17,7 @@ Shape letters: B batch, T target length, S source length, C = d_model channels, 
 from __future__ import annotations
 
 from torch import Tensor, nn
+from torch._subclasses.fake_tensor import is_fake
 from torch.utils.checkpoint import checkpoint
 
 from torch_handle.model.args import AttentionImpl, ModelKind, TransformerArgs
@@ -44,9 +45,11 @@ def padding_mask_of(ids: Tensor, pad_id: int | None) -> Tensor | None:
 
     The ``.any()`` reads one bool back to the host: a CUDA synchronisation, once per model (or pipeline stage)
     forward, outside the blocks (and so outside their ``torch.compile`` regions); every tensor-parallel rank and
-    every pipeline stage sees the same ids and takes the same decision.
+    every pipeline stage sees the same ids and takes the same decision. Ids whose values cannot be read (fake or meta
+    tensors: ``handle estimate`` runs the model on them, with ids drawn above the special tokens) count as
+    unpadded, as a language-model batch is.
     """
-    if pad_id is None:
+    if pad_id is None or ids.device.type == "meta" or is_fake(ids):
         return None
     mask = ids == pad_id  # (B, T)
     return mask if bool(mask.any()) else None
