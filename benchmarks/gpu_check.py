@@ -5,7 +5,8 @@
 The steps (docs/gpu.md: how to install, what each row means): 1 ``tests``, ``python -m pytest -m cuda tests``;
 2 ``demo``, presets/zero2.toml on nccl over every GPU, 300 steps; 3 ``gpt2``, presets/gpt2-small.toml on one GPU
 trained on the Python standard library's source, at the largest micro-batch that fits (two ``handle estimate``
-calls, then the run itself; on CUDA out of memory again at 3/4), eager and with ``training.compile``; 4 ``multi``,
+calls, then the run itself; on CUDA out of memory again at 3/4), eager and with ``training.compile``, and
+benchmarks/attention_mask.py (attention with a mask tensor against ``is_causal`` alone); 4 ``multi``,
 with 2 or more GPUs, ``handle bench comm`` on nccl and 2-rank ZeRO-2 and FSDP2 runs of the GPT-2-small model. MFU
 is reported against the measured bf16 peak (``handle env --peak``, what step events divide by) and against the
 datasheet's dense bf16 peak (:data:`DATASHEET_BF16`).
@@ -386,7 +387,17 @@ def step_gpt2(plan: Plan, runner: Runner, out: Path) -> list[dict[str, Any]]:
         mb = attempts[-1]["micro_batch_size"]
         on = [*overrides, f"training.micro_batch_size={mb}", "training.compile=true"]
         rows.append({**compiled, **runner.train(f"gpt2-compile-mb{mb}", "presets/gpt2-small.toml", on, plan.gpt2_skip)})
-    return rows
+    return [*rows, attention_row(plan, out)]
+
+
+def attention_row(plan: Plan, out: Path) -> dict[str, Any]:
+    """benchmarks/attention_mask.py: attention forward + backward with a mask tensor (the old path) and without."""
+    cmd = [sys.executable, "benchmarks/attention_mask.py", "--json", "--smoke" if plan.smoke else "--device=cuda"]
+    rc, text = run_command(cmd, out / "logs" / "attention.log", plan.timeout_s)
+    cases = [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+    note = "; ".join(f"{c['case']}: {c['mask_ms']:.2f} -> {c['causal_ms']:.2f} ms" for c in cases)
+    return {"id": "attention", "step": 3, "title": "attention fwd+bwd ms: mask tensor -> is_causal", "returncode": rc,
+            "cases": cases, "status": "ok" if rc == 0 and cases else "failed", "note": note or f"exit {rc}: see log"}
 
 
 def bench_row(plan: Plan, out: Path) -> dict[str, Any]:

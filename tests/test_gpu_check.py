@@ -44,7 +44,8 @@ def test_the_smoke_version_runs_every_step_through_the_cli(tmp_path):
     assert (report["mode"], report["ok"], report["device"]["backend"]) == ("cpu-smoke", True, "gloo")
     assert report["peak"]["measured_bf16_flops"] > 0 and report["peak"]["datasheet"] is None
     rows = {r["id"]: r for r in report["rows"]}
-    assert list(rows) == ["tests", "demo", "gpt2-eager", "gpt2-compile", "bench-comm", "zero2-2", "fsdp-2"]
+    assert list(rows) == ["tests", "demo", "gpt2-eager", "gpt2-compile", "attention", "bench-comm", "zero2-2",
+                          "fsdp-2"]
 
     tests = rows["tests"]  # the marker selects tests/test_cuda.py's tests, and each skips without CUDA
     assert (tests["status"], tests["passed"], tests["failed"]) == ("skipped", 0, 0) and tests["skipped"] >= 5, tests
@@ -68,6 +69,12 @@ def test_the_smoke_version_runs_every_step_through_the_cli(tmp_path):
     assert eager["params"] == found["params"]  # the run's tokenizer reached the vocabulary the estimate assumed
     assert eager["tokens_per_step"] == fits * 64 and (out / "corpus.txt").stat().st_size >= 96 << 10
     assert rows["gpt2-compile"]["status"] == "skipped" and "compile" in rows["gpt2-compile"]["message"]
+
+    attention = rows["attention"]  # benchmarks/attention_mask.py --smoke: one tiny shape, SDPA and dropout, 2 dtypes
+    assert attention["status"] == "ok" and [c["case"] for c in attention["cases"]] == [
+        "tiny fp32", "tiny fp32, dropout 0.1", "tiny bf16", "tiny bf16, dropout 0.1"]
+    assert all(c["mask_ms"] > 0 and c["causal_ms"] > 0 for c in attention["cases"])
+    assert "tiny bf16:" in attention["note"]
 
     bench = rows["bench-comm"]
     assert (bench["status"], bench["world_size"], bench["measurements"], bench["correct"]) == ("ok", 2, 4, 4)
