@@ -76,6 +76,20 @@ def _tensors(obj: Any, depth: int = 3) -> Iterator[torch.Tensor]:
             yield from _tensors(x, depth - 1)
 
 
+def _skip_shm_comm_build() -> None:
+    """Keep DeepSpeed from compiling its shared-memory all-reduce op (``deepspeed_shm_comm``) at start-up.
+
+    ``deepspeed.init_distributed`` on a CPU builds that C++ extension with the host compiler the first time (about
+    50 s on 2 cores, silently, inside the first ``make demo``), yet only ``inference_all_reduce`` (AutoTP
+    inference) uses it: ZeRO training reduces through ``torch.distributed``. DeepSpeed probes its ops once per
+    process into ``deepspeed.ops.__compatible_ops__`` and keeps that dict, so marking the op incompatible there
+    makes ``build_shm_op`` return None and DeepSpeed use the process group, as on a machine without a compiler.
+    """
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
 class DeepSpeedStrategy(Strategy):
     """``deepspeed.initialize`` builds the engine, its (ZeRO) optimizer and the LR schedule together: ``wrap``
     makes the engine, and ``build_optimizer`` / ``build_scheduler`` hand back the ones the engine built."""
@@ -89,6 +103,7 @@ class DeepSpeedStrategy(Strategy):
                                          self.ctx.device.type == "cuda")
         if self.ctx.is_main:
             log.info("ds_config %s", json.dumps(self.ds_config))
+        _skip_shm_comm_build()
         deepspeed.init_distributed(dist_backend=self.ctx.backend)  # reuses the initialised process group
         self.engine, optimizer, _, _ = deepspeed.initialize(
             model=model, model_parameters=model.parameters(), config=self.ds_config,
