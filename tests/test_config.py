@@ -348,8 +348,9 @@ def test_presets_show_round_trip_of_every_shipped_preset(tmp_path, monkeypatch, 
     args = [a for o in overrides for a in ("--set", o)]
     result = CliRunner().invoke(cli, ["presets", "show", f"presets/{preset.name}", *args])
     assert result.exit_code == 0, result.stderr
-    text = result.stdout
+    comment, _, text = result.stdout.partition("\n")
     original = load_preset(preset, overrides)
+    assert comment.startswith("# training.precision: auto → ") and original.training.precision == "auto"
     assert text == dump_preset(original)
     again = load_preset(write(tmp_path / "shown.toml", text))
     assert same(again, original) and again.training.lr == 1e-3

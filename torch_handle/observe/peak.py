@@ -7,8 +7,11 @@ few sizes in each dtype, the best sustained FLOP/s of any size (2·n³ FLOPs per
 the caller runs with (a torchrun worker has one thread per rank on a CPU by default).
 
 Results are cached as JSON in the user cache (``$XDG_CACHE_HOME/torch-handle/peak.json``, else
-``~/.cache/torch-handle/peak.json``), keyed by device, thread count and torch version; ``HANDLE_PEAK_CACHE``
-names another file. torch is imported inside the functions.
+``~/.cache/torch-handle/peak.json``), keyed by device, thread count, torch version and, on a CPU, the environment
+variables that change its kernels (``ONEDNN_MAX_CPU_ISA``, ``ATEN_CPU_CAPABILITY``, ...:
+:data:`torch_handle.common.precision.ISA_ENV`); ``HANDLE_PEAK_CACHE`` names another file. The same file holds
+the probe behind ``training.precision = "auto"`` (:func:`torch_handle.launch.precision.probe_cpu`). torch is
+imported inside the functions.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from torch_handle.common.fsio import write_json_atomic
-from torch_handle.common.precision import PRECISIONS, torch_dtype
+from torch_handle.common.precision import PRECISIONS, isa_env, torch_dtype
 
 DTYPES = PRECISIONS
 SIZES = (512, 1024, 2048)
@@ -39,15 +42,16 @@ def cache_path() -> Path:
 
 
 def device_key(device: Any, threads: int) -> str:
-    """``cuda:NVIDIA H100 80GB HBM3|torch 2.x`` or ``cpu:<processor>x<threads>|torch 2.x``."""
+    """``cuda:NVIDIA H100 80GB HBM3|torch 2.x`` or ``cpu:<processor>x<threads>|torch 2.x``, on a CPU followed by
+    ``|ONEDNN_MAX_CPU_ISA=AVX2`` when such a variable is set (it changes which kernels run: bf16 emulated or not)."""
     import torch
 
     dev = torch.device(device)
     if dev.type == "cuda":
-        name = torch.cuda.get_device_name(dev)
-    else:
-        name = f"{platform.machine()} {_cpu_model()} x{threads} threads"
-    return f"{dev.type}:{name}|torch {torch.__version__}"
+        return f"cuda:{torch.cuda.get_device_name(dev)}|torch {torch.__version__}"
+    isa = isa_env()
+    name = f"{platform.machine()} {_cpu_model()} x{threads} threads"
+    return f"{dev.type}:{name}|torch {torch.__version__}{'|' + isa if isa else ''}"
 
 
 def _cpu_model() -> str:
