@@ -89,7 +89,8 @@ def measure_cpu_probe(n: int = PROBE_N, budget_s: float = PROBE_BUDGET_S, max_s:
     torch.set_num_threads(1)
     start = time.perf_counter()
     try:
-        mats = {name: [torch.randn(n, n).to(dtype) for _ in range(2)]
+        gen = torch.Generator().manual_seed(0)  # the global RNG is left alone
+        mats = {name: [torch.randn(n, n, generator=gen).to(dtype) for _ in range(2)]
                 for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16))}
         best = {name: float("inf") for name in mats}
         reps = 0

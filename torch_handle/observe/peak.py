@@ -69,11 +69,13 @@ def measure_peak(device: Any = "cpu", dtypes: tuple[str, ...] = DTYPES, sizes: t
     """Best dense matmul FLOP/s per dtype on ``device`` with the current ``torch.get_num_threads()``.
 
     Returns ``{"fp32": flops_per_s, ...}``; a dtype the device cannot multiply gives None. Takes about
-    ``len(dtypes) * len(sizes) * seconds_per_size`` seconds.
+    ``len(dtypes) * len(sizes) * seconds_per_size`` seconds. The global RNG is left as it was (a run measured on
+    a cold cache trains as one on a warm cache).
     """
     import torch
 
     dev = torch.device(device)
+    gen = torch.Generator(device=dev).manual_seed(0)  # not the global RNG: a worker measures after seeding it
     out: dict[str, float | None] = {}
     for name in dtypes:
         best = 0.0
@@ -82,8 +84,8 @@ def measure_peak(device: Any = "cpu", dtypes: tuple[str, ...] = DTYPES, sizes: t
             if best and 2 * n**3 / best > max(2.0, 10 * seconds_per_size):
                 break
             try:
-                a = torch.randn(n, n, device=dev).to(torch_dtype(name))
-                b = torch.randn(n, n, device=dev).to(torch_dtype(name))
+                a = torch.randn(n, n, device=dev, generator=gen).to(torch_dtype(name))
+                b = torch.randn(n, n, device=dev, generator=gen).to(torch_dtype(name))
                 torch.mm(a, b)  # warm-up: kernel selection, first touch of the output
                 _sync(dev)
                 reps, start = 0, time.perf_counter()
