@@ -255,7 +255,7 @@ def test_parse_override():
     ("[strategy]\nname = 'deepspeed'\nzero_stage = 3\noffload_param = 'nvme'\n", [], ":1: strategy.nvme_path:",
      ["required for nvme"]),
     ("[strategy]\nname = 'deepspeed'\n\n[strategy.ds_config.fp16]\nenabled = true\n", [], ":4: strategy.ds_config:",
-     ["fp16.enabled contradicts training.precision = 'bf16'"]),
+     ["fp16.enabled contradicts training.precision = 'auto' (set training.precision = 'fp16' instead)"]),
     ("[training]\nprecision = 'fp32'\n[strategy]\nname = 'deepspeed'\nds_config = { bf16 = { enabled = true } }\n", [],
      ":5: strategy.ds_config:", ["bf16.enabled contradicts training.precision = 'fp32'"]),
     ("[strategy]\nname = 'deepspeed'\n", ["strategy.ds_config.fp16=true"], " (--set): strategy.ds_config:",

@@ -97,7 +97,7 @@ class StatusHeader(Widget):
         p1.append((1, _piece("  ", (state.preset, "bold"))))
         p1.append((2, _piece("  ", (state.strategy, "cyan"))))
         if state.precision:  # run.json's: the concrete one "auto" resolved to
-            p1.append((5, _piece("  ", (state.precision, "cyan"))))
+            p1.append((7, _piece("  ", (state.precision, "cyan"))))  # the first to go on a narrow screen
         world = _piece(f"  world {state.world_size if state.world_size is not None else '?'}")
         if state.layout:  # only runs whose step events carry it (tp > 1); it names the world size too, so it wins
             p1 += [(5, world), (2, _piece("  ", (state.layout, "cyan")))]
