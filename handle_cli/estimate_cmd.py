@@ -159,6 +159,11 @@ def estimate(preset: str, overrides: tuple[str, ...], nproc: str, nnodes: int | 
     registry = get_registry()
     # PresetError: one line, exit 2
     loaded = load_preset(resolve_preset_spec(preset), layout_overrides(overrides), registry)
+    auto = None
+    if loaded.training.precision == "auto":  # estimated as a run here would train (launch/precision.py)
+        from torch_handle.launch.precision import concrete
+
+        loaded, auto = concrete(loaded)
     from torch_handle.plan.estimate import (COMPARE_VARIANTS, estimate_preset, smallest_fit,
                                            supports_pipeline_parallel, supports_tensor_parallel)
 
@@ -192,7 +197,8 @@ def estimate(preset: str, overrides: tuple[str, ...], nproc: str, nnodes: int | 
         return
     t = loaded.training
     checkpointing = getattr(loaded.model.options, "activation_checkpointing", False)
-    click.echo(f"{loaded.source}: {rows[0].params:,} parameters, {t.precision}, micro_batch_size "
+    precision = t.precision if auto is None else f"{t.precision} ({auto.reason})"
+    click.echo(f"{loaded.source}: {rows[0].params:,} parameters, {precision}, micro_batch_size "
                f"{t.micro_batch_size} x seq_len {loaded.data.options.seq_len}, activation checkpointing "
                f"{'on' if checkpointing else 'off'}, {nodes} node(s)")
     if tp > 1:

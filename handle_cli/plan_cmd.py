@@ -136,6 +136,11 @@ def _plan(preset: str, user: list[str], n: int, k: int, memory: int | None, peak
         notes.append("measuring on CPU: training.precision=fp32 (bf16 has no fast CPU kernels)")
     try:
         base = load_preset(preset, user)
+        if base.training.precision == "auto":  # what a run here trains in (launch/precision.py)
+            from torch_handle.launch.precision import concrete
+
+            base, resolution = concrete(base)
+            notes.append(f"training.precision: {resolution.reason}")
         if measuring:
             from torch_handle.launch.run import check_data
 

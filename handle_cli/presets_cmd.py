@@ -90,10 +90,16 @@ def presets() -> None:
 @click.argument("preset")
 @OVERRIDE
 def presets_show(preset: str, overrides: tuple[str, ...]) -> None:
-    """Print the fully resolved PRESET (defaults + extends + overrides) as TOML, exactly as a run uses it."""
+    """Print the fully resolved PRESET (defaults + extends + overrides) as TOML, exactly as a run uses it; a
+    ``training.precision = "auto"`` is kept, with a first comment line saying what a run here would train in."""
     from torch_handle.config.loader import dump_preset, load_preset
 
-    click.echo(dump_preset(load_preset(resolve_preset_spec(preset), overrides)), nl=False)
+    loaded = load_preset(resolve_preset_spec(preset), overrides)
+    if loaded.training.precision == "auto":
+        from torch_handle.launch.precision import resolve
+
+        click.echo(f"# training.precision: {resolve(loaded).reason}")
+    click.echo(dump_preset(loaded), nl=False)
 
 
 @presets.command("list")

@@ -13,9 +13,11 @@ import click
 
 from handle_cli.common import EXIT_FAILED, EXIT_FINISHED, EXIT_STOPPED
 from torch_handle.config.loader import Preset
+from torch_handle.errors import RunDirError
 from torch_handle.launch.run import Interrupt, SupervisedRun
 from torch_handle.observe.fields import GRAD_BYTES, OPTIMIZER_BYTES, PARAM_BYTES, Kind, Level, Status
 from torch_handle.observe.state import RunState
+from torch_handle.rundir import read_run_info
 from torch_handle.common.text import clean, fmt_duration, strategy_label  # log/event text never reaches the terminal raw
 from torch_handle.common.units import fmt_bytes
 
@@ -77,6 +79,20 @@ def summary_text(s: RunState, run_dir: Path, info: dict) -> str:
     return "\n".join(lines)
 
 
+def precision_lines(preset: Preset, run_dir: Path) -> list[str]:
+    """``precision: fp32 (auto → fp32: bf16 matmul 0.02× fp32 on this CPU)`` from run.json (the launcher's
+    resolution, :func:`torch_handle.launch.precision.resolve_for_run`), and its ``warning:`` line if any."""
+    try:
+        info = read_run_info(run_dir)
+    except RunDirError:
+        info = {}
+    reason = info.get("precision_reason")
+    lines = [f"precision: {preset.training.precision}" + (f" ({clean(reason, 200)})" if reason else "")]
+    if info.get("precision_warning"):
+        lines.append(f"warning: {clean(info['precision_warning'], 300)}")
+    return lines
+
+
 def supervise(preset: Preset, run_dir: Path, *, quiet: bool = False) -> int:
     """Run torchrun on the prepared ``run_dir`` until it ends (:class:`torch_handle.launch.run.SupervisedRun`),
     printing progress, warnings and the summary unless ``quiet``; returns the exit code (0 finished, 1 failed, 130
@@ -98,6 +114,8 @@ def supervise(preset: Preset, run_dir: Path, *, quiet: bool = False) -> int:
     last_printed = 0.0
     if not quiet:
         click.echo(f"run directory: {run_dir}\nlogs: {run_dir}/logs/rank*.log   dashboard: handle tui {run_dir}")
+        for line in precision_lines(preset, run_dir):
+            click.echo(line, err=line.startswith("warning:"))
     try:
         run.start()
         while True:

@@ -2,11 +2,36 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def pytest_configure(config) -> None:
+    """Tests (and every process they start) use a copy of the user's peak and precision-probe cache
+    (``HANDLE_PEAK_CACHE``): what they measure is not written into the real one, and what it holds spares them
+    the measuring."""
+    if os.environ.get("HANDLE_PEAK_CACHE"):
+        return
+    from torch_handle.observe.peak import cache_path
+
+    real, copy = cache_path(), Path(tempfile.mkdtemp(prefix="handle-test-cache-")) / "peak.json"
+    if real.is_file():
+        shutil.copyfile(real, copy)
+    os.environ["HANDLE_PEAK_CACHE"] = str(copy)
+    config._handle_cache_dir = copy.parent
+
+
+def pytest_unconfigure(config) -> None:
+    directory = getattr(config, "_handle_cache_dir", None)
+    if directory is not None:
+        shutil.rmtree(directory, ignore_errors=True)
+        os.environ.pop("HANDLE_PEAK_CACHE", None)
 
 
 @pytest.fixture

@@ -255,7 +255,7 @@ def test_parse_override():
     ("[strategy]\nname = 'deepspeed'\nzero_stage = 3\noffload_param = 'nvme'\n", [], ":1: strategy.nvme_path:",
      ["required for nvme"]),
     ("[strategy]\nname = 'deepspeed'\n\n[strategy.ds_config.fp16]\nenabled = true\n", [], ":4: strategy.ds_config:",
-     ["fp16.enabled contradicts training.precision = 'bf16'"]),
+     ["fp16.enabled contradicts training.precision = 'auto' (set training.precision = 'fp16' instead)"]),
     ("[training]\nprecision = 'fp32'\n[strategy]\nname = 'deepspeed'\nds_config = { bf16 = { enabled = true } }\n", [],
      ":5: strategy.ds_config:", ["bf16.enabled contradicts training.precision = 'fp32'"]),
     ("[strategy]\nname = 'deepspeed'\n", ["strategy.ds_config.fp16=true"], " (--set): strategy.ds_config:",
@@ -348,8 +348,9 @@ def test_presets_show_round_trip_of_every_shipped_preset(tmp_path, monkeypatch, 
     args = [a for o in overrides for a in ("--set", o)]
     result = CliRunner().invoke(cli, ["presets", "show", f"presets/{preset.name}", *args])
     assert result.exit_code == 0, result.stderr
-    text = result.stdout
+    comment, _, text = result.stdout.partition("\n")
     original = load_preset(preset, overrides)
+    assert comment.startswith("# training.precision: auto → ") and original.training.precision == "auto"
     assert text == dump_preset(original)
     again = load_preset(write(tmp_path / "shown.toml", text))
     assert same(again, original) and again.training.lr == 1e-3

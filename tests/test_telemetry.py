@@ -142,8 +142,11 @@ def test_plugins_list_shows_the_tensorboard_sink():
 
 @pytest.mark.dist
 def test_a_sink_that_raises_on_every_event_changes_neither_losses_nor_exit_code(tmp_path):
-    """The same tiny run (single process, fp32) with and without a plugin whose sink raises on every event: the
-    same losses exactly, exit code 0, one warning in events.jsonl; TensorBoard still gets its scalars."""
+    """The same tiny run (single process) with and without a plugin whose sink raises on every event: the
+    same losses exactly, exit code 0, one warning in events.jsonl; TensorBoard still gets its scalars.
+
+    Both runs say ``training.precision = "auto"``: the launcher resolves it once (the probe is cached after the
+    first), and preset.toml, run.json and the run's first lines carry the concrete precision and the reason."""
     preset = tmp_path / "tiny.toml"
     preset.write_text(tiny_preset(tmp_path / "runs", steps=4, strategy="single", log_every=2))
     site = raising_sink_site(tmp_path)
@@ -154,7 +157,8 @@ def test_a_sink_that_raises_on_every_event_changes_neither_losses_nor_exit_code(
     runs = {}
     for name, pythonpath in (("plain", None), ("raising", site)):
         proc = subprocess.run([sys.executable, "-m", "handle_cli", "run", str(preset), "--set", f"run.name={name}",
-                               "--set", "launch.nproc_per_node=1", "--set", "training.eval_every=2"],
+                               "--set", "launch.nproc_per_node=1", "--set", "training.eval_every=2",
+                               "--set", "training.precision=auto"],
                               capture_output=True, text=True, timeout=300, env=handle_env(pythonpath))
         assert proc.returncode == 0, f"{name}: exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
         run_dir = Path(next(ln for ln in proc.stdout.splitlines() if ln.startswith("run directory: ")).split(": ")[1])
@@ -172,6 +176,12 @@ def test_a_sink_that_raises_on_every_event_changes_neither_losses_nor_exit_code(
     assert warnings(events) == ["sink 'raising' disabled: RuntimeError: cannot send event 0 (in emit)"]
     assert "warning: sink 'raising' disabled" in proc.stdout
     assert json.loads((run_dir / "run.json").read_text())["status"] == "finished"
+    for name, (proc, run_dir, _) in runs.items():  # auto, resolved once by the launcher
+        info = json.loads((run_dir / "run.json").read_text())
+        chosen = info["precision"]
+        assert chosen in ("fp32", "bf16") and info["precision_reason"].startswith(f"auto → {chosen}: bf16 matmul ")
+        assert f'precision = "{chosen}"' in (run_dir / "preset.toml").read_text()
+        assert f"precision: {chosen} ({info['precision_reason']})" in proc.stdout.splitlines()[:4], name
     for name, (_, run_dir, events) in runs.items():  # TensorBoard: the same scalars at the same steps as before
         scalars = tensorboard_scalars(run_dir)
         assert sorted(scalars) == ["time/backward_s", "time/data_s", "time/forward_s", "time/optimizer_s",

@@ -58,9 +58,9 @@ def _piece(*parts: str | tuple[str, str]) -> Text:
 
 
 class StatusHeader(Widget):
-    """Status badge, preset, strategy, world size (and its layout, dp × tp), progress, ETA, elapsed; then the latest
-    numbers; then the failure or stop message. Parts that do not fit the width are left out, least important
-    first."""
+    """Status badge, preset, strategy, precision, world size (and its layout, dp × tp), progress, ETA, elapsed; then
+    the latest numbers; then the failure or stop message. Parts that do not fit the width are left out, least
+    important first."""
 
     DEFAULT_CSS = """
     StatusHeader { height: auto; padding: 0 1; background: $panel; }
@@ -96,6 +96,8 @@ class StatusHeader(Widget):
         p1: list[tuple[int, Text]] = [(0, Text(f" {status.upper()} ", STATUS_STYLES.get(status, "reverse")))]
         p1.append((1, _piece("  ", (state.preset, "bold"))))
         p1.append((2, _piece("  ", (state.strategy, "cyan"))))
+        if state.precision:  # run.json's: the concrete one "auto" resolved to
+            p1.append((7, _piece("  ", (state.precision, "cyan"))))  # the first to go on a narrow screen
         world = _piece(f"  world {state.world_size if state.world_size is not None else '?'}")
         if state.layout:  # only runs whose step events carry it (tp > 1); it names the world size too, so it wins
             p1 += [(5, world), (2, _piece("  ", (state.layout, "cyan")))]

@@ -21,6 +21,7 @@ class SingleConfig:
 
     tensor_parallel: ClassVar[bool] = True
     pipeline_parallel: ClassVar[bool] = True
+    fp16_loss_scaling: ClassVar[bool] = True  # GradScaler: training.precision = "auto" may pick fp16 (pre-Ampere)
 
 
 @dataclass
@@ -29,6 +30,7 @@ class DDPConfig:
 
     tensor_parallel: ClassVar[bool] = True  # replicas of a model split by hand (parallel.tp_impl = "scratch")
     pipeline_parallel: ClassVar[bool] = True  # each pipeline stage its own DDP over the stage's data-parallel ranks
+    fp16_loss_scaling: ClassVar[bool] = True  # GradScaler, as single
 
     bucket_cap_mb: float = param(25.0, gt=0.0)
     """Gradient bucket size: gradients of one bucket are all-reduced as soon as they are ready (overlap)."""
@@ -41,6 +43,8 @@ class DDPConfig:
 @dataclass
 class DeepSpeedConfig:
     """``[strategy]`` options of ``deepspeed`` (https://www.deepspeed.ai/docs/config-json/)."""
+
+    fp16_loss_scaling: ClassVar[bool] = True  # DeepSpeed's fp16 section: dynamic loss scaling
 
     zero_stage: int = param(2, ge=0, le=3)
     """ZeRO stage (Rajbhandari et al. 2020): 0 = data parallel, 1 = shard optimizer state, 2 = also gradients,
@@ -98,6 +102,7 @@ class ScratchDDPConfig:
     bucket_mb: float = param(25.0, gt=0.0)
     """Bucket size in MiB for sync = "bucketed" (buckets fill in reverse registration order, as in DDP)."""
     pipeline_parallel: ClassVar[bool] = True  # each stage's gradients all-reduced over its data-parallel ranks
+    fp16_loss_scaling: ClassVar[bool] = True  # GradScaler
 
     shard_optimizer: bool = False
     """ZeRO-1: each rank keeps optimizer state for a balanced share of the parameters, steps it and broadcasts
@@ -108,6 +113,8 @@ class ScratchDDPConfig:
 class ScratchFSDPConfig:
     """``[strategy]`` options of ``scratch-fsdp``: ZeRO-2 and ZeRO-3 (fully sharded data parallelism) written from
     scratch (Rajbhandari et al. 2020; Zhao et al. 2023)."""
+
+    fp16_loss_scaling: ClassVar[bool] = True  # ShardedLossScaler
 
     zero_stage: int = param(3, ge=2, le=3)
     """2: gradients and optimizer state sharded, full weights on every rank; 3: the weights sharded too, each

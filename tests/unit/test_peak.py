@@ -33,3 +33,12 @@ def test_a_second_call_reads_the_cache_and_the_key_holds_threads_and_torch(tmp_p
     assert list(stored) == [first["key"]]
     peak.peak_flops("cpu", refresh=True)
     assert len(calls) == 2
+
+
+def test_measuring_leaves_the_global_rng_alone() -> None:
+    """A worker measures its peak after seeding (on a cold cache only): the run must not depend on the cache."""
+    torch.manual_seed(3)
+    expected = torch.rand(4)
+    torch.manual_seed(3)
+    peak.measure_peak("cpu", dtypes=("fp32",), sizes=(32,), seconds_per_size=0.001)
+    assert torch.equal(torch.rand(4), expected)

@@ -21,7 +21,7 @@ import textwrap
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from torch_handle.common.precision import Precision
+from torch_handle.common.precision import ConfigPrecision
 from torch_handle.errors import InvalidValue
 
 FROZEN_ON_RESUME = "frozen_on_resume"
@@ -116,8 +116,10 @@ class TrainingConfig:
     """Label smoothing eps of the training loss (Szegedy et al. 2016; Vaswani et al. 2017 use 0.1): the target
     puts 1 - eps on the label and eps spread over the vocabulary. Validation loss stays plain cross-entropy.
     0 = off. May change on --resume (the checkpoint does not depend on it)."""
-    precision: Precision = "bf16"
-    """Compute precision: bf16 and fp16 keep fp32 master weights; fp16 uses dynamic loss scaling."""
+    precision: ConfigPrecision = "auto"
+    """Compute precision: bf16 and fp16 keep fp32 master weights; fp16 uses dynamic loss scaling. auto: chosen
+    when the run starts: bf16 on CUDA compute capability >= 8.0, else fp16 where the strategy scales the loss,
+    else fp32; on a CPU bf16 only where a measured bf16 matmul is >= 1.25x as fast as fp32 (docs/performance.md)."""
     eval_every: int = param(50, ge=0)
     """Evaluate on the validation split every N steps (and at the end); 0 = only at the end."""
     eval_steps: int = param(10, ge=1)

@@ -19,10 +19,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from torch_handle.common.precision import AUTO
 from torch_handle.checkpoint.resume import PENDING, RESUME_PRESET, check_changes, promote, write_side_preset
 from torch_handle.config.loader import Preset, dump_preset, load_preset
 from torch_handle.errors import RunDirError
 from torch_handle.launch.multinode import create_or_join_run_dir, owns_run_dir, with_node_rank
+from torch_handle.launch.precision import resolve_for_run
 from torch_handle.launch.supervisor import Launch
 from torch_handle.observe.fields import Kind, Status
 from torch_handle.observe.state import RunState
@@ -58,6 +60,11 @@ def prepare_run(preset: str | None, overrides: tuple[str, ...], run_dir: Path | 
     ``preset.toml`` holds ``node_rank`` 0, and each node's launcher uses its own. ``resume_dir``: see
     :func:`prepare_resume` (``preset`` is then None).
 
+    ``training.precision = "auto"`` is resolved here, once, before anything is written
+    (:func:`torch_handle.launch.precision.resolve_for_run`): ``preset.toml`` holds the concrete precision and
+    run.json ``precision`` and ``precision_reason`` (and ``precision_warning`` for an explicit bf16 on a CPU that
+    emulates it). A node joining a multi-node run's shared directory takes the precision of its ``preset.toml``.
+
     Raises:
         PresetError, DataError, RunDirError: one line each (``handle run``: exit code 2).
     """
@@ -66,10 +73,12 @@ def prepare_run(preset: str | None, overrides: tuple[str, ...], run_dir: Path | 
     assert preset is not None
     loaded = load_preset(preset, overrides)
     check_data(loaded)
+    join = Path(run_dir) if loaded.launch.nnodes > 1 and run_dir is not None else None
+    loaded, precision = resolve_for_run(loaded, join)
     info = {"status": Status.STARTING, "name": loaded.run.name, "preset": str(loaded.source),
             "strategy": loaded.strategy.name, "zero_stage": getattr(loaded.strategy.options, "zero_stage", None),
             "world_size": loaded.world_size, "steps": loaded.training.steps, "start_time": time.time(),
-            "end_time": None, "restarts": 0}
+            "end_time": None, "restarts": 0, **precision}
     if loaded.launch.nnodes > 1:
         if run_dir is not None:
             directory, _ = create_or_join_run_dir(loaded, info, Path(run_dir))
@@ -98,6 +107,8 @@ def prepare_resume(resume_dir: Path, overrides: tuple[str, ...]) -> tuple[Preset
     info = read_run_info(resume_dir)
     current = load_preset(resume_dir / PRESET_FILE)
     loaded = load_preset(resume_dir / PRESET_FILE, overrides) if overrides else current
+    if loaded.training.precision == AUTO:  # --set training.precision=auto: the run's own, which may not change
+        loaded.training.precision = current.training.precision
     nodes = loaded.launch.nnodes > 1
     if nodes and not any(o.partition("=")[0].strip() == "launch.node_rank" for o in overrides):
         raise RunDirError(f"{resume_dir}: a run on {loaded.launch.nnodes} nodes: give this node's rank, "

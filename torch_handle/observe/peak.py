@@ -7,8 +7,11 @@ few sizes in each dtype, the best sustained FLOP/s of any size (2·n³ FLOPs per
 the caller runs with (a torchrun worker has one thread per rank on a CPU by default).
 
 Results are cached as JSON in the user cache (``$XDG_CACHE_HOME/torch-handle/peak.json``, else
-``~/.cache/torch-handle/peak.json``), keyed by device, thread count and torch version; ``HANDLE_PEAK_CACHE``
-names another file. torch is imported inside the functions.
+``~/.cache/torch-handle/peak.json``), keyed by device, thread count, torch version and, on a CPU, the environment
+variables that change its kernels (``ONEDNN_MAX_CPU_ISA``, ``ATEN_CPU_CAPABILITY``, ...:
+:data:`torch_handle.common.precision.ISA_ENV`); ``HANDLE_PEAK_CACHE`` names another file. The same file holds
+the probe behind ``training.precision = "auto"`` (:func:`torch_handle.launch.precision.probe_cpu`). torch is
+imported inside the functions.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from torch_handle.common.fsio import write_json_atomic
-from torch_handle.common.precision import PRECISIONS, torch_dtype
+from torch_handle.common.precision import PRECISIONS, isa_env, torch_dtype
 
 DTYPES = PRECISIONS
 SIZES = (512, 1024, 2048)
@@ -39,15 +42,16 @@ def cache_path() -> Path:
 
 
 def device_key(device: Any, threads: int) -> str:
-    """``cuda:NVIDIA H100 80GB HBM3|torch 2.x`` or ``cpu:<processor>x<threads>|torch 2.x``."""
+    """``cuda:NVIDIA H100 80GB HBM3|torch 2.x`` or ``cpu:<processor>x<threads>|torch 2.x``, on a CPU followed by
+    ``|ONEDNN_MAX_CPU_ISA=AVX2`` when such a variable is set (it changes which kernels run: bf16 emulated or not)."""
     import torch
 
     dev = torch.device(device)
     if dev.type == "cuda":
-        name = torch.cuda.get_device_name(dev)
-    else:
-        name = f"{platform.machine()} {_cpu_model()} x{threads} threads"
-    return f"{dev.type}:{name}|torch {torch.__version__}"
+        return f"cuda:{torch.cuda.get_device_name(dev)}|torch {torch.__version__}"
+    isa = isa_env()
+    name = f"{platform.machine()} {_cpu_model()} x{threads} threads"
+    return f"{dev.type}:{name}|torch {torch.__version__}{'|' + isa if isa else ''}"
 
 
 def _cpu_model() -> str:
@@ -65,11 +69,13 @@ def measure_peak(device: Any = "cpu", dtypes: tuple[str, ...] = DTYPES, sizes: t
     """Best dense matmul FLOP/s per dtype on ``device`` with the current ``torch.get_num_threads()``.
 
     Returns ``{"fp32": flops_per_s, ...}``; a dtype the device cannot multiply gives None. Takes about
-    ``len(dtypes) * len(sizes) * seconds_per_size`` seconds.
+    ``len(dtypes) * len(sizes) * seconds_per_size`` seconds. The global RNG is left as it was (a run measured on
+    a cold cache trains as one on a warm cache).
     """
     import torch
 
     dev = torch.device(device)
+    gen = torch.Generator(device=dev).manual_seed(0)  # not the global RNG: a worker measures after seeding it
     out: dict[str, float | None] = {}
     for name in dtypes:
         best = 0.0
@@ -78,8 +84,8 @@ def measure_peak(device: Any = "cpu", dtypes: tuple[str, ...] = DTYPES, sizes: t
             if best and 2 * n**3 / best > max(2.0, 10 * seconds_per_size):
                 break
             try:
-                a = torch.randn(n, n, device=dev).to(torch_dtype(name))
-                b = torch.randn(n, n, device=dev).to(torch_dtype(name))
+                a = torch.randn(n, n, device=dev, generator=gen).to(torch_dtype(name))
+                b = torch.randn(n, n, device=dev, generator=gen).to(torch_dtype(name))
                 torch.mm(a, b)  # warm-up: kernel selection, first touch of the output
                 _sync(dev)
                 reps, start = 0, time.perf_counter()

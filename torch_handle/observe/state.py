@@ -351,6 +351,12 @@ class RunState:
         return strategy_label(self.info.get("strategy"), self.info.get("zero_stage"))
 
     @property
+    def precision(self) -> str | None:
+        """run.json's ``precision`` (the launcher's resolution of ``training.precision``), or None."""
+        value = self.info.get("precision")
+        return clean(value, 10) if value else None
+
+    @property
     def restarts(self) -> int:
         return max(self.restarts_seen, integer(self.info.get("restarts")) or 0)
 

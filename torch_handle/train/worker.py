@@ -67,6 +67,23 @@ def init_distributed(backend_choice: str, timeout_s: int):
     return DistContext(rank=rank, local_rank=local_rank, world_size=world_size, device=device, backend=backend)
 
 
+def agree_on_precision(preset) -> None:
+    """A run on several nodes trains in rank 0's ``training.precision``: nodes with run directories of their own
+    each resolved ``auto`` on their own hardware (:mod:`torch_handle.launch.precision`; a node joining a shared
+    directory took its preset's already), so every rank takes rank 0's, with a warning where it differs. One
+    broadcast at start-up; nothing on one node."""
+    if preset.launch.nnodes == 1:
+        return
+    import torch.distributed as dist
+
+    theirs = [preset.training.precision]
+    dist.broadcast_object_list(theirs, src=0)
+    if theirs[0] != preset.training.precision:
+        logging.getLogger("torch_handle").warning("training.precision: %s here, %s on rank 0: this rank trains in "
+                                                  "rank 0's", preset.training.precision, theirs[0])
+        preset.training.precision = theirs[0]
+
+
 def _log_resume_changes(trainer, run_dir: Path, registry) -> None:
     """Rank 0 of a resume with ``--set`` changes: one ``log`` event listing them (``key old -> new``)."""
     from torch_handle.config.loader import load_preset
@@ -117,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     heartbeat.interval_s = beat_interval(preset.launch.hang_timeout_s)
     beat("init")
     ctx = init_distributed(preset.launch.backend, preset.launch.timeout_s)
+    agree_on_precision(preset)
     trainer = Trainer(preset, run_dir, ctx, registry)
     status, message, code = Status.FAILED, "", 1
     try:
