@@ -42,3 +42,21 @@ def test_measuring_leaves_the_global_rng_alone() -> None:
     torch.manual_seed(3)
     peak.measure_peak("cpu", dtypes=("fp32",), sizes=(32,), seconds_per_size=0.001)
     assert torch.equal(torch.rand(4), expected)
+
+
+def test_the_mfu_peak_measures_only_the_run_s_precision_and_keeps_the_others(tmp_path, monkeypatch) -> None:
+    """A cold cache on a CPU that emulates bf16: an fp32 run must not spend seconds measuring bf16 and fp16."""
+    monkeypatch.setenv("HANDLE_PEAK_CACHE", str(tmp_path / "peak.json"))
+    asked = []
+
+    def fake_measure(device, dtypes=peak.DTYPES, **kw):
+        asked.append(tuple(dtypes))
+        return {d: {"fp32": 2e11, "bf16": 3e11, "fp16": 1e9}[d] for d in dtypes}
+
+    monkeypatch.setattr(peak, "measure_peak", fake_measure)
+    threads = torch.get_num_threads()
+    assert peak.peak_for_mfu("cpu", "fp32", threads)[0] == 2e11
+    assert peak.peak_for_mfu("cpu", "bf16", threads)[0] == 3e11
+    assert peak.peak_for_mfu("cpu", "fp32", threads)[0] == 2e11  # cached: nothing measured again
+    assert asked == [("fp32",), ("bf16",)]
+    assert peak.peak_flops("cpu")["fp16"] == 1e9 and asked[-1] == ("fp16",)  # `handle env --peak`: the rest

@@ -118,23 +118,26 @@ def _read_cache(path: Path) -> dict[str, Any]:
         return {}
 
 
-def peak_flops(device: Any = "cpu", *, refresh: bool = False) -> dict[str, Any]:
-    """The cached peak of ``device`` at the current thread count, measured (and cached) when missing.
+def peak_flops(device: Any = "cpu", *, refresh: bool = False, dtypes: tuple[str, ...] = DTYPES) -> dict[str, Any]:
+    """The cached peak of ``device`` at the current thread count for each of ``dtypes``, measuring (and caching)
+    the ones missing; a cached entry keeps the dtypes measured earlier.
 
-    Returns ``{"key", "device", "threads", "fp32", "bf16", "fp16", "measured_at", "cached"}``, FLOP/s per dtype.
-    A cache that cannot be written is not an error: the figure is returned all the same.
+    Returns ``{"key", "device", "threads", <dtype>: FLOP/s ..., "measured_at", "cached"}``. A cache that cannot be
+    written is not an error: the figures are returned all the same.
     """
     import torch
 
     threads = torch.get_num_threads()
     key = device_key(device, threads)
     path = cache_path()
-    cache = _read_cache(path)
-    entry = cache.get(key)
-    if entry and not refresh and all(d in entry for d in DTYPES):
+    entry = _read_cache(path).get(key)
+    entry = entry if isinstance(entry, dict) and not refresh else {}
+    missing = tuple(d for d in dtypes if d not in entry)
+    if not missing:
         return {**entry, "key": key, "cached": True}
-    entry = {"device": str(torch.device(device)), "threads": threads, **measure_peak(device),
+    entry = {**entry, "device": str(torch.device(device)), "threads": threads, **measure_peak(device, missing),
              "measured_at": round(time.time(), 3)}
+    cache = _read_cache(path)  # re-read: another rank or run may have written meanwhile
     cache[key] = entry
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -153,13 +156,13 @@ def cached_peak(device: Any, precision: str, threads: int) -> float | None:
 
 def peak_for_mfu(device: Any, precision: str, threads: int) -> tuple[float | None, str]:
     """``(FLOP/s, message)``: the ``precision`` matmul peak of ``device`` at ``threads`` threads per rank, from the
-    cache or measured now (a few seconds, once per device, thread count and torch version); None when there is no
+    cache or measured now (~1 s, once per device, thread count and torch version); None when there is no
     such peak (the message then says that step events carry no mfu). The message is also logged."""
     value = cached_peak(device, precision, threads)
     how = "cached"
     if value is None:
         log.info("measuring the %s matmul peak of %s with %d threads (for MFU)", precision, device, threads)
-        entry = peak_flops(device)
+        entry = peak_flops(device, dtypes=(precision,))  # not the others: an emulated bf16 takes seconds
         value, how = entry.get(precision), "measured"
         value = float(value) if isinstance(value, (int, float)) and value > 0 else None
     if value is None:
