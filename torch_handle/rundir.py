@@ -150,12 +150,12 @@ def run_info_lock(run_dir: Path, timeout_s: float | None = None) -> Iterator[Non
     Why: run.json has several writers, each reading it, changing some fields and writing it back whole. Without
     the lock one writer's update can silently undo another's. Seen: a resumed run's launcher promotes the resume
     (:func:`torch_handle.checkpoint.resume.promote`, at the first step event it polls) while rank 0 finishes. The
-    launcher read run.json (status ``running``, the resumed worker's ``train_start_time``, the ``step: 6`` of the
-    run it continues, ``end_time`` None), then rank 0 wrote its closing update (``finished``, ``end_time``,
-    ``step``), then the launcher wrote its stale copy with the ``resumes`` entry over it: the closing update was
-    gone, and after torchrun exited 0 the launcher found a non-final status and settled the run ``failed``
-    ("torchrun exited with code 0"). The other order loses the launcher's update instead (the ``resumes`` entry,
-    and ``resume_pending`` stays).
+    launcher read run.json (status ``running``, the resumed worker's ``train_start_time``, ``end_time`` None and the
+    ``step`` of the run it continues: 6 in test_pipeline_checkpoint's copy), then rank 0 wrote its closing update
+    (``finished``, ``end_time``, ``step``), then the launcher wrote its stale copy with the ``resumes`` entry over
+    it: the closing update was gone, and after torchrun exited 0 the launcher found a non-final status and
+    settled the run ``failed`` ("torchrun exited with code 0"). The other order loses the launcher's update
+    instead (the ``resumes`` entry, and ``resume_pending`` stays).
 
     The lock is an advisory ``flock``, released by the kernel when its holder exits or dies (no stale lock is
     left), reentrant within a thread, and best effort: where the filesystem cannot lock (``ENOLCK``,
