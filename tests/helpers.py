@@ -154,26 +154,38 @@ def worker_results(module: str, out: Path) -> list[dict]:
     return json.loads(out.read_text())["ranks"]
 
 
-def handle_runs(root: Path, runs: dict[str, tuple[str, ...]], common: tuple[str, ...], at_once: int,
-                timeout: float = 400) -> dict[str, Path]:
-    """``handle run`` of the 1-rank tiny preset (written to ``root``) once per entry of ``runs`` (name -> its
-    ``--set`` arguments, after ``common``), ``at_once`` at a time; name -> run directory. A run that printed no
-    run directory fails the calling fixture with its output's tail."""
+def handle_at_once(commands: dict[str, tuple[str, ...]], at_once: int, timeout: float = 400,
+                   env: dict[str, str] | None = None) -> dict[str, tuple[int, str]]:
+    """``handle ARGS...`` once per entry of ``commands`` (name -> ARGS), ``at_once`` at a time, under ``env``
+    (default: this process's); name -> (exit code, its output: stdout and stderr)."""
     import subprocess
     import sys
 
+    pending, running, done = list(commands.items()), {}, {}
+    while pending or running:
+        while pending and len(running) < at_once:
+            name, args = pending.pop(0)
+            running[name] = subprocess.Popen([sys.executable, "-m", "handle_cli", *args], stdout=subprocess.PIPE,
+                                             stderr=subprocess.STDOUT, text=True, env=env)
+        name = next(iter(running))
+        proc = running.pop(name)
+        out, _ = proc.communicate(timeout=timeout)
+        done[name] = (proc.returncode, out)
+    return done
+
+
+def handle_runs(root: Path, runs: dict[str, tuple[str, ...]], common: tuple[str, ...], at_once: int,
+                timeout: float = 400, env: dict[str, str] | None = None) -> dict[str, Path]:
+    """``handle run`` of the 1-rank tiny preset (written to ``root``) once per entry of ``runs`` (name -> its
+    ``--set`` arguments, after ``common``), ``at_once`` at a time (:func:`handle_at_once`); name -> run
+    directory. A run that printed no run directory fails the calling fixture with its output's tail."""
     preset = root / "tiny.toml"
     preset.write_text(tiny_preset(root / "runs", strategy="single").replace("nproc_per_node = 2",
                                                                             "nproc_per_node = 1"))
-    pending, running, done = list(runs.items()), {}, {}
-    while pending or running:
-        while pending and len(running) < at_once:
-            name, overrides = pending.pop(0)
-            running[name] = subprocess.Popen(
-                [sys.executable, "-m", "handle_cli", "run", str(preset), "--set", f"run.name={name}", *common,
-                 *overrides], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        name = next(iter(running))
-        out, _ = running.pop(name).communicate(timeout=timeout)
+    commands = {name: ("run", str(preset), "--set", f"run.name={name}", *common, *overrides)
+                for name, overrides in runs.items()}
+    done = {}
+    for name, (_, out) in handle_at_once(commands, at_once, timeout, env).items():
         lines = [ln for ln in out.splitlines() if ln.startswith("run directory: ")]
         assert lines, f"{name}:\n{out[-3000:]}"
         done[name] = Path(lines[0].split(": ", 1)[1])

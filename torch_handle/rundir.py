@@ -3,6 +3,7 @@
     runs/<name>-<UTC timestamp>/
         preset.toml     the fully resolved preset (what actually ran)
         run.json        status, strategy, world size, pids, times, restarts, resumes
+        .run.json.lock  empty; its flock serializes the writers of run.json (:func:`run_info_lock`)
         heartbeat       touched every few seconds by the launcher(s) (and rank 0) while the run is alive
         events.jsonl    rank-0 telemetry (names: torch_handle.observe.fields; written by torch_handle.observe.telemetry)
         heartbeats/     rank<R>.json: each rank's progress counter, step and phase (torch_handle.observe.heartbeat)
@@ -17,16 +18,24 @@ No torch import here.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
+import logging
 import os
 import shutil
+import threading
 import time
+from collections.abc import Callable, Iterator
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 from torch_handle.common.fsio import write_json_atomic
+from torch_handle.common.testhooks import RUN_INFO_DELAY_ENV, parse_seconds
 from torch_handle.errors import RunDirError
+
+log = logging.getLogger(__name__)
 
 
 class RunDirExists(RunDirError):
@@ -34,6 +43,10 @@ class RunDirExists(RunDirError):
 
 PRESET_FILE = "preset.toml"
 RUN_FILE = "run.json"
+LOCK_FILE = ".run.json.lock"
+"""Hidden, empty, created by the first write of run.json after the run directory: :func:`run_info_lock`."""
+LOCK_TIMEOUT_S = 30.0
+"""How long a writer of run.json waits for the lock before it writes without it (logged; see :func:`run_info_lock`)."""
 STOP_FILE = "STOP"
 """Created by ``handle run`` on the first Ctrl-C: the workers finish the step, checkpoint and exit."""
 HEARTBEAT_FILE = "heartbeat"
@@ -123,11 +136,108 @@ def read_run_info(run_dir: Path) -> dict[str, Any]:
     return info
 
 
+_held = threading.local()
+"""The run directories whose lock this thread holds (``paths``): a nested :func:`run_info_lock` does not wait for
+itself."""
+
+
+@contextlib.contextmanager
+def run_info_lock(run_dir: Path, timeout_s: float | None = None) -> Iterator[None]:
+    """Hold the exclusive lock of ``run_dir``'s run.json writers: ``flock(LOCK_EX)`` on ``.run.json.lock``
+    (:data:`LOCK_FILE`, created here when missing). Every read-modify-write of run.json happens under it
+    (:func:`modify_run_info`); readers need none, since each write replaces run.json atomically.
+
+    Why: run.json has several writers, each reading it, changing some fields and writing it back whole. Without
+    the lock one writer's update can silently undo another's. Seen: a resumed run's launcher promotes the resume
+    (:func:`torch_handle.checkpoint.resume.promote`, at the first step event it polls) while rank 0 finishes. The
+    launcher read run.json (status ``running``, the resumed worker's ``train_start_time``, ``end_time`` None and the
+    ``step`` of the run it continues: 6 in test_pipeline_checkpoint's copy), then rank 0 wrote its closing update
+    (``finished``, ``end_time``, ``step``), then the launcher wrote its stale copy with the ``resumes`` entry over
+    it: the closing update was gone, and after torchrun exited 0 the launcher found a non-final status and
+    settled the run ``failed`` ("torchrun exited with code 0"). The other order loses the launcher's update
+    instead (the ``resumes`` entry, and ``resume_pending`` stays).
+
+    The lock is an advisory ``flock``, released by the kernel when its holder exits or dies (no stale lock is
+    left), reentrant within a thread, and best effort: where the filesystem cannot lock (``ENOLCK``,
+    ``EOPNOTSUPP``: Lustre without ``-o flock``) or the lock file cannot be created, or the lock is not free
+    within ``timeout_s`` (default :data:`LOCK_TIMEOUT_S`), the writer goes on without it, as before, and logs
+    why. On NFS, Linux emulates flock with byte-range locks that hold across clients (not with
+    ``local_lock=flock``, where they hold per node). A shared multi-node run directory has all its writers on node
+    0 anyway (its launcher and global rank 0), so a node-local lock serializes them too.
+
+    Raises:
+        Nothing of its own; the body's exceptions pass through.
+    """
+    key = os.path.abspath(run_dir)
+    held = _held.__dict__.setdefault("paths", set())
+    if key in held:
+        yield
+        return
+    fd = _acquire(Path(run_dir), LOCK_TIMEOUT_S if timeout_s is None else timeout_s)
+    held.add(key)
+    try:
+        yield
+    finally:
+        held.discard(key)
+        if fd is not None:
+            os.close(fd)  # releases the flock
+
+
+def _acquire(run_dir: Path, timeout_s: float) -> int | None:
+    """An open descriptor of ``run_dir``'s lock file holding ``LOCK_EX``, or None (logged) when it cannot be had."""
+    try:
+        fd = os.open(run_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError as e:
+        log.warning("%s: run.json written without its lock (%s)", run_dir, e.strerror or e)
+        return None
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return fd
+        except BlockingIOError:
+            if time.monotonic() < deadline:
+                time.sleep(0.002)
+                continue
+            why = f"still held by another writer after {timeout_s:g} s"
+        except OSError as e:
+            why = e.strerror or str(e)
+        log.warning("%s: run.json written without its lock (%s)", run_dir, why)
+        os.close(fd)
+        return None
+
+
+def modify_run_info(run_dir: Path, change: Callable[[dict[str, Any]], dict[str, Any] | None]) -> dict[str, Any]:
+    """Read run.json, ``change`` it and write it back, all under :func:`run_info_lock`: no other writer's update
+    between the read and the write is lost. ``change(info)`` gets the current contents and returns the new ones
+    (it may change ``info`` and return it), or None to leave run.json as it is. Returns run.json's contents after.
+
+    Raises:
+        RunDirError: when ``run_dir`` is not a run directory (nothing is created in it).
+        OSError: when run.json cannot be written.
+    """
+    if not (Path(run_dir) / RUN_FILE).is_file():
+        read_run_info(run_dir)  # raises: a path that is no run directory gets no lock file
+    with run_info_lock(run_dir):
+        info = read_run_info(run_dir)
+        new = change(info)
+        if new is None:
+            return info
+        delay = parse_seconds(os.environ.get(RUN_INFO_DELAY_ENV, ""))
+        if delay:
+            time.sleep(delay)  # tests: widen the window a lost update needs (the lock closes it)
+        write_json_atomic(Path(run_dir) / RUN_FILE, new)
+        return new
+
+
 def update_run_info(run_dir: Path, **fields: Any) -> dict[str, Any]:
-    info = read_run_info(run_dir)
-    info.update(fields)
-    write_json_atomic(Path(run_dir) / RUN_FILE, info)
-    return info
+    """Set ``fields`` in run.json (:func:`modify_run_info`); returns its contents after.
+
+    Raises:
+        RunDirError: when ``run_dir`` is not a run directory.
+        OSError: when run.json cannot be written.
+    """
+    return modify_run_info(run_dir, lambda info: {**info, **fields})
 
 
 def utc_stamp() -> str:

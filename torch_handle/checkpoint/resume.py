@@ -28,8 +28,8 @@ from torch_handle.config.loader import Preset, dump_preset, load_preset, preset_
 from torch_handle.config.schema import PLUGIN_TABLES, resume_declaration
 from torch_handle.errors import RunDirError
 from torch_handle.registry import get_registry
-from torch_handle.common.fsio import write_json_atomic, write_text_atomic
-from torch_handle.rundir import PRESET_FILE, RUN_FILE, read_run_info
+from torch_handle.common.fsio import write_text_atomic
+from torch_handle.rundir import PRESET_FILE, modify_run_info
 
 RESUME_PRESET = "preset.resume.toml"
 """The preset a resumed run with ``--set`` overrides uses until :func:`promote` makes it ``preset.toml``."""
@@ -144,26 +144,38 @@ def write_side_preset(run_dir: Path, preset: Preset | None) -> None:
 def promote(run_dir: Path, step: int) -> dict[str, Any] | None:
     """The resumed run works (it made a step, or finished): make ``preset.resume.toml`` the run's preset and
     append ``{"step", "time", "changed"}`` to run.json's ``resumes`` (``step``: the step it resumed at).
-    Returns the entry, or None when no resume was pending. Safe to call more than once."""
+    Returns the entry, or None when no resume was pending. Safe to call more than once.
+
+    All of it under run.json's lock (:func:`torch_handle.rundir.modify_run_info`): rank 0 may write run.json
+    meanwhile (its closing status), and neither update may undo the other.
+
+    Raises:
+        RunDirError: when ``run_dir`` is not a run directory.
+        OSError: when run.json or preset.toml cannot be written.
+    """
     run_dir = Path(run_dir)
-    info = read_run_info(run_dir)
-    pending = info.get(PENDING)
-    if not isinstance(pending, dict):
-        return None
-    side = run_dir / RESUME_PRESET
-    changed: dict[str, list[Any]] = {}
-    if side.exists():
-        try:
-            changed = diff(load_preset(run_dir / PRESET_FILE), load_preset(side))
-        except Exception:  # noqa: BLE001 - the history line is best effort; the preset swap is what matters
-            changed = {}
-        os.replace(side, run_dir / PRESET_FILE)
-    entry = {"step": int(step), "time": pending.get("time") or time.time(), "changed": changed}
-    resumes = info.get("resumes") if isinstance(info.get("resumes"), list) else []
-    info = read_run_info(run_dir)  # fresh: the workers may have written it meanwhile
-    info.pop(PENDING, None)
-    info["resumes"] = [*resumes, entry]
-    if "training.steps" in changed:
-        info["steps"] = changed["training.steps"][1]
-    write_json_atomic(run_dir / RUN_FILE, info)
+    entry: dict[str, Any] | None = None
+
+    def record(info: dict[str, Any]) -> dict[str, Any] | None:
+        nonlocal entry
+        pending = info.get(PENDING)
+        if not isinstance(pending, dict):
+            return None
+        side = run_dir / RESUME_PRESET
+        changed: dict[str, list[Any]] = {}
+        if side.exists():
+            try:
+                changed = diff(load_preset(run_dir / PRESET_FILE), load_preset(side))
+            except Exception:  # noqa: BLE001 - the history line is best effort; the preset swap is what matters
+                changed = {}
+            os.replace(side, run_dir / PRESET_FILE)
+        entry = {"step": int(step), "time": pending.get("time") or time.time(), "changed": changed}
+        resumes = info.get("resumes") if isinstance(info.get("resumes"), list) else []
+        info.pop(PENDING, None)
+        info["resumes"] = [*resumes, entry]
+        if "training.steps" in changed:
+            info["steps"] = changed["training.steps"][1]
+        return info
+
+    modify_run_info(run_dir, record)
     return entry

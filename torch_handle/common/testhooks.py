@@ -1,6 +1,7 @@
 """Test hooks: environment variables that make one rank slow or hung, so that tests can create what the launcher
 and the dashboard must notice. Each is ``RANK:VALUE[:VALUE]`` and acts on rank ``RANK`` only; an empty or
-malformed value does nothing. Standard library only.
+malformed value does nothing (:data:`RUN_INFO_DELAY_ENV`, for every process, is plain SECONDS). Standard library
+only.
 """
 
 from __future__ import annotations
@@ -13,6 +14,9 @@ HANG_ENV = "HANDLE_TEST_HANG_RANK"
 (1-based), so its peers wait in the collective (:func:`parse_test_hang`). ``RANK:STEP:SECONDS:MB`` (a pipeline
 run): it sleeps inside the schedule instead, before the forward of micro-batch MB (0-based) of its first stage,
 so the other stages wait in their receives (:func:`parse_test_stall`)."""
+RUN_INFO_DELAY_ENV = "HANDLE_TEST_RUN_INFO_DELAY"
+"""``SECONDS``: every writer of run.json (launcher and workers) sleeps that long between reading it and writing it
+back (:func:`torch_handle.rundir.modify_run_info`), which makes an unserialized read-modify-write lose updates."""
 
 
 def rank_values(spec: str, rank: int, counts: tuple[int, ...]) -> list[str] | None:
@@ -23,6 +27,15 @@ def rank_values(spec: str, rank: int, counts: tuple[int, ...]) -> list[str] | No
         return values if len(values) in counts and int(target) == rank else None
     except ValueError:
         return None
+
+
+def parse_seconds(spec: str) -> float:
+    """``spec`` as seconds > 0 (:data:`RUN_INFO_DELAY_ENV`); 0.0 for an empty, invalid or non-positive one."""
+    try:
+        seconds = float(spec.strip())
+    except ValueError:
+        return 0.0
+    return seconds if 0 < seconds < float("inf") else 0.0
 
 
 def parse_test_delay(spec: str, rank: int) -> float:

@@ -32,7 +32,7 @@ from torch_handle.observe.tail import EventReader
 from torch_handle.observe.telemetry import EVENTS_FILE
 from torch_handle.registry import get_registry
 from torch_handle.rundir import (ACTIVE, PRESET_FILE, create_run_dir, launcher_alive, launcher_record, read_run_info,
-                                 update_run_info)
+                                 modify_run_info)
 
 
 def check_data(preset: Preset) -> None:
@@ -123,8 +123,8 @@ def prepare_resume(resume_dir: Path, overrides: tuple[str, ...]) -> tuple[Preset
         return loaded, resume_dir
     write_side_preset(resume_dir, stored if changes else None)  # None: drops a stale one of a failed resume
     record = launcher_record(loaded.launch.node_rank) if nodes and loaded.launch.node_rank > 0 else {}
-    update_run_info(resume_dir, status=Status.RUNNING, message="", resumed=info.get("resumed", 0) + 1,
-                    **{PENDING: {"time": time.time()}}, **record)
+    modify_run_info(resume_dir, lambda now: {**now, "status": Status.RUNNING, "message": "", **record,
+                                             "resumed": now.get("resumed", 0) + 1, PENDING: {"time": time.time()}})
     return loaded, resume_dir
 
 

@@ -35,7 +35,7 @@ from torch_handle.observe.fields import Kind, Status
 from torch_handle.observe.heartbeat import RankBeat, read_heartbeats
 from torch_handle.observe.stacks import take_stacks
 from torch_handle.observe.telemetry import EVENTS_FILE, append_event
-from torch_handle.rundir import HEARTBEAT_S, STOP_FILE, read_run_info, touch_heartbeat, update_run_info
+from torch_handle.rundir import HEARTBEAT_S, STOP_FILE, modify_run_info, read_run_info, touch_heartbeat
 
 WATCH_EVERY_S = 0.5
 """How often ``Launch.poll`` reads the heartbeats."""
@@ -156,9 +156,10 @@ class Launch:
         self.last_beat = time.monotonic()
         if self.preset.launch.node_rank > 0:
             return  # node 0's launcher owns run.json; a node's own directory recorded its launcher at creation
-        update_run_info(self.run_dir, status=Status.RUNNING, launcher_pid=os.getpid(), torchrun_pid=self.proc.pid,
-                        launcher_create_time=psutil.Process().create_time(), launcher_node_rank=0,
-                        start_time=read_run_info(self.run_dir).get("start_time") or time.time(), end_time=None)
+        record = {"status": Status.RUNNING, "launcher_pid": os.getpid(), "torchrun_pid": self.proc.pid,
+                  "launcher_create_time": psutil.Process().create_time(), "launcher_node_rank": 0, "end_time": None}
+        modify_run_info(self.run_dir, lambda info: {**info, **record,
+                                                    "start_time": info.get("start_time") or time.time()})
 
     def poll(self) -> int | None:
         """The exit code once torchrun has exited; meanwhile remembers every process of its tree and touches the
@@ -248,21 +249,32 @@ class Launch:
         terminate(list(self.seen.values()), grace_s=2.0)  # not a user's kill: the status stays the workers' own
 
     def finish(self, returncode: int) -> dict[str, Any]:
-        """Settle run.json after torchrun exited: the worker's own status, or failed with the cause."""
+        """Settle run.json after torchrun exited: the worker's own status, or failed with the cause. Decided on the
+        current run.json under its lock (:func:`torch_handle.rundir.modify_run_info`), so a worker's final status
+        is never overwritten by an older view.
+
+        Raises:
+            RunDirError: when the run directory is gone.
+            OSError: when run.json cannot be written.
+        """
         (self.run_dir / STOP_FILE).unlink(missing_ok=True)
         info = read_run_info(self.run_dir)
         if not self.owns_run_info(info):
             return self._outcome_elsewhere(returncode, info)
+        return modify_run_info(self.run_dir, lambda current: self._settled(current, returncode))
+
+    def _settled(self, info: dict[str, Any], returncode: int) -> dict[str, Any] | None:
+        """run.json ``info`` with its final status, or None when the workers' own final status stands."""
         if self.hang_stop is not None:  # the watchdog ended it: that is the cause, whatever a worker recorded
-            return update_run_info(self.run_dir, status=Status.FAILED, message=self.hang_stop, end_time=time.time())
+            return {**info, "status": Status.FAILED, "message": self.hang_stop, "end_time": time.time()}
         status = info.get("status")
         if status in Status.FINAL and not (status == Status.FINISHED and returncode != 0):
-            return info
+            return None
         if self.killed:
             status, message = Status.STOPPED, "stopped by user (workers terminated)"
         else:
             status, message = Status.FAILED, failure_message(self.run_dir) or f"torchrun exited with code {returncode}"
-        return update_run_info(self.run_dir, status=status, message=message, end_time=time.time())
+        return {**info, "status": status, "message": message, "end_time": time.time()}
 
     def _outcome_elsewhere(self, returncode: int, info: dict[str, Any], wait_s: float = 5.0) -> dict[str, Any]:
         """The run's outcome for a launcher that does not own run.json (node R > 0 in a shared run directory):
