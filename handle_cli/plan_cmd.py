@@ -131,9 +131,6 @@ def _plan(preset: str, user: list[str], n: int, k: int, memory: int | None, peak
 
     cuda = torch.cuda.is_available()
     notes = []
-    if measuring and not cuda and not any(o.replace(" ", "").startswith("training.precision=") for o in user):
-        user = [*user, "training.precision=fp32"]
-        notes.append("measuring on CPU: training.precision=fp32 (bf16 has no fast CPU kernels)")
     try:
         base = load_preset(preset, user)
         if base.training.precision == "auto":  # what a run here trains in (launch/precision.py)
