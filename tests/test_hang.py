@@ -34,7 +34,9 @@ def handle(*args: str, env: dict[str, str] | None = None, timeout: float = 120) 
 
 def events(run_dir: Path, kind: str | None = None) -> list[dict]:
     path = run_dir / "events.jsonl"
-    evs = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    text = path.read_text() if path.exists() else ""
+    # the run is live: its last line may be half-written (complete lines end with a newline)
+    evs = [json.loads(line) for line in text[:text.rfind("\n") + 1].splitlines()]
     return [e for e in evs if kind is None or e["kind"] == kind]
 
 
