@@ -113,3 +113,13 @@ def test_the_presets_table_lists_every_core_key():
         listed = set(re.findall(r"`(\w+)`", row.group(1)))
         problems += [f"{table}.{f.name}" for f in dataclasses.fields(cls) if f.name not in listed]
     assert not problems, f"README.md's presets table leaves out: {', '.join(problems)}"
+
+
+def test_the_readme_names_every_shipped_preset():
+    """Its "Shipped presets:" sentence names each presets/*.toml (issue 29: `3d` was left out)."""
+    text = README.read_text(encoding="utf-8")
+    sentence = re.search(r"Shipped presets: (.*?)\.\n\n", text, re.DOTALL)
+    assert sentence, "README.md: no \"Shipped presets: ...\" paragraph"
+    named = set(re.findall(r"`([\w.-]+)`", sentence.group(1)))
+    missing = sorted(p.stem for p in (REPO / "presets").glob("*.toml") if p.stem not in named)
+    assert not missing, f"README.md's shipped presets leave out: {', '.join(missing)}"
