@@ -331,7 +331,9 @@ def scaling(preset: str, overrides: tuple[str, ...], nproc_spec: str | None, str
     that divides it, as the series <strategy>-tp<N> (dp = world / N replicas; global batch and --strong
     count replicas, not ranks). With --layouts each item is one run on dp x tp x pp ranks (parallel.tp and
     parallel.pp set; single where dp = 1), a layout column in the table, efficiency against the strategy's
-    smallest run; a layout the preset's checks refuse is skipped with their reason. Prints a table and plots
+    smallest run; a pp row whose pipeline micro-batches the schedule refuses runs with the smallest valid
+    parallel.pp_microbatches (the same batch; a note says so), and a layout the preset's checks still refuse
+    is skipped with their reason. Prints a table and plots
     (--json: JSON lines) and writes results.csv and results.json. Exit code: 0 every run finished, 1 a run
     failed (the others still run), 2 bad input (nothing started), 130 stopped by Ctrl-C (the current run's
     workers stopped).
