@@ -123,7 +123,7 @@ def presets_list(as_json: bool) -> None:
     for plugin, path, desc in rows:
         if plugin is not None:
             where = f"plugin {plugin}" if path.stem not in local_names else f"plugin {plugin}; use {path}"
-            desc = f"{desc} ({where})" if desc else f"({where})"
+            desc = f"({where}) {desc}".rstrip()  # first, so that it stays on the name's line
         click.echo(_described(path.stem, desc, width))
 
 

@@ -68,3 +68,24 @@ def test_list_json_has_the_whole_description(monkeypatch):
     rows = {r["name"]: r for r in json.loads(result.output) if r["plugin"] is None}
     assert {name: r["description"] for name, r in rows.items()} == {
         p.stem: _leading_comment(p) for p in REPO.glob("presets/*.toml")}
+
+
+def test_a_plugin_preset_names_its_plugin_on_the_first_line(monkeypatch, tmp_path):
+    import handle_cli.presets_cmd as presets_cmd
+
+    (tmp_path / "presets").mkdir()
+    path = tmp_path / "plug" / "shakespeare-char.toml"
+    desc = "Character-level language model on Shakespeare (bundled sonnets, or data.path) with DDP on 2 processes."
+    monkeypatch.setattr(presets_cmd, "plugin_presets", lambda: [("shakespeare", path, desc)])
+    monkeypatch.chdir(tmp_path)
+    lines = CliRunner().invoke(cli, ["presets", "list"], env={"COLUMNS": "80"}).output.splitlines()
+    assert lines[0].startswith("shakespeare-char (plugin shakespeare) Character-level") and len(lines) > 1
+    assert " ".join(s.strip() for s in lines) == f"shakespeare-char (plugin shakespeare) {desc}"
+
+
+def test_a_name_longer_than_its_column_puts_the_description_below():
+    from handle_cli.presets_cmd import NAME_WIDTH, _described
+
+    name = "n" * (NAME_WIDTH + 1)
+    assert _described(name, "Short.", 80) == f"{name}\n{' ' * (NAME_WIDTH + 1)}Short."
+    assert _described("x", "", 80) == "x"
