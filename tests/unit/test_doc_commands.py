@@ -123,3 +123,17 @@ def test_the_readme_names_every_shipped_preset():
     named = set(re.findall(r"`([\w.-]+)`", sentence.group(1)))
     missing = sorted(p.stem for p in (REPO / "presets").glob("*.toml") if p.stem not in named)
     assert not missing, f"README.md's shipped presets leave out: {', '.join(missing)}"
+
+
+def test_the_top_level_help_and_the_readme_name_the_same_kinds_of_parallelism():
+    """`handle --help` and the README's opening paragraph both name the data-parallel strategies and tensor and
+    pipeline parallelism (issue 29: the help named only DDP, ZeRO and FSDP2)."""
+    from click.testing import CliRunner
+
+    from handle_cli.main import cli
+
+    help_text = " ".join(CliRunner().invoke(cli, ["--help"]).output.split())
+    opening = " ".join(README.read_text(encoding="utf-8").split("\n\n")[1].split())
+    for text, where in ((help_text, "handle --help"), (opening, "README.md's first paragraph")):
+        missing = [w for w in ("DDP", "ZeRO", "FSDP2", "tensor", "pipeline") if w not in text]
+        assert not missing, f"{where} does not name {', '.join(missing)}"
