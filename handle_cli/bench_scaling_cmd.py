@@ -108,6 +108,9 @@ def _scaling_plan(preset: str, overrides: tuple[str, ...], nprocs: list[int], la
         name = f"{run.label}-{run.layout}" if run.layout else f"{run.label}-n{n}"
         extra = [*run.overrides, f"launch.nproc_per_node={n}", "launch.max_restarts=0",
                  f"run.name={name}", f"training.micro_batch_size={mbs}", f"training.grad_accum={ga}"]
+        chosen = _pipeline_microbatches(base, run.pp, mbs, ga) if run.layout and (run.pp or 1) > 1 else None
+        if chosen is not None:
+            extra.append(f"parallel.pp_microbatches={chosen[0]}")
         try:
             loaded = load_preset(preset, [*user, *extra])
         except USER_ERRORS as e:
@@ -116,6 +119,8 @@ def _scaling_plan(preset: str, overrides: tuple[str, ...], nprocs: list[int], la
             reason = f"{e.key}: {e.message}" if isinstance(e, PresetError) and e.key else str(e)
             notes.append(f"{run.label} {run.layout} skipped: {reason}")
             continue
+        if chosen is not None:
+            notes.append(f"{run.label} {run.layout}: {chosen[1]}")
         dp = n // (loaded.parallel.tp * loaded.parallel.pp)
         runs.append({"label": run.label, "layout": run.layout, "name": name, "spec": run.spec, "nproc": n,
                      "dp": dp, "tp": loaded.parallel.tp, "pp": loaded.parallel.pp, "overrides": [*user, *extra],
@@ -123,6 +128,27 @@ def _scaling_plan(preset: str, overrides: tuple[str, ...], nprocs: list[int], la
     if not runs:
         fail("nothing to run: " + "; ".join(notes))
     return runs, notes, base
+
+
+def _pipeline_microbatches(base: Any, pp: int, mbs: int, ga: int) -> tuple[int, str] | None:
+    """For a ``--layouts`` row with ``pp`` > 1: ``(m, note)`` when the preset's pipeline micro-batches (m =
+    ``parallel.pp_microbatches``, or grad_accum when 0) cannot split this row's ``mbs`` x ``ga`` samples per
+    replica or are too few for its schedule; m is the smallest count that passes every check, so the row runs with
+    the same micro_batch_size and grad_accum (the same global batch) as the others. None: the preset's m is
+    valid, or no count is (the row is then skipped with the checks' reason)."""
+    from torch_handle.config.layout import microbatch_problem, valid_microbatches
+
+    par, samples = base.parallel, mbs * ga
+    m = par.pp_microbatches or ga
+    if samples % m == 0 and microbatch_problem(par.pp_schedule, pp, par.pp_stages_per_rank, m) is None:
+        return None
+    valid = valid_microbatches(par.pp_schedule, pp, par.pp_stages_per_rank, samples)
+    if not valid:
+        return None
+    return valid[0], (f"parallel.pp_microbatches = {valid[0]} chosen ({par.pp_schedule} on {pp} stages cannot run "
+                      f"{m} micro-batch{'es' if m != 1 else ''}; the step's {mbs} x {ga} = {samples} samples per "
+                      f"replica split into {valid[0]} of {samples // valid[0]}; micro_batch_size and grad_accum "
+                      f"as in the other rows)")
 
 
 def _run_one(preset: str, run: dict[str, Any], directory: Path) -> tuple[int, dict[str, Any], list[dict], float]:
@@ -305,7 +331,9 @@ def scaling(preset: str, overrides: tuple[str, ...], nproc_spec: str | None, str
     that divides it, as the series <strategy>-tp<N> (dp = world / N replicas; global batch and --strong
     count replicas, not ranks). With --layouts each item is one run on dp x tp x pp ranks (parallel.tp and
     parallel.pp set; single where dp = 1), a layout column in the table, efficiency against the strategy's
-    smallest run; a layout the preset's checks refuse is skipped with their reason. Prints a table and plots
+    smallest run; a pp row whose pipeline micro-batches the schedule refuses runs with the smallest valid
+    parallel.pp_microbatches (the same batch; a note says so), and a layout the preset's checks still refuse
+    is skipped with their reason. Prints a table and plots
     (--json: JSON lines) and writes results.csv and results.json. Exit code: 0 every run finished, 1 a run
     failed (the others still run), 2 bad input (nothing started), 130 stopped by Ctrl-C (the current run's
     workers stopped).

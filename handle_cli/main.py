@@ -87,11 +87,13 @@ class HandleGroup(click.Group):
 @click.group(cls=HandleGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="torch-handle", prog_name="handle")
 def cli() -> None:
-    """Train a Transformer with DDP, DeepSpeed ZeRO or FSDP2 across processes, and watch it live.
+    """Train a Transformer across processes, and watch it live: data parallelism (DDP, DeepSpeed ZeRO, FSDP2),
+    tensor parallelism and pipeline parallelism, alone or composed (dp x tp x pp).
 
     \b
     Quick start:
       handle run presets/zero2.toml          # 2 workers, DeepSpeed ZeRO-2, on CPU or GPU
+      handle run presets/3d.toml             # 8 workers: dp 2 x tp 2 x pp 2 on one mesh
       handle tui                             # dashboard of the newest run
       handle env --check-dist 2              # can this machine run 2 processes?
       handle bench comm --nproc 2            # collective bandwidth, like nccl-tests
@@ -110,7 +112,8 @@ def cli() -> None:
 @click.argument("preset", required=False)
 @click.option("--set", "overrides", multiple=True, metavar="TABLE.KEY=VALUE",
               help="Override a preset key, typed by its field (repeatable), e.g. --set training.steps=50.")
-@click.option("--run-dir", type=click.Path(path_type=Path), help="Run directory (default: <output_dir>/<name>-<UTC time>).")
+@click.option("--run-dir", type=click.Path(path_type=Path),
+              help="Run directory (default: <output_dir>/<name>-<UTC time>).")
 @click.option("--resume", "resume_dir", type=click.Path(path_type=Path), metavar="RUN_DIR",
               help="Continue RUN_DIR from its newest valid checkpoint (PRESET is then not needed).")
 @click.option("--tui", is_flag=True, help="Start the run in the background and open the dashboard on it.")

@@ -9,7 +9,9 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import sys
+import textwrap
 from pathlib import Path
 
 import click
@@ -105,7 +107,8 @@ def presets_show(preset: str, overrides: tuple[str, ...]) -> None:
 @presets.command("list")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def presets_list(as_json: bool) -> None:
-    """Presets in ./presets and those of plugins, each with its one-line description."""
+    """Presets in ./presets and those of plugins, each with its description (the preset file's leading comment,
+    whole, wrapped to the terminal's width under the name column; --json: one string)."""
     from torch_handle.config.loader import preset_description
 
     local = [(None, p, preset_description(p)) for p in sorted(Path("presets").glob("*.toml"))]
@@ -116,12 +119,34 @@ def presets_list(as_json: bool) -> None:
                                 "shadowed": plugin is not None and p.stem in local_names}
                                for plugin, p, d in rows], indent=2))
         return
+    width = max(40, shutil.get_terminal_size((100, 24)).columns - 1)
     for plugin, path, desc in rows:
-        if plugin is None:
-            click.echo(f"{path.stem:<16} {desc}")
-        else:
+        if plugin is not None:
             where = f"plugin {plugin}" if path.stem not in local_names else f"plugin {plugin}; use {path}"
-            click.echo(f"{path.stem:<16} {desc} ({where})")
+            desc = f"({where}) {desc}".rstrip()  # first, so that it stays on the name's line
+        click.echo(_described(path.stem, desc, width))
+
+
+NAME_WIDTH = 16
+"""The name column of ``handle presets list``; a longer name puts its description on the next line."""
+
+
+def _described(name: str, description: str, width: int) -> str:
+    """``name`` and its whole ``description`` wrapped to ``width`` columns, the description's lines indented past
+    the name column (a word longer than a line is kept whole, never broken)."""
+    indent = " " * (NAME_WIDTH + 1)
+    head = f"{name:<{NAME_WIDTH}} " if len(name) <= NAME_WIDTH else f"{name}\n{indent}"
+    if not description:
+        return name
+    lines = textwrap.wrap(description, width=max(width - len(indent), 20), break_long_words=False,
+                          break_on_hyphens=False)
+    return head + f"\n{indent}".join(lines)
+
+
+def _first_sentence(text: str) -> str:
+    """``text`` up to its first ". " (a sentence end), or all of it."""
+    cut = text.find(". ")
+    return text if cut < 0 else text[: cut + 1]
 
 
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
@@ -151,7 +176,8 @@ def presets_new(name: str, base: str, directory: Path, description: str | None) 
     rel = os.path.relpath(base_path.resolve(), directory.resolve())
     # a relative path keeps the preset movable with its base; far away (another tree, a plugin) it is absolute
     extends = rel if not rel.startswith(os.pardir + os.sep + os.pardir) else str(base_path.resolve())
-    desc = description or f"{name}: based on {base_path.stem} ({preset_description(base_path) or 'no description'})"
+    base_desc = _first_sentence(preset_description(base_path)) or "no description"
+    desc = description or f"{name}: based on {base_path.stem} ({base_desc})"
     text = (f"# {' '.join(desc.split())}\n"
             f"extends = {json.dumps(Path(extends).as_posix())}\n\n"
             f"[run]\n"

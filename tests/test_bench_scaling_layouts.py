@@ -37,6 +37,48 @@ def test_layouts_run_on_their_product_of_ranks_and_refused_ones_are_notes(monkey
     assert "[5/5] ddp dp2xpp2 on 4 ranks: finished" in result.stderr
 
 
+def _plan(layouts: str, *overrides: str, strong: bool = False):
+    from handle_cli.bench_scaling_cmd import _scaling_plan
+    from torch_handle.plan.bench_scaling import parse_layouts
+
+    return _scaling_plan("presets/ddp.toml", overrides, [1], None, None, 2, strong, None, parse_layouts(layouts))
+
+
+def test_readme_layouts_plan_a_pp_row_with_valid_microbatches():
+    """The README's ``--layouts dp2,tp2,pp2`` on presets/ddp.toml (micro-batch 8, grad_accum 1, weak scaling):
+    1F1B on 2 stages refuses the 1 pipeline micro-batch grad_accum gives, so the pp2 row runs with the smallest
+    valid ``parallel.pp_microbatches`` (2) and the tp2 row's micro_batch_size and grad_accum, said in a note."""
+    runs, notes, _ = _plan("dp2,tp2,pp2")
+    assert [r["layout"] for r in runs] == ["dp2", "tp2", "pp2"]
+    dp2, tp2, pp2 = runs
+    assert "parallel.pp_microbatches=2" in pp2["overrides"] and pp2["preset"].parallel.pp_microbatches == 2
+    assert not any(o.startswith("parallel.pp_microbatches") for r in (dp2, tp2) for o in r["overrides"])
+    assert [(r["micro_batch_size"], r["grad_accum"], r["global_batch"]) for r in runs] == [
+        (8, 1, 16), (8, 1, 8), (8, 1, 8)]
+    assert notes == ["ddp pp2: parallel.pp_microbatches = 2 chosen (1f1b on 2 stages cannot run 1 micro-batch; the "
+                     "step's 8 x 1 = 8 samples per replica split into 2 of 4; micro_batch_size and grad_accum as in "
+                     "the other rows)"]
+
+
+@pytest.mark.parametrize("overrides, m, note", [
+    (("parallel.pp_microbatches=3",), 2, "cannot run 3 micro-batches; the step's 8 x 1 = 8 samples"),
+    (("parallel.pp_schedule=gpipe",), 0, None),
+    (("training.grad_accum=2",), 0, None),
+    (("training.micro_batch_size=1",), None, "skipped: parallel.pp_microbatches: 1 micro-batches are fewer"),
+])
+def test_pp_row_keeps_a_valid_setup_and_skips_when_none_is_valid(overrides, m, note):
+    runs, notes, _ = _plan("dp1,pp2", *overrides)
+    assert [r["preset"].parallel.pp_microbatches for r in runs if r["layout"] == "pp2"] == ([] if m is None else [m])
+    assert (note in " ".join(notes)) if note else notes == []
+
+
+def test_strong_scaling_pp_row_needs_no_choice():
+    """--strong halves the replicas' share by raising grad_accum to 2: enough micro-batches already."""
+    runs, notes, _ = _plan("dp2,tp2,pp2", strong=True)
+    assert notes == [] and [r["global_batch"] for r in runs] == [16] * 3
+    assert [r["preset"].parallel.pp_microbatches for r in runs] == [0, 0, 0]
+
+
 @pytest.mark.parametrize("args, message", [
     (["--layouts", "dp2,tp0"], "error: --layouts: 'tp0' is not a layout (valid: dp<N>, tp<N>, pp<N>, or several "
                                "joined by x such as dp2xtp2xpp2"),
@@ -55,12 +97,13 @@ def test_bad_layouts_exit_2_with_one_line(monkeypatch, tmp_path, args, message):
 
 @pytest.mark.dist
 def test_real_dp1_and_pp2_json(tmp_path):
-    """The pp2 run's step events carry ``comm`` (rank 0's receive wait in the hand-written pipeline), and its
+    """The pp2 row runs though grad_accum 1 is too few micro-batches for 1F1B (it picks 2). The pp2 run's step
+    events carry ``comm`` (rank 0's receive wait in the hand-written pipeline), and its
     median reaches the JSON."""
     env, tag = tagged_env()
     t0 = time.perf_counter()
     proc = handle("bench", "scaling", str(write_tiny(tmp_path)), "--layouts", "dp1,pp2", "--steps", "2", "--skip",
-                  "1", "--set", "training.grad_accum=2", "--set", "parallel.pp_impl=scratch", "--json",
+                  "1", "--set", "parallel.pp_impl=scratch", "--json",
                   "--output-dir", str(tmp_path / "bench"), env=env, timeout=300)
     wall = time.perf_counter() - t0
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -68,6 +111,9 @@ def test_real_dp1_and_pp2_json(tmp_path):
     assert [(r["layout"], r["plugin"], r["nproc"], r["pp"], r["status"]) for r in records] == [
         ("dp1", "ddp", 1, 1, "finished"), ("pp2", "single", 2, 2, "finished")]
     one, pp = records
+    # grad_accum 1 gives 1F1B one micro-batch, too few for 2 stages: the row chose 2 (issue 29)
+    pp_preset = tomllib.loads((Path(pp["run_dir"]) / "preset.toml").read_text())
+    assert (pp_preset["parallel"]["pp_microbatches"], pp_preset["training"]["grad_accum"]) == (2, 1)
     assert one["efficiency"] == 1.0
     assert pp["efficiency"] == pytest.approx(pp["tokens_per_s"] / (2 * one["tokens_per_s"]))
     assert one["comm_pp_s"] is None and pp["comm_pp_s"] >= 0 and pp["comm_dp_s"] is None

@@ -50,7 +50,7 @@ CASES = [
     pp_case("1f1b-too-few-microbatches", ["parallel.pp_schedule=1f1b", "parallel.pp_microbatches=1"],
             ["parallel.pp_microbatches: 1 micro-batches are fewer than the 2 stages 1f1b needs", "use >= 2, or gpipe"]),
     pp_case("microbatches-do-not-split-the-batch", ["parallel.pp_microbatches=3"],
-            ["parallel.pp_microbatches: 3 does not divide", "micro_batch_size x grad_accum = 8", "valid: 1, 2, 4, 8"]),
+            ["parallel.pp_microbatches: 3 does not divide", "micro_batch_size x grad_accum = 8", "valid: 2, 4, 8)"]),
     pp_case("pp-layers-do-not-add-up", ["parallel.pp_layers=[1, 2]"],
             ["parallel.pp_layers: [1, 2] must list 2 stages", "adding up to n_layers = 2"]),
     pp_case("pp-layers-wrong-length", ["parallel.pp_layers=[2]"],

@@ -113,3 +113,27 @@ def test_the_presets_table_lists_every_core_key():
         listed = set(re.findall(r"`(\w+)`", row.group(1)))
         problems += [f"{table}.{f.name}" for f in dataclasses.fields(cls) if f.name not in listed]
     assert not problems, f"README.md's presets table leaves out: {', '.join(problems)}"
+
+
+def test_the_readme_names_every_shipped_preset():
+    """Its "Shipped presets:" sentence names each presets/*.toml (issue 29: `3d` was left out)."""
+    text = README.read_text(encoding="utf-8")
+    sentence = re.search(r"Shipped presets: (.*?)\.\n\n", text, re.DOTALL)
+    assert sentence, "README.md: no \"Shipped presets: ...\" paragraph"
+    named = set(re.findall(r"`([\w.-]+)`", sentence.group(1)))
+    missing = sorted(p.stem for p in (REPO / "presets").glob("*.toml") if p.stem not in named)
+    assert not missing, f"README.md's shipped presets leave out: {', '.join(missing)}"
+
+
+def test_the_top_level_help_and_the_readme_name_the_same_kinds_of_parallelism():
+    """`handle --help` and the README's opening paragraph both name the data-parallel strategies and tensor and
+    pipeline parallelism (issue 29: the help named only DDP, ZeRO and FSDP2)."""
+    from click.testing import CliRunner
+
+    from handle_cli.main import cli
+
+    help_text = " ".join(CliRunner().invoke(cli, ["--help"]).output.split())
+    opening = " ".join(README.read_text(encoding="utf-8").split("\n\n")[1].split())
+    for text, where in ((help_text, "handle --help"), (opening, "README.md's first paragraph")):
+        missing = [w for w in ("DDP", "ZeRO", "FSDP2", "tensor", "pipeline") if w not in text]
+        assert not missing, f"{where} does not name {', '.join(missing)}"

@@ -19,6 +19,8 @@ from torch_handle.observe.state import RunState
 from torch_handle.checkpoint.resume import PENDING, RESUME_PRESET, check_changes, diff, promote, rule
 from torch_handle.rundir import HEARTBEAT_FILE, is_lost, read_run_status
 
+REPO = Path(__file__).resolve().parents[2]
+
 
 @pytest.fixture
 def preset_path(tmp_path) -> Path:
@@ -38,12 +40,27 @@ def test_frozen_keys_have_a_reason(key):
                                  "training.min_lr_ratio", "training.eval_every", "training.checkpoint_every",
                                  "training.log_every", "launch.timeout_s", "launch.max_restarts", "profiler.name",
                                  "model.dropout", "model.activation_checkpointing", "strategy.bucket_cap_mb",
-                                 # cross-strategy / cross-world-size resume (torch_handle.checkpoint.convert, GlobalBatchSampler)
+                                 # cross-strategy / cross-world-size resume (checkpoint.convert, GlobalBatchSampler)
                                  "strategy.name", "strategy.zero_stage", "strategy.shard_optimizer",
                                  "strategy.offload_optimizer", "launch.nproc_per_node", "launch.nnodes",
-                                 "training.micro_batch_size", "training.grad_accum"])
+                                 "training.micro_batch_size", "training.grad_accum",
+                                 # cross-layout resume: checkpoints are portable (docs/resume.md#on-another-layout)
+                                 "parallel.tp", "parallel.tp_impl", "parallel.sequence_parallel", "parallel.pp",
+                                 "parallel.pp_impl", "parallel.pp_schedule", "parallel.pp_microbatches",
+                                 "parallel.pp_stages_per_rank", "parallel.pp_layers", "parallel.pp_split"])
 def test_allowed_keys(key):
     assert rule(key) is None
+
+
+def test_a_tp_run_may_resume_as_pp_or_dp_as_docs_resume_shows():
+    """docs/resume.md's "On another layout" commands: accepted, each change named."""
+    old = load_preset(REPO / "presets/tp.toml")
+    off_tp = ["parallel.tp=1", "parallel.sequence_parallel=false"]
+    as_pp = load_preset(REPO / "presets/tp.toml", [*off_tp, "parallel.pp=2", "parallel.pp_microbatches=2"])
+    as_dp = load_preset(REPO / "presets/tp.toml", [*off_tp, "strategy.name=ddp", "training.micro_batch_size=8"])
+    assert check_changes(Path("r"), old, as_pp) == {"parallel.tp": [2, 1], "parallel.sequence_parallel": [True, False],
+                                                    "parallel.pp": [1, 2], "parallel.pp_microbatches": [0, 2]}
+    assert {"parallel.tp", "strategy.name", "training.micro_batch_size"} <= set(check_changes(Path("r"), old, as_dp))
 
 
 @pytest.mark.parametrize("sets, key", [(["model.d_model=128"], "model.d_model"),

@@ -26,6 +26,13 @@ def microbatch_problem(schedule: str, pp: int, v: int, n_microbatches: int) -> s
     return None
 
 
+def valid_microbatches(schedule: str, pp: int, v: int, samples: int) -> list[int]:
+    """The pipeline micro-batch counts m, ascending, that split ``samples`` (micro_batch_size x grad_accum per
+    replica) evenly and that ``schedule`` can run on ``pp`` ranks with ``v`` stages each: every value that passes
+    both of :func:`check_parallel`'s micro-batch checks."""
+    return [m for m in range(1, samples + 1) if samples % m == 0 and microbatch_problem(schedule, pp, v, m) is None]
+
+
 def pipeline_microbatches(preset: Preset) -> int:
     """m: ``parallel.pp_microbatches``, or ``training.grad_accum`` when it is 0."""
     return preset.parallel.pp_microbatches or preset.training.grad_accum
@@ -37,9 +44,10 @@ def _supports(registry: Any, kind: str, attribute: str) -> list[str]:
 
 def check_parallel(preset: Preset, registry: Any) -> PresetError | None:
     """The ``[parallel]`` layout against the world size, the plugins and the batch: tp x pp must divide the world
-    size (the rest is the data-parallel degree); the model and strategy plugins must support each kind of split (their options class says so with a class
-    attribute ``tensor_parallel = True`` / ``pipeline_parallel = True``); a pipeline's micro-batches must split the
-    step's batch evenly and be enough for its schedule. The model's own limits (heads, widths, layers) are its
+    size (the rest is the data-parallel degree); the model and strategy plugins must support each kind of split
+    (their options class says so with a class attribute ``tensor_parallel = True`` / ``pipeline_parallel = True``);
+    a pipeline's micro-batches must split the step's batch evenly and be enough for its schedule
+    (:func:`valid_microbatches` lists the counts that do both). The model's own limits (heads, widths, layers) are its
     plugin's ``check_preset``."""
     par, world = preset.parallel, preset.world_size
     if par.tp == 1 and par.pp == 1:
@@ -75,7 +83,9 @@ def check_parallel(preset: Preset, registry: Any) -> PresetError | None:
                                "with parallel.pp > 1", key="training.precision")
         m, samples = pipeline_microbatches(preset), t.micro_batch_size * t.grad_accum
         if samples % m:
-            valid = ", ".join(str(d) for d in range(1, samples + 1) if samples % d == 0)
+            ok = valid_microbatches(par.pp_schedule, par.pp, par.pp_stages_per_rank, samples)
+            valid = ", ".join(map(str, ok)) or (f"none for {par.pp_schedule} on {par.pp} stages: raise "
+                                                f"training.grad_accum or training.micro_batch_size")
             return PresetError(f"{m} does not divide the step's micro_batch_size x grad_accum = {samples} samples "
                                f"per replica (each pipeline micro-batch takes an equal share; valid: {valid})",
                                key="parallel.pp_microbatches")

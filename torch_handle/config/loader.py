@@ -568,13 +568,15 @@ def dump_preset(preset: Preset) -> str:
 
 
 def preset_description(path: Path) -> str:
-    """The first comment line of a preset file (its one-line description)."""
+    """The description of a preset file: its leading comment block (the comment lines before anything else, blank
+    lines before it skipped), joined into one paragraph; "" when the file has none or cannot be read."""
+    lines: list[str] = []
     try:
         for line in Path(path).read_text(encoding="utf-8").splitlines():
             if line.startswith("#"):
-                return line.lstrip("# ").strip()
-            if line.strip():
+                lines.append(line.lstrip("#").strip())
+            elif line.strip() or lines:
                 break
     except OSError:
-        pass
-    return ""
+        return ""
+    return " ".join(" ".join(lines).split())
