@@ -37,11 +37,12 @@ demo: install
 	$(BIN)/handle run presets/zero2.toml
 
 # Everything: real torchrun workers, DeepSpeed, the dashboard (minutes). Two pytest workers, each test file on one
-# of them (--dist loadfile keeps a file's shared runs together): a distributed test spends much of its time starting
-# processes and waiting on them, which the other worker fills. TEST_WORKERS=0 runs the suite in one process.
+# of them (--dist loadfile keeps a file's shared runs together), the slowest files first (tests/conftest.py): a
+# distributed test spends much of its time starting processes and waiting on them, which the other worker fills.
+# TEST_WORKERS=0 runs the suite in one process.
 TEST_WORKERS ?= 2
 test: install-dev
-	$(BIN)/python -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
+	$(BIN)/python -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 
 # The in-process layer (tests/unit): seconds; run it after every edit, `make test` before a commit.
 test-fast: install-dev

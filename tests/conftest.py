@@ -34,6 +34,27 @@ def pytest_unconfigure(config) -> None:
         os.environ.pop("HANDLE_PEAK_CACHE", None)
 
 
+SLOWEST_FIRST = ("test_learn_doc", "test_distributed", "test_multinode", "test_estimate", "test_nd_parallel",
+                 "test_cross_resume", "test_tensor_parallel", "test_pipeline_parallel", "test_estimate_layout",
+                 "test_pipeline_checkpoint", "test_resume_safety", "test_hang", "test_gpu_check", "test_env",
+                 "test_lost_runs", "test_run_info_stress", "test_tp_encoder_decoder", "test_slurm", "test_hf")
+"""Test files by falling duration (`make test --durations`, 2 cores): `make test` hands whole files to two xdist
+workers in collection order (--dist loadfile --no-loadscope-reorder), and the longest first keeps one long file
+from running alone at the end (longest-processing-time-first scheduling)."""
+
+
+def pytest_collection_modifyitems(session, config, items) -> None:
+    """Collect the files of :data:`SLOWEST_FIRST` first, in its order, then the rest as collected, tests/unit last
+    (many short in-process tests fill the gaps at the end)."""
+    def rank(item) -> tuple[int, int]:
+        path = Path(str(item.fspath))
+        if path.stem in SLOWEST_FIRST and path.parent.name == "tests":
+            return (0, SLOWEST_FIRST.index(path.stem))
+        return (2, 0) if path.parent.name == "unit" else (1, 0)
+
+    items.sort(key=rank)  # stable: each file keeps its own order
+
+
 @pytest.fixture
 def repo_root() -> Path:
     """The repository checkout (``presets/`` lives here)."""
