@@ -6,10 +6,11 @@ trainer's slow-rank warning shares. Never raises on a malformed event. Standard 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterable
 
+from torch_handle.common.run_layout import LAYOUT_KEY, RunLayout
 from torch_handle.common.text import clean, layout_label, strategy_label
 from torch_handle.observe.comm import read_comm
 from torch_handle.observe.fields import (ACTIVATION_BYTES, ACTIVATION_SAVED_BYTES, BREAKDOWN, COMM, DATA_S, MEMORY,
@@ -105,6 +106,10 @@ class RunState:
     layout: str | None = None
     """The newest step event's parallel layout as :func:`~torch_handle.common.text.layout_label` writes it
     (``dp 2 × tp 2``); None when it has none."""
+    layout_degrees: dict[str, Any] | None = None
+    """The newest step event's ``layout`` as it carries it (``{"dp": 2, "tp": 2}``), or None."""
+    preset_layout: RunLayout | None = None
+    """For a run whose run.json has no ``layout`` record (an old one): :meth:`RunLayout.from_run`'s, read once."""
     comm: dict[str, float] | None = None
     """The newest step event's communication seconds per dimension of the layout (``{"dp": .., "tp": ..}``,
     :func:`~torch_handle.observe.comm.read_comm`); None when it has none."""
@@ -228,6 +233,7 @@ class RunState:
         if (mfu := number(event.get("mfu"))) is not None:
             self.mfu = mfu
         self.layout = layout_label(event.get("layout"))
+        self.layout_degrees = event.get("layout") if isinstance(event.get("layout"), dict) else None
         self.comm = read_comm(event.get(COMM))
         ranks = event.get("ranks")
         if isinstance(ranks, list):
@@ -349,6 +355,25 @@ class RunState:
         if self.event_strategy:
             return strategy_label(self.event_strategy, self.event_zero_stage)
         return strategy_label(self.info.get("strategy"), self.info.get("zero_stage"))
+
+    @property
+    def run_layout(self) -> RunLayout:
+        """The run's layout, :class:`~torch_handle.common.run_layout.RunLayout`: run.json's ``layout`` record;
+        for an older run preset.toml's ``[parallel]`` (read once, :meth:`RunLayout.from_run`), or the degrees of the
+        newest step event where it has none or they differ; with the workers' strategy (their ZeRO stage) once an
+        event named it."""
+        layout = RunLayout.from_record(self.info.get(LAYOUT_KEY))
+        if layout is None:
+            if self.preset_layout is None:
+                self.preset_layout = RunLayout.from_run(self.run_dir, self.info)
+            layout, degrees = self.preset_layout, self.layout_degrees
+            event = degrees and (degrees.get("dp"), degrees.get("tp", 1), degrees.get("pp", 1))
+            if event and all(isinstance(d, int) for d in event) and (layout.dp, layout.tp, layout.pp) != event:
+                layout = RunLayout.from_parts(event[0] * event[1] * event[2], self.info.get("strategy"),
+                                              self.info.get("zero_stage"), event[1], event[2])
+        if self.event_strategy:
+            layout = replace(layout, strategy=clean(self.event_strategy, 40), zero_stage=self.event_zero_stage)
+        return layout
 
     @property
     def precision(self) -> str | None:
