@@ -410,8 +410,8 @@ async def test_picker_lists_runs_and_switches(runs: Path) -> None:
         names = [row.name for row in picker.rows]
         assert names == ["zero1-stopped", "zero3-restarted", "ddp-garbage", "fsdp-failed", "zero2-finished"]
         failed = next(r for r in picker.rows if r.name == "fsdp-failed")
-        assert (failed.status, failed.strategy, failed.world_size, failed.steps, failed.last_loss, failed.started) == (
-            "failed", "fsdp", "2", "7/50", "7.4862", "2026-01-05 09:00")
+        assert (failed.status, failed.layout, failed.world_size, failed.steps, failed.last_loss, failed.started) == (
+            "failed", "dp 2 (fsdp)", "2", "7/50", "7.4862", "2026-01-05 09:00")
         from textual.widgets import DataTable
         assert picker.query_one(DataTable).cursor_row == 4  # the current run is selected
         await pilot.press("up", "enter")
@@ -547,7 +547,7 @@ def test_status_through_a_restart_and_a_resume(tmp_path: Path) -> None:
 def test_picker_rows_are_deterministic(runs: Path) -> None:
     rows = {r.name: r for r in run_rows([runs])}
     assert rows["zero2-finished"].started == "2026-01-05 08:00"
-    assert rows["zero3-restarted"].strategy == "deepspeed ZeRO-3"
+    assert rows["zero3-restarted"].layout == "dp 4 (deepspeed ZeRO-3)"  # the line every view shows
     assert rows["ddp-garbage"].steps == "6/40"
 
 

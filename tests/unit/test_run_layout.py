@@ -59,6 +59,10 @@ def test_an_old_run_falls_back_to_preset_toml_then_to_the_strategy(tmp_path):
     recorded = {**info, LAYOUT_KEY: RunLayout.from_parts(4, "ddp", None, 1, 2, None, False, "native", "gpipe").record()}
     assert RunLayout.from_run(tmp_path, recorded).label() == "dp 2 × pp 2 (ddp; pp GPipe native)"  # the record wins
     assert RunLayout.from_run(None, {"world_size": "x", LAYOUT_KEY: "garbage"}).label() == "-"
+    # an old run's step events name the degrees that ran: they win over preset.toml's, not over a record
+    assert RunLayout.from_run(tmp_path, info, {"dp": 1, "tp": 1, "pp": 4}).label() == "dp 1 × pp 4"
+    assert RunLayout.from_run(tmp_path, info, {"dp": 2, "tp": True}).label() == "ddp, world size 4"  # bad: ignored
+    assert RunLayout.from_run(tmp_path, recorded, {"dp": 4}).label() == "dp 2 × pp 2 (ddp; pp GPipe native)"
 
 
 def test_validate_prints_the_layout():

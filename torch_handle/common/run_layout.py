@@ -106,20 +106,34 @@ class RunLayout:
                               record.get("pp_stages_per_rank", 1))
 
     @classmethod
-    def from_run(cls, run_dir: Path | None, info: dict[str, Any]) -> RunLayout:
+    def from_run(cls, run_dir: Path | None, info: dict[str, Any], degrees: Any = None) -> RunLayout:
         """A run's layout: run.json's ``layout`` record (``info``); for a run made before run.json had one, its
         preset.toml's ``[parallel]`` table (read as TOML, not loaded: no plugin needed), else ``info``'s
-        ``strategy``, ``zero_stage`` and ``world_size`` with the degrees not known. Never raises."""
+        ``strategy``, ``zero_stage`` and ``world_size`` with the degrees not known; either one
+        :meth:`matching` ``degrees``, the newest step event's ``layout``, when given. Never raises."""
         recorded = cls.from_record(info.get(LAYOUT_KEY))
         if recorded is not None:
             return recorded
         strategy, zero, world = info.get("strategy"), info.get("zero_stage"), info.get("world_size")
         table = _preset_parallel(run_dir) if run_dir is not None else None
         if table is None:
-            return cls(world_size=_degree(world), strategy=_text(strategy, 40), zero_stage=_degree_or_zero(zero))
-        return cls.from_parts(world, strategy, zero, table.get("tp", 1), table.get("pp", 1), table.get("tp_impl"),
-                              table.get("sequence_parallel", False), table.get("pp_impl"), table.get("pp_schedule"),
-                              table.get("pp_stages_per_rank", 1))
+            found = cls(world_size=_degree(world), strategy=_text(strategy, 40), zero_stage=_degree_or_zero(zero))
+        else:
+            found = cls.from_parts(world, strategy, zero, table.get("tp", 1), table.get("pp", 1),
+                                   table.get("tp_impl"), table.get("sequence_parallel", False), table.get("pp_impl"),
+                                   table.get("pp_schedule"), table.get("pp_stages_per_rank", 1))
+        return found.matching(degrees)
+
+    def matching(self, degrees: Any) -> RunLayout:
+        """This layout, or where ``degrees`` (a step event's ``layout``: ``{"dp": 2, "tp": 2}``, tp and pp 1 when
+        left out) name other ones, the layout of those degrees with this strategy and no implementation known (an
+        old run's steps say what ran). Bad ``degrees`` (not a mapping, not positive integers): this layout."""
+        if not isinstance(degrees, dict):
+            return self
+        dp, tp, pp = (_degree(degrees.get("dp")), _degree(degrees.get("tp", 1)), _degree(degrees.get("pp", 1)))
+        if dp is None or tp is None or pp is None or (self.dp, self.tp, self.pp) == (dp, tp, pp):
+            return self
+        return RunLayout.from_parts(dp * tp * pp, self.strategy, self.zero_stage, tp, pp)
 
     def record(self) -> dict[str, Any]:
         """The JSON-ready mapping run.json's ``layout`` holds (and ``handle runs --json`` shows): every field,

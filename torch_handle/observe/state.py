@@ -366,11 +366,7 @@ class RunState:
         if layout is None:
             if self.preset_layout is None:
                 self.preset_layout = RunLayout.from_run(self.run_dir, self.info)
-            layout, degrees = self.preset_layout, self.layout_degrees
-            event = degrees and (degrees.get("dp"), degrees.get("tp", 1), degrees.get("pp", 1))
-            if event and all(isinstance(d, int) for d in event) and (layout.dp, layout.tp, layout.pp) != event:
-                layout = RunLayout.from_parts(event[0] * event[1] * event[2], self.info.get("strategy"),
-                                              self.info.get("zero_stage"), event[1], event[2])
+            layout = self.preset_layout.matching(self.layout_degrees)
         if self.event_strategy:
             layout = replace(layout, strategy=clean(self.event_strategy, 40), zero_stage=self.event_zero_stage)
         return layout
