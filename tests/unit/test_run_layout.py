@@ -121,3 +121,4 @@ def test_run_summary_and_dashboard_state_name_the_layout(tmp_path):
     assert "  ddp, world size 2, optimizer AdamW" in summary_text(RunState(tmp_path, info=old), tmp_path, old)
     state.apply([{"kind": "status", "seq": 1, "strategy": "deepspeed", "zero_stage": 1}])
     assert state.run_layout.strategy_text == "deepspeed ZeRO-1"  # the workers' own strategy, once they say it
+
