@@ -67,7 +67,8 @@ def summary_text(s: RunState, run_dir: Path, info: dict) -> str:
         lines.append(f"  mean {s.mean_tokens_per_s:,.0f} tokens/s   elapsed "
                      f"{fmt_duration((s.last_time or 0) - (s.first_time or 0))}")
     if info.get("strategy"):
-        layout = RunLayout.from_run(run_dir, info)  # run.json's record; preset.toml's for an older run
+        # run.json's record (preset.toml's for an older run), with the strategy the workers reported
+        layout = RunLayout.from_run(run_dir, info, s.layout_degrees).with_strategy(s.event_strategy, s.event_zero_stage)
         world = f", world size {layout.world_size}" if layout.dp is not None else ""  # else the label names it
         lines.append(f"  {layout.label()}{world}, optimizer {info.get('optimizer')}")
     for rank, peak in sorted(s.peak_memory.items()):

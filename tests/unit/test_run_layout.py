@@ -119,6 +119,12 @@ def test_run_summary_and_dashboard_state_name_the_layout(tmp_path):
     assert "  dp 1 × tp 2 (tp scratch), world size 2, optimizer AdamW" in summary_text(state, tmp_path, info)
     old = {k: v for k, v in info.items() if k != LAYOUT_KEY}
     assert "  ddp, world size 2, optimizer AdamW" in summary_text(RunState(tmp_path, info=old), tmp_path, old)
+    ran = RunState(tmp_path, info={"steps": 3})  # handle run's: the events say what the preset does not
+    ran.apply([{"kind": "status", "seq": 1, "strategy": "scratch-ddp", "zero_stage": 1},
+               {"kind": "step", "seq": 2, "step": 1, "loss": 1.0, "layout": {"dp": 1, "tp": 1, "pp": 2}}])
+    assert "  dp 1 × pp 2, world size 2, optimizer AdamW" in summary_text(ran, tmp_path, old)
+    scratch = {**old, LAYOUT_KEY: RunLayout.from_parts(2, "scratch-ddp", None).record()}
+    assert "  dp 2 (scratch-ddp ZeRO-1), world size 2," in summary_text(ran, tmp_path, scratch)
     state.apply([{"kind": "status", "seq": 1, "strategy": "deepspeed", "zero_stage": 1}])
     assert state.run_layout.strategy_text == "deepspeed ZeRO-1"  # the workers' own strategy, once they say it
 

@@ -23,7 +23,7 @@ Standard library only (no torch, no click).
 from __future__ import annotations
 
 import tomllib
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -134,6 +134,13 @@ class RunLayout:
         if dp is None or tp is None or pp is None or (self.dp, self.tp, self.pp) == (dp, tp, pp):
             return self
         return RunLayout.from_parts(dp * tp * pp, self.strategy, self.zero_stage, tp, pp)
+
+    def with_strategy(self, strategy: Any, zero_stage: Any) -> RunLayout:
+        """This layout with the strategy the workers reported (their status event's, e.g. scratch-ddp's ZeRO-1
+        where the preset names only the plugin); this layout when ``strategy`` is empty."""
+        if not strategy:
+            return self
+        return replace(self, strategy=_text(strategy, 40), zero_stage=_degree_or_zero(zero_stage))
 
     def record(self) -> dict[str, Any]:
         """The JSON-ready mapping run.json's ``layout`` holds (and ``handle runs --json`` shows): every field,

@@ -6,7 +6,7 @@ trainer's slow-rank warning shares. Never raises on a malformed event. Standard 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -367,9 +367,7 @@ class RunState:
             if self.preset_layout is None:
                 self.preset_layout = RunLayout.from_run(self.run_dir, self.info)
             layout = self.preset_layout.matching(self.layout_degrees)
-        if self.event_strategy:
-            layout = replace(layout, strategy=clean(self.event_strategy, 40), zero_stage=self.event_zero_stage)
-        return layout
+        return layout.with_strategy(self.event_strategy, self.event_zero_stage)
 
     @property
     def precision(self) -> str | None:
