@@ -5,8 +5,8 @@
 size. It is built from a preset (:meth:`RunLayout.from_preset`), from run.json's ``layout`` record
 (:meth:`RunLayout.from_record`), or, for runs made before run.json carried it, from preset.toml's tables or from
 run.json's ``strategy`` and ``world_size`` alone (:meth:`RunLayout.from_run`). :meth:`RunLayout.label` is the line
-``handle run``'s summary, ``handle runs``, ``handle validate``, ``handle bench scaling`` and the dashboard header
-show.
+``handle run``'s summary, ``handle runs``, ``handle validate``, ``handle estimate``, ``handle bench scaling``, the
+dashboard header and its run picker show.
 
 How the line reads:
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from torch_handle.common.run_layout import LAYOUT_KEY, RunLayout
-from torch_handle.common.text import clean, layout_label, strategy_label
+from torch_handle.common.text import clean, strategy_label
 from torch_handle.observe.comm import read_comm
 from torch_handle.observe.fields import (ACTIVATION_BYTES, ACTIVATION_SAVED_BYTES, BREAKDOWN, COMM, DATA_S, MEMORY,
                                          WAIT_S, Kind, Level, Status)
@@ -103,11 +103,9 @@ class RunState:
     it)."""
     mfu: float | None = None
     """The newest model FLOPs utilisation (0..1)."""
-    layout: str | None = None
-    """The newest step event's parallel layout as :func:`~torch_handle.common.text.layout_label` writes it
-    (``dp 2 × tp 2``); None when it has none."""
     layout_degrees: dict[str, Any] | None = None
-    """The newest step event's ``layout`` as it carries it (``{"dp": 2, "tp": 2}``), or None."""
+    """The newest step event's ``layout`` as it carries it (``{"dp": 2, "tp": 2}``), or None; :attr:`run_layout`
+    is how it reads."""
     preset_layout: RunLayout | None = None
     """For a run whose run.json has no ``layout`` record (an old one): :meth:`RunLayout.from_run`'s, read once."""
     comm: dict[str, float] | None = None
@@ -232,7 +230,6 @@ class RunState:
         self.breakdown_seen = self.breakdown_seen or self.forward_s[-1] is not None
         if (mfu := number(event.get("mfu"))) is not None:
             self.mfu = mfu
-        self.layout = layout_label(event.get("layout"))
         self.layout_degrees = event.get("layout") if isinstance(event.get("layout"), dict) else None
         self.comm = read_comm(event.get(COMM))
         ranks = event.get("ranks")
