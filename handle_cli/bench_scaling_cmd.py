@@ -18,6 +18,7 @@ import click
 from handle_cli.bench_cmd import DEFAULT_OUTPUT_DIR, int_option, new_dir, output_parent
 from handle_cli.common import EXIT_FAILED, EXIT_STOPPED, fail
 from torch_handle.common.fsio import write_json_atomic
+from torch_handle.common.run_layout import RunLayout
 from torch_handle.common.units import fmt_bytes
 from torch_handle.plan import bench_scaling as scaling_math
 
@@ -48,10 +49,10 @@ def _scaling_plan(preset: str, overrides: tuple[str, ...], nprocs: list[int], la
                   steps: int | None, skip: int, strong: bool, tps: list[int] | None = None,
                   layouts: list[scaling_math.LayoutSpec] | None = None) -> tuple[list[dict[str, Any]], list[str], Any]:
     """Validate every (strategy, world size, tp or layout) preset before anything starts: ``(runs, notes, base
-    preset)``, each run ``{"label", "layout", "name", "spec", "nproc", "dp", "tp", "pp", "overrides", "preset",
-    "micro_batch_size", "grad_accum", "global_batch"}`` (the sweep: :func:`torch_handle.plan.bench_scaling.sweep`
-    or :func:`~torch_handle.plan.bench_scaling.layout_runs`). A layout the preset's validation refuses is left
-    out with its reason as a note. Bad input: one line, exit 2."""
+    preset)``, each run ``{"label", "layout", "layout_label" (the run's as run), "name", "spec", "nproc", "dp", "tp",
+    "pp", "overrides", "preset", "micro_batch_size", "grad_accum", "global_batch"}`` (the sweep:
+    :func:`torch_handle.plan.bench_scaling.sweep` or :func:`~torch_handle.plan.bench_scaling.layout_runs`). A layout the
+    preset's validation refuses is left out with its reason as a note. Bad input: one line, exit 2."""
     from torch_handle.config.loader import load_preset
     from torch_handle.errors import USER_ERRORS, PresetError
     from torch_handle.launch.run import check_data
@@ -122,7 +123,8 @@ def _scaling_plan(preset: str, overrides: tuple[str, ...], nprocs: list[int], la
         if chosen is not None:
             notes.append(f"{run.label} {run.layout}: {chosen[1]}")
         dp = n // (loaded.parallel.tp * loaded.parallel.pp)
-        runs.append({"label": run.label, "layout": run.layout, "name": name, "spec": run.spec, "nproc": n,
+        runs.append({"label": run.label, "layout": run.layout, "layout_label": RunLayout.from_preset(loaded).label(),
+                     "name": name, "spec": run.spec, "nproc": n,
                      "dp": dp, "tp": loaded.parallel.tp, "pp": loaded.parallel.pp, "overrides": [*user, *extra],
                      "preset": loaded, "micro_batch_size": mbs, "grad_accum": ga, "global_batch": mbs * ga * dp})
     if not runs:
@@ -176,7 +178,8 @@ def _scaling_record(run: dict[str, Any], rc: int, info: dict[str, Any], events: 
     if rc == 0 and (not summary["measured_steps"] or summary["tokens_per_s"] is None):
         status, message = "failed", f"no step events after the first {skip} (see {run_dir}/events.jsonl)"
     omp = os.environ.get("OMP_NUM_THREADS")
-    return {"strategy": run["label"], "plugin": run["spec"].plugin, "layout": run["layout"], "nproc": n,
+    return {"strategy": run["label"], "plugin": run["spec"].plugin, "layout": run["layout"],
+            "layout_label": run["layout_label"], "nproc": n,
             "dp": run["dp"], "tp": run["tp"], "pp": run["pp"],
             "status": status, "message": message, "mode": mode, "micro_batch_size": run["micro_batch_size"],
             "grad_accum": run["grad_accum"], "global_batch": run["global_batch"], **summary,
@@ -201,14 +204,15 @@ def _ms(seconds: float | None) -> str:
 
 
 def scaling_table(records: list[dict[str, Any]]):
-    """A rich Table: strategy, layout (with ``--layouts``), ranks, status, tokens/s, step time and phases (ms,
-    medians), efficiency, and the largest per-rank memory peaks (rss, model state = param + grad + optimizer; CUDA
-    max allocated if any)."""
+    """A rich Table: strategy (the series, the efficiency base), layout (each run's as run, the line every view shows:
+    ``dp 1 × tp 2 (tp scratch)`` for a tp2 run of the ddp series, which ``single`` runs), ranks, status, tokens/s, step
+    time and phases (ms, medians), efficiency, and the largest per-rank memory peaks (rss, model state = param + grad +
+    optimizer; CUDA max allocated if any)."""
     from rich.table import Table
 
     cuda = any(m.get("cuda_max_allocated_bytes") is not None for r in records for m in r.get("memory") or [])
     table = Table(header_style="bold")
-    layouts = any(r.get("layout") for r in records)
+    layouts = any(r.get("layout") or r.get("layout_label") for r in records)
     columns = [("strategy", "left"), *([("layout", "left")] if layouts else []), ("ranks", "right"),
                ("status", "left"), ("tokens/s", "right"),
                ("step ms", "right"), ("eff.", "right"), ("rss", "right"), ("state", "right")]
@@ -216,7 +220,8 @@ def scaling_table(records: list[dict[str, Any]]):
     columns += [(label, "right") for label, _ in scaling_math.TABLE_PARTS]
     widest = max([8, *(len(r["strategy"]) for r in records)])
     for name, justify in columns:
-        table.add_column(name, justify=justify, no_wrap=True, min_width=widest if name == "strategy" else None)
+        table.add_column(name, justify=justify, no_wrap=name != "layout",  # a long layout wraps, not the figures
+                         min_width=widest if name == "strategy" else None)
     last = None
     for r in records:
         if last is not None and r["strategy"] != last:
@@ -225,7 +230,7 @@ def scaling_table(records: list[dict[str, Any]]):
         memory = r.get("memory") or []
         eff = r.get("efficiency")
         status = "ok" if r["status"] == "finished" else f"[bold red]{r['status']}[/]"
-        row = [r["strategy"], *([r.get("layout") or "-"] if layouts else []),
+        row = [r["strategy"], *([r.get("layout_label") or r.get("layout") or "-"] if layouts else []),
                f"{r['nproc']}{'*' if r.get('oversubscribed') else ''}", status,
                "-" if r.get("tokens_per_s") is None else f"{r['tokens_per_s']:,.0f}", _ms(r.get("step_time_s")),
                "-" if eff is None else f"{eff:.2f}",

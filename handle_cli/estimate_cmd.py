@@ -11,6 +11,7 @@ import time
 import click
 
 from handle_cli.common import fail
+from torch_handle.common.run_layout import RunLayout
 from torch_handle.common.units import fmt_bytes, parse_bytes
 
 DEFAULT_NPROC = "1,2,4,8"
@@ -201,6 +202,9 @@ def estimate(preset: str, overrides: tuple[str, ...], nproc: str, nnodes: int | 
     click.echo(f"{loaded.source}: {rows[0].params:,} parameters, {precision}, micro_batch_size "
                f"{t.micro_batch_size} x seq_len {loaded.data.options.seq_len}, activation checkpointing "
                f"{'on' if checkpointing else 'off'}, {nodes} node(s)")
+    if tp > 1 or pp > 1:  # the line every view shows (handle validate, handle runs, the dashboard)
+        click.echo(f"layout: {RunLayout.from_preset(loaded).label()} at the preset's world size "
+                   f"{loaded.world_size}; each row's rank is a global rank, (pp_rank x dp + dp_rank) x tp + tp_rank")
     if tp > 1:
         p = loaded.parallel
         sp = "on" if p.sequence_parallel else "off"

@@ -60,6 +60,8 @@ def validate(preset: str, overrides: tuple[str, ...]) -> None:
 
     Every problem is reported at once, one line each (each table is checked on its own; checks that span
     tables run once every table is valid), then the dataset plugin's pre-flight check (paths exist, UTF-8).
+    A valid preset prints its layout, world size and steps:
+    `presets/3d.toml: ok: dp 2 × tp 2 × pp 2 (ddp; tp scratch + sp; pp 1F1B scratch), world size 8, 500 steps`.
     Exit code 2 when there is any problem.
     """
     from torch_handle.config.loader import load_preset, preset_problems
@@ -75,7 +77,10 @@ def validate(preset: str, overrides: tuple[str, ...]) -> None:
                 click.echo(f"error: {e}", err=True)
             sys.exit(2)
     check_data(p)  # DataError: one line, exit 2 (HandleGroup)
-    click.echo(f"{p.source}: ok ({p.strategy.name}, world size {p.world_size}, {p.training.steps} steps)")
+    from torch_handle.common.run_layout import RunLayout
+
+    click.echo(f"{p.source}: ok: {RunLayout.from_preset(p).label()}, world size {p.world_size}, "
+               f"{p.training.steps} steps")
 
 
 # ---------------------------------------------------------------------------------------------------------------

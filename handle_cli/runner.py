@@ -18,7 +18,8 @@ from torch_handle.launch.run import Interrupt, SupervisedRun
 from torch_handle.observe.fields import GRAD_BYTES, OPTIMIZER_BYTES, PARAM_BYTES, Kind, Level, Status
 from torch_handle.observe.state import RunState
 from torch_handle.rundir import read_run_info
-from torch_handle.common.text import clean, fmt_duration, strategy_label  # log/event text never reaches the terminal raw
+from torch_handle.common.run_layout import RunLayout
+from torch_handle.common.text import clean, fmt_duration  # log/event text never reaches the terminal raw
 from torch_handle.common.units import fmt_bytes
 
 
@@ -66,9 +67,10 @@ def summary_text(s: RunState, run_dir: Path, info: dict) -> str:
         lines.append(f"  mean {s.mean_tokens_per_s:,.0f} tokens/s   elapsed "
                      f"{fmt_duration((s.last_time or 0) - (s.first_time or 0))}")
     if info.get("strategy"):
-        label = strategy_label(info["strategy"], info.get("zero_stage"))
-        lines.append(f"  {label}, world size {info.get('world_size')}, "
-                     f"optimizer {info.get('optimizer')}")
+        # run.json's record (preset.toml's for an older run), with the strategy the workers reported
+        layout = RunLayout.from_run(run_dir, info, s.layout_degrees).with_strategy(s.event_strategy, s.event_zero_stage)
+        world = f", world size {layout.world_size}" if layout.dp is not None else ""  # else the label names it
+        lines.append(f"  {layout.label()}{world}, optimizer {info.get('optimizer')}")
     for rank, peak in sorted(s.peak_memory.items()):
         model_state = sum(peak.get(key, 0) for key in (PARAM_BYTES, GRAD_BYTES, OPTIMIZER_BYTES))
         cuda = peak.get("cuda_max_allocated_bytes")

@@ -14,10 +14,12 @@ import click
 def run_summary(run_dir: Path, now: float | None = None) -> dict[str, Any]:
     """One run as a JSON-ready mapping: ``name``, ``path``, ``status`` (``lost`` for a run whose launcher is gone,
     ``hung`` for a live run whose newest event is the watchdog's ``hang``, ``unreadable`` for a broken run.json),
-    ``strategy``, ``world_size``, ``step``, ``steps``, ``loss``, ``val_loss``, ``tokens_per_s`` (the newest,
-    global), ``start_time`` (unix s), ``age_s`` (s since the start), ``message``, ``hang`` (the message of the
-    newest ``hang`` event, also after the run moved on or ended; null without one). Reads run.json and the end of
-    events.jsonl only."""
+    ``strategy``, ``world_size``, ``layout`` (dp, tp, pp, their implementations, the strategy and ``label``, the line
+    every view shows: :meth:`torch_handle.common.run_layout.RunLayout.record`, from run.json's record, or preset.toml or
+    the strategy alone for an older run; dp, tp and pp null when not known), ``step``, ``steps``, ``loss``,
+    ``val_loss``, ``tokens_per_s`` (the newest, global), ``start_time`` (unix s), ``age_s`` (s since the start),
+    ``message``, ``hang`` (the message of the newest ``hang`` event, also after the run moved on or ended; null without
+    one). Reads run.json and the end of events.jsonl only."""
     from torch_handle.observe.fields import Status
     from torch_handle.observe.state import RunState
     from torch_handle.observe.tail import tail_events
@@ -33,7 +35,8 @@ def run_summary(run_dir: Path, now: float | None = None) -> dict[str, Any]:
     state.apply(tail_events(Path(run_dir) / EVENTS_FILE))
     start = info.get("start_time") if isinstance(info.get("start_time"), (int, float)) else state.first_time
     return {"name": Path(run_dir).name, "path": str(run_dir), "status": state.status, "strategy": state.strategy,
-            "world_size": state.world_size, "step": state.step, "steps": state.steps_total,
+            "world_size": state.world_size, "layout": state.run_layout.record(), "step": state.step,
+            "steps": state.steps_total,
             "loss": state.last_loss, "val_loss": state.last_val_loss, "tokens_per_s": state.last(state.tokens_per_s),
             "start_time": start, "age_s": None if start is None else max(0.0, now - start),
             "message": state.message, "hang": state.hang["message"] if state.hang else None}
@@ -56,8 +59,9 @@ def _num(x: Any, fmt: str) -> str:
 @click.argument("directory", required=False, type=click.Path(path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="A JSON list of objects (the same fields, raw numbers).")
 def runs(directory: Path | None, as_json: bool) -> None:
-    """The runs under DIRECTORY (default ./runs), newest first, one line each: name, status, strategy, world
-    size, step/total, last train and val loss, tokens/s, start time (local) and age.
+    """The runs under DIRECTORY (default ./runs), newest first, one line each: name, status, layout (dp × tp × pp,
+    their implementations and the strategy: `dp 2 × tp 2 (ddp; tp scratch)`), world size, step/total, last train
+    and val loss, tokens/s, start time (local) and age.
 
     A run whose run.json still says running but whose launcher is gone (kill -9, a reboot) and whose heartbeat
     is older than 10 s shows as `lost`; continue it with `handle run --resume RUN_DIR`. A live run whose
@@ -83,11 +87,12 @@ def runs(directory: Path | None, as_json: bool) -> None:
     if not rows:
         click.echo(f"{directory}: no runs yet (start one with: handle run presets/zero2.toml)")
         return
-    table = [("NAME", "STATUS", "STRATEGY", "WS", "STEP", "LOSS", "VAL", "TOK/S", "STARTED", "AGE")]
+    table = [("NAME", "STATUS", "LAYOUT", "WS", "STEP", "LOSS", "VAL", "TOK/S", "STARTED", "AGE")]
     for r in rows:
         started = (datetime.fromtimestamp(r["start_time"]).strftime("%Y-%m-%d %H:%M")
                    if isinstance(r["start_time"], (int, float)) else "?")
-        table.append((clean(r["name"], 60), clean(r["status"], 12), clean(r["strategy"] or "?", 20),
+        layout = r["layout"]["label"] if r["layout"]["dp"] is not None else r["strategy"]  # unknown: the strategy
+        table.append((clean(r["name"], 60), clean(r["status"], 12), clean(layout or "?", 80),
                       str(r["world_size"] or "?"), f"{r['step']}/{r['steps'] or '?'}", _num(r["loss"], ".4f"),
                       _num(r["val_loss"], ".4f"), _num(r["tokens_per_s"], ",.0f"), started, _age(r["age_s"])))
     widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]

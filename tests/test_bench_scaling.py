@@ -173,6 +173,8 @@ def test_tp_sweep_sets_parallel_tp_and_runs_one_replica_as_single(monkeypatch, t
     records = [json.loads(line) for line in result.stdout.splitlines()]
     assert [(r["strategy"], r["plugin"], r["nproc"], r["dp"], r["tp"]) for r in records] == [
         ("ddp", "ddp", 1, 1, 1), ("ddp", "ddp", 2, 2, 1), ("ddp-tp2", "single", 2, 1, 2)]
+    # each run as run, the line every view shows: the tp2 run of the ddp series has one replica, no ddp
+    assert [r["layout_label"] for r in records] == ["1 rank (ddp)", "dp 2 (ddp)", "dp 1 × tp 2 (tp native)"]
     assert [r["global_batch"] for r in records] == [4, 4, 4]  # strong: replicas share the batch, not ranks
     preset = tomllib.loads((bench / "ddp-tp2-n2" / "preset.toml").read_text())
     assert preset["parallel"]["tp"] == 2 and preset["strategy"]["name"] == "single"

@@ -33,7 +33,12 @@ def test_layouts_run_on_their_product_of_ranks_and_refused_ones_are_notes(monkey
     out = result.stdout
     assert "note: ddp tp2xpp2 skipped: parallel.tp_impl: tensor parallelism inside pipeline stages" in out
     assert "layouts: dp1, dp2, tp2, pp2, dp2xpp2, each on dp x tp x pp ranks" in out
-    assert "┃ strategy ┃ layout  ┃ ranks ┃" in out and "tokens/s (global) by layout" in out
+    assert "┃ strategy ┃ layout " in out and "tokens/s (global) by layout" in out
+    # each row names its layout as every view does: a replica of tp or pp ranks (dp 1) runs no ddp
+    assert [r["layout_label"] for r in records] == [
+        "1 rank (ddp)", "dp 2 (ddp)", "dp 1 × tp 2 (tp native)", "dp 1 × pp 2 (pp 1F1B native)",
+        "dp 2 × pp 2 (ddp; pp 1F1B native)"]
+    assert "│ dp 2 (ddp) " in out and "│ 1 rank (ddp) " in out
     assert "[5/5] ddp dp2xpp2 on 4 ranks: finished" in result.stderr
 
 

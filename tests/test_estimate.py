@@ -295,6 +295,7 @@ def test_the_command_shows_the_tp_layout_and_per_rank_figures(tmp_path):
     assert row["param_bytes"] == 4 * row["tp_shard_params"] and row["tp_shard_params"] < row["params"] / 1.9
     text = _tiny_tp(tmp_path, "--compare", "--nproc", "2").stdout
     assert "dp x tp" in text and "tp = 2" in text and "1 x 2" in text and "left out: " in text
+    assert "\nlayout: dp 1 × tp 2 (tp native) at the preset's world size 2; each row's rank is a global rank" in text
     bad = _tiny_tp(tmp_path, "--nproc", "4")
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "runs one replica of parallel.tp = 2" in bad.stderr
 

@@ -217,7 +217,8 @@ def test_strategy_plugin_install_list_run_uninstall(py, tmp_path):
 
         # presets: listed with the plugin, found by bare name
         assert "tmp-tiny" in ok(handle(py, "presets", "list", cwd=REPO)).stdout
-        assert "(tmp-ddp, world size 2, 3 steps)" in ok(handle(py, "validate", "tmp-tiny", cwd=tmp_path)).stdout
+        validated = ok(handle(py, "validate", "tmp-tiny", cwd=tmp_path)).stdout
+        assert ": ok: dp 2 (tmp-ddp), world size 2, 3 steps" in validated
 
         # a real 2-process run with the plugin's strategy, from the plugin's preset
         out = tmp_path / "runs"
@@ -337,8 +338,8 @@ def test_presets_show_output_validates_and_round_trips(tmp_path):
     shown = ok(handle(sys.executable, "presets", "show", ZERO2, "--set", "training.lr=1e-3")).stdout
     f = tmp_path / "resolved.toml"
     f.write_text(shown)
-    assert ok(handle(sys.executable, "validate", f)).stdout.strip() == f"{f}: ok (deepspeed, world size 2, " \
-        f"{_steps(shown)} steps)"
+    assert ok(handle(sys.executable, "validate", f)).stdout.strip() == \
+        f"{f}: ok: dp 2 (deepspeed ZeRO-2), world size 2, {_steps(shown)} steps"
     assert ok(handle(sys.executable, "presets", "show", f)).stdout == shown
     assert "lr = 0.001" in shown
 

@@ -20,6 +20,7 @@ import pytest
 from handle_cli.tui.app import HandleDashboard
 from handle_cli.tui.model import LogTail, run_rows
 from handle_cli.tui.pipeline_panel import PipelinePanel
+from torch_handle.common.run_layout import RunLayout
 from torch_handle.observe.comm import comm_fields
 from torch_handle.observe.state import RunState
 from torch_handle.common.text import clean
@@ -301,18 +302,22 @@ def test_header_shows_comm_only_when_the_strategy_reports_it(tmp_path: Path) -> 
     assert "0.500 s/step  comm 12 ms" in widget.lines(200)[1].plain
 
 
-def test_header_shows_the_layout_only_when_the_steps_carry_it(tmp_path: Path) -> None:
+def test_header_shows_the_layout_of_run_json_or_of_an_old_runs_steps(tmp_path: Path) -> None:
     widget = StatusHeader()
-    widget.state = RunState(tmp_path, info={"world_size": 4, "preset": "tp"})
+    widget.state = RunState(tmp_path, info={"world_size": 4, "preset": "tp"})  # no record, no preset.toml
     widget.state.apply([step_event(1)])
-    assert widget.lines(200)[0].plain.count("world 4  step") == 1  # nothing between the world size and the step
+    assert widget.lines(200)[0].plain.count("  -  world 4  step") == 1  # not known: neither degrees nor strategy
     widget.state.apply([{**step_event(2), "layout": {"dp": 2, "tp": 2}}])
-    assert "  world 4  dp 2 × tp 2  step" in widget.lines(200)[0].plain
+    assert "  dp 2 × tp 2  world 4  step" in widget.lines(200)[0].plain
     assert "  dp 2 × tp 2  step" in widget.lines(70)[0].plain and "world" not in widget.lines(70)[0].plain
     widget.state.apply([{**step_event(3), "layout": {"dp": 1, "tp": 1, "pp": 2}}])  # a later degree: no new code
-    assert "  world 4  dp 1 × pp 2  step" in widget.lines(200)[0].plain
+    assert "  dp 1 × pp 2  world 4  step" in widget.lines(200)[0].plain
     widget.state.apply([{**step_event(4), "layout": {"dp": "x", "tp": True}}, step_event(5)])
-    assert "world 4  step" in widget.lines(200)[0].plain  # a resume without tp: the newest step says
+    assert "  -  world 4  step" in widget.lines(200)[0].plain  # a resume without tp: the newest step says
+    record = RunLayout.from_parts(8, "ddp", None, 2, 2, "scratch", True, "scratch", "1f1b").record()
+    widget.state = RunState(tmp_path, info={"world_size": 8, "strategy": "ddp", "layout": record})
+    assert "  dp 2 × tp 2 × pp 2 (ddp; tp scratch + sp; pp 1F1B scratch)  world 8  step" in \
+        widget.lines(200)[0].plain  # run.json's record: what the summary, handle runs and handle validate say
 
 
 def append(path: Path, text: str) -> None:
@@ -405,8 +410,8 @@ async def test_picker_lists_runs_and_switches(runs: Path) -> None:
         names = [row.name for row in picker.rows]
         assert names == ["zero1-stopped", "zero3-restarted", "ddp-garbage", "fsdp-failed", "zero2-finished"]
         failed = next(r for r in picker.rows if r.name == "fsdp-failed")
-        assert (failed.status, failed.strategy, failed.world_size, failed.steps, failed.last_loss, failed.started) == (
-            "failed", "fsdp", "2", "7/50", "7.4862", "2026-01-05 09:00")
+        assert (failed.status, failed.layout, failed.world_size, failed.steps, failed.last_loss, failed.started) == (
+            "failed", "dp 2 (fsdp)", "2", "7/50", "7.4862", "2026-01-05 09:00")
         from textual.widgets import DataTable
         assert picker.query_one(DataTable).cursor_row == 4  # the current run is selected
         await pilot.press("up", "enter")
@@ -542,7 +547,7 @@ def test_status_through_a_restart_and_a_resume(tmp_path: Path) -> None:
 def test_picker_rows_are_deterministic(runs: Path) -> None:
     rows = {r.name: r for r in run_rows([runs])}
     assert rows["zero2-finished"].started == "2026-01-05 08:00"
-    assert rows["zero3-restarted"].strategy == "deepspeed ZeRO-3"
+    assert rows["zero3-restarted"].layout == "dp 4 (deepspeed ZeRO-3)"  # the line every view shows
     assert rows["ddp-garbage"].steps == "6/40"
 
 

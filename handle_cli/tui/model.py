@@ -20,7 +20,8 @@ from torch_handle.observe.fields import Kind, Status
 from torch_handle.observe.tail import BadLine, EventReader, Tail, integer, number, tail_events
 from torch_handle.rundir import ACTIVE, RUN_FILE, RunDirError, list_runs, read_run_info, read_run_status
 from torch_handle.observe.telemetry import EVENTS_FILE
-from torch_handle.common.text import clean, fmt_float, fmt_time, strategy_label
+from torch_handle.common.run_layout import RunLayout
+from torch_handle.common.text import clean, fmt_float, fmt_time
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -188,7 +189,9 @@ class RunRow:
     path: Path
     name: str
     status: str
-    strategy: str
+    layout: str
+    """The layout line (:class:`~torch_handle.common.run_layout.RunLayout`), or the strategy where the degrees are
+    not known."""
     world_size: str
     steps: str
     last_loss: str
@@ -213,11 +216,13 @@ def run_row(run_dir: Path) -> RunRow:
     loss = number(last_step.get("loss")) if last_step else None
     ws = integer(info.get("world_size"))
     start = number(info.get("start_time"))
+    # run.json's record, else preset.toml's [parallel] or an old run's step events (what the header shows)
+    layout = RunLayout.from_run(Path(run_dir), info, last_step.get("layout") if last_step else None)
     return RunRow(
         path=Path(run_dir),
         name=clean(Path(run_dir).name, 80),
         status=clean(info.get("status") or "?", 20),
-        strategy=strategy_label(info.get("strategy"), info.get("zero_stage")),
+        layout=layout.label() if layout.dp is not None else layout.strategy_text,
         world_size=str(ws) if ws is not None else "-",
         steps=f"{done if done is not None else 0}/{total if total is not None else '?'}",
         last_loss=fmt_float(loss),

@@ -14,9 +14,9 @@ from textual.widgets import DataTable, Footer, Static
 from handle_cli.tui.model import RunRow, run_rows
 from handle_cli.tui.widgets import STATUS_STYLES
 
-COLUMNS = ("run", "status", "strategy", "world", "steps", "loss", "started")
+COLUMNS = ("run", "status", "layout", "world", "steps", "loss", "started")
 NARROW = 100
-"""Below this width the strategy and start time are abbreviated so that 80 columns show every column."""
+"""Below this width the layout and start time are abbreviated so that 80 columns show every column."""
 
 
 class RunPicker(Screen[Path | None]):
@@ -71,12 +71,12 @@ class RunPicker(Screen[Path | None]):
         narrow = self.app.size.width < NARROW
         for i, row in enumerate(self.rows):
             current = self._is_current(row.path)
-            strategy = row.strategy.replace("deepspeed ", "ds ") if narrow else row.strategy
+            layout = row.layout.replace("deepspeed ", "ds ") if narrow else row.layout
             started = row.started[5:] if narrow and row.started != "-" else row.started
             table.add_row(
                 Text(("▶ " if current else "  ") + row.name, "bold" if current else ""),
                 Text(f" {row.status} ", STATUS_STYLES.get(row.status, "")),
-                Text(strategy), Text(row.world_size, justify="right"), Text(row.steps, justify="right"),
+                Text(layout), Text(row.world_size, justify="right"), Text(row.steps, justify="right"),
                 Text(row.last_loss, justify="right"), Text(started),
                 key=str(row.path),
             )

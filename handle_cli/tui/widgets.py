@@ -58,7 +58,8 @@ def _piece(*parts: str | tuple[str, str]) -> Text:
 
 
 class StatusHeader(Widget):
-    """Status badge, preset, strategy, precision, world size (and its layout, dp × tp), progress, ETA, elapsed; then
+    """Status badge, preset, layout (:class:`~torch_handle.common.run_layout.RunLayout`'s line: dp × tp × pp and
+    the strategy), precision, world size, progress, ETA, elapsed; then
     the latest numbers; then the failure or stop message. Parts that do not fit the width are left out, least
     important first."""
 
@@ -95,14 +96,12 @@ class StatusHeader(Widget):
         step = state.step
         p1: list[tuple[int, Text]] = [(0, Text(f" {status.upper()} ", STATUS_STYLES.get(status, "reverse")))]
         p1.append((1, _piece("  ", (state.preset, "bold"))))
-        p1.append((2, _piece("  ", (state.strategy, "cyan"))))
+        layout = state.run_layout  # the line every view shows (dp × tp × pp, implementations, strategy)
+        p1.append((2, _piece("  ", (layout.label() if layout.dp is not None else layout.strategy_text, "cyan"))))
         if state.precision:  # run.json's: the concrete one "auto" resolved to
             p1.append((7, _piece("  ", (state.precision, "cyan"))))  # the first to go on a narrow screen
         world = _piece(f"  world {state.world_size if state.world_size is not None else '?'}")
-        if state.layout:  # only runs whose step events carry it (tp > 1); it names the world size too, so it wins
-            p1 += [(5, world), (2, _piece("  ", (state.layout, "cyan")))]
-        else:
-            p1.append((3, world))
+        p1.append((5 if layout.dp is not None else 3, world))  # a known layout names the ranks too: it goes first
         p1.append((0, _piece("  step ", (f"{step}/{total if total else '?'}", "bold"))))
         if total:
             frac = min(1.0, max(0.0, step / total))

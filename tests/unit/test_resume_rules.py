@@ -102,12 +102,16 @@ def test_promote_swaps_the_preset_and_records_the_resume(tmp_path, preset_path):
     run = tmp_path / "run"
     run.mkdir()
     (run / "preset.toml").write_text(preset_path.read_text())
-    (run / RESUME_PRESET).write_text(preset_path.read_text().replace("steps = 10", "steps = 30"))
-    (run / "run.json").write_text(json.dumps({"status": "running", PENDING: {"time": 5.0}}))
+    (run / RESUME_PRESET).write_text(preset_path.read_text().replace("steps = 10", "steps = 30")
+                                     .replace("nproc_per_node = 2", "nproc_per_node = 4"))
+    (run / "run.json").write_text(json.dumps({"status": "running", PENDING: {"time": 5.0},
+                                              "layout": {"world_size": 2, "dp": 2, "tp": 1, "pp": 1}}))
     entry = promote(run, 10)
-    assert entry == {"step": 10, "time": 5.0, "changed": {"training.steps": [10, 30]}}
+    assert entry == {"step": 10, "time": 5.0, "changed": {"training.steps": [10, 30],
+                                                          "launch.nproc_per_node": [2, 4]}}
     info = json.loads((run / "run.json").read_text())
     assert info["resumes"] == [entry] and PENDING not in info and info["steps"] == 30
+    assert info["layout"]["label"] == "dp 4 (ddp)"  # the resumed preset's layout: another world size
     assert not (run / RESUME_PRESET).exists() and "steps = 30" in (run / "preset.toml").read_text()
     assert promote(run, 11) is None  # nothing pending any more
 

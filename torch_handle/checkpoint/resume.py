@@ -29,6 +29,7 @@ from torch_handle.config.schema import PLUGIN_TABLES, resume_declaration
 from torch_handle.errors import RunDirError
 from torch_handle.registry import get_registry
 from torch_handle.common.fsio import write_text_atomic
+from torch_handle.common.run_layout import LAYOUT_KEY, RunLayout
 from torch_handle.rundir import PRESET_FILE, modify_run_info
 
 RESUME_PRESET = "preset.resume.toml"
@@ -143,7 +144,8 @@ def write_side_preset(run_dir: Path, preset: Preset | None) -> None:
 
 def promote(run_dir: Path, step: int) -> dict[str, Any] | None:
     """The resumed run works (it made a step, or finished): make ``preset.resume.toml`` the run's preset and
-    append ``{"step", "time", "changed"}`` to run.json's ``resumes`` (``step``: the step it resumed at).
+    append ``{"step", "time", "changed"}`` to run.json's ``resumes`` (``step``: the step it resumed at); run.json's
+    ``layout`` becomes the resumed preset's.
     Returns the entry, or None when no resume was pending. Safe to call more than once.
 
     All of it under run.json's lock (:func:`torch_handle.rundir.modify_run_info`): rank 0 may write run.json
@@ -165,7 +167,9 @@ def promote(run_dir: Path, step: int) -> dict[str, Any] | None:
         changed: dict[str, list[Any]] = {}
         if side.exists():
             try:
-                changed = diff(load_preset(run_dir / PRESET_FILE), load_preset(side))
+                new = load_preset(side)
+                changed = diff(load_preset(run_dir / PRESET_FILE), new)
+                info[LAYOUT_KEY] = RunLayout.from_preset(new).record()  # a resume may change the world size
             except Exception:  # noqa: BLE001 - the history line is best effort; the preset swap is what matters
                 changed = {}
             os.replace(side, run_dir / PRESET_FILE)

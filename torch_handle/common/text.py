@@ -78,16 +78,3 @@ def strategy_label(strategy: Any, zero_stage: Any) -> str:
         label += f" ZeRO-{clean(zero_stage, 8)}"
     return label
 
-
-def layout_label(layout: Any) -> str | None:
-    """How a step event's ``layout`` (parallel degrees by name: ``{"dp": 2, "tp": 2}``) reads in one line:
-    ``dp 2 × tp 2``. ``dp`` always and first, every other degree only when above 1 (``{"dp": 1, "tp": 1, "pp": 2}``
-    reads ``dp 1 × pp 2``); names cleaned, degrees that are not positive integers left out. None when ``layout`` is
-    not a mapping or nothing is left."""
-    if not isinstance(layout, dict):
-        return None
-    degrees = {clean(name, 8): value for name, value in layout.items()
-               if isinstance(value, int) and not isinstance(value, bool) and value >= 1}
-    parts = [f"dp {degrees.pop('dp')}"] if "dp" in degrees else []
-    parts += [f"{name} {value}" for name, value in degrees.items() if value > 1]
-    return " × ".join(parts) or None

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from torch_handle.common.precision import AUTO
+from torch_handle.common.run_layout import LAYOUT_KEY, RunLayout
 from torch_handle.checkpoint.resume import PENDING, RESUME_PRESET, check_changes, promote, write_side_preset
 from torch_handle.config.loader import Preset, dump_preset, load_preset
 from torch_handle.errors import RunDirError
@@ -63,7 +64,9 @@ def prepare_run(preset: str | None, overrides: tuple[str, ...], run_dir: Path | 
     ``training.precision = "auto"`` is resolved here, once, before anything is written
     (:func:`torch_handle.launch.precision.resolve_for_run`): ``preset.toml`` holds the concrete precision and
     run.json ``precision`` and ``precision_reason`` (and ``precision_warning`` for an explicit bf16 on a CPU that
-    emulates it). A node joining a multi-node run's shared directory takes the precision of its ``preset.toml``.
+    emulates it). run.json's ``layout`` is the run's dp × tp × pp, their implementations and its strategy
+    (:meth:`torch_handle.common.run_layout.RunLayout.record`), for the views that do not load the preset. A node
+    joining a multi-node run's shared directory takes the precision of its ``preset.toml``.
 
     Raises:
         PresetError, DataError, RunDirError: one line each (``handle run``: exit code 2).
@@ -78,7 +81,7 @@ def prepare_run(preset: str | None, overrides: tuple[str, ...], run_dir: Path | 
     info = {"status": Status.STARTING, "name": loaded.run.name, "preset": str(loaded.source),
             "strategy": loaded.strategy.name, "zero_stage": getattr(loaded.strategy.options, "zero_stage", None),
             "world_size": loaded.world_size, "steps": loaded.training.steps, "start_time": time.time(),
-            "end_time": None, "restarts": 0, **precision}
+            "end_time": None, "restarts": 0, LAYOUT_KEY: RunLayout.from_preset(loaded).record(), **precision}
     if loaded.launch.nnodes > 1:
         if run_dir is not None:
             directory, _ = create_or_join_run_dir(loaded, info, Path(run_dir))

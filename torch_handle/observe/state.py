@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
-from torch_handle.common.text import clean, layout_label, strategy_label
+from torch_handle.common.run_layout import LAYOUT_KEY, RunLayout
+from torch_handle.common.text import clean, strategy_label
 from torch_handle.observe.comm import read_comm
 from torch_handle.observe.fields import (ACTIVATION_BYTES, ACTIVATION_SAVED_BYTES, BREAKDOWN, COMM, DATA_S, MEMORY,
                                          WAIT_S, Kind, Level, Status)
@@ -102,9 +103,11 @@ class RunState:
     it)."""
     mfu: float | None = None
     """The newest model FLOPs utilisation (0..1)."""
-    layout: str | None = None
-    """The newest step event's parallel layout as :func:`~torch_handle.common.text.layout_label` writes it
-    (``dp 2 × tp 2``); None when it has none."""
+    layout_degrees: dict[str, Any] | None = None
+    """The newest step event's ``layout`` as it carries it (``{"dp": 2, "tp": 2}``), or None; :attr:`run_layout`
+    is how it reads."""
+    preset_layout: RunLayout | None = None
+    """For a run whose run.json has no ``layout`` record (an old one): :meth:`RunLayout.from_run`'s, read once."""
     comm: dict[str, float] | None = None
     """The newest step event's communication seconds per dimension of the layout (``{"dp": .., "tp": ..}``,
     :func:`~torch_handle.observe.comm.read_comm`); None when it has none."""
@@ -227,7 +230,7 @@ class RunState:
         self.breakdown_seen = self.breakdown_seen or self.forward_s[-1] is not None
         if (mfu := number(event.get("mfu"))) is not None:
             self.mfu = mfu
-        self.layout = layout_label(event.get("layout"))
+        self.layout_degrees = event.get("layout") if isinstance(event.get("layout"), dict) else None
         self.comm = read_comm(event.get(COMM))
         ranks = event.get("ranks")
         if isinstance(ranks, list):
@@ -349,6 +352,19 @@ class RunState:
         if self.event_strategy:
             return strategy_label(self.event_strategy, self.event_zero_stage)
         return strategy_label(self.info.get("strategy"), self.info.get("zero_stage"))
+
+    @property
+    def run_layout(self) -> RunLayout:
+        """The run's layout, :class:`~torch_handle.common.run_layout.RunLayout`: run.json's ``layout`` record;
+        for an older run preset.toml's ``[parallel]`` (read once, :meth:`RunLayout.from_run`), or the degrees of the
+        newest step event where it has none or they differ; with the workers' strategy (their ZeRO stage) once an
+        event named it."""
+        layout = RunLayout.from_record(self.info.get(LAYOUT_KEY))
+        if layout is None:
+            if self.preset_layout is None:
+                self.preset_layout = RunLayout.from_run(self.run_dir, self.info)
+            layout = self.preset_layout.matching(self.layout_degrees)
+        return layout.with_strategy(self.event_strategy, self.event_zero_stage)
 
     @property
     def precision(self) -> str | None:
