@@ -277,3 +277,26 @@ def test_hang_timeout_must_be_well_below_the_collective_timeout(tmp_path) -> Non
         load_preset(preset, ("launch.hang_timeout_s=0",))
     with pytest.raises(PresetError, match="on_hang"):
         load_preset(preset, ("launch.on_hang=kill",))
+
+
+def test_stopping_the_heartbeat_waits_for_a_write_in_progress(tmp_path, monkeypatch) -> None:
+    """A worker ends with os._exit, which kills daemon threads mid-write: stop() must wait for the writer, or a
+    temporary .rank0.json.*.tmp stays in heartbeats/ (seen in test_hang)."""
+    import time
+
+    import torch_handle.observe.heartbeat as heartbeat
+    from torch_handle.common.fsio import write_json_atomic
+
+    writing = threading.Event()
+
+    def slow_write(path, data, **kw):
+        writing.set()
+        time.sleep(0.3)
+        write_json_atomic(path, data, **kw)
+
+    hb = heartbeat.Heartbeat(tmp_path, 0, interval_s=0.01).start()
+    monkeypatch.setattr(heartbeat, "write_json_atomic", slow_write)
+    assert writing.wait(5.0)
+    hb.stop()
+    assert not hb._thread.is_alive()
+    assert sorted(p.name for p in (tmp_path / "heartbeats").iterdir()) == ["rank0.json"]

@@ -151,8 +151,12 @@ class Heartbeat:
                 self.progress_time = time.time()
             self.write()
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Stop the writer thread and wait up to ``timeout_s`` for it: a write in progress completes, so an exiting
+        process (``os._exit`` ends daemon threads wherever they are) leaves no temporary file behind."""
         self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout_s)
 
 
 _current: Heartbeat | None = None

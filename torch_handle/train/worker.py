@@ -173,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
                 dist.destroy_process_group()
             except Exception:  # noqa: BLE001 - best effort on the way out
                 pass
+        heartbeat.stop()  # before os._exit: a half-written beat would stay as heartbeats/.rank<R>.json.*.tmp
     return code
 
 
