@@ -12,32 +12,16 @@ import pytest
 from torch_handle.common.precision import ISA_ENV
 from torch_handle.config.loader import dump_preset, load_preset
 from torch_handle.launch import precision as prec
+from tests.helpers import tiny_preset
 
-TINY = """
-[run]
-output_dir = "{out}"
-[model]
-d_model = 64
-n_heads = 4
-n_layers = 2
-d_ff = 128
-[data]
-seq_len = 32
-vocab_size = 512
-[training]
-steps = 4
-micro_batch_size = 4
-eval_every = 0
-checkpoint_every = 0
-[strategy]
-name = "ddp"
-"""
 
 
 @pytest.fixture
 def tiny(tmp_path):
     path = tmp_path / "tiny.toml"
-    path.write_text(TINY.format(out=tmp_path / "runs"))
+    # the tests' tiny preset on 1 rank with the default precision (auto)
+    text = tiny_preset(tmp_path / "runs", steps=4).replace('precision = "fp32"\n', "")
+    path.write_text(text.replace("nproc_per_node = 2", "nproc_per_node = 1"))
     return path
 
 

@@ -120,22 +120,14 @@ def probe_cpu(*, refresh: bool = False) -> dict[str, Any]:
     """The CPU probe (:func:`measure_cpu_probe`), from the cache when it holds this machine's (:func:`probe_key`),
     else measured and cached (``HANDLE_PEAK_CACHE`` names the file; see :mod:`torch_handle.observe.peak`). A cache
     that cannot be written is not an error. Returns the probe's figures plus ``key`` and ``cached``."""
-    from torch_handle.common.fsio import write_json_atomic
-    from torch_handle.observe.peak import _read_cache, cache_path
+    from torch_handle.observe.peak import _read_cache, cache_path, store
 
-    key, path = probe_key(), cache_path()
-    cache = _read_cache(path)
-    entry = cache.get(key)
+    key = probe_key()
+    entry = _read_cache(cache_path()).get(key)
     if not refresh and isinstance(entry, dict) and isinstance(entry.get("ratio"), (int, float)):
         return {**entry, "key": key, "cached": True}
     entry = {**measure_cpu_probe(), "n": PROBE_N, "measured_at": round(time.time(), 3)}
-    cache = _read_cache(path)  # re-read: a worker may have written its peak meanwhile
-    cache[key] = entry
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(path, cache)
-    except OSError:
-        pass
+    store(key, entry)
     return {**entry, "key": key, "cached": False}
 
 

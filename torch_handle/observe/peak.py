@@ -129,22 +129,28 @@ def peak_flops(device: Any = "cpu", *, refresh: bool = False, dtypes: tuple[str,
 
     threads = torch.get_num_threads()
     key = device_key(device, threads)
-    path = cache_path()
-    entry = _read_cache(path).get(key)
+    entry = _read_cache(cache_path()).get(key)
     entry = entry if isinstance(entry, dict) and not refresh else {}
     missing = tuple(d for d in dtypes if d not in entry)
     if not missing:
         return {**entry, "key": key, "cached": True}
     entry = {**entry, "device": str(torch.device(device)), "threads": threads, **measure_peak(device, missing),
              "measured_at": round(time.time(), 3)}
-    cache = _read_cache(path)  # re-read: another rank or run may have written meanwhile
+    store(key, entry)
+    return {**entry, "key": key, "cached": False}
+
+
+def store(key: str, entry: dict[str, Any]) -> None:
+    """Write ``entry`` under ``key`` into the cache file, re-read first (another rank or run may have written
+    meanwhile). A cache that cannot be written is not an error: the caller has its figures all the same."""
+    path = cache_path()
+    cache = _read_cache(path)
     cache[key] = entry
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         write_json_atomic(path, cache)
     except OSError:
         pass
-    return {**entry, "key": key, "cached": False}
 
 
 def cached_peak(device: Any, precision: str, threads: int) -> float | None:
