@@ -12,6 +12,7 @@ import contextlib
 import json
 import os
 import threading
+import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -60,3 +61,13 @@ def write_json_atomic(path: Path, data: Any, *, indent: int | None = 2) -> None:
         TypeError: when ``data`` is not JSON-serialisable (nothing is written).
     """
     write_text_atomic(path, json.dumps(data, indent=indent) + "\n")
+
+
+def read_toml(path: Path) -> dict[str, Any] | None:
+    """The TOML document at ``path`` as a dict, or None when it is missing, unreadable or not TOML (a display or a
+    best-effort lookup, e.g. a run directory's ``preset.toml`` read without loading the preset)."""
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError):
+        return None

@@ -22,11 +22,11 @@ Standard library only (no torch, no click).
 
 from __future__ import annotations
 
-import tomllib
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from torch_handle.common.fsio import read_toml
 from torch_handle.common.text import clean, strategy_label
 
 SCHEDULE_NAMES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved-1f1b": "interleaved 1F1B", "zbv": "ZBV",
@@ -181,10 +181,8 @@ def _degree_or_zero(value: Any) -> int | None:
 def _preset_parallel(run_dir: Path) -> dict[str, Any] | None:
     """preset.toml's ``[parallel]`` table (``{}`` when it has none), or None when there is no readable
     preset.toml."""
-    try:
-        with open(Path(run_dir) / "preset.toml", "rb") as f:
-            data = tomllib.load(f)
-    except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError):
+    data = read_toml(Path(run_dir) / "preset.toml")
+    if data is None:
         return None
     table = data.get("parallel", {})
     return table if isinstance(table, dict) else {}

@@ -255,14 +255,10 @@ def resolve_for_run(preset: Preset, join_dir: Path | None = None) -> tuple[Prese
 
 def _shared_precision(run_dir: Path) -> str | None:
     """``training.precision`` of ``run_dir/preset.toml`` when it is a concrete one, else None."""
-    import tomllib
-
+    from torch_handle.common.fsio import read_toml
     from torch_handle.common.precision import PRECISIONS
     from torch_handle.rundir import PRESET_FILE
 
-    try:
-        data = tomllib.loads((run_dir / PRESET_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    value = data.get("training", {}).get("precision")
+    training = (read_toml(run_dir / PRESET_FILE) or {}).get("training")
+    value = training.get("precision") if isinstance(training, dict) else None
     return value if value in PRECISIONS else None
