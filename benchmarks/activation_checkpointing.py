@@ -30,7 +30,7 @@ from torch_handle.model.transformer import DecoderLM
 def build(checkpointing: bool, seq_len: int, dtype: torch.dtype) -> DecoderLM:
     torch.manual_seed(0)
     args = TransformerArgs(vocab_size=4096, d_model=256, n_heads=4, n_layers=4, d_ff=1024, dropout=0.1,
-                           activation="gelu", norm_first=True, max_len=seq_len, pad_id=PAD_ID,
+                           mlp="gelu", norm_first=True, max_len=seq_len, pad_id=PAD_ID,
                            activation_checkpointing=checkpointing)
     return DecoderLM(args).to(dtype).train()
 

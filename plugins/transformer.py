@@ -5,27 +5,49 @@ from __future__ import annotations
 import dataclasses
 
 from torch_handle.api import InvalidValue, hookimpl
-from torch_handle.model.args import DATASET_FIELDS, ModelKind, TransformerArgs
+from torch_handle.model.args import DATASET_FIELDS, Activation, ModelKind, TransformerArgs
+
+_MLP_DEFAULT = next(f.default for f in dataclasses.fields(TransformerArgs) if f.name == "mlp")
+
+
+def _post_init(self) -> None:
+    """``activation``, the option's name before SwiGLU, becomes ``mlp`` (so presets and run directories written
+    before it load, and resume, as the same model); it is then unset, so the resolved preset names ``mlp`` only."""
+    if self.activation is None:
+        return
+    if self.mlp not in (_MLP_DEFAULT, self.activation):
+        raise InvalidValue("activation", f"{self.activation!r} is the old name of mlp, which says {self.mlp!r}; "
+                                         f"give mlp only")
+    self.mlp, self.activation = self.activation, None
 
 
 def _check(self) -> None:
-    if self.d_model % self.n_heads:
-        raise InvalidValue("n_heads", f"{self.n_heads} does not divide d_model={self.d_model}")
+    if self.head_dim is None and self.d_model % self.n_heads:
+        raise InvalidValue("n_heads", f"{self.n_heads} does not divide d_model={self.d_model} (or give head_dim)")
+    if self.n_kv_heads is not None and (self.n_kv_heads > self.n_heads or self.n_heads % self.n_kv_heads):
+        raise InvalidValue("n_kv_heads", f"{self.n_kv_heads} does not divide n_heads={self.n_heads} (each key/value "
+                                         f"head serves an equal group of query heads)")
+    d_k = self.head_dim or self.d_model // self.n_heads
+    if self.position == "rope" and d_k % 2:
+        raise InvalidValue("head_dim" if self.head_dim else "n_heads",
+                           f"RoPE rotates channel pairs: the head width {d_k} must be even")
 
 
 _DOC = """``[model]`` options of the ``transformer`` plugin. ``kind`` picks the class: ``"decoder"``, a decoder-only
 language model; ``"encoder-decoder"``, translation (Vaswani et al. 2017). Every other option is the
 ``TransformerArgs`` field of the same name, with its type, default, range and documentation
 (``torch_handle/model/args.py``: the one source of the model's defaults), except those the dataset supplies
-(``DATASET_FIELDS``)."""
+(``DATASET_FIELDS``). ``activation`` is ``mlp``'s name from before SwiGLU, still read."""
 
 TransformerConfig = dataclasses.make_dataclass(
     "TransformerConfig",
     [("kind", ModelKind, dataclasses.field(default="decoder")),
      *((f.name, f.type, dataclasses.field(default=f.default, metadata=f.metadata))
-       for f in dataclasses.fields(TransformerArgs) if f.name not in DATASET_FIELDS)],
-    namespace={"__module__": __name__, "__doc__": _DOC, "check": _check, "tensor_parallel": True,
-               "pipeline_parallel": True})
+       for f in dataclasses.fields(TransformerArgs) if f.name not in DATASET_FIELDS),
+     ("activation", Activation | None, dataclasses.field(default=None))],
+    namespace={"__module__": __name__, "__doc__": _DOC, "__post_init__": _post_init, "check": _check,
+               "tensor_parallel": True, "pipeline_parallel": True})
+
 
 
 def check_preset(options: TransformerConfig, preset) -> None:
@@ -36,6 +58,9 @@ def check_preset(options: TransformerConfig, preset) -> None:
                                    f"({data_kind}); use kind = {wanted!r}")
     parallel = preset.parallel
     if parallel.tp > 1:
+        later = _not_tensor_parallel_yet(options)
+        if later:
+            raise InvalidValue(later[0], f"{later[1]} is not split by tensor parallelism yet (use parallel.tp = 1)")
         from torch_handle.model.parallelize import tensor_parallel_problems
 
         vocab_size = getattr(preset.data.options, "vocab_size", None)
@@ -52,12 +77,24 @@ def check_preset(options: TransformerConfig, preset) -> None:
             raise InvalidValue(key if key != "pp_layers" else "parallel.pp_layers", message)
 
 
+def _not_tensor_parallel_yet(options: TransformerConfig) -> tuple[str, str] | None:
+    """The first option the tensor-parallel plan (``torch_handle/model/parallelize.py``) does not split yet, as
+    (key, what); None when the model splits."""
+    defaults = TransformerArgs(vocab_size=1)
+    for key in ("mlp", "norm", "position", "n_kv_heads", "head_dim", "qk_norm"):
+        value = getattr(options, key)
+        if value != getattr(defaults, key) and not (key == "n_kv_heads" and value == options.n_heads):
+            return key, f"{key} = {value!r}"
+    return None
+
+
 def build(options: TransformerConfig, vocab_size: int, pad_id: int, max_len: int):
     """``factory(options, vocab_size, pad_id, max_len) -> nn.Module``: every option but ``kind`` is the
     ``TransformerArgs`` field of the same name; the dataset supplies vocab_size, pad_id and max_len."""
     from torch_handle.model.transformer import build_transformer
 
-    shared = {f.name: getattr(options, f.name) for f in dataclasses.fields(options) if f.name != "kind"}
+    shared = {f.name: getattr(options, f.name) for f in dataclasses.fields(options) if f.name not in ("kind",
+                                                                                                       "activation")}
     args = TransformerArgs(vocab_size=vocab_size, pad_id=pad_id, max_len=max_len, **shared)
     return build_transformer(args, kind=options.kind)
 

@@ -188,7 +188,7 @@ def test_tensor_parallel_activations_follow_korthikanti():
 
     batch, seq, vocab, h, heads = 2, 64, 256, 128, 4
     args = TransformerArgs(vocab_size=vocab, pad_id=0, max_len=seq, d_model=h, n_heads=heads, n_layers=2,
-                           d_ff=4 * h, dropout=0.1, activation="gelu", activation_checkpointing=True)
+                           d_ff=4 * h, dropout=0.1, mlp="gelu", activation_checkpointing=True)
 
     def layer(tp: int, sp: bool) -> A.ActivationBytes:
         return A.fake_activations(ModelBuild(_factory, args, vocab, 0, seq, "lm", tp, sp), batch, seq, "bf16",

@@ -404,7 +404,7 @@ def test_blocks_are_the_repeated_layers_in_forward_order():
 @pytest.mark.parametrize("activation", ["relu", "gelu"])
 @pytest.mark.parametrize("norm_first", [False, True], ids=["post-LN", "pre-LN"])
 def test_encoder_layer_matches_torch(norm_first, activation, attention):
-    ours = EncoderLayer(D, H, FF, dropout=0.0, activation=activation, norm_first=norm_first, attention=attention)
+    ours = EncoderLayer(D, H, FF, dropout=0.0, mlp=activation, norm_first=norm_first, attention=attention)
     randomize_(ours).eval()
     theirs = nn.TransformerEncoderLayer(
         D, H, FF, dropout=0.0, activation=activation, batch_first=True, norm_first=norm_first
@@ -424,7 +424,7 @@ def test_encoder_layer_matches_torch(norm_first, activation, attention):
 @pytest.mark.parametrize("activation", ["relu", "gelu"])
 @pytest.mark.parametrize("norm_first", [False, True], ids=["post-LN", "pre-LN"])
 def test_decoder_layer_matches_torch(norm_first, activation, attention):
-    ours = DecoderLayer(D, H, FF, dropout=0.0, activation=activation, norm_first=norm_first, attention=attention)
+    ours = DecoderLayer(D, H, FF, dropout=0.0, mlp=activation, norm_first=norm_first, attention=attention)
     randomize_(ours).eval()
     theirs = nn.TransformerDecoderLayer(
         D, H, FF, dropout=0.0, activation=activation, batch_first=True, norm_first=norm_first
@@ -503,8 +503,16 @@ def test_errors():
         build_transformer(TransformerArgs(V, d_model=10, n_heads=3, n_layers=1, d_ff=8), kind="encoder-decoder")
     with pytest.raises(ValueError, match=r"'decoder'.*'encoder-decoder'"):
         build_transformer(tiny(), kind="encoder-only")
-    with pytest.raises(ValueError, match="activation"):
-        DecoderLM(tiny(activation="swish"))
+    with pytest.raises(ValueError, match="mlp"):
+        DecoderLM(tiny(mlp="swish"))
+    with pytest.raises(ValueError, match="norm"):
+        DecoderLM(tiny(norm="batchnorm"))
+    with pytest.raises(ValueError, match="position"):
+        DecoderLM(tiny(position="alibi"))
+    with pytest.raises(ValueError, match="n_kv_heads"):
+        DecoderLM(tiny(n_kv_heads=3))
+    with pytest.raises(ValueError, match="even"):
+        DecoderLM(tiny(position="rope", head_dim=7))
     with pytest.raises(ValueError, match="attention"):
         EncoderDecoder(tiny(attention="flash"))
     with pytest.raises(ValueError, match="max_len"):

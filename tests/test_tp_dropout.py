@@ -40,7 +40,7 @@ from tests.helpers import run_on_gloo
 
 B, T, V, P, SEED = 2, 8, 32, 0.25, 7
 ARGS = TransformerArgs(vocab_size=V, d_model=16, n_heads=4, n_layers=2, d_ff=32, dropout=P, max_len=T,
-                       activation="gelu", norm_first=True, tie_embeddings=True)
+                       mlp="gelu", norm_first=True, tie_embeddings=True)
 REPLICATED = ["embed_dropout", "layers.0.dropout", "layers.1.dropout"]
 FFN = ["layers.0.ff.dropout", "layers.1.ff.dropout"]
 

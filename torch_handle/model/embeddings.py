@@ -1,5 +1,6 @@
 """Step 1 of the model: tokens to vectors. A token embedding scaled by √d_model, plus a fixed sinusoidal position
-table (Vaswani et al. 2017, §3.4 and §3.5).
+table (Vaswani et al. 2017, §3.4 and §3.5); or, for a model with rotary positions (``rope.py``), the embedding
+alone (``PositionsInAttention``).
 
 Shape letters: B batch, T sequence length, C = d_model channels, V vocabulary size.
 """
@@ -12,13 +13,15 @@ import torch
 from torch import Tensor, nn
 
 
-def embed_tokens(embed: nn.Embedding, ids: Tensor) -> Tensor:
-    """Token embedding times √C (Vaswani et al. 2017, §3.4): ids LongTensor (B, T) -> (B, T, C).
+def embed_tokens(embed: nn.Embedding, ids: Tensor, scale: bool = True) -> Tensor:
+    """Token embedding times √C (Vaswani et al. 2017, §3.4), or unscaled (``scale=False``: Llama, GPT-2): ids
+    LongTensor (B, T) -> (B, T, C).
 
     With the table initialised N(0, 1/C) (the model's ``_reset_parameters``) the scaled embeddings have unit
     variance, and a tied output projection starts with O(1) logits.
     """
-    return embed(ids) * math.sqrt(embed.embedding_dim)
+    x = embed(ids)  # (B, T, C)
+    return x * math.sqrt(embed.embedding_dim) if scale else x
 
 
 class SinusoidalPositionalEncoding(nn.Module):
@@ -67,3 +70,33 @@ class SinusoidalPositionalEncoding(nn.Module):
 
     def extra_repr(self) -> str:
         return f"d_model={self.d_model}, max_len={self.max_len}"
+
+
+class PositionsInAttention(nn.Module):
+    """The position step of a model with rotary positions: adds nothing. Each attention rotates its queries and keys
+    by their positions (``rope.RotaryEmbedding``), so the embeddings enter the layers as they are.
+
+    A module all the same, so that both kinds of model have the same parts in the same places (a pipeline's first
+    stage and the tensor-parallel plan find ``pos_encoding`` in both), and so that both refuse the same lengths.
+
+    Args:
+        max_len: longest sequence accepted (RoPE itself has no limit: see ``TransformerArgs.max_len``).
+
+    Shape:
+        forward(x (B, T, C), offset) -> x.
+
+    Raises:
+        ValueError: if offset + T > max_len.
+    """
+
+    def __init__(self, max_len: int) -> None:
+        super().__init__()
+        self.max_len = max_len
+
+    def forward(self, x: Tensor, offset: int = 0) -> Tensor:
+        if offset + x.shape[1] > self.max_len:
+            raise ValueError(f"sequence length {offset + x.shape[1]} exceeds max_len {self.max_len}")
+        return x
+
+    def extra_repr(self) -> str:
+        return f"max_len={self.max_len}"

@@ -2,8 +2,10 @@
 between decoding steps, so a step feeds only the new tokens.
 
 ``KVCache`` (one per generation) holds a ``LayerCache`` per decoder layer, which holds an ``AttentionCache`` for
-self-attention (appending) and one for cross-attention (static). Shape letters: B batch, H heads, S cached
-positions, d_k channels per head, T new positions.
+self-attention (appending) and one for cross-attention (static). It holds the H_kv key/value heads (fewer than
+the H query heads under grouped-query attention: the cache is H / H_kv times smaller), keys already rotated by
+their positions under RoPE. Shape letters: B batch, H_kv key/value heads, S cached positions, d_k channels per head,
+T new positions.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ class AttentionCache:
     the first call and reused afterwards (the memory passed later is ignored).
 
     Attributes:
-        k, v: (B, H, S, d_k) or None before the first call.
+        k, v: (B, H_kv, S, d_k) or None before the first call.
     """
 
     def __init__(self, static: bool = False) -> None:
@@ -29,13 +31,23 @@ class AttentionCache:
         self.v: Tensor | None = None
 
     @property
+    def length(self) -> int:
+        """S, the positions held: the position of the next key of a self-attention cache."""
+        return 0 if self.k is None else self.k.shape[2]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the cached keys and values."""
+        return 0 if self.k is None else self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
+
+    @property
     def ready(self) -> bool:
         """A static cache that holds its keys/values: the caller projects only the queries."""
         return self.static and self.k is not None
 
     def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Store the keys/values of this call, k and v (B, H, T, d_k), and return all of them: (B, H, S + T, d_k)
-        after the S cached ones for self-attention, k and v themselves for a static cache."""
+        """Store the keys/values of this call, k and v (B, H_kv, T, d_k), and return all of them: (B, H_kv, S + T,
+        d_k) after the S cached ones for self-attention, k and v themselves for a static cache."""
         if not self.static and self.k is not None:
             k, v = torch.cat([self.k, k], dim=2), torch.cat([self.v, v], dim=2)
         self.k, self.v = k, v
@@ -88,6 +100,11 @@ class KVCache:
             self.padding_mask = torch.zeros(rows.shape[0], self.length, dtype=torch.bool, device=rows.device)
         self.padding_mask = torch.cat([self.padding_mask, mask], 1)
         return self.padding_mask
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every cached key and value (what grouped-query attention shrinks)."""
+        return sum(layer.self_attn.nbytes + layer.cross_attn.nbytes for layer in self.layers)
 
     def reorder(self, index: Tensor) -> None:
         """Keep batch rows ``index`` (LongTensor (B',)) of every cached tensor (beam search, finished rows)."""

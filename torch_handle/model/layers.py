@@ -1,7 +1,6 @@
-"""Step 3 of the model: the position-wise feed-forward network and the layers that wrap attention and FFN in
-residual connections with LayerNorm (Vaswani et al. 2017, §3.1 and §3.3).
+"""Step 3 of the model: the layers that wrap attention and the feed-forward network (``feed_forward.py``) in
+residual connections with a norm (``norms.py``: LayerNorm or RMSNorm) (Vaswani et al. 2017, §3.1 and §3.3).
 
-* ``PositionwiseFeedForward`` -- two linear layers with a nonlinearity in between.
 * ``EncoderLayer`` / ``DecoderLayer`` -- attention + FFN sub-layers, each x + sublayer(LN(x)) (pre-LN; Xiong et al.
   2020, "On Layer Normalization in the Transformer Architecture") or LN(x + sublayer(x)) (post-LN, the paper).
 
@@ -13,71 +12,51 @@ from __future__ import annotations
 
 from typing import Callable
 
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-from torch_handle.model.args import ACTIVATIONS, Activation, AttentionImpl, check_choice
+from torch_handle.model.args import MLP, AttentionImpl, Norm
 from torch_handle.model.attention import MultiHeadAttention
+from torch_handle.model.feed_forward import build_feed_forward
 from torch_handle.model.kernels import Dropout
 from torch_handle.model.kv_cache import LayerCache
+from torch_handle.model.norms import build_norm
 from torch_handle.model.profiling import record_range
-from torch_handle.parallel.tensor.random import tensor_parallel_rng
-
-
-class PositionwiseFeedForward(nn.Module):
-    """FFN(x) = W2 · dropout(act(W1 x + b1)) + b2, applied to every position independently
-    (Vaswani et al. 2017, §3.3).
-
-    Args:
-        d_model: model width C.
-        d_ff: hidden width (4C in most models).
-        dropout: dropout on the hidden activations.
-        activation: ``"relu"`` (the paper) or ``"gelu"`` (exact erf form, as in
-            ``nn.TransformerEncoderLayer``).
-
-    Shape:
-        (B, T, C) -> (B, T, C).
-
-    Raises:
-        ValueError: for an unknown activation.
-    """
-
-    def __init__(self, d_model: int, d_ff: int, dropout: float = 0.0, activation: Activation = "relu") -> None:
-        super().__init__()
-        check_choice("activation", activation, ACTIVATIONS)
-        self.activation = activation
-        self.linear1 = nn.Linear(d_model, d_ff)
-        self.linear2 = nn.Linear(d_ff, d_model)
-        self.dropout = Dropout(dropout)
-        self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        for linear in (self.linear1, self.linear2):
-            nn.init.xavier_uniform_(linear.weight)
-            nn.init.zeros_(linear.bias)
-
-    def forward(self, x: Tensor) -> Tensor:
-        act = F.relu if self.activation == "relu" else F.gelu
-        h = act(self.linear1(x))  # (B, T, d_ff); under TP this rank's d_ff/tp units, masks of its own
-        with tensor_parallel_rng(self.training and self.dropout.p > 0):
-            h = self.dropout(h)
-        return self.linear2(h)
 
 
 class _ResidualLayer(nn.Module):
-    """What ``EncoderLayer`` and ``DecoderLayer`` share: the self-attention sub-layer they start with and the
-    residual wiring of every sub-layer. Subclasses add their other modules after ``self_attn`` (the order of the
-    state dict) and set ``dropout``, the residual dropout (one module reused: it holds no state)."""
+    """What ``EncoderLayer`` and ``DecoderLayer`` share: the self-attention sub-layer they start with, how they build
+    norms and the feed-forward network, and the residual wiring of every sub-layer. Subclasses add their other
+    modules after ``self_attn`` (the order of the state dict) and set ``dropout``, the residual dropout (one module
+    reused: it holds no state).
+
+    ``norm``, ``norm_eps``, ``mlp`` and ``bias`` choose the norms and the FFN; ``n_kv_heads``, ``head_dim``,
+    ``rope_theta`` and ``qk_norm`` go to the attention modules (``MultiHeadAttention``; a cross-attention gets no
+    RoPE: its keys are another sequence's positions)."""
 
     dropout: Dropout
 
-    def __init__(self, d_model: int, n_heads: int, dropout: float, norm_first: bool, attention: AttentionImpl,
-                 fused_qkv: bool) -> None:
+    def __init__(self, d_model: int, n_heads: int, d_ff: int, dropout: float, norm_first: bool,
+                 attention: AttentionImpl, fused_qkv: bool, norm_eps: float, mlp: MLP, norm: Norm, bias: bool,
+                 n_kv_heads: int | None, head_dim: int | None, rope_theta: float | None, qk_norm: bool) -> None:
         super().__init__()
         self.norm_first = norm_first
-        self.self_attn = MultiHeadAttention(d_model, n_heads, dropout, fused_qkv=fused_qkv, attention=attention)
+        self._attention_args = {"d_model": d_model, "n_heads": n_heads, "dropout": dropout, "fused_qkv": fused_qkv,
+                                "bias": bias, "attention": attention, "n_kv_heads": n_kv_heads,
+                                "head_dim": head_dim, "qk_norm": qk_norm, "norm_eps": norm_eps}
+        self._norm_args = (norm, d_model, norm_eps, bias)
+        self._ff_args = (mlp, d_model, d_ff, dropout, bias)
+        self.self_attn = self._make_attention(rope_theta)
 
-    def _residual(self, x: Tensor, norm: nn.LayerNorm, name: str, sublayer: Callable[[Tensor], Tensor]) -> Tensor:
+    def _make_attention(self, rope_theta: float | None) -> MultiHeadAttention:
+        return MultiHeadAttention(**self._attention_args, rope_theta=rope_theta)
+
+    def _make_norm(self) -> nn.Module:
+        return build_norm(*self._norm_args)
+
+    def _make_feed_forward(self) -> nn.Module:
+        return build_feed_forward(*self._ff_args)
+
+    def _residual(self, x: Tensor, norm: nn.Module, name: str, sublayer: Callable[[Tensor], Tensor]) -> Tensor:
         """One residual sub-layer: x + dropout(sublayer(norm(x))) pre-LN, norm(x + dropout(sublayer(x))) post-LN.
         The sub-layer and its dropout run inside the profiler range ``name``. (B, T, C) -> (B, T, C)."""
 
@@ -89,7 +68,7 @@ class _ResidualLayer(nn.Module):
 
 
 class EncoderLayer(_ResidualLayer):
-    """Self-attention + feed-forward, each a residual sub-layer with LayerNorm.
+    """Self-attention + feed-forward, each a residual sub-layer with a norm (LayerNorm or RMSNorm).
 
     ``norm_first=False`` is the original post-LN layer, x = LN(x + sublayer(x))
     (Vaswani et al. 2017, §3.1); ``norm_first=True`` is pre-LN, x = x + sublayer(LN(x)), which
@@ -97,25 +76,30 @@ class EncoderLayer(_ResidualLayer):
     as ``nn.TransformerEncoderLayer(batch_first=True)`` with the same settings.
 
     Args:
-        d_model, n_heads, d_ff: widths; n_heads must divide d_model.
+        d_model, n_heads, d_ff: widths; n_heads must divide d_model unless head_dim is given.
         dropout: used on attention weights, FFN hidden units and both residual branches.
-        activation: ``"relu"`` or ``"gelu"``.
+        mlp: the feed-forward network, ``"relu"``, ``"gelu"`` or ``"swiglu"`` (``build_feed_forward``).
         norm_first: pre-LN if True, post-LN if False.
         attention: attention kernel (``"sdpa"`` / ``"reference"``), kept by ``self_attn``.
         fused_qkv: see ``MultiHeadAttention``.
-        layer_norm_eps: LayerNorm epsilon.
+        norm_eps: epsilon of every norm (the q/k norms' too).
+        norm: ``"layernorm"`` or ``"rmsnorm"`` (``build_norm``).
+        bias: biases in the linears and LayerNorms.
+        n_kv_heads, head_dim, rope_theta, qk_norm: see ``MultiHeadAttention``.
 
     Shape:
         forward(x (B, T, C), key_padding_mask bool (B, T) True = pad) -> (B, T, C).
     """
 
-    def __init__(self, d_model: int, n_heads: int, d_ff: int, dropout: float = 0.0, activation: Activation = "relu",
+    def __init__(self, d_model: int, n_heads: int, d_ff: int, dropout: float = 0.0, mlp: MLP = "relu",
                  norm_first: bool = False, attention: AttentionImpl = "sdpa", fused_qkv: bool = True,
-                 layer_norm_eps: float = 1e-5) -> None:
-        super().__init__(d_model, n_heads, dropout, norm_first, attention, fused_qkv)
-        self.ff = PositionwiseFeedForward(d_model, d_ff, dropout, activation)
-        self.self_attn_norm = nn.LayerNorm(d_model, eps=layer_norm_eps)
-        self.ff_norm = nn.LayerNorm(d_model, eps=layer_norm_eps)
+                 norm_eps: float = 1e-5, *, norm: Norm = "layernorm", bias: bool = True, n_kv_heads: int | None = None,
+                 head_dim: int | None = None, rope_theta: float | None = None, qk_norm: bool = False) -> None:
+        super().__init__(d_model, n_heads, d_ff, dropout, norm_first, attention, fused_qkv, norm_eps, mlp, norm, bias,
+                         n_kv_heads, head_dim, rope_theta, qk_norm)
+        self.ff = self._make_feed_forward()
+        self.self_attn_norm = self._make_norm()
+        self.ff_norm = self._make_norm()
         self.dropout = Dropout(dropout)
 
     def forward(self, x: Tensor, *, key_padding_mask: Tensor | None = None) -> Tensor:
@@ -127,15 +111,16 @@ class EncoderLayer(_ResidualLayer):
 class DecoderLayer(_ResidualLayer):
     """Causal self-attention, optional cross-attention to encoder memory, then feed-forward.
 
-    Residual + LayerNorm wiring as in ``EncoderLayer`` (post-LN: Vaswani et al. 2017; pre-LN:
+    Residual + norm wiring as in ``EncoderLayer`` (post-LN: Vaswani et al. 2017; pre-LN:
     Xiong et al. 2020). With ``cross_attention=True`` this computes the same function as
     ``nn.TransformerDecoderLayer(batch_first=True)`` given a causal ``tgt_mask``; with
     ``cross_attention=False`` it is a GPT-style decoder block.
 
     Args:
-        d_model, n_heads, d_ff, dropout, activation, norm_first, attention, fused_qkv,
-        layer_norm_eps: as for ``EncoderLayer``.
+        d_model, n_heads, d_ff, dropout, mlp, norm_first, attention, fused_qkv, norm_eps, norm, bias, n_kv_heads,
+        head_dim, qk_norm: as for ``EncoderLayer``.
         cross_attention: add a cross-attention sub-layer over encoder memory.
+        rope_theta: RoPE in the self-attention (a cross-attention never rotates: see ``_ResidualLayer``).
 
     Shape:
         forward(x (B, T, C), memory (B, S, C) | None) -> (B, T, C).
@@ -145,18 +130,21 @@ class DecoderLayer(_ResidualLayer):
         when it has none.
     """
 
-    def __init__(self, d_model: int, n_heads: int, d_ff: int, dropout: float = 0.0, activation: Activation = "relu",
+    def __init__(self, d_model: int, n_heads: int, d_ff: int, dropout: float = 0.0, mlp: MLP = "relu",
                  norm_first: bool = False, cross_attention: bool = True, attention: AttentionImpl = "sdpa",
-                 fused_qkv: bool = True, layer_norm_eps: float = 1e-5) -> None:
-        super().__init__(d_model, n_heads, dropout, norm_first, attention, fused_qkv)
-        self.self_attn_norm = nn.LayerNorm(d_model, eps=layer_norm_eps)
+                 fused_qkv: bool = True, norm_eps: float = 1e-5, *, norm: Norm = "layernorm", bias: bool = True,
+                 n_kv_heads: int | None = None, head_dim: int | None = None, rope_theta: float | None = None,
+                 qk_norm: bool = False) -> None:
+        super().__init__(d_model, n_heads, d_ff, dropout, norm_first, attention, fused_qkv, norm_eps, mlp, norm, bias,
+                         n_kv_heads, head_dim, rope_theta, qk_norm)
+        self.self_attn_norm = self._make_norm()
         self.cross_attn: MultiHeadAttention | None = None
-        self.cross_attn_norm: nn.LayerNorm | None = None
+        self.cross_attn_norm: nn.Module | None = None
         if cross_attention:
-            self.cross_attn = MultiHeadAttention(d_model, n_heads, dropout, fused_qkv=fused_qkv, attention=attention)
-            self.cross_attn_norm = nn.LayerNorm(d_model, eps=layer_norm_eps)
-        self.ff = PositionwiseFeedForward(d_model, d_ff, dropout, activation)
-        self.ff_norm = nn.LayerNorm(d_model, eps=layer_norm_eps)
+            self.cross_attn = self._make_attention(rope_theta=None)
+            self.cross_attn_norm = self._make_norm()
+        self.ff = self._make_feed_forward()
+        self.ff_norm = self._make_norm()
         self.dropout = Dropout(dropout)
 
     def forward(self, x: Tensor, memory: Tensor | None = None, *, key_padding_mask: Tensor | None = None,

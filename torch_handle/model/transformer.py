@@ -20,13 +20,14 @@ from torch import Tensor, nn
 from torch._subclasses.fake_tensor import is_fake
 from torch.utils.checkpoint import checkpoint
 
-from torch_handle.model.args import AttentionImpl, ModelKind, TransformerArgs
+from torch_handle.model.args import POSITIONS, AttentionImpl, ModelKind, TransformerArgs, check_choice
 from torch_handle.model.attention import MultiHeadAttention
-from torch_handle.model.embeddings import SinusoidalPositionalEncoding, embed_tokens
+from torch_handle.model.embeddings import PositionsInAttention, SinusoidalPositionalEncoding, embed_tokens
 from torch_handle.model.flops import matmul_params, training_flops_per_token
 from torch_handle.model.kernels import Dropout
 from torch_handle.model.kv_cache import KVCache, LayerCache
 from torch_handle.model.layers import DecoderLayer, EncoderLayer
+from torch_handle.model.norms import build_norm
 from torch_handle.model.profiling import record_range
 from torch_handle.parallel.tensor.random import checkpoint_rng_contexts
 
@@ -67,14 +68,25 @@ class _TransformerModel(nn.Module):
         super().__init__()
         self.args = args
         self.embed = nn.Embedding(args.vocab_size, args.d_model)
-        self.pos_encoding = SinusoidalPositionalEncoding(args.d_model, args.max_len)
+        # RoPE: positions enter inside attention, nothing is added here (but the module keeps the length check)
+        self.pos_encoding = (SinusoidalPositionalEncoding(args.d_model, args.max_len) if args.position == "sinusoidal"
+                             else PositionsInAttention(args.max_len))
         self.embed_dropout = Dropout(args.dropout)
 
     def _layer_kwargs(self) -> dict:
         """The ``TransformerArgs`` every ``EncoderLayer`` / ``DecoderLayer`` takes."""
         a = self.args
-        return {"dropout": a.dropout, "activation": a.activation, "norm_first": a.norm_first, "attention": a.attention,
-                "fused_qkv": a.fused_qkv}
+        check_choice("position", a.position, POSITIONS)
+        return {"dropout": a.dropout, "mlp": a.mlp, "norm_first": a.norm_first, "attention": a.attention,
+                "fused_qkv": a.fused_qkv, "norm_eps": a.norm_eps, "norm": a.norm, "bias": a.bias,
+                "n_kv_heads": a.n_kv_heads, "head_dim": a.head_dim, "qk_norm": a.qk_norm,
+                "rope_theta": a.rope_theta if a.position == "rope" else None}
+
+    def _final_norm(self) -> nn.Module:
+        """Pre-LN leaves the residual stream un-normalised, so a pre-LN stack ends with a norm; post-LN's last
+        sub-layer already normalised it."""
+        a = self.args
+        return build_norm(a.norm, a.d_model, a.norm_eps, a.bias) if a.norm_first else nn.Identity()
 
     def blocks(self) -> list[nn.Module]:
         """The repeated Transformer layers, in forward order.
@@ -127,8 +139,10 @@ class _TransformerModel(nn.Module):
             nn.init.normal_(self.lm_head.weight, mean=0.0, std=std)
 
     def _embed(self, ids: Tensor, offset: int = 0) -> Tensor:
-        """(B, T) token ids -> (B, T, C): scaled embedding + position (from ``offset``), then dropout (§3.4)."""
-        return self.embed_dropout(self.pos_encoding(embed_tokens(self.embed, ids), offset))
+        """(B, T) token ids -> (B, T, C): embedding (scaled by √C unless ``scale_embeddings`` is off) + position
+        (from ``offset``; nothing under RoPE), then dropout (§3.4)."""
+        x = embed_tokens(self.embed, ids, scale=self.args.scale_embeddings)  # (B, T, C)
+        return self.embed_dropout(self.pos_encoding(x, offset))
 
     def _padding_mask(self, ids: Tensor) -> Tensor | None:
         """bool (B, T), True where ids == pad_id; None when nothing is padded (``padding_mask_of``)."""
@@ -174,25 +188,29 @@ class _TransformerModel(nn.Module):
         """Training FLOPs (forward + backward) per token: ``flops.training_flops_per_token`` with N the parameters
         that take part in a matmul (all but the input embedding table, which is only indexed; with tied embeddings
         that table *is* the output projection, so it counts once: N == ``num_params()``), L = ``n_layers_total``
-        and the attention width d_model. For the encoder-decoder, "per token" means per target token with source
+        and the attention width n_heads · d_k (d_model unless ``head_dim`` is given; grouped-query attention
+        shrinks K and V, not the scores). For the encoder-decoder, "per token" means per target token with source
         and target both ``seq_len`` long; the cross-attention score term is not included (a small undercount).
         """
         n_matmul = matmul_params(self, self.lm_head)
-        return training_flops_per_token(n_matmul, self.n_layers_total, self.args.d_model, seq_len)
+        return training_flops_per_token(n_matmul, self.n_layers_total, self.args.n_heads * self.args.d_k, seq_len)
 
 
 class DecoderLM(_TransformerModel):
     """Decoder-only (GPT-style) causal language model.
 
     ids -> embed·√C + PE -> dropout -> n_layers × DecoderLayer(causal, no cross-attention)
-    -> final LayerNorm (pre-LN only; Xiong et al. 2020) -> lm_head -> logits.
+    -> final LayerNorm (pre-LN only; Xiong et al. 2020) -> lm_head -> logits. A Llama-style decoder
+    (``presets/llama.toml``) is ids -> embed -> n_layers × DecoderLayer(RMSNorm, RoPE, GQA, SwiGLU; pre-norm)
+    -> final RMSNorm -> lm_head, which is ``transformers``' ``LlamaForCausalLM`` (``hf_names.py`` maps the
+    weights; with ``qk_norm`` ``Qwen3ForCausalLM``).
 
     Args:
         args: sizes and switches (``TransformerArgs``).
 
     Raises:
-        ValueError: d_model % n_heads != 0, unknown activation/attention; from forward,
-        sequences longer than max_len.
+        ValueError: d_model % n_heads != 0 (without head_dim), n_kv_heads not dividing n_heads, unknown
+        mlp/norm/position/attention; from forward, sequences longer than max_len.
     """
 
     def __init__(self, args: TransformerArgs) -> None:
@@ -201,8 +219,7 @@ class DecoderLM(_TransformerModel):
         self.layers = nn.ModuleList(
             DecoderLayer(*sizes, cross_attention=False, **self._layer_kwargs()) for _ in range(args.n_layers)
         )
-        # Pre-LN leaves the residual stream un-normalised, so normalise once before the head.
-        self.final_norm = nn.LayerNorm(args.d_model) if args.norm_first else nn.Identity()
+        self.final_norm = self._final_norm()
         self.lm_head = self._make_lm_head()
         self._reset_parameters()
 
@@ -243,7 +260,8 @@ class EncoderDecoder(_TransformerModel):
 
     Args:
         args: as for ``DecoderLM``; ``args.n_layers`` is per stack (2·n_layers layers in all).
-        The paper's model is ``activation="relu", norm_first=False``.
+        The paper's model is ``mlp="relu", norm_first=False``. Every option applies to both stacks; RoPE rotates
+        the self-attentions (the cross-attention's queries and keys come from different sequences: no rotation).
 
     Raises:
         ValueError: as for ``DecoderLM``.
@@ -256,8 +274,8 @@ class EncoderDecoder(_TransformerModel):
         self.decoder_layers = nn.ModuleList(
             DecoderLayer(*sizes, cross_attention=True, **self._layer_kwargs()) for _ in range(args.n_layers)
         )
-        self.encoder_norm = nn.LayerNorm(args.d_model) if args.norm_first else nn.Identity()
-        self.decoder_norm = nn.LayerNorm(args.d_model) if args.norm_first else nn.Identity()
+        self.encoder_norm = self._final_norm()
+        self.decoder_norm = self._final_norm()
         self.lm_head = self._make_lm_head()
         self._reset_parameters()
 

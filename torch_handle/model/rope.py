@@ -1,0 +1,79 @@
+"""Rotary position embeddings (Su et al. 2021, "RoFormer: Enhanced Transformer with Rotary Position Embedding").
+
+Instead of adding a position vector to the token embedding, RoPE rotates each query and key by an angle that grows
+with its position. Split a head's d_k channels into d_k/2 pairs; pair i of the vector at position m turns by
+m·θ_i radians, θ_i = theta^(-2i/d_k) (§3.2, eq. 15; theta = 10000 in the paper). A rotation preserves lengths, and
+the dot product of a query rotated by m·θ with a key rotated by n·θ depends on m - n only (§3.4.1): attention
+scores see relative positions, though every vector is rotated by its absolute one. Nothing is learned and nothing
+is added to the residual stream, so the model has no position table and no length it was built for.
+
+Which channels form a pair is a convention. The paper (and GPT-J, and Meta's original Llama code with complex
+numbers) pairs neighbours (0, 1), (2, 3), ...; Hugging Face's Llama and Qwen pair channel j with channel j + d_k/2
+("rotate half"). The two differ by a fixed permutation of each head's Q and K weight rows, so a checkpoint converts
+either way; this module uses the rotate-half pairing so that weights map 1:1 to ``transformers``.
+
+Shape letters: B batch, H heads, T positions, d_k channels per head.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+
+def rope_frequencies(d_k: int, theta: float = 10000.0, device: torch.device | str | None = None) -> Tensor:
+    """θ_i = theta^(-2i/d_k) for i = 0 .. d_k/2 - 1: float32 (d_k/2,), radians per position.
+
+    Computed as ``transformers``' default RoPE computes its ``inv_freq`` (float32 exponent, then the power), so
+    the angles agree to the last bit."""
+    return 1.0 / (theta ** (torch.arange(0, d_k, 2, dtype=torch.float32, device=device) / d_k))
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    """(x1, x2) -> (-x2, x1) over the two halves of the last dimension: (..., d_k) -> (..., d_k). With channel j
+    paired to channel j + d_k/2, ``x·cos + rotate_half(x)·sin`` turns every pair by its angle."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotate queries or keys by their positions (rotate-half pairing; see the module docstring).
+
+    Holds no parameters and no buffers: the angles of positions offset .. offset + T - 1 are computed in float32
+    at every call (T·d_k/2 multiplications, nothing beside the projections) and never cast with the model, so a
+    bf16 model rotates with fp32-accurate angles, as ``transformers`` does, and any length works.
+
+    Args:
+        d_k: channels per head; must be even (channels rotate in pairs).
+        theta: the base of the frequencies (``TransformerArgs.rope_theta``).
+
+    Shape:
+        forward(x (B, H, T, d_k), offset) -> (B, H, T, d_k) in x's dtype.
+
+    Raises:
+        ValueError: an odd d_k, or theta <= 1.
+    """
+
+    def __init__(self, d_k: int, theta: float = 10000.0) -> None:
+        super().__init__()
+        if d_k % 2 or theta <= 1:
+            raise ValueError(f"RoPE rotates channel pairs: head_dim must be even and rope_theta > 1, got "
+                             f"head_dim={d_k}, rope_theta={theta}")
+        self.d_k, self.theta = d_k, theta
+
+    def cos_sin(self, T: int, offset: int, device: torch.device, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """cos and sin of the angles of positions offset .. offset + T - 1: each (T, d_k) in ``dtype``, the d_k/2
+        angles repeated for both halves."""
+        positions = torch.arange(offset, offset + T, device=device, dtype=torch.float32)  # (T,)
+        angles = positions[:, None] * rope_frequencies(self.d_k, self.theta, device)[None, :]  # (T, d_k/2)
+        angles = torch.cat((angles, angles), dim=-1)  # (T, d_k): channel j and j + d_k/2 share an angle
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
+    def forward(self, x: Tensor, offset: int = 0) -> Tensor:
+        """x (B, H, T, d_k), the vectors of positions offset .. offset + T - 1 (``offset``: the positions a key/value
+        cache holds) -> x rotated, (B, H, T, d_k)."""
+        cos, sin = self.cos_sin(x.shape[-2], offset, x.device, x.dtype)  # (T, d_k) each, broadcast over B, H
+        return x * cos + rotate_half(x) * sin
+
+    def extra_repr(self) -> str:
+        return f"d_k={self.d_k}, theta={self.theta}"
