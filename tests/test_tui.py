@@ -25,7 +25,11 @@ from torch_handle.observe.comm import comm_fields
 from torch_handle.observe.state import RunState
 from torch_handle.common.text import clean
 from handle_cli.tui.screens import HelpScreen, RunPicker
-from handle_cli.tui.widgets import Chart, LogPanel, MemoryBars, StatusHeader, TimePanel, nice_ticks, tick_labels
+from handle_cli.tui.charts import Chart, nice_ticks, tick_labels
+from handle_cli.tui.header import StatusHeader
+from handle_cli.tui.log_panel import LogPanel
+from handle_cli.tui.memory_panel import MemoryBars
+from handle_cli.tui.time_panel import TimePanel
 
 FIXTURES = Path(__file__).parent / "fixtures" / "recorded"
 BREAKDOWN_FIXTURES = Path(__file__).parent / "fixtures" / "recorded-breakdown"

@@ -28,7 +28,11 @@ from torch_handle.common.text import clean
 from handle_cli.tui.model import Batch, RunTailer
 from handle_cli.tui.pipeline_panel import PipelinePanel, PipelineTracker
 from handle_cli.tui.screens import HelpScreen, RunPicker
-from handle_cli.tui.widgets import Chart, LogPanel, MemoryBars, Series, StatusHeader, TimePanel
+from handle_cli.tui.charts import Chart, Series
+from handle_cli.tui.header import StatusHeader
+from handle_cli.tui.log_panel import LogPanel
+from handle_cli.tui.memory_panel import MemoryBars
+from handle_cli.tui.time_panel import TimePanel
 
 
 class RunUpdate(Message):

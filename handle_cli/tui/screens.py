@@ -12,7 +12,7 @@ from textual.screen import ModalScreen, Screen
 from textual.widgets import DataTable, Footer, Static
 
 from handle_cli.tui.model import RunRow, run_rows
-from handle_cli.tui.widgets import STATUS_STYLES
+from handle_cli.tui.header import STATUS_STYLES
 
 COLUMNS = ("run", "status", "layout", "world", "steps", "loss", "started")
 NARROW = 100
