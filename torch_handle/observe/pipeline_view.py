@@ -77,9 +77,10 @@ def _spans(pipeline: dict[str, Any]) -> list[tuple[int, str, int, int, float, fl
 def gantt_rows(pipeline: dict[str, Any], width: int) -> list[GanttRow]:
     """The chart's rows, ``width`` columns each (the window of the step, ``window_s`` or the last span's end).
 
-    Every compute span gets at least one column (its kind letter; the label ``F12`` only where it fits) and keeps
-    its order on the row even when it is shorter than a column (as long as the row has ``width`` or fewer);
-    receive waits fill only the columns no compute span took."""
+    Every compute span keeps its order on the row even when it is shorter than a column, and gets at least as many
+    columns as its label (``F3``: kind and micro-batch) when the row has room for every label, else at least one
+    (its kind letter; the whole label only where it fits); so on a narrow screen the spans are moved right of their
+    time rather than their labels cut. Receive waits fill only the columns no compute span took."""
     spans = _spans(pipeline)
     width = max(1, width)
     window = max([float(pipeline.get("window_s") or 0.0)] + [end for *_, end in spans])
@@ -104,11 +105,14 @@ def gantt_rows(pipeline: dict[str, Any], width: int) -> list[GanttRow]:
                 cells[c] = Cell(RECV, "recv")
         taken = 0
         compute = sorted((s for s in mine if s[1] in COMPUTE_FILL), key=lambda s: s[4])
+        labels = [f"{kind}{mb}" for _, kind, mb, *_ in compute]
+        least = [len(x) for x in labels] if sum(map(len, labels)) <= width else [1] * len(labels)
+        after = [sum(least[n + 1:]) for n in range(len(compute))]  # the columns the spans after each one need
         for n, (_, kind, mb, _, start, end) in enumerate(compute):
-            last = width - (len(compute) - n - 1)  # a column left for each span after this one
-            c0 = max(taken, min(round(start / dt), last - 1))
-            c1 = min(last, max(c0 + 1, round(end / dt)))
-            label = f"{kind}{mb}" if c1 - c0 > len(str(mb)) else kind
+            last = width - after[n]
+            c0 = max(taken, min(round(start / dt), last - least[n]))
+            c1 = min(last, max(c0 + least[n], round(end / dt)))
+            label = labels[n] if c1 - c0 >= len(labels[n]) else kind
             for i, c in enumerate(range(c0, c1)):
                 cells[c] = Cell(label[i] if i < len(label) else COMPUTE_FILL[kind], kind)
             taken = max(taken, c1)
