@@ -38,56 +38,69 @@ def _points(xs: Sequence[float], ys: Sequence[float | None], max_points: int) ->
 
 
 def nice_ticks(lo: float, hi: float, n: int, integer: bool = False) -> list[float]:
-    """The most round tick values (1, 2, 2.5, 5 times a power of ten) within ``[lo, hi]``, at most ``n``."""
+    """The most round tick values (1, 2, 2.5, 5 times a power of ten) within ``[lo, hi]``, at most ``n`` and at
+    least two where ``n`` allows: when the roundest step leaves one tick (a short chart over a range like 6.3..9.3
+    gets only 8), the first and last multiple of the finest step that has two or more (7 and 9)."""
     if not (math.isfinite(lo) and math.isfinite(hi)):
         return []
     if hi <= lo:
         return [lo]
     n = max(2, n)
+
+    def span(step: float) -> tuple[int, int]:
+        return math.ceil(lo / step - 1e-9), math.floor(hi / step + 1e-9)
+
     mag = 10 ** (math.floor(math.log10((hi - lo) / n)) - 1)
-    step = mag
+    step, several = mag, None  # several: the last step tried that gives two ticks or more
     for _ in range(40):
         for m in (1, 2, 2.5, 5):
             step = m * mag
-            if integer and step < 1:
+            if integer and (step < 1 or m == 2.5):
                 continue
-            if integer and m == 2.5:
-                continue
-            if math.floor(hi / step + 1e-9) - math.ceil(lo / step - 1e-9) + 1 <= n:
+            first, last = span(step)
+            if last - first + 1 <= n:
                 break
+            several = step
         else:
             mag *= 10
             continue
         break
-    first = math.ceil(lo / step - 1e-9)
-    last = math.floor(hi / step + 1e-9)
+    first, last = span(step)
+    if last - first + 1 < 2 and several is not None:
+        (first, last), step = span(several), several
+        return [round(first * step, 12), round(last * step, 12)]
     return [round(i * step, 12) for i in range(first, last + 1)]
 
 
 def tick_labels(ticks: list[float]) -> list[str]:
-    """Short labels with a shared format: 12k / 1.5M for large values, 2.5e-04 for small, else fixed decimals."""
+    """Short labels with a shared format: 12k / 1.5M for large values, 2.5e-04 for small, else fixed decimals (as
+    many as the finer of the step between ticks and the ticks themselves need: 2.5, 5.0, 7.5)."""
     if not ticks:
         return []
     step = ticks[1] - ticks[0] if len(ticks) > 1 else (abs(ticks[0]) or 1.0)
     big = max(abs(t) for t in ticks)
     if big >= 1e6:
-        return [f"{t / 1e6:.{_decimals(step / 1e6)}f}M" for t in ticks]
+        return [f"{t / 1e6:.{_decimals(step / 1e6, [t / 1e6 for t in ticks])}f}M" for t in ticks]
     if big >= 1e4:
-        return [f"{t / 1e3:.{_decimals(step / 1e3)}f}k" for t in ticks]
+        return [f"{t / 1e3:.{_decimals(step / 1e3, [t / 1e3 for t in ticks])}f}k" for t in ticks]
     if big < 1e-2:
         for digits in range(1, 6):
             labels = [f"{t:.{digits}e}" if t else "0" for t in ticks]
             if all(abs(float(lab) - t) <= step * 1e-3 for lab, t in zip(labels, ticks)):
                 break
         return labels
-    return [f"{t:.{_decimals(step)}f}" for t in ticks]
+    return [f"{t:.{_decimals(step, ticks)}f}" for t in ticks]
 
 
-def _decimals(step: float) -> int:
+def _decimals(step: float, values: list[float] = ()) -> int:
     if step >= 1 or step <= 0:
-        return 0
-    d = -math.floor(math.log10(step) + 1e-9)
-    return d + (0 if round(step * 10 ** d, 6) in (1.0, 2.0, 5.0) else 1)
+        d = 0
+    else:
+        d = -math.floor(math.log10(step) + 1e-9)
+        d += 0 if round(step * 10 ** d, 6) in (1.0, 2.0, 5.0) else 1
+    while d < 6 and any(abs(round(v, d) - v) > 1e-9 * max(1.0, abs(v)) for v in values):
+        d += 1
+    return d
 
 
 class Chart(PlotextPlot):
@@ -104,6 +117,8 @@ class Chart(PlotextPlot):
         self.series: list[Series] = []
         self.plotted: dict[str, tuple[list[float], list[float]]] = {}
         """label -> the points given to plotext (thinned, missing values dropped), for tests and debugging."""
+        self.y_labels: dict[str, list[str]] = {}
+        """y side ("left", "right") -> the tick labels of the newest drawing (for tests)."""
 
     def set_series(self, series: list[Series]) -> None:
         self.series = series
@@ -118,6 +133,7 @@ class Chart(PlotextPlot):
         plt.clear_data()
         width, height = self.size
         xs_all = [x for xs, _ in self.plotted.values() for x in xs]
+        self.y_labels = {}
         if not xs_all:
             plt.title("waiting for data")
             plt.xticks([], [])
@@ -136,5 +152,6 @@ class Chart(PlotextPlot):
                 continue
             # at most about one tick per 1.5 plot rows: two ticks on one row are drawn in an arbitrary order
             yt = nice_ticks(min(ys_all), max(ys_all), max(2, (height - 3) * 2 // 3))
-            plt.yticks(yt, tick_labels(yt), yside=side)
+            self.y_labels[side] = tick_labels(yt)
+            plt.yticks(yt, self.y_labels[side], yside=side)
         return super().render()

@@ -8,6 +8,7 @@ import textwrap
 from rich.text import Text
 from textual.widget import Widget
 
+from handle_cli.tui.text_fit import Piece, fit
 from torch_handle.common.text import clean, fmt_duration, fmt_float
 from torch_handle.observe.fields import Status
 from torch_handle.observe.state import RunState
@@ -28,31 +29,15 @@ HANG_LINES = 3
 """A watchdog's hang message (where each rank waits) may wrap over this many header lines; others take one."""
 
 
-def fit(pieces: list[tuple[int, Text]], width: int) -> Text:
-    """Join ``(priority, piece)`` in order, leaving out the least important pieces (highest number) until the
-    line fits ``width``; whatever still overflows ends in an ellipsis."""
-    kept = list(pieces)
-    while len(kept) > 1 and sum(p.cell_len for _, p in kept) > width:
-        worst = max(range(len(kept)), key=lambda i: (kept[i][0], i))
-        if kept[worst][0] == 0:
-            break
-        del kept[worst]
-    line = Text(no_wrap=True, overflow="ellipsis", end="")
-    for _, piece in kept:
-        line.append_text(piece)
-    line.truncate(width, overflow="ellipsis")
-    return line
-
-
 def _piece(*parts: str | tuple[str, str]) -> Text:
     return Text.assemble(*parts)
 
 
 class StatusHeader(Widget):
     """Status badge, preset, layout (:class:`~torch_handle.common.run_layout.RunLayout`'s line: dp × tp × pp and
-    the strategy), precision, world size, progress, ETA, elapsed; then
-    the latest numbers; then the failure or stop message. Parts that do not fit the width are left out, least
-    important first."""
+    the strategy; on a narrow screen the degrees alone), precision, world size, progress, ETA, elapsed; then the
+    latest numbers; then the failure or stop message. Parts that do not fit the width are shortened or left out,
+    least important first: 80 columns keep the layout's degrees, the world size, elapsed and the grad norm."""
 
     DEFAULT_CSS = """
     StatusHeader { height: auto; padding: 0 1; background: $panel; }
@@ -85,42 +70,47 @@ class StatusHeader(Widget):
         status = state.status
         total = state.steps_total
         step = state.step
-        p1: list[tuple[int, Text]] = [(0, Text(f" {status.upper()} ", STATUS_STYLES.get(status, "reverse")))]
+        p1: list[Piece] = [(0, Text(f" {status.upper()} ", STATUS_STYLES.get(status, "reverse")))]
         p1.append((1, _piece("  ", (state.preset, "bold"))))
         layout = state.run_layout  # the line every view shows (dp × tp × pp, implementations, strategy)
-        p1.append((2, _piece("  ", (layout.label() if layout.dp is not None else layout.strategy_text, "cyan"))))
+        if layout.dp is not None:  # narrower: the degrees alone, then without spaces (80 columns keep them)
+            degrees = layout.degrees_text()
+            p1.append([(6, _piece("  ", (layout.label(), "cyan"))), (4, _piece("  ", (degrees, "cyan"))),
+                       (1, _piece("  ", (degrees.replace(" ", ""), "cyan")))])
+        else:
+            p1.append((2, _piece("  ", (layout.strategy_text, "cyan"))))
         if state.precision:  # run.json's: the concrete one "auto" resolved to
             p1.append((7, _piece("  ", (state.precision, "cyan"))))  # the first to go on a narrow screen
-        world = _piece(f"  world {state.world_size if state.world_size is not None else '?'}")
-        p1.append((5 if layout.dp is not None else 3, world))  # a known layout names the ranks too: it goes first
+        p1.append((1, _piece(f"  world {state.world_size if state.world_size is not None else '?'}")))
         p1.append((0, _piece("  step ", (f"{step}/{total if total else '?'}", "bold"))))
         if total:
             frac = min(1.0, max(0.0, step / total))
-            filled = int(round(frac * 10))
+            filled = round(frac * 10)
             p1.append((6, _piece(" ", ("━" * filled, "green"), ("━" * (10 - filled), "grey37"))))
             p1.append((4, _piece(f" {frac * 100:.0f}%")))
-        p1.append((1, _piece(f"  ETA {fmt_duration(state.eta_s())}")))
-        p1.append((2, _piece(f"  elapsed {fmt_duration(state.elapsed_s())}")))
+        eta = state.eta_s()
+        p1.append((2 if eta is not None else 5, _piece(f"  ETA {fmt_duration(eta)}")))
+        p1.append((3, _piece(f"  elapsed {fmt_duration(state.elapsed_s())}")))
         if state.restarts:
             p1.append((1, _piece(("  restarts ", "magenta"), (str(state.restarts), "bold magenta"))))
         if self.paused:
             p1.append((0, _piece("  ", (" PAUSED ", "bold black on yellow"))))
 
-        p2: list[tuple[int, Text]] = [(0, _piece("loss ", (fmt_float(state.last_loss), "bold")))]
+        p2: list[Piece] = [(0, _piece("loss ", (fmt_float(state.last_loss), "bold")))]
         p2.append((1, _piece("  val ", (fmt_float(state.last_val_loss), "bold"))))
         tps = state.last(state.tokens_per_s)
         p2.append((2, _piece(f"  {tps:,.0f} tok/s" if tps is not None else "  - tok/s")))
         st = state.last(state.step_time_s)
-        p2.append((4, _piece(f"  {st:.3f} s/step" if st is not None else "  - s/step")))
+        p2.append((5, _piece(f"  {st:.3f} s/step" if st is not None else "  - s/step")))  # the chart has it
         comm = state.last(state.comm_s)
         if comm is not None:  # only strategies that report it (scratch-ddp): the line is unchanged otherwise
-            p2.append((4, _piece(f"  comm {comm * 1000:.0f} ms")))
+            p2.append((4, _piece(f"  dp comm {comm * 1000:.0f} ms")))
         if state.mfu is not None:  # only runs whose events carry it: the line is unchanged otherwise
             p2.append((2, _piece("  mfu ", (f"{state.mfu:.1%}", "bold"))))
         lr = state.last(state.lr)
         p2.append((3, _piece(f"  lr {lr:.2e}" if lr is not None else "  lr -")))
         if state.grad_norm is not None:
-            p2.append((5, _piece(f"  grad norm {state.grad_norm:.2f}")))
+            p2.append((4, _piece(f"  grad norm {state.grad_norm:.2f}")))
         if self.bad_lines:
             n = self.bad_lines
             p2.append((0, _piece("  ", (f"⚠ {n} bad line{'s' if n != 1 else ''}", "bold yellow"))))
