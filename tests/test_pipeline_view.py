@@ -60,6 +60,15 @@ def test_every_compute_span_keeps_a_column_in_order() -> None:
     assert [k for k, _ in _tokens(row.text)] == ["F"] * 6 + ["B"] and row.text.endswith("B") and len(row.text) == 12
 
 
+def test_rows_are_global_ranks_of_a_3d_run() -> None:
+    """The recorded dp 2 × tp 2 × pp 2 run: rank 0's pipeline is ranks 0 and 4 (dp 0, tp 0), as handle estimate
+    and the dashboard name them, not pipeline ranks 0 and 1."""
+    out = CliRunner().invoke(cli, ["profile", str(FIXTURE.parents[1] / "recorded-3d" / "3d-running"), "--pipeline"])
+    assert out.exit_code == 0, out.output
+    rows = [line.split("  ")[0] for line in out.output.splitlines() if line.startswith("rank ")]
+    assert rows == ["rank 0", "rank 4"] * 2 and out.output.startswith("step 35 · 1f1b (scratch) · pp 2 · m 4")
+
+
 def test_narrow_rows_keep_every_micro_batch_label() -> None:
     """At 80x24 the dashboard's chart has about 29 columns for a 1F1B step of 4 micro-batches: the spans move off
     their time rather than lose their micro-batch (``F0`` drawn as ``F``)."""

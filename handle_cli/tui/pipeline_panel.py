@@ -18,7 +18,8 @@ from textual.widget import Widget
 
 from torch_handle.common.run_layout import SCHEDULE_NAMES, RunLayout
 from torch_handle.common.text import clean
-from torch_handle.observe.pipeline_view import IDLE, RECV, gantt_rows, has_timeline, pct, pipeline_steps
+from torch_handle.observe.pipeline_view import (IDLE, RECV, gantt_rows, has_timeline, pct, pipeline_steps,
+                                                rank_name)
 
 STYLES = {"F": "green", "B": "yellow", "W": "magenta", "recv": "red", "idle": "grey37"}
 
@@ -90,10 +91,8 @@ class PipelinePanel(Widget):
 
     def rank_label(self, pipeline_rank: int, stage: int | None = None) -> str:
         """``rank 4``: the global rank of pipeline rank ``pipeline_rank`` of rank 0's pipeline (``r4 s2`` for one of
-        several stages of that rank)."""
-        rank = self.run_layout.global_rank(pp=pipeline_rank)
-        rank = pipeline_rank if rank is None else rank  # degrees not known: an old run of one pipeline
-        return f"rank {rank}" if stage is None else f"r{rank} s{stage}"
+        several stages of that rank; the pipeline rank itself where the layout is not known: an old run)."""
+        return rank_name(pipeline_rank, self.run_layout.pipeline_ranks(), stage)
 
     def lines(self, width: int, height: int) -> list[Text]:
         """The bubble line, one busy/wait/idle bar per rank, then (when ``height`` allows) one Gantt row per rank

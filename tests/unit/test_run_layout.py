@@ -148,6 +148,8 @@ def test_rank_names():
     layout = RunLayout.from_parts(8, "ddp", None, 2, 2, "scratch", True, "scratch", "1f1b")
     assert layout.rank_name(4) == "rank 4 (dp0 tp0 pp1)" and layout.rank_name(7) == "rank 7 (dp1 tp1 pp1)"
     assert [layout.global_rank(pp=i) for i in range(2)] == [0, 4]  # rank 0's pipeline, as estimate numbers it
+    assert layout.pipeline_ranks() == [0, 4] and RunLayout.from_parts(8, "ddp", None, 1, 4).pipeline_ranks() == \
+        [0, 2, 4, 6] and RunLayout(world_size=2).pipeline_ranks() is None
     assert layout.degrees_text() == "dp 2 × tp 2 × pp 2"
     assert RunLayout.from_parts(4, "ddp", None, 2).rank_name(3) == "rank 3 (dp1 tp1)"
     assert RunLayout.from_parts(2, "ddp", None).rank_name(1) == "rank 1"  # data parallel only: the rank says it

@@ -179,6 +179,13 @@ class RunLayout:
             return None
         return (pp * self.dp + dp) * self.tp + tp
 
+    def pipeline_ranks(self) -> list[int] | None:
+        """The global ranks of rank 0's pipeline (dp 0, tp 0), by pipeline rank: what a step event's ``pipeline``
+        describes (``[0, 4]`` for dp 2 × tp 2 × pp 2); None when the degrees are not known."""
+        if self.pp is None or self.dp is None:
+            return None
+        return [rank for i in range(self.pp) if (rank := self.global_rank(pp=i)) is not None]
+
     def coordinate_text(self, rank: int) -> str:
         """``dp0 tp0 pp1``: ``rank``'s coordinate in each dimension of degree > 1, or ``""`` when the run has
         model parallelism in no dimension (its rank is its dp rank) or the degrees are not known."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 COMPUTE_FILL = {"F": "█", "B": "▓", "W": "▒"}
 RECV, IDLE = "~", "·"
@@ -150,20 +150,30 @@ def bubble_line(pipeline: dict[str, Any]) -> str:
     return f"bubble measured {pct(pipeline.get('bubble'))}  theory {pct(pipeline.get('bubble_theory'))} = {formula}"
 
 
-def rank_lines(pipeline: dict[str, Any], width: int) -> list[str]:
-    """Per rank: busy / recv wait / idle in ms and a bar of the three (█ busy, ~ wait, · idle) in what is left."""
-    ranks = [r for r in pipeline.get("ranks") or [] if isinstance(r, dict)]
+def rank_name(pipeline_rank: int, ranks: Sequence[int] | None = None, stage: int | None = None) -> str:
+    """``rank 4``: the global rank ``ranks[pipeline_rank]`` (rank 0's pipeline, whose ranks a step event's
+    ``pipeline`` describes, is ranks 0 and 4 of dp 2 × tp 2 × pp 2:
+    :meth:`~torch_handle.common.run_layout.RunLayout.global_rank`), or the pipeline rank itself without
+    ``ranks``; ``r4 s2`` for stage 2 of a rank that runs several."""
+    rank = ranks[pipeline_rank] if ranks is not None and 0 <= pipeline_rank < len(ranks) else pipeline_rank
+    return f"rank {rank}" if stage is None else f"r{rank} s{stage}"
+
+
+def rank_lines(pipeline: dict[str, Any], width: int, ranks: Sequence[int] | None = None) -> list[str]:
+    """Per rank: busy / recv wait / idle in ms and a bar of the three (█ busy, ~ wait, · idle) in what is left;
+    rows named by :func:`rank_name`."""
+    rows = [r for r in pipeline.get("ranks") or [] if isinstance(r, dict)]
     head = f"{'':<{LABEL_W}}{'busy':>7}{'wait':>7}{'idle':>7}  ms"
     bar_w = max(4, width - len(head) - 1)
     lines = [head]
-    for rank, r in enumerate(ranks):
+    for rank, r in enumerate(rows):
         parts = [float(r.get(k) or 0.0) for k in ("busy_s", "wait_s", "idle_s")]
         total = sum(parts) or 1.0
         bar, acc = "", 0.0
         for part, ch in zip(parts, ("█", RECV, IDLE)):
             acc += part
             bar += ch * (round(acc / total * bar_w) - len(bar))
-        lines.append(f"{f'rank {rank}':<{LABEL_W}}" + "".join(f"{_ms(x):>7}" for x in parts) + "     " + bar)
+        lines.append(f"{rank_name(rank, ranks):<{LABEL_W}}" + "".join(f"{_ms(x):>7}" for x in parts) + "     " + bar)
     return lines
 
 
@@ -175,17 +185,19 @@ def title(pipeline: dict[str, Any], step: int | None = None) -> str:
             + f" · window {_ms(float(pipeline.get('window_s') or 0.0))} ms")
 
 
-def format_pipeline(pipeline: dict[str, Any], *, width: int = 80, step: int | None = None) -> str:
+def format_pipeline(pipeline: dict[str, Any], *, width: int = 80, step: int | None = None,
+                    ranks: Sequence[int] | None = None) -> str:
     """The whole view as text at most ``width`` columns wide: title, axis, one chart row per rank (or stage),
-    legend, per-rank busy/wait/idle and the bubble line. Without a timeline only the figures are shown."""
+    legend, per-rank busy/wait/idle and the bubble line. Without a timeline only the figures are shown. ``ranks``:
+    the global rank of each pipeline rank (:func:`rank_name`), so that the rows read as every view names ranks."""
     chart_w = max(8, width - LABEL_W)
     lines = [title(pipeline, step)]
     rows = gantt_rows(pipeline, chart_w) if has_timeline(pipeline) else []
     if rows:
         window = max([float(pipeline.get("window_s") or 0.0)] + [s[5] for s in _spans(pipeline)])
         lines.append(" " * LABEL_W + axis(window, chart_w))
-        lines += [f"{row.label:<{LABEL_W}}{row.text}" for row in rows]
+        lines += [f"{rank_name(row.rank, ranks, row.stage):<{LABEL_W}}{row.text}" for row in rows]
         lines.append(" " * LABEL_W + LEGEND[:chart_w])
-    lines += rank_lines(pipeline, width)
+    lines += rank_lines(pipeline, width, ranks)
     lines.append(bubble_line(pipeline)[:width])
     return "\n".join(lines)
