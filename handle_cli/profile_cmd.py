@@ -74,13 +74,15 @@ def profile(run_dir: Path, rank: int, all_traces: bool, top: int, as_json: bool,
 
 
 def _pipeline(run_dir: Path, step: int | None, as_json: bool, width: int) -> None:
+    from torch_handle.common.run_layout import RunLayout
     from torch_handle.observe.pipeline_view import format_pipeline, has_timeline, pipeline_steps
     from torch_handle.observe.tail import EventReader
     from torch_handle.observe.telemetry import EVENTS_FILE
     from torch_handle.rundir import read_run_info
 
-    read_run_info(run_dir)
-    steps = pipeline_steps(EventReader(run_dir / EVENTS_FILE).poll())
+    info = read_run_info(run_dir)
+    events = EventReader(run_dir / EVENTS_FILE).poll()
+    steps = pipeline_steps(events)
     if not steps:
         fail(f"{run_dir}: no pipeline steps in {EVENTS_FILE} (a run with [parallel] pp > 1 writes them, e.g. "
              f"--set launch.nproc_per_node=2 --set parallel.pp=2)")
@@ -96,4 +98,8 @@ def _pipeline(run_dir: Path, step: int | None, as_json: bool, width: int) -> Non
         if chosen is None:
             have = ", ".join(str(n) for n, _ in drawn[-10:]) or "none"
             fail(f"{run_dir}: --step {step} has no pipeline figures; steps with a timeline: {have}")
-    click.echo(json.dumps(chosen) if as_json else format_pipeline(chosen, width=width, step=step))
+    # rows by global rank, as handle estimate and the dashboard name them (rank 0's pipeline: dp 0, tp 0)
+    degrees = next((e.get("layout") for e in reversed(events) if e.get("kind") == "step"), None)
+    layout = RunLayout.from_run(run_dir, info if isinstance(info, dict) else {}, degrees)
+    click.echo(json.dumps(chosen) if as_json else format_pipeline(chosen, width=width, step=step,
+                                                                  ranks=layout.pipeline_ranks()))

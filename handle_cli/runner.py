@@ -63,9 +63,8 @@ def summary_text(s: RunState, run_dir: Path, info: dict) -> str:
         lines.append(f"  steps {s.step}   final train loss {loss:.4f}"
                      + (f"   val loss {s.first_val_loss:.4f} -> {val:.4f}" if val is not None else ""))
     if s.mean_tokens_per_s:
-        # elapsed: from the first event to the last one (a resumed run counts its earlier attempts too)
-        lines.append(f"  mean {s.mean_tokens_per_s:,.0f} tokens/s   elapsed "
-                     f"{fmt_duration((s.last_time or 0) - (s.first_time or 0))}")
+        # elapsed: from the launch to the end, as the dashboard's header says (RunState.elapsed_s)
+        lines.append(f"  mean {s.mean_tokens_per_s:,.0f} tokens/s   elapsed {fmt_duration(s.elapsed_s(info))}")
     if info.get("strategy"):
         # run.json's record (preset.toml's for an older run), with the strategy the workers reported
         layout = RunLayout.from_run(run_dir, info, s.layout_degrees).with_strategy(s.event_strategy, s.event_zero_stage)

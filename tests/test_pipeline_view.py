@@ -54,8 +54,30 @@ def test_every_compute_span_keeps_a_column_in_order() -> None:
     tiny = [[0, "F", i, 0, 1e-6 * i, 1e-6 * i + 5e-7] for i in range(6)]
     pipeline = {"pp": 1, "window_s": 1.0, "timeline": tiny + [[0, "recv", 0, 0, 0.5, 1.0], [0, "B", 10, 0, 0.99, 1.0]]}
     (row,) = gantt_rows(pipeline, 20)
-    assert [k for k, _ in _tokens(row.text)] == ["F"] * 6 + ["B"]
-    assert row.text.endswith("B") and "~" in row.text and len(row.text) == 20
+    assert _tokens(row.text) == [("F", str(i)) for i in range(6)] + [("B", "10")]  # room for every label
+    assert row.text.endswith("B10") and "~" in row.text and len(row.text) == 20
+    (row,) = gantt_rows(pipeline, 12)  # no room for the labels: a kind letter each, still in order
+    assert [k for k, _ in _tokens(row.text)] == ["F"] * 6 + ["B"] and row.text.endswith("B") and len(row.text) == 12
+
+
+def test_rows_are_global_ranks_of_a_3d_run() -> None:
+    """The recorded dp 2 × tp 2 × pp 2 run: rank 0's pipeline is ranks 0 and 4 (dp 0, tp 0), as handle estimate
+    and the dashboard name them, not pipeline ranks 0 and 1."""
+    out = CliRunner().invoke(cli, ["profile", str(FIXTURE.parents[1] / "recorded-3d" / "3d-running"), "--pipeline"])
+    assert out.exit_code == 0, out.output
+    rows = [line.split("  ")[0] for line in out.output.splitlines() if line.startswith("rank ")]
+    assert rows == ["rank 0", "rank 4"] * 2 and out.output.startswith("step 35 · 1f1b (scratch) · pp 2 · m 4")
+
+
+def test_narrow_rows_keep_every_micro_batch_label() -> None:
+    """At 80x24 the dashboard's chart has about 29 columns for a 1F1B step of 4 micro-batches: the spans move off
+    their time rather than lose their micro-batch (``F0`` drawn as ``F``)."""
+    _, pipeline = pipeline_steps(_events(FIXTURE))[-1]
+    for width in (16, 20, 29, 40):
+        rows = gantt_rows(pipeline, width)
+        assert [_tokens(row.text) for row in rows] == [
+            [(a.kind, str(a.microbatch)) for a in one_f_one_b(2, rank, 4)] for rank in range(2)], width
+        assert all(len(row.text) == width for row in rows)
 
 
 def test_one_row_per_stage_when_a_rank_runs_several() -> None:

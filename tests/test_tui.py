@@ -1,47 +1,33 @@
 """The ``handle tui`` dashboard, driven headless with Textual's pilot on recorded runs.
 
 The recorded runs (tests/fixtures/recorded/) are made by ``tests/fixtures/make_runs.py``; every test works on a
-copy in ``tmp_path``.
+copy in ``tmp_path``. Runs with tensor or pipeline parallelism: tests/test_tui_parallel.py.
 Snapshots (tests/__snapshots__/) are refreshed with ``pytest tests/test_tui.py --snapshot-update``.
 """
 
 from __future__ import annotations
 
-import asyncio
-import functools
 import json
-import re
 import shutil
-import time
 from pathlib import Path
 
 import pytest
 
 from handle_cli.tui.app import HandleDashboard
+from handle_cli.tui.charts import Chart, nice_ticks, tick_labels
+from handle_cli.tui.header import StatusHeader
+from handle_cli.tui.log_panel import LogPanel
+from handle_cli.tui.memory_panel import MemoryBars
 from handle_cli.tui.model import LogTail, run_rows
-from handle_cli.tui.pipeline_panel import PipelinePanel
-from torch_handle.common.run_layout import RunLayout
-from torch_handle.observe.comm import comm_fields
-from torch_handle.observe.state import RunState
-from torch_handle.common.text import clean
 from handle_cli.tui.screens import HelpScreen, RunPicker
-from handle_cli.tui.widgets import Chart, LogPanel, MemoryBars, StatusHeader, TimePanel, nice_ticks, tick_labels
+from handle_cli.tui.time_panel import TimePanel
+from tests.tui_helpers import async_test, header, loaded, step_event, wait_for
+from torch_handle.common.text import clean
+from torch_handle.observe.state import RunState
 
 FIXTURES = Path(__file__).parent / "fixtures" / "recorded"
 BREAKDOWN_FIXTURES = Path(__file__).parent / "fixtures" / "recorded-breakdown"
-PIPELINE_FIXTURES = Path(__file__).parent / "fixtures" / "recorded-pipeline"
-TP_FIXTURES = Path(__file__).parent / "fixtures" / "recorded-tp"
 SIZE = (120, 40)
-
-
-def async_test(fn):
-    """Run an ``async def`` test with ``asyncio.run`` (no pytest async plugin needed)."""
-
-    @functools.wraps(fn)
-    def run(*args, **kwargs):
-        return asyncio.run(fn(*args, **kwargs))
-
-    return run
 
 
 @pytest.fixture
@@ -50,27 +36,6 @@ def runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     shutil.copytree(FIXTURES, tmp_path / "runs")
     monkeypatch.chdir(tmp_path)
     return Path("runs")
-
-
-async def wait_for(pilot, condition, timeout: float = 5.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await pilot.pause(0.02)
-
-
-async def loaded(pilot) -> None:
-    """Wait until the first batch (the replayed history) is applied and drawn."""
-    app = pilot.app
-    await wait_for(pilot, lambda: app.batches_applied >= 1, what="the first batch")
-    await pilot.pause(0.15)  # the throttled redraw
-    await pilot.pause()
-
-
-def header(app: HandleDashboard) -> str:
-    """The status header's text (the widget on the main screen, also while the picker or help is on top)."""
-    return app.header_widget.plain
 
 
 def log_text(app: HandleDashboard) -> str:
@@ -126,11 +91,13 @@ async def test_breakdown_run_shows_mfu_time_panel_and_slow_rank(breakdown_runs: 
         assert app.screen.has_class("-breakdown") and app.query_one("#time-row").display
         panel = app.query_one(TimePanel)
         text = "\n".join(line.plain for line in panel.lines(100, 7))
-        assert "data 2.0" in text and "fwd 60.4" in text and "bwd 155.3" in text and "opt 25.1" in text
-        assert "comm 1.2 ms" in text  # the trainer's sync_s (no strategy comm_s under DDP)
+        # the legend is the mean of the 5 steps drawn under it (26..30), not of a longer window
+        assert "data 2.0" in text and "fwd 61.6" in text and "bwd 172.1" in text and "opt 25.1" in text
+        assert "sync 1.2 ■ opt 25.1 ms" in text and "dp comm" not in text  # the trainer's sync_s; DDP measures no comm_s
         assert "slowest rank 1 +60 ms (23% of a step)" in text
         assert [row[0] for row in panel.rows(5)] == [26, 27, 28, 29, 30]
         assert text.splitlines()[-1].startswith("30 ") and text.endswith("262 ms")
+        assert panel.border_title == "time per step · steps 26–30"  # the 5 bars the 120x40 panel draws
         assert "rank 1 is slow: 60 ms per step" in log_text(app)
         assert app.state.peak_flops == 3.12e14 and app.state.mfu == 0.1305
 
@@ -143,69 +110,6 @@ async def test_runs_without_breakdown_keep_their_layout(runs: Path) -> None:
         assert not app.screen.has_class("-breakdown") and not app.query_one("#time-row").display
         assert not app.screen.has_class("-pipeline") and not app.query_one("#pipeline-panel").display
         assert "mfu" not in header(app)
-
-
-@pytest.fixture
-def pipeline_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """A copy of the recorded pp = 2 run (1F1B, m = 4, timelines every 4th step) at ./runs."""
-    shutil.copytree(PIPELINE_FIXTURES, tmp_path / "runs")
-    monkeypatch.chdir(tmp_path)
-    return Path("runs")
-
-
-@async_test
-async def test_pipeline_run_shows_the_pipeline_panel(pipeline_runs: Path) -> None:
-    app = HandleDashboard(pipeline_runs / "pp-1f1b", pipeline_runs)
-    async with app.run_test(size=(80, 24)) as pilot:
-        await loaded(pilot)
-        assert app.screen.has_class("-pipeline") and app.query_one("#pipeline-panel").display
-        assert app.query_one("#pipeline-panel").border_title == "pipeline 1f1b m 4 · step 12"
-        panel = app.query_one(PipelinePanel)
-        assert panel.size.width <= 40 and panel.size.height == 5
-        lines = [line.plain for line in panel.lines(panel.size.width, panel.size.height)]
-        assert lines[0] == "bubble 25.0% · theory 20.0%"
-        assert lines[1].startswith("r0  ████") and lines[1].endswith(" 75% busy")
-        assert lines[2].startswith("r1  ████") and "~" in lines[2] and "·" in lines[2]
-        assert lines[3].startswith("r0  F0") and lines[4].startswith("r1  ~~")
-        assert [re.findall(r"[FB]\d", line) for line in lines[3:]] == [
-            ["F0", "F1", "B0", "F2", "B1", "F3", "B2", "B3"], ["F0", "B0", "F1", "B1", "F2", "B2", "F3", "B3"]]
-        short = [line.plain for line in panel.lines(36, 3)]  # no room for the chart: the figures stay
-        assert len(short) == 3 and short[2].startswith("r1 ")
-
-
-@pytest.fixture
-def mesh_runs(pipeline_runs: Path) -> Path:
-    """The recorded pp = 2 run made a dp 2 × tp 2 × pp 2 run of scratch-ddp on 8 ranks: every step event also
-    carries the strategy's ``comm_s``, the hand-written TP's ``tp_comm_s`` and the ``comm`` the trainer derives
-    from them (synthetic figures, deterministic)."""
-    run = pipeline_runs / "pp-1f1b"
-    events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
-    for e in events:
-        if e["kind"] == "status" and e.get("strategy"):
-            e.update(strategy="scratch-ddp", world_size=8)
-        if e["kind"] == "step":
-            e.update(layout={"dp": 2, "tp": 2, "pp": 2}, comm_s=0.0008 + 0.0001 * e["step"], tp_comm_s=0.0215)
-            e.update(comm_fields(e))
-    (run / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
-    info = json.loads((run / "run.json").read_text())
-    (run / "run.json").write_text(json.dumps({**info, "strategy": "scratch-ddp", "world_size": 8}))
-    return pipeline_runs
-
-
-@async_test
-async def test_a_3d_run_shows_its_mesh_and_the_comm_of_each_dimension(mesh_runs: Path) -> None:
-    app = HandleDashboard(mesh_runs / "pp-1f1b", mesh_runs)
-    async with app.run_test(size=(80, 24)) as pilot:
-        await loaded(pilot)
-        assert "dp 2 × tp 2 × pp 2" in header(app)
-        panel = app.query_one(TimePanel)
-        lines = [line.plain for line in panel.lines(panel.size.width, panel.size.height)]
-        wait = app.state.comm["pp"]  # rank 0's blocked receives in step 12's pipeline
-        assert lines[0].startswith("■ data 1.0 ■ fwd") and lines[1].startswith("■ opt 2.5 ■ comm 2.0 ms")
-        assert lines[2] == f"comm dp 2.0 · tp 21.5 · pp {wait * 1000:.1f} ms"
-        assert len(lines) == panel.size.height and max(map(len, lines)) <= panel.size.width
-        assert lines[-1].startswith("12 ")  # the bars keep the newest step
-    assert TimePanel.comm_line({"tp": 0.1234}).plain == "comm tp 123 ms"
 
 
 @async_test
@@ -287,11 +191,6 @@ def make_live_run(root: Path, steps: int = 3) -> tuple[Path, list[dict]]:
     return run, events
 
 
-def step_event(step: int) -> dict:
-    return {"seq": step, "time": 1767700001.0 + step * 0.5, "kind": "step", "step": step, "loss": 9.0 - step * 0.01,
-            "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 4000.0, "step_time_s": 0.5, "tokens": 2048}
-
-
 def test_header_shows_comm_only_when_the_strategy_reports_it(tmp_path: Path) -> None:
     widget = StatusHeader()
     widget.state = RunState(tmp_path)
@@ -299,25 +198,7 @@ def test_header_shows_comm_only_when_the_strategy_reports_it(tmp_path: Path) -> 
     without = widget.lines(200)[1].plain
     assert "  comm " not in without
     widget.state.apply([{**step_event(2), "comm_s": 0.0123}])
-    assert "0.500 s/step  comm 12 ms" in widget.lines(200)[1].plain
-
-
-def test_header_shows_the_layout_of_run_json_or_of_an_old_runs_steps(tmp_path: Path) -> None:
-    widget = StatusHeader()
-    widget.state = RunState(tmp_path, info={"world_size": 4, "preset": "tp"})  # no record, no preset.toml
-    widget.state.apply([step_event(1)])
-    assert widget.lines(200)[0].plain.count("  -  world 4  step") == 1  # not known: neither degrees nor strategy
-    widget.state.apply([{**step_event(2), "layout": {"dp": 2, "tp": 2}}])
-    assert "  dp 2 × tp 2  world 4  step" in widget.lines(200)[0].plain
-    assert "  dp 2 × tp 2  step" in widget.lines(70)[0].plain and "world" not in widget.lines(70)[0].plain
-    widget.state.apply([{**step_event(3), "layout": {"dp": 1, "tp": 1, "pp": 2}}])  # a later degree: no new code
-    assert "  dp 1 × pp 2  world 4  step" in widget.lines(200)[0].plain
-    widget.state.apply([{**step_event(4), "layout": {"dp": "x", "tp": True}}, step_event(5)])
-    assert "  -  world 4  step" in widget.lines(200)[0].plain  # a resume without tp: the newest step says
-    record = RunLayout.from_parts(8, "ddp", None, 2, 2, "scratch", True, "scratch", "1f1b").record()
-    widget.state = RunState(tmp_path, info={"world_size": 8, "strategy": "ddp", "layout": record})
-    assert "  dp 2 × tp 2 × pp 2 (ddp; tp scratch + sp; pp 1F1B scratch)  world 8  step" in \
-        widget.lines(200)[0].plain  # run.json's record: what the summary, handle runs and handle validate say
+    assert "0.500 s/step  dp comm 12 ms" in widget.lines(200)[1].plain  # scratch-ddp's comm_s: data parallel
 
 
 def append(path: Path, text: str) -> None:
@@ -587,22 +468,6 @@ def test_snapshot_breakdown_run(breakdown_runs: Path, snap_compare) -> None:
 def test_snapshot_breakdown_run_80x24(breakdown_runs: Path, snap_compare) -> None:
     assert snap_compare(HandleDashboard(breakdown_runs / "ddp-breakdown", breakdown_runs), terminal_size=(80, 24),
                         run_before=loaded)
-
-
-def test_snapshot_pipeline_run_80x24(pipeline_runs: Path, snap_compare) -> None:
-    assert snap_compare(HandleDashboard(pipeline_runs / "pp-1f1b", pipeline_runs), terminal_size=(80, 24),
-                        run_before=loaded)
-
-
-def test_snapshot_3d_run_80x24(mesh_runs: Path, snap_compare) -> None:
-    assert snap_compare(HandleDashboard(mesh_runs / "pp-1f1b", mesh_runs), terminal_size=(80, 24), run_before=loaded)
-
-
-def test_snapshot_tensor_parallel_run_80x24(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, snap_compare) -> None:
-    shutil.copytree(TP_FIXTURES, tmp_path / "runs")
-    monkeypatch.chdir(tmp_path)
-    runs = Path("runs")
-    assert snap_compare(HandleDashboard(runs / "fsdp-tp", runs), terminal_size=(80, 24), run_before=loaded)
 
 
 def test_snapshot_run_picker(runs: Path, snap_compare) -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 from textual import work
 from textual.app import App, ComposeResult
 from textual.binding import Binding
-from textual.containers import Horizontal, Vertical
+from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.message import Message
 from textual.widgets import Footer
 from textual.worker import get_current_worker
@@ -28,7 +28,11 @@ from torch_handle.common.text import clean
 from handle_cli.tui.model import Batch, RunTailer
 from handle_cli.tui.pipeline_panel import PipelinePanel, PipelineTracker
 from handle_cli.tui.screens import HelpScreen, RunPicker
-from handle_cli.tui.widgets import Chart, LogPanel, MemoryBars, Series, StatusHeader, TimePanel
+from handle_cli.tui.charts import Chart, Series
+from handle_cli.tui.header import StatusHeader
+from handle_cli.tui.log_panel import LogPanel
+from handle_cli.tui.memory_panel import MemoryBars, MemorySummary
+from handle_cli.tui.time_panel import TimePanel
 
 
 class RunUpdate(Message):
@@ -59,26 +63,28 @@ class HandleDashboard(App[None]):
     #charts { height: 1fr; }
     .row { height: 1fr; }
     #memory-panel { width: 1fr; height: 1fr; border: round $primary 50%; border-title-color: $text;
-                    border-title-style: bold; overflow-y: auto; }
+                    border-title-style: bold; border-subtitle-color: $text-muted; }
+    #memory-panel:focus-within { border: round $accent; }
+    #memory-scroll { height: 1fr; scrollbar-size-vertical: 1; }
     #time-row { display: none; height: 9; }
     Screen.-breakdown #time-row { display: block; }
     Screen.-compact #time-row { height: 7; }
-    #time-panel { width: 1fr; height: 1fr; border: round $primary 50%; border-title-color: $text;
-                  border-title-style: bold; }
     #pipeline-panel { display: none; width: 1fr; height: 1fr; border: round $primary 50%;
-                      border-title-color: $text; border-title-style: bold; }
+                      border-title-color: $text; border-title-style: bold; border-subtitle-color: $text-muted; }
     Screen.-pipeline #time-row { display: block; }
     Screen.-pipeline #pipeline-panel { display: block; }
     #logs { height: 12; }
     Screen.-compact #logs { display: none; }
     Screen.-logs #charts { display: none; }
     Screen.-logs #logs { display: block; height: 1fr; }
+    Screen.-memory #top-row, Screen.-memory #lr, Screen.-memory #time-row { display: none; }
     """
     BINDINGS = [
         Binding("q", "quit", "Quit"),
         Binding("question_mark", "help", "Help", key_display="?"),
         Binding("r", "runs", "Runs"),
         Binding("l", "logs", "Logs"),
+        Binding("m", "memory", "Memory"),
         Binding("p", "pause", "Pause"),
     ]
     MAX_REDRAW_HZ = 10.0
@@ -112,17 +118,18 @@ class HandleDashboard(App[None]):
     def compose(self) -> ComposeResult:
         yield StatusHeader(id="header")
         with Vertical(id="charts"):
-            with Horizontal(classes="row"):
+            with Horizontal(classes="row", id="top-row"):
                 yield Chart("loss", id="loss")
                 yield Chart("throughput", id="throughput")
             with Horizontal(classes="row"):
                 yield Chart("learning rate", id="lr")
                 with Vertical(id="memory-panel"):
-                    yield MemoryBars(id="memory")
+                    yield MemorySummary(id="memory-summary")  # more ranks than blocks fit: stays in view
+                    with VerticalScroll(id="memory-scroll"):  # Tab focuses it; m expands the panel
+                        yield MemoryBars(id="memory")
             # shown once a step event carries the breakdown (older runs keep their layout)
             with Horizontal(id="time-row"):
-                with Vertical(id="time-panel"):
-                    yield TimePanel(id="time")
+                yield TimePanel(id="time")
                 with Vertical(id="pipeline-panel"):  # shown once a step event carries ``pipeline``
                     yield PipelinePanel(id="pipeline")
         yield LogPanel(id="logs")
@@ -134,9 +141,9 @@ class HandleDashboard(App[None]):
         self.log_panel = self.query_one(LogPanel)
         self.charts = {name: self.query_one(f"#{name}", Chart) for name in ("loss", "throughput", "lr")}
         self.memory_bars = self.query_one(MemoryBars)
+        self.memory_summary = self.query_one(MemorySummary)
         self.query_one("#memory-panel").border_title = "memory per rank"
         self.time_panel = self.query_one(TimePanel)
-        self.query_one("#time-panel").border_title = "time per step"
         self.pipeline_panel = self.query_one(PipelinePanel)
         self.state.info = _read_info(self.run_dir)  # the header is right from the first frame
         self._apply_size()
@@ -262,16 +269,23 @@ class HandleDashboard(App[None]):
             Series("s/step", s.steps, s.step_time_s, "magenta", yside="right"),
         ])
         self.charts["lr"].set_series([Series("lr", s.steps, s.lr, "yellow")])
-        self.memory_bars.set_memory(s.memory)
+        layout = s.run_layout
+        self.memory_bars.set_memory(s.memory, layout)
+        self.memory_summary.set_memory(s.memory, layout)
+        ranks = len(s.memory)
+        self.query_one("#memory-panel").border_subtitle = (
+            f"{ranks} ranks · m: expand" if ranks > 2 and not self.screen_has("-memory") else "")
         self.time_panel.set_state(s)
-        self.pipeline_panel.set_tracker(self.pipeline)
-        self.query_one("#pipeline-panel").border_title = self.pipeline_panel.title()
+        self.pipeline_panel.set_tracker(self.pipeline, layout)
+        pipeline_box = self.query_one("#pipeline-panel")
+        pipeline_box.border_title = self.pipeline_panel.title()
+        pipeline_box.border_subtitle = self.pipeline_panel.subtitle()
         self.title = f"handle tui: {clean(s.run_dir.name, 80)}"
 
     # -- actions ---------------------------------------------------------------------------------------------
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
-        if action in ("logs", "runs", "help") and len(self.screen_stack) > 1:
+        if action in ("logs", "memory", "runs", "help") and len(self.screen_stack) > 1:
             return False  # only on the main screen (the picker and help have their own keys)
         return True
 
@@ -305,10 +319,28 @@ class HandleDashboard(App[None]):
         screen.set_class(expanded, "-logs")
         logs = self.log_panel
         if expanded:
+            screen.set_class(False, "-memory")
             logs.focus()
             logs.scroll_end(animate=False)
         else:
             self.set_focus(None)
+
+    def screen_has(self, name: str) -> bool:
+        """Whether the main screen has the class ``name`` (``-logs``, ``-memory``: what is expanded)."""
+        return self.header_widget.screen.has_class(name)
+
+    def action_memory(self) -> None:
+        """Expand the memory panel over the charts (every rank of an 8-rank run at 80×24) and focus its list, or
+        put it back."""
+        screen = self.header_widget.screen
+        expanded = not screen.has_class("-memory")
+        screen.set_class(expanded, "-memory")
+        if expanded:
+            screen.set_class(False, "-logs")
+            self.query_one("#memory-scroll").focus()
+        else:
+            self.set_focus(None)
+        self._redraw()
 
     def action_pause(self) -> None:
         self.paused = not self.paused

@@ -7,12 +7,12 @@ from pathlib import Path
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.containers import Vertical
+from textual.containers import VerticalScroll
 from textual.screen import ModalScreen, Screen
 from textual.widgets import DataTable, Footer, Static
 
 from handle_cli.tui.model import RunRow, run_rows
-from handle_cli.tui.widgets import STATUS_STYLES
+from handle_cli.tui.header import STATUS_STYLES
 
 COLUMNS = ("run", "status", "layout", "world", "steps", "loss", "started")
 NARROW = 100
@@ -108,36 +108,60 @@ class RunPicker(Screen[Path | None]):
 
 HELP = """\
 [b]handle tui[/b]: live dashboard of a training run
+ [b]?[/b] help   [b]r[/b] runs: pick another   [b]m[/b] memory: every rank
+ [b]q[/b] quit   [b]l[/b] logs: expand         [b]p[/b] pause/resume following
+ [b]Tab[/b] focus the memory list (↑↓ scroll)
+ here: ↑↓ scroll, [b]Esc[/b] or any other key closes
+Header: status, layout dp × tp × pp, world size, step, ETA,
+elapsed since the launch (as handle run's summary); loss, val,
+tok/s, s/step, mfu, lr, grad norm. Charts: loss (train, val),
+throughput (tok/s, s/step), lr.
+Memory per rank: params | grads | optim stacked, RSS; on GPU
+CUDA allocated, reserved, peak │. Above 2 ranks: min / median /
+max over the ranks and the rank with the most, then one line per
+rank that scrolls (m: all at once).
+Time per step (rank 0): data, fwd, bwd, dp comm (where the
+strategy measures it), sync (the loss all-reduce), opt; one bar
+per step, the legend the mean of the steps drawn (the title
+names them). comm: the newest step's communication per
+dimension, dp · tp · pp (tp and pp happen inside fwd and bwd; –
+where not measured: torch DDP and FSDP overlap dp with
+backward); the slowest rank and its lag.
+Pipeline: rank 0's pipeline (dp0 tp0) at one step: the bubble
+against (p-1)/(m+p-1), busy █ / receive wait ~ / idle · per
+rank, the schedule as it ran (F forward, B backward, W weight
+grad). Only log steps keep their spans: the bottom border says
+which step it shows.
+Ranks are global, as handle estimate names them: rank 4 (dp0 tp0
+pp1). Logs: rank 0 and any rank that logged an error. Elapsed
+and ETA come from event times. While paused, events wait on
+disk; resuming catches up."""
 
-  [b]?[/b]  this help                [b]q[/b]    quit (the run keeps going)
-  [b]r[/b]  runs: pick another run   [b]l[/b]    logs: expand/collapse
-  [b]p[/b]  pause/resume following   [b]Esc[/b]  close this screen
-
-Panels: loss (train, validation); throughput (tokens/s,
-step time); learning rate; memory per rank (params, grads,
-optimizer state stacked; RSS; on GPU CUDA allocated and
-reserved, peak as │); time per step when the run reports
-it (data, forward, backward, optimizer, communication
-stacked; the slowest rank and its lag); logs of rank 0 and
-of any rank that logged an error. The header shows MFU when
-the peak is known. Elapsed and ETA come from event times.
-While paused, events wait on disk; resuming catches up."""
+SCROLL_KEYS = ("up", "down", "pageup", "pagedown", "home", "end")
 
 
 class HelpScreen(ModalScreen[None]):
+    """The keys and what each panel shows; scrolls where the terminal is shorter than the text (80×24), any
+    other key closes it."""
+
     BINDINGS = [Binding("escape,question_mark,q", "close", "Close")]
     DEFAULT_CSS = """
     HelpScreen { align: center middle; }
-    HelpScreen > Vertical { width: auto; max-width: 90%; height: auto; max-height: 90%; border: round $accent;
-                            background: $surface; padding: 0 1; }
+    HelpScreen > VerticalScroll { width: auto; max-width: 90%; height: auto; max-height: 90%;
+                                  border: round $accent; background: $surface; padding: 0 1; }
     HelpScreen Static { width: auto; }
     """
 
     def compose(self) -> ComposeResult:
-        with Vertical():
+        with VerticalScroll():
             yield Static(HELP)  # fixed text: markup is ours, nothing from a run goes in here
 
-    def on_key(self, event) -> None:  # noqa: ANN001 - any key closes help
+    def on_mount(self) -> None:
+        self.query_one(VerticalScroll).focus()
+
+    def on_key(self, event) -> None:  # noqa: ANN001 - any key but scrolling closes help
+        if event.key in SCROLL_KEYS:
+            return
         event.stop()
         self.dismiss(None)
 

@@ -128,3 +128,30 @@ def test_run_summary_and_dashboard_state_name_the_layout(tmp_path):
     state.apply([{"kind": "status", "seq": 1, "strategy": "deepspeed", "zero_stage": 1}])
     assert state.run_layout.strategy_text == "deepspeed ZeRO-1"  # the workers' own strategy, once they say it
 
+
+
+@pytest.mark.parametrize("world, tp, pp", [(8, 2, 2), (8, 1, 4), (6, 3, 1), (4, 1, 1), (12, 2, 3)])
+def test_rank_names_follow_the_mesh_the_workers_build(world, tp, pp):
+    """Every view names a rank by its global rank and its coordinates as the training mesh places it."""
+    from torch_handle.parallel.mesh import Layout
+
+    mesh = Layout(world, tp, pp)
+    layout = RunLayout.from_parts(world, "ddp", None, tp, pp)
+    for rank in range(world):
+        where = {"dp": mesh.dp_rank(rank), "tp": mesh.tp_rank(rank), "pp": mesh.pp_rank(rank)}
+        assert layout.coordinates(rank) == where
+        assert layout.global_rank(**where) == rank == mesh.rank(where["pp"], where["dp"], where["tp"])
+    assert layout.coordinates(world) is None and layout.global_rank(dp=mesh.dp) is None
+
+
+def test_rank_names():
+    layout = RunLayout.from_parts(8, "ddp", None, 2, 2, "scratch", True, "scratch", "1f1b")
+    assert layout.rank_name(4) == "rank 4 (dp0 tp0 pp1)" and layout.rank_name(7) == "rank 7 (dp1 tp1 pp1)"
+    assert [layout.global_rank(pp=i) for i in range(2)] == [0, 4]  # rank 0's pipeline, as estimate numbers it
+    assert layout.pipeline_ranks() == [0, 4] and RunLayout.from_parts(8, "ddp", None, 1, 4).pipeline_ranks() == \
+        [0, 2, 4, 6] and RunLayout(world_size=2).pipeline_ranks() is None
+    assert layout.degrees_text() == "dp 2 × tp 2 × pp 2"
+    assert RunLayout.from_parts(4, "ddp", None, 2).rank_name(3) == "rank 3 (dp1 tp1)"
+    assert RunLayout.from_parts(2, "ddp", None).rank_name(1) == "rank 1"  # data parallel only: the rank says it
+    unknown = RunLayout(world_size=4, strategy="ddp")
+    assert unknown.rank_name(3) == "rank 3" and unknown.degrees_text() == "ddp, world size 4"

@@ -17,6 +17,9 @@ How the line reads:
   dp > 1 (it runs the data parallelism: one replica has none to run, whatever the preset names);
 * degrees not known (an old run with neither record nor preset.toml): ``ddp, world size 2``.
 
+Ranks are named the same way everywhere: their global rank, with its coordinate in each dimension of degree > 1
+where there is model parallelism (:meth:`RunLayout.rank_name`: ``rank 4 (dp0 tp0 pp1)``).
+
 Standard library only (no torch, no click).
 """
 
@@ -151,6 +154,51 @@ class RunLayout:
     def strategy_text(self) -> str:
         """``deepspeed ZeRO-2``, ``ddp``; ``-`` without a strategy."""
         return strategy_label(self.strategy, self.zero_stage)
+
+    def degrees_text(self) -> str:
+        """The degrees alone, ``dp 2 × tp 2 × pp 2`` (:meth:`label` without the implementations: a narrow
+        screen's form); the strategy and world size where the degrees are not known."""
+        return self.label().split(" (", 1)[0] if self.dp is not None else self.label()
+
+    # -- ranks: one naming in every view ------------------------------------------------------------------------
+
+    def coordinates(self, rank: int) -> dict[str, int] | None:
+        """Global ``rank``'s place in the mesh, ``{"dp": dp_rank, "tp": tp_rank, "pp": pp_rank}`` (rank =
+        (pp_rank · dp + dp_rank) · tp + tp_rank, :mod:`torch_handle.parallel.mesh`); None when the degrees are not
+        known or ``rank`` is not in ``range(world_size)``."""
+        if self.dp is None or self.tp is None or self.pp is None or not 0 <= rank < self.dp * self.tp * self.pp:
+            return None
+        return {"dp": rank // self.tp % self.dp, "tp": rank % self.tp, "pp": rank // (self.tp * self.dp)}
+
+    def global_rank(self, *, dp: int = 0, tp: int = 0, pp: int = 0) -> int | None:
+        """The global rank at these coordinates (each in ``range`` of its degree), or None when the degrees are not
+        known or a coordinate is out of range. Pipeline rank ``i`` of rank 0's pipeline (what a step event's
+        ``pipeline`` describes) is ``global_rank(pp=i)``."""
+        if self.dp is None or self.tp is None or self.pp is None or not (
+                0 <= dp < self.dp and 0 <= tp < self.tp and 0 <= pp < self.pp):
+            return None
+        return (pp * self.dp + dp) * self.tp + tp
+
+    def pipeline_ranks(self) -> list[int] | None:
+        """The global ranks of rank 0's pipeline (dp 0, tp 0), by pipeline rank: what a step event's ``pipeline``
+        describes (``[0, 4]`` for dp 2 × tp 2 × pp 2); None when the degrees are not known."""
+        if self.pp is None or self.dp is None:
+            return None
+        return [rank for i in range(self.pp) if (rank := self.global_rank(pp=i)) is not None]
+
+    def coordinate_text(self, rank: int) -> str:
+        """``dp0 tp0 pp1``: ``rank``'s coordinate in each dimension of degree > 1, or ``""`` when the run has
+        model parallelism in no dimension (its rank is its dp rank) or the degrees are not known."""
+        where = self.coordinates(rank)
+        if where is None or (self.tp == 1 and self.pp == 1):
+            return ""
+        degrees = {"dp": self.dp, "tp": self.tp, "pp": self.pp}
+        return " ".join(f"{dim}{where[dim]}" for dim in ("dp", "tp", "pp") if degrees[dim] > 1)
+
+    def rank_name(self, rank: int) -> str:
+        """How every view names a rank: ``rank 4 (dp0 tp0 pp1)`` with tp or pp > 1, else ``rank 4``."""
+        where = self.coordinate_text(rank)
+        return f"rank {rank} ({where})" if where else f"rank {rank}"
 
     def label(self) -> str:
         """The one line every view shows (the module's docstring has the forms)."""

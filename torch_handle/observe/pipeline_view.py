@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 COMPUTE_FILL = {"F": "█", "B": "▓", "W": "▒"}
 RECV, IDLE = "~", "·"
@@ -77,9 +77,10 @@ def _spans(pipeline: dict[str, Any]) -> list[tuple[int, str, int, int, float, fl
 def gantt_rows(pipeline: dict[str, Any], width: int) -> list[GanttRow]:
     """The chart's rows, ``width`` columns each (the window of the step, ``window_s`` or the last span's end).
 
-    Every compute span gets at least one column (its kind letter; the label ``F12`` only where it fits) and keeps
-    its order on the row even when it is shorter than a column (as long as the row has ``width`` or fewer);
-    receive waits fill only the columns no compute span took."""
+    Every compute span keeps its order on the row even when it is shorter than a column, and gets at least as many
+    columns as its label (``F3``: kind and micro-batch) when the row has room for every label, else at least one
+    (its kind letter; the whole label only where it fits); so on a narrow screen the spans are moved right of their
+    time rather than their labels cut. Receive waits fill only the columns no compute span took."""
     spans = _spans(pipeline)
     width = max(1, width)
     window = max([float(pipeline.get("window_s") or 0.0)] + [end for *_, end in spans])
@@ -104,11 +105,14 @@ def gantt_rows(pipeline: dict[str, Any], width: int) -> list[GanttRow]:
                 cells[c] = Cell(RECV, "recv")
         taken = 0
         compute = sorted((s for s in mine if s[1] in COMPUTE_FILL), key=lambda s: s[4])
+        labels = [f"{kind}{mb}" for _, kind, mb, *_ in compute]
+        least = [len(x) for x in labels] if sum(map(len, labels)) <= width else [1] * len(labels)
+        after = [sum(least[n + 1:]) for n in range(len(compute))]  # the columns the spans after each one need
         for n, (_, kind, mb, _, start, end) in enumerate(compute):
-            last = width - (len(compute) - n - 1)  # a column left for each span after this one
-            c0 = max(taken, min(round(start / dt), last - 1))
-            c1 = min(last, max(c0 + 1, round(end / dt)))
-            label = f"{kind}{mb}" if c1 - c0 > len(str(mb)) else kind
+            last = width - after[n]
+            c0 = max(taken, min(round(start / dt), last - least[n]))
+            c1 = min(last, max(c0 + least[n], round(end / dt)))
+            label = labels[n] if c1 - c0 >= len(labels[n]) else kind
             for i, c in enumerate(range(c0, c1)):
                 cells[c] = Cell(label[i] if i < len(label) else COMPUTE_FILL[kind], kind)
             taken = max(taken, c1)
@@ -146,20 +150,30 @@ def bubble_line(pipeline: dict[str, Any]) -> str:
     return f"bubble measured {pct(pipeline.get('bubble'))}  theory {pct(pipeline.get('bubble_theory'))} = {formula}"
 
 
-def rank_lines(pipeline: dict[str, Any], width: int) -> list[str]:
-    """Per rank: busy / recv wait / idle in ms and a bar of the three (█ busy, ~ wait, · idle) in what is left."""
-    ranks = [r for r in pipeline.get("ranks") or [] if isinstance(r, dict)]
+def rank_name(pipeline_rank: int, ranks: Sequence[int] | None = None, stage: int | None = None) -> str:
+    """``rank 4``: the global rank ``ranks[pipeline_rank]`` (rank 0's pipeline, whose ranks a step event's
+    ``pipeline`` describes, is ranks 0 and 4 of dp 2 × tp 2 × pp 2:
+    :meth:`~torch_handle.common.run_layout.RunLayout.global_rank`), or the pipeline rank itself without
+    ``ranks``; ``r4 s2`` for stage 2 of a rank that runs several."""
+    rank = ranks[pipeline_rank] if ranks is not None and 0 <= pipeline_rank < len(ranks) else pipeline_rank
+    return f"rank {rank}" if stage is None else f"r{rank} s{stage}"
+
+
+def rank_lines(pipeline: dict[str, Any], width: int, ranks: Sequence[int] | None = None) -> list[str]:
+    """Per rank: busy / recv wait / idle in ms and a bar of the three (█ busy, ~ wait, · idle) in what is left;
+    rows named by :func:`rank_name`."""
+    rows = [r for r in pipeline.get("ranks") or [] if isinstance(r, dict)]
     head = f"{'':<{LABEL_W}}{'busy':>7}{'wait':>7}{'idle':>7}  ms"
     bar_w = max(4, width - len(head) - 1)
     lines = [head]
-    for rank, r in enumerate(ranks):
+    for rank, r in enumerate(rows):
         parts = [float(r.get(k) or 0.0) for k in ("busy_s", "wait_s", "idle_s")]
         total = sum(parts) or 1.0
         bar, acc = "", 0.0
         for part, ch in zip(parts, ("█", RECV, IDLE)):
             acc += part
             bar += ch * (round(acc / total * bar_w) - len(bar))
-        lines.append(f"{f'rank {rank}':<{LABEL_W}}" + "".join(f"{_ms(x):>7}" for x in parts) + "     " + bar)
+        lines.append(f"{rank_name(rank, ranks):<{LABEL_W}}" + "".join(f"{_ms(x):>7}" for x in parts) + "     " + bar)
     return lines
 
 
@@ -171,17 +185,19 @@ def title(pipeline: dict[str, Any], step: int | None = None) -> str:
             + f" · window {_ms(float(pipeline.get('window_s') or 0.0))} ms")
 
 
-def format_pipeline(pipeline: dict[str, Any], *, width: int = 80, step: int | None = None) -> str:
+def format_pipeline(pipeline: dict[str, Any], *, width: int = 80, step: int | None = None,
+                    ranks: Sequence[int] | None = None) -> str:
     """The whole view as text at most ``width`` columns wide: title, axis, one chart row per rank (or stage),
-    legend, per-rank busy/wait/idle and the bubble line. Without a timeline only the figures are shown."""
+    legend, per-rank busy/wait/idle and the bubble line. Without a timeline only the figures are shown. ``ranks``:
+    the global rank of each pipeline rank (:func:`rank_name`), so that the rows read as every view names ranks."""
     chart_w = max(8, width - LABEL_W)
     lines = [title(pipeline, step)]
     rows = gantt_rows(pipeline, chart_w) if has_timeline(pipeline) else []
     if rows:
         window = max([float(pipeline.get("window_s") or 0.0)] + [s[5] for s in _spans(pipeline)])
         lines.append(" " * LABEL_W + axis(window, chart_w))
-        lines += [f"{row.label:<{LABEL_W}}{row.text}" for row in rows]
+        lines += [f"{rank_name(row.rank, ranks, row.stage):<{LABEL_W}}{row.text}" for row in rows]
         lines.append(" " * LABEL_W + LEGEND[:chart_w])
-    lines += rank_lines(pipeline, width)
+    lines += rank_lines(pipeline, width, ranks)
     lines.append(bubble_line(pipeline)[:width])
     return "\n".join(lines)

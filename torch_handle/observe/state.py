@@ -416,14 +416,20 @@ class RunState:
         """Each field of :data:`~torch_handle.observe.fields.BREAKDOWN` -> its seconds in step ``steps[i]``."""
         return {key: getattr(self, key)[i] for key in BREAKDOWN}
 
-    def elapsed_s(self) -> float | None:
-        """From the run's start to its end, or to the newest event while it runs (event times, not the clock)."""
-        start = number(self.info.get("start_time"))
+    def elapsed_s(self, info: dict[str, Any] | None = None) -> float | None:
+        """Seconds from the run's launch (run.json's ``start_time``: start-up included, as a resumed run's earlier
+        attempts and the pause between them are) to its end (``end_time`` once the status is final), or to the
+        newest event while it runs; event times, not the clock. ``info``: run.json's contents where they are newer
+        than :attr:`info` (``handle run``'s summary). The one elapsed time: the dashboard's header and the summary
+        both show it. Without a ``start_time``, from the first event."""
+        info = self.info if info is None else info
+        start = number(info.get("start_time"))
         if start is None:
             start = self.first_time
         if start is None:
             return None
-        end = number(self.info.get("end_time")) if self.status in Status.FINAL else None
+        end = number(info.get("end_time")) if info.get("status") in Status.FINAL or self.status in Status.FINAL \
+            else None
         if end is None:
             end = self.last_time
         return None if end is None else max(0.0, end - start)
