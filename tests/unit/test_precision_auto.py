@@ -139,6 +139,7 @@ def test_the_mfu_peak_key_changes_with_the_isa_env_too(monkeypatch):
     avx2 = device_key("cpu", 1)
     monkeypatch.setenv("ATEN_CPU_CAPABILITY", "default")
     assert len({plain, avx2, device_key("cpu", 1)}) == 3 and avx2.endswith("|ONEDNN_MAX_CPU_ISA=AVX2")
+    assert plain.endswith("|default ISA")  # never the key of an entry written before the ISA was keyed
 
 
 def test_a_new_run_gets_the_concrete_precision_and_the_reason(tiny, cache, monkeypatch, no_launch):

@@ -43,7 +43,9 @@ def cache_path() -> Path:
 
 def device_key(device: Any, threads: int) -> str:
     """``cuda:NVIDIA H100 80GB HBM3|torch 2.x`` or ``cpu:<processor>x<threads>|torch 2.x``, on a CPU followed by
-    ``|ONEDNN_MAX_CPU_ISA=AVX2`` when such a variable is set (it changes which kernels run: bf16 emulated or not)."""
+    ``|ONEDNN_MAX_CPU_ISA=AVX2`` when such a variable is set (it changes which kernels run: bf16 emulated or not),
+    else by ``|default ISA``. The suffix is always there so that entries from versions that did not key the ISA
+    (one measured under ``ONEDNN_MAX_CPU_ISA=AVX2`` gave native-bf16 runs an MFU of 300-600%) are never read."""
     import torch
 
     dev = torch.device(device)
@@ -51,7 +53,7 @@ def device_key(device: Any, threads: int) -> str:
         return f"cuda:{torch.cuda.get_device_name(dev)}|torch {torch.__version__}"
     isa = isa_env()
     name = f"{platform.machine()} {_cpu_model()} x{threads} threads"
-    return f"{dev.type}:{name}|torch {torch.__version__}{'|' + isa if isa else ''}"
+    return f"{dev.type}:{name}|torch {torch.__version__}|{isa or 'default ISA'}"
 
 
 def _cpu_model() -> str:
