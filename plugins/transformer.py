@@ -37,23 +37,27 @@ def _check_task(options: TransformerConfig, preset) -> Iterator[InvalidValue]:
                                    f"kind = {wanted!r}")
 
 
-def _check_tensor_parallel(options: TransformerConfig, preset) -> Iterator[InvalidValue]:
+def _check_widths(options: TransformerConfig, preset) -> Iterator[InvalidValue]:
+    if preset.parallel.tp == 1:
+        return
+    from torch_handle.model.parallelize import width_problems  # torch: only for a tp > 1 preset
+
+    for key, message in width_problems(options, preset.parallel.tp):
+        yield InvalidValue(key, message)
+
+
+def _check_data_split(options: TransformerConfig, preset) -> Iterator[InvalidValue]:
     parallel = preset.parallel
     if parallel.tp == 1:
         return
-    from torch_handle.model.parallelize import tensor_parallel_problems  # torch: only for a tp > 1 preset
+    from torch_handle.model.parallelize import data_split_problems
 
-    # the model's own widths first: they do not depend on [data], which may have problems of its own
-    for key, message in tensor_parallel_problems(options, parallel.tp, vocab_size=None, seq_len=0,
-                                                 sequence_parallel=False, scratch=False):
-        yield InvalidValue(key, message)
     data = preset.data.options
-    for key, message in tensor_parallel_problems(options, parallel.tp, vocab_size=getattr(data, "vocab_size", None),
-                                                 seq_len=getattr(data, "seq_len", 0),
-                                                 sequence_parallel=parallel.sequence_parallel,
-                                                 scratch=parallel.tp_impl == "scratch"):
-        if key not in ("n_heads", "d_ff"):
-            yield InvalidValue(f"data.{key}", message)
+    for key, message in data_split_problems(parallel.tp, vocab_size=getattr(data, "vocab_size", None),
+                                            seq_len=getattr(data, "seq_len", 0),
+                                            sequence_parallel=parallel.sequence_parallel,
+                                            scratch=parallel.tp_impl == "scratch"):
+        yield InvalidValue(f"data.{key}", message)
 
 
 def _check_pipeline(options: TransformerConfig, preset) -> Iterator[InvalidValue]:
@@ -72,7 +76,7 @@ def _check_pipeline(options: TransformerConfig, preset) -> Iterator[InvalidValue
         yield InvalidValue(key if key != "pp_layers" else "parallel.pp_layers", message)
 
 
-CHECKS = (_check_pipeline, _check_tensor_parallel, _check_task)
+CHECKS = (_check_pipeline, _check_widths, _check_data_split, _check_task)
 """The cross-table checks (``check_preset``), each run on its own, so a problem in one table hides no other."""
 
 
