@@ -117,7 +117,9 @@ def _scaling_plan(preset: str, overrides: tuple[str, ...], nprocs: list[int], la
         except USER_ERRORS as e:
             if run.layout is None:
                 fail(f"{run.label} on {_ranks(n)}: {e}")
-            reason = f"{e.key}: {e.message}" if isinstance(e, PresetError) and e.key else str(e)
+            reason = f"{e.key}: {e.message}" if isinstance(e, PresetError) and e.key else str(e)  # the first
+            if len(getattr(e, "problems", ())) > 1:
+                reason += f" (and {len(e.problems) - 1} more)"
             notes.append(f"{run.label} {run.layout} skipped: {reason}")
             continue
         if chosen is not None:

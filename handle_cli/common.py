@@ -16,6 +16,8 @@ EXIT_STOPPED = 130
 
 
 def fail(message: str, code: int = EXIT_BAD_INPUT) -> NoReturn:
-    """Print ``error: MESSAGE`` on stderr and exit with ``code`` (no traceback)."""
-    click.echo(f"error: {message}", err=True)
+    """Print ``error: LINE`` on stderr for each line of ``message`` (one problem a line: a preset's problems are
+    reported all at once) and exit with ``code`` (no traceback)."""
+    for line in message.splitlines() or [""]:
+        click.echo(f"error: {line}", err=True)
     sys.exit(code)

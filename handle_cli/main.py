@@ -138,14 +138,20 @@ def run(preset: str | None, overrides: tuple[str, ...], run_dir: Path | None, re
 
         preset = resolve_preset_spec(preset)  # a bare NAME not in ./presets may be a plugin's preset
     if tui:
+        from torch_handle.checkpoint.resume import resumed_mapping
         from torch_handle.config.loader import load_preset
         from torch_handle.rundir import PRESET_FILE
 
-        nodes = load_preset(preset if resume_dir is None else Path(resume_dir) / PRESET_FILE, overrides).launch
-        if nodes.nnodes > 1:  # the detached launcher reads the run's preset, whose node_rank is node 0's
-            fail(f"--tui runs one node; with launch.nnodes = {nodes.nnodes} start each node's handle run without "
+        if resume_dir is None:
+            nnodes = load_preset(preset, overrides).launch.nnodes
+        else:  # what the resume asks for (prepare_run reports its problems)
+            asked = resumed_mapping(resume_dir, load_preset(Path(resume_dir) / PRESET_FILE), overrides) or {}
+            nnodes = asked.get("launch", {}).get("nnodes", 1)
+        if isinstance(nnodes, int) and nnodes > 1:  # the detached launcher reads the run's preset (node 0's)
+            fail(f"--tui runs one node; with launch.nnodes = {nnodes} start each node's handle run without "
                  f"--tui and watch with: handle tui RUN_DIR")
-    loaded, directory = prepare_run(preset, overrides, run_dir, resume_dir)
+    loaded, directory = prepare_run(preset, overrides, run_dir, resume_dir,
+                                    note=lambda line: click.echo(f"note: {line}"))
     if tui:
         from handle_cli.runner import spawn_detached
 

@@ -58,8 +58,9 @@ def plugin_presets() -> list[tuple[str, Path, str]]:
 def validate(preset: str, overrides: tuple[str, ...]) -> None:
     """Check PRESET and every plugin section without starting anything.
 
-    Every problem is reported at once, one line each (each table is checked on its own; checks that span
-    tables run once every table is valid), then the dataset plugin's pre-flight check (paths exist, UTF-8).
+    Every problem is reported at once, one line each, structure first (the model's shape, the layout, then the
+    details): each table on its own, and every check that spans tables whose inputs are valid; then the dataset
+    plugin's pre-flight check (paths exist, UTF-8). Example: `handle validate presets/pp.toml --set parallel.pp=4`.
     A valid preset prints its layout, world size and steps:
     `presets/3d.toml: ok: dp 2 × tp 2 × pp 2 (ddp; tp scratch + sp; pp 1F1B scratch), world size 8, 500 steps`.
     Exit code 2 when there is any problem.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 
 from torch_handle.api import InvalidValue, hookimpl
 from torch_handle.model.args import DATASET_FIELDS, Activation, ModelKind, TransformerArgs
@@ -50,31 +51,59 @@ TransformerConfig = dataclasses.make_dataclass(
 
 
 
-def check_preset(options: TransformerConfig, preset) -> None:
+def _check_task(options: TransformerConfig, preset) -> Iterator[InvalidValue]:
     data_kind = getattr(preset.data.options, "task", None)
     wanted = {"lm": "decoder", "translation": "encoder-decoder"}.get(data_kind)
     if wanted and options.kind != wanted:
-        raise InvalidValue("kind", f"{options.kind!r} cannot train on data {preset.data.name!r} "
-                                   f"({data_kind}); use kind = {wanted!r}")
+        yield InvalidValue("kind", f"{options.kind!r} cannot train on data {preset.data.name!r} ({data_kind}); use "
+                                   f"kind = {wanted!r}")
+
+
+def _check_widths(options: TransformerConfig, preset) -> Iterator[InvalidValue]:
+    if preset.parallel.tp == 1:
+        return
+    later = _not_tensor_parallel_yet(options)
+    if later:
+        yield InvalidValue(later[0], f"{later[1]} is not split by tensor parallelism yet (use parallel.tp = 1)")
+        return
+    from torch_handle.model.parallelize import width_problems  # torch: only for a tp > 1 preset
+
+    for key, message in width_problems(options, preset.parallel.tp):
+        yield InvalidValue(key, message)
+
+
+def _check_data_split(options: TransformerConfig, preset) -> Iterator[InvalidValue]:
     parallel = preset.parallel
-    if parallel.tp > 1:
-        later = _not_tensor_parallel_yet(options)
-        if later:
-            raise InvalidValue(later[0], f"{later[1]} is not split by tensor parallelism yet (use parallel.tp = 1)")
-        from torch_handle.model.parallelize import tensor_parallel_problems
+    if parallel.tp == 1:
+        return
+    from torch_handle.model.parallelize import data_split_problems
 
-        vocab_size = getattr(preset.data.options, "vocab_size", None)
-        seq_len = getattr(preset.data.options, "seq_len", 0)
-        for key, message in tensor_parallel_problems(options, parallel.tp, vocab_size=vocab_size, seq_len=seq_len,
-                                                     sequence_parallel=parallel.sequence_parallel,
-                                                     scratch=parallel.tp_impl == "scratch"):
-            raise InvalidValue(key if key in ("n_heads", "d_ff") else f"data.{key}", message)
-    if parallel.pp > 1:
-        from torch_handle.model.pipeline import pipeline_problems
+    data = preset.data.options
+    for key, message in data_split_problems(parallel.tp, vocab_size=getattr(data, "vocab_size", None),
+                                            seq_len=getattr(data, "seq_len", 0),
+                                            sequence_parallel=parallel.sequence_parallel,
+                                            scratch=parallel.tp_impl == "scratch"):
+        yield InvalidValue(f"data.{key}", message)
 
-        stages = parallel.pp * parallel.pp_stages_per_rank
-        for key, message in pipeline_problems(options, options.kind, stages, parallel.pp_layers):
-            raise InvalidValue(key if key != "pp_layers" else "parallel.pp_layers", message)
+
+def _check_pipeline(options: TransformerConfig, preset) -> Iterator[InvalidValue]:
+    parallel = preset.parallel
+    if parallel.pp == 1:
+        return
+    from torch_handle.model.pipeline import pipeline_problems  # torch: only for a pp > 1 preset
+
+    v = parallel.pp_stages_per_rank
+    stages = parallel.pp * v
+    valid_pp = None
+    if options.kind == "decoder" and not parallel.pp_layers and options.n_layers < stages:
+        # the pp this model can split into that also divide the world size (over tp)
+        valid_pp = [p for p in range(1, options.n_layers // v + 1) if preset.world_size % (parallel.tp * p) == 0]
+    for key, message in pipeline_problems(options, options.kind, stages, parallel.pp_layers, valid_pp=valid_pp):
+        yield InvalidValue(key if key != "pp_layers" else "parallel.pp_layers", message)
+
+
+CHECKS = (_check_pipeline, _check_widths, _check_data_split, _check_task)
+"""The cross-table checks (``check_preset``), each run on its own, so a problem in one table hides no other."""
 
 
 def _not_tensor_parallel_yet(options: TransformerConfig) -> tuple[str, str] | None:
@@ -102,4 +131,4 @@ def build(options: TransformerConfig, vocab_size: int, pad_id: int, max_len: int
 @hookimpl
 def handle_register_models(register):
     register("transformer", TransformerConfig, build, "from-scratch Transformer (decoder-only or encoder-decoder)",
-             check_preset)
+             CHECKS)

@@ -36,6 +36,9 @@ class Case:
     """Substrings of the one stderr line (after ``{tmp}`` is filled in)."""
     untouched: list[str] = field(default_factory=list)
     """Directories (relative) that must be left exactly as they were."""
+    also: list[list[str]] = field(default_factory=list)
+    """Substrings of each further stderr line: every problem of the preset is reported, one a line, structure
+    first (``expect`` is the first)."""
 
 
 def preset(body: str, name: str = "p.toml", **more: str | bytes) -> dict[str, str | bytes]:
@@ -193,17 +196,23 @@ def runner(tmp_path, monkeypatch, no_launch):
     return CliRunner()
 
 
-def check_one_line_error(code: int, stdout: str, stderr: str, expect: list[str], tmp: Path) -> str:
+def check_error_lines(code: int, stdout: str, stderr: str, expect: list[list[str]], tmp: Path) -> list[str]:
+    """Exit code 2, nothing on stdout, no traceback, and one ``error:`` line on stderr per item of ``expect``
+    (each holding every substring of its item), in that order."""
     assert code == 2, (code, stdout, stderr)
     assert "Traceback" not in stderr and "Traceback" not in stdout
     lines = stderr.splitlines()
-    assert len(lines) == 1, stderr
-    line = lines[0]
-    assert line.startswith("error: "), line
-    for part in expect:
-        assert fill(part, tmp) in line, (part, line)
+    assert len(lines) == len(expect), stderr
+    for line, parts in zip(lines, expect):
+        assert line.startswith("error: "), line
+        for part in parts:
+            assert fill(part, tmp) in line, (part, line)
     assert stdout == "", stdout
-    return line
+    return lines
+
+
+def check_one_line_error(code: int, stdout: str, stderr: str, expect: list[str], tmp: Path) -> str:
+    return check_error_lines(code, stdout, stderr, [expect], tmp)[0]
 
 
 def test_there_are_at_least_30_cases():
@@ -217,7 +226,7 @@ def test_handle_run_rejects(runner, tmp_path, case):
     before = {d: snapshot(tmp_path / d) for d in case.untouched}
     result = runner.invoke(cli, ["run", *[fill(a, tmp_path) for a in case.args]])
     assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
-    check_one_line_error(result.exit_code, result.stdout, result.stderr, case.expect, tmp_path)
+    check_error_lines(result.exit_code, result.stdout, result.stderr, [case.expect, *case.also], tmp_path)
     out = tmp_path / "out"
     assert not out.exists() or not any(out.iterdir()), list(out.iterdir())
     assert not (tmp_path / "runs").exists()

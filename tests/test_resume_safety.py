@@ -77,11 +77,14 @@ def test_disk_full_checkpoint_then_refused_and_allowed_resumes(tmp_path):
     assert any("changed training.steps 6 -> 8" in e["message"] for e in events(run, "log"))
     assert max(e["step"] for e in events(run, "step")) == 8
 
-    # 4. a plain resume of a finished run changes nothing and records a resume with no changes
-    before_preset = digest(run / "preset.toml")
-    assert handle("run", "--resume", str(run)).returncode == 0
-    assert digest(run / "preset.toml") == before_preset
-    assert json.loads((run / "run.json").read_text())["resumes"][-1]["changed"] == {}
+    # 4. a plain resume of the finished run would train nothing: exit 2, one line saying how to train further,
+    # and every file of the run directory (preset.toml, run.json, ...) byte for byte as it was
+    before = {p.name: digest(p) for p in run.iterdir() if p.is_file()}
+    proc = handle("run", "--resume", str(run))
+    assert proc.returncode == 2 and proc.stdout == "", proc.stdout + proc.stderr
+    assert proc.stderr.splitlines() == [f"error: {run}: nothing to train: the run finished at step 8 (training.steps "
+                                        f"= 8); to train further add --set training.steps=M with M > 8"]
+    assert {p.name: digest(p) for p in run.iterdir() if p.is_file()} == before
 
 
 def test_disk_full_checkpoint_with_two_ranks_keeps_the_previous_one(tmp_path):

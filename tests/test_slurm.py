@@ -109,9 +109,17 @@ def test_the_script_runs_one_handle_run_per_node_under_a_stand_in_srun(tmp_path,
     assert "--node_rank=1" in (run_dir / "logs" / "launcher-node1.log").read_text()
     assert run.stdout.count(f"finished: {run_dir}") == 2  # both nodes' `handle run` report the outcome
 
-    # a requeued job (same job id) continues its run directory with --resume on every node
-    requeued = subprocess.run(["bash", str(script)], check=False, capture_output=True, text=True, env=job_env, cwd=tmp_path,
-                              timeout=300)
+    # a requeued job (same job id) of the finished run: nothing left to train, said, exit 0, run.json as it was
+    before = (run_dir / "run.json").read_bytes()
+    requeued = subprocess.run(["bash", str(script)], check=False, capture_output=True, text=True, env=job_env,
+                              cwd=tmp_path, timeout=300)
+    assert requeued.returncode == 0, requeued.stdout[-3000:] + requeued.stderr[-3000:]
+    assert f"handle: {run_dir} finished already: nothing to train" in requeued.stdout
+    assert (run_dir / "run.json").read_bytes() == before
+    # a requeue of a run that did not finish (as a preempted job leaves it) continues it with --resume on every node
+    (run_dir / "run.json").write_text(json.dumps({**info, "status": "stopped"}))
+    requeued = subprocess.run(["bash", str(script)], check=False, capture_output=True, text=True, env=job_env,
+                              cwd=tmp_path, timeout=300)
     assert requeued.returncode == 0, requeued.stdout[-3000:] + requeued.stderr[-3000:]
     assert json.loads((run_dir / "run.json").read_text())["resumed"] == 1
     assert leftovers(tag) == []

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-__all__ = ["PresetError", "InvalidValue", "RunDirError", "DataError", "CheckpointError", "USER_ERRORS"]
+__all__ = ["PresetError", "PresetErrors", "InvalidValue", "RunDirError", "DataError", "CheckpointError",
+           "USER_ERRORS"]
 
 
 class PresetError(Exception):
@@ -30,6 +31,20 @@ class PresetError(Exception):
             where = f"{self.file}:{self.line}: " if self.line else f"{self.file}: "
         key = f"{self.key}: " if self.key else ""
         return f"{where}{key}{self.message}"
+
+
+class PresetErrors(PresetError):
+    """Every problem of a preset at once (two or more :class:`PresetError`), in the order to fix them (structure
+    first: :mod:`torch_handle.config.problems`); ``str(err)`` is one line per problem. ``file``, ``key``, ``line``
+    and ``message`` are those of the first, so code that reads one problem still reads the first."""
+
+    def __init__(self, problems: list[PresetError]):
+        self.problems = list(problems)
+        first = self.problems[0]
+        super().__init__(first.message, file=first.file, key=first.key, line=first.line)
+
+    def __str__(self) -> str:
+        return "\n".join(str(p) for p in self.problems)
 
 
 class InvalidValue(ValueError):
@@ -57,4 +72,5 @@ class CheckpointError(Exception):
 
 
 USER_ERRORS = (PresetError, RunDirError, DataError, CheckpointError)
-"""What the CLI reports as ``error: <one line>`` with exit code 2 (``InvalidValue`` becomes a PresetError)."""
+"""What the CLI reports as ``error: <one line>`` with exit code 2 (``InvalidValue`` becomes a PresetError;
+:class:`PresetErrors`: one such line per problem)."""

@@ -12,6 +12,8 @@ same group. Each hook receives a ``register`` callback, so the core owns naming 
 For models, datasets, strategies and profilers, ``register(name, config_cls, factory, description="",
 check_preset=None)`` takes the name that a preset's ``name`` key selects, the dataclass that validates the rest of that preset table, and a
 factory called on every rank when a run starts (its arguments depend on the kind; see ``docs/plugins.md``).
+``check_preset(options, preset)`` checks settings that span tables: it raises an ``InvalidValue`` or yields each
+one (every one is reported); a tuple of such checks runs each on its own (:mod:`torch_handle.config.problems`).
 Sinks, presets and commands register differently (see their hooks). Hooks are called once, in the ``handle``
 process and in every worker, when the plugin registry is first built. Keep module import cheap: import torch
 inside the factory, not at module level, so ``handle --help`` and preset validation stay instant.

@@ -52,8 +52,10 @@ class Registration:
     config_cls: type
     factory: Callable[..., Any]
     description: str = ""
-    check_preset: Callable[[Any, Any], None] | None = None
-    """Optional ``check(options, preset)`` raising ``InvalidValue`` for settings that span tables."""
+    check_preset: Callable[[Any, Any], Any] | tuple[Callable[[Any, Any], Any], ...] | None = None
+    """Optional ``check(options, preset)`` for settings that span tables, or a tuple of such checks, each run on its
+    own: a check yields each ``InvalidValue`` (all are reported) or raises the first
+    (:mod:`torch_handle.config.problems`)."""
     plugin: str = ""
     """Name of the plugin (entry point) that registered it."""
     preflight: Callable[[Any], None] | None = None
@@ -146,7 +148,7 @@ class PluginRegistry:
 
     def _register_fn(self, kind: str, info: PluginInfo) -> Callable[..., None]:
         def register(name: str, config_cls: type, factory: Callable[..., Any], description: str = "",
-                     check_preset: Callable[[Any, Any], None] | None = None,
+                     check_preset: Any = None,
                      preflight: Callable[[Any], None] | None = None) -> None:
             if not isinstance(name, str) or not name:
                 raise TypeError(f"{kind} name must be a non-empty string, got {name!r}")
@@ -159,7 +161,10 @@ class PluginRegistry:
             typing.get_type_hints(config_cls)  # an annotation that cannot be resolved fails the plugin now
             if not callable(factory):
                 raise TypeError(f"{kind} {name!r}: factory must be callable, got {factory!r}")
-            for hook_name, hook in (("check_preset", check_preset), ("preflight", preflight)):
+            if isinstance(check_preset, list):
+                check_preset = tuple(check_preset)
+            checks = check_preset if isinstance(check_preset, tuple) else (check_preset,)
+            for hook_name, hook in (*(("check_preset", c) for c in checks), ("preflight", preflight)):
                 if hook is not None and not callable(hook):
                     raise TypeError(f"{kind} {name!r}: {hook_name} must be callable, got {hook!r}")
             if preflight is not None and kind != "dataset":

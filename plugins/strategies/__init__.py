@@ -8,6 +8,7 @@ its own module and is imported when a run starts.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
@@ -149,7 +150,8 @@ def _check_scratch_ddp(options, preset) -> None:
                                               "rank, not a stage's data-parallel ranks): set it to false, or use fsdp")
 
 
-def _check_deepspeed(options: DeepSpeedConfig, preset) -> None:
+def _check_deepspeed(options: DeepSpeedConfig, preset) -> Iterator[InvalidValue]:
+    """Every contradiction between ``ds_config`` and the rest of the preset (a generator: all are reported)."""
     ds = options.ds_config
     precision = preset.training.precision
     for mode in ("fp16", "bf16"):
@@ -157,16 +159,16 @@ def _check_deepspeed(options: DeepSpeedConfig, preset) -> None:
         if section is None:
             continue
         if not isinstance(section, dict):
-            raise InvalidValue("ds_config", f"{mode} must be a table (for example {mode}.enabled = true), "
+            yield InvalidValue("ds_config", f"{mode} must be a table (for example {mode}.enabled = true), "
                                             f"got {section!r}")
-        if section.get("enabled") and precision != mode:
-            raise InvalidValue("ds_config", f"{mode}.enabled contradicts training.precision = {precision!r} "
+        elif section.get("enabled") and precision != mode:
+            yield InvalidValue("ds_config", f"{mode}.enabled contradicts training.precision = {precision!r} "
                                             f"(set training.precision = {mode!r} instead)")
     zero = ds.get("zero_optimization")
     if zero is not None and not isinstance(zero, dict):
-        raise InvalidValue("ds_config", f"zero_optimization must be a table, got {zero!r}")
+        yield InvalidValue("ds_config", f"zero_optimization must be a table, got {zero!r}")
     if isinstance(zero, dict) and "stage" in zero and zero["stage"] != options.zero_stage:
-        raise InvalidValue("ds_config", f"zero_optimization.stage = {zero['stage']!r} contradicts zero_stage = "
+        yield InvalidValue("ds_config", f"zero_optimization.stage = {zero['stage']!r} contradicts zero_stage = "
                                         f"{options.zero_stage} (set strategy.zero_stage instead)")
     training = preset.training
     implied = {"train_micro_batch_size_per_gpu": ("micro_batch_size", training.micro_batch_size),
@@ -175,7 +177,7 @@ def _check_deepspeed(options: DeepSpeedConfig, preset) -> None:
                                     training.micro_batch_size * training.grad_accum * preset.world_size)}
     for key, (source, value) in implied.items():
         if key in ds and ds[key] != value:
-            raise InvalidValue("ds_config", f"{key} = {ds[key]!r} contradicts training.{source} = {value} "
+            yield InvalidValue("ds_config", f"{key} = {ds[key]!r} contradicts training.{source} = {value} "
                                             f"(set it in [training] instead)")
 
 

@@ -16,7 +16,8 @@ from torch_handle.config.loader import load_preset
 from torch_handle.errors import RunDirError
 from torch_handle.observe.fields import Status
 from torch_handle.observe.state import RunState
-from torch_handle.checkpoint.resume import PENDING, RESUME_PRESET, check_changes, diff, promote, rule
+from torch_handle.checkpoint.resume import (PENDING, RESUME_PRESET, check_changes, diff, layout_adjustments,
+                                            promote, resumed_mapping, rule)
 from torch_handle.rundir import HEARTBEAT_FILE, is_lost, read_run_status
 
 REPO = Path(__file__).resolve().parents[2]
@@ -53,11 +54,17 @@ def test_allowed_keys(key):
 
 
 def test_a_tp_run_may_resume_as_pp_or_dp_as_docs_resume_shows():
-    """docs/resume.md's "On another layout" commands: accepted, each change named."""
+    """docs/resume.md's "On another layout" commands: accepted (sequence_parallel goes by itself with tp 1), each
+    change named."""
     old = load_preset(REPO / "presets/tp.toml")
-    off_tp = ["parallel.tp=1", "parallel.sequence_parallel=false"]
-    as_pp = load_preset(REPO / "presets/tp.toml", [*off_tp, "parallel.pp=2", "parallel.pp_microbatches=2"])
-    as_dp = load_preset(REPO / "presets/tp.toml", [*off_tp, "strategy.name=ddp", "training.micro_batch_size=8"])
+
+    def resumed(*sets: str):
+        extra, _ = layout_adjustments(old, resumed_mapping(Path("r"), old, sets), sets)
+        assert extra == ["parallel.sequence_parallel=false"]
+        return load_preset(REPO / "presets/tp.toml", [*sets, *extra])
+
+    as_pp = resumed("parallel.tp=1", "parallel.pp=2", "parallel.pp_microbatches=2")
+    as_dp = resumed("parallel.tp=1", "strategy.name=ddp", "training.micro_batch_size=8")
     assert check_changes(Path("r"), old, as_pp) == {"parallel.tp": [2, 1], "parallel.sequence_parallel": [True, False],
                                                     "parallel.pp": [1, 2], "parallel.pp_microbatches": [0, 2]}
     assert {"parallel.tp", "strategy.name", "training.micro_batch_size"} <= set(check_changes(Path("r"), old, as_dp))

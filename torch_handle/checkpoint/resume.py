@@ -1,12 +1,16 @@
 """What a ``--resume`` may change, and how a changed preset takes effect only once the resumed run works.
 
 A resumed run loads its newest checkpoint, so every setting the checkpoint or the data position depends on is
-fixed for the life of the run. :func:`check_changes` compares the run's preset with the one ``--set`` makes and
-raises one line naming the first setting that may not change, and why, before anything is written or started.
+fixed for the life of the run. :func:`frozen_changes` compares the run's preset with the one ``--set`` asks for
+(valid or not: :func:`resumed_mapping`) and gives one line for each setting that may not change, and why;
+:func:`finished_problem` refuses a finished run without more steps. ``handle run --resume`` reports them, with the
+preset's own problems, before anything is written or started (:func:`torch_handle.launch.run.prepare_resume`).
 
 The rules, table by table, are docs/resume.md#what-may-change; :func:`rule` is their code. The plugin tables follow
 one rule per table, which a plugin overrides for one of its options by declaring it
-(``param(..., frozen_on_resume=...)``, :func:`torch_handle.config.schema.param`).
+(``param(..., frozen_on_resume=...)``, :func:`torch_handle.config.schema.param`). ``[parallel]`` may change; a
+resume onto another layout resets what only the old one used (:func:`layout_adjustments`,
+docs/resume.md#parallel-on-resume).
 
 An accepted change is written to ``preset.resume.toml`` (:data:`RESUME_PRESET`), which the workers load instead
 of ``preset.toml`` (:func:`active_preset_path`); the launcher replaces ``preset.toml`` with it once the resumed
@@ -20,13 +24,17 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from torch_handle.config.loader import Preset, dump_preset, load_preset, preset_to_dict
+from torch_handle.config.overrides import apply_overrides
 from torch_handle.config.schema import PLUGIN_TABLES, resume_declaration
-from torch_handle.errors import RunDirError
+from torch_handle.errors import PresetError, RunDirError
+from torch_handle.observe.fields import Status
 from torch_handle.registry import get_registry
 from torch_handle.common.fsio import write_text_atomic
 from torch_handle.common.run_layout import LAYOUT_KEY, RunLayout
@@ -100,9 +108,10 @@ def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def diff(old: Preset, new: Preset) -> dict[str, list[Any]]:
-    """``{"table.key": [old, new]}`` for every resolved setting that differs (None: not set)."""
-    a, b = _flat(preset_to_dict(old)), _flat(preset_to_dict(new))
+def diff(old: Preset, new: Preset | dict[str, Any]) -> dict[str, list[Any]]:
+    """``{"table.key": [old, new]}`` for every resolved setting that differs (None: not set); ``new`` may be a
+    mapping not validated yet (:func:`resumed_mapping`)."""
+    a, b = _flat(preset_to_dict(old)), _flat(new if isinstance(new, dict) else preset_to_dict(new))
     return {k: [a.get(k), b.get(k)] for k in [*a, *[k for k in b if k not in a]] if a.get(k) != b.get(k)}
 
 
@@ -112,10 +121,21 @@ def check_changes(run_dir: Path, old: Preset, new: Preset) -> dict[str, list[Any
     and the new one's come: none of them is checked.
 
     Raises:
-        RunDirError: one line naming the first setting that may not change (a plugin's ``name`` first) and why.
+        RunDirError: one line per setting that may not change (a plugin's ``name`` first), naming it and why.
     """
     changes = diff(old, new)
-    switched = {table for table in PLUGIN_TABLES if getattr(old, table).name != getattr(new, table).name}
+    refused = frozen_changes(run_dir, old, changes, {t: getattr(new, t).name for t in PLUGIN_TABLES})
+    if refused:
+        raise RunDirError("\n".join(refused))
+    return changes
+
+
+def frozen_changes(run_dir: Path, old: Preset, changes: dict[str, list[Any]], plugins: dict[str, Any]) -> list[str]:
+    """One line for each of ``changes`` (:func:`diff`) that may not change on a resume (:func:`rule`); ``plugins``:
+    the plugin each table selects after the change (the options of a table whose plugin changes are not checked).
+    """
+    switched = {table for table in PLUGIN_TABLES if getattr(old, table).name != plugins.get(table)}
+    refused = []
     for key in sorted(changes, key=lambda k: (not k.endswith(".name"), k)):
         table, _, option = key.partition(".")
         if table in switched and option != "name":
@@ -123,8 +143,83 @@ def check_changes(run_dir: Path, old: Preset, new: Preset) -> dict[str, list[Any
         why = rule(key, old)
         if why:
             was, now = changes[key]
-            raise RunDirError(f"{run_dir}: cannot change {key} on --resume ({was!r} -> {now!r}): {why}")
-    return changes
+            refused.append(f"{run_dir}: cannot change {key} on --resume ({was!r} -> {now!r}): {why}")
+    return refused
+
+
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+def newest_checkpoint_step(run_dir: Path) -> int | None:
+    """The step of the newest complete checkpoint of ``run_dir`` (``checkpoints/step-N`` with its manifest; read by
+    name, not verified: :func:`torch_handle.checkpoint.store.newest_valid` is the workers'), or None."""
+    root = Path(run_dir) / "checkpoints"
+    steps = [int(m.group(1)) for p in (root.iterdir() if root.is_dir() else ())
+             if (m := _STEP_DIR.match(p.name)) and (p / "manifest.json").is_file()]
+    return max(steps, default=None)
+
+
+def finished_problem(run_dir: Path, info: dict[str, Any], steps: Any) -> str | None:
+    """Why a resume of a finished run would train nothing, or None: run.json says finished, and ``steps``
+    (``training.steps`` of the resume) is not past the step of its newest checkpoint, where it would resume."""
+    done = newest_checkpoint_step(run_dir) if info.get("status") == Status.FINISHED else None
+    if done is None or not isinstance(steps, int) or steps > done:
+        return None
+    return (f"{run_dir}: nothing to train: the run finished at step {done} (training.steps = {steps}); to train "
+            f"further add --set training.steps=M with M > {done}")
+
+
+def resumed_mapping(run_dir: Path, old: Preset, overrides: Sequence[str]) -> dict[str, Any] | None:
+    """The run's preset as a mapping with ``overrides`` applied, not validated (what a resume asks for even
+    when it has problems), or None when an override is malformed (validation reports it)."""
+    data = preset_to_dict(old)
+    try:
+        apply_overrides(data, overrides, None, Path(run_dir) / PRESET_FILE)
+    except PresetError:
+        return None
+    return data
+
+
+def layout_adjustments(old: Preset, new: dict[str, Any], overrides: Sequence[str]) -> tuple[list[str], list[str]]:
+    """``(--set overrides to add, notes)`` for a resume onto another layout: a ``[parallel]`` setting of the run
+    that only made sense for its old layout, and that the resume does not set, goes back to its neutral value
+    (docs/resume.md#parallel-on-resume):
+
+    - ``sequence_parallel = true`` -> false when tp becomes 1 (there is no TP group to split the sequence over);
+    - ``pp_layers`` -> ``[]`` (balanced by ``pp_split``) when the number of stages (pp x pp_stages_per_rank)
+      changes: it listed the old stages.
+
+    and a note names the run's settings that a resume puts into effect for the first time (its ``tp_impl`` once
+    tp > 1, its ``pp_impl`` and ``pp_schedule`` once pp > 1): they are kept, and said.
+    """
+    given = {o.partition("=")[0].strip() for o in overrides}
+    par, was = new.get("parallel"), old.parallel
+    if not isinstance(par, dict):
+        return [], []
+    tp, pp, v = par.get("tp"), par.get("pp"), par.get("pp_stages_per_rank")
+    if not all(isinstance(x, int) and not isinstance(x, bool) for x in (tp, pp, v)):
+        return [], []
+    extra, notes = [], []
+    if tp == 1 and was.tp > 1 and par.get("sequence_parallel") is True and \
+            "parallel.sequence_parallel" not in given:
+        extra.append("parallel.sequence_parallel=false")
+        notes.append(f"parallel.sequence_parallel: true -> false (it splits the sequence over the TP group; the "
+                     f"run had tp {was.tp}, the resume has tp 1)")
+    layers = par.get("pp_layers")
+    if layers and pp * v != was.pp * was.pp_stages_per_rank and "parallel.pp_layers" not in given:
+        extra.append("parallel.pp_layers=[]")
+        notes.append(f"parallel.pp_layers: {layers} -> [] (it listed the run's {was.pp * was.pp_stages_per_rank} "
+                     f"stages; the resume's {pp * v} are balanced by parallel.pp_split = {par.get('pp_split')!r})")
+    newly = []
+    if tp > 1 and was.tp == 1:
+        newly.append("tp_impl")
+    if pp > 1 and was.pp == 1:
+        newly += ["pp_impl", "pp_schedule"]
+    kept = [f"parallel.{k} = {par.get(k)!r}" for k in newly if f"parallel.{k}" not in given]
+    if kept:
+        notes.append(f"the run's {' and '.join(kept)} take effect (unused by its tp {was.tp} x pp {was.pp}; "
+                     f"--set them to choose)")
+    return extra, notes
 
 
 def active_preset_path(run_dir: Path) -> Path:

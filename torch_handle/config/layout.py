@@ -1,8 +1,13 @@
-"""Checks of the ``[parallel]`` layout that span tables: the world size, the plugins, the batch (run once every
-table is valid, before anything starts; each problem is one line naming its key)."""
+"""Checks of the ``[parallel]`` layout that span tables: the world size, the plugins, the batch (run before
+anything starts; each problem is one line naming its key).
+
+Each check is a generator of its problems that reads only what it needs (:data:`LAYOUT_CHECKS`): the validation
+walk (:mod:`torch_handle.config.problems`) runs every one of them, also on a preset with problems elsewhere, and a
+check that reads a value with a problem of its own ends there (the value is not there to check against)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from torch_handle.config.schema import PLUGIN_TABLES, PP_V_SHAPED, Preset
@@ -19,7 +24,7 @@ def microbatch_problem(schedule: str, pp: int, v: int, n_microbatches: int) -> s
     m = n_microbatches
     need = {"1f1b": pp, "dualpipev": pp * v}.get(schedule, 1)
     if m < need:
-        return f"{m} micro-batches are fewer than the {need} stages {schedule} needs (use >= {need}, or gpipe)"
+        return f"{m} micro-batches are fewer than the {need} stages {schedule} needs"
     if schedule in ("interleaved-1f1b", "interleaved-zb") and m % max(1, m // pp):
         return (f"{m} is not a multiple of its rounds of {pp} micro-batches ({schedule} needs m <= {pp} or a "
                 f"multiple of m // {pp}, e.g. {pp * (m // pp)})")
@@ -42,54 +47,91 @@ def _supports(registry: Any, kind: str, attribute: str) -> list[str]:
     return sorted(n for n, r in registry.registrations[kind].items() if getattr(r.config_cls, attribute, False))
 
 
-def check_parallel(preset: Preset, registry: Any) -> PresetError | None:
-    """The ``[parallel]`` layout against the world size, the plugins and the batch: tp x pp must divide the world
-    size (the rest is the data-parallel degree); the model and strategy plugins must support each kind of split
-    (their options class says so with a class attribute ``tensor_parallel = True`` / ``pipeline_parallel = True``);
-    a pipeline's micro-batches must split the step's batch evenly and be enough for its schedule
-    (:func:`valid_microbatches` lists the counts that do both). The model's own limits (heads, widths, layers) are its
-    plugin's ``check_preset``."""
-    par, world = preset.parallel, preset.world_size
-    if par.tp == 1 and par.pp == 1:
-        return None
-    if world % (par.tp * par.pp):
+def _world_size(preset: Preset, registry: Any) -> Iterator[PresetError]:
+    """tp x pp divides the world size (the rest is the data-parallel degree)."""
+    par = preset.parallel
+    if par.tp * par.pp > 1 and preset.world_size % (par.tp * par.pp):
+        world = preset.world_size
         name, other = ("tp", par.pp) if par.pp == 1 else ("pp", par.tp)
         valid = ", ".join(str(d) for d in range(1, world + 1) if world % (d * other) == 0) or "none"
-        return PresetError(f"tp x pp = {par.tp} x {par.pp} does not divide the world size {world} "
-                           f"(launch.nproc_per_node x launch.nnodes); the data-parallel degree is world size / "
-                           f"(tp x pp) (valid {name}: {valid})", key=f"parallel.{name}")
-    for degree, attribute, name in ((par.tp, "tensor_parallel", "tp"), (par.pp, "pipeline_parallel", "pp")):
-        if degree == 1:
-            continue
-        for table in ("model", "strategy"):
-            section = getattr(preset, table)
-            if not getattr(type(section.options), attribute, False):
-                valid = _supports(registry, PLUGIN_TABLES[table], attribute)
-                return PresetError(f"{section.name!r} does not support parallel.{name} = {degree} (valid with "
-                                   f"{name} > 1: {', '.join(valid) or 'none'})", key=f"{table}.name")
+        yield PresetError(f"tp x pp = {par.tp} x {par.pp} does not divide the world size {world} "
+                          f"(launch.nproc_per_node x launch.nnodes); the data-parallel degree is world size / "
+                          f"(tp x pp) (valid {name}: {valid})", key=f"parallel.{name}")
+
+
+def _plugin_supports(table: str) -> Callable[[Preset, Any], Iterator[PresetError]]:
+    """The check that the ``table`` (model or strategy) plugin supports each kind of split: its options class says
+    so with a class attribute ``tensor_parallel = True`` / ``pipeline_parallel = True``. One problem naming both."""
+
+    def check(preset: Preset, registry: Any) -> Iterator[PresetError]:
+        par, section = preset.parallel, getattr(preset, table)
+        missing = [(name, degree, attribute) for degree, attribute, name in
+                   ((par.tp, "tensor_parallel", "tp"), (par.pp, "pipeline_parallel", "pp"))
+                   if degree > 1 and not getattr(type(section.options), attribute, False)]
+        if missing:
+            what = " nor ".join(f"parallel.{name} = {degree} (valid with {name} > 1: "
+                                f"{', '.join(_supports(registry, PLUGIN_TABLES[table], attribute)) or 'none'})"
+                                for name, degree, attribute in missing)
+            yield PresetError(f"{section.name!r} does not support {what}", key=f"{table}.name")
+
+    return check
+
+
+def _tp_inside_stages(preset: Preset, registry: Any) -> Iterator[PresetError]:
+    par = preset.parallel
     if par.pp > 1 and par.tp > 1 and par.tp_impl == "native":
-        return PresetError("tensor parallelism inside pipeline stages is hand-written only: set parallel.tp_impl = "
-                           "\"scratch\" with parallel.pp > 1 (DTensor's collectives inside torch's schedules do not "
-                           "match across the stage's TP ranks in torch 2.13)", key="parallel.tp_impl")
-    if par.pp > 1:
-        dp = world // (par.tp * par.pp)
-        if dp > 1 and par.pp_schedule in PP_V_SHAPED and getattr(preset.model.options, "tie_embeddings", False):
-            return PresetError(f"{par.pp_schedule} runs the first and the last stage on one rank, whose tied embedding "
-                               f"would be two data-parallel units there (dp = {dp}): set model.tie_embeddings = false "
-                               f"or use a looped schedule (gpipe, 1f1b, interleaved-1f1b)", key="parallel.pp_schedule")
-        t = preset.training
-        if t.precision == "fp16":
-            return PresetError("fp16 needs loss scaling, which the pipeline schedules do not apply: use bf16 or fp32 "
-                               "with parallel.pp > 1", key="training.precision")
-        m, samples = pipeline_microbatches(preset), t.micro_batch_size * t.grad_accum
-        if samples % m:
-            ok = valid_microbatches(par.pp_schedule, par.pp, par.pp_stages_per_rank, samples)
-            valid = ", ".join(map(str, ok)) or (f"none for {par.pp_schedule} on {par.pp} stages: raise "
-                                                f"training.grad_accum or training.micro_batch_size")
-            return PresetError(f"{m} does not divide the step's micro_batch_size x grad_accum = {samples} samples "
-                               f"per replica (each pipeline micro-batch takes an equal share; valid: {valid})",
-                               key="parallel.pp_microbatches")
-        problem = microbatch_problem(par.pp_schedule, par.pp, par.pp_stages_per_rank, m)
-        if problem:
-            return PresetError(problem, key="parallel.pp_microbatches")
-    return None
+        yield PresetError("tensor parallelism inside pipeline stages is hand-written only: set parallel.tp_impl = "
+                          "\"scratch\" with parallel.pp > 1 (DTensor's collectives inside torch's schedules do not "
+                          "match across the stage's TP ranks in torch 2.13)", key="parallel.tp_impl")
+
+
+def _tied_v_shape(preset: Preset, registry: Any) -> Iterator[PresetError]:
+    par = preset.parallel
+    if par.pp > 1 and par.pp_schedule in PP_V_SHAPED and not preset.world_size % (par.tp * par.pp):
+        dp = preset.world_size // (par.tp * par.pp)
+        if dp > 1 and getattr(preset.model.options, "tie_embeddings", False):
+            yield PresetError(f"{par.pp_schedule} runs the first and the last stage on one rank, whose tied "
+                              f"embedding would be two data-parallel units there (dp = {dp}): set "
+                              f"model.tie_embeddings = false or use a looped schedule (gpipe, 1f1b, interleaved-1f1b)",
+                              key="parallel.pp_schedule")
+
+
+def _pipeline_precision(preset: Preset, registry: Any) -> Iterator[PresetError]:
+    if preset.parallel.pp > 1 and preset.training.precision == "fp16":
+        yield PresetError("fp16 needs loss scaling, which the pipeline schedules do not apply: use bf16 or fp32 "
+                          "with parallel.pp > 1", key="training.precision")
+
+
+def _microbatches(preset: Preset, registry: Any) -> Iterator[PresetError]:
+    """A pipeline's micro-batches split the step's batch evenly and are enough for its schedule; the valid list
+    (:func:`valid_microbatches`) names only counts that pass both."""
+    par, t = preset.parallel, preset.training
+    if par.pp == 1:
+        return
+    m, samples = pipeline_microbatches(preset), t.micro_batch_size * t.grad_accum
+    ok = valid_microbatches(par.pp_schedule, par.pp, par.pp_stages_per_rank, samples)
+    if m in ok:
+        return
+    notes = [] if par.pp_microbatches else [f"0 is training.grad_accum = {t.grad_accum}"]
+    if samples % m:
+        why = f"{m} does not divide the step's micro_batch_size x grad_accum = {samples} samples per replica"
+        notes.append("each pipeline micro-batch takes an equal share")
+    else:
+        why = microbatch_problem(par.pp_schedule, par.pp, par.pp_stages_per_rank, m)
+    notes.append(f"valid: {', '.join(map(str, ok))}, e.g. --set parallel.pp_microbatches={ok[0]}" if ok else
+                 f"valid: none for {par.pp_schedule} on {par.pp} stages: raise training.grad_accum or "
+                 f"training.micro_batch_size")
+    yield PresetError(f"{why} ({'; '.join(notes)})", key="parallel.pp_microbatches")
+
+
+LAYOUT_CHECKS: tuple[Callable[[Preset, Any], Iterator[PresetError]], ...] = (
+    _world_size, _plugin_supports("model"), _plugin_supports("strategy"), _tp_inside_stages, _tied_v_shape,
+    _pipeline_precision, _microbatches)
+"""The ``[parallel]`` checks, structure first; each ``check(preset, registry)`` yields its problems."""
+
+
+def check_parallel(preset: Preset, registry: Any) -> list[PresetError]:
+    """Every problem of the ``[parallel]`` layout against the world size, the plugins and the batch
+    (:data:`LAYOUT_CHECKS`) of a preset whose tables are valid. The model's own limits (heads, widths, layers) are
+    its plugin's ``check_preset``."""
+    return [problem for check in LAYOUT_CHECKS for problem in check(preset, registry)]

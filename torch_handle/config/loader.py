@@ -1,8 +1,8 @@
 """Presets: TOML files composed into the typed, validated dataclasses of :mod:`torch_handle.config.schema`.
 
-This module is the loader: TOML, ``extends``, the validation walk and line finding. The schema (one dataclass per
-table, defaults, field docs) is :mod:`torch_handle.config.schema`, whose names are re-exported here; ``--set`` is
-:mod:`torch_handle.config.overrides`.
+This module is the loader: TOML, ``extends``, line finding and the two entry points. The schema (one dataclass
+per table, defaults, field docs) is :mod:`torch_handle.config.schema`, whose names are re-exported here; ``--set``
+is :mod:`torch_handle.config.overrides`; the validation walk is :mod:`torch_handle.config.problems`.
 
 Precedence: ``--set`` overrides > the preset file > the presets it ``extends`` > dataclass defaults.
 A layer (a file or ``--set``) that switches a plugin table to another plugin ``name`` starts that table afresh:
@@ -15,18 +15,16 @@ Loading is two steps, each written once:
 1. Compose (:func:`_compose`): read the file and its ``extends`` chain (each file once), merge them and apply
    ``--set``. A problem here (a missing file, TOML syntax, ``extends``, a malformed ``--set``) stops everything
    and is reported alone.
-2. Walk (:func:`_walk`) the merged mapping, collecting every problem: unknown tables; then each core table
-   (run, training, launch) and each plugin table (model, data, strategy, profiler; its ``name`` looked up in
-   the registry first) through :func:`_section`, which lists every unknown key, wrong type and out-of-range
-   value, then the missing keys, and only for a table without any of those builds the dataclass and runs its
-   ``check()``; last, only when every table is valid, the plugins' cross-table ``check_preset`` hooks (the
-   first problem there is the only one).
+2. Walk (:func:`torch_handle.config.problems.walk`) the merged mapping, collecting every problem: each table
+   on its own, then every check that spans tables and whose inputs are valid (the layout's, the plugins'
+   ``check_preset``); one problem per key.
 
-:func:`load_preset` raises the first problem of the walk, :func:`preset_problems` (``handle validate``) returns
-them all, sorted by table and line, and :func:`preset_from_dict` walks a mapping that is already composed.
-Every problem is a :class:`PresetError`, whose ``str()`` is one line naming the file, the line where it could
-be found (:func:`_locate`: the ``--set`` or the most derived file that set the key), the ``table.key`` and what
-would be valid.
+:func:`load_preset` raises them all (one :class:`PresetError`, or :class:`PresetErrors` for several),
+:func:`preset_problems` (``handle validate``) returns them, both ordered structure first
+(:func:`torch_handle.config.problems.structure_first`: the model's shape, the layout, then the details), and
+:func:`preset_from_dict` walks a mapping that is already composed. Every problem's ``str()`` is one line naming
+the file, the line where it could be found (:func:`_locate`: the ``--set`` or the most derived file that set the
+key), the ``table.key`` and what would be valid.
 
 This module imports neither torch nor any plugin code, so validating a preset is instant.
 """
@@ -35,31 +33,30 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import difflib
-import math
 import os
 import re
 import sys
-import types
 import typing
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
 
-from torch_handle.errors import InvalidValue, PresetError
-from torch_handle.registry import PluginRegistry, Registration, get_registry
-from torch_handle.config.layout import check_parallel
+from torch_handle.errors import InvalidValue, PresetError, PresetErrors
+from torch_handle.registry import PluginRegistry
 from torch_handle.config.overrides import Overrides, apply_overrides
-from torch_handle.config.schema import (CORE_TABLES, DEFAULT_PLUGINS, PLUGIN_TABLES, TABLE_ORDER, LaunchConfig,
-                                        PluginSection, Preset, RunConfig, TrainingConfig, field_docs, param,
-                                        plugin_name)
+from torch_handle.config.problems import structure_first, walk
+from torch_handle.config.schema import (CORE_TABLES, PLUGIN_TABLES, TABLE_ORDER, LaunchConfig, PluginSection, Preset,
+                                        RunConfig, TrainingConfig, field_docs, param, plugin_name)
 
 __all__ = [
+    "CORE_TABLES",
+    "PLUGIN_TABLES",
     "PresetError",
+    "PresetErrors",
     "InvalidValue",
     "RunConfig",
     "TrainingConfig",
@@ -75,138 +72,6 @@ __all__ = [
     "field_docs",
     "param",
 ]
-
-
-# --------------------------------------------------------------------------------------------------------------
-# Typed coercion of TOML values against dataclass annotations.
-# --------------------------------------------------------------------------------------------------------------
-
-
-def _type_name(tp: Any) -> str:
-    origin = typing.get_origin(tp)
-    if origin is Literal:
-        return " | ".join(repr(a) for a in typing.get_args(tp))
-    if origin in (typing.Union, types.UnionType):
-        return " or ".join(_type_name(a) for a in typing.get_args(tp))
-    if origin is not None:
-        return getattr(origin, "__name__", str(tp))
-    return {"str": "a string", "int": "an integer", "float": "a number", "bool": "true or false",
-            "dict": "a table", "list": "a list", "NoneType": "none"}.get(getattr(tp, "__name__", ""), str(tp))
-
-
-def _coerce(value: Any, tp: Any) -> Any:
-    """Return ``value`` converted to annotation ``tp`` or raise ``TypeError``/``ValueError`` saying what is valid."""
-    origin = typing.get_origin(tp)
-    if origin is Literal:
-        choices = typing.get_args(tp)
-        if value in choices and type(value) is type(choices[0]):
-            return value
-        raise ValueError(f"{value!r} is not one of {', '.join(repr(c) for c in choices)}")
-    if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return _coerce(value, arg)
-            except (TypeError, ValueError) as e:
-                errors.append(str(e))
-        raise TypeError(f"expected {_type_name(tp)}, got {value!r}")
-    if tp is Any:
-        return value
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-    elif tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    elif tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            if not math.isfinite(value):
-                raise ValueError(f"{value!r} is not a finite number")
-            return float(value)
-    elif tp is str:
-        if isinstance(value, str):
-            return value
-    elif origin is dict or tp is dict:
-        if isinstance(value, dict):
-            return dict(value)
-    elif origin is list or tp is list:
-        if isinstance(value, list):
-            (item_tp,) = typing.get_args(tp) or (Any,)
-            return [_coerce(v, item_tp) for v in value]
-    else:  # pragma: no cover - a plugin used an annotation we do not support
-        raise TypeError(f"unsupported field type {tp!r}")
-    raise TypeError(f"expected {_type_name(tp)}, got {value!r}")
-
-
-def _check_range(name: str, value: Any, metadata: typing.Mapping[str, Any]) -> None:
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
-        return
-    if "ge" in metadata and value < metadata["ge"]:
-        raise InvalidValue(name, f"{value!r} must be >= {metadata['ge']}")
-    if "gt" in metadata and value <= metadata["gt"]:
-        raise InvalidValue(name, f"{value!r} must be > {metadata['gt']}")
-    if "le" in metadata and value > metadata["le"]:
-        raise InvalidValue(name, f"{value!r} must be <= {metadata['le']}")
-    if "lt" in metadata and value >= metadata["lt"]:
-        raise InvalidValue(name, f"{value!r} must be < {metadata['lt']}")
-
-
-def _suggest(key: str, valid: typing.Iterable[str]) -> str:
-    close = difflib.get_close_matches(key, list(valid), n=1, cutoff=0.6)
-    return f"; did you mean {close[0]!r}?" if close else ""
-
-
-def _section(cls: type, table: str, values: dict[str, Any], allowed_extra: tuple[str, ...] = ()
-             ) -> tuple[Any, list[PresetError]]:
-    """Check one table against dataclass ``cls``: ``(instance, [])`` when it is valid, else ``(None, problems)``.
-
-    The problems are every key-level one, in the table's order (an unknown key, a wrong type, an out-of-range
-    value), then the missing required keys; only a table without any of those is built and its ``check()`` run,
-    whose ``InvalidValue`` is then the one problem. Each is a :class:`PresetError` keyed ``table.key``, without a
-    file (the caller locates it). ``allowed_extra`` keys (a plugin table's ``name``) are skipped.
-
-    Raises:
-        Exception: whatever building ``cls`` or its ``check()`` raises besides ``InvalidValue`` (a bug, not a
-            preset problem; the walk names the plugin).
-    """
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    kwargs: dict[str, Any] = {}
-    problems: list[PresetError] = []
-    for key, value in values.items():
-        if key in allowed_extra:
-            continue
-        if key not in fields:
-            valid = sorted({*fields, *allowed_extra})
-            problems.append(PresetError(f"unknown key{_suggest(key, valid)} (valid: {', '.join(valid)})",
-                                        key=f"{table}.{key}"))
-            continue
-        try:
-            kwargs[key] = _coerce(value, hints[key])
-            _check_range(key, kwargs[key], fields[key].metadata)
-        except InvalidValue as e:
-            problems.append(PresetError(e.message, key=f"{table}.{key}"))
-        except (TypeError, ValueError) as e:
-            problems.append(PresetError(str(e), key=f"{table}.{key}"))
-    missing = [n for n, f in fields.items() if (n not in values or n in allowed_extra)
-               and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
-    if missing:
-        problems.append(PresetError(f"missing required key(s): {', '.join(missing)}", key=table))
-    if problems:
-        return None, problems
-    try:
-        obj = cls(**kwargs)
-        check = getattr(obj, "check", None)
-        if check is not None:
-            check()
-    except InvalidValue as e:
-        return None, [PresetError(e.message, key=f"{table}.{e.key}")]
-    return obj, []
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -420,71 +285,10 @@ def _compose(path: str | Path, overrides: typing.Sequence[str], registry: Plugin
     return _Composed(path, data, layers, apply_overrides(data, overrides, registry, path))
 
 
-def _plugin_bug(table: str, registration: Registration, e: Exception) -> PresetError:
-    """A plugin's check that raised something other than ``InvalidValue``: still one line, naming the plugin."""
-    text = " ".join(str(e).split())
-    return PresetError(f"the check of {registration.kind} {registration.name!r} (plugin {registration.plugin!r}) "
-                       f"failed: {type(e).__name__}: {text}", key=f"{table}.name")
-
-
-def _walk(data: dict[str, Any], registry: PluginRegistry | None, source: str
-          ) -> tuple[Preset | None, list[PresetError]]:
-    """Validate a merged preset mapping: ``(preset, [])``, or ``(None, every problem)`` in the order found.
-
-    The order is that of the first problem :func:`load_preset` reports: unknown tables; the core tables (run,
-    training, launch), then the plugin tables (model, data, strategy, profiler; the plugin ``name`` is looked up
-    first), each table's problems as :func:`_section` gives them; last, only when every table is valid, the
-    cross-table ``check_preset`` hooks, of which the first problem is the only one (later hooks may rely on
-    what earlier ones check). The problems carry no file yet. ``registry``: the process-wide one when None.
-    """
-    if registry is None:
-        registry = get_registry()
-    valid_tables = list(TABLE_ORDER)
-    problems = [PresetError(f"unknown table{_suggest(key, valid_tables)} (valid: {', '.join(valid_tables)}, extends)",
-                            key=key) for key in data if key not in CORE_TABLES and key not in PLUGIN_TABLES]
-    sections: dict[str, Any] = {}
-    registrations: dict[str, Registration] = {}
-    for table in (*CORE_TABLES, *PLUGIN_TABLES):
-        values = data.get(table, {})
-        if not isinstance(values, dict):
-            problems.append(PresetError("expected a table", key=table))
-            continue
-        if table in CORE_TABLES:
-            section, found = _section(CORE_TABLES[table], table, values)
-        else:
-            name = values.get("name", DEFAULT_PLUGINS[table])
-            if not isinstance(name, str):
-                problems.append(PresetError(f"expected a plugin name, got {name!r}", key=f"{table}.name"))
-                continue
-            try:
-                registrations[table] = registration = registry.get(PLUGIN_TABLES[table], name, key=f"{table}.name")
-            except PresetError as e:
-                problems.append(e)
-                continue
-            try:
-                options, found = _section(registration.config_cls, table, values, ("name",))
-            except Exception as e:  # noqa: BLE001 - a bug in a plugin's config is one problem, naming the plugin
-                options, found = None, [_plugin_bug(table, registration, e)]
-            section = None if options is None else PluginSection(name=name, options=options)
-        problems += found
-        if section is not None:
-            sections[table] = section
-    if problems:
-        return None, problems
-    preset = Preset(**sections, source=source)
-    layout_problem = check_parallel(preset, registry)
-    if layout_problem is not None:
-        return None, [layout_problem]
-    for table, registration in registrations.items():
-        if registration.check_preset is None:
-            continue
-        try:
-            registration.check_preset(sections[table].options, preset)
-        except InvalidValue as e:
-            return None, [PresetError(e.message, key=e.key if "." in e.key else f"{table}.{e.key}")]
-        except Exception as e:  # noqa: BLE001 - a bug in a plugin's check is still one line, naming the plugin
-            return None, [_plugin_bug(table, registration, e)]
-    return preset, []
+def _raise_all(problems: list[PresetError]) -> None:
+    if len(problems) == 1:
+        raise problems[0]
+    raise PresetErrors(problems)
 
 
 def preset_from_dict(data: dict[str, Any], registry: PluginRegistry | None = None, *, source: str = "<preset>"
@@ -495,11 +299,12 @@ def preset_from_dict(data: dict[str, Any], registry: PluginRegistry | None = Non
     the dataclass of the plugin their ``name`` picks.
 
     Raises:
-        PresetError: the first problem found, without file or line (:func:`load_preset` adds those).
+        PresetError: every problem found, structure first (:class:`PresetErrors` for several), without file or
+            line (:func:`load_preset` adds those).
     """
-    preset, problems = _walk(data, registry, source)
+    preset, problems = walk(data, registry, source)
     if problems:
-        raise problems[0]
+        _raise_all(structure_first(problems))
     return preset
 
 
@@ -508,34 +313,31 @@ def load_preset(path: str | Path, overrides: typing.Sequence[str] = (), registry
     """Load a preset file, apply ``extends`` and ``--set`` overrides, and validate it.
 
     Raises:
-        PresetError: the first problem (see :func:`_walk` for the order), one line naming the file, the line
-            (when it can be found), the key and what is valid.
+        PresetError: the one problem, or :class:`PresetErrors` with every problem, structure first (see
+            :func:`preset_problems`), each one line naming the file, the line (when it can be found), the key and
+            what is valid. A problem of the file itself is always alone.
     """
-    composed = _compose(path, overrides, registry)
-    preset, problems = _walk(composed.data, registry, str(composed.path))
+    preset, problems = preset_problems(path, overrides, registry)
     if problems:
-        raise composed.locate(problems[0])
+        _raise_all(problems)
     return preset
 
 
 def preset_problems(path: str | Path, overrides: typing.Sequence[str] = (), registry: PluginRegistry | None = None
                     ) -> tuple[Preset | None, list[PresetError]]:
-    """:func:`load_preset`, but reporting every problem at once: ``(preset, [])`` when it is valid, else
-    ``(None, problems)`` sorted by table (in :data:`TABLE_ORDER`, unknown tables first), then by line.
+    """:func:`load_preset`, returning every problem instead of raising: ``(preset, [])`` when it is valid, else
+    ``(None, problems)`` ordered structure first (:func:`torch_handle.config.problems.structure_first`: level,
+    table, line).
 
     The file is read once. A problem of the file itself (missing, TOML syntax, ``extends``, a malformed
-    ``--set``) is reported alone, and so is that of a check that spans tables (those run only once every table
-    is valid). The first problem :func:`load_preset` raises is always in the list, not always first.
-    Raises nothing for a preset problem.
+    ``--set``) is reported alone. Raises nothing for a preset problem.
     """
     try:
         composed = _compose(path, overrides, registry)
     except PresetError as e:
         return None, [e]
-    preset, problems = _walk(composed.data, registry, str(composed.path))
-    tables = {t: i for i, t in enumerate(TABLE_ORDER)}
-    located = [composed.locate(e) for e in problems]
-    return preset, sorted(located, key=lambda e: (tables.get((e.key or "").split(".")[0], -1), e.line or 10**9))
+    preset, problems = walk(composed.data, registry, str(composed.path))
+    return preset, structure_first(composed.locate(e) for e in problems)
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ import functools
 import inspect
 import re
 import textwrap
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -231,28 +232,29 @@ class ParallelConfig:
     """How an empty pp_layers balances the stages: equal layers, or equal parameters (the embedding counts on the
     first stage, the head on the last)."""
 
-    def check(self) -> None:
+    def check(self) -> Iterator[InvalidValue]:
+        """Every problem of the table (a generator: the walk reports them all, one per key)."""
         if self.sequence_parallel and self.tp == 1:
-            raise InvalidValue("sequence_parallel", "needs parallel.tp > 1 (it splits the sequence over the TP group)")
+            yield InvalidValue("sequence_parallel", "needs parallel.tp > 1 (it splits the sequence over the TP group)")
         if self.pp > 1:
             multi, v = self.pp_schedule in PP_MULTI_STAGE, self.pp_stages_per_rank
             if self.pp_impl == "scratch" and self.pp_schedule not in PP_SCRATCH:
-                raise InvalidValue("pp_schedule", f"{self.pp_schedule!r} is native only; pp_impl = \"scratch\" runs "
+                yield InvalidValue("pp_schedule", f"{self.pp_schedule!r} is native only; pp_impl = \"scratch\" runs "
                                                   f"{' or '.join(PP_SCRATCH)}")
             if multi and v < 2:
-                raise InvalidValue("pp_stages_per_rank", f"{self.pp_schedule} runs several stages per rank: set "
+                yield InvalidValue("pp_stages_per_rank", f"{self.pp_schedule} runs several stages per rank: set "
                                                          f"pp_stages_per_rank >= 2 (it is {v})")
-            if self.pp_schedule in PP_V_SHAPED and v != 2:
-                raise InvalidValue("pp_stages_per_rank", f"{self.pp_schedule} needs exactly 2 (it is {v})")
+            elif self.pp_schedule in PP_V_SHAPED and v != 2:
+                yield InvalidValue("pp_stages_per_rank", f"{self.pp_schedule} needs exactly 2 (it is {v})")
             if not multi and v > 1:
-                raise InvalidValue("pp_stages_per_rank", f"{v} needs a schedule with several stages per rank "
+                yield InvalidValue("pp_stages_per_rank", f"{v} needs a schedule with several stages per rank "
                                                          f"(interleaved-1f1b, looped-bfs, interleaved-zb, zbv, "
                                                          f"dualpipev), not {self.pp_schedule}")
             if self.pp_layers and len(self.pp_layers) != self.pp * v:
-                raise InvalidValue("pp_layers", f"lists {len(self.pp_layers)} stages; it needs pp x "
+                yield InvalidValue("pp_layers", f"lists {len(self.pp_layers)} stages; it needs pp x "
                                                 f"pp_stages_per_rank = {self.pp * v} layer counts (or [] to balance)")
-            if self.pp_layers and min(self.pp_layers) < 1:
-                raise InvalidValue("pp_layers", "every stage needs at least one layer")
+            elif self.pp_layers and min(self.pp_layers) < 1:
+                yield InvalidValue("pp_layers", "every stage needs at least one layer")
 
 
 @dataclass

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from torch_handle.errors import RunDirError
+from torch_handle.observe.fields import Status
 
 if TYPE_CHECKING:
     from torch_handle.config.loader import Preset
@@ -81,8 +82,9 @@ def check_joinable(run_dir: Path, preset: Preset) -> None:
         what = f" ({key} = {changes[key][0]!r} there, {changes[key][1]!r} here)" if key else ""
         raise RunDirError(f"{run_dir}: already exists with another preset{what}: every node of a run uses the same "
                           f"preset (only launch.node_rank differs); give this run another --run-dir")
-    resume = f"--resume {run_dir} --set launch.node_rank=R on every node"
     status = info.get("status")
+    more = " --set training.steps=M (more steps)" if status == Status.FINISHED else ""
+    resume = f"--resume {run_dir} --set launch.node_rank=R{more} on every node"
     if status not in ACTIVE:
         raise RunDirError(f"{run_dir}: already exists and is {status}: continue it with {resume}, or give a new "
                           f"run another --run-dir")

@@ -16,14 +16,18 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from torch_handle.common.precision import AUTO
 from torch_handle.common.run_layout import LAYOUT_KEY, RunLayout
-from torch_handle.checkpoint.resume import PENDING, RESUME_PRESET, check_changes, promote, write_side_preset
+from torch_handle.checkpoint.resume import (PENDING, RESUME_PRESET, diff, finished_problem,
+                                            frozen_changes, layout_adjustments, promote, resumed_mapping,
+                                            write_side_preset)
 from torch_handle.config.loader import Preset, dump_preset, load_preset
-from torch_handle.errors import RunDirError
+from torch_handle.config.schema import PLUGIN_TABLES, plugin_name
+from torch_handle.errors import PresetError, RunDirError
 from torch_handle.launch.multinode import create_or_join_run_dir, owns_run_dir, with_node_rank
 from torch_handle.launch.precision import resolve_for_run
 from torch_handle.launch.supervisor import Launch
@@ -50,7 +54,7 @@ def check_data(preset: Preset) -> None:
 
 
 def prepare_run(preset: str | None, overrides: tuple[str, ...], run_dir: Path | None,
-                resume_dir: Path | None) -> tuple[Preset, Path]:
+                resume_dir: Path | None, note: Callable[[str], None] | None = None) -> tuple[Preset, Path]:
     """Validate everything, then create (or reopen) the run directory: ``(preset, run directory)``. Nothing is
     written on bad input.
 
@@ -59,7 +63,7 @@ def prepare_run(preset: str | None, overrides: tuple[str, ...], run_dir: Path | 
     (``launch.nnodes > 1``) given ``run_dir`` creates it, or joins it when another node of the same run created it
     first on a shared filesystem (:func:`torch_handle.launch.multinode.create_or_join_run_dir`); its
     ``preset.toml`` holds ``node_rank`` 0, and each node's launcher uses its own. ``resume_dir``: see
-    :func:`prepare_resume` (``preset`` is then None).
+    :func:`prepare_resume` (``preset`` is then None; ``note`` receives what a resume changed on its own).
 
     ``training.precision = "auto"`` is resolved here, once, before anything is written
     (:func:`torch_handle.launch.precision.resolve_for_run`): ``preset.toml`` holds the concrete precision and
@@ -72,7 +76,7 @@ def prepare_run(preset: str | None, overrides: tuple[str, ...], run_dir: Path | 
         PresetError, DataError, RunDirError: one line each (``handle run``: exit code 2).
     """
     if resume_dir is not None:
-        return prepare_resume(Path(resume_dir), overrides)
+        return prepare_resume(Path(resume_dir), overrides, note)
     assert preset is not None
     loaded = load_preset(preset, overrides)
     check_data(loaded)
@@ -94,24 +98,46 @@ def prepare_run(preset: str | None, overrides: tuple[str, ...], run_dir: Path | 
     return loaded, directory
 
 
-def prepare_resume(resume_dir: Path, overrides: tuple[str, ...]) -> tuple[Preset, Path]:
+def prepare_resume(resume_dir: Path, overrides: tuple[str, ...], note: Callable[[str], None] | None = None
+                   ) -> tuple[Preset, Path]:
     """Check a ``--resume`` (with its ``--set`` overrides) against the run, then mark it resuming.
 
-    Every check comes first: a live launcher, a preset that does not load, a setting that may not change on a
-    resume (:func:`torch_handle.checkpoint.resume.check_changes`), missing data. Any of them raises with the run
-    directory untouched. Then accepted changes go to ``preset.resume.toml``, not ``preset.toml`` (a stale one is
-    removed), and run.json gets status ``running``, ``resumed`` + 1 and ``resume_pending`` (see
-    :mod:`torch_handle.checkpoint.resume`). On a multi-node run only the node that owns the shared directory
-    writes; the others validate.
+    Every check comes first. Reported together, one line each: every setting that may not change on a resume
+    (:func:`torch_handle.checkpoint.resume.frozen_changes`), the preset's problems, and a finished run that would
+    train nothing (:func:`torch_handle.checkpoint.resume.finished_problem`); then a live launcher, then missing data.
+    Any of them raises with the run directory untouched. A change of layout first resets the ``[parallel]``
+    settings that only made sense for the old one, and names the run's settings it puts into effect
+    (:func:`torch_handle.checkpoint.resume.layout_adjustments`; each said through ``note``). Then accepted changes
+    go to ``preset.resume.toml``, not ``preset.toml`` (a stale one is removed), and run.json gets status
+    ``running``, ``resumed`` + 1 and ``resume_pending`` (see :mod:`torch_handle.checkpoint.resume`). On a
+    multi-node run only the node that owns the shared directory writes; the others validate.
 
     Raises:
-        RunDirError, PresetError, DataError: one line each (``handle run``: exit code 2).
+        RunDirError, PresetError, DataError: one line per problem (``handle run``: exit code 2).
     """
     info = read_run_info(resume_dir)
     current = load_preset(resume_dir / PRESET_FILE)
-    loaded = load_preset(resume_dir / PRESET_FILE, overrides) if overrides else current
-    if loaded.training.precision == AUTO:  # --set training.precision=auto: the run's own, which may not change
+    asked = resumed_mapping(resume_dir, current, overrides)  # None: a malformed --set, which loading reports
+    extra, notes = layout_adjustments(current, asked, overrides) if asked is not None else ([], [])
+    overrides = (*overrides, *extra)
+    try:
+        loaded, invalid = load_preset(resume_dir / PRESET_FILE, overrides) if overrides else current, None
+    except PresetError as e:
+        loaded, invalid = None, e
+    # --set training.precision=auto: the run's own, which may not change
+    if loaded is not None and loaded.training.precision == AUTO:
         loaded.training.precision = current.training.precision
+    if asked is not None and asked["training"].get("precision") == AUTO:
+        asked["training"]["precision"] = current.training.precision
+    if asked is not None:
+        plugins = {table: plugin_name(table, asked.get(table)) for table in PLUGIN_TABLES}
+        frozen = frozen_changes(resume_dir, current, diff(current, loaded or asked), plugins)
+        steps = loaded.training.steps if loaded is not None else asked.get("training", {}).get("steps")
+        finished = [why] if (why := finished_problem(resume_dir, info, steps)) else []
+        if frozen or finished:  # what may not change at all, then the preset's problems, then the steps
+            raise RunDirError("\n".join([*frozen, *(str(invalid).splitlines() if invalid else []), *finished]))
+    if invalid is not None:
+        raise invalid
     nodes = loaded.launch.nnodes > 1
     if nodes and not any(o.partition("=")[0].strip() == "launch.node_rank" for o in overrides):
         raise RunDirError(f"{resume_dir}: a run on {loaded.launch.nnodes} nodes: give this node's rank, "
@@ -120,8 +146,10 @@ def prepare_resume(resume_dir: Path, overrides: tuple[str, ...]) -> tuple[Preset
     if owner and info.get("status") in ACTIVE and launcher_alive(info):
         raise RunDirError(f"{resume_dir}: is still running (launcher pid {info['launcher_pid']})")
     stored = with_node_rank(loaded, 0) if nodes else loaded  # a multi-node run's preset.toml holds node_rank 0
-    changes = check_changes(resume_dir, current, stored)
+    changes = diff(current, stored)
     check_data(loaded)
+    for line in notes if note is not None else ():
+        note(line)
     if not owner:
         return loaded, resume_dir
     write_side_preset(resume_dir, stored if changes else None)  # None: drops a stale one of a failed resume

@@ -12,7 +12,8 @@ first node of the allocation hosts the rendezvous):
 - ``srun --ntasks-per-node=1`` runs, on every node, ``python -m handle_cli run`` with ``launch.node_rank =
   $SLURM_NODEID`` (expanded on that node) and one run directory on the shared filesystem (the shared layout of
   docs/multi-node.md: node 0 creates it, the others join it);
-- a requeued job (same ``$SLURM_JOB_ID``) finds its run directory and continues it with ``--resume`` on every node.
+- a requeued job (same ``$SLURM_JOB_ID``) finds its run directory and continues it with ``--resume`` on every node
+  (or, when the run finished, says so and exits 0).
 
 Standard library only; nothing here runs Slurm.
 """
@@ -105,7 +106,12 @@ def sbatch_script(job: SlurmJob, generated: datetime | None = None) -> str:
         resume,
         "HANDLE_NODE",
         ")",
-        'if [ -e "$RUN_DIR/run.json" ]; then NODE_CMD=$RESUME; else NODE_CMD=$START; fi',
+        'if [ ! -e "$RUN_DIR/run.json" ]; then NODE_CMD=$START',
+        # a requeue of a job whose run finished: nothing is left to train (its --resume would be refused, exit 2)
+        (f"elif {_word(job.python)} -c 'import json, sys; sys.exit(json.load(open(sys.argv[1])).get(\"status\") "
+         f"!= \"finished\")' \"$RUN_DIR/run.json\"; then"),
+        '  echo "handle: $RUN_DIR finished already: nothing to train"; exit 0',
+        "else NODE_CMD=$RESUME; fi",
         "",
         ('echo "handle: job $SLURM_JOB_ID on $SLURM_JOB_NUM_NODES node(s), rendezvous $HEAD_NODE:$RDZV_PORT, '
          'run directory $RUN_DIR"'),

@@ -162,12 +162,27 @@ def tensor_parallel_problems(args: Any, tp: int, *, vocab_size: int | None, seq_
                              scratch: bool) -> list[tuple[str, str]]:
     """What keeps a model with ``args`` (``n_heads``, ``d_ff``: a TransformerArgs or the plugin's options) from
     splitting ``tp`` ways, as (key, message) pairs; empty when it can. Checked before anything starts: every rank
-    must get whole heads and equal slices. ``vocab_size`` None: not known before the tokenizer is built."""
+    must get whole heads and equal slices. ``vocab_size`` None: not known before the tokenizer is built. The
+    model's part (:func:`width_problems`) and the data's (:func:`data_split_problems`) read nothing of each other."""
+    return [*width_problems(args, tp), *data_split_problems(tp, vocab_size=vocab_size, seq_len=seq_len,
+                                                            sequence_parallel=sequence_parallel, scratch=scratch)]
+
+
+def width_problems(args: Any, tp: int) -> list[tuple[str, str]]:
+    """The model's widths that ``tp`` ranks cannot split evenly (``n_heads``, ``d_ff``), as (key, message) pairs."""
     out = []
     if args.n_heads % tp:
         out.append(("n_heads", f"{args.n_heads} is not divisible by parallel.tp = {tp} (each rank takes whole heads)"))
     if args.d_ff % tp:
         out.append(("d_ff", f"{args.d_ff} is not divisible by parallel.tp = {tp}"))
+    return out
+
+
+def data_split_problems(tp: int, *, vocab_size: int | None, seq_len: int, sequence_parallel: bool, scratch: bool
+                        ) -> list[tuple[str, str]]:
+    """The data's sizes that ``tp`` ranks cannot split evenly (``vocab_size`` for the hand-written vocabulary-parallel
+    embedding, ``seq_len`` under sequence parallelism), as (key, message) pairs."""
+    out = []
     if scratch and vocab_size is not None and vocab_size % tp:
         out.append(("vocab_size", f"{vocab_size} is not divisible by parallel.tp = {tp} (the hand-written "
                                   f"vocabulary-parallel embedding and loss split it evenly)"))

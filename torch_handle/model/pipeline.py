@@ -60,9 +60,11 @@ def split_layers(n_layers: int, n_stages: int, layers: Sequence[int] = (), *, by
     return [range(a, a + c) for a, c in zip(starts, counts)]
 
 
-def pipeline_problems(args: Any, kind: str, n_stages: int, layers: Sequence[int]) -> list[tuple[str, str]]:
+def pipeline_problems(args: Any, kind: str, n_stages: int, layers: Sequence[int],
+                      valid_pp: Sequence[int] | None = None) -> list[tuple[str, str]]:
     """What keeps a transformer with ``args`` (its ``n_layers``) of ``kind`` from splitting into ``n_stages`` stages,
-    as (key, message) pairs; empty when it can."""
+    as (key, message) pairs; empty when it can. ``valid_pp``: the pipeline degrees that would fit, named in the
+    message of too few layers."""
     if kind != "decoder":
         return [("kind", f"{kind!r} has no pipeline split (the decoder has one; see docs/pipeline-parallel.md)")]
     if layers:
@@ -71,8 +73,9 @@ def pipeline_problems(args: Any, kind: str, n_stages: int, layers: Sequence[int]
                                   f"parallel.pp_stages_per_rank) of >= 1 layer adding up to n_layers = "
                                   f"{args.n_layers}")]
     elif args.n_layers < n_stages:
+        valid = f" (valid parallel.pp: {', '.join(map(str, valid_pp))})" if valid_pp else ""
         return [("n_layers", f"{args.n_layers} layers cannot fill {n_stages} pipeline stages (parallel.pp x "
-                             f"parallel.pp_stages_per_rank): every stage needs at least one")]
+                             f"parallel.pp_stages_per_rank): every stage needs at least one{valid}")]
     return []
 
 

@@ -251,8 +251,10 @@ def plan_layouts(base: Preset, registry: PluginRegistry, *, nproc: int, nnodes: 
         overrides = layout_overrides(layout, batch, per_node, nnodes)
         try:
             preset = preset_from_dict(_apply(data, overrides), registry, source=base.source)
-        except PresetError as e:
-            plan.dropped.append((layout, _one_line(e)))
+        except PresetError as e:  # its first problem, structure first: the layout's own reason
+            problems = getattr(e, "problems", [e])
+            more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+            plan.dropped.append((layout, _one_line(problems[0]) + more))
             continue
         try:
             est = estimate(preset, registry)
