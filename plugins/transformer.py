@@ -14,15 +14,15 @@ _MLP_DEFAULT = next(f.default for f in dataclasses.fields(TransformerArgs) if f.
 def _post_init(self) -> None:
     """``activation``, the option's name before SwiGLU, becomes ``mlp`` (so presets and run directories written
     before it load, and resume, as the same model); it is then unset, so the resolved preset names ``mlp`` only."""
-    if self.activation is None:
-        return
-    if self.mlp not in (_MLP_DEFAULT, self.activation):
-        raise InvalidValue("activation", f"{self.activation!r} is the old name of mlp, which says {self.mlp!r}; "
-                                         f"give mlp only")
-    self.mlp, self.activation = self.activation, None
+    if self.activation is not None and self.mlp in (_MLP_DEFAULT, self.activation):
+        self.mlp, self.activation = self.activation, None
+    # else a contradiction, left for ``check`` to report (a constructor that raises reads as a plugin bug)
 
 
 def _check(self) -> None:
+    if self.activation is not None:
+        raise InvalidValue("activation", f"{self.activation!r} is the old name of mlp, which says {self.mlp!r}; "
+                                         f"give mlp only")
     if self.head_dim is None and self.d_model % self.n_heads:
         raise InvalidValue("n_heads", f"{self.n_heads} does not divide d_model={self.d_model} (or give head_dim)")
     if self.n_kv_heads is not None and (self.n_kv_heads > self.n_heads or self.n_heads % self.n_kv_heads):

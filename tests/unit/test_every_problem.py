@@ -50,7 +50,7 @@ def test_three_independent_mistakes_are_reported_together_structure_first(runner
     assert result.exit_code == 2, result.output
     assert result.stdout == "" and "Traceback" not in result.stderr
     assert result.stderr.splitlines() == [
-        "error: p.toml:15: model.n_heads: 3 does not divide d_model=64",
+        "error: p.toml:15: model.n_heads: 3 does not divide d_model=64 (or give head_dim)",
         "error: p.toml:8: strategy.name: 'deepspeed' does not support parallel.pp = 2 (valid with pp > 1: ddp, "
         "fsdp, scratch-ddp, single)",
         "error: p.toml:4: training.lr: 0.0 must be > 0.0",

@@ -46,8 +46,10 @@ def test_a_tp_run_resumed_as_pp_trips_only_on_what_the_new_layout_needs(tmp_path
     before = files(run)
     result = resume(run, "parallel.tp=1", "parallel.pp=2")
     assert result.exit_code == 2 and result.stdout == "", result.output
+    line = next(i for i, text in enumerate((run / "preset.toml").read_text().splitlines(), 1)
+                if text.startswith("pp_microbatches"))
     assert result.stderr.splitlines() == [
-        f"error: {run}/preset.toml:60: parallel.pp_microbatches: 1 micro-batches are fewer than the 2 stages 1f1b "
+        f"error: {run}/preset.toml:{line}: parallel.pp_microbatches: 1 micro-batches are fewer than the 2 stages 1f1b "
         f"needs (0 is training.grad_accum = 1; valid: 2, 4, 8, 16, e.g. --set parallel.pp_microbatches=2)"]
     assert files(run) == before  # nothing rewritten
 
