@@ -9,7 +9,6 @@ init_from; and every refusal is one line, exit 2, with nothing written or starte
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
