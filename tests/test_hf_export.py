@@ -2,8 +2,8 @@
 3 steps) exports with ``handle export --format hf`` to a directory that ``transformers`` loads with the run's own
 logits and tokenizer; the same training under FSDP2 exports the same directory (and its sharded checkpoint exports
 the same tensors as its final weights); a run started with ``[model] init_from`` on the export (FSDP2, so the
-weights go in before the model is sharded) starts at the loss the exporter ended on, and its resume ignores
-init_from; and every refusal is one line, exit 2, with nothing written or started.
+weights go in before the model is sharded) starts at the loss the exporter ended on; and every refusal is one
+line, exit 2, with nothing written or started. That a resume ignores init_from: tests/unit/test_trainer_step.py.
 """
 
 from __future__ import annotations
@@ -139,20 +139,6 @@ def test_init_from_starts_where_the_exporter_ended(rt):
     assert first["step"] == 0 and abs(first["val_loss"] - exported) <= 1e-6
     logs = [e["message"] for e in events(rt["init"], "log")]
     assert f"init_from: weights from {rt['out']} (llama, " in "\n".join(logs)
-
-
-def test_a_resume_starts_from_its_checkpoint_not_from_init_from(rt, tmp_path):
-    """The export is moved away: a resume neither checks nor reads it."""
-    moved = tmp_path / "moved"
-    shutil.move(rt["out"], moved)
-    try:
-        before = len(events(rt["init"], "log"))
-        handle("run", "--resume", str(rt["init"]), "--set", "training.steps=2")
-    finally:
-        shutil.move(moved, rt["out"])
-    logs = [e["message"] for e in events(rt["init"], "log")][before:]
-    assert any(m.startswith("resumed from checkpoints/step-1") for m in logs), logs
-    assert not any("init_from" in m for m in logs), logs
 
 
 @pytest.mark.parametrize("key, value, needs", [
