@@ -55,7 +55,7 @@ def _scaling_plan(preset: str, overrides: tuple[str, ...], nprocs: list[int], la
     preset's validation refuses is left out with its reason as a note. Bad input: one line, exit 2."""
     from torch_handle.config.loader import load_preset
     from torch_handle.errors import USER_ERRORS, PresetError
-    from torch_handle.launch.run import check_data
+    from torch_handle.launch.run import check_inputs
     from torch_handle.registry import get_registry
 
     user = list(overrides)
@@ -65,7 +65,7 @@ def _scaling_plan(preset: str, overrides: tuple[str, ...], nprocs: list[int], la
         user.append(f"training.steps={DEFAULT_STEPS}")
     try:
         base = load_preset(preset, user)
-        check_data(base)
+        check_inputs(base)
     except USER_ERRORS as e:
         fail(str(e))
     if base.launch.nnodes != 1:

@@ -183,6 +183,7 @@ from handle_cli.bench_comm_cmd import comm  # noqa: E402
 from handle_cli.bench_scaling_cmd import scaling  # noqa: E402
 from handle_cli.env_cmd import env  # noqa: E402
 from handle_cli.estimate_cmd import estimate  # noqa: E402
+from handle_cli.export_cmd import export  # noqa: E402
 from handle_cli.generate_cmd import eval_cmd, generate, translate  # noqa: E402
 from handle_cli.plan_cmd import plan  # noqa: E402
 from handle_cli.plugins_cmd import plugins  # noqa: E402
@@ -205,6 +206,7 @@ cli.add_command(profile)
 cli.add_command(generate)
 cli.add_command(translate)
 cli.add_command(eval_cmd)
+cli.add_command(export)
 cli.add_command(runs)
 cli.add_command(slurm)
 cli.add_command(stacks)

@@ -139,9 +139,9 @@ def _plan(preset: str, user: list[str], n: int, k: int, memory: int | None, peak
             base, resolution = concrete(base)
             notes.append(f"training.precision: {resolution.reason}")
         if measuring:
-            from torch_handle.launch.run import check_data
+            from torch_handle.launch.run import check_inputs
 
-            check_data(base)
+            check_inputs(base)
     except USER_ERRORS as e:
         fail(str(e))
     per_node = n // k

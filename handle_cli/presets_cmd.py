@@ -66,7 +66,7 @@ def validate(preset: str, overrides: tuple[str, ...]) -> None:
     Exit code 2 when there is any problem.
     """
     from torch_handle.config.loader import load_preset, preset_problems
-    from torch_handle.launch.run import check_data
+    from torch_handle.launch.run import check_inputs
 
     spec = resolve_preset_spec(preset)
     if os.environ.get("HANDLE_DEBUG"):
@@ -77,7 +77,7 @@ def validate(preset: str, overrides: tuple[str, ...]) -> None:
             for e in problems:
                 click.echo(f"error: {e}", err=True)
             sys.exit(2)
-    check_data(p)  # DataError: one line, exit 2 (HandleGroup)
+    check_inputs(p)  # DataError: one line, exit 2 (HandleGroup)
     from torch_handle.common.run_layout import RunLayout
 
     click.echo(f"{p.source}: ok: {RunLayout.from_preset(p).label()}, world size {p.world_size}, "

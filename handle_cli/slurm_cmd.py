@@ -48,7 +48,7 @@ def slurm(preset: str, nodes: int, gpus_per_node: int | None, partition: str | N
       handle slurm presets/ddp.toml --json          # {"script": ..., "run_dir": ..., "job_id": null}
     """
     from torch_handle.config.loader import load_preset
-    from torch_handle.launch.run import check_data
+    from torch_handle.launch.run import check_inputs
     from torch_handle.launch.slurm import SET_BY_SLURM, SlurmJob, default_script_path, sbatch_script
 
     from handle_cli.presets_cmd import resolve_preset_spec
@@ -68,7 +68,7 @@ def slurm(preset: str, nodes: int, gpus_per_node: int | None, partition: str | N
     if gpus_per_node:
         launch.append(f"launch.nproc_per_node={gpus_per_node}")
     loaded = load_preset(spec, [*overrides, *launch])
-    check_data(loaded)
+    check_inputs(loaded)
     spec_path = Path(spec)
     preset_file = str(spec_path.resolve()) if spec_path.exists() else str(Path(str(loaded.source)).resolve())
     output_dir = Path(loaded.run.output_dir)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator
 
-from torch_handle.api import InvalidValue, hookimpl
+from torch_handle.api import CheckpointError, InvalidValue, hookimpl, param
 from torch_handle.model.args import DATASET_FIELDS, Activation, ModelKind, TransformerArgs
 
 _MLP_DEFAULT = next(f.default for f in dataclasses.fields(TransformerArgs) if f.name == "mlp")
@@ -23,6 +23,9 @@ def _check(self) -> None:
     if self.activation is not None:
         raise InvalidValue("activation", f"{self.activation!r} is the old name of mlp, which says {self.mlp!r}; "
                                          f"give mlp only")
+    if self.init_from is not None and self.kind != "decoder":
+        raise InvalidValue("init_from", f"loads a decoder (LlamaForCausalLM, Qwen3ForCausalLM) but kind = "
+                                        f"{self.kind!r}; use kind = 'decoder'")
     if self.head_dim is None and self.d_model % self.n_heads:
         raise InvalidValue("n_heads", f"{self.n_heads} does not divide d_model={self.d_model} (or give head_dim)")
     if self.n_kv_heads is not None and (self.n_kv_heads > self.n_heads or self.n_heads % self.n_kv_heads):
@@ -38,14 +41,20 @@ _DOC = """``[model]`` options of the ``transformer`` plugin. ``kind`` picks the 
 language model; ``"encoder-decoder"``, translation (Vaswani et al. 2017). Every other option is the
 ``TransformerArgs`` field of the same name, with its type, default, range and documentation
 (``torch_handle/model/args.py``: the one source of the model's defaults), except those the dataset supplies
-(``DATASET_FIELDS``). ``activation`` is ``mlp``'s name from before SwiGLU, still read."""
+(``DATASET_FIELDS``). ``activation`` is ``mlp``'s name from before SwiGLU, still read.
+
+``init_from = "DIR"``: start from the weights of a local Hugging Face directory (a ``handle export --format hf``
+of a run, or a Llama / Qwen 3 checkpoint whose config.json gives the same shape as this table: each option is
+checked before the run starts, the first that differs named). A decoder only; the shape is not filled in from
+config.json: the preset says it, init_from checks it. A resumed run starts from its checkpoint instead."""
 
 TransformerConfig = dataclasses.make_dataclass(
     "TransformerConfig",
     [("kind", ModelKind, dataclasses.field(default="decoder")),
      *((f.name, f.type, dataclasses.field(default=f.default, metadata=f.metadata))
        for f in dataclasses.fields(TransformerArgs) if f.name not in DATASET_FIELDS),
-     ("activation", Activation | None, dataclasses.field(default=None))],
+     ("activation", Activation | None, dataclasses.field(default=None)),
+     ("init_from", str | None, param(None, frozen_on_resume="a resumed run starts from its checkpoint"))],
     namespace={"__module__": __name__, "__doc__": _DOC, "__post_init__": _post_init, "check": _check,
                "tensor_parallel": True, "pipeline_parallel": True})
 
@@ -117,18 +126,43 @@ def _not_tensor_parallel_yet(options: TransformerConfig) -> tuple[str, str] | No
     return None
 
 
+def _args(options: TransformerConfig, vocab_size: int, pad_id: int | None, max_len: int) -> TransformerArgs:
+    """Every option but ``kind`` and ``init_from`` is the ``TransformerArgs`` field of the same name."""
+    shared = {f.name: getattr(options, f.name) for f in dataclasses.fields(options)
+              if f.name not in ("kind", "activation", "init_from")}
+    return TransformerArgs(vocab_size=vocab_size, pad_id=pad_id, max_len=max_len, **shared)
+
+
 def build(options: TransformerConfig, vocab_size: int, pad_id: int, max_len: int):
-    """``factory(options, vocab_size, pad_id, max_len) -> nn.Module``: every option but ``kind`` is the
-    ``TransformerArgs`` field of the same name; the dataset supplies vocab_size, pad_id and max_len."""
+    """``factory(options, vocab_size, pad_id, max_len) -> nn.Module``; the dataset supplies vocab_size, pad_id and
+    max_len. ``init_from`` is not read here: the trainer loads it into the built model (a new run only)."""
     from torch_handle.model.transformer import build_transformer
 
-    shared = {f.name: getattr(options, f.name) for f in dataclasses.fields(options) if f.name not in ("kind",
-                                                                                                       "activation")}
-    args = TransformerArgs(vocab_size=vocab_size, pad_id=pad_id, max_len=max_len, **shared)
-    return build_transformer(args, kind=options.kind)
+    return build_transformer(_args(options, vocab_size, pad_id, max_len), kind=options.kind)
+
+
+def preflight(options: TransformerConfig, preset) -> None:
+    """A new run with ``init_from``: the directory holds a config.json whose model has this table's shape, and a
+    vocabulary the run's tokenizer can fill (at most ``data.vocab_size``; the exact size is checked when the
+    weights load). Raises CheckpointError naming the first mismatch."""
+    if options.init_from is None:
+        return
+    from torch_handle.checkpoint.hf_dir import CONFIG_FILE, config_mismatch, read_config
+
+    vocab_size = getattr(preset.data.options, "vocab_size", None)
+    try:
+        mismatch = config_mismatch(_args(options, vocab_size or 1, None, 1), options.init_from)
+        theirs = read_config(options.init_from).get("vocab_size")
+    except CheckpointError as e:  # the directory or its config.json: say which option named it
+        raise CheckpointError(f"model.init_from: {e}") from None
+    if mismatch is not None:
+        raise CheckpointError(mismatch)
+    if isinstance(vocab_size, int) and isinstance(theirs, int) and theirs > vocab_size:
+        raise CheckpointError(f"data.vocab_size = {vocab_size} but {options.init_from}/{CONFIG_FILE} has vocab_size = "
+                              f"{theirs} (the run's tokenizer has at most data.vocab_size tokens)")
 
 
 @hookimpl
 def handle_register_models(register):
     register("transformer", TransformerConfig, build, "from-scratch Transformer (decoder-only or encoder-decoder)",
-             CHECKS)
+             CHECKS, preflight)

@@ -168,7 +168,7 @@ def test_a_non_callable_preflight_fails_the_plugin():
     assert info.status == "failed" and "dataset 'probe': preflight must be callable" in info.error
     assert reg.names("dataset") == []
     reg.add_plugin(OnAStrategy(), _info("on-a-strategy"))
-    assert "preflight is only run for datasets" in reg.plugins["on-a-strategy"].error
+    assert "preflight is only run for datasets and models" in reg.plugins["on-a-strategy"].error
 
 
 def test_builtin_datasets_register_their_preflight():

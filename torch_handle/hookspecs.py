@@ -27,7 +27,12 @@ hookimpl = pluggy.HookimplMarker("handle")
 
 @hookspec
 def handle_register_models(register):
-    """Register model plugins: ``factory(options, vocab_size: int, pad_id: int, max_len: int) -> nn.Module``."""
+    """Register model plugins: ``factory(options, vocab_size: int, pad_id: int, max_len: int) -> nn.Module``.
+
+    ``register(..., preflight=fn)``: ``fn(options, preset)`` checks what the model will read (the ``transformer``
+    plugin: its ``init_from`` directory) in the ``handle`` process before a new run starts, raising
+    ``CheckpointError``; a resume skips it (its checkpoint holds the weights).
+    """
 
 
 @hookspec

@@ -58,9 +58,10 @@ class Registration:
     (:mod:`torch_handle.config.problems`)."""
     plugin: str = ""
     """Name of the plugin (entry point) that registered it."""
-    preflight: Callable[[Any], None] | None = None
-    """Optional ``preflight(options)`` run by ``handle run`` / ``handle validate`` in the ``handle`` process before
-    anything starts (datasets: paths exist, text decodes), raising ``DataError``."""
+    preflight: Callable[..., None] | None = None
+    """Optional pre-flight check run by ``handle run`` / ``handle validate`` in the ``handle`` process before
+    anything starts: a dataset's ``preflight(options)`` (paths exist, text decodes: ``DataError``), a model's
+    ``preflight(options, preset)`` (files it initialises from: ``CheckpointError``; not on a resume)."""
 
 
 @dataclass
@@ -149,7 +150,7 @@ class PluginRegistry:
     def _register_fn(self, kind: str, info: PluginInfo) -> Callable[..., None]:
         def register(name: str, config_cls: type, factory: Callable[..., Any], description: str = "",
                      check_preset: Any = None,
-                     preflight: Callable[[Any], None] | None = None) -> None:
+                     preflight: Callable[..., None] | None = None) -> None:
             if not isinstance(name, str) or not name:
                 raise TypeError(f"{kind} name must be a non-empty string, got {name!r}")
             self.lost[(kind, name)] = info.name  # until the plugin is done: if it fails, the name points at it
@@ -167,8 +168,8 @@ class PluginRegistry:
             for hook_name, hook in (*(("check_preset", c) for c in checks), ("preflight", preflight)):
                 if hook is not None and not callable(hook):
                     raise TypeError(f"{kind} {name!r}: {hook_name} must be callable, got {hook!r}")
-            if preflight is not None and kind != "dataset":
-                raise TypeError(f"{kind} {name!r}: preflight is only run for datasets")
+            if preflight is not None and kind not in ("dataset", "model"):
+                raise TypeError(f"{kind} {name!r}: preflight is only run for datasets and models")
             self.registrations[kind][name] = Registration(kind, name, config_cls, factory, description,
                                                           check_preset, info.name, preflight)
             info.registered.setdefault(kind, []).append(name)

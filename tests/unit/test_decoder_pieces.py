@@ -204,6 +204,6 @@ def test_handle_estimate_counts_the_llama_preset_as_built():
     per_layer = 2 * C * o.n_heads * d_k + 2 * C * o.n_kv_heads * d_k + 3 * C * o.d_ff + 2 * C
     expected = L * per_layer + C + V * C  # + final norm + tied embedding
     built = DecoderLM(TransformerArgs(V, **{k: getattr(o, k) for k in o.__dataclass_fields__
-                                            if k not in ("kind", "activation")}, max_len=seq_len))
+                                            if k not in ("kind", "activation", "init_from")}, max_len=seq_len))
     assert model_shape(preset, get_registry()).n_params == built.num_params() == expected
     assert model_flops_per_token(preset, get_registry()) == 6 * expected + 12 * L * o.n_heads * d_k * seq_len

@@ -39,7 +39,8 @@ LAYERS: dict[str, set[str]] = {
     "parallel": _BASE | {"config", "observe"},  # the schedules' names; the heartbeat and saved-tensor counter
     "model": _BASE | {"config", "parallel"},  # config: the schema's field ranges (param) for TransformerArgs
     "data": _BASE,
-    "checkpoint": _BASE | {"registry", "config", "rundir", "observe", "parallel"},  # parallel: the TP dropout stream
+    # parallel: the TP dropout stream; model: hf_names, for the Hugging Face directory (hf_dir)
+    "checkpoint": _BASE | {"registry", "config", "rundir", "observe", "parallel", "model"},
     "launch": _BASE | {"registry", "config", "rundir", "observe", "checkpoint"},
     "train": _BASE | {"registry", "config", "rundir", "observe", "parallel", "model", "data", "checkpoint", "launch"},
     "plan": _BASE | {"registry", "config", "rundir", "observe", "parallel", "model", "data", "checkpoint", "launch",

@@ -14,7 +14,8 @@ from torch_handle.model.args import DATASET_FIELDS, TransformerArgs
 def test_plugin_options_are_the_args_fields_with_their_defaults_and_ranges():
     args = {f.name: f for f in dataclasses.fields(TransformerArgs) if f.name not in DATASET_FIELDS}
     options = {f.name: f for f in dataclasses.fields(TransformerConfig)}
-    assert list(options) == ["kind", *args, "activation"]  # activation: mlp's old name, read by the plugin only
+    # activation: mlp's old name, read by the plugin only; init_from: weights loaded into the built model (docs/hf.md)
+    assert list(options) == ["kind", *args, "activation", "init_from"]
     for name, f in args.items():
         assert (options[name].type, options[name].default, dict(options[name].metadata)) == \
                (f.type, f.default, dict(f.metadata)), name

@@ -30,7 +30,7 @@ def process_group(tmp_path):
     dist.destroy_process_group()
 
 
-def _preset(tmp_path: Path, steps: int, checkpointing: bool = False):
+def _preset(tmp_path: Path, steps: int, checkpointing: bool = False, model: str = ""):
     corpus = tmp_path / "corpus.txt"
     if not corpus.exists():
         corpus.write_text("\n\n".join(pydoc_corpus())[:60_000], encoding="utf-8")
@@ -44,6 +44,7 @@ n_layers = 1
 d_ff = 64
 dropout = 0.0
 activation_checkpointing = {str(checkpointing).lower()}
+{model}
 [data]
 name = "text"
 path = "{corpus}"
@@ -135,6 +136,38 @@ def test_stop_then_resume_gives_the_uninterrupted_losses(tmp_path, process_group
     assert [e["step"] for e in resumed] == [1, 2, 3]
     assert [e["loss"] for e in resumed] == pytest.approx(straight, rel=1e-6, abs=0)
     assert straight[2] < straight[0]  # lr 0.01 without warm-up: it learns
+
+
+def test_init_from_starts_a_new_run_but_not_its_resume(tmp_path, process_group):
+    """A Llama-shaped run exported, then a run with ``init_from`` on the export: its step-0 evaluation is the
+    exporter's last. With the directory gone, a new run is refused before it starts, while the resume of that run
+    neither checks nor reads it (its checkpoint holds the weights). tests/test_hf_export.py: the same on real runs."""
+    from torch_handle.errors import CheckpointError
+    from torch_handle.infer.hf_export import export_hf
+    from torch_handle.launch.run import check_inputs
+
+    llama = 'norm = "rmsnorm"\nposition = "rope"\nmlp = "swiglu"\nnorm_first = true\nscale_embeddings = false\n'
+    exporter = _preset(tmp_path, steps=2, model=llama)
+    source = create_run_dir(tmp_path / "runs", "source", dump_preset(exporter), {"status": "starting"})
+    assert _train(exporter, source, process_group) == "finished"
+    export_hf(source, tmp_path / "hf")
+    init = llama + f'init_from = "{tmp_path / "hf"}"'
+    preset = _preset(tmp_path, steps=1, model=init)
+    run_dir = create_run_dir(tmp_path / "runs", "init", dump_preset(preset), {"status": "starting"})
+    assert _train(preset, run_dir, process_group) == "finished"
+    evals = [e["val_loss"] for e in _events(source) if e["kind"] == "eval"]
+    assert next(e for e in _events(run_dir) if e["kind"] == "eval")["val_loss"] == pytest.approx(evals[-1], abs=1e-6)
+    assert abs(evals[0] - evals[-1]) > 1e-3  # a run that ignored init_from would start elsewhere
+
+    (tmp_path / "hf").rename(tmp_path / "moved")
+    with pytest.raises(CheckpointError, match=f"^model.init_from: {tmp_path / 'hf'}: no such directory"):
+        check_inputs(preset)
+    check_inputs(preset, resume=True)
+    before = len(_events(run_dir))
+    assert _train(_preset(tmp_path, steps=2, model=init), run_dir, process_group) == "finished"
+    logs = [e["message"] for e in _events(run_dir)[before:] if e["kind"] == "log"]
+    assert any(m.startswith("resumed from checkpoints/step-1") for m in logs)
+    assert not any("init_from" in m for m in logs)
 
 
 @pytest.fixture(autouse=True)

@@ -97,12 +97,12 @@ def _reason(declared: bool | str | None, default: str | None) -> str | None:
     return (default or _DECLARED_FROZEN) if declared else default
 
 
-def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """Leaves by dotted key; an empty table has none (``ds_config = {}`` and no ``ds_config`` are the same)."""
+def flat_keys(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Leaves by dotted key (``rope_parameters.rope_theta``); an empty table has none (``ds_config = {}`` and no ``ds_config`` are the same)."""
     out: dict[str, Any] = {}
     for k, v in d.items():
         if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
+            out.update(flat_keys(v, f"{prefix}{k}."))
         else:
             out[f"{prefix}{k}"] = v
     return out
@@ -111,7 +111,7 @@ def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 def diff(old: Preset, new: Preset | dict[str, Any]) -> dict[str, list[Any]]:
     """``{"table.key": [old, new]}`` for every resolved setting that differs (None: not set); ``new`` may be a
     mapping not validated yet (:func:`resumed_mapping`)."""
-    a, b = _flat(preset_to_dict(old)), _flat(new if isinstance(new, dict) else preset_to_dict(new))
+    a, b = flat_keys(preset_to_dict(old)), flat_keys(new if isinstance(new, dict) else preset_to_dict(new))
     return {k: [a.get(k), b.get(k)] for k in [*a, *[k for k in b if k not in a]] if a.get(k) != b.get(k)}
 
 

@@ -40,17 +40,23 @@ from torch_handle.rundir import (ACTIVE, PRESET_FILE, create_run_dir, launcher_a
                                  modify_run_info)
 
 
-def check_data(preset: Preset) -> None:
-    """Cheap data checks before anything starts (missing paths, undecodable text), through the dataset plugin's
-    ``preflight`` hook; nothing when the plugin has none.
+def check_inputs(preset: Preset, *, resume: bool = False) -> None:
+    """Cheap checks of what a run will read, before anything starts, through the plugins' ``preflight`` hooks:
+    the dataset's (missing paths, undecodable text) and, unless ``resume`` (the checkpoint holds the weights
+    then), the model's (``[model] init_from``: the directory and the shape its config.json gives). Nothing when
+    the plugins have none.
 
     Raises:
-        DataError: one line naming the path and the problem.
-        PresetError: the dataset plugin is not registered.
+        DataError, CheckpointError: one line naming the path and the problem.
+        PresetError: a plugin is not registered.
     """
-    preflight = get_registry().get("dataset", preset.data.name).preflight
+    registry = get_registry()
+    preflight = registry.get("dataset", preset.data.name).preflight
     if preflight is not None:
         preflight(preset.data.options)
+    preflight = registry.get("model", preset.model.name).preflight
+    if preflight is not None and not resume:
+        preflight(preset.model.options, preset)
 
 
 def prepare_run(preset: str | None, overrides: tuple[str, ...], run_dir: Path | None,
@@ -79,7 +85,7 @@ def prepare_run(preset: str | None, overrides: tuple[str, ...], run_dir: Path | 
         return prepare_resume(Path(resume_dir), overrides, note)
     assert preset is not None
     loaded = load_preset(preset, overrides)
-    check_data(loaded)
+    check_inputs(loaded)
     join = Path(run_dir) if loaded.launch.nnodes > 1 and run_dir is not None else None
     loaded, precision = resolve_for_run(loaded, join)
     info = {"status": Status.STARTING, "name": loaded.run.name, "preset": str(loaded.source),
@@ -147,7 +153,7 @@ def prepare_resume(resume_dir: Path, overrides: tuple[str, ...], note: Callable[
         raise RunDirError(f"{resume_dir}: is still running (launcher pid {info['launcher_pid']})")
     stored = with_node_rank(loaded, 0) if nodes else loaded  # a multi-node run's preset.toml holds node_rank 0
     changes = diff(current, stored)
-    check_data(loaded)
+    check_inputs(loaded, resume=True)
     for line in notes if note is not None else ():
         note(line)
     if not owner:
