@@ -31,10 +31,25 @@ def _check(self) -> None:
     if self.n_kv_heads is not None and (self.n_kv_heads > self.n_heads or self.n_heads % self.n_kv_heads):
         raise InvalidValue("n_kv_heads", f"{self.n_kv_heads} does not divide n_heads={self.n_heads} (each key/value "
                                          f"head serves an equal group of query heads)")
+    if self.n_experts:
+        _check_experts(self)
     d_k = self.head_dim or self.d_model // self.n_heads
     if self.position == "rope" and d_k % 2:
         raise InvalidValue("head_dim" if self.head_dim else "n_heads",
                            f"RoPE rotates channel pairs: the head width {d_k} must be even")
+
+
+def _check_experts(self) -> None:
+    """The mixture-of-experts options, when n_experts > 0."""
+    if self.top_k > self.n_experts:
+        raise InvalidValue("top_k", f"{self.top_k} is more than n_experts={self.n_experts} (each token goes to top_k "
+                                    f"different experts)")
+    if self.moe_every > self.n_layers:
+        raise InvalidValue("moe_every", f"{self.moe_every} is more than n_layers={self.n_layers}: no layer would be "
+                                        f"an MoE layer")
+    if self.top_k == 1 and self.norm_topk_prob:
+        raise InvalidValue("norm_topk_prob", "with top_k = 1 it makes every weight 1, and the router would learn from "
+                                             "its balancing loss only; set norm_topk_prob = false (Switch)")
 
 
 _DOC = """``[model]`` options of the ``transformer`` plugin. ``kind`` picks the class: ``"decoder"``, a decoder-only
@@ -111,7 +126,25 @@ def _check_pipeline(options: TransformerConfig, preset) -> Iterator[InvalidValue
         yield InvalidValue(key if key != "pp_layers" else "parallel.pp_layers", message)
 
 
-CHECKS = (_check_pipeline, _check_widths, _check_data_split, _check_task)
+def _check_experts_layout(options: TransformerConfig, preset) -> Iterator[InvalidValue]:
+    """What mixture-of-experts layers do not support yet: tensor and pipeline parallelism, compiled blocks, and the
+    expert-bias update under DeepSpeed (its optimizer has no step hooks)."""
+    if not options.n_experts:
+        return
+    parallel = preset.parallel
+    for key, degree, what in (("tp", parallel.tp, "tensor"), ("pp", parallel.pp, "pipeline")):
+        if degree > 1:
+            yield InvalidValue(f"parallel.{key}", f"mixture-of-experts layers (n_experts = {options.n_experts}) are "
+                                                  f"not split by {what} parallelism yet (use parallel.{key} = 1)")
+    if preset.training.compile:
+        yield InvalidValue("training.compile", "mixture-of-experts layers are not compiled yet (their token counts "
+                                               "set the shapes); use compile = false")
+    if options.balance == "aux_free" and preset.strategy.name == "deepspeed":
+        yield InvalidValue("balance", "'aux_free' moves the expert biases in an optimizer step hook, which "
+                                      "DeepSpeed's optimizer does not run; use 'aux_loss' or another strategy")
+
+
+CHECKS = (_check_pipeline, _check_widths, _check_data_split, _check_experts_layout, _check_task)
 """The cross-table checks (``check_preset``), each run on its own, so a problem in one table hides no other."""
 
 

@@ -17,12 +17,16 @@ Activation = Literal["relu", "gelu"]
 MLP = Literal["relu", "gelu", "swiglu"]
 Norm = Literal["layernorm", "rmsnorm"]
 Position = Literal["sinusoidal", "rope"]
+Router = Literal["softmax", "sigmoid"]
+Balance = Literal["aux_loss", "aux_free"]
 
 ATTENTION_IMPLS: tuple[str, ...] = get_args(AttentionImpl)
 ACTIVATIONS: tuple[str, ...] = get_args(Activation)
 MLPS: tuple[str, ...] = get_args(MLP)
 NORMS: tuple[str, ...] = get_args(Norm)
 POSITIONS: tuple[str, ...] = get_args(Position)
+ROUTERS: tuple[str, ...] = get_args(Router)
+BALANCES: tuple[str, ...] = get_args(Balance)
 
 
 def check_choice(name: str, value: str, valid: tuple[str, ...]) -> None:
@@ -96,11 +100,51 @@ class TransformerArgs:
     softmax(QK^T/sqrt(d_k))V."""
     fused_qkv: bool = True
     """One projection for Q, K, V, (d_model -> (H + 2·H_kv)·d_k), instead of three (see ``MultiHeadAttention``)."""
+    # -- mixture of experts (model/router.py, model/moe.py): every option below is unused while n_experts = 0 --------
+    n_experts: int = param(0, ge=0)
+    """E: routed experts in each MoE layer's feed-forward network (``MoEFeedForward``); 0 = a dense model."""
+    top_k: int = param(2, ge=1)
+    """k: experts each token is routed to (Shazeer et al. 2017; Mixtral and Qwen 3 MoE: 2 and 8); at most E."""
+    moe_every: int = param(1, ge=1)
+    """Layer i (from 0) is an MoE layer when (i + 1) % moe_every == 0 (``decoder_sparse_step`` in transformers);
+    1 = every layer, 2 = every second (GShard, Switch)."""
+    n_shared_experts: int = param(0, ge=0)
+    """Experts every token passes through besides its k routed ones, as one FFN of n_shared_experts · d_ff_expert
+    hidden units (DeepSeekMoE, Dai et al. 2024; DeepSeek-V3)."""
+    d_ff_expert: int | None = param(None, ge=1)
+    """Hidden width of each expert (``moe_intermediate_size`` in transformers); unset = d_ff."""
+    capacity_factor: float | None = param(None, gt=0.0, frozen_on_resume=False)
+    """Unset: dropless, every routed token is computed. Else each expert takes at most ceil(capacity_factor · N ·
+    top_k / E) of a batch's N tokens, in batch order; the rest are dropped (they keep their residual and the shared
+    expert) and counted (Switch Transformer, Fedus et al. 2021, §2.2)."""
+    router: Router = "softmax"
+    """Router scores: ``"softmax"`` over the experts (Switch, Mixtral, Qwen 3 MoE) or ``"sigmoid"`` per expert
+    (DeepSeek-V3); computed in fp32."""
+    norm_topk_prob: bool = True
+    """Divide each token's k selected scores by their sum, so its weights add to 1 (Mixtral, Qwen3-30B-A3B,
+    DeepSeek-V3); false: the raw scores (Switch)."""
+    balance: Balance = "aux_loss"
+    """How the load is balanced: ``"aux_loss"``, router_aux_loss · the Switch loss E·Σᵢ fᵢ·Pᵢ (Fedus et al. 2021);
+    ``"aux_free"``, a per-expert bias added to the scores for the selection only, moved by bias_update_rate after
+    each optimizer step against the load's error (Wang et al. 2024; DeepSeek-V3): the Switch loss is then measured
+    only, never added."""
+    router_aux_loss: float = param(0.01, ge=0.0, frozen_on_resume=False)
+    """Coefficient of the load-balancing loss (Switch: 0.01; Qwen 3 MoE's ``router_aux_loss_coef``, whose loss is
+    top_k times this one's, 0.001)."""
+    router_z_loss: float = param(0.0, ge=0.0, frozen_on_resume=False)
+    """Coefficient of the router z-loss, the mean squared log-sum-exp of the router logits (ST-MoE, Zoph et al.
+    2022, who use 0.001); 0 = off."""
+    bias_update_rate: float = param(0.001, gt=0.0, frozen_on_resume=False)
+    """γ of ``balance = "aux_free"``: each step every expert bias moves by ±γ (DeepSeek-V3: 0.001)."""
 
     @property
     def d_k(self) -> int:
         """Channels per head: ``head_dim``, or d_model // n_heads when it is unset."""
         return self.head_dim or self.d_model // self.n_heads
+
+    def is_moe_layer(self, i: int) -> bool:
+        """Whether layer ``i`` of a stack (from 0) has a mixture-of-experts feed-forward network."""
+        return self.n_experts > 0 and (i + 1) % self.moe_every == 0
 
     @property
     def kv_heads(self) -> int:

@@ -31,13 +31,15 @@ class _ResidualLayer(nn.Module):
 
     ``norm``, ``norm_eps``, ``mlp`` and ``bias`` choose the norms and the FFN; ``n_kv_heads``, ``head_dim``,
     ``rope_theta`` and ``qk_norm`` go to the attention modules (``MultiHeadAttention``; a cross-attention gets no
-    RoPE: its keys are another sequence's positions)."""
+    RoPE: its keys are another sequence's positions); ``feed_forward``, when given, builds the FFN instead (a
+    mixture of experts, ``moe.py``)."""
 
     dropout: Dropout
 
     def __init__(self, d_model: int, n_heads: int, d_ff: int, dropout: float, norm_first: bool,
                  attention: AttentionImpl, fused_qkv: bool, norm_eps: float, mlp: MLP, norm: Norm, bias: bool,
-                 n_kv_heads: int | None, head_dim: int | None, rope_theta: float | None, qk_norm: bool) -> None:
+                 n_kv_heads: int | None, head_dim: int | None, rope_theta: float | None, qk_norm: bool,
+                 feed_forward: Callable[[], nn.Module] | None) -> None:
         super().__init__()
         self.norm_first = norm_first
         self._attention_args = {"d_model": d_model, "n_heads": n_heads, "dropout": dropout, "fused_qkv": fused_qkv,
@@ -45,6 +47,7 @@ class _ResidualLayer(nn.Module):
                                 "head_dim": head_dim, "qk_norm": qk_norm, "norm_eps": norm_eps}
         self._norm_args = (norm, d_model, norm_eps, bias)
         self._ff_args = (mlp, d_model, d_ff, dropout, bias)
+        self._feed_forward = feed_forward
         self.self_attn = self._make_attention(rope_theta)
 
     def _make_attention(self, rope_theta: float | None) -> MultiHeadAttention:
@@ -54,7 +57,9 @@ class _ResidualLayer(nn.Module):
         return build_norm(*self._norm_args)
 
     def _make_feed_forward(self) -> nn.Module:
-        return build_feed_forward(*self._ff_args)
+        """The dense FFN ``build_feed_forward`` makes, or what the ``feed_forward`` factory builds (an MoE layer's
+        ``MoEFeedForward``)."""
+        return self._feed_forward() if self._feed_forward is not None else build_feed_forward(*self._ff_args)
 
     def _residual(self, x: Tensor, norm: nn.Module, name: str, sublayer: Callable[[Tensor], Tensor]) -> Tensor:
         """One residual sub-layer: x + dropout(sublayer(norm(x))) pre-LN, norm(x + dropout(sublayer(x))) post-LN.
@@ -86,6 +91,7 @@ class EncoderLayer(_ResidualLayer):
         norm: ``"layernorm"`` or ``"rmsnorm"`` (``build_norm``).
         bias: biases in the linears and LayerNorms.
         n_kv_heads, head_dim, rope_theta, qk_norm: see ``MultiHeadAttention``.
+        feed_forward: builds the FFN in place of ``build_feed_forward`` (an MoE layer: ``MoEFeedForward``).
 
     Shape:
         forward(x (B, T, C), key_padding_mask bool (B, T) True = pad) -> (B, T, C).
@@ -94,9 +100,10 @@ class EncoderLayer(_ResidualLayer):
     def __init__(self, d_model: int, n_heads: int, d_ff: int, dropout: float = 0.0, mlp: MLP = "relu",
                  norm_first: bool = False, attention: AttentionImpl = "sdpa", fused_qkv: bool = True,
                  norm_eps: float = 1e-5, *, norm: Norm = "layernorm", bias: bool = True, n_kv_heads: int | None = None,
-                 head_dim: int | None = None, rope_theta: float | None = None, qk_norm: bool = False) -> None:
+                 head_dim: int | None = None, rope_theta: float | None = None, qk_norm: bool = False,
+                 feed_forward: Callable[[], nn.Module] | None = None) -> None:
         super().__init__(d_model, n_heads, d_ff, dropout, norm_first, attention, fused_qkv, norm_eps, mlp, norm, bias,
-                         n_kv_heads, head_dim, rope_theta, qk_norm)
+                         n_kv_heads, head_dim, rope_theta, qk_norm, feed_forward)
         self.ff = self._make_feed_forward()
         self.self_attn_norm = self._make_norm()
         self.ff_norm = self._make_norm()
@@ -118,7 +125,7 @@ class DecoderLayer(_ResidualLayer):
 
     Args:
         d_model, n_heads, d_ff, dropout, mlp, norm_first, attention, fused_qkv, norm_eps, norm, bias, n_kv_heads,
-        head_dim, qk_norm: as for ``EncoderLayer``.
+        head_dim, qk_norm, feed_forward: as for ``EncoderLayer``.
         cross_attention: add a cross-attention sub-layer over encoder memory.
         rope_theta: RoPE in the self-attention (a cross-attention never rotates: see ``_ResidualLayer``).
 
@@ -134,9 +141,9 @@ class DecoderLayer(_ResidualLayer):
                  norm_first: bool = False, cross_attention: bool = True, attention: AttentionImpl = "sdpa",
                  fused_qkv: bool = True, norm_eps: float = 1e-5, *, norm: Norm = "layernorm", bias: bool = True,
                  n_kv_heads: int | None = None, head_dim: int | None = None, rope_theta: float | None = None,
-                 qk_norm: bool = False) -> None:
+                 qk_norm: bool = False, feed_forward: Callable[[], nn.Module] | None = None) -> None:
         super().__init__(d_model, n_heads, d_ff, dropout, norm_first, attention, fused_qkv, norm_eps, mlp, norm, bias,
-                         n_kv_heads, head_dim, rope_theta, qk_norm)
+                         n_kv_heads, head_dim, rope_theta, qk_norm, feed_forward)
         self.self_attn_norm = self._make_norm()
         self.cross_attn: MultiHeadAttention | None = None
         self.cross_attn_norm: nn.Module | None = None

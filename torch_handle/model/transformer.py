@@ -27,6 +27,7 @@ from torch_handle.model.flops import matmul_params, training_flops_per_token
 from torch_handle.model.kernels import Dropout
 from torch_handle.model.kv_cache import KVCache, LayerCache
 from torch_handle.model.layers import DecoderLayer, EncoderLayer
+from torch_handle.model.moe import MoEFeedForward
 from torch_handle.model.norms import build_norm
 from torch_handle.model.profiling import record_range
 from torch_handle.parallel.tensor.random import checkpoint_rng_contexts
@@ -81,6 +82,13 @@ class _TransformerModel(nn.Module):
                 "fused_qkv": a.fused_qkv, "norm_eps": a.norm_eps, "norm": a.norm, "bias": a.bias,
                 "n_kv_heads": a.n_kv_heads, "head_dim": a.head_dim, "qk_norm": a.qk_norm,
                 "rope_theta": a.rope_theta if a.position == "rope" else None}
+
+    def _feed_forward(self, i: int) -> dict:
+        """The keyword argument that makes layer ``i`` of a stack an MoE layer (``args.is_moe_layer``); none for a
+        dense layer."""
+        if not self.args.is_moe_layer(i):
+            return {}
+        return {"feed_forward": lambda: MoEFeedForward(self.args)}
 
     def _final_norm(self) -> nn.Module:
         """Pre-LN leaves the residual stream un-normalised, so a pre-LN stack ends with a norm; post-LN's last
@@ -189,10 +197,11 @@ class _TransformerModel(nn.Module):
         that take part in a matmul (all but the input embedding table, which is only indexed; with tied embeddings
         that table *is* the output projection, so it counts once: N == ``num_params()``), L = ``n_layers_total``
         and the attention width n_heads · d_k (d_model unless ``head_dim`` is given; grouped-query attention
-        shrinks K and V, not the scores). For the encoder-decoder, "per token" means per target token with source
+        shrinks K and V, not the scores). With experts, N counts the parameters a token passes through: its top_k
+        routed experts of E (``MoEFeedForward.inactive_params``; the router and shared experts count). For the encoder-decoder, "per token" means per target token with source
         and target both ``seq_len`` long; the cross-attention score term is not included (a small undercount).
         """
-        n_matmul = matmul_params(self, self.lm_head)
+        n_matmul = matmul_params(self, self.lm_head) - sum(getattr(m, "inactive_params", 0) for m in self.modules())
         return training_flops_per_token(n_matmul, self.n_layers_total, self.args.n_heads * self.args.d_k, seq_len)
 
 
@@ -217,7 +226,8 @@ class DecoderLM(_TransformerModel):
         super().__init__(args)
         sizes = (args.d_model, args.n_heads, args.d_ff)
         self.layers = nn.ModuleList(
-            DecoderLayer(*sizes, cross_attention=False, **self._layer_kwargs()) for _ in range(args.n_layers)
+            DecoderLayer(*sizes, cross_attention=False, **self._layer_kwargs(), **self._feed_forward(i))
+            for i in range(args.n_layers)
         )
         self.final_norm = self._final_norm()
         self.lm_head = self._make_lm_head()
@@ -270,9 +280,11 @@ class EncoderDecoder(_TransformerModel):
     def __init__(self, args: TransformerArgs) -> None:
         super().__init__(args)
         sizes = (args.d_model, args.n_heads, args.d_ff)
-        self.encoder_layers = nn.ModuleList(EncoderLayer(*sizes, **self._layer_kwargs()) for _ in range(args.n_layers))
+        self.encoder_layers = nn.ModuleList(EncoderLayer(*sizes, **self._layer_kwargs(), **self._feed_forward(i))
+                                            for i in range(args.n_layers))
         self.decoder_layers = nn.ModuleList(
-            DecoderLayer(*sizes, cross_attention=True, **self._layer_kwargs()) for _ in range(args.n_layers)
+            DecoderLayer(*sizes, cross_attention=True, **self._layer_kwargs(), **self._feed_forward(i))
+            for i in range(args.n_layers)
         )
         self.encoder_norm = self._final_norm()
         self.decoder_norm = self._final_norm()

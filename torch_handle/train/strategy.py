@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from torch_handle.common.precision import torch_dtype
 from torch_handle.config.loader import TrainingConfig
+from torch_handle.model.router import register_expert_bias_updates
 
 
 @dataclass
@@ -151,6 +152,8 @@ class Strategy:
         self._sync = True
         self.model: torch.nn.Module = self.wrap(model)
         self.optimizer: torch.optim.Optimizer = self.build_optimizer(self.model.parameters())
+        # what the model itself does at every optimizer step (an MoE router's expert biases under balance = "aux_free")
+        register_expert_bias_updates(model, self.optimizer)
         self.scheduler: torch.optim.lr_scheduler.LRScheduler = self.build_scheduler(self.optimizer)
 
     # -- set-up (called by the constructor) ----------------------------------------------------------------------
