@@ -38,9 +38,9 @@ def pp_case(id: str, sets: list[str], expect: list[str], body: str = PP, **files
 CASES = [
     pp_case("world-not-divisible", ["parallel.pp=3"],
             ["parallel.pp: tp x pp = 1 x 3 does not divide the world size 2", "valid pp: 1, 2"]),
-    pp_case("pp-with-native-tp", ["parallel.tp=2", "launch.nproc_per_node=4"],
+    pp_case("pp-with-native-tp", ["parallel.tp=2", "parallel.tp_impl=native", "launch.nproc_per_node=4"],
             ["parallel.tp_impl: tensor parallelism inside pipeline stages is hand-written only",
-             "set parallel.tp_impl = \"scratch\""]),
+             "set parallel.tp_impl = \"scratch\" (by hand) or \"auto\""]),
     pp_case("dp-world-not-divisible", ["parallel.tp=2", "parallel.tp_impl=scratch", "launch.nproc_per_node=6"],
             ["parallel.pp: tp x pp = 2 x 2 does not divide the world size 6", "valid pp: 1, 3"]),
     pp_case("tied-zbv-with-dp", ["launch.nproc_per_node=4", "strategy.name=ddp", "parallel.pp_schedule=zbv",

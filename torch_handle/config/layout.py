@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from torch_handle.config.schema import PLUGIN_TABLES, PP_V_SHAPED, Preset
+from torch_handle.config.tp_impl import native_tp_problem
 from torch_handle.errors import PresetError
 
 
@@ -67,10 +68,10 @@ def check_parallel(preset: Preset, registry: Any) -> PresetError | None:
                 valid = _supports(registry, PLUGIN_TABLES[table], attribute)
                 return PresetError(f"{section.name!r} does not support parallel.{name} = {degree} (valid with "
                                    f"{name} > 1: {', '.join(valid) or 'none'})", key=f"{table}.name")
-    if par.pp > 1 and par.tp > 1 and par.tp_impl == "native":
-        return PresetError("tensor parallelism inside pipeline stages is hand-written only: set parallel.tp_impl = "
-                           "\"scratch\" with parallel.pp > 1 (DTensor's collectives inside torch's schedules do not "
-                           "match across the stage's TP ranks in torch 2.13)", key="parallel.tp_impl")
+    native_problem = native_tp_problem(preset) if par.tp > 1 and par.tp_impl == "native" else None
+    if native_problem:
+        return PresetError(f"{native_problem}: set parallel.tp_impl = \"scratch\" (by hand) or \"auto\" (DTensor "
+                           f"where it runs, else by hand)", key="parallel.tp_impl")
     if par.pp > 1:
         dp = world // (par.tp * par.pp)
         if dp > 1 and par.pp_schedule in PP_V_SHAPED and getattr(preset.model.options, "tie_embeddings", False):

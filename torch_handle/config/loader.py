@@ -57,6 +57,7 @@ from torch_handle.config.overrides import Overrides, apply_overrides
 from torch_handle.config.schema import (CORE_TABLES, DEFAULT_PLUGINS, PLUGIN_TABLES, TABLE_ORDER, LaunchConfig,
                                         PluginSection, Preset, RunConfig, TrainingConfig, field_docs, param,
                                         plugin_name)
+from torch_handle.config.tp_impl import resolve_tp_impl
 
 __all__ = [
     "PresetError",
@@ -472,6 +473,7 @@ def _walk(data: dict[str, Any], registry: PluginRegistry | None, source: str
     if problems:
         return None, problems
     preset = Preset(**sections, source=source)
+    resolve_tp_impl(preset)  # "auto" becomes the implementation the layout runs, before every check of it
     layout_problem = check_parallel(preset, registry)
     if layout_problem is not None:
         return None, [layout_problem]
