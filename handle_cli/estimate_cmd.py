@@ -62,9 +62,9 @@ def layout_overrides(overrides: tuple[str, ...] | list[str]) -> list[str]:
 
 def row_layouts(rows: list, preset, registry) -> dict[tuple[str, int], str]:
     """The layout line of each (strategy variant, world size) of ``rows``, as every view names a run
-    (:class:`RunLayout`: ``dp 1 × tp 2 (tp scratch)``, the strategy named only where dp > 1 runs it; not at all
-    when ``rows`` hold several variants, which their own column names), with the tensor-parallel implementation
-    that variant's strategy runs (``tp_impl = "auto"``: its own choice)."""
+    (:class:`RunLayout`: ``dp 2 (deepspeed ZeRO-2)``, ``dp 1 × tp 2 (tp scratch)``: the strategy named only where
+    dp > 1 runs it; not at all when ``rows`` hold several variants, which their own column names), with the
+    tensor-parallel implementation that variant's strategy runs (``tp_impl = "auto"``: its own choice)."""
     from torch_handle.config.tp_impl import chosen_impl, requested_tp_impl
 
     p, requested = preset.parallel, requested_tp_impl(preset)
@@ -74,8 +74,9 @@ def row_layouts(rows: list, preset, registry) -> dict[tuple[str, int], str]:
         strategy = r.options.get("strategy", preset.strategy.name)
         registration = registry.registrations["strategy"].get(strategy)
         impl = chosen_impl(requested, strategy, getattr(registration, "config_cls", object), p.pp)
+        named = (None, None) if compare else (strategy, getattr(preset.strategy.options, "zero_stage", None))
         out[r.strategy, r.world_size] = RunLayout.from_parts(
-            r.world_size, None if compare else r.strategy, None, r.tp, r.pp, impl, p.sequence_parallel, p.pp_impl, p.pp_schedule,
+            r.world_size, *named, r.tp, r.pp, impl, p.sequence_parallel, p.pp_impl, p.pp_schedule,
             p.pp_stages_per_rank).label()
     return out
 
