@@ -62,8 +62,9 @@ def test_only_cpu_ranks_are_warned(tmp_path, monkeypatch):
 
 
 def test_handle_run_prints_one_warning_line_before_the_workers_start(tmp_path, monkeypatch, no_launch):
-    """``handle run`` of 4 ranks on a node with 2 usable cores: one ``warning:`` line on stderr, then the launch
-    (refused here by ``no_launch``: the line comes before anything starts)."""
+    """``handle run`` of 4 ranks (dp 2 × tp 2 under ddp) on a node with 2 usable cores: the TP implementation auto
+    chose with its reason, one ``warning:`` line on stderr, then the launch (refused here by ``no_launch``: the
+    lines come before anything starts)."""
     from click.testing import CliRunner
 
     from handle_cli.main import cli
@@ -71,8 +72,10 @@ def test_handle_run_prints_one_warning_line_before_the_workers_start(tmp_path, m
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr(cores, "usable_cores", lambda: 2)
     path, _ = _tiny(tmp_path, 4)
-    result = CliRunner().invoke(cli, ["run", str(path), "--set", "launch.backend=gloo"])
+    result = CliRunner().invoke(cli, ["run", str(path), "--set", "launch.backend=gloo", "--set", "parallel.tp=2"])
     assert isinstance(result.exception, AssertionError) and "a run was launched" in str(result.exception)
+    assert "\ntensor parallelism: tp 2, scratch (auto → scratch: ddp does not wrap DTensor parameters (fsdp and " \
+           "single do))\n" in result.stdout
     warnings = [line for line in result.stderr.splitlines() if line.startswith("warning:")]
     assert warnings == ["warning: 4 ranks on 2 CPU core(s): oversubscribed, one thread per rank and each rank about "
                         "0.5 of a core, so expect slow steps (a collective waits for every rank to be scheduled); "
