@@ -20,6 +20,7 @@ from handle_cli.common import EXIT_FAILED, EXIT_STOPPED, fail
 from torch_handle.common.fsio import write_json_atomic
 from torch_handle.common.run_layout import RunLayout
 from torch_handle.common.units import fmt_bytes
+from torch_handle.launch import cores as cores_math
 from torch_handle.plan import bench_scaling as scaling_math
 
 DEFAULT_STEPS = 20
@@ -186,8 +187,8 @@ def _scaling_record(run: dict[str, Any], rc: int, info: dict[str, Any], events: 
             "status": status, "message": message, "mode": mode, "micro_batch_size": run["micro_batch_size"],
             "grad_accum": run["grad_accum"], "global_batch": run["global_batch"], **summary,
             "efficiency": None, "base_nproc": None, "base_tokens_per_s": None,
-            "threads_per_rank": scaling_math.threads_per_rank(n, cores, omp),
-            "oversubscribed": scaling_math.oversubscribed(n, cores, omp), "wall_s": round(wall, 2),
+            "threads_per_rank": cores_math.threads_per_rank(n, cores, omp),
+            "oversubscribed": cores_math.oversubscribed(n, cores, omp), "wall_s": round(wall, 2),
             "run_dir": str(run_dir)}
 
 
@@ -402,7 +403,7 @@ def _header(plan: ScalingPlan, as_json: bool) -> dict[str, Any]:
     """Print what will be measured and how (on stderr with ``--json``); the results' metadata, to be filled."""
     nprocs, n_skip, directory = plan.nprocs, plan.skip, plan.directory
     mode = "weak" if plan.weak else "strong"
-    cores = os.cpu_count() or 1
+    cores = cores_math.usable_cores()
     if plan.threads is not None:  # the launcher passes our environment on to every run's workers
         os.environ["OMP_NUM_THREADS"] = str(plan.threads)
     omp = os.environ.get("OMP_NUM_THREADS")
@@ -424,17 +425,17 @@ def _header(plan: ScalingPlan, as_json: bool) -> dict[str, Any]:
     elif tps[-1] > 1:
         header.append(f"tensor parallel: tp {', '.join(map(str, tps))}, series <strategy>-tp<N> on dp = world size / "
                       f"N replicas (single where dp = 1); the global batch counts replicas")
-    per_rank = {n: scaling_math.threads_per_rank(n, cores, omp) for n in nprocs}
+    per_rank = {n: cores_math.threads_per_rank(n, cores, omp) for n in nprocs}
     if len(set(per_rank.values())) > 1:
         header.append("threads per rank: " + ", ".join(f"{k} at {_ranks(n)}" for n, k in per_rank.items())
                       + f" (the launcher's {cores} cores / ranks; --threads N keeps them equal)")
     else:
         header.append(f"threads per rank: {per_rank[nprocs[0]]} in every run"
                       + (" (OMP_NUM_THREADS)" if omp else ""))
-    over = [n for n in nprocs if scaling_math.oversubscribed(n, cores, omp)]
+    over = [n for n in nprocs if cores_math.oversubscribed(n, cores, omp)]
     if over:
         header.append(f"warning: {', '.join(map(str, over))} ranks x "
-                      f"{scaling_math.threads_per_rank(over[0], cores, omp)} thread(s) each exceed this machine's "
+                      f"{cores_math.threads_per_rank(over[0], cores, omp)} thread(s) each exceed this machine's "
                       f"{cores} cores: oversubscribed, figures marked * show contention, not scaling")
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
     if load > 0.5 * cores:

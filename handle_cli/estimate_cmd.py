@@ -12,6 +12,7 @@ import click
 
 from handle_cli.common import fail
 from torch_handle.common.run_layout import RunLayout
+from torch_handle.config.tp_impl import KEY as TP_KEY
 from torch_handle.common.units import fmt_bytes, parse_bytes
 
 DEFAULT_NPROC = "1,2,4,8"
@@ -59,12 +60,31 @@ def layout_overrides(overrides: tuple[str, ...] | list[str]) -> list[str]:
     return list(overrides)
 
 
-def _table(rows: list, device_memory: int | None) -> list[str]:
+def row_layouts(rows: list, preset, registry) -> dict[tuple[str, int], str]:
+    """The layout line of each (strategy variant, world size) of ``rows``, as every view names a run
+    (:class:`RunLayout`: ``dp 2 (deepspeed ZeRO-2)``, ``dp 1 × tp 2 (tp scratch)``: the strategy named only where
+    dp > 1 runs it; not at all when ``rows`` hold several variants, which their own column names), with the
+    tensor-parallel implementation that variant's strategy runs (``tp_impl = "auto"``: its own choice)."""
+    from torch_handle.config.tp_impl import chosen_impl, requested_tp_impl
+
+    p, requested = preset.parallel, requested_tp_impl(preset)
+    compare = len({r.strategy for r in rows}) > 1
+    out = {}
+    for r in rows:
+        strategy = r.options.get("strategy", preset.strategy.name)
+        registration = registry.registrations["strategy"].get(strategy)
+        impl = chosen_impl(requested, strategy, getattr(registration, "config_cls", object), p.pp)
+        named = (None, None) if compare else (strategy, getattr(preset.strategy.options, "zero_stage", None))
+        out[r.strategy, r.world_size] = RunLayout.from_parts(
+            r.world_size, *named, r.tp, r.pp, impl, p.sequence_parallel, p.pp_impl, p.pp_schedule,
+            p.pp_stages_per_rank).label()
+    return out
+
+
+def _table(rows: list, device_memory: int | None, layouts: dict[tuple[str, int], str]) -> list[str]:
     pipeline = any(r.pp > 1 for r in rows)
-    mesh = pipeline and any(r.tp > 1 or r.dp > 1 for r in rows)
-    layout = any(r.tp > 1 for r in rows) and not mesh
-    head = ["strategy", "world", *(["dp x tp x pp"] if mesh else ["dp x tp"] if layout else []),
-            *(["stage", "in flight", "rank"] if pipeline else []),
+    compare = len({r.strategy for r in rows}) > 1  # a replica of several ranks (dp 1) names no strategy: say it here
+    head = [*(["strategy"] if compare else []), "layout", "world", *(["stage", "in flight", "rank"] if pipeline else []),
             "params", "grads", "optimizer", "activations", "device total", "host"]
     if device_memory is not None:
         head.append("fits")
@@ -73,24 +93,27 @@ def _table(rows: list, device_memory: int | None) -> list[str]:
         sizes = (r.param_bytes, r.grad_bytes, r.optimizer_bytes, r.activation_bytes, r.device_bytes)
         stage = [",".join(map(str, r.pp_stages or [])), "+".join(map(str, r.pp_in_flight or [])),
                  f"{r.rank}{'*' if r.largest else ''}"] if pipeline else []
-        cells = [r.strategy, str(r.world_size), *([f"{r.dp} x {r.tp} x {r.pp}"] if mesh else
-                                                  [f"{r.dp} x {r.tp}"] if layout else []), *stage,
+        cells = [*([r.strategy] if compare else []), layouts[r.strategy, r.world_size], str(r.world_size), *stage,
                  *(fmt_bytes(x, precise=True) for x in sizes),
                  fmt_bytes(r.host_bytes, precise=True) if r.host_bytes else "-"]
         if device_memory is not None:
             cells.append("yes" if r.fits else "no")
         body.append(cells)
     widths = [max(len(x[i]) for x in [head, *body]) for i in range(len(head))]
-    fmt = lambda cells: "  ".join(c.ljust(w) if i == 0 else c.rjust(w)
+    text = head.index("layout") + 1  # the text columns, left-aligned; the figures right-aligned
+    fmt = lambda cells: "  ".join(c.ljust(w) if i < text else c.rjust(w)
                                   for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
     return [fmt(head), *(fmt(c) for c in body)]
 
 
-def _largest(rows: list) -> str:
-    """``largest rank (*): single 2: rank 0 (stage 0) 2.46 MiB, ...``: with a pipeline, the rank of each
-    (strategy, world size) that holds the most device bytes (every TP rank of its stage holds the same)."""
-    parts = [f"{r.strategy} {r.world_size}: rank {r.rank} (stage {','.join(map(str, r.pp_stages or []))}) "
-             f"{fmt_bytes(r.device_bytes, precise=True)}" for r in rows if r.largest]
+def _largest(rows: list, layouts: dict[tuple[str, int], str]) -> str:
+    """``largest rank (*): dp 1 × pp 2 (pp 1F1B native): rank 0 (stage 0) 2.46 MiB, ...``: with a pipeline, the
+    global rank of each (strategy, world size) that holds the most device bytes (every TP rank of its stage holds
+    the same)."""
+    compare = len({r.strategy for r in rows}) > 1
+    parts = [f"{f'{r.strategy} ' if compare else ''}{layouts[r.strategy, r.world_size]}: rank {r.rank} (stage "
+             f"{','.join(map(str, r.pp_stages or []))}) {fmt_bytes(r.device_bytes, precise=True)}"
+             for r in rows if r.largest]
     return "largest rank (*): " + ", ".join(parts)
 
 
@@ -192,9 +215,10 @@ def estimate(preset: str, overrides: tuple[str, ...], nproc: str, nnodes: int | 
         if tp > 1:
             fail(f"strategy 'single' runs one replica of parallel.tp = {tp} ranks: use --nproc {tp}, or --compare")
         fail(f"strategy {loaded.strategy.name!r} runs one process: use --nproc 1, or --compare")
+    layouts = row_layouts(rows, loaded, registry)
     if as_json:
         for r in rows:
-            click.echo(json.dumps(r.as_dict()))
+            click.echo(json.dumps({**r.as_dict(), "layout": layouts[r.strategy, r.world_size]}))
         return
     t = loaded.training
     checkpointing = getattr(loaded.model.options, "activation_checkpointing", False)
@@ -208,7 +232,8 @@ def estimate(preset: str, overrides: tuple[str, ...], nproc: str, nnodes: int | 
     if tp > 1:
         p = loaded.parallel
         sp = "on" if p.sequence_parallel else "off"
-        click.echo(f"tensor parallel: tp = {tp} ({p.tp_impl}, sequence parallelism {sp}), "
+        why = f"; {loaded.resolved[TP_KEY]}" if TP_KEY in loaded.resolved else ""
+        click.echo(f"tensor parallel: tp = {tp} ({p.tp_impl}, sequence parallelism {sp}{why}), "
                    f"{rows[0].tp_shard_params:,} parameters per TP rank; data parallel: dp = world / "
                    f"{'(tp x pp)' if pp > 1 else 'tp'}")
     if pp > 1:
@@ -222,11 +247,11 @@ def estimate(preset: str, overrides: tuple[str, ...], nproc: str, nnodes: int | 
     click.echo("bytes per rank (the rank that holds the most; with pp > 1 every pipeline rank); host = offloaded to "
                "CPU memory")
     click.echo("")
-    for line in _table(rows, memory):
+    for line in _table(rows, memory, layouts):
         click.echo(line)
     click.echo("")
     if pp > 1:
-        for line in textwrap.wrap(_largest(rows), 110, subsequent_indent="  "):
+        for line in textwrap.wrap(_largest(rows, layouts), 110, subsequent_indent="  "):
             click.echo(line)
     if memory is not None:
         fits = smallest_fit(rows)

@@ -124,6 +124,18 @@ def run(preset: str | None, overrides: tuple[str, ...], run_dir: Path | None, re
 
     Exit code: 0 finished, 1 failed, 2 bad input (nothing started), 130 stopped by Ctrl-C.
     The first Ctrl-C lets the workers finish the step and write a checkpoint; a second one stops them at once.
+
+    Settings left to "auto" are chosen once, before the workers start, and printed with the reason (also in
+    run.json; the run's preset.toml holds the choice): training.precision (what this machine computes fastest)
+    and, with parallel.tp > 1, parallel.tp_impl (DTensor where the strategy and layout run it: single or fsdp
+    without a pipeline; the hand-written TP elsewhere, e.g. ddp or pp > 1). On a CPU, more ranks x threads than
+    this node's usable cores print one warning line (oversubscribed: expect slow steps).
+
+    \b
+    Examples:
+      handle run presets/zero2.toml --set training.steps=50
+      handle run presets/ddp.toml --set parallel.tp=2 --set launch.nproc_per_node=4   # dp 2 x tp 2, TP by hand
+      handle run --resume runs/zero2-20260101-120000
     """
     from torch_handle.launch.run import prepare_run
 

@@ -123,7 +123,7 @@ def _plan(preset: str, user: list[str], n: int, k: int, memory: int | None, peak
     from torch_handle.config.loader import load_preset
     from torch_handle.errors import USER_ERRORS
     from torch_handle.plan import plan_cost
-    from torch_handle.plan.bench_scaling import threads_per_rank
+    from torch_handle.launch.cores import threads_per_rank, usable_cores
     from torch_handle.plan.planner import plan_layouts
     from torch_handle.registry import get_registry
 
@@ -146,7 +146,7 @@ def _plan(preset: str, user: list[str], n: int, k: int, memory: int | None, peak
         fail(str(e))
     per_node = n // k
     backend = backend or (base.launch.backend if base.launch.backend != "auto" else ("nccl" if cuda else "gloo"))
-    cores = os.cpu_count() or 1
+    cores = usable_cores()
     threads = threads_per_rank(per_node, cores, os.environ.get("OMP_NUM_THREADS"))
     contention = 1.0
     if peak is not None:
@@ -208,15 +208,14 @@ def _measure(preset: str, user: list[str], made, top: int, steps: int, parent: P
     """The first ``top`` layouts, each a ``steps``-step run through handle run's launcher:
     ``(records, stopped by Ctrl-C)``."""
     from handle_cli.bench_scaling_cmd import _run_one
-    from torch_handle.plan.bench_scaling import oversubscribed
+    from torch_handle.launch.cores import oversubscribed, usable_cores
     from torch_handle.plan.plan_measured import measured_record
 
     directory = new_dir(parent, "plan") if parent is not None else Path(tempfile.mkdtemp(prefix="handle-plan-"))
     rows = made.rows[:top]
     per_node = made.nproc // made.nnodes
-    if oversubscribed(per_node, os.cpu_count() or 1, os.environ.get("OMP_NUM_THREADS")) or \
-            per_node > (os.cpu_count() or 1):
-        made.notes.append(f"measured with {per_node} ranks on {os.cpu_count()} cores: oversubscribed, the "
+    if oversubscribed(per_node, usable_cores(), os.environ.get("OMP_NUM_THREADS")):
+        made.notes.append(f"measured with {per_node} ranks on {usable_cores()} cores: oversubscribed, the "
                           "ranks share cores")
     if made.nnodes > 1:
         fail("--measure runs on this machine only (--nnodes 1)")
@@ -310,7 +309,8 @@ def plan_table(rows: list[dict[str, Any]]):
                           ("bubble", "right"), ("TP comm", "right"), ("DP comm", "right"), ("PP comm", "right")):
         table.add_column(name, justify=justify, no_wrap=True)
     for i, r in enumerate(rows, 1):
-        table.add_row(str(i), r["label"], r["strategy"], f"{r['micro_batch_size']}×{r['grad_accum']}",
+        strategy = r["strategy"] + (f", tp {r['tp_impl']}" if r.get("tp_impl") else "")
+        table.add_row(str(i), r["label"], strategy, f"{r['micro_batch_size']}×{r['grad_accum']}",
                       f"{fmt_bytes(r['largest_bytes'])} (r{r['largest_rank']})",
                       f"{r['predicted_tokens_per_s']:,.0f}", f"{r['step_s'] * 1e3:,.1f}",
                       "-" if r["pp"] == 1 else f"{r['bubble']:.0%}", _comm(r["tp_bytes"], r["tp_s"]),

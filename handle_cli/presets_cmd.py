@@ -99,10 +99,13 @@ def presets() -> None:
 @OVERRIDE
 def presets_show(preset: str, overrides: tuple[str, ...]) -> None:
     """Print the fully resolved PRESET (defaults + extends + overrides) as TOML, exactly as a run uses it; a
-    ``training.precision = "auto"`` is kept, with a first comment line saying what a run here would train in."""
+    ``training.precision = "auto"`` is kept, with a first comment line saying what a run here would train in; a
+    ``parallel.tp_impl = "auto"`` (tp > 1) is the implementation it chose, with a comment line saying why."""
     from torch_handle.config.loader import dump_preset, load_preset
 
     loaded = load_preset(resolve_preset_spec(preset), overrides)
+    for key, reason in loaded.resolved.items():
+        click.echo(f"# {key}: {reason}")
     if loaded.training.precision == "auto":
         from torch_handle.launch.precision import resolve
 

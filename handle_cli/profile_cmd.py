@@ -43,8 +43,10 @@ def profile(run_dir: Path, rank: int, all_traces: bool, top: int, as_json: bool,
 
     With --pipeline (a run with [parallel] pp > 1): the schedule of one step as it actually ran, one row per
     pipeline rank (per stage with pp_stages_per_rank > 1), F<mb>/B<mb>/W<mb> cells, ~ receive waits, · idle;
-    then busy / wait / idle per rank and the measured bubble next to the schedule's theory. Timelines are
-    recorded on log steps (training.log_every). --json prints the step's pipeline dict.
+    then busy / wait / idle per rank and the measured bubble next to the schedule's theory. Timelines (the
+    spans) are recorded on log steps only (training.log_every): --step N between them draws the nearest step
+    that has spans, after a note on stderr naming the steps that do. --json prints the step's pipeline dict
+    (--step N's own figures, without spans, when it has none).
 
     \b
     Example:
@@ -75,7 +77,8 @@ def profile(run_dir: Path, rank: int, all_traces: bool, top: int, as_json: bool,
 
 def _pipeline(run_dir: Path, step: int | None, as_json: bool, width: int) -> None:
     from torch_handle.common.run_layout import RunLayout
-    from torch_handle.observe.pipeline_view import format_pipeline, has_timeline, pipeline_steps
+    from torch_handle.observe.pipeline_view import (format_pipeline, has_timeline, nearest_drawn, pipeline_steps,
+                                                    steps_text)
     from torch_handle.observe.tail import EventReader
     from torch_handle.observe.telemetry import EVENTS_FILE
     from torch_handle.rundir import read_run_info
@@ -93,13 +96,31 @@ def _pipeline(run_dir: Path, step: int | None, as_json: bool, width: int) -> Non
         step, chosen = drawn[-1]
     else:
         chosen = next((p for n, p in reversed(drawn) if n == step), None)
-        if chosen is None:
-            chosen = next((p for n, p in reversed(steps) if n == step), None)
-        if chosen is None:
+        figures = next((p for n, p in reversed(steps) if n == step), None)
+        if chosen is None and figures is None:
             have = ", ".join(str(n) for n, _ in drawn[-10:]) or "none"
             fail(f"{run_dir}: --step {step} has no pipeline figures; steps with a timeline: {have}")
+        if chosen is None:  # a step between log steps: its figures, no spans
+            note = (f"note: step {step} kept no spans: a pipeline timeline is recorded on log steps only "
+                    f"({_log_every(run_dir)}); steps with spans: {steps_text(n for n, _ in drawn)}")
+            if as_json or not drawn:  # the data asked for, without a chart
+                click.echo(note, err=True)
+                chosen = figures
+            else:
+                step, chosen = nearest_drawn(drawn, step)
+                click.echo(f"{note}; drawing step {step}, the nearest", err=True)
     # rows by global rank, as handle estimate and the dashboard name them (rank 0's pipeline: dp 0, tp 0)
     degrees = next((e.get("layout") for e in reversed(events) if e.get("kind") == "step"), None)
     layout = RunLayout.from_run(run_dir, info if isinstance(info, dict) else {}, degrees)
     click.echo(json.dumps(chosen) if as_json else format_pipeline(chosen, width=width, step=step,
                                                                   ranks=layout.pipeline_ranks()))
+
+
+def _log_every(run_dir: Path) -> str:
+    """``training.log_every = 4`` from the run's preset.toml; the key alone when it cannot be read."""
+    from torch_handle.common.fsio import read_toml
+    from torch_handle.rundir import PRESET_FILE
+
+    training = (read_toml(run_dir / PRESET_FILE) or {}).get("training")
+    value = training.get("log_every") if isinstance(training, dict) else None
+    return f"training.log_every = {value}" if isinstance(value, int) else "training.log_every"

@@ -83,15 +83,39 @@ def summary_text(s: RunState, run_dir: Path, info: dict) -> str:
 def precision_lines(preset: Preset, run_dir: Path) -> list[str]:
     """``precision: fp32 (auto → fp32: bf16 matmul 0.02× fp32 on this CPU)`` from run.json (the launcher's
     resolution, :func:`torch_handle.launch.precision.resolve_for_run`), and its ``warning:`` line if any."""
-    try:
-        info = read_run_info(run_dir)
-    except RunDirError:
-        info = {}
+    info = _run_info(run_dir)
     reason = info.get("precision_reason")
     lines = [f"precision: {preset.training.precision}" + (f" ({clean(reason, 200)})" if reason else "")]
     if info.get("precision_warning"):
         lines.append(f"warning: {clean(info['precision_warning'], 300)}")
     return lines
+
+
+def start_lines(preset: Preset, run_dir: Path) -> list[str]:
+    """What ``handle run`` says before the workers start: :func:`precision_lines`; with tp > 1 ``tensor
+    parallelism: tp 2, scratch (auto → scratch: ...)`` (the reason of this launch's choice, else run.json's); a
+    ``warning:`` line when the ranks oversubscribe this node's CPU cores
+    (:func:`torch_handle.launch.cores.node_warning`)."""
+    from torch_handle.config.tp_impl import KEY, REASON_FIELD
+    from torch_handle.launch.cores import node_warning
+
+    lines = precision_lines(preset, run_dir)
+    impl = preset.parallel.tp_impl
+    if preset.parallel.tp > 1:
+        why = preset.resolved.get(KEY) or str(_run_info(run_dir).get(REASON_FIELD) or "")
+        why = why if why.startswith(f"auto → {impl}:") else ""  # run.json's, of an implementation a resume changed
+        lines.append(f"tensor parallelism: tp {preset.parallel.tp}, {impl}" + (f" ({clean(why, 200)})" if why else ""))
+    oversubscribed = node_warning(preset)
+    if oversubscribed:
+        lines.append(f"warning: {oversubscribed}")
+    return lines
+
+
+def _run_info(run_dir: Path) -> dict:
+    try:
+        return read_run_info(run_dir)
+    except RunDirError:
+        return {}
 
 
 def supervise(preset: Preset, run_dir: Path, *, quiet: bool = False) -> int:
@@ -115,7 +139,7 @@ def supervise(preset: Preset, run_dir: Path, *, quiet: bool = False) -> int:
     last_printed = 0.0
     if not quiet:
         click.echo(f"run directory: {run_dir}\nlogs: {run_dir}/logs/rank*.log   dashboard: handle tui {run_dir}")
-        for line in precision_lines(preset, run_dir):
+        for line in start_lines(preset, run_dir):
             click.echo(line, err=line.startswith("warning:"))
     try:
         run.start()

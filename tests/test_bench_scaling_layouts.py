@@ -16,30 +16,33 @@ from tests.test_bench_scaling import invoke, only_dir, write_tiny
 
 
 def test_layouts_run_on_their_product_of_ranks_and_refused_ones_are_notes(monkeypatch, tmp_path):
-    result = invoke(monkeypatch, tmp_path, "--layouts", "dp1,dp2,tp2,pp2,dp2xpp2,tp2xpp2", "--steps", "3",
+    result = invoke(monkeypatch, tmp_path, "--layouts", "dp1,dp2,tp2,pp2,dp2xpp2,tp2xpp2,pp4", "--steps", "3",
                     "--set", "training.grad_accum=2")
     assert result.exit_code == 0, result.output
     bench = only_dir(tmp_path / "bench")
     records = json.loads((bench / "results.json").read_text())["results"]
     assert [(r["strategy"], r["layout"], r["plugin"], r["nproc"], r["dp"], r["tp"], r["pp"]) for r in records] == [
         ("ddp", "dp1", "ddp", 1, 1, 1, 1), ("ddp", "dp2", "ddp", 2, 2, 1, 1), ("ddp", "tp2", "single", 2, 1, 2, 1),
-        ("ddp", "pp2", "single", 2, 1, 1, 2), ("ddp", "dp2xpp2", "ddp", 4, 2, 1, 2)]
-    assert [r["efficiency"] for r in records] == pytest.approx([1.0] + [2 ** 0.9 / 2] * 3 + [4 ** 0.9 / 4])
-    assert [r["global_batch"] for r in records] == [8, 16, 8, 8, 16]  # weak: per replica
+        ("ddp", "pp2", "single", 2, 1, 1, 2), ("ddp", "dp2xpp2", "ddp", 4, 2, 1, 2),
+        ("ddp", "tp2xpp2", "single", 4, 1, 2, 2)]
+    assert [r["efficiency"] for r in records] == pytest.approx([1.0] + [2 ** 0.9 / 2] * 3 + [4 ** 0.9 / 4] * 2)
+    assert [r["global_batch"] for r in records] == [8, 16, 8, 8, 16, 8]  # weak: per replica
     for r in records:
         preset = tomllib.loads((bench / f"ddp-{r['layout']}" / "preset.toml").read_text())
         assert (preset["parallel"]["tp"], preset["parallel"]["pp"]) == (r["tp"], r["pp"])
         assert preset["launch"]["nproc_per_node"] == r["nproc"] and preset["strategy"]["name"] == r["plugin"]
     out = result.stdout
-    assert "note: ddp tp2xpp2 skipped: parallel.tp_impl: tensor parallelism inside pipeline stages" in out
-    assert "layouts: dp1, dp2, tp2, pp2, dp2xpp2, each on dp x tp x pp ranks" in out
+    # tp2xpp2 runs (tp_impl = "auto": DTensor TP where it runs, by hand inside pipeline stages); pp4 cannot
+    assert "note: ddp pp4 skipped: model.n_layers: 2 layers cannot fill 4 pipeline stages" in out
+    assert "tp2xpp2 skipped" not in out
+    assert "layouts: dp1, dp2, tp2, pp2, dp2xpp2, tp2xpp2, each on dp x tp x pp ranks" in out
     assert "┃ strategy ┃ layout " in out and "tokens/s (global) by layout" in out
     # each row names its layout as every view does: a replica of tp or pp ranks (dp 1) runs no ddp
     assert [r["layout_label"] for r in records] == [
         "1 rank (ddp)", "dp 2 (ddp)", "dp 1 × tp 2 (tp native)", "dp 1 × pp 2 (pp 1F1B native)",
-        "dp 2 × pp 2 (ddp; pp 1F1B native)"]
+        "dp 2 × pp 2 (ddp; pp 1F1B native)", "dp 1 × tp 2 × pp 2 (tp scratch; pp 1F1B native)"]
     assert "│ dp 2 (ddp) " in out and "│ 1 rank (ddp) " in out
-    assert "[5/5] ddp dp2xpp2 on 4 ranks: finished" in result.stderr
+    assert "[5/6] ddp dp2xpp2 on 4 ranks: finished" in result.stderr
 
 
 def _plan(layouts: str, *overrides: str, strong: bool = False):
@@ -91,7 +94,8 @@ def test_strong_scaling_pp_row_needs_no_choice():
     (["--layouts", "dp2,"], "error: --layouts: 'dp2,': expected a comma list of layouts"),
     (["--layouts", "dp2", "--nproc", "2"], "error: --layouts sets each run's world size and tp: leave out --nproc"),
     (["--layouts", "dp2", "--tp", "2"], "error: --layouts sets each run's world size and tp: leave out --nproc"),
-    (["--layouts", "tp2xpp2"], "error: nothing to run: ddp tp2xpp2 skipped: parallel.tp_impl: "),
+    (["--layouts", "tp2xpp2", "--set", "parallel.tp_impl=native"],
+     "error: nothing to run: ddp tp2xpp2 skipped: parallel.tp_impl: "),
 ])
 def test_bad_layouts_exit_2_with_one_line(monkeypatch, tmp_path, args, message):
     result = invoke(monkeypatch, tmp_path, *args)

@@ -294,7 +294,12 @@ def test_the_command_shows_the_tp_layout_and_per_rank_figures(tmp_path):
     assert (row["world_size"], row["dp"], row["tp"], row["sequence_parallel"]) == (2, 1, 2, True)
     assert row["param_bytes"] == 4 * row["tp_shard_params"] and row["tp_shard_params"] < row["params"] / 1.9
     text = _tiny_tp(tmp_path, "--compare", "--nproc", "2").stdout
-    assert "dp x tp" in text and "tp = 2" in text and "1 x 2" in text and "left out: " in text
+    assert "tp = 2" in text and "left out: " in text
+    # each strategy's row names its layout and the TP implementation that strategy runs (tp_impl = "auto")
+    rows = {line.split()[0]: " ".join(line.split()[1:9]) for line in text.splitlines()
+            if line.split()[:1] in (["single"], ["ddp"], ["fsdp"])}
+    assert rows == {"single": "dp 1 × tp 2 (tp native) 2", "ddp": "dp 1 × tp 2 (tp scratch) 2",
+                    "fsdp": "dp 1 × tp 2 (tp native) 2"}
     assert "\nlayout: dp 1 × tp 2 (tp native) at the preset's world size 2; each row's rank is a global rank" in text
     bad = _tiny_tp(tmp_path, "--nproc", "4")
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "runs one replica of parallel.tp = 2" in bad.stderr
@@ -319,6 +324,27 @@ def test_json_names_the_activation_parts_as_the_memory_telemetry_does():
 # ---------------------------------------------------------------------------------------------------------------
 
 
+def test_rows_name_the_layout_as_every_view_does(tmp_path):
+    """A ddp preset with tp = 2: at world size 2 one replica of 2 TP ranks runs no DDP, and its row says so."""
+    from click.testing import CliRunner
+
+    from handle_cli.estimate_cmd import estimate
+
+    preset = tmp_path / "tiny.toml"
+    preset.write_text(tiny_preset(tmp_path / "runs", strategy="ddp"))
+    args = [str(preset), "--set", "parallel.tp=2", "--nproc", "2,4"]
+    result = CliRunner().invoke(estimate, args)
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    head = next(i for i, line in enumerate(lines) if line.startswith("layout "))
+    assert [line[:31].rstrip() for line in lines[head:head + 3]] == [
+        "layout", "dp 1 × tp 2 (tp scratch)", "dp 2 × tp 2 (ddp; tp scratch)"]
+    assert "(scratch, sequence parallelism off; auto → scratch: ddp does not wrap DTensor parameters" in result.stdout
+    result = CliRunner().invoke(estimate, [*args, "--json"])
+    assert [json.loads(line)["layout"] for line in result.stdout.splitlines()] == [
+        "dp 1 × tp 2 (tp scratch)", "dp 2 × tp 2 (ddp; tp scratch)"]
+
+
 def _estimate(*args: str, timeout: float = 120) -> tuple[subprocess.CompletedProcess, float, int]:
     """Run ``handle estimate ARGS``: (result, CPU seconds of the child, peak RSS of the child in bytes).
 
@@ -338,8 +364,10 @@ def test_shipped_preset_in_under_10_cpu_seconds():
     assert seconds < 10, seconds
     out = proc.stdout
     assert "4,208,128 parameters" in out
-    lines = [ln.split() for ln in out.splitlines() if ln.startswith("zero2 ")]
-    assert [ln[1] for ln in lines] == ["1", "2", "4", "8"]
+    lines = [ln.split() for ln in out.splitlines() if "(deepspeed ZeRO-2) " in ln]  # the layout, as runs name it
+    assert [ln[:4] for ln in lines] == [["1", "rank", "(deepspeed", "ZeRO-2)"], ["dp", "2", "(deepspeed", "ZeRO-2)"],
+                                        ["dp", "4", "(deepspeed", "ZeRO-2)"], ["dp", "8", "(deepspeed", "ZeRO-2)"]]
+    assert [ln[4] for ln in lines] == ["1", "2", "4", "8"]
     assert "smallest world size that fits in 80.00 GiB: zero2 1" in out
     assert "not included: allocator fragmentation" in out and "communication buffers" in out
 

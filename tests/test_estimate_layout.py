@@ -148,7 +148,8 @@ def test_the_largest_rank_is_named(preset_path):
     result = CliRunner().invoke(estimate, [str(preset_path), "--set", "parallel.pp=2", "--set",
                                            "training.grad_accum=4", "--nproc", "2"])
     assert result.exit_code == 0, result.output
-    assert "largest rank (*): single 2: rank 0 (stage 0)" in result.output and " 0* " in result.output
+    assert "largest rank (*): dp 1 × pp 2 (pp 1F1B native): rank 0 (stage 0)" in result.output
+    assert " 0* " in result.output
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])
@@ -225,8 +226,11 @@ def test_the_command_lists_every_pipeline_rank_of_a_mesh(preset_path):
                           check=False)
     assert proc.returncode == 0, proc.stderr
     rows = [json.loads(line) for line in proc.stdout.splitlines()]
+    # rank: the global rank, (pp_rank x dp + dp_rank) x tp + tp_rank, the numbering of the mesh and the dashboard
     assert [(r["world_size"], r["dp"], r["pp_rank"], r["rank"]) for r in rows] == [
         (4, 1, 0, 0), (4, 1, 1, 2), (8, 2, 0, 0), (8, 2, 1, 4)]
+    assert [r["layout"] for r in rows] == ["dp 1 × tp 2 × pp 2 (tp scratch; pp 1F1B native)"] * 2 + [
+        "dp 2 × tp 2 × pp 2 (fsdp; tp scratch; pp 1F1B native)"] * 2
     assert [r["largest"] for r in rows].count(True) == 2
 
 

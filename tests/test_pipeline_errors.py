@@ -44,9 +44,9 @@ CASES = [
                   ["launch.nproc_per_node: strategy 'single' runs one model replica: world size 2 must equal"],
                   ["parallel.pp_microbatches: 2 micro-batches are fewer than the 3 stages 1f1b needs",
                    "(0 is training.grad_accum = 2; valid: 4, 8, e.g. --set parallel.pp_microbatches=4)"])),
-    pp_case("pp-with-native-tp", ["parallel.tp=2", "launch.nproc_per_node=4"],
+    pp_case("pp-with-native-tp", ["parallel.tp=2", "parallel.tp_impl=native", "launch.nproc_per_node=4"],
             ["parallel.tp_impl: tensor parallelism inside pipeline stages is hand-written only",
-             "set parallel.tp_impl = \"scratch\""]),
+             "set parallel.tp_impl = \"scratch\" (by hand) or \"auto\""]),
     pp_case("dp-world-not-divisible", ["parallel.tp=2", "parallel.tp_impl=scratch", "launch.nproc_per_node=6"],
             ["parallel.pp: tp x pp = 2 x 2 does not divide the world size 6", "valid pp: 1, 3"],
             also=(["launch.nproc_per_node: strategy 'single' runs one model replica: world size 6 must equal "

@@ -11,6 +11,7 @@ of the same preset must predict each within 10%.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -123,10 +124,10 @@ def test_the_table_has_a_stage_column(tmp_path):
                                            "--set", "training.grad_accum=2", "--nproc", "1,2,4"])
     assert result.exit_code == 0, result.output
     lines = result.output.splitlines()
-    head = next(i for i, line in enumerate(lines) if line.startswith("strategy"))
-    assert lines[head].split()[:5] == ["strategy", "world", "stage", "in", "flight"]
-    assert [line.split()[:4] for line in lines[head + 1:head + 3]] == [["single", "2", "0", "2"],
-                                                                       ["single", "2", "1", "1"]]
+    head = next(i for i, line in enumerate(lines) if line.startswith("layout "))
+    assert lines[head].split()[:5] == ["layout", "world", "stage", "in", "flight"]
+    assert [re.split(r"\s{2,}", line)[:4] for line in lines[head + 1:head + 3]] == [
+        ["dp 1 × pp 2 (pp 1F1B native)", "2", "0", "2"], ["dp 1 × pp 2 (pp 1F1B native)", "2", "1", "1"]]
     result = CliRunner().invoke(estimate, [str(path), "--set", "parallel.pp=2", "--set", "training.grad_accum=2", "--nproc", "2",
                                            "--json"])
     rows = [json.loads(line) for line in result.output.splitlines()]

@@ -14,7 +14,8 @@ from click.testing import CliRunner
 
 from handle_cli.main import cli
 from tests.helpers import tiny_preset
-from torch_handle.observe.pipeline_view import format_pipeline, gantt_rows, pipeline_steps
+from torch_handle.observe.pipeline_view import (format_pipeline, gantt_rows, nearest_drawn, pipeline_steps,
+                                                steps_text)
 from torch_handle.parallel.pipeline.schedules import one_f_one_b
 
 FIXTURE = Path(__file__).parent / "fixtures" / "recorded-pipeline" / "pp-1f1b"
@@ -90,6 +91,14 @@ def test_one_row_per_stage_when_a_rank_runs_several() -> None:
     assert "theory 11.1% = (p-1)/(v·m+p-1), p 2 v 2 m 4" in text
 
 
+def test_the_nearest_step_with_spans_and_the_steps_named_in_one_line() -> None:
+    drawn = [(4, {"id": "a"}), (8, {}), (4, {"id": "b"})]  # step 4 ran twice (a restart): the later one counted
+    assert nearest_drawn(drawn, 5) == (4, {"id": "b"}) and nearest_drawn(drawn, 6)[0] == 4
+    assert nearest_drawn(drawn, 7)[0] == 8 and nearest_drawn(drawn, 100)[0] == 8
+    assert steps_text([12, 4, 8, 4]) == "4, 8, 12" and steps_text([]) == "none"
+    assert steps_text(range(10, 1001, 10)) == "10, 20, 30, …, 990, 1000 (100 steps)"
+
+
 def test_cli_draws_prints_json_and_refuses_what_it_cannot_draw(tmp_path: Path) -> None:
     runner = CliRunner()
     out = runner.invoke(cli, ["profile", str(FIXTURE), "--pipeline"])
@@ -97,9 +106,17 @@ def test_cli_draws_prints_json_and_refuses_what_it_cannot_draw(tmp_path: Path) -
     out = runner.invoke(cli, ["profile", str(FIXTURE), "--pipeline", "--step", "8", "--json"])
     assert out.exit_code == 0
     assert json.loads(out.output) == dict(pipeline_steps(_events(FIXTURE)))[8]
-    out = runner.invoke(cli, ["profile", str(FIXTURE), "--pipeline", "--step", "5"])  # figures, no timeline
-    assert out.exit_code == 0 and "rank 0" in out.output and "bubble measured" in out.output
-    assert "F0" not in out.output
+    # step 5 is not a log step (log_every 4): it kept figures but no spans; the nearest step that has them is drawn
+    out = runner.invoke(cli, ["profile", str(FIXTURE), "--pipeline", "--step", "5"])
+    assert out.exit_code == 0 and out.stdout.startswith("step 4 · 1f1b") and "F0" in out.stdout
+    assert out.stderr == ("note: step 5 kept no spans: a pipeline timeline is recorded on log steps only "
+                          "(training.log_every); steps with spans: 4, 8, 12; drawing step 4, the nearest\n")
+    for asked, drawn in ((6, 4), (7, 8), (1, 4)):  # a tie goes to the earlier one
+        out = runner.invoke(cli, ["profile", str(FIXTURE), "--pipeline", "--step", str(asked)])
+        assert out.stdout.startswith(f"step {drawn} · ") and out.stderr.endswith(f"drawing step {drawn}, the nearest\n")
+    out = runner.invoke(cli, ["profile", str(FIXTURE), "--pipeline", "--step", "5", "--json"])  # the data asked for
+    assert json.loads(out.stdout) == dict(pipeline_steps(_events(FIXTURE)))[5] and "timeline" not in out.stdout
+    assert out.stderr.startswith("note: step 5 kept no spans") and "drawing" not in out.stderr
     out = runner.invoke(cli, ["profile", str(FIXTURE), "--pipeline", "--step", "99"])
     assert out.exit_code == 2 and "--step 99 has no pipeline figures; steps with a timeline: 4, 8, 12" in out.output
     plain = Path(__file__).parent / "fixtures" / "recorded" / "zero2-finished"

@@ -80,6 +80,22 @@ def test_layouts_of_4_ranks(tmp_path, monkeypatch, no_launch):
     assert out["links"]["source"].startswith(("assumed", "measured"))
 
 
+def test_tp_impl_auto_plans_the_layouts_dtensor_cannot_run(tmp_path, monkeypatch, no_launch):
+    """The preset's tp_impl "auto" is chosen again in each layout: DDP x TP and TP x PP run by hand, one replica
+    of TP ranks with DTensor; an explicit native drops what it cannot run, with the loader's reason."""
+    out = plan_here(tmp_path, monkeypatch, "--nproc", "4", "--peak-tflops", PEAK)
+    assert not [d for d in out["dropped"] if "tp_impl" in d["reason"]]
+    impls = {(r["dp"], r["tp"], r["pp"], r["strategy"]): r["tp_impl"] for r in out["layouts"]}
+    assert impls[2, 2, 1, "ddp"] == "scratch" and impls[1, 2, 2, "single"] == "scratch"
+    assert impls[1, 4, 1, "single"] == "native" and impls[4, 1, 1, "ddp"] is None
+    assert any(n.startswith("tensor parallelism: tp_impl auto, DTensor where it runs") for n in out["notes"])
+    pinned = plan_here(tmp_path, monkeypatch, "--nproc", "4", "--peak-tflops", PEAK, "--set", "parallel.tp_impl=native")
+    refused = [d for d in pinned["dropped"] if d["reason"].startswith("parallel.tp_impl: ")]
+    assert {(d["dp"], d["tp"], d["pp"]) for d in refused} == {(2, 2, 1), (1, 2, 2)}
+    assert {r["tp_impl"] for r in pinned["layouts"]} == {None, "native"}
+    assert len(out["layouts"]) > len(pinned["layouts"])
+
+
 def test_a_tiny_device_drops_everything(tmp_path, monkeypatch, no_launch):
     out = plan_here(tmp_path, monkeypatch, "--nproc", "4", "--peak-tflops", PEAK, "--device-memory", "64KiB")
     assert out["layouts"] == []

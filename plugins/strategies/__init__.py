@@ -21,6 +21,7 @@ class SingleConfig:
     of one tensor-parallel or pipeline replica)."""
 
     tensor_parallel: ClassVar[bool] = True
+    native_tensor_parallel: ClassVar[bool] = True  # the model's DTensor parameters as they are
     pipeline_parallel: ClassVar[bool] = True
     fp16_loss_scaling: ClassVar[bool] = True  # GradScaler: training.precision = "auto" may pick fp16 (pre-Ampere)
 
@@ -29,7 +30,8 @@ class SingleConfig:
 class DDPConfig:
     """``[strategy]`` options of ``ddp`` (torch.nn.parallel.DistributedDataParallel)."""
 
-    tensor_parallel: ClassVar[bool] = True  # replicas of a model split by hand (parallel.tp_impl = "scratch")
+    tensor_parallel: ClassVar[bool] = True  # replicas of a model split by hand (parallel.tp_impl = "scratch"):
+    # DDP's buckets take plain tensors, so no native_tensor_parallel (tp_impl = "auto" picks scratch)
     pipeline_parallel: ClassVar[bool] = True  # each pipeline stage its own DDP over the stage's data-parallel ranks
     fp16_loss_scaling: ClassVar[bool] = True  # GradScaler, as single
 
@@ -85,6 +87,7 @@ class FSDPConfig:
     """``[strategy]`` options of ``fsdp`` (FSDP2: torch.distributed.fsdp.fully_shard)."""
 
     tensor_parallel: ClassVar[bool] = True  # FSDP x TP: each TP shard sharded again over the data-parallel ranks
+    native_tensor_parallel: ClassVar[bool] = True  # fully_shard takes DTensor parameters (torchtitan's FSDP x TP)
     pipeline_parallel: ClassVar[bool] = True  # FSDP x PP: each stage sharded over its data-parallel ranks
 
     reshard_after_forward: bool = True
@@ -136,12 +139,6 @@ def _check_single(options, preset) -> None:
     if preset.world_size != replica:
         raise InvalidValue("launch.nproc_per_node", f"strategy 'single' runs one process (world size "
                                                     f"{preset.world_size}); use ddp, deepspeed or fsdp")
-
-
-def _check_ddp(options, preset) -> None:
-    if preset.parallel.tp > 1 and preset.parallel.tp_impl == "native":
-        raise InvalidValue("name", "ddp does not wrap DTensor parameters (parallel.tp_impl = 'native'); use fsdp "
-                                   "for data x tensor parallelism with DTensor, or parallel.tp_impl = 'scratch'")
 
 
 def _check_scratch_ddp(options, preset) -> None:
@@ -220,8 +217,7 @@ def build_scratch_fsdp(options, training, ctx, model):
 @hookimpl
 def handle_register_strategies(register):
     register("single", SingleConfig, build_single, "one process, no wrapping", _check_single)
-    register("ddp", DDPConfig, build_ddp, "DistributedDataParallel: replicate, all-reduce gradients in buckets",
-             _check_ddp)
+    register("ddp", DDPConfig, build_ddp, "DistributedDataParallel: replicate, all-reduce gradients in buckets")
     register("deepspeed", DeepSpeedConfig, build_deepspeed, "DeepSpeed ZeRO stages 0-3 with CPU/NVMe offload",
              _check_deepspeed)
     register("fsdp", FSDPConfig, build_fsdp, "FSDP2 fully_shard: per-parameter sharding (DTensor)")

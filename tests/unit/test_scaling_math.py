@@ -8,10 +8,11 @@ import io
 
 import pytest
 
+from torch_handle.launch.cores import oversubscribed, threads_per_rank
 from torch_handle.plan.bench_scaling import (CSV_COLUMNS, LayoutSpec, add_efficiency, csv_text, efficiency,
-                                             layout_runs, oversubscribed, parse_layout, parse_layouts, parse_nproc,
-                                             parse_strategies, preset_strategy_label, strategy_spec, strong_batch,
-                                             summarize, sweep, table_parts, threads_per_rank)
+                                             layout_runs, parse_layout, parse_layouts, parse_nproc, parse_strategies,
+                                             preset_strategy_label, strategy_spec, strong_batch, summarize, sweep,
+                                             table_parts)
 
 
 def test_efficiency():

@@ -33,6 +33,7 @@ from typing import Any
 from torch_handle.config.loader import Preset, dump_preset, load_preset, preset_to_dict
 from torch_handle.config.overrides import apply_overrides
 from torch_handle.config.schema import PLUGIN_TABLES, resume_declaration
+from torch_handle.config.tp_impl import REASON_FIELD
 from torch_handle.errors import PresetError, RunDirError
 from torch_handle.observe.fields import Status
 from torch_handle.registry import get_registry
@@ -240,7 +241,8 @@ def write_side_preset(run_dir: Path, preset: Preset | None) -> None:
 def promote(run_dir: Path, step: int) -> dict[str, Any] | None:
     """The resumed run works (it made a step, or finished): make ``preset.resume.toml`` the run's preset and
     append ``{"step", "time", "changed"}`` to run.json's ``resumes`` (``step``: the step it resumed at); run.json's
-    ``layout`` becomes the resumed preset's.
+    ``layout`` becomes the resumed preset's, and ``tp_impl_reason`` the resume's where it chose one (``--set
+    parallel.tp_impl=auto``; dropped where the resume set another implementation by hand).
     Returns the entry, or None when no resume was pending. Safe to call more than once.
 
     All of it under run.json's lock (:func:`torch_handle.rundir.modify_run_info`): rank 0 may write run.json
@@ -274,6 +276,10 @@ def promote(run_dir: Path, step: int) -> dict[str, Any] | None:
         info["resumes"] = [*resumes, entry]
         if "training.steps" in changed:
             info["steps"] = changed["training.steps"][1]
+        if pending.get(REASON_FIELD):  # the resume chose (tp_impl = "auto"): its reason is the one that holds now
+            info[REASON_FIELD] = pending[REASON_FIELD]
+        elif "parallel.tp_impl" in changed:  # set by hand on the resume: no reason
+            info.pop(REASON_FIELD, None)
         return info
 
     modify_run_info(run_dir, record)

@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from torch_handle.config.schema import PLUGIN_TABLES, PP_V_SHAPED, Preset
+from torch_handle.config.tp_impl import native_tp_problem
 from torch_handle.errors import PresetError
 
 
@@ -77,12 +78,14 @@ def _plugin_supports(table: str) -> Callable[[Preset, Any], Iterator[PresetError
     return check
 
 
-def _tp_inside_stages(preset: Preset, registry: Any) -> Iterator[PresetError]:
+def _native_tp(preset: Preset, registry: Any) -> Iterator[PresetError]:
+    """An explicit ``tp_impl = "native"`` where DTensor cannot run the layout (``"auto"`` is resolved before the
+    checks: :mod:`torch_handle.config.tp_impl`)."""
     par = preset.parallel
-    if par.pp > 1 and par.tp > 1 and par.tp_impl == "native":
-        yield PresetError("tensor parallelism inside pipeline stages is hand-written only: set parallel.tp_impl = "
-                          "\"scratch\" with parallel.pp > 1 (DTensor's collectives inside torch's schedules do not "
-                          "match across the stage's TP ranks in torch 2.13)", key="parallel.tp_impl")
+    problem = native_tp_problem(preset) if par.tp > 1 and par.tp_impl == "native" else None
+    if problem:
+        yield PresetError(f"{problem}: set parallel.tp_impl = \"scratch\" (by hand) or \"auto\" (DTensor where it "
+                          f"runs, else by hand)", key="parallel.tp_impl")
 
 
 def _tied_v_shape(preset: Preset, registry: Any) -> Iterator[PresetError]:
@@ -125,7 +128,7 @@ def _microbatches(preset: Preset, registry: Any) -> Iterator[PresetError]:
 
 
 LAYOUT_CHECKS: tuple[Callable[[Preset, Any], Iterator[PresetError]], ...] = (
-    _world_size, _plugin_supports("model"), _plugin_supports("strategy"), _tp_inside_stages, _tied_v_shape,
+    _world_size, _plugin_supports("model"), _plugin_supports("strategy"), _native_tp, _tied_v_shape,
     _pipeline_precision, _microbatches)
 """The ``[parallel]`` checks, structure first; each ``check(preset, registry)`` yields its problems."""
 

@@ -33,6 +33,7 @@ from typing import Any, Literal
 
 from torch_handle.config.layout import LAYOUT_CHECKS
 from torch_handle.config.schema import CORE_TABLES, DEFAULT_PLUGINS, PLUGIN_TABLES, TABLE_ORDER, PluginSection, Preset
+from torch_handle.config.tp_impl import resolve_tp_impl
 from torch_handle.errors import InvalidValue, PresetError
 from torch_handle.registry import PluginRegistry, Registration, get_registry
 
@@ -367,6 +368,10 @@ def walk(data: dict[str, Any], registry: PluginRegistry | None, source: str
         problems += found
     preset = Preset(**sections, source=source)
     tables_valid = not problems
+    try:
+        resolve_tp_impl(preset)  # "auto" becomes the implementation the layout runs, before every check of it
+    except Unavailable:  # [parallel] or [strategy] has a problem of its own: auto stays auto
+        pass
     checks: list[tuple[str | None, Callable[[], Any], Registration | None]] = [
         (None, functools.partial(check, preset, registry), None) for check in LAYOUT_CHECKS]
     for table, r in registrations.items():

@@ -204,9 +204,10 @@ class ParallelConfig:
     tp: int = param(1, ge=1)
     """Tensor-parallel degree: each Transformer block's linears split over this many ranks (Megatron-LM's layout).
     Must divide the world size, n_heads and d_ff."""
-    tp_impl: Literal["native", "scratch"] = "native"
+    tp_impl: Literal["auto", "native", "scratch"] = "auto"
     """native: DTensor parallelize_module, as torchtitan does; scratch: the hand-written column/row-parallel
-    layers and f/g functions of torch_handle/parallel/tensor/."""
+    layers and f/g functions of torch_handle/parallel/tensor/; auto: native where it runs (strategy single or
+    fsdp, pp = 1), else scratch, chosen when the preset loads and recorded in run.json (tp_impl_reason)."""
     sequence_parallel: bool = False
     """Run LayerNorm and dropout on 1/tp of the sequence between the TP regions (Korthikanti et al. 2022);
     needs seq_len divisible by tp."""
@@ -296,6 +297,9 @@ class Preset:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     source: str = "<preset>"
     """Where the preset came from (for messages)."""
+    resolved: dict[str, str] = field(default_factory=dict, compare=False)
+    """The settings the loader chose for an ``"auto"``, by ``table.key``, each with its one-line reason
+    (``{"parallel.tp_impl": "auto → scratch: ddp does not wrap DTensor parameters ..."}``); not written to TOML."""
 
     @property
     def world_size(self) -> int:

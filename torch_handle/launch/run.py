@@ -27,6 +27,7 @@ from torch_handle.checkpoint.resume import (PENDING, RESUME_PRESET, diff, finish
                                             write_side_preset)
 from torch_handle.config.loader import Preset, dump_preset, load_preset
 from torch_handle.config.schema import PLUGIN_TABLES, plugin_name
+from torch_handle.config.tp_impl import AUTO as TP_AUTO, KEY as TP_KEY, REASON_FIELD
 from torch_handle.errors import PresetError, RunDirError
 from torch_handle.launch.multinode import create_or_join_run_dir, owns_run_dir, with_node_rank
 from torch_handle.launch.precision import resolve_for_run
@@ -76,7 +77,9 @@ def prepare_run(preset: str | None, overrides: tuple[str, ...], run_dir: Path | 
     run.json ``precision`` and ``precision_reason`` (and ``precision_warning`` for an explicit bf16 on a CPU that
     emulates it). run.json's ``layout`` is the run's dp × tp × pp, their implementations and its strategy
     (:meth:`torch_handle.common.run_layout.RunLayout.record`), for the views that do not load the preset. A node
-    joining a multi-node run's shared directory takes the precision of its ``preset.toml``.
+    joining a multi-node run's shared directory takes the precision of its ``preset.toml``. A
+    ``parallel.tp_impl = "auto"`` was resolved when the preset loaded (:mod:`torch_handle.config.tp_impl`):
+    ``preset.toml`` holds the implementation and run.json its reason, ``tp_impl_reason``.
 
     Raises:
         PresetError, DataError, RunDirError: one line each (``handle run``: exit code 2).
@@ -91,7 +94,8 @@ def prepare_run(preset: str | None, overrides: tuple[str, ...], run_dir: Path | 
     info = {"status": Status.STARTING, "name": loaded.run.name, "preset": str(loaded.source),
             "strategy": loaded.strategy.name, "zero_stage": getattr(loaded.strategy.options, "zero_stage", None),
             "world_size": loaded.world_size, "steps": loaded.training.steps, "start_time": time.time(),
-            "end_time": None, "restarts": 0, LAYOUT_KEY: RunLayout.from_preset(loaded).record(), **precision}
+            "end_time": None, "restarts": 0, LAYOUT_KEY: RunLayout.from_preset(loaded).record(), **precision,
+            **({REASON_FIELD: loaded.resolved[TP_KEY]} if TP_KEY in loaded.resolved else {})}
     if loaded.launch.nnodes > 1:
         if run_dir is not None:
             directory, _ = create_or_join_run_dir(loaded, info, Path(run_dir))
@@ -144,6 +148,7 @@ def prepare_resume(resume_dir: Path, overrides: tuple[str, ...], note: Callable[
             raise RunDirError("\n".join([*frozen, *(str(invalid).splitlines() if invalid else []), *finished]))
     if invalid is not None:
         raise invalid
+    loaded = keep_tp_impl(resume_dir / PRESET_FILE, current, loaded, overrides)
     nodes = loaded.launch.nnodes > 1
     if nodes and not any(o.partition("=")[0].strip() == "launch.node_rank" for o in overrides):
         raise RunDirError(f"{resume_dir}: a run on {loaded.launch.nnodes} nodes: give this node's rank, "
@@ -160,9 +165,27 @@ def prepare_resume(resume_dir: Path, overrides: tuple[str, ...], note: Callable[
         return loaded, resume_dir
     write_side_preset(resume_dir, stored if changes else None)  # None: drops a stale one of a failed resume
     record = launcher_record(loaded.launch.node_rank) if nodes and loaded.launch.node_rank > 0 else {}
+    pending = {"time": time.time(), **({REASON_FIELD: loaded.resolved[TP_KEY]} if TP_KEY in loaded.resolved else {})}
     modify_run_info(resume_dir, lambda now: {**now, "status": Status.RUNNING, "message": "", **record,
-                                             "resumed": now.get("resumed", 0) + 1, PENDING: {"time": time.time()}})
+                                             "resumed": now.get("resumed", 0) + 1, PENDING: pending})
     return loaded, resume_dir
+
+
+def keep_tp_impl(path: Path, current: Preset, loaded: Preset, overrides: tuple[str, ...]) -> Preset:
+    """A resume's ``--set parallel.tp_impl=auto``: the run's own implementation (``current``'s) where it runs the
+    resumed layout, so that auto never switches a resumed run's implementation when it need not; else ``loaded``,
+    whose reason says why the other one was chosen (the switch is recorded in run.json's ``resumes``, as any
+    change). ``path``: the run's preset.toml, reloaded with the own implementation to check it."""
+    own = current.parallel.tp_impl
+    if TP_KEY not in loaded.resolved or own == TP_AUTO or loaded.parallel.tp_impl == own:
+        return loaded
+    try:
+        kept = load_preset(path, (*overrides, f"parallel.tp_impl={own}"))
+    except PresetError:  # the own one cannot run this layout: auto's choice stands, with its reason
+        return loaded
+    kept.training.precision = loaded.training.precision
+    kept.resolved[TP_KEY] = f"auto → {own}: the resumed run's own implementation, which runs this layout"
+    return kept
 
 
 class Interrupt(enum.Enum):

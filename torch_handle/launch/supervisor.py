@@ -30,6 +30,7 @@ from typing import Any
 import psutil
 
 from torch_handle.config.loader import Preset
+from torch_handle.launch.cores import threads_per_rank, usable_cores
 from torch_handle.launch.hang import HangWatchdog, Stall, flight_recorder_env, hang_message, trigger_flight_recorder
 from torch_handle.observe.fields import Kind, Status
 from torch_handle.observe.heartbeat import RankBeat, read_heartbeats
@@ -109,10 +110,10 @@ class Launch:
         self.preset, self.run_dir = preset, Path(run_dir)
         self.cmd = torchrun_command(preset, run_dir)
         self.env = {**os.environ, **(env or {})}
-        # One thread per worker by default: with nproc_per_node processes on few cores, oversubscribing
-        # intra-op threads is slower. Users may override OMP_NUM_THREADS.
-        cores = os.cpu_count() or 1
-        self.env.setdefault("OMP_NUM_THREADS", str(max(1, cores // max(1, preset.launch.nproc_per_node))))
+        # The cores shared out, one thread per worker at least: with nproc_per_node processes on few cores,
+        # oversubscribing intra-op threads is slower. Users may override OMP_NUM_THREADS.
+        self.env.setdefault("OMP_NUM_THREADS", str(threads_per_rank(preset.launch.nproc_per_node, usable_cores(),
+                                                                    None)))
         self.env.setdefault("PYTHONUNBUFFERED", "1")
         if preset.launch.backend != "gloo":  # NCCL's flight recorder (read by ProcessGroupNCCL only)
             self.env.update(flight_recorder_env(self.run_dir, self.env))

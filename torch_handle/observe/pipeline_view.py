@@ -63,6 +63,21 @@ def pipeline_steps(events: Iterable[dict[str, Any]]) -> list[tuple[int, dict[str
     return out
 
 
+def nearest_drawn(drawn: list[tuple[int, dict[str, Any]]], step: int) -> tuple[int, dict[str, Any]]:
+    """The item of ``drawn`` (``(step, pipeline)`` of the steps with a timeline, in file order) whose step is
+    nearest ``step``: the earlier one on a tie, the later copy of a step run twice."""
+    return min(reversed(drawn), key=lambda item: (abs(item[0] - step), item[0]))
+
+
+def steps_text(steps: Iterable[int], limit: int = 8) -> str:
+    """``4, 8, 12``; past ``limit`` steps ``4, 8, 12, …, 96, 100 (25 steps)`` (ascending, each once; ``none``
+    when empty)."""
+    ordered = sorted(set(steps))
+    if len(ordered) <= limit:
+        return ", ".join(map(str, ordered)) or "none"
+    return ", ".join(map(str, ordered[:3])) + f", …, {ordered[-2]}, {ordered[-1]} ({len(ordered)} steps)"
+
+
 def _spans(pipeline: dict[str, Any]) -> list[tuple[int, str, int, int, float, float]]:
     out = []
     for item in pipeline.get("timeline") or []:

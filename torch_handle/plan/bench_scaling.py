@@ -247,22 +247,6 @@ def efficiency(tokens_per_s: float, nproc: int, base_tokens_per_s: float, base_n
     return tokens_per_s * base_nproc / (nproc * base_tokens_per_s)
 
 
-def threads_per_rank(nproc: int, cores: int, omp_num_threads: str | None) -> int:
-    """Intra-op threads each rank gets: ``OMP_NUM_THREADS`` when set (a positive integer), else what the launcher
-    gives (``cores // nproc``, at least 1; see :class:`torch_handle.launch.supervisor.Launch`)."""
-    try:
-        if omp_num_threads and int(omp_num_threads) > 0:
-            return int(omp_num_threads)
-    except ValueError:
-        pass
-    return max(1, cores // max(1, nproc))
-
-
-def oversubscribed(nproc: int, cores: int, omp_num_threads: str | None) -> bool:
-    """True when ``nproc`` ranks times their threads exceed ``cores``."""
-    return nproc * threads_per_rank(nproc, cores, omp_num_threads) > cores
-
-
 def _median(values: Iterable[float | None]) -> float | None:
     vals = [v for v in values if v is not None]
     return statistics.median(vals) if vals else None

@@ -10,7 +10,9 @@ splits it (:func:`~torch_handle.plan.bench_scaling.strong_batch`). The data-para
 
 Validity is ``handle run``'s own: each layout's preset goes through the loader's validation
 (:func:`~torch_handle.config.loader.preset_from_dict`: the ``[parallel]`` checks and every plugin's
-``check_preset``), so a layout the trainer learns to run is planned with no change here. Memory is
+``check_preset``), so a layout the trainer learns to run is planned with no change here. A preset whose
+``parallel.tp_impl`` is ``auto`` (the default) gets it chosen again for each layout (DTensor where it runs, by hand
+elsewhere: :mod:`torch_handle.config.tp_impl`); an explicit one is kept in every layout. Memory is
 :func:`~torch_handle.plan.estimate_layout.estimate_layout`'s largest rank against the device memory. Time is
 :mod:`torch_handle.plan.plan_cost`'s model. Nothing is allocated: models are built on the meta device or on fake
 tensors. torch is imported inside the functions.
@@ -110,6 +112,9 @@ class Row:
     cost: plan_cost.StepCost
     tokens_per_step: int
     overrides: list[str]
+    tp_impl: str | None = None
+    """The tensor-parallel implementation the layout runs (``parallel.tp_impl`` as its preset resolved it; None
+    with tp = 1)."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -124,7 +129,8 @@ class Row:
                 "largest_saved_activation_bytes": max(telemetry_saved_bytes(r, self.layout.pp)
                                                       for r in self.estimate.ranks),
                 "ranks": [_rank_dict(r) for r in self.estimate.ranks],
-                "predicted_tokens_per_s": self.tokens_per_s, **self.cost.as_dict(), "overrides": self.overrides}
+                "predicted_tokens_per_s": self.tokens_per_s, **self.cost.as_dict(), "tp_impl": self.tp_impl,
+                "overrides": self.overrides}
 
 
 @dataclass
@@ -213,6 +219,7 @@ def plan_layouts(base: Preset, registry: PluginRegistry, *, nproc: int, nnodes: 
         PresetError: a model ``handle estimate`` cannot size.
     """
     from torch_handle.config.loader import preset_from_dict, preset_to_dict
+    from torch_handle.config.tp_impl import requested_tp_impl
     from torch_handle.errors import PresetError
 
     if estimate is None:
@@ -233,6 +240,10 @@ def plan_layouts(base: Preset, registry: PluginRegistry, *, nproc: int, nnodes: 
                       f"over each layout's dp replicas; strategy {strategy} (the preset's {own}) where dp > 1, "
                       "single where dp = 1")
     data = preset_to_dict(base)
+    tp_impl = data["parallel"]["tp_impl"] = requested_tp_impl(base)  # "auto": chosen again for each layout
+    plan.notes.append("tensor parallelism: " + ("tp_impl auto, DTensor where it runs (single or fsdp, pp = 1), by "
+                                                "hand elsewhere" if tp_impl == "auto" else
+                                                f"tp_impl {tp_impl} (the preset's) in every layout"))
 
     def samples(dp: int) -> int | None:
         return global_batch // dp if global_batch % dp == 0 else None
@@ -268,7 +279,8 @@ def plan_layouts(base: Preset, registry: PluginRegistry, *, nproc: int, nnodes: 
             continue
         cost = step_cost(layout, batch, preset, est, flops_per_token, plan.peak_flops, links, per_node,
                          global_batch * seq_len)
-        plan.rows.append(Row(layout, batch, est, cost, global_batch * seq_len, overrides))
+        plan.rows.append(Row(layout, batch, est, cost, global_batch * seq_len, overrides,
+                             preset.parallel.tp_impl if layout.tp > 1 else None))
     plan.rows.sort(key=lambda r: (-r.tokens_per_s, r.estimate.largest.total_bytes))
     return plan
 

@@ -1,0 +1,64 @@
+"""How the ranks of one node share its CPU cores: the cores this process may use, the intra-op threads the launcher
+gives each rank, and the warning ``handle run`` prints when ranks x threads exceed the cores (oversubscription).
+
+On a CPU each rank computes with ``OMP_NUM_THREADS`` intra-op threads; the launcher sets it to cores // ranks (at
+least 1) unless the environment sets it (:class:`torch_handle.launch.supervisor.Launch`). With more ranks than
+cores every rank still runs one thread, so the operating system time-slices them: each rank gets a share of a
+core, and a collective waits for the slowest rank to be scheduled (``bench comm`` measured 3.8 ms for the
+smallest all-reduce of 4 ranks on 2 cores, docs/planning.md). Standard library only.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+
+def usable_cores() -> int:
+    """The CPU cores this process may run on: its affinity mask (``os.sched_getaffinity``, which ``taskset``,
+    cgroup cpusets and Slurm's ``--cpus-per-task`` narrow), else ``os.cpu_count()``; at least 1."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # macOS and Windows have no affinity call
+        return max(1, os.cpu_count() or 1)
+
+
+def threads_per_rank(nproc: int, cores: int, omp_num_threads: str | None) -> int:
+    """Intra-op threads each of ``nproc`` ranks gets: ``OMP_NUM_THREADS`` when set (a positive integer), else what
+    the launcher gives (``cores // nproc``, at least 1)."""
+    try:
+        if omp_num_threads and int(omp_num_threads) > 0:
+            return int(omp_num_threads)
+    except ValueError:
+        pass
+    return max(1, cores // max(1, nproc))
+
+
+def oversubscribed(nproc: int, cores: int, omp_num_threads: str | None) -> bool:
+    """True when ``nproc`` ranks times their threads (:func:`threads_per_rank`) exceed ``cores``."""
+    return nproc * threads_per_rank(nproc, cores, omp_num_threads) > cores
+
+
+def oversubscription_warning(nproc: int, cores: int, omp_num_threads: str | None) -> str | None:
+    """The one line (without ``warning:``) ``handle run`` prints on a CPU when ``nproc`` ranks on this node times
+    their threads exceed its ``cores``, or None when they fit: what it costs and how to reduce it."""
+    if not oversubscribed(nproc, cores, omp_num_threads):
+        return None
+    threads = threads_per_rank(nproc, cores, omp_num_threads)
+    if nproc > cores:
+        return (f"{nproc} ranks on {cores} CPU core(s): oversubscribed, one thread per rank and each rank about "
+                f"{cores / nproc:.2g} of a core, so expect slow steps (a collective waits for every rank to be "
+                f"scheduled); launch.nproc_per_node <= {cores} runs faster here")
+    return (f"{nproc} ranks x {threads} threads (OMP_NUM_THREADS) on {cores} CPU core(s): oversubscribed, expect "
+            f"slow steps; unset OMP_NUM_THREADS (the launcher gives {max(1, cores // nproc)} per rank) or lower it")
+
+
+def node_warning(preset: Any) -> str | None:
+    """:func:`oversubscription_warning` for the ranks ``preset`` starts on this node (``launch.nproc_per_node``,
+    the threads of this environment's ``OMP_NUM_THREADS``), when they compute on the CPU; None on GPUs (a rank
+    drives its GPU and needs little of a core) and when they fit."""
+    from torch_handle.launch.precision import target_device
+
+    if target_device(preset) != "cpu":
+        return None
+    return oversubscription_warning(preset.launch.nproc_per_node, usable_cores(), os.environ.get("OMP_NUM_THREADS"))
