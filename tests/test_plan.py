@@ -96,6 +96,20 @@ def test_tp_impl_auto_plans_the_layouts_dtensor_cannot_run(tmp_path, monkeypatch
     assert len(out["layouts"]) > len(pinned["layouts"])
 
 
+def test_layouts_are_not_dropped_for_a_parallel_setting_of_the_preset_alone(tmp_path, monkeypatch, no_launch):
+    """Sequence parallelism and the hand-written pipeline are adapted per layout as a resume adapts them:
+    sequence_parallel off where tp = 1, pp_impl native for a schedule scratch does not have; the layout's command
+    carries the --set."""
+    sets = ("--set", "parallel.tp=2", "--set", "launch.nproc_per_node=2", "--set", "parallel.sequence_parallel=true",
+            "--set", "parallel.pp_impl=scratch")
+    out = plan_here(tmp_path, monkeypatch, "--nproc", "4", "--peak-tflops", PEAK, *sets)
+    assert not [d for d in out["dropped"] if "sequence_parallel" in d["reason"] or "pp_impl" in d["reason"]]
+    tp1 = [r for r in out["layouts"] if r["tp"] == 1]
+    assert tp1 and all("parallel.sequence_parallel=false" in r["overrides"] for r in tp1)
+    interleaved = [r for r in out["layouts"] if r.get("schedule") == "interleaved-1f1b"]
+    assert all("parallel.pp_impl=native" in r["overrides"] for r in interleaved)
+
+
 def test_a_tiny_device_drops_everything(tmp_path, monkeypatch, no_launch):
     out = plan_here(tmp_path, monkeypatch, "--nproc", "4", "--peak-tflops", PEAK, "--device-memory", "64KiB")
     assert out["layouts"] == []

@@ -101,6 +101,21 @@ def layout_overrides(layout: Layout, batch: Batch, nproc_per_node: int, nnodes: 
     return out
 
 
+def adapted_overrides(base: Preset, layout: Layout) -> list[str]:
+    """The preset's ``[parallel]`` choices that cannot run ``layout``, set to what can, as the resume rules do
+    (docs/resume.md): ``sequence_parallel`` off where tp = 1 (no TP group to split over), and ``pp_impl`` native
+    for a schedule the hand-written pipeline does not have. Without them those layouts were dropped for the
+    preset's setting alone, never tried."""
+    from torch_handle.config.schema import PP_SCRATCH
+
+    par, out = base.parallel, []
+    if layout.tp == 1 and par.sequence_parallel:
+        out.append("parallel.sequence_parallel=false")
+    if layout.pp > 1 and par.pp_impl == "scratch" and layout.schedule not in PP_SCRATCH:
+        out.append("parallel.pp_impl=native")
+    return out
+
+
 @dataclass
 class Row:
     """A layout that fits, with its prediction."""
@@ -259,7 +274,7 @@ def plan_layouts(base: Preset, registry: PluginRegistry, *, nproc: int, nnodes: 
             continue
         mbs, ga = strong_batch(global_batch, t.micro_batch_size, t.grad_accum, layout.dp)
         batch = Batch(mbs, ga)
-        overrides = layout_overrides(layout, batch, per_node, nnodes)
+        overrides = layout_overrides(layout, batch, per_node, nnodes) + adapted_overrides(base, layout)
         try:
             preset = preset_from_dict(_apply(data, overrides), registry, source=base.source)
         except PresetError as e:  # its first problem, structure first: the layout's own reason
