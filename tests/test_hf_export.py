@@ -118,6 +118,22 @@ def test_the_export_loads_in_transformers_with_the_runs_logits(rt):
     assert sum(p.numel() for p in model.parameters()) == ours.model.num_params()
 
 
+def test_handle_generate_continues_a_rope_run_as_transformers_does(rt):
+    """``handle generate`` on the Llama-shaped run (RoPE positions continued from the KV cache's length) prints
+    the greedy continuation that the exported model's ``generate`` gives."""
+    from torch_handle.infer.generate import load_run
+
+    ours = load_run(rt["ddp"])
+    prompt = TEXT[:12]
+    ids = ours.tokenizer.encode(prompt).ids
+    model = transformers.AutoModelForCausalLM.from_pretrained(rt["out"]).eval()
+    with torch.no_grad():
+        theirs = model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)[0].tolist()
+    result = _invoke("generate", str(rt["ddp"]), prompt, "--max-new-tokens", "8", "--temperature", "0")
+    assert result.exit_code == 0, result.output
+    assert result.output.rstrip("\n") == ours.tokenizer.decode(theirs)
+
+
 def test_a_sharded_run_exports_the_same_directory(rt):
     """FSDP2's final weights (gathered by rank 0) and its sharded checkpoint (consolidated by the export) give
     identical files; against the DDP run, identical but for the strategies' summation order (1e-6)."""
