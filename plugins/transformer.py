@@ -58,9 +58,6 @@ def check_preset(options: TransformerConfig, preset) -> None:
                                    f"({data_kind}); use kind = {wanted!r}")
     parallel = preset.parallel
     if parallel.tp > 1:
-        later = _not_tensor_parallel_yet(options)
-        if later:
-            raise InvalidValue(later[0], f"{later[1]} is not split by tensor parallelism yet (use parallel.tp = 1)")
         from torch_handle.model.parallelize import tensor_parallel_problems
 
         vocab_size = getattr(preset.data.options, "vocab_size", None)
@@ -68,24 +65,13 @@ def check_preset(options: TransformerConfig, preset) -> None:
         for key, message in tensor_parallel_problems(options, parallel.tp, vocab_size=vocab_size, seq_len=seq_len,
                                                      sequence_parallel=parallel.sequence_parallel,
                                                      scratch=parallel.tp_impl == "scratch"):
-            raise InvalidValue(key if key in ("n_heads", "d_ff") else f"data.{key}", message)
+            raise InvalidValue(key if key in ("n_heads", "n_kv_heads", "d_ff") else f"data.{key}", message)
     if parallel.pp > 1:
         from torch_handle.model.pipeline import pipeline_problems
 
         stages = parallel.pp * parallel.pp_stages_per_rank
         for key, message in pipeline_problems(options, options.kind, stages, parallel.pp_layers):
             raise InvalidValue(key if key != "pp_layers" else "parallel.pp_layers", message)
-
-
-def _not_tensor_parallel_yet(options: TransformerConfig) -> tuple[str, str] | None:
-    """The first option the tensor-parallel plan (``torch_handle/model/parallelize.py``) does not split yet, as
-    (key, what); None when the model splits."""
-    defaults = TransformerArgs(vocab_size=1)
-    for key in ("mlp", "norm", "position", "n_kv_heads", "head_dim", "qk_norm"):
-        value = getattr(options, key)
-        if value != getattr(defaults, key) and not (key == "n_kv_heads" and value == options.n_heads):
-            return key, f"{key} = {value!r}"
-    return None
 
 
 def build(options: TransformerConfig, vocab_size: int, pad_id: int, max_len: int):

@@ -1,5 +1,7 @@
 """The decoder split over 2 tensor-parallel ranks (by hand and with DTensor, with and without sequence parallelism,
-post-LN and pre-LN, fused and separate QKV) gives the one-process loss and every gradient (gathered) within 1e-5.
+post-LN and pre-LN, fused and separate QKV; and Llama- and Qwen 3-shaped: RMSNorm, RoPE, SwiGLU, grouped-query
+attention, no biases, q/k norm, head_dim != d_model / n_heads) gives the one-process loss and every gradient
+(gathered) within 1e-5.
 
 Real gloo processes; a tiny model, fp32, dropout 0. Each rank also computes the one-process reference itself (the
 same seed builds the same model everywhere), so the comparison needs no communication but the TP run's own.
@@ -30,13 +32,22 @@ from tests.helpers import run_on_gloo, tiny_preset, tp_mesh
 pytestmark = pytest.mark.dist
 
 B, T = 2, 8
-CASES = [(impl, sp, norm_first, fused) for impl in ("scratch", "native") for sp in (False, True)
+# Llama's decoder (Touvron et al. 2023): 4 query heads sharing 2 key/value heads, so each rank holds 2 query heads
+# and the 1 key/value head they read; Qwen 3's adds per-head q/k norms and a head width of its own (8, not 16 / 4).
+LLAMA = {"norm": "rmsnorm", "position": "rope", "mlp": "swiglu", "n_kv_heads": 2, "bias": False,
+         "scale_embeddings": False, "norm_first": True, "tie_embeddings": False}
+QWEN3 = {**LLAMA, "qk_norm": True, "head_dim": 8}
+SHAPES = {"paper": {}, "llama": LLAMA, "qwen3": QWEN3}
+CASES = [(impl, sp, "paper", norm_first, fused) for impl in ("scratch", "native") for sp in (False, True)
          for norm_first, fused in ((False, True), (True, False))]
+CASES += [(impl, sp, shape, True, fused) for impl in ("scratch", "native")
+          for sp, shape, fused in ((False, "llama", True), (True, "llama", False), (True, "qwen3", True))]
 
 
-def _args(norm_first: bool, fused: bool) -> TransformerArgs:
-    return TransformerArgs(vocab_size=32, d_model=16, n_heads=4, n_layers=2, d_ff=32, dropout=0.0, max_len=T,
-                           norm_first=norm_first, fused_qkv=fused, tie_embeddings=True)
+def _args(norm_first: bool, fused: bool, shape: str = "paper") -> TransformerArgs:
+    return TransformerArgs(**{"vocab_size": 32, "d_model": 16, "n_heads": 4, "n_layers": 2, "d_ff": 32,
+                              "dropout": 0.0, "max_len": T, "norm_first": norm_first, "fused_qkv": fused,
+                              "tie_embeddings": True, **SHAPES[shape]})
 
 
 def _batch() -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,9 +77,6 @@ def _tensor_parallel(args: TransformerArgs, impl: str, sp: bool, tp: TPGroup, me
     if impl == "scratch":
         loss, _ = vocab_parallel_cross_entropy(model(ids), labels, tp)
         loss.backward()
-        if sp:
-            all_reduce_sp_grads(model, tp)
-        grads = {n: unshard(n, p.grad, plan, tp) for n, p in model.named_parameters()}
     else:
         from torch.distributed.tensor.parallel import loss_parallel
 
@@ -76,16 +84,19 @@ def _tensor_parallel(args: TransformerArgs, impl: str, sp: bool, tp: TPGroup, me
             loss = F.cross_entropy(model(ids).flatten(0, 1), labels.flatten(), ignore_index=-100)
             loss.backward()
         loss = loss.full_tensor() if hasattr(loss, "full_tensor") else loss
-        grads = {n: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
-                 for n, p in model.named_parameters()}
+    all_reduce_sp_grads(model, tp)  # the partial sums: under SP the norms' (by hand), the q/k norms' (always)
+    # DTensors carry their layout; plain tensors are the hand-written slices (on the native path: the fused QKV of
+    # grouped-query attention) or replicated
+    grads = {n: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else unshard(n, p.grad, plan, tp)
+             for n, p in model.named_parameters()}
     return loss.item(), grads
 
 
 def _cases(rank: int, tmp: Path) -> None:
     mesh, tp = tp_mesh()
-    for impl, sp, norm_first, fused in CASES:
-        case = f"{impl} sp={sp} norm_first={norm_first} fused_qkv={fused}"
-        args = _args(norm_first, fused)
+    for impl, sp, shape, norm_first, fused in CASES:
+        case = f"{shape} {impl} sp={sp} norm_first={norm_first} fused_qkv={fused}"
+        args = _args(norm_first, fused, shape)
         ref_loss, ref_grads = _reference(args)
         loss, grads = _tensor_parallel(args, impl, sp, tp, mesh)
         assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss), (case, loss, ref_loss)
