@@ -1,7 +1,8 @@
 """The decoder split over 2 tensor-parallel ranks (by hand and with DTensor, with and without sequence parallelism,
 post-LN and pre-LN, fused and separate QKV; and Llama- and Qwen 3-shaped: RMSNorm, RoPE, SwiGLU, grouped-query
 attention, no biases, q/k norm, head_dim != d_model / n_heads) gives the one-process loss and every gradient
-(gathered) within 1e-5.
+(gathered) within 1e-5, and so does the gradient norm the trainer clips by (``mesh_grad_norm``: each split gradient
+counted over the TP group, each replicated one once).
 
 Real gloo processes; a tiny model, fp32, dropout 0. Each rank also computes the one-process reference itself (the
 same seed builds the same model everywhere), so the comparison needs no communication but the TP run's own.
@@ -26,8 +27,9 @@ from torch_handle.parallel.tensor.cross_entropy import vocab_parallel_cross_entr
 from torch_handle.parallel.tensor.layers import all_reduce_sp_grads
 from torch_handle.parallel.tensor.mappings import TPGroup, step_volume
 from torch_handle.parallel.tensor.plan import unshard
+from torch_handle.train.grad_norm import mesh_grad_norm
 
-from tests.helpers import run_on_gloo, tiny_preset, tp_mesh
+from tests.helpers import run_on_gloo, tiny_preset
 
 pytestmark = pytest.mark.dist
 
@@ -59,6 +61,7 @@ def _batch() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _reference(args: TransformerArgs) -> tuple[float, dict[str, torch.Tensor]]:
+    """(loss, gradients by name) of the one-process model."""
     torch.manual_seed(0)
     model = DecoderLM(args)
     ids, labels = _batch()
@@ -68,11 +71,12 @@ def _reference(args: TransformerArgs) -> tuple[float, dict[str, torch.Tensor]]:
 
 
 def _tensor_parallel(args: TransformerArgs, impl: str, sp: bool, tp: TPGroup, mesh
-                     ) -> tuple[float, dict[str, torch.Tensor]]:
+                     ) -> tuple[float, dict[str, torch.Tensor], float]:
+    """(loss, gathered gradients, gradient norm) of the model split over ``mesh``, a ("dp", "tp") mesh of dp 1."""
     torch.manual_seed(0)
     model = DecoderLM(args)
     plan = tensor_parallel_plan(model)
-    parallelize_tensor(model, impl, tp if impl == "scratch" else mesh, sequence_parallel=sp)
+    parallelize_tensor(model, impl, tp if impl == "scratch" else mesh["tp"], sequence_parallel=sp)
     ids, labels = _batch()
     if impl == "scratch":
         loss, _ = vocab_parallel_cross_entropy(model(ids), labels, tp)
@@ -85,21 +89,27 @@ def _tensor_parallel(args: TransformerArgs, impl: str, sp: bool, tp: TPGroup, me
             loss.backward()
         loss = loss.full_tensor() if hasattr(loss, "full_tensor") else loss
     all_reduce_sp_grads(model, tp)  # the partial sums: under SP the norms' (by hand), the q/k norms' (always)
+    norm = mesh_grad_norm(list(model.named_parameters()), mesh, plan)
     # DTensors carry their layout; plain tensors are the hand-written slices (on the native path: the fused QKV of
     # grouped-query attention) or replicated
     grads = {n: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else unshard(n, p.grad, plan, tp)
              for n, p in model.named_parameters()}
-    return loss.item(), grads
+    return loss.item(), grads, norm
 
 
 def _cases(rank: int, tmp: Path) -> None:
-    mesh, tp = tp_mesh()
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))  # mesh_grad_norm's: a dp and a tp axis
+    tp = TPGroup(mesh["tp"].get_group())
     for impl, sp, shape, norm_first, fused in CASES:
         case = f"{shape} {impl} sp={sp} norm_first={norm_first} fused_qkv={fused}"
         args = _args(norm_first, fused, shape)
         ref_loss, ref_grads = _reference(args)
-        loss, grads = _tensor_parallel(args, impl, sp, tp, mesh)
+        loss, grads, norm = _tensor_parallel(args, impl, sp, tp, mesh)
         assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss), (case, loss, ref_loss)
+        ref_norm = torch.stack([g.double().pow(2).sum() for g in ref_grads.values()]).sum().sqrt().item()
+        assert abs(norm - ref_norm) <= 1e-5 * ref_norm, (case, norm, ref_norm)
         assert grads.keys() == ref_grads.keys(), case
         for name, ref in ref_grads.items():
             torch.testing.assert_close(grads[name], ref, rtol=1e-5, atol=1e-6, msg=lambda m: f"{case} {name}: {m}")
