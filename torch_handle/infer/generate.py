@@ -109,6 +109,19 @@ def _read_weights(path: Path) -> dict[str, Tensor]:
     return state
 
 
+def _max_len(state: dict[str, Tensor], preset: Any, weights: Path) -> int:
+    """The model's max_len: the sinusoidal table's length, or for a RoPE model (no table) the length its data
+    gave it: ``data.seq_len``, + 1 for translation (``<bos>`` before the target)."""
+    pe = state.get("pos_encoding.pe")
+    if pe is not None:
+        return int(pe.shape[0])
+    options = preset.model.options
+    seq_len = getattr(preset.data.options, "seq_len", None)
+    if getattr(options, "position", None) != "rope" or not isinstance(seq_len, int):
+        raise CheckpointError(f"{weights}: no pos_encoding.pe (not weights of the transformer model plugin)")
+    return seq_len + (1 if getattr(options, "kind", "decoder") == "encoder-decoder" else 0)
+
+
 def load_run(run_dir: Path | str, checkpoint: int | None = None, device: str | torch.device = "cpu") -> LoadedRun:
     """Load a run directory's model, tokenizer and preset.
 
@@ -140,11 +153,8 @@ def load_run(run_dir: Path | str, checkpoint: int | None = None, device: str | t
     except Exception as e:  # noqa: BLE001 - tokenizers raises its own Exception type
         raise RunDirError(f"{run_dir / TOKENIZER_FILE}: unreadable ({' '.join(str(e).split())})") from None
     state = _read_weights(weights)
-    pe = state.get("pos_encoding.pe")
-    if pe is None:
-        raise CheckpointError(f"{weights}: no pos_encoding.pe (not weights of the transformer model plugin)")
     factory = get_registry().get("model", preset.model.name).factory
-    model = factory(preset.model.options, tokenizer.get_vocab_size(), PAD_ID, int(pe.shape[0]))
+    model = factory(preset.model.options, tokenizer.get_vocab_size(), PAD_ID, _max_len(state, preset, weights))
     if not isinstance(model, (DecoderLM, EncoderDecoder)):
         raise RunDirError(f"{run_dir}: model {preset.model.name!r} is not the project's Transformer")
     try:

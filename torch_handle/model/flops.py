@@ -39,7 +39,9 @@ def training_flops_per_token(n_matmul: int, n_layers: int, attention_width: int,
 
     6N covers the matmuls with the weights (2 FLOPs per multiply-add, ×3 for forward plus the backward's two
     matmuls); the second term covers the attention scores QKᵀ and the weighted sum with V over a context of
-    ``seq_len`` keys in each of L layers.
+    ``seq_len`` keys in each of L layers. N is counted from the built model, so it holds grouped-query attention's
+    smaller K and V projections and SwiGLU's three matrices as they are; the scores' width stays n_heads · head_dim
+    whatever the number of key/value heads (each query head still attends over every key).
 
     Args:
         n_matmul: N, the parameters that take part in a matmul (``matmul_params``).
