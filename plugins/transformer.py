@@ -86,10 +86,6 @@ def _check_task(options: TransformerConfig, preset) -> Iterator[InvalidValue]:
 def _check_widths(options: TransformerConfig, preset) -> Iterator[InvalidValue]:
     if preset.parallel.tp == 1:
         return
-    later = _not_tensor_parallel_yet(options)
-    if later:
-        yield InvalidValue(later[0], f"{later[1]} is not split by tensor parallelism yet (use parallel.tp = 1)")
-        return
     from torch_handle.model.parallelize import width_problems  # torch: only for a tp > 1 preset
 
     for key, message in width_problems(options, preset.parallel.tp):
@@ -146,17 +142,6 @@ def _check_experts_layout(options: TransformerConfig, preset) -> Iterator[Invali
 
 CHECKS = (_check_pipeline, _check_widths, _check_data_split, _check_experts_layout, _check_task)
 """The cross-table checks (``check_preset``), each run on its own, so a problem in one table hides no other."""
-
-
-def _not_tensor_parallel_yet(options: TransformerConfig) -> tuple[str, str] | None:
-    """The first option the tensor-parallel plan (``torch_handle/model/parallelize.py``) does not split yet, as
-    (key, what); None when the model splits."""
-    defaults = TransformerArgs(vocab_size=1)
-    for key in ("mlp", "norm", "position", "n_kv_heads", "head_dim", "qk_norm"):
-        value = getattr(options, key)
-        if value != getattr(defaults, key) and not (key == "n_kv_heads" and value == options.n_heads):
-            return key, f"{key} = {value!r}"
-    return None
 
 
 def _args(options: TransformerConfig, vocab_size: int, pad_id: int | None, max_len: int) -> TransformerArgs:

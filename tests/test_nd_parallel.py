@@ -1,7 +1,9 @@
 """Data, tensor and pipeline parallelism composed on one mesh train as one process does, and a checkpoint of one
 layout resumes under another.
 
-Real `handle run` processes on 4 ranks (tiny decoder with 4 layers, fp32, dropout 0, 10 steps of 8 sequences):
+Real `handle run` processes on 4 ranks (a tiny Qwen 3-shaped decoder with 4 layers: RMSNorm, RoPE, SwiGLU, 4 query
+heads sharing 2 key/value heads, per-head q/k norms, head_dim 32 != d_model / n_heads, no biases; fp32, dropout 0,
+10 steps of 8 sequences):
 dp 2 × pp 2 (torch DDP per stage in torch's 1F1B; FSDP2 per stage and the hand-written DDP in the hand-written
 1F1B), tp 2 × pp 2 (hand-written TP with sequence parallelism inside torch's 1F1B) and dp 2 × tp 2 (FSDP2 over
 DTensor TP) each give the one-process losses within 1e-5 at every step. The dp 2 × tp 2 run's step-5 checkpoint then resumes as
@@ -23,7 +25,10 @@ from tests.helpers import handle_runs
 
 pytestmark = pytest.mark.dist
 
-COMMON = ("--set", "model.dropout=0", "--set", "model.norm_first=true", "--set", "model.n_layers=4",
+QWEN3 = {"norm": "rmsnorm", "position": "rope", "mlp": "swiglu", "n_kv_heads": 2, "qk_norm": True, "head_dim": 32,
+         "bias": False, "scale_embeddings": False}
+COMMON = (*(a for k, v in QWEN3.items() for a in ("--set", f"model.{k}={str(v).lower()}")),
+          "--set", "model.dropout=0", "--set", "model.norm_first=true", "--set", "model.n_layers=4",
           "--set", "training.log_every=1", "--set", "training.micro_batch_size=2", "--set", "training.eval_steps=2",
           "--set", "training.eval_every=5", "--set", "training.checkpoint_every=5")
 FOUR, DP2 = ("--set", "launch.nproc_per_node=4"), ("--set", "training.grad_accum=2")  # dp 2 x 2 x 2 = 8 a step
@@ -115,7 +120,7 @@ def test_a_stage_syncs_its_gradients_once_a_step(runs) -> None:
     from torch_handle.model.transformer import DecoderLM
 
     model = DecoderLM(TransformerArgs(vocab_size=512, d_model=64, n_heads=4, n_layers=4, d_ff=128, max_len=32,
-                                      norm_first=True))
+                                      norm_first=True, **QWEN3))
     stage0 = model.embed.weight.numel() + sum(p.numel() for layer in model.layers[:2] for p in layer.parameters())
     for e in _events(runs["dp2xpp2-scratch-ddp"], "step"):
         assert (e["allreduce_calls"], e["allreduce_bytes"]) == (1, 4 * stage0), (e["step"], stage0)

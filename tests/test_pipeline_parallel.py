@@ -30,6 +30,13 @@ pytestmark = pytest.mark.dist
 MICRO, ACCUM, T, VOCAB = 4, 2, 8, 32  # a step of 8 sequences, re-split into m = 4 pipeline micro-batches of 2
 CASES = [("scratch", "gpipe", 1), ("scratch", "1f1b", 1), ("native", "gpipe", 1), ("native", "1f1b", 1),
          ("native", "interleaved-1f1b", 2), ("native", "zbv", 2)]
+# Llama- and Qwen 3-shaped decoders (RMSNorm, RoPE, SwiGLU, 2 key/value heads for 4 query heads, no biases, untied;
+# Qwen 3: q/k norm and a head width of 8 != 16 / 4): the final RMSNorm on the last stage, nothing positional on the
+# first. One schedule of each implementation: the schedules do not depend on the block.
+LLAMA = {"norm": "rmsnorm", "position": "rope", "mlp": "swiglu", "n_kv_heads": 2, "bias": False,
+         "scale_embeddings": False, "tie_embeddings": False}
+SHAPES = {"llama": LLAMA, "qwen3": {**LLAMA, "qk_norm": True, "head_dim": 8}}
+SHAPE_CASES = [("scratch", "1f1b", 1), ("native", "interleaved-1f1b", 2)]
 
 
 # ---- the schedules' orders ------------------------------------------------------------------------------------
@@ -64,9 +71,9 @@ def test_theoretical_bubble() -> None:
 
 # ---- one step, in process: every gradient of every stage ------------------------------------------------------
 
-def _args() -> TransformerArgs:
-    return TransformerArgs(vocab_size=VOCAB, d_model=16, n_heads=4, n_layers=4, d_ff=32, dropout=0.0, max_len=T,
-                           norm_first=True, tie_embeddings=True)
+def _args(**shape) -> TransformerArgs:
+    return TransformerArgs(**{"vocab_size": VOCAB, "d_model": 16, "n_heads": 4, "n_layers": 4, "d_ff": 32,
+                              "dropout": 0.0, "max_len": T, "norm_first": True, "tie_embeddings": True, **shape})
 
 
 def _batches() -> list[dict[str, torch.Tensor]]:
@@ -84,9 +91,9 @@ def _eval_batch() -> dict[str, torch.Tensor]:
     return {k: v[1:4] for k, v in _batches()[1].items()}
 
 
-def _reference() -> tuple[float, float, dict[str, torch.Tensor], float]:
+def _reference(args: TransformerArgs) -> tuple[float, float, dict[str, torch.Tensor], float]:
     torch.manual_seed(0)
-    model = DecoderLM(_args())
+    model = DecoderLM(args)
     with torch.no_grad():
         batch = _eval_batch()
         val_loss = F.cross_entropy(model(batch["input_ids"]).flatten(0, 1), batch["labels"].flatten()).item()
@@ -98,7 +105,8 @@ def _reference() -> tuple[float, float, dict[str, torch.Tensor], float]:
     return loss.item(), norm.item(), grads, val_loss
 
 
-def _pipeline_step(impl: str, schedule: str, v: int) -> tuple[torch.Tensor, float, dict[str, torch.Tensor], float]:
+def _pipeline_step(args: TransformerArgs, impl: str, schedule: str, v: int
+                   ) -> tuple[torch.Tensor, float, dict[str, torch.Tensor], float]:
     """One evaluation and one step of PipelineParallel on this rank: (Σ loss·tokens, tokens), the norm before_step
     returns, the gradients of this rank's shard by their one-process names, and the evaluation loss."""
     from torch_handle.train.pipeline_parallel import PipelineParallel
@@ -112,7 +120,7 @@ def _pipeline_step(impl: str, schedule: str, v: int) -> tuple[torch.Tensor, floa
                                     device=torch.device("cpu"), backend="gloo"), parallel)
     pp = PipelineParallel(parallel, ctx, n_microbatches=4, label_smoothing=0.0)
     torch.manual_seed(0)
-    shard = pp.split(DecoderLM(_args()))
+    shard = pp.split(DecoderLM(args))
     strategy = SimpleNamespace(autocast=contextlib.nullcontext, clips_gradients=True, pipeline_grad_sync=lambda: None)
     pp.bind(strategy)
     trainer = SimpleNamespace(timer=PhaseTimer(), training=SimpleNamespace(grad_accum=ACCUM), step=1,
@@ -130,28 +138,35 @@ def _pipeline_step(impl: str, schedule: str, v: int) -> tuple[torch.Tensor, floa
 def _every_schedule(rank: int, tmp: Path) -> None:
     import torch.distributed as dist
 
-    ref_loss, ref_norm, ref_grads, ref_val = _reference()
-    for impl, schedule, v in CASES:
-        case = f"{impl} {schedule} v={v} rank {rank}"
-        stats, norm, grads, val_loss = _pipeline_step(impl, schedule, v)
+    cases = [("paper", *case) for case in CASES] + [(shape, *case) for shape in SHAPES for case in SHAPE_CASES]
+    refs: dict[str, tuple] = {}
+    for shape, impl, schedule, v in cases:
+        args = _args(**SHAPES.get(shape, {}))
+        if shape not in refs:
+            refs[shape] = _reference(args)
+        ref_loss, ref_norm, ref_grads, ref_val = refs[shape]
+        case = f"{shape} {impl} {schedule} v={v} rank {rank}"
+        stats, norm, grads, val_loss = _pipeline_step(args, impl, schedule, v)
         assert abs(val_loss - ref_val) <= 1e-6 * ref_val, (case, val_loss, ref_val)
         loss = (stats[0] / stats[1]).item()
         assert abs(loss - ref_loss) <= 1e-6 * abs(ref_loss), (case, loss, ref_loss)
         assert abs(norm - ref_norm) <= 1e-6 * ref_norm, (case, norm, ref_norm)
         assert grads, case
         for name, grad in grads.items():
-            want = ref_grads["embed.weight" if name == "lm_head.weight" else name]  # tied: the summed copies
+            tied = name == "lm_head.weight" and args.tie_embeddings
+            want = ref_grads["embed.weight" if tied else name]  # tied: the summed copies
             assert grad is not None, (case, name)
             torch.testing.assert_close(grad, want, rtol=1e-6, atol=1e-7, msg=lambda m: f"{case} {name}: {m}")
         names: list[set[str] | None] = [None, None]
-        dist.all_gather_object(names, set(grads) - {"lm_head.weight"})
+        dist.all_gather_object(names, set(grads) - ({"lm_head.weight"} if args.tie_embeddings else set()))
         assert set().union(*names) == set(ref_grads), case  # the two shards hold every parameter between them
 
 
 def test_one_step_of_every_schedule_gives_every_one_process_gradient(tmp_path: Path) -> None:
     """m = 4 over 2 ranks, hand-written GPipe and 1F1B, torch's GPipe, 1F1B, interleaved 1F1B and ZBV (v = 2): the
     step's loss and gradient norm within 1e-6 relative, and every gradient of each stage (the tied embedding after
-    summing the first and last stage's copies) within 1e-6."""
+    summing the first and last stage's copies) within 1e-6; and Llama- and Qwen 3-shaped decoders the same under
+    hand-written 1F1B and torch's interleaved 1F1B."""
     run_on_gloo(_every_schedule, tmp_path)
 
 

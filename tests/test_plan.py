@@ -110,6 +110,20 @@ def test_layouts_are_not_dropped_for_a_parallel_setting_of_the_preset_alone(tmp_
     assert all("parallel.pp_impl=native" in r["overrides"] for r in interleaved)
 
 
+def test_grouped_query_attention_limits_tp_to_the_divisors_of_n_kv_heads(tmp_path, monkeypatch, no_launch):
+    """A Llama-shaped decoder with multi-query attention (4 query heads, 1 key/value head) on 2 ranks: tp = 2 is
+    dropped for n_kv_heads, naming the tp that work (tensor_parallel_problems; tp = 2 with 2 key/value heads
+    trains: tests/test_tensor_parallel.py)."""
+    llama = ["model.norm=rmsnorm", "model.position=rope", "model.mlp=swiglu", "model.n_kv_heads=1",
+             "model.bias=false", "model.norm_first=true", "model.tie_embeddings=false", "launch.nproc_per_node=2"]
+    out = plan_here(tmp_path, monkeypatch, "--nproc", "2", "--peak-tflops", PEAK,
+                    *(arg for kv in llama for arg in ("--set", kv)))
+    assert out["layouts"] and {r["tp"] for r in out["layouts"]} == {1}
+    tp2 = [d for d in out["dropped"] if d["tp"] == 2]
+    assert tp2 and all(d["reason"] == "model.n_kv_heads: 1 is not divisible by parallel.tp = 2 (each rank takes "
+                                      "whole key/value heads; tp may be 1)" for d in tp2), tp2
+
+
 def test_a_tiny_device_drops_everything(tmp_path, monkeypatch, no_launch):
     out = plan_here(tmp_path, monkeypatch, "--nproc", "4", "--peak-tflops", PEAK, "--device-memory", "64KiB")
     assert out["layouts"] == []

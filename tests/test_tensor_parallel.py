@@ -1,5 +1,8 @@
 """The decoder split over 2 tensor-parallel ranks (by hand and with DTensor, with and without sequence parallelism,
-post-LN and pre-LN, fused and separate QKV) gives the one-process loss and every gradient (gathered) within 1e-5.
+post-LN and pre-LN, fused and separate QKV; and Llama- and Qwen 3-shaped: RMSNorm, RoPE, SwiGLU, grouped-query
+attention, no biases, q/k norm, head_dim != d_model / n_heads) gives the one-process loss and every gradient
+(gathered) within 1e-5, and so does the gradient norm the trainer clips by (``mesh_grad_norm``: each split gradient
+counted over the TP group, each replicated one once).
 
 Real gloo processes; a tiny model, fp32, dropout 0. Each rank also computes the one-process reference itself (the
 same seed builds the same model everywhere), so the comparison needs no communication but the TP run's own.
@@ -24,19 +27,29 @@ from torch_handle.parallel.tensor.cross_entropy import vocab_parallel_cross_entr
 from torch_handle.parallel.tensor.layers import all_reduce_sp_grads
 from torch_handle.parallel.tensor.mappings import TPGroup, step_volume
 from torch_handle.parallel.tensor.plan import unshard
+from torch_handle.train.grad_norm import mesh_grad_norm
 
-from tests.helpers import run_on_gloo, tiny_preset, tp_mesh
+from tests.helpers import run_on_gloo, tiny_preset
 
 pytestmark = pytest.mark.dist
 
 B, T = 2, 8
-CASES = [(impl, sp, norm_first, fused) for impl in ("scratch", "native") for sp in (False, True)
+# Llama's decoder (Touvron et al. 2023): 4 query heads sharing 2 key/value heads, so each rank holds 2 query heads
+# and the 1 key/value head they read; Qwen 3's adds per-head q/k norms and a head width of its own (8, not 16 / 4).
+LLAMA = {"norm": "rmsnorm", "position": "rope", "mlp": "swiglu", "n_kv_heads": 2, "bias": False,
+         "scale_embeddings": False, "norm_first": True, "tie_embeddings": False}
+QWEN3 = {**LLAMA, "qk_norm": True, "head_dim": 8}
+SHAPES = {"paper": {}, "llama": LLAMA, "qwen3": QWEN3}
+CASES = [(impl, sp, "paper", norm_first, fused) for impl in ("scratch", "native") for sp in (False, True)
          for norm_first, fused in ((False, True), (True, False))]
+CASES += [(impl, sp, shape, True, fused) for impl in ("scratch", "native")
+          for sp, shape, fused in ((False, "llama", True), (True, "llama", False), (True, "qwen3", True))]
 
 
-def _args(norm_first: bool, fused: bool) -> TransformerArgs:
-    return TransformerArgs(vocab_size=32, d_model=16, n_heads=4, n_layers=2, d_ff=32, dropout=0.0, max_len=T,
-                           norm_first=norm_first, fused_qkv=fused, tie_embeddings=True)
+def _args(norm_first: bool, fused: bool, shape: str = "paper") -> TransformerArgs:
+    return TransformerArgs(**{"vocab_size": 32, "d_model": 16, "n_heads": 4, "n_layers": 2, "d_ff": 32,
+                              "dropout": 0.0, "max_len": T, "norm_first": norm_first, "fused_qkv": fused,
+                              "tie_embeddings": True, **SHAPES[shape]})
 
 
 def _batch() -> tuple[torch.Tensor, torch.Tensor]:
@@ -48,6 +61,7 @@ def _batch() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _reference(args: TransformerArgs) -> tuple[float, dict[str, torch.Tensor]]:
+    """(loss, gradients by name) of the one-process model."""
     torch.manual_seed(0)
     model = DecoderLM(args)
     ids, labels = _batch()
@@ -57,18 +71,16 @@ def _reference(args: TransformerArgs) -> tuple[float, dict[str, torch.Tensor]]:
 
 
 def _tensor_parallel(args: TransformerArgs, impl: str, sp: bool, tp: TPGroup, mesh
-                     ) -> tuple[float, dict[str, torch.Tensor]]:
+                     ) -> tuple[float, dict[str, torch.Tensor], float]:
+    """(loss, gathered gradients, gradient norm) of the model split over ``mesh``, a ("dp", "tp") mesh of dp 1."""
     torch.manual_seed(0)
     model = DecoderLM(args)
     plan = tensor_parallel_plan(model)
-    parallelize_tensor(model, impl, tp if impl == "scratch" else mesh, sequence_parallel=sp)
+    parallelize_tensor(model, impl, tp if impl == "scratch" else mesh["tp"], sequence_parallel=sp)
     ids, labels = _batch()
     if impl == "scratch":
         loss, _ = vocab_parallel_cross_entropy(model(ids), labels, tp)
         loss.backward()
-        if sp:
-            all_reduce_sp_grads(model, tp)
-        grads = {n: unshard(n, p.grad, plan, tp) for n, p in model.named_parameters()}
     else:
         from torch.distributed.tensor.parallel import loss_parallel
 
@@ -76,19 +88,28 @@ def _tensor_parallel(args: TransformerArgs, impl: str, sp: bool, tp: TPGroup, me
             loss = F.cross_entropy(model(ids).flatten(0, 1), labels.flatten(), ignore_index=-100)
             loss.backward()
         loss = loss.full_tensor() if hasattr(loss, "full_tensor") else loss
-        grads = {n: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
-                 for n, p in model.named_parameters()}
-    return loss.item(), grads
+    all_reduce_sp_grads(model, tp)  # the partial sums: under SP the norms' (by hand), the q/k norms' (always)
+    norm = mesh_grad_norm(list(model.named_parameters()), mesh, plan)
+    # DTensors carry their layout; plain tensors are the hand-written slices (on the native path: the fused QKV of
+    # grouped-query attention) or replicated
+    grads = {n: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else unshard(n, p.grad, plan, tp)
+             for n, p in model.named_parameters()}
+    return loss.item(), grads, norm
 
 
 def _cases(rank: int, tmp: Path) -> None:
-    mesh, tp = tp_mesh()
-    for impl, sp, norm_first, fused in CASES:
-        case = f"{impl} sp={sp} norm_first={norm_first} fused_qkv={fused}"
-        args = _args(norm_first, fused)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))  # mesh_grad_norm's: a dp and a tp axis
+    tp = TPGroup(mesh["tp"].get_group())
+    for impl, sp, shape, norm_first, fused in CASES:
+        case = f"{shape} {impl} sp={sp} norm_first={norm_first} fused_qkv={fused}"
+        args = _args(norm_first, fused, shape)
         ref_loss, ref_grads = _reference(args)
-        loss, grads = _tensor_parallel(args, impl, sp, tp, mesh)
+        loss, grads, norm = _tensor_parallel(args, impl, sp, tp, mesh)
         assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss), (case, loss, ref_loss)
+        ref_norm = torch.stack([g.double().pow(2).sum() for g in ref_grads.values()]).sum().sqrt().item()
+        assert abs(norm - ref_norm) <= 1e-5 * ref_norm, (case, norm, ref_norm)
         assert grads.keys() == ref_grads.keys(), case
         for name, ref in ref_grads.items():
             torch.testing.assert_close(grads[name], ref, rtol=1e-5, atol=1e-6, msg=lambda m: f"{case} {name}: {m}")

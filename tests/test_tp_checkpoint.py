@@ -1,5 +1,6 @@
 """A tensor-parallel model's checkpoint is the one-process checkpoint: gathered, written in the portable form, read
-back and sliced, by hand (scratch) and with DTensor (native), fused and separate QKV, tied embeddings.
+back and sliced, by hand (scratch) and with DTensor (native), fused and separate QKV, tied embeddings; and a Qwen
+3-shaped decoder (grouped-query attention, whose fused QKV the native path keeps as hand-written slices; q/k norms).
 
 Two real gloo processes; a tiny decoder, fp32, dropout 0, AdamW. Every rank also trains the one-process model
 itself (the same seed builds the same model everywhere), so the reference needs no communication. Per case:
@@ -37,12 +38,16 @@ pytestmark = pytest.mark.dist
 
 B, T, V = 2, 8, 32
 CASES = [("scratch", True, False, False), ("scratch", False, True, True),  # impl, fused_qkv, sp, norm_first
-         ("native", True, True, False), ("native", False, False, True)]
+         ("native", True, True, False), ("native", False, False, True),
+         ("scratch", True, False, True, "qwen3"), ("native", True, True, True, "qwen3")]
+QWEN3 = {"norm": "rmsnorm", "position": "rope", "mlp": "swiglu", "n_kv_heads": 2, "bias": False, "qk_norm": True,
+         "head_dim": 8, "scale_embeddings": False, "tie_embeddings": False}
 
 
-def _args(fused: bool, norm_first: bool) -> TransformerArgs:
-    return TransformerArgs(vocab_size=V, d_model=16, n_heads=4, n_layers=2, d_ff=32, dropout=0.0, max_len=T,
-                           norm_first=norm_first, fused_qkv=fused, tie_embeddings=True)
+def _args(fused: bool, norm_first: bool, shape: str = "paper") -> TransformerArgs:
+    return TransformerArgs(**{"vocab_size": V, "d_model": 16, "n_heads": 4, "n_layers": 2, "d_ff": 32,
+                              "dropout": 0.0, "max_len": T, "norm_first": norm_first, "fused_qkv": fused,
+                              "tie_embeddings": True, **(QWEN3 if shape == "qwen3" else {})})
 
 
 def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -88,8 +93,7 @@ class Run:
         if self.impl == "scratch":
             loss, _ = vocab_parallel_cross_entropy(self.model(ids), labels, self.tp)
             loss.backward()
-            if self.sp:
-                all_reduce_sp_grads(self.model, self.tp)
+            all_reduce_sp_grads(self.model, self.tp)  # under SP the norms'; the q/k norms' always
         elif self.impl == "native":
             from torch.distributed.tensor.parallel import loss_parallel
 
@@ -97,6 +101,7 @@ class Run:
                 loss = F.cross_entropy(self.model(ids).flatten(0, 1), labels.flatten())
                 loss.backward()
             loss = loss.full_tensor()
+            all_reduce_sp_grads(self.model, self.tp)  # the q/k norms' (DTensor sums the rest)
         else:
             loss = F.cross_entropy(self.model(ids).flatten(0, 1), labels.flatten())
             loss.backward()
@@ -129,9 +134,10 @@ def _close(got, want, what: str) -> None:
                                        msg=lambda m, key=key: f"{what} {key}: {m}")
 
 
-def _check_case(impl: str, fused: bool, sp: bool, norm_first: bool, tp: TPGroup, mesh, tmp: Path) -> None:
-    case = f"{impl} fused_qkv={fused} sp={sp} norm_first={norm_first}"
-    args = _args(fused, norm_first)
+def _check_case(impl: str, fused: bool, sp: bool, norm_first: bool, shape: str, tp: TPGroup, mesh, tmp: Path
+                ) -> None:
+    case = f"{shape} {impl} fused_qkv={fused} sp={sp} norm_first={norm_first}"
+    args = _args(fused, norm_first, shape)
     ref = Run(args, seed=0)
     ref_losses = [ref.step(), ref.step()]
     ref_model2, ref_optim2 = ref.full_state()
@@ -144,7 +150,7 @@ def _check_case(impl: str, fused: bool, sp: bool, norm_first: bool, tp: TPGroup,
     if tp.rank == 0:  # (a)
         _close(model_state, ref_model2, f"{case} (a) model")
         _close(optim_state, ref_optim2, f"{case} (a) optimizer")
-        assert model_state["lm_head.weight"] is model_state["embed.weight"], case
+        assert (model_state["lm_head.weight"] is model_state["embed.weight"]) == args.tie_embeddings, case
         write_portable(tmp / "portable", model_state, optim_state, {})
     else:
         assert model_state is None and optim_state is None, case
@@ -173,8 +179,8 @@ def _cases(rank: int, tmp: Path) -> None:
 
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
     tp = TPGroup(mesh.get_group())
-    for k, case in enumerate(CASES):
-        _check_case(*case, tp, mesh, tmp / f"case{k}")
+    for k, (impl, fused, sp, norm_first, *shape) in enumerate(CASES):
+        _check_case(impl, fused, sp, norm_first, *(shape or ["paper"]), tp, mesh, tmp / f"case{k}")
 
 
 def test_tp_checkpoint_is_the_one_process_checkpoint(tmp_path: Path) -> None:

@@ -36,11 +36,17 @@ B, V, D_MODEL, N_LAYERS, PAD = 2, 32, 16, 2, 0
 LENGTHS = [(7, 5), (8, 6), (6, 8)]  # (source, target) of each step; the first is padded to (8, 6) under SP
 CASES = [(impl, sp, norm_first, fused) for impl in ("scratch", "native") for sp in (False, True)
          for norm_first, fused in ((False, True), (True, False))]
+# Qwen 3-shaped stacks (grouped-query attention, q/k norm, head_dim 8, RMSNorm, RoPE, SwiGLU): the cross-attention's
+# K, V of the memory through the fused projection of unequal parts, on DTensor's path the hand-written layer
+CASES += [("native", True, True, True, "qwen3")]
+QWEN3 = {"norm": "rmsnorm", "position": "rope", "mlp": "swiglu", "n_kv_heads": 2, "bias": False, "qk_norm": True,
+         "head_dim": 8, "scale_embeddings": False, "tie_embeddings": False}
 
 
-def _args(norm_first: bool, fused: bool) -> TransformerArgs:
-    return TransformerArgs(vocab_size=V, d_model=D_MODEL, n_heads=4, n_layers=N_LAYERS, d_ff=32, dropout=0.0,
-                           max_len=8, norm_first=norm_first, fused_qkv=fused, tie_embeddings=fused, pad_id=PAD)
+def _args(norm_first: bool, fused: bool, shape: str = "paper") -> TransformerArgs:
+    return TransformerArgs(**{"vocab_size": V, "d_model": D_MODEL, "n_heads": 4, "n_layers": N_LAYERS, "d_ff": 32,
+                              "dropout": 0.0, "max_len": 8, "norm_first": norm_first, "fused_qkv": fused,
+                              "tie_embeddings": fused, "pad_id": PAD, **(QWEN3 if shape == "qwen3" else {})})
 
 
 def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -80,7 +86,7 @@ def _scratch_step(model, tp: TPGroup, sp: bool, batch, plan) -> tuple[float, dic
     return loss.item(), {n: unshard(n, p.grad, plan, tp) for n, p in model.named_parameters()}
 
 
-def _native_step(model, batch) -> tuple[float, dict[str, torch.Tensor]]:
+def _native_step(model, tp: TPGroup, batch, plan) -> tuple[float, dict[str, torch.Tensor]]:
     from torch.distributed.tensor.parallel import loss_parallel
 
     src, tgt, labels = batch
@@ -88,7 +94,9 @@ def _native_step(model, batch) -> tuple[float, dict[str, torch.Tensor]]:
         loss = F.cross_entropy(model(src, tgt).flatten(0, 1), labels.flatten(), ignore_index=-100)
         loss.backward()
     loss = loss.full_tensor() if hasattr(loss, "full_tensor") else loss
-    return loss.item(), {n: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+    all_reduce_sp_grads(model, tp)  # the q/k norms' partial sums (DTensor sums the rest)
+    # plain tensors: replicated, or a fused QKV of unequal parts kept as hand-written slices
+    return loss.item(), {n: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else unshard(n, p.grad, plan, tp)
                          for n, p in model.named_parameters()}
 
 
@@ -113,7 +121,8 @@ def _tensor_parallel(args: TransformerArgs, impl: str, sp: bool, tp: TPGroup, me
     for step in range(len(LENGTHS)):
         tp.stats.reset()
         batch = _batch(step)
-        out.append(_scratch_step(model, tp, sp, batch, plan) if impl == "scratch" else _native_step(model, batch))
+        out.append(_scratch_step(model, tp, sp, batch, plan) if impl == "scratch"
+                   else _native_step(model, tp, batch, plan))
         if impl == "scratch" and step == 1 and args.fused_qkv:
             want = _volume(sp)
             assert (tp.stats.calls, tp.stats.bytes) == (want["calls"], want["bytes"]), (sp, tp.stats.by_op)
@@ -124,9 +133,9 @@ def _tensor_parallel(args: TransformerArgs, impl: str, sp: bool, tp: TPGroup, me
 
 def _cases(rank: int, tmp: Path) -> None:
     mesh, tp = tp_mesh()
-    for impl, sp, norm_first, fused in CASES:
-        case = f"{impl} sp={sp} norm_first={norm_first} fused_qkv={fused}"
-        args = _args(norm_first, fused)
+    for impl, sp, norm_first, fused, *shape in CASES:
+        case = f"{shape} {impl} sp={sp} norm_first={norm_first} fused_qkv={fused}"
+        args = _args(norm_first, fused, *shape)
         for step, ((ref_loss, ref_grads), (loss, grads)) in enumerate(
                 zip(_reference(args), _tensor_parallel(args, impl, sp, tp, mesh)), start=1):
             assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss), (case, step, loss, ref_loss)

@@ -18,6 +18,7 @@ from torch_handle.parallel.tensor.cross_entropy import IGNORE_INDEX, vocab_paral
 from torch_handle.parallel.tensor.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                                  all_reduce_sp_grads, mark_sequence_parallel)
 from torch_handle.parallel.tensor.mappings import TPGroup, gather_sequence, split_to_sp
+from torch_handle.parallel.tensor.plan import Stacked, shard, unshard
 
 from tests.helpers import run_on_gloo
 
@@ -84,6 +85,25 @@ def check_fused_qkv(tp: TPGroup) -> None:
         torch.testing.assert_close(part, full.chunk(tp.size, dim=-1)[tp.rank])
 
 
+def check_fused_gqa(tp: TPGroup) -> None:
+    """Grouped-query attention's fused projection, parts of unequal widths (4 query heads, 2 key/value heads of
+    width 4): each rank keeps its slice of each part, the query heads of its key/value heads, and a call with
+    ``parts=`` (cross-attention) computes the selected parts of that slice; unshard puts the one-process weight back."""
+    torch.manual_seed(1)
+    parts = (16, 8, 8)
+    qkv = nn.Linear(H, sum(parts))
+    x = torch.randn(B, S, H)
+    local = ColumnParallelLinear.from_linear(qkv, tp, parts=parts)
+    assert local.local_parts == (8, 4, 4)
+    mine = [full.chunk(tp.size, dim=-1)[tp.rank] for full in qkv(x).split(parts, dim=-1)]
+    for got, want in zip(local(x).split(local.local_parts, dim=-1), mine):
+        torch.testing.assert_close(got, want)
+    torch.testing.assert_close(local(x, parts=slice(1, 3)), torch.cat(mine[1:], dim=-1))
+    plan = {"qkv": Stacked(parts)}
+    torch.testing.assert_close(unshard("qkv.weight", local.weight.detach(), plan, tp), qkv.weight.detach())
+    torch.testing.assert_close(shard("qkv.bias", qkv.bias.detach(), plan, tp), local.bias.detach())
+
+
 def check_embedding_and_loss(tp: TPGroup, eps: float) -> None:
     """Vocabulary-parallel embedding and cross-entropy (ignore_index, label smoothing) equal the one-process ones."""
     torch.manual_seed(2)
@@ -114,6 +134,7 @@ def _checks(rank: int, tmp: Path) -> None:
     check_mlp(tp, sequence_parallel=False)
     check_mlp(tp, sequence_parallel=True)
     check_fused_qkv(tp)
+    check_fused_gqa(tp)
     check_embedding_and_loss(tp, eps=0.0)
     check_embedding_and_loss(tp, eps=0.1)
 

@@ -16,12 +16,12 @@ from torch_handle.config.loader import load_preset
 from torch_handle.model.args import TransformerArgs
 from torch_handle.model.parallelize import tensor_parallel_plan
 from torch_handle.model.transformer import DecoderLM
-from torch_handle.parallel.tensor.plan import Style
+from torch_handle.parallel.tensor.plan import Stacked, Style
 from torch_handle.plan import estimate as E
 from torch_handle.plan.estimate_model import ModelBuild, ModelShape, build_model, model_build
 from torch_handle.registry import get_registry
 
-SPLIT_ROWS = (Style.COLWISE, Style.COLWISE_QKV, Style.VOCAB_EMBED, Style.VOCAB_HEAD)
+SPLIT_ROWS = (Style.COLWISE, Style.VOCAB_EMBED, Style.VOCAB_HEAD)
 
 
 def _args(**overrides) -> TransformerArgs:
@@ -37,7 +37,7 @@ def _by_hand(model: torch.nn.Module, tp: int) -> tuple[ModelShape, int]:
     for name, p in model.named_parameters():  # tied weights once
         module, _, kind = name.rpartition(".")
         style = plan.get(module)
-        if style in SPLIT_ROWS:  # weight and bias split over output rows
+        if style in SPLIT_ROWS or isinstance(style, Stacked):  # weight and bias split over output rows
             numels.append(p.numel() // tp)
             dim0.append(p.shape[0] // tp)
         elif style is Style.ROWWISE and kind == "weight":  # split over input columns
@@ -68,6 +68,20 @@ def test_the_split_model_is_the_plan_counted_by_hand(fused_qkv, norm_first, tie)
     # LayerNorms (2 per layer, + the final one pre-LN) and the two row-parallel biases per layer stay whole
     assert replicated == args.n_layers * (2 * 2 + 2) * args.d_model + (2 * args.d_model if norm_first else 0)
     assert shard.n_params == (whole.n_params - replicated) // 2 + replicated
+
+
+def test_a_qwen3_shaped_split_is_the_plan_counted_by_hand():
+    """Grouped-query attention's fused QKV (4 query heads of width 8, 2 key/value heads) is split part by part, the
+    SwiGLU's gate and up by rows and down by columns; the RMSNorms and the per-head q/k norms stay whole."""
+    args = _args(norm="rmsnorm", position="rope", mlp="swiglu", n_kv_heads=2, head_dim=8, qk_norm=True, bias=False,
+                 tie_embeddings=False)
+    with torch.device("meta"):
+        one_process = DecoderLM(args)
+        shard = ModelShape.of(build_model(ModelBuild(lambda *_: DecoderLM(args), None, 512, 0, 32, "lm", tp=2)))
+    hand, replicated = _by_hand(one_process, 2)
+    assert shard == hand
+    assert replicated == args.n_layers * (2 * args.d_model + 2 * 8) + args.d_model
+    assert (4 + 2 * 2) * 8 * args.d_model // 2 in shard.numels  # this rank's [Q_r; K_r; V_r]
 
 
 def test_model_states_with_tp_2_are_the_shard_and_halve(tmp_path):

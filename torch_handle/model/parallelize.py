@@ -92,14 +92,21 @@ def tensor_parallel_plan(model: Any) -> dict[str, Any]:
     """The tensor-parallel plan of the project's decoder or encoder-decoder (Megatron's layout, Shoeybi et al. 2019
     §3): module name -> :class:`torch_handle.parallel.tensor.plan.Style`.
 
-    In each block, Q, K and V (or the fused QKV, split per head group) are column-parallel and the attention's
-    output projection row-parallel, so each rank attends with n_heads/tp whole heads; the FFN's first linear is
-    column-parallel and its second row-parallel (d_ff/tp hidden units per rank). The encoder-decoder's
+    In each block, Q, K and V (or the fused QKV, each of its parts split on its own: ``Stacked``) are
+    column-parallel and the attention's output projection row-parallel, so each rank attends with n_heads/tp whole
+    query heads and n_kv_heads/tp whole key/value heads; as query head h reads key/value head h // (n_heads /
+    n_kv_heads), rank r's query heads are exactly those of its key/value heads (grouped-query attention needs
+    n_kv_heads % tp == 0: :func:`tensor_parallel_problems`). The per-head q/k norms (``qk_norm``) are replicated and
+    act on the rank's own heads, no communication (``HEAD_NORM``: their gradients are summed over the TP group).
+    RoPE rotates each head by the positions of the whole sequence: attention always sees all of it. The FFN's first
+    linear (SwiGLU: its gate and up projections) is column-parallel and its second (down) row-parallel (d_ff/tp
+    hidden units per rank: SiLU(gate)·up is elementwise, so each rank's units need nothing else). The norms
+    (LayerNorm or RMSNorm) are replicated. The encoder-decoder's
     cross-attention is split the same way: Q from the decoder state and K, V from the encoder memory are
     column-parallel (two calls of the one fused projection), so the memory enters the TP region of every decoder
     block, gathered along the sequence under sequence parallelism. The token embedding (shared by source and target)
     and the LM head are split over the vocabulary (the loss is vocabulary-parallel: the logits are never gathered).
-    Under sequence parallelism the LayerNorms and the embedding and residual dropouts run on 1/tp of the sequence,
+    Under sequence parallelism the norms and the embedding and residual dropouts run on 1/tp of the sequence,
     from the positional encoding on (the encoder's and the decoder's; the dropouts draw the one-process masks:
     ``Style.DROPOUT``).
 
@@ -107,7 +114,7 @@ def tensor_parallel_plan(model: Any) -> dict[str, Any]:
         ValueError: one line, for a model without a plan (one that is not ``DecoderLM`` or ``EncoderDecoder``).
     """
     from torch_handle.model.transformer import DecoderLM, EncoderDecoder
-    from torch_handle.parallel.tensor.plan import Style
+    from torch_handle.parallel.tensor.plan import Stacked, Style
 
     if isinstance(model, DecoderLM):
         stacks, final_norms = {"layers": model.layers}, ["final_norm"]
@@ -126,12 +133,15 @@ def tensor_parallel_plan(model: Any) -> dict[str, Any]:
                 if attn is None:
                     continue
                 if attn.fused_qkv:
-                    plan[f"{prefix}.{name}.qkv_proj"] = Style.COLWISE_QKV
+                    plan[f"{prefix}.{name}.qkv_proj"] = Stacked(attn.qkv_proj.part_features)
                 else:
                     plan.update({f"{prefix}.{name}.{p}_proj": Style.COLWISE for p in "qkv"})
                 plan[f"{prefix}.{name}.out_proj"] = Style.ROWWISE
-            plan[f"{prefix}.ff.linear1"] = Style.COLWISE
-            plan[f"{prefix}.ff.linear2"] = Style.ROWWISE
+                plan.update({f"{prefix}.{name}.{norm}": Style.HEAD_NORM for norm in ("q_norm", "k_norm")
+                             if getattr(attn, norm, None) is not None})
+            ff = ("gate_proj", "up_proj", "down_proj") if hasattr(layer.ff, "gate_proj") else ("linear1", "linear2")
+            plan.update({f"{prefix}.ff.{linear}": Style.COLWISE for linear in ff[:-1]})
+            plan[f"{prefix}.ff.{ff[-1]}"] = Style.ROWWISE
             plan.update({f"{prefix}.{norm}": Style.NORM for norm in ("self_attn_norm", "cross_attn_norm", "ff_norm")
                          if getattr(layer, norm, None) is not None})
             plan[f"{prefix}.dropout"] = Style.DROPOUT
@@ -143,15 +153,15 @@ def tensor_parallel_plan(model: Any) -> dict[str, Any]:
 
 def replicated_numel(model: Any) -> int:
     """Elements of the parameters a tensor-parallel split of ``model`` keeps whole on every TP rank: those of the
-    plan's NORM modules and the biases of its ROWWISE linears (what sequence parallelism all-reduces once a step,
-    :func:`torch_handle.parallel.tensor.layers.all_reduce_sp_grads`). Raises ValueError for a model without a
-    plan."""
+    plan's NORM and HEAD_NORM modules and the biases of its ROWWISE linears (what sequence parallelism all-reduces
+    once a step, :func:`torch_handle.parallel.tensor.layers.all_reduce_sp_grads`). Raises ValueError for a model
+    without a plan."""
     from torch_handle.parallel.tensor.plan import Style
 
     n = 0
     for name, style in tensor_parallel_plan(model).items():
         module = model.get_submodule(name)
-        if style is Style.NORM:
+        if style is Style.NORM or style is Style.HEAD_NORM:
             n += sum(p.numel() for p in module.parameters())
         elif style is Style.ROWWISE and module.bias is not None:
             n += module.bias.numel()
@@ -169,10 +179,21 @@ def tensor_parallel_problems(args: Any, tp: int, *, vocab_size: int | None, seq_
 
 
 def width_problems(args: Any, tp: int) -> list[tuple[str, str]]:
-    """The model's widths that ``tp`` ranks cannot split evenly (``n_heads``, ``d_ff``), as (key, message) pairs."""
+    """The model's widths that ``tp`` ranks cannot split evenly (``n_heads``, ``n_kv_heads``, ``d_ff``), as (key,
+    message) pairs.
+
+    Grouped-query attention with n_kv_heads not divisible by tp is refused, naming the tp that work (the divisors of
+    n_kv_heads), rather than each rank keeping copies of the key/value heads its query heads need (Megatron-LM's
+    answer when tp > n_kv_heads): the copies would be replicated parameters whose gradients must be summed across the
+    ranks sharing them, for a layout that only pays off with more ranks than key/value heads."""
     out = []
     if args.n_heads % tp:
         out.append(("n_heads", f"{args.n_heads} is not divisible by parallel.tp = {tp} (each rank takes whole heads)"))
+    n_kv_heads = getattr(args, "n_kv_heads", None)
+    if n_kv_heads and n_kv_heads % tp and not args.n_heads % tp:
+        valid = ", ".join(str(d) for d in range(1, n_kv_heads + 1) if n_kv_heads % d == 0)
+        out.append(("n_kv_heads", f"{n_kv_heads} is not divisible by parallel.tp = {tp} (each rank takes whole "
+                                  f"key/value heads; tp may be {valid})"))
     if args.d_ff % tp:
         out.append(("d_ff", f"{args.d_ff} is not divisible by parallel.tp = {tp}"))
     return out

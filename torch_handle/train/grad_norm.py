@@ -27,9 +27,9 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 
 def split_over(p: torch.Tensor) -> tuple[bool, bool]:
-    """Whether the DTensor ``p`` is split over the data-parallel ranks (FSDP) and over the TP ranks (native TP);
-    ``(False, False)`` for a plain tensor. A hand-written TP shard is a plain tensor (or FSDP's DTensor over dp):
-    the plan says it is split (:func:`~torch_handle.parallel.tensor.plan.split_rule`)."""
+    """Whether the DTensor ``p`` (a parameter or its gradient) is split over the data-parallel ranks (FSDP) and over
+    the TP ranks (native TP); ``(False, False)`` for a plain tensor. A hand-written TP shard is a plain tensor (or
+    FSDP's DTensor over dp): the plan says it is split (:func:`~torch_handle.parallel.tensor.plan.split_rule`)."""
     from torch.distributed.tensor.placement_types import _StridedShard
 
     over = {"dp": False, "tp": False}
@@ -39,6 +39,18 @@ def split_over(p: torch.Tensor) -> tuple[bool, bool]:
         if placement.is_shard() or isinstance(placement, _StridedShard):
             over[dim_name] = True
     return over["dp"], over["tp"]
+
+
+def _summed(grad: torch.Tensor) -> torch.Tensor:
+    """A DTensor gradient with a Partial placement (a ``SequenceParallel`` norm's under DTensor sequence parallelism:
+    each TP rank's sum over its sequence shard) as the sum it stands for, Replicate there; a collective over those
+    mesh dimensions. Any other gradient as it is."""
+    placements = getattr(grad, "placements", ())
+    if not any(placement.is_partial() for placement in placements):
+        return grad
+    from torch.distributed.tensor import Replicate
+
+    return grad.redistribute(grad.device_mesh, [Replicate() if pl.is_partial() else pl for pl in placements])
 
 
 def mesh_grad_norm(named: Iterable[tuple[str, nn.Parameter]], mesh: Any, plan: Plan | None = None,
@@ -58,9 +70,14 @@ def mesh_grad_norm(named: Iterable[tuple[str, nn.Parameter]], mesh: Any, plan: P
     for name, p in named:
         if p.grad is None or name in exclude:
             continue
-        over_dp, over_tp = split_over(p)
-        over_tp = over_tp or (plan is not None and split_rule(name, plan) is not None)
-        sums[2 * over_dp + over_tp] += local(p.grad).detach().double().pow(2).sum()
+        # the gradient's own layout, not the parameter's: DTensor hands an untied vocabulary-parallel embedding
+        # (Shard(0)) a Replicate gradient, the whole of it on every TP rank
+        grad = _summed(p.grad)
+        over_dp, over_tp = split_over(grad)
+        if plan is not None and "tp" not in (getattr(getattr(grad, "device_mesh", None), "mesh_dim_names", None)
+                                             or ()):  # a hand-written slice, plain or under FSDP's "dp" DTensor
+            over_tp = split_rule(name, plan) is not None
+        sums[2 * over_dp + over_tp] += local(grad).detach().double().pow(2).sum()
     dist.all_reduce(sums[1:2], group=mesh["tp"].get_group())  # outside the counted step traffic: scalars
     dist.all_reduce(sums[2:3], group=mesh["dp"].get_group())
     dist.all_reduce(sums[3:4])  # every rank holds a different part (and every stage different parameters)

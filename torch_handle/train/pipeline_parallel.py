@@ -260,7 +260,7 @@ class PipelineParallel:
                 if name in self.tied or name in self.tied.values():
                     dist.all_reduce(local(p.grad), group=self._tie_group)
         if self.tp is not None:
-            self.tp.sync_sequence_parallel_grads(named)
+            self.tp.sync_partial_grads(named)
         plan = self.tp.plan if self.tp is not None and self.tp.impl == "scratch" else None
         norm = mesh_grad_norm(named, self.ctx.mesh, plan, exclude=self.tied, pp_group=self.group)
         clip_((p for _, p in named), norm, max_norm)

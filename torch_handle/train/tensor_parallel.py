@@ -26,7 +26,7 @@ from torch_handle.parallel.tensor.checkpoint import full_model_state, full_optim
 from torch_handle.parallel.tensor.cross_entropy import vocab_parallel_cross_entropy
 from torch_handle.parallel.tensor.layers import all_reduce_grads
 from torch_handle.parallel.tensor.mappings import TPGroup
-from torch_handle.parallel.tensor.plan import sequence_parallel_grad
+from torch_handle.parallel.tensor.plan import partial_grad
 from torch_handle.train.grad_norm import clip_, local, mesh_grad_norm
 from torch_handle.train.strategy import DistContext
 
@@ -127,21 +127,23 @@ class TensorParallel:
         self.tp.stats.reset()
 
     def before_step(self, max_norm: float) -> float:
-        """After the last backward of a step, before the strategy's optimizer step: sum the sequence-parallel
-        gradients over the TP group (scratch), then clip every gradient by the norm over the whole model (each split
+        """After the last backward of a step, before the strategy's optimizer step: sum the partial gradients over
+        the TP group (:meth:`sync_partial_grads`), then clip every gradient by the norm over the whole model (each split
         gradient's square summed over the TP group, each replicated one counted once). Returns that norm, before
         clipping; the strategy's own clip then finds nothing above ``max_norm``."""
         named = [(n, p) for n, p in self.strategy.unwrapped().named_parameters() if p.grad is not None]
-        self.sync_sequence_parallel_grads(named)
+        self.sync_partial_grads(named)
         norm = mesh_grad_norm(named, self.ctx.mesh, self.plan)
         clip_((p for _, p in named), norm, max_norm)
         return norm
 
-    def sync_sequence_parallel_grads(self, named: list[tuple[str, nn.Parameter]]) -> None:
-        """Sum the sequence-parallel gradients (replicated norms' partial sums over the sequence shards) over the TP
-        group: the hand-written path's part of :meth:`before_step` (by name: FSDP's parameters are new tensors)."""
-        if self.impl == "scratch" and self.sequence_parallel:
-            all_reduce_grads([local(p.grad) for n, p in named if sequence_parallel_grad(n, self.plan)], self.tp)
+    def sync_partial_grads(self, named: list[tuple[str, nn.Parameter]]) -> None:
+        """Sum over the TP group, in one all-reduce, the gradients of replicated parameters that are partial sums
+        (:func:`~torch_handle.parallel.tensor.plan.partial_grad`): under sequence parallelism the norms' and the
+        row-parallel biases' (hand-written path; DTensor sums its own), and the per-head q/k norms' (both paths).
+        Part of :meth:`before_step`; by name, since FSDP's parameters are new tensors."""
+        sp = self.impl == "scratch" and self.sequence_parallel
+        all_reduce_grads([local(p.grad) for n, p in named if partial_grad(n, self.plan, sp)], self.tp)
 
     def step_stats(self) -> dict[str, Any]:
         """The layout, and for the hand-written path this step's TP collectives: ``tp_comm_calls``,

@@ -32,6 +32,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from torch_handle.errors import CheckpointError
+from torch_handle.parallel.tensor.mappings import TPGroup
 from torch_handle.parallel.tensor.plan import Plan, shard, unshard
 
 StateByName = dict[str, dict[str, Tensor]]
@@ -45,6 +46,16 @@ def _check(impl: str) -> None:
 
 def _tp_rank(impl: str, tp: Any) -> int:
     return tp.rank if impl == "scratch" else tp.get_local_rank()
+
+
+def _split_by_hand(impl: str, value: Tensor, tp: Any) -> TPGroup | None:
+    """The TP group when ``value`` holds its TP slice as a plain tensor (the hand-written path's parameters, and on
+    the native path a fused QKV of unequal parts: :func:`~torch_handle.parallel.tensor.plan.apply_native`), possibly
+    under FSDP's DTensor over "dp"; None for a DTensor that carries its TP layout."""
+    if impl == "scratch":
+        return tp
+    mesh = value.device_mesh if isinstance(value, DTensor) else None
+    return None if mesh is not None and "tp" in (mesh.mesh_dim_names or ()) else TPGroup(tp.get_group())
 
 
 def _fsdp_over_tp(t: Any) -> bool:
@@ -91,8 +102,9 @@ def _full(name: str, value: Tensor, impl: str, plan: Plan, tp: Any) -> Tensor:
         if _fsdp_over_tp(value):
             return _gather_fsdp_over_tp(value).detach().to("cpu", copy=True)
         full = value.full_tensor() if isinstance(value, DTensor) else value  # native, or FSDP over scratch
-        if impl == "scratch" and full.dim() > 0:
-            full = unshard(name, full, plan, tp)
+        by_hand = _split_by_hand(impl, value, tp)
+        if by_hand is not None and full.dim() > 0:
+            full = unshard(name, full, plan, by_hand)
         return full.detach().to("cpu", copy=True)
 
 
@@ -102,8 +114,9 @@ def _local(name: str, full: Tensor, like: Tensor, impl: str, plan: Plan, tp: Any
     local = full.detach().to(like.device)
     if _fsdp_over_tp(like):
         return _slice_fsdp_over_tp(local, like)
-    if impl == "scratch" and local.dim() > 0:
-        local = shard(name, local, plan, tp)
+    by_hand = _split_by_hand(impl, like, tp)
+    if by_hand is not None and local.dim() > 0:
+        local = shard(name, local, plan, by_hand)
     if isinstance(like, DTensor):  # native, or FSDP over scratch
         local = distribute_tensor(local, like.device_mesh, like.placements, src_data_rank=None)
     return local

@@ -13,6 +13,8 @@ row-parallel linear) and one backward (``f`` before the column-parallel ones).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -24,9 +26,11 @@ SHARD_ATTR = "tensor_parallel_shard"
 """Set on a parameter of which this rank holds a slice (the weight of a column- or row-parallel linear, the bias of
 a column-parallel one, the vocabulary-parallel table): its gradient norm is a sum over the TP group."""
 SP_GRAD_ATTR = "sequence_parallel_grad"
-"""Set on a parameter whose gradient is a partial sum over the sequence shards of the TP group (LayerNorm weights
-and the bias of a row-parallel linear under sequence parallelism): :func:`all_reduce_sp_grads` must sum it over
-the TP group before the optimizer step, or each rank steps with the gradient of its 1/tp of the tokens."""
+"""Set on a parameter whose gradient is a partial sum over the TP group: over the sequence shards (LayerNorm weights
+and the bias of a row-parallel linear under sequence parallelism), or over the heads (a per-head q/k norm, which
+each rank applies to its own heads, with or without sequence parallelism): :func:`all_reduce_sp_grads` must sum it
+over the TP group before the optimizer step, or each rank steps with the gradient of its share of the tokens or
+heads."""
 
 
 def _shard(t: Tensor) -> nn.Parameter:
@@ -35,14 +39,22 @@ def _shard(t: Tensor) -> nn.Parameter:
     return p
 
 
-def shard_along(full: Tensor, tp: TPGroup, dim: int, parts: int = 1) -> Tensor:
+def shard_along(full: Tensor, tp: TPGroup, dim: int, parts: int | Sequence[int] = 1) -> Tensor:
     """Rank ``tp.rank``'s slice of ``full`` along ``dim``, a new contiguous tensor: the one slicing rule of every
     layer here and of checkpoint loading (:func:`~torch_handle.parallel.tensor.plan.shard`).
 
-    ``parts`` > 1 when ``full`` is that many equal blocks stacked along ``dim`` (3 for a fused [Q; K; V] weight
-    (3·C, C) or bias (3·C,)): the rank keeps its slice of every block, so that it holds whole heads of Q, K and V
-    (Megatron's per-group layout; torchtitan's FusedQKVLinear). Shape: ``full``'s with ``dim`` divided by tp."""
-    return torch.cat([tp.split(block, dim) for block in full.detach().chunk(parts, dim=dim)], dim=dim)
+    ``parts`` when ``full`` is several blocks stacked along ``dim``: their number when they are equal (3 for a fused
+    [Q; K; V] weight (3·C, C) or bias (3·C,)), or their sizes (grouped-query attention: (H·d_k, H_kv·d_k,
+    H_kv·d_k)). The rank keeps its slice of every block, so that it holds whole heads of Q, K and V (Megatron's
+    per-group layout; torchtitan's FusedQKVLinear). Shape: ``full``'s with ``dim`` divided by tp."""
+    full = full.detach()
+    blocks = full.split(list(parts), dim=dim) if isinstance(parts, Sequence) else full.chunk(parts, dim=dim)
+    return torch.cat([tp.split(block, dim) for block in blocks], dim=dim)
+
+
+def _part_sizes(out_features: int, parts: int | Sequence[int]) -> tuple[int, ...]:
+    """The output features of each stacked part: ``parts`` itself, or ``parts`` equal shares of out_features."""
+    return tuple(parts) if isinstance(parts, Sequence) else (out_features // parts,) * parts
 
 
 class ColumnParallelLinear(nn.Module):
@@ -52,38 +64,46 @@ class ColumnParallelLinear(nn.Module):
     here). Output: (b, s, h_out/tp), this rank's features, never gathered (the next layer is row-parallel or the
     vocabulary-parallel loss). weight (h_out/tp, h_in), bias (h_out/tp,) or None.
 
-    ``parts`` > 1 when the output is several projections stacked (fused QKV: 3): each part is split on its own,
-    and ``forward(x, parts=slice(i, j))`` computes only parts i..j-1 of this rank's slice, (b, s, (j - i)·h_out/
-    (parts·tp)) (the model's ``StackedLinear``: a cross-attention's Q of the decoder state, K and V of the memory).
+    ``parts`` when the output is several projections stacked: their number when equal (fused QKV: 3), else their
+    output features (fused QKV with grouped-query attention: (H·d_k, H_kv·d_k, H_kv·d_k)). Each part is split on
+    its own, and ``forward(x, parts=slice(i, j))`` computes only parts i..j-1 of this rank's slice, (b, s, their
+    features / tp) (the model's ``StackedLinear``: a cross-attention's Q of the decoder state, K and V of the
+    memory). ``local_parts``: this rank's features of each part.
     """
 
     def __init__(self, weight: Tensor, bias: Tensor | None, tp: TPGroup, *, sequence_parallel: bool = False,
-                 parts: int = 1) -> None:
+                 parts: int | Sequence[int] = 1) -> None:
         super().__init__()
-        self.tp, self.sequence_parallel, self.parts = tp, sequence_parallel, parts
+        self.tp, self.sequence_parallel = tp, sequence_parallel
+        self.local_parts = _part_sizes(weight.shape[0], parts)
         self.weight = _shard(weight)
         self.bias = None if bias is None else _shard(bias)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, tp: TPGroup, *, sequence_parallel: bool = False,
-                    parts: int = 1) -> ColumnParallelLinear:
-        """Raises ValueError when ``out_features`` is not divisible by parts · tp."""
-        if linear.out_features % (parts * tp.size):
-            raise ValueError(f"out_features {linear.out_features} is not divisible by {parts} x tp {tp.size}")
+                    parts: int | Sequence[int] = 1) -> ColumnParallelLinear:
+        """Raises ValueError when a part's output features (``out_features`` / parts when equal) are not divisible
+        by tp, or the part sizes do not add up to ``out_features``."""
+        sizes = _part_sizes(linear.out_features, parts)
+        if sum(sizes) != linear.out_features or any(size % tp.size for size in sizes):
+            raise ValueError(f"parts {sizes} are not each divisible by tp {tp.size}" if isinstance(parts, Sequence)
+                             else f"out_features {linear.out_features} is not divisible by {parts} x tp {tp.size}")
         bias = None if linear.bias is None else shard_along(linear.bias, tp, 0, parts)
-        return cls(shard_along(linear.weight, tp, 0, parts), bias, tp,
-                   sequence_parallel=sequence_parallel, parts=parts)
+        return cls(shard_along(linear.weight, tp, 0, parts), bias, tp, sequence_parallel=sequence_parallel,
+                   parts=[size // tp.size for size in sizes])
 
     def forward(self, x: Tensor, parts: slice | None = None) -> Tensor:
         x = gather_from_sp(x, self.tp) if self.sequence_parallel else copy_to_tp(x, self.tp)
         weight, bias = self.weight, self.bias
-        if parts is not None:  # local [A_0,r; A_1,r; ...]: this rank's rows of each part, a view of the selected
-            weight = weight.unflatten(0, (self.parts, -1))[parts].flatten(0, 1)
-            bias = None if bias is None else bias.unflatten(0, (self.parts, -1))[parts].flatten(0, 1)
+        if parts is not None:  # local [A_0,r; A_1,r; ...]: this rank's rows of each part, the selected ones' a view
+            start, stop, _ = parts.indices(len(self.local_parts))
+            offset, rows = sum(self.local_parts[:start]), sum(self.local_parts[start:stop])
+            weight = weight.narrow(0, offset, rows)
+            bias = None if bias is None else bias.narrow(0, offset, rows)
         return F.linear(x, weight, bias)
 
     def extra_repr(self) -> str:
-        return (f"local {tuple(self.weight.shape)}, tp={self.tp.size}, parts={self.parts}, "
+        return (f"local {tuple(self.weight.shape)}, tp={self.tp.size}, parts={self.local_parts}, "
                 f"sequence_parallel={self.sequence_parallel}")
 
 

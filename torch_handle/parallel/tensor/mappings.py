@@ -88,16 +88,20 @@ class TPGroup:
         return x
 
     def all_gather(self, x: Tensor, dim: int) -> Tensor:
-        """Concatenation along ``dim`` of every rank's ``x`` (all the same shape), in rank order."""
+        """Concatenation along ``dim`` of every rank's ``x`` (all the same shape), in rank order, contiguous (as
+        :meth:`reduce_scatter`'s result)."""
         moved = x.movedim(dim, 0).contiguous()  # gather along dim 0, the layout all_gather_into_tensor fills
         out = torch.empty((self.size * moved.shape[0], *moved.shape[1:]), dtype=x.dtype, device=x.device)
         start = time.perf_counter()
         _all_gather_single(out, moved, group=self.group)
         self.stats.record("all_gather", out.numel() * out.element_size(), time.perf_counter() - start)
-        return out.movedim(0, dim)
+        return out.movedim(0, dim).contiguous()
 
     def reduce_scatter(self, x: Tensor, dim: int) -> Tensor:
-        """This rank's 1/size slice along ``dim`` of the sum over the group of ``x``."""
+        """This rank's 1/size slice along ``dim`` of the sum over the group of ``x``, contiguous: the collective
+        fills dim 0, and a strided view would travel on (a bias-free block's residual stream, the gradient a pipeline
+        stage sends back: torch's schedules receive it into a buffer with the sender's strides, and gloo receives
+        only into contiguous tensors)."""
         if x.shape[dim] % self.size:
             raise ValueError(f"reduce_scatter: dimension {dim} of size {x.shape[dim]} is not divisible by {self.size}")
         moved = x.movedim(dim, 0).contiguous()
@@ -105,7 +109,7 @@ class TPGroup:
         start = time.perf_counter()
         _reduce_scatter_single(out, moved, group=self.group)
         self.stats.record("reduce_scatter", moved.numel() * moved.element_size(), time.perf_counter() - start)
-        return out.movedim(0, dim)
+        return out.movedim(0, dim).contiguous()
 
     def split(self, x: Tensor, dim: int) -> Tensor:
         """This rank's slice of ``x`` along ``dim`` (no communication)."""

@@ -9,14 +9,25 @@ either can be checked against the other and both against the one-process model:
 style              by hand                               native (torch.distributed.tensor.parallel)
 =================  ====================================  ===============================================
 ``COLWISE``        ColumnParallelLinear                  ColwiseParallel
-``COLWISE_QKV``    ColumnParallelLinear(parts=3)         ColwiseParallel, weight as _StridedShard(0, 3)
+``Stacked(parts)`` ColumnParallelLinear(parts=parts)      equal parts: ColwiseParallel, weight as
+                                                         _StridedShard(0, n); unequal: the hand-written layer
 ``ROWWISE``        RowParallelLinear                     RowwiseParallel
 ``VOCAB_EMBED``    VocabParallelEmbedding                RowwiseParallel(input_layouts=Replicate())
 ``VOCAB_HEAD``     ColumnParallelLinear, local logits    ColwiseParallel(output Shard(-1)) + loss_parallel
 ``NORM``           (SP) grads all-reduced over TP        (SP) SequenceParallel
 ``TO_SEQUENCE``    (SP) output split along the sequence  (SP) PrepareModuleOutput(Replicate -> Shard(1))
 ``DROPOUT``        (SP) SequenceParallelDropout          (SP) SequenceParallelDropout
+``HEAD_NORM``      grads all-reduced over TP             grads all-reduced over TP
 =================  ====================================  ===============================================
+
+``Stacked`` is a fused projection, several column-parallel outputs in one weight (the attention's [W_q; W_k; W_v]):
+each part is split on its own, so every rank keeps whole heads of each. With grouped-query attention the parts
+differ in size (H·d_k rows of Q, H_kv·d_k of K and of V), and no DTensor placement describes "slice r of each of
+three unequal blocks" (``_StridedShard`` needs equal blocks), so the native path uses the hand-written
+``ColumnParallelLinear`` for that one module: its parameters are plain tensors holding this rank's slice, as the
+hand-written path's are, and checkpoints and the gradient norm find them split by the plan (:func:`split_rule`).
+``HEAD_NORM`` is a norm applied to each head (Qwen 3's q/k norm): replicated, it sees only this rank's heads, so its
+gradient is a partial sum over the TP group with or without sequence parallelism (:func:`partial_grad`).
 
 ``NORM`` and ``TO_SEQUENCE`` act only under sequence parallelism: a module marked ``TO_SEQUENCE`` (the positional
 encoding: the last step on the whole sequence) hands its output over as this rank's 1/tp of the sequence, and the
@@ -26,6 +37,7 @@ this rank's slice: :mod:`torch_handle.parallel.tensor.random`).
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 
 import torch
@@ -45,16 +57,28 @@ from torch_handle.parallel.tensor.random import SequenceParallelDropout
 
 class Style(enum.Enum):
     COLWISE = "colwise"
-    COLWISE_QKV = "colwise_qkv"
     ROWWISE = "rowwise"
     VOCAB_EMBED = "vocab_embed"
     VOCAB_HEAD = "vocab_head"
     NORM = "norm"
     TO_SEQUENCE = "to_sequence"
     DROPOUT = "dropout"
+    HEAD_NORM = "head_norm"
 
 
-Plan = dict[str, Style]
+@dataclasses.dataclass(frozen=True)
+class Stacked:
+    """Column-parallel over projections stacked along the output of one Linear: ``parts`` are their output
+    features, in order (a fused QKV: (H·d_k, H_kv·d_k, H_kv·d_k)); each is split over the TP ranks on its own."""
+
+    parts: tuple[int, ...]
+
+    @property
+    def equal(self) -> bool:
+        return len(set(self.parts)) == 1
+
+
+Plan = dict[str, "Style | Stacked"]
 """Module name (as ``model.named_modules()`` gives it) -> how it is split."""
 
 
@@ -78,8 +102,9 @@ def apply_scratch(model: nn.Module, plan: Plan, tp: TPGroup, *, sequence_paralle
         try:
             if style is Style.COLWISE or style is Style.VOCAB_HEAD:
                 _set(model, name, ColumnParallelLinear.from_linear(module, tp, sequence_parallel=sp))
-            elif style is Style.COLWISE_QKV:
-                _set(model, name, ColumnParallelLinear.from_linear(module, tp, sequence_parallel=sp, parts=3))
+            elif isinstance(style, Stacked):
+                _set(model, name, ColumnParallelLinear.from_linear(module, tp, sequence_parallel=sp,
+                                                                   parts=style.parts))
             elif style is Style.ROWWISE:
                 _set(model, name, RowParallelLinear.from_linear(module, tp, sequence_parallel=sp))
             elif style is Style.VOCAB_EMBED:
@@ -90,6 +115,8 @@ def apply_scratch(model: nn.Module, plan: Plan, tp: TPGroup, *, sequence_paralle
                 module.register_forward_hook(lambda _m, _args, out: split_to_sp(out, tp))
             elif style is Style.DROPOUT and sp:
                 _set(model, name, SequenceParallelDropout(module, tp.rank, tp.size))
+            elif style is Style.HEAD_NORM:
+                mark_sequence_parallel(module)
         except ValueError as e:
             raise ValueError(f"{name}: {e}") from None
     return model
@@ -100,12 +127,14 @@ def apply_native(model: nn.Module, plan: Plan, tp_mesh: DeviceMesh, *, sequence_
     """``parallelize_module`` with the DTensor styles of ``plan``, in place; returns ``model``. Parameters become
     DTensors on ``tp_mesh``; activations between modules stay plain local tensors. The model's forward returns a
     DTensor of logits sharded over the vocabulary (Shard(-1)): compute the loss, and run backward, inside
-    ``torch.distributed.tensor.parallel.loss_parallel()``."""
+    ``torch.distributed.tensor.parallel.loss_parallel()``. A :class:`Stacked` projection of unequal parts is the
+    hand-written ``ColumnParallelLinear`` (plain local parameters; see the module docstring), and the parameters of a
+    ``HEAD_NORM`` stay plain tensors, flagged as :func:`apply_scratch` flags them: sum their gradients over the TP
+    group (:func:`~torch_handle.parallel.tensor.layers.all_reduce_sp_grads`) after each backward."""
     sp = sequence_parallel
     seq = Shard(1) if sp else Replicate()  # the layout between the TP regions
     styles = {
         Style.COLWISE: lambda: ColwiseParallel(input_layouts=seq),
-        Style.COLWISE_QKV: lambda: FusedColwiseParallel(parts=3, input_layouts=seq),
         Style.ROWWISE: lambda: RowwiseParallel(output_layouts=seq),
         Style.VOCAB_EMBED: lambda: RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
         Style.VOCAB_HEAD: lambda: ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1),
@@ -113,13 +142,18 @@ def apply_native(model: nn.Module, plan: Plan, tp_mesh: DeviceMesh, *, sequence_
         Style.NORM: lambda: SequenceParallel(use_local_output=True),
         Style.TO_SEQUENCE: lambda: PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1)),
     }
+    native, by_hand = {}, TPGroup(tp_mesh.get_group())
     for name, style in plan.items():
         if style is Style.DROPOUT and sp:
             _set(model, name, SequenceParallelDropout(model.get_submodule(name), tp_mesh.get_local_rank(),
                                                       tp_mesh.size()))
-    plan = {name: styles[style]() for name, style in plan.items()
-            if style is not Style.DROPOUT and (sp or style not in (Style.NORM, Style.TO_SEQUENCE))}
-    return parallelize_module(model, tp_mesh, plan)
+        elif isinstance(style, Stacked) and style.equal:
+            native[name] = FusedColwiseParallel(parts=len(style.parts), input_layouts=seq)
+        elif isinstance(style, Stacked) or style is Style.HEAD_NORM:
+            apply_scratch(model, {name: style}, by_hand, sequence_parallel=sp)
+        elif style is not Style.DROPOUT and (sp or style not in (Style.NORM, Style.TO_SEQUENCE)):
+            native[name] = styles[style]()
+    return parallelize_module(model, tp_mesh, native)
 
 
 class FusedColwiseParallel(ColwiseParallel):
@@ -145,16 +179,16 @@ class FusedColwiseParallel(ColwiseParallel):
         return outputs.to_local() if use_local_output else outputs
 
 
-def split_rule(name: str, plan: Plan) -> tuple[int, int] | None:
+def split_rule(name: str, plan: Plan) -> tuple[int, int | tuple[int, ...]] | None:
     """How :func:`apply_scratch` splits the parameter ``name`` (e.g. ``"layers.0.ff.linear1.weight"``): ``(dim,
-    parts)`` for :func:`~torch_handle.parallel.tensor.layers.shard_along`, or None for a tensor every TP rank holds
-    whole (norms, the row-parallel bias, buffers)."""
+    parts)`` for :func:`~torch_handle.parallel.tensor.layers.shard_along` (parts: 1, or the sizes of the stacked
+    parts along ``dim``), or None for a tensor every TP rank holds whole (norms, the row-parallel bias, buffers)."""
     module, _, kind = name.rpartition(".")
     style = plan.get(module)
     if style in (Style.COLWISE, Style.VOCAB_HEAD, Style.VOCAB_EMBED):
         return 0, 1
-    if style is Style.COLWISE_QKV:
-        return 0, 3
+    if isinstance(style, Stacked):
+        return 0, style.parts
     if style is Style.ROWWISE and kind == "weight":
         return 1, 1
     return None
@@ -177,7 +211,8 @@ def unshard(name: str, local: Tensor, plan: Plan, tp: TPGroup) -> Tensor:
     if rule is None:
         return local
     dim, parts = rule  # each part gathered on its own: [Q_0 Q_1 .. ; K_0 K_1 .. ; V_0 V_1 ..]
-    return torch.cat([_gather(part, tp, dim) for part in local.chunk(parts, dim=dim)], dim=dim)
+    sizes = [p // tp.size for p in parts] if isinstance(parts, tuple) else [local.shape[dim]]
+    return torch.cat([_gather(part, tp, dim) for part in local.split(sizes, dim=dim)], dim=dim)
 
 
 def _gather(x: Tensor, tp: TPGroup, dim: int) -> Tensor:
@@ -187,9 +222,12 @@ def _gather(x: Tensor, tp: TPGroup, dim: int) -> Tensor:
     return torch.cat(parts, dim=dim)
 
 
-def sequence_parallel_grad(name: str, plan: Plan) -> bool:
-    """Whether parameter ``name``'s gradient is a partial sum over the sequence shards under sequence parallelism
-    (the LayerNorms' parameters and the row-parallel biases): what must be summed over the TP group."""
+def partial_grad(name: str, plan: Plan, sequence_parallel: bool) -> bool:
+    """Whether parameter ``name``'s gradient on one TP rank is a partial sum that must be summed over the TP group
+    before the step: a per-head norm's (each rank saw its own heads) always; under sequence parallelism also the
+    norms' parameters and the row-parallel biases (each rank saw its 1/tp of the sequence)."""
     module, _, kind = name.rpartition(".")
     style = plan.get(module)
-    return style is Style.NORM or (style is Style.ROWWISE and kind == "bias")
+    if style is Style.HEAD_NORM:
+        return True
+    return sequence_parallel and (style is Style.NORM or (style is Style.ROWWISE and kind == "bias"))
