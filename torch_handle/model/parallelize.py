@@ -133,7 +133,8 @@ def tensor_parallel_plan(model: Any) -> dict[str, Any]:
                 if attn is None:
                     continue
                 if attn.fused_qkv:
-                    plan[f"{prefix}.{name}.qkv_proj"] = Stacked(attn.qkv_proj.part_features)
+                    q, kv = attn.n_heads * attn.d_k, attn.n_kv_heads * attn.d_k  # from the heads: a split model too
+                    plan[f"{prefix}.{name}.qkv_proj"] = Stacked((q, kv, kv))
                 else:
                     plan.update({f"{prefix}.{name}.{p}_proj": Style.COLWISE for p in "qkv"})
                 plan[f"{prefix}.{name}.out_proj"] = Style.ROWWISE
