@@ -338,11 +338,6 @@ def test_positional_encoding_buffer():
         pe(torch.randn(1, 33, 8))
 
 
-def test_positional_encoding_odd_width():
-    pe = SinusoidalPositionalEncoding(d_model=7, max_len=4)
-    assert pe.pe[3, 6].item() == pytest.approx(math.sin(3 / 10000 ** (6 / 7)), abs=1e-6)
-
-
 # ---------------------------------------------------------------------------------------------
 # 6. Activation checkpointing
 # ---------------------------------------------------------------------------------------------

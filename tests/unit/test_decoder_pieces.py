@@ -207,3 +207,13 @@ def test_handle_estimate_counts_the_llama_preset_as_built():
                                             if k not in ("kind", "activation", "init_from")}, max_len=seq_len))
     assert model_shape(preset, get_registry()).n_params == built.num_params() == expected
     assert model_flops_per_token(preset, get_registry()) == 6 * expected + 12 * L * o.n_heads * d_k * seq_len
+
+
+def test_the_sinusoidal_table_of_an_odd_width():
+    """The 2017 position table, which RoPE replaces: an odd d_model leaves the last channel a sine."""
+    import math
+
+    from torch_handle.model.embeddings import SinusoidalPositionalEncoding
+
+    pe = SinusoidalPositionalEncoding(d_model=7, max_len=4)
+    assert pe.pe[3, 6].item() == pytest.approx(math.sin(3 / 10000 ** (6 / 7)), abs=1e-6)
