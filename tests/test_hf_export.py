@@ -1,7 +1,7 @@
 """The Hugging Face round trip on real runs: a tiny Llama-shaped decoder trained by ``handle run`` (2 ranks, DDP,
 3 steps) exports with ``handle export --format hf`` to a directory that ``transformers`` loads with the run's own
 logits and tokenizer; the same training under FSDP2 exports the same directory (and its sharded checkpoint exports
-the same tensors as its final weights); a run started with ``[model] init_from`` on the export (FSDP2, so the
+the same tensors as its final weights), and so do a tp 2 and a pp 2 run's; a run started with ``[model] init_from`` on the export (FSDP2, so the
 weights go in before the model is sharded) starts at the loss the exporter ended on; and every refusal is one
 line, exit 2, with nothing written or started. That a resume ignores init_from: tests/unit/test_trainer_step.py.
 """
@@ -63,15 +63,21 @@ def last_eval(run_dir: Path) -> tuple[int, float]:
 @pytest.fixture(scope="module")
 def rt(tmp_path_factory) -> dict[str, Path]:
     """The preset; run ``ddp`` and its export ``out``; run ``fsdp`` (the same training, sharded) and its exports of
-    the final weights and of checkpoint 3; run ``init`` (FSDP2, 1 step) started from ``out``."""
+    the final weights and of checkpoint 3; runs ``tp`` (tp 2: dp 1, the hand-written TP) and ``pp`` (pp 2), exported
+    from the final weights and from checkpoint 3; run ``init`` (FSDP2, 1 step) started from ``out``."""
     root = tmp_path_factory.mktemp("hf")
     preset = root / "llama.toml"
     preset.write_text(tiny_preset(root / "runs", steps=STEPS, log_every=1).replace("[model]\n", "[model]\n" + LLAMA)
                       .replace("eval_every = 0\n", "eval_every = 0\neval_steps = 2\n"))
     found = {"preset": preset, "ddp": run_dir_of(handle("run", str(preset), "--set", "run.name=ddp"))}
     found["fsdp"] = run_dir_of(handle("run", str(preset), "--set", "run.name=fsdp", "--set", "strategy.name=fsdp"))
+    found["tp"] = run_dir_of(handle("run", str(preset), "--set", "run.name=tp", "--set", "parallel.tp=2"))
+    found["pp"] = run_dir_of(handle("run", str(preset), "--set", "run.name=pp", "--set", "parallel.pp=2",
+                                    "--set", "parallel.pp_microbatches=2"))
     found["out"] = root / "export" / "ddp"
-    exports = {"out": ("ddp", []), "fsdp-final": ("fsdp", []), "fsdp-ckpt": ("fsdp", ["--checkpoint", str(STEPS)])}
+    exports = {"out": ("ddp", []), "fsdp-final": ("fsdp", []), "fsdp-ckpt": ("fsdp", ["--checkpoint", str(STEPS)]),
+               **{f"{run}-{kind}": (run, extra) for run in ("tp", "pp")
+                  for kind, extra in (("final", []), ("ckpt", ["--checkpoint", str(STEPS)]))}}
     for name, (run, extra) in exports.items():  # in this process: the same command, without a torch import each
         found[name] = root / "export" / name
         result = _invoke("export", str(found[run]), "--format", "hf", str(found[name]), *extra)
@@ -146,6 +152,28 @@ def test_a_sharded_run_exports_the_same_directory(rt):
     for key in a:
         assert torch.equal(a[key], b[key]), key
         torch.testing.assert_close(a[key], ddp[key], rtol=0, atol=1e-6, msg=key)
+
+
+def test_tensor_and_pipeline_parallel_runs_export_the_same_directory(rt):
+    """A tp 2 and a pp 2 run (dp 1: a global batch of their own, so weights of their own): the final weights
+    (gathered by the trainer) and checkpoint 3 (consolidated from the TP shards or the stages by the export) give
+    bit-identical tensors, the config and tokenizer files of every other export, and transformers' model of the
+    export computes the run's own logits."""
+    from torch_handle.infer.generate import load_run
+
+    batch = torch.tensor([load_run(rt["ddp"]).tokenizer.encode(TEXT).ids[:32]])
+    for run in ("tp", "pp"):
+        final, ckpt = rt[f"{run}-final"], rt[f"{run}-ckpt"]
+        for file in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+            assert (final / file).read_bytes() == (ckpt / file).read_bytes() == (rt["out"] / file).read_bytes()
+        a, b = hf_tensors(final), hf_tensors(ckpt)
+        assert sorted(a) == sorted(b) == sorted(hf_tensors(rt["out"])), run
+        for key in a:
+            assert torch.equal(a[key], b[key]), (run, key)
+        model = transformers.AutoModelForCausalLM.from_pretrained(final).eval()
+        with torch.no_grad():
+            theirs, mine = model(batch).logits, load_run(rt[run]).model(batch)
+        assert (theirs - mine).abs().max().item() <= 1e-5, run
 
 
 def test_init_from_starts_where_the_exporter_ended(rt):
