@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import json
 import logging
 import os
 import shutil
@@ -31,7 +30,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from torch_handle.common.fsio import write_json_atomic
+from torch_handle.common.fsio import read_json_object, write_json_atomic
 from torch_handle.common.testhooks import RUN_INFO_DELAY_ENV, parse_seconds
 from torch_handle.errors import RunDirError
 
@@ -126,14 +125,9 @@ def read_run_info(run_dir: Path) -> dict[str, Any]:
         what = "no such directory" if not Path(run_dir).exists() else "not a directory"
         raise RunDirError(f"{run_dir}: not a run directory ({what})")
     try:
-        info = json.loads(path.read_text(encoding="utf-8"))
+        return read_json_object(path, RunDirError)
     except FileNotFoundError:
         raise RunDirError(f"{run_dir}: not a run directory (no {RUN_FILE})") from None
-    except (OSError, ValueError) as e:
-        raise RunDirError(f"{path}: unreadable ({' '.join(str(e).split())})") from None
-    if not isinstance(info, dict):
-        raise RunDirError(f"{path}: unreadable (expected a JSON object, got {type(info).__name__})")
-    return info
 
 
 _held = threading.local()

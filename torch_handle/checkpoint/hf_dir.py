@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from torch_handle.checkpoint.resume import flat_keys
+from torch_handle.common.fsio import read_json_object
 from torch_handle.errors import CheckpointError
 from torch_handle.model.args import DATASET_FIELDS, TransformerArgs
 from torch_handle.model.hf_names import from_hf_config, to_hf_config
@@ -54,16 +55,10 @@ def read_config(directory: Path | str) -> dict[str, Any]:
     if not directory.is_dir():
         raise CheckpointError(f"{directory}: no such directory (expected a Hugging Face model directory with "
                               f"{CONFIG_FILE} and {WEIGHTS_FILE})")
-    path = directory / CONFIG_FILE
     try:
-        config = json.loads(path.read_text(encoding="utf-8"))
+        return read_json_object(directory / CONFIG_FILE, CheckpointError)
     except FileNotFoundError:
         raise CheckpointError(f"{directory}: no {CONFIG_FILE} (not a Hugging Face model directory)") from None
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{path}: unreadable ({' '.join(str(e).split())})") from None
-    if not isinstance(config, dict):
-        raise CheckpointError(f"{path}: not a JSON object")
-    return config
 
 
 def _shape_value(args: TransformerArgs, name: str) -> Any:

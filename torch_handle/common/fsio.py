@@ -63,6 +63,24 @@ def write_json_atomic(path: Path, data: Any, *, indent: int | None = 2) -> None:
     write_text_atomic(path, json.dumps(data, indent=indent) + "\n")
 
 
+def read_json_object(path: Path, error: type[Exception]) -> dict[str, Any]:
+    """The JSON object in ``path`` (run.json, a model directory's config.json).
+
+    Raises:
+        FileNotFoundError: no such file (the caller says what the file's absence means).
+        error: unreadable or not valid JSON, or JSON that is not an object; one line naming ``path``.
+    """
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise
+    except (OSError, ValueError) as e:
+        raise error(f"{path}: unreadable ({' '.join(str(e).split())})") from None
+    if not isinstance(data, dict):
+        raise error(f"{path}: unreadable (expected a JSON object, got {type(data).__name__})")
+    return data
+
+
 def read_toml(path: Path) -> dict[str, Any] | None:
     """The TOML document at ``path`` as a dict, or None when it is missing, unreadable or not TOML (a display or a
     best-effort lookup, e.g. a run directory's ``preset.toml`` read without loading the preset)."""
