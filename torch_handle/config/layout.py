@@ -127,9 +127,14 @@ def _microbatches(preset: Preset, registry: Any) -> Iterator[PresetError]:
     yield PresetError(f"{why} ({'; '.join(notes)})", key="parallel.pp_microbatches")
 
 
+def _expert_parallel(preset: Preset, registry: Any) -> Iterator[PresetError]:
+    if preset.parallel.ep > 1:  # the keys exist; the all-to-all dispatch lands with issue 31's expert parallelism
+        yield PresetError("parallel.ep > 1: expert parallelism is not available yet (valid: 1)", key="parallel.ep")
+
+
 LAYOUT_CHECKS: tuple[Callable[[Preset, Any], Iterator[PresetError]], ...] = (
     _world_size, _plugin_supports("model"), _plugin_supports("strategy"), _native_tp, _tied_v_shape,
-    _pipeline_precision, _microbatches)
+    _pipeline_precision, _microbatches, _expert_parallel)
 """The ``[parallel]`` checks, structure first; each ``check(preset, registry)`` yields its problems."""
 
 

@@ -212,6 +212,15 @@ class ParallelConfig:
     """Run LayerNorm and dropout on 1/tp of the sequence between the TP regions (Korthikanti et al. 2022);
     needs seq_len divisible by tp."""
 
+    ep: int = param(1, ge=1)
+    """Expert-parallel degree: each MoE layer's n_experts split over this many ranks, drawn from the data-parallel
+    ranks as torchtitan does (ep divides the data-parallel degree and model.n_experts); tokens travel to their
+    experts' ranks and back by two all-to-alls (docs/expert-parallel.md)."""
+    ep_impl: Literal["native", "scratch"] = "native"
+    """native: torch's all_to_all_single with split sizes on the DeviceMesh's "ep" dimension, as torchtitan does;
+    scratch: the hand-written dispatch and combine of torch_handle/parallel/expert/ (counts exchanged first, the
+    permutation written out, bytes and waits counted)."""
+
     pp: int = param(1, ge=1)
     """Pipeline-parallel degree: the model's layers split into this many stages on as many ranks
     (docs/pipeline-parallel.md). tp x pp must divide the world size."""
