@@ -39,13 +39,15 @@ LAYERS: dict[str, set[str]] = {
     "parallel": _BASE | {"config", "observe"},  # the schedules' names; the heartbeat and saved-tensor counter
     "model": _BASE | {"config", "parallel"},  # config: the schema's field ranges (param) for TransformerArgs
     "data": _BASE,
+    "finetune": _BASE | {"config", "parallel", "model"},  # LoRA/QLoRA wrap the model's linears
     # parallel: the TP dropout stream; model: hf_names, for the Hugging Face directory (hf_dir)
     "checkpoint": _BASE | {"registry", "config", "rundir", "observe", "parallel", "model"},
     "launch": _BASE | {"registry", "config", "rundir", "observe", "checkpoint"},
-    "train": _BASE | {"registry", "config", "rundir", "observe", "parallel", "model", "data", "checkpoint", "launch"},
+    "train": _BASE | {"registry", "config", "rundir", "observe", "parallel", "model", "data", "finetune", "checkpoint",
+                      "launch"},
     "plan": _BASE | {"registry", "config", "rundir", "observe", "parallel", "model", "data", "checkpoint", "launch",
                      "train"},
-    "infer": _BASE | {"registry", "config", "rundir", "observe", "model", "data", "checkpoint"},
+    "infer": _BASE | {"registry", "config", "rundir", "observe", "model", "data", "finetune", "checkpoint"},
     "api": _BASE | {"hookspecs", "registry", "config", "rundir", "observe", "parallel", "model", "data", "checkpoint",
                     "train"},
 }
