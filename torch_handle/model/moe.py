@@ -127,6 +127,10 @@ def _matmul_dtype(x: Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
 
 
+_GROUPED_OK: dict[str, bool] = {}
+"""Device type -> whether ``torch._grouped_mm`` ran there (absent: not tried yet)."""
+
+
 class GroupedExperts(nn.Module):
     """E expert FFNs with their weights stacked, one tensor per matrix, each expert's slice laid out as
     ``nn.Linear``'s (out, in): ``"swiglu"`` -- gate_proj (E, F, C), up_proj (E, F, C), down_proj (E, C, F):
@@ -135,8 +139,10 @@ class GroupedExperts(nn.Module):
     ``gate_up_proj`` (E, 2F, C) is gate_proj and up_proj concatenated along F.
 
     ``impl`` picks how: ``"grouped"`` (default) runs each matrix as one ``torch._grouped_mm`` over the sorted rows
-    with the experts' offsets (one kernel for all experts; on CPU in torch 2.13 about 3x faster than the loop at
-    E = 8; elsewhere this falls back to the loop until the GPU path is measured); ``"loop"`` runs expert after
+    with the experts' offsets (one kernel for all experts; forward + backward against the loop, equal in fp32:
+    on CPU in torch 2.13 about 3x faster at E = 8; on an H100, torch 2.11, 4.5x at presets/moe.toml's shape and 8.8x
+    at E = 64, C = 1024 in bf16, 1.8-2.0x in fp32: benchmarks/moe_experts.py; a device without the kernel falls
+    back to the loop, once and for good); ``"loop"`` runs expert after
     expert on its slice, the readable reference (the same formula, ``_mlp``). Both give every expert's slice a
     gradient, zero for an expert that got no rows, so no parameter is ever unused (DDP needs no
     ``find_unused_parameters``).
@@ -185,8 +191,11 @@ class GroupedExperts(nn.Module):
     def forward(self, x: Tensor, counts: Tensor) -> Tensor:
         if self.impl not in ("grouped", "loop"):
             raise ValueError(f"unknown experts impl {self.impl!r}; expected 'grouped' or 'loop'")
-        if self.impl == "grouped" and hasattr(torch, "_grouped_mm") and x.device.type == "cpu":
-            return self._grouped(x, counts)
+        if self.impl == "grouped" and hasattr(torch, "_grouped_mm") and _GROUPED_OK.get(x.device.type, True):
+            try:
+                return self._grouped(x, counts)
+            except (RuntimeError, NotImplementedError):  # no grouped kernel for this device, dtype or shape
+                _GROUPED_OK[x.device.type] = False
         return self._looped(x, counts)
 
     def _grouped(self, x: Tensor, counts: Tensor) -> Tensor:

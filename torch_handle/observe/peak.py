@@ -29,7 +29,21 @@ from torch_handle.common.precision import PRECISIONS, isa_env, torch_dtype
 
 DTYPES = PRECISIONS
 SIZES = (512, 1024, 2048)
-"""Matrix sizes tried; the largest product (2048³·2 = 17 GFLOP) takes ~50 ms in fp32 on one CPU core."""
+"""Matrix sizes tried on a CPU; the largest product (2048³·2 = 17 GFLOP) takes ~50 ms in fp32 on one CPU core."""
+CUDA_SIZES = (2048, 4096, 8192)
+"""Matrix sizes tried on a GPU: an H100 reached 408 TFLOP/s in bf16 at 2048 (41% of its datasheet's dense 989) and
+about 800 at 8192 (docs/gpu.md); the smaller products measure launch overhead, not the tensor cores."""
+
+
+SIZES_V1 = list(SIZES)
+"""The sizes of an entry cached before entries recorded theirs (every device measured :data:`SIZES` then)."""
+
+
+def peak_sizes(device: Any) -> tuple[int, ...]:
+    """The matrix sizes :func:`measure_peak` tries on ``device``: :data:`CUDA_SIZES` on a GPU, else :data:`SIZES`."""
+    import torch
+
+    return CUDA_SIZES if torch.device(device).type == "cuda" else SIZES
 
 log = logging.getLogger("torch_handle")
 
@@ -66,17 +80,18 @@ def _cpu_model() -> str:
     return platform.processor() or "cpu"
 
 
-def measure_peak(device: Any = "cpu", dtypes: tuple[str, ...] = DTYPES, sizes: tuple[int, ...] = SIZES,
+def measure_peak(device: Any = "cpu", dtypes: tuple[str, ...] = DTYPES, sizes: tuple[int, ...] | None = None,
                  seconds_per_size: float = 0.3) -> dict[str, float | None]:
     """Best dense matmul FLOP/s per dtype on ``device`` with the current ``torch.get_num_threads()``.
 
     Returns ``{"fp32": flops_per_s, ...}``; a dtype the device cannot multiply gives None. Takes about
-    ``len(dtypes) * len(sizes) * seconds_per_size`` seconds. The global RNG is left as it was (a run measured on
+    ``len(dtypes) * len(sizes) * seconds_per_size`` seconds; ``sizes`` None: :func:`peak_sizes`. The global RNG is left as it was (a run measured on
     a cold cache trains as one on a warm cache).
     """
     import torch
 
     dev = torch.device(device)
+    sizes = peak_sizes(dev) if sizes is None else sizes
     gen = torch.Generator(device=dev).manual_seed(0)  # not the global RNG: a worker measures after seeding it
     out: dict[str, float | None] = {}
     for name in dtypes:
@@ -132,11 +147,14 @@ def peak_flops(device: Any = "cpu", *, refresh: bool = False, dtypes: tuple[str,
     threads = torch.get_num_threads()
     key = device_key(device, threads)
     entry = _read_cache(cache_path()).get(key)
-    entry = entry if isinstance(entry, dict) and not refresh else {}
+    sizes = list(peak_sizes(device))
+    # an entry measured on other sizes (a GPU's before CUDA_SIZES) is measured again
+    entry = entry if isinstance(entry, dict) and not refresh and entry.get("sizes", SIZES_V1) == sizes else {}
     missing = tuple(d for d in dtypes if d not in entry)
     if not missing:
         return {**entry, "key": key, "cached": True}
-    entry = {**entry, "device": str(torch.device(device)), "threads": threads, **measure_peak(device, missing),
+    entry = {**entry, "device": str(torch.device(device)), "threads": threads, "sizes": sizes,
+             **measure_peak(device, missing),
              "measured_at": round(time.time(), 3)}
     store(key, entry)
     return {**entry, "key": key, "cached": False}
