@@ -136,7 +136,8 @@ class HandleDashboard(App[None]):
                 yield Chart("learning rate", id="lr")
                 with Vertical(id="routing-panel"):  # in the lr chart's place once a step event carries ``moe``
                     yield RoutingMarks(id="routing-marks")  # the hot and dead experts: stay in view
-                    with VerticalScroll(id="routing-scroll"):  # Tab focuses it; e expands the panel
+                    with VerticalScroll(id="routing-scroll") as scroll:  # Tab focuses it; e expands the panel
+                        scroll.can_focus = False  # until the run turns out to be MoE (the memory list has the focus)
                         yield RoutingMap(id="routing-map")
                 with Vertical(id="memory-panel"):
                     yield MemorySummary(id="memory-summary")  # more ranks than blocks fit: stays in view
@@ -279,6 +280,7 @@ class HandleDashboard(App[None]):
         moe = bool(self.routing.recent)
         if moe != self.screen_has("-moe"):
             self.header_widget.screen.set_class(moe, "-moe")
+            self.query_one("#routing-scroll").can_focus = moe
             self.refresh_bindings()  # the footer shows e once the run turns out to be MoE
         self.header_widget.show(s, paused=self.paused, bad_lines=self.bad_line_count)
         self.charts["loss"].set_series([

@@ -211,7 +211,7 @@ def routing_subtitle(tracker: RoutingTracker, width: int = 40) -> str:
     first, last = steps
     pieces = [(0, Text(f"step {last}" if first == last else f"steps {first}–{last}"))]
     if (aux := figures.get("aux_loss")) is not None:
-        pieces.append((2, Text(f" · aux {aux:.3f}")))
+        pieces.append((1, Text(f" · aux {aux:.3f}")))
     if (drop := figures.get("drop_rate")) is not None:
-        pieces.append((1, Text(f" · drop {drop:.1%}")))
+        pieces.append((2, Text(f" · drop {drop:.1%}")))  # gives way first: 0 without a capacity
     return fit(pieces, max(10, width - 6)).plain

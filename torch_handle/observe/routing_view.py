@@ -241,7 +241,8 @@ def format_summary(summary: dict[str, Any]) -> str:
         lines.append(f"{layer_label(x['layer']):<6}{x['share_min']:>5.1%} e{x['expert_min']:<5}"
                      f"{x['share_max']:>5.1%} e{x['expert_max']:<5}{_experts(x['dead']):<9}{x['drop_rate']:>6.1%}  "
                      f"{_pair(x['aux_loss'], 3):<16}{_pair(x['max_load_ratio'], 2):<13}{_pair(x['z_loss'], 2)}")
-    recent = [f"{layer_label(x['layer'])}: dead {_experts(x['dead_last'])}, hot {_experts(x['hot_last'])}"
+    recent = [f"{layer_label(x['layer'])} " + ", ".join(f"{word} {_experts(x[key])}" for word, key in
+                                                       (("dead", "dead_last"), ("hot", "hot_last")) if x[key])
               for x in layers if x["dead_last"] or x["hot_last"]]
     lines += ["", f"last {summary['window']} steps: " + ("; ".join(recent) if recent else "no dead or hot expert")]
     return "\n".join(lines)
