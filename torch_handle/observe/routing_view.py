@@ -220,27 +220,29 @@ def _pair(values: Sequence[float | None], digits: int) -> str:
     return f"{a} → {b}"
 
 
-def _experts(experts: Sequence[int]) -> str:
-    return ",".join(f"e{e}" for e in experts[:3]) + (f" +{len(experts) - 3}" if len(experts) > 3 else "") or "-"
+def _experts(experts: Sequence[int], limit: int = 3) -> str:
+    """``e1,e5 +3``: the first ``limit`` experts, the rest counted; ``-`` for none."""
+    more = f" +{len(experts) - limit}" if len(experts) > limit else ""
+    return ",".join(f"e{e}" for e in experts[:limit]) + more or "-"
 
 
 def format_summary(summary: dict[str, Any]) -> str:
-    """:func:`summarize`'s dict as a table for people (at most 80 columns for up to 99 experts)."""
+    """:func:`summarize`'s dict as a table for people (80 columns for up to 99 experts)."""
     layers = summary["layers"]
     if not layers:
         return "no routing figures"
     first, last = summary["steps"]
     e = layers[0]["experts"]
-    lines = [f"{len(layers)} MoE layers × {e} experts, top-{summary['top_k']}, steps {first}–{last} "
-             f"({summary['logged_steps']} step events)",
-             f"share: of the layer's assignments (uniform {1 / e:.1%}); hot: ≥ {summary['hot_ratio']:g}× the mean "
-             f"load;", f"first → last: means of the first and the last {summary['window']} steps", "",
-             f"{'layer':<6}{'min share':<12}{'max share':<12}{'dead':<9}{'drop':>6}  {'aux loss':<16}"
-             f"{'max/mean':<13}{'z loss'}"]
-    for x in layers:
-        lines.append(f"{layer_label(x['layer']):<6}{x['share_min']:>5.1%} e{x['expert_min']:<5}"
-                     f"{x['share_max']:>5.1%} e{x['expert_max']:<5}{_experts(x['dead']):<9}{x['drop_rate']:>6.1%}  "
-                     f"{_pair(x['aux_loss'], 3):<16}{_pair(x['max_load_ratio'], 2):<13}{_pair(x['z_loss'], 2)}")
+    lines = [(f"{len(layers)} MoE layers × {e} experts, top-{summary['top_k']}, steps {first}–{last} "
+              f"({summary['logged_steps']} step events)"),
+             f"share: of the layer's assignments (uniform {1 / e:.1%}); hot: ≥ {summary['hot_ratio']:g}× the "
+             + "mean load;",
+             f"first → last: means of the first and the last {summary['window']} steps", "",
+             "layer min share  max share  dead    drop aux loss      max/mean    z loss"]
+    for x in layers:  # 79 columns: up to 99 experts, the dead as "e1 +4"
+        lines.append(f"{layer_label(x['layer']):<5}{x['share_min']:>6.1%} e{x['expert_min']:<3}"
+                     f"{x['share_max']:>6.1%} e{x['expert_max']:<3}{_experts(x['dead'], 1):<7}{x['drop_rate']:>6.1%} "
+                     f"{_pair(x['aux_loss'], 3):<14}{_pair(x['max_load_ratio'], 2):<12}{_pair(x['z_loss'], 2)}")
     recent = [f"{layer_label(x['layer'])} " + ", ".join(f"{word} {_experts(x[key])}" for word, key in
                                                        (("dead", "dead_last"), ("hot", "hot_last")) if x[key])
               for x in layers if x["dead_last"] or x["hot_last"]]

@@ -90,7 +90,7 @@ class RoutingTelemetry:
         for row, layer in self.held(model):
             s = layer_stats(layer)
             table[row] = torch.cat([s["tokens_per_expert"].to(device, torch.float64),
-                                    torch.stack([_scalar(s[k], device) for k in self.keys])])
+                                    torch.stack([_scalar(s.get(k, 0.0), device) for k in self.keys])])
             layer.reset_stats()
         return torch.cat([step_vector, table.flatten() * self.once])
 
