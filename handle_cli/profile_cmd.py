@@ -25,8 +25,10 @@ from handle_cli.common import fail
               help="With --pipeline: the step to draw (default: the last step with a timeline).")
 @click.option("--width", default=80, show_default=True, type=click.IntRange(min=40),
               help="With --pipeline: columns of the chart.")
+@click.option("--routing", is_flag=True,
+              help="Summarise a mixture-of-experts run's routing per MoE layer (from events.jsonl) instead.")
 def profile(run_dir: Path, rank: int, all_traces: bool, top: int, as_json: bool, pipeline: bool, step: int | None,
-            width: int) -> None:
+            width: int, routing: bool) -> None:
     """Summarise the torch.profiler traces of RUN for one rank.
 
     Reads RUN/traces/rank<R>/*.pt.trace.json (written with [profiler] name = "torch"; the same files open in
@@ -52,9 +54,20 @@ def profile(run_dir: Path, rank: int, all_traces: bool, top: int, as_json: bool,
     Example:
       handle run tiny.toml --set launch.nproc_per_node=2 --set parallel.pp=2 --set parallel.pp_schedule=1f1b
       handle profile runs/tiny-20260101-120000 --pipeline --step 4
+
+    With --routing (a run with [model] n_experts > 0): per MoE layer, the smallest and largest share of the
+    layer's token assignments an expert got over the run, the experts that got none (dead), the share of
+    assignments dropped by the capacity, and the aux loss, the max/mean load and the z loss of the first and last
+    10 steps; then the dead and hot (at least 1.5x the mean load) experts of the last 10 steps. --json prints the
+    figures as one object.
+
+    \b
+    Example:
+      handle run presets/moe.toml --set training.steps=50
+      handle profile runs/moe-20260101-120000 --routing
     """
-    if pipeline:
-        _pipeline(run_dir, step, as_json, width)
+    if pipeline or routing:
+        (_routing(run_dir, as_json) if routing else _pipeline(run_dir, step, as_json, width))
         return
     from torch_handle.observe.profile_summary import TraceError, find_traces, format_summary, summarize_files
     from torch_handle.rundir import read_run_info
@@ -114,6 +127,21 @@ def _pipeline(run_dir: Path, step: int | None, as_json: bool, width: int) -> Non
     layout = RunLayout.from_run(run_dir, info if isinstance(info, dict) else {}, degrees)
     click.echo(json.dumps(chosen) if as_json else format_pipeline(chosen, width=width, step=step,
                                                                   ranks=layout.pipeline_ranks()))
+
+
+def _routing(run_dir: Path, as_json: bool) -> None:
+    from torch_handle.observe.routing_view import format_summary, routing_steps, summarize
+    from torch_handle.observe.tail import EventReader
+    from torch_handle.observe.telemetry import EVENTS_FILE
+    from torch_handle.rundir import read_run_info
+
+    read_run_info(run_dir)  # one line (exit 2) when RUN is not a run directory
+    steps = routing_steps(EventReader(run_dir / EVENTS_FILE).poll())
+    if not steps:
+        fail(f"{run_dir}: no routing figures in {EVENTS_FILE} (a mixture-of-experts run writes them with every "
+             f"step: [model] n_experts > 0, e.g. presets/moe.toml)")
+    summary = {"run_dir": str(run_dir), **summarize(steps)}
+    click.echo(json.dumps(summary) if as_json else format_summary(summary))
 
 
 def _log_every(run_dir: Path) -> str:

@@ -27,6 +27,7 @@ from torch_handle.common.text import clean
 
 from handle_cli.tui.model import Batch, RunTailer
 from handle_cli.tui.pipeline_panel import PipelinePanel, PipelineTracker
+from handle_cli.tui.routing_panel import RoutingMap, RoutingMarks, RoutingTracker, routing_subtitle, routing_title
 from handle_cli.tui.screens import HelpScreen, RunPicker
 from handle_cli.tui.charts import Chart, Series
 from handle_cli.tui.header import StatusHeader
@@ -78,6 +79,14 @@ class HandleDashboard(App[None]):
     Screen.-logs #charts { display: none; }
     Screen.-logs #logs { display: block; height: 1fr; }
     Screen.-memory #top-row, Screen.-memory #lr, Screen.-memory #time-row { display: none; }
+    #routing-panel { display: none; width: 1fr; height: 1fr; border: round $primary 50%; border-title-color: $text;
+                     border-title-style: bold; border-subtitle-color: $text-muted; }
+    #routing-panel:focus-within { border: round $accent; }
+    #routing-scroll { height: 1fr; scrollbar-size-vertical: 1; }
+    Screen.-moe #lr { display: none; }
+    Screen.-moe #routing-panel { display: block; }
+    Screen.-memory #routing-panel { display: none; }
+    Screen.-routing #top-row, Screen.-routing #memory-panel, Screen.-routing #time-row { display: none; }
     """
     BINDINGS = [
         Binding("q", "quit", "Quit"),
@@ -85,6 +94,7 @@ class HandleDashboard(App[None]):
         Binding("r", "runs", "Runs"),
         Binding("l", "logs", "Logs"),
         Binding("m", "memory", "Memory"),
+        Binding("e", "routing", "Routing"),  # shown for a mixture-of-experts run only (check_action)
         Binding("p", "pause", "Pause"),
     ]
     MAX_REDRAW_HZ = 10.0
@@ -100,6 +110,7 @@ class HandleDashboard(App[None]):
         self.poll_interval = poll_interval
         self.state = RunState(self.run_dir)
         self.pipeline = PipelineTracker()
+        self.routing = RoutingTracker()
         self.generation = 0
         self.paused = False
         self._resume = threading.Event()
@@ -123,6 +134,11 @@ class HandleDashboard(App[None]):
                 yield Chart("throughput", id="throughput")
             with Horizontal(classes="row"):
                 yield Chart("learning rate", id="lr")
+                with Vertical(id="routing-panel"):  # in the lr chart's place once a step event carries ``moe``
+                    yield RoutingMarks(id="routing-marks")  # the hot and dead experts: stay in view
+                    with VerticalScroll(id="routing-scroll") as scroll:  # Tab focuses it; e expands the panel
+                        scroll.can_focus = False  # until the run turns out to be MoE (the memory list has the focus)
+                        yield RoutingMap(id="routing-map")
                 with Vertical(id="memory-panel"):
                     yield MemorySummary(id="memory-summary")  # more ranks than blocks fit: stays in view
                     with VerticalScroll(id="memory-scroll"):  # Tab focuses it; m expands the panel
@@ -145,6 +161,7 @@ class HandleDashboard(App[None]):
         self.query_one("#memory-panel").border_title = "memory per rank"
         self.time_panel = self.query_one(TimePanel)
         self.pipeline_panel = self.query_one(PipelinePanel)
+        self.routing_marks, self.routing_map = self.query_one(RoutingMarks), self.query_one(RoutingMap)
         self.state.info = _read_info(self.run_dir)  # the header is right from the first frame
         self._apply_size()
         self._redraw()
@@ -196,6 +213,7 @@ class HandleDashboard(App[None]):
         if batch.info is not None:
             state.info = batch.info
         self.pipeline.apply(batch.events)
+        self.routing.apply(batch.events)
         for notice in state.apply(batch.events):
             logs.add_notice(notice)
         for bad in batch.bad_lines:
@@ -259,6 +277,11 @@ class HandleDashboard(App[None]):
         # the time row first: the charts below are then drawn at their final height
         self.header_widget.screen.set_class(s.breakdown_seen, "-breakdown")
         self.header_widget.screen.set_class(self.pipeline.figures is not None, "-pipeline")
+        moe = bool(self.routing.recent)
+        if moe != self.screen_has("-moe"):
+            self.header_widget.screen.set_class(moe, "-moe")
+            self.query_one("#routing-scroll").can_focus = moe
+            self.refresh_bindings()  # the footer shows e once the run turns out to be MoE
         self.header_widget.show(s, paused=self.paused, bad_lines=self.bad_line_count)
         self.charts["loss"].set_series([
             Series("train", s.steps, s.loss, "cyan"),
@@ -280,13 +303,22 @@ class HandleDashboard(App[None]):
         pipeline_box = self.query_one("#pipeline-panel")
         pipeline_box.border_title = self.pipeline_panel.title()
         pipeline_box.border_subtitle = self.pipeline_panel.subtitle()
+        if moe:
+            self.routing_marks.set_tracker(self.routing)
+            self.routing_map.set_tracker(self.routing)
+            routing_box = self.query_one("#routing-panel")
+            routing_box.border_title = routing_title(self.routing)
+            shown = routing_box.size.width or self.size.width // (1 if self.screen_has("-routing") else 2)
+            routing_box.border_subtitle = routing_subtitle(self.routing, shown)  # before its first layout: the app's
         self.title = f"handle tui: {clean(s.run_dir.name, 80)}"
 
     # -- actions ---------------------------------------------------------------------------------------------
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
-        if action in ("logs", "memory", "runs", "help") and len(self.screen_stack) > 1:
+        if action in ("logs", "memory", "routing", "runs", "help") and len(self.screen_stack) > 1:
             return False  # only on the main screen (the picker and help have their own keys)
+        if action == "routing":
+            return bool(self.routing.recent)  # False: no key in the footer (a dense model has no routing)
         return True
 
     def action_help(self) -> None:
@@ -307,6 +339,7 @@ class HandleDashboard(App[None]):
         self.run_dir = Path(run_dir)
         self.state = RunState(self.run_dir, info=_read_info(self.run_dir))
         self.pipeline = PipelineTracker()
+        self.routing = RoutingTracker()
         self.bad_line_count = 0
         self.batches_applied = 0
         self.log_panel.reset()
@@ -320,6 +353,7 @@ class HandleDashboard(App[None]):
         logs = self.log_panel
         if expanded:
             screen.set_class(False, "-memory")
+            screen.set_class(False, "-routing")
             logs.focus()
             logs.scroll_end(animate=False)
         else:
@@ -332,12 +366,23 @@ class HandleDashboard(App[None]):
     def action_memory(self) -> None:
         """Expand the memory panel over the charts (every rank of an 8-rank run at 80×24) and focus its list, or
         put it back."""
+        self._expand("-memory", "#memory-scroll")
+
+    def action_routing(self) -> None:
+        """Expand the routing panel over the charts (64 experts a layer wrap over several lines) and focus its map,
+        or put it back."""
+        self._expand("-routing", "#routing-scroll")
+
+    def _expand(self, name: str, focus: str) -> None:
+        """Toggle the main screen's class ``name`` (the others that expand a panel go when it comes) and focus the
+        list ``focus`` while it is on."""
         screen = self.header_widget.screen
-        expanded = not screen.has_class("-memory")
-        screen.set_class(expanded, "-memory")
+        expanded = not screen.has_class(name)
+        for other in ("-logs", "-memory", "-routing"):
+            if other == name or expanded:
+                screen.set_class(expanded and other == name, other)
         if expanded:
-            screen.set_class(False, "-logs")
-            self.query_one("#memory-scroll").focus()
+            self.query_one(focus).focus()
         else:
             self.set_focus(None)
         self._redraw()

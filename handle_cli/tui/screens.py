@@ -110,7 +110,8 @@ HELP = """\
 [b]handle tui[/b]: live dashboard of a training run
  [b]?[/b] help   [b]r[/b] runs: pick another   [b]m[/b] memory: every rank
  [b]q[/b] quit   [b]l[/b] logs: expand         [b]p[/b] pause/resume following
- [b]Tab[/b] focus the memory list (↑↓ scroll)
+ [b]e[/b] routing: expand (an MoE run)
+ [b]Tab[/b] focus the memory (or routing) list (↑↓ scroll)
  here: ↑↓ scroll, [b]Esc[/b] or any other key closes
 Header: status, layout dp × tp × pp, world size, step, ETA,
 elapsed since the launch (as handle run's summary); loss, val,
@@ -132,6 +133,12 @@ against (p-1)/(m+p-1), busy █ / receive wait ~ / idle · per
 rank, the schedule as it ran (F forward, B backward, W weight
 grad). Only log steps keep their spans: the bottom border says
 which step it shows.
+Routing (an MoE run, in place of the lr chart): per MoE layer
+(L0, L1, ...) and expert (e0, e1, ...) the tokens of the last
+10 steps over the layer's mean: 1.0 a fair share, × dead (no
+token), white on red hot (≥ 1.5×); many experts: one character
+a cell, ▁..▇ up to hot █. Above, the hot and dead experts by
+name; below, the steps, mean aux loss and drop rate.
 Ranks are global, as handle estimate names them: rank 4 (dp0 tp0
 pp1). Logs: rank 0 and any rank that logged an error. Elapsed
 and ETA come from event times. While paused, events wait on

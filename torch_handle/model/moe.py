@@ -321,6 +321,16 @@ def moe_layers(model: nn.Module) -> list[MoEFeedForward]:
     return [m for m in model.modules() if isinstance(m, MoEFeedForward)]
 
 
+def layer_stats(layer: MoEFeedForward) -> dict[str, Tensor]:
+    """``layer.stats``, or its zeros before the first training forward since a reset: ``tokens_per_expert`` (E,)
+    int64, then 0-d tensors (``dropped``, ``aux_loss``, ``z_loss``, ``micro_batches``, ...), on the layer's device."""
+    return layer.stats or _zero_stats(layer.n_experts, layer.gate.weight.device)
+
+
+STATS_READ = frozenset(("tokens_per_expert", "dropped", "aux_loss", "z_loss", "micro_batches"))
+"""The keys of ``stats`` that ``routing_stats`` reads by name; any other is passed through per layer."""
+
+
 def routing_stats(model: nn.Module, reset: bool = True) -> dict | None:
     """The routing since the last reset, over all MoE layers, as plain numbers (one host read); None without MoE
     layers.
@@ -329,17 +339,20 @@ def routing_stats(model: nn.Module, reset: bool = True) -> dict | None:
         ``tokens_per_expert``: one list of E counts per MoE layer (assignments computed, after capacity; they sum to
         N·k - dropped per micro-batch); ``dropped_tokens``: assignments dropped, all layers; ``aux_loss`` and
         ``z_loss``: the losses' values (without coefficients) averaged over micro-batches and summed over layers;
-        ``micro_batches``.
+        ``micro_batches``; any other counter of the layers' ``stats`` (expert parallelism's ``a2a_bytes``,
+        ``a2a_wait_s``) as one float per layer under its own name.
     """
     layers = moe_layers(model)
     if not layers:
         return None
-    stats = [m.stats or _zero_stats(m.n_experts, m.gate.weight.device) for m in layers]
+    stats = [layer_stats(m) for m in layers]
     counts = torch.stack([s["tokens_per_expert"] for s in stats]).tolist()
     seen = int(stats[0]["micro_batches"])
     out = {"tokens_per_expert": counts, "dropped_tokens": int(sum(s["dropped"] for s in stats)),
            "aux_loss": float(sum(s["aux_loss"] for s in stats)) / max(seen, 1),
            "z_loss": float(sum(s["z_loss"] for s in stats)) / max(seen, 1), "micro_batches": seen}
+    for key in stats[0].keys() - STATS_READ:  # counters added later (expert parallelism's a2a_*): per layer
+        out[key] = [float(s[key]) for s in stats]
     if reset:
         for m in layers:
             m.reset_stats()

@@ -90,3 +90,15 @@ MEMORY = (PARAM_BYTES, GRAD_BYTES, OPTIMIZER_BYTES, RSS_BYTES, ACTIVATION_SAVED_
 
 # step events: ``ranks``, one object per rank every log_every steps (with more than one rank)
 WAIT_S = "wait_s"  # seconds the rank waited in collectives it can observe: SYNC_S + COMM_S
+
+# step events of a mixture-of-experts model: ``moe``, one object, each list one entry per MoE layer (train.routing)
+MOE = "moe"
+MOE_LAYERS = "layers"  # the layers' module paths without ".ff": "layers.1", "decoder.layers.3"
+MOE_TOP_K = "top_k"
+MOE_TOKENS_PER_EXPERT = "tokens_per_expert"  # [layer][expert] assignments computed (after capacity), all dp ranks
+MOE_DROPPED_TOKENS = "dropped_tokens"  # [layer] assignments cut by the capacity, all dp ranks
+MOE_AUX_LOSS = "aux_loss"  # [layer] load-balancing loss value (no coefficient), mean over micro-batches and ranks
+MOE_Z_LOSS = "z_loss"  # [layer] router z-loss value, likewise
+MOE_MAX_LOAD_RATIO = "max_load_ratio"  # [layer] the busiest expert's tokens / the mean per expert (1 = uniform)
+MOE_A2A_BYTES = "a2a_bytes"  # [layer] bytes sent in the expert all-to-alls, all ranks (expert parallelism)
+MOE_A2A_WAIT_MS = "a2a_wait_ms"  # [layer] ms waited in them, mean over the dp ranks (expert parallelism)

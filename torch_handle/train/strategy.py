@@ -77,6 +77,12 @@ class DistContext:
         return 0 if self.layout is None else self.layout.pp_rank(self.rank)
 
     @property
+    def dp_group(self) -> Any:
+        """The process group of this rank's data-parallel replicas (the mesh's "dp" dimension: the ranks that hold
+        the same shard of the model); None, the default group, without a layout (every rank is a replica)."""
+        return None if self.mesh is None else self.mesh["dp"].get_group()
+
+    @property
     def distributed(self) -> bool:
         return dist.is_available() and dist.is_initialized()
 
@@ -152,8 +158,10 @@ class Strategy:
         self._sync = True
         self.model: torch.nn.Module = self.wrap(model)
         self.optimizer: torch.optim.Optimizer = self.build_optimizer(self.model.parameters())
-        # what the model itself does at every optimizer step (an MoE router's expert biases under balance = "aux_free")
-        register_expert_bias_updates(model, self.optimizer)
+        # what the model itself does at every optimizer step: an MoE router's expert biases under balance =
+        # "aux_free", moved by the load of the data-parallel replicas (not of the tp ranks, which route the same
+        # tokens, nor of other pipeline stages, whose layers are others: the default group would add those in)
+        register_expert_bias_updates(model, self.optimizer, ctx.dp_group)
         self.scheduler: torch.optim.lr_scheduler.LRScheduler = self.build_scheduler(self.optimizer)
 
     # -- set-up (called by the constructor) ----------------------------------------------------------------------

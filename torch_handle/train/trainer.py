@@ -43,6 +43,7 @@ from torch_handle.observe.telemetry import EVENTS_FILE, EventWriter, NullEventWr
 from torch_handle.train.loop import GradientAccumulation, MicroBatchLoop, plain
 from torch_handle.train.loss import loss_fn
 from torch_handle.train.phases import PhaseTimer
+from torch_handle.train.routing import RoutingTelemetry
 
 log = logging.getLogger("torch_handle")
 
@@ -131,6 +132,7 @@ class Trainer:
         flops = getattr(model, "flops_per_token", None)  # optional part of the model contract
         self.model_info = {"params": sum(t.numel() for t in model.parameters()),
                            "flops_per_token": float(flops(self.data.max_len)) if flops is not None else None}
+        self.routing = RoutingTelemetry(model, ctx.tp_rank, ctx.dp_size)  # every MoE layer, before a pipeline split
         model.to(ctx.device)
         if self.tp is not None:
             self.tp.parallelize(model)
@@ -339,8 +341,7 @@ class Trainer:
         events read once after the step's synchronize on GPU) and each is a ``handle/<phase>`` profiler range.
         """
         t0 = time.perf_counter()
-        t = self.training
-        timer = self.timer
+        t, timer = self.training, self.timer
         timer.begin()
         if self.tp is not None:
             self.tp.begin_step()
@@ -349,9 +350,10 @@ class Trainer:
         self.loop.run(self, batches, stats)
         log_memory = (self.step + 1) % t.log_every == 0 or self.step == 0
         with timer.phase("sync"):
-            # One small all-reduce carries the global loss, token count and the stop request (rank 0 reads the
-            # STOP file), so every rank agrees on them without another collective.
+            # One small all-reduce carries the global loss, token count, the stop request (rank 0 reads the STOP
+            # file) and an MoE model's routing counts, so every rank agrees on them without another collective.
             stats[2] = float(self.is_dir_main and (self.run_dir / STOP_FILE).exists())  # any node's launcher
+            stats = self.routing.attach(stats, self.strategy.unwrapped())
             if self.ctx.distributed:
                 if self.test_hang and self.test_hang[0] == self.step + 1:
                     time.sleep(self.test_hang[1])  # HANDLE_TEST_HANG_RANK: this rank hangs, its peers wait below
@@ -383,7 +385,7 @@ class Trainer:
             record.update(self.tp.step_stats())  # the layout; the scratch path's TP traffic
         if self.pp is not None:
             record.update(self.pp.step_stats(timeline=log_memory))  # the layout; busy, idle, the bubble
-        record.update(comm_fields(record))  # comm: seconds per dimension of the layout (observe.comm)
+        record.update(comm_fields(record), **self.routing.fields(stats))  # observe.comm; an MoE's train.routing
         parts = timer.read()
         if parts:
             # the strategy's gradient-communication wait happened inside its backward: count it once, as comm_s
