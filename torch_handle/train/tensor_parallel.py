@@ -32,15 +32,15 @@ from torch_handle.train.strategy import DistContext
 
 
 def attach_layout(ctx: DistContext, parallel: ParallelConfig) -> DistContext:
-    """``ctx`` with the pp × dp × tp layout of ``parallel``: the device mesh, the TP and pipeline groups and the
-    data-parallel rank and size (``ctx.dp_rank``, ``ctx.dp_size``). With tp = pp = 1: ``ctx`` unchanged (dp = world
-    size)."""
-    if parallel.tp == 1 and parallel.pp == 1:
+    """``ctx`` with the pp × dp × tp layout of ``parallel`` (dp as edp × ep): the device mesh, the TP and pipeline
+    groups, the data-parallel rank and size (``ctx.dp_rank``, ``ctx.dp_size``) and the expert-parallel
+    implementation. With tp = pp = ep = 1: ``ctx`` unchanged (dp = world size)."""
+    if parallel.tp == 1 and parallel.pp == 1 and parallel.ep == 1:
         return ctx
-    layout = Layout(ctx.world_size, parallel.tp, parallel.pp)
+    layout = Layout(ctx.world_size, parallel.tp, parallel.pp, parallel.ep)
     mesh = build_mesh(layout, ctx.device.type)
     return replace(ctx, layout=layout, mesh=mesh, tp_group=TPGroup(mesh["tp"].get_group()),
-                   pp_group=mesh["pp"].get_group() if layout.pp > 1 else None)
+                   pp_group=mesh["pp"].get_group() if layout.pp > 1 else None, ep_impl=parallel.ep_impl)
 
 
 class TensorParallel:
