@@ -19,8 +19,8 @@ inner one because its traffic is the heavier: two all-to-alls of every routed to
 backward, against one all-reduce of the expert gradients a step; consecutive ranks share a node when they can.
 
 The mesh is torch's ``init_device_mesh`` with the named dimensions ("dp", "tp"), and ("pp", "dp", "tp") with a
-pipeline (torchtitan's ParallelDims does the same, with more dimensions); with ep > 1, "dp" is built as ("edp",
-"ep") and flattened back into "dp", so ``mesh["dp"]``, ``mesh["ep"]`` and ``mesh["edp"]`` all exist.
+pipeline (torchtitan's ParallelDims does the same, with more dimensions); with ep > 1 a second mesh over the same
+ranks splits "dp" into ("edp", "ep") (:func:`build_expert_mesh`).
 """
 
 from __future__ import annotations
@@ -89,14 +89,21 @@ class Layout:
 def build_mesh(layout: Layout, device_type: str) -> DeviceMesh:
     """The ("dp", "tp") device mesh of ``layout`` over the default process group (already initialised), and
     ("pp", "dp", "tp") with a pipeline. ``mesh["tp"]`` is this rank's TP group, ``mesh["dp"]`` its data-parallel
-    group, ``mesh["pp"]`` its pipeline; with ep > 1 also ``mesh["ep"]`` (its EP group) and ``mesh["edp"]`` (the
-    ranks holding its experts)."""
+    group, ``mesh["pp"]`` its pipeline."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if layout.pp == 1:
+        return init_device_mesh(device_type, (layout.dp, layout.tp), mesh_dim_names=("dp", "tp"))
+    return init_device_mesh(device_type, (layout.pp, layout.dp, layout.tp), mesh_dim_names=("pp", "dp", "tp"))
+
+
+def build_expert_mesh(layout: Layout, device_type: str) -> DeviceMesh:
+    """The same ranks with dp split: ("edp", "ep", "tp"), ("pp", "edp", "ep", "tp") with a pipeline.
+    ``mesh["ep"]`` is this rank's EP group (the ranks that split its experts), ``mesh["edp"]`` the ranks holding the
+    same experts. A mesh of its own rather than "dp" split and flattened back in one mesh: torch deprecates slicing
+    a flattened dimension from its root mesh, and every other part of a run reads "dp" whole."""
     from torch.distributed.device_mesh import init_device_mesh
 
     pp = ((layout.pp,), ("pp",)) if layout.pp > 1 else ((), ())
-    if layout.ep == 1:
-        return init_device_mesh(device_type, (*pp[0], layout.dp, layout.tp), mesh_dim_names=(*pp[1], "dp", "tp"))
-    mesh = init_device_mesh(device_type, (*pp[0], layout.edp, layout.ep, layout.tp),
+    return init_device_mesh(device_type, (*pp[0], layout.edp, layout.ep, layout.tp),
                             mesh_dim_names=(*pp[1], "edp", "ep", "tp"))
-    mesh["edp", "ep"]._flatten("dp")
-    return mesh

@@ -48,8 +48,8 @@ def _layer_label(name: str, ordinal: int) -> str:
     return found.group(1) if found else str(ordinal)
 
 
-def apply_expert_parallel(model: nn.Module, impl: str, mesh: Any) -> list[nn.Parameter]:
-    """Split every MoE layer's experts of ``model`` (same weights on every rank) over ``mesh["ep"]`` in place: this
+def apply_expert_parallel(model: nn.Module, impl: str, ep_mesh: Any) -> list[nn.Parameter]:
+    """Split every MoE layer's experts of ``model`` (same weights on every rank) over ``ep_mesh`` in place: this
     rank keeps experts [ep_rank · E/ep, (ep_rank + 1) · E/ep), and the experts' module gets the dispatch and combine
     (``impl`` ``"scratch"``: :class:`~torch_handle.parallel.expert.scratch.ScratchExpertParallel`, plain tensors;
     ``"native"``: :class:`~torch_handle.parallel.expert.native.NativeExpertParallel`, ``Shard(0)`` DTensors). Each
@@ -60,7 +60,6 @@ def apply_expert_parallel(model: nn.Module, impl: str, mesh: Any) -> list[nn.Par
         ValueError: an unknown ``impl``, or an MoE layer whose n_experts the ep degree does not divide."""
     if impl not in ("scratch", "native"):
         raise ValueError(f"unknown expert-parallel implementation {impl!r}; expected 'scratch' or 'native'")
-    ep_mesh = mesh["ep"]
     names = {id(m): n for n, m in model.named_modules()}
     params: list[nn.Parameter] = []
     for ordinal, layer in enumerate(moe_layers(model)):
@@ -88,16 +87,16 @@ class ExpertParallel:
     ``step_stats``), unless a pipeline is that share (which calls this one for its experts)."""
 
     def __init__(self, ctx: Any, impl: str) -> None:
-        self.ctx, self.impl, self.mesh = ctx, impl, ctx.mesh
+        self.ctx, self.impl, self.mesh, self.ep_mesh = ctx, impl, ctx.mesh, ctx.ep_mesh["ep"]
         self.ep, self.dp = ctx.layout.ep, ctx.layout.dp
-        self.ep_group, self.edp_group = self.mesh["ep"].get_group(), self.mesh["edp"].get_group()
+        self.ep_group, self.edp_group = self.ep_mesh.get_group(), ctx.ep_mesh["edp"].get_group()
         self.ep_rank = dist.get_rank(self.ep_group)
         self.params: list[nn.Parameter] = []
         self.strategy: Any = None
 
     def parallelize(self, model: nn.Module) -> ExpertParallel:
         """Split ``model``'s experts (:func:`apply_expert_parallel`). Returns self."""
-        self.params = apply_expert_parallel(model, self.impl, self.mesh)
+        self.params = apply_expert_parallel(model, self.impl, self.ep_mesh)
         return self
 
     def expert_names(self, module: nn.Module) -> list[str]:

@@ -54,6 +54,8 @@ class DistContext:
     """This rank's pipeline process group (the mesh's "pp" dimension), None without a pipeline."""
     ep_impl: str = "native"
     """``parallel.ep_impl``: how the experts are split when ``layout.ep`` > 1."""
+    ep_mesh: Any = None
+    """The ("edp", "ep", "tp") or ("pp", "edp", "ep", "tp") ``DeviceMesh`` when ``layout.ep`` > 1, else None."""
 
     @property
     def is_main(self) -> bool:
@@ -250,8 +252,8 @@ class Strategy:
     def step_stats(self) -> dict[str, float | int]:
         """Figures about the optimizer step that just ended, merged into its ``step`` event by the trainer (on
         rank 0: rank 0's figures), e.g. ``comm_s``, ``allreduce_calls``, ``allreduce_bytes``; called once per
-        step, after :meth:`step` or :meth:`skip_step`. Default: none."""
-        return {}
+        step, after :meth:`step` or :meth:`skip_step`. Default: none, or with expert parallelism the layout."""
+        return {} if self.expert_parallel is None else self.expert_parallel.step_stats()
 
     def close(self) -> None:
         """Release what the strategy registered (gradient hooks, ...); called once by the trainer at the end of the

@@ -68,7 +68,7 @@ class NativeExpertParallel(ParallelStyle):
     def _dispatch(self, module: nn.Module, inputs: tuple[Tensor, Tensor], mesh: DeviceMesh) -> tuple[Tensor, Tensor]:
         x, counts = inputs
         group = mesh.get_group()
-        with torch.no_grad():
+        with torch.no_grad(), waiting(f"dispatch layer {self.layer}"):
             received = all_to_all_single(counts, None, None, group=group)
             received = wait_tensor(received).view(mesh.size(), -1)  # (ep, L)
         self.in_splits, self.out_splits = split_sizes(counts, received)

@@ -26,6 +26,7 @@ combine and the split sizes it used (:mod:`torch_handle.observe.heartbeat`).
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -43,12 +44,13 @@ record_traffic``)."""
 
 
 @contextlib.contextmanager
-def waiting(what: str, send: list[int], recv: list[int]) -> Iterator[None]:
+def waiting(what: str, send: list[int] | None = None, recv: list[int] | None = None) -> Iterator[None]:
     """The heartbeat's phase while an all-to-all runs: ``ep dispatch layer 3: send [5, 11] recv [7, 9]`` (rows to
-    and from each EP rank); the phase before it is restored after it."""
+    and from each EP rank), ``ep dispatch layer 3: counts`` while the counts are exchanged; the phase before it is
+    restored after it."""
     hb = heartbeat.current()
     before = hb.phase if hb is not None else None
-    heartbeat.beat(f"ep {what}: send {send} recv {recv}")
+    heartbeat.beat(f"ep {what}: send {send} recv {recv}" if send is not None else f"ep {what}: counts")
     try:
         yield
     finally:
@@ -64,8 +66,8 @@ def split_sizes(counts: Tensor, received: Tensor) -> tuple[list[int], list[int]]
 
 
 def row_bytes(x: Tensor) -> int:
-    """Bytes of one row of ``x`` (M, C)."""
-    return x[0].numel() * x.element_size() if x.dim() > 1 else x.element_size()
+    """Bytes of one row of ``x`` (M, C), also when M is 0."""
+    return math.prod(x.shape[1:]) * x.element_size()
 
 
 class _AllToAll(torch.autograd.Function):
@@ -150,7 +152,8 @@ class ScratchExpertParallel:
     def dispatch(self, x: Tensor, counts: Tensor) -> tuple[Tensor, Tensor]:
         """(M, C) rows sorted by expert and their (E,) counts -> (R, C) rows of this rank's L experts, grouped by
         expert, and (L,) counts."""
-        received = exchange_counts(counts, self.group)  # (ep, L)
+        with waiting(f"dispatch layer {self.layer}"):
+            received = exchange_counts(counts, self.group)  # (ep, L)
         self.in_splits, self.out_splits = split_sizes(counts, received)
         rows = all_to_all(x, self.out_splits, self.in_splits, self.group, f"dispatch layer {self.layer}",
                           self.record)
