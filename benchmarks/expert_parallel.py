@@ -113,8 +113,9 @@ def main() -> None:
     for row in rows:
         base = next(r for r in rows if r["ranks"] == row["ranks"] and r["routing"] == row["routing"]
                     and r["impl"] == "scratch")
+        exact = str(row["a2a_bytes"] == row["formula_bytes"])
         print(f"{row['ranks']:>5} {row['impl']:>8} {row['routing']:>12} {row['tokens_per_s']:>9,} "
-              f"{row['tokens_per_s'] / base['tokens_per_s']:>9.2f}x {str(row['a2a_bytes'] == row['formula_bytes']):>15} "
+              f"{row['tokens_per_s'] / base['tokens_per_s']:>9.2f}x {exact:>15} "
               f"{row['a2a_wait_s_per_iter_max_rank'] * 1000:>10.1f} ms")
     for row in rows:
         print(json.dumps(row))

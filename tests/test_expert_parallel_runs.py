@@ -25,8 +25,8 @@ pytestmark = pytest.mark.dist
 MOE = {"n_experts": 4, "top_k": 2, "moe_every": 1, "mlp": '"swiglu"', "d_ff_expert": 64, "router_aux_loss": 0.01,
        "router_z_loss": 0.001, "dropout": 0, "norm_first": "true"}
 COMMON = (*(a for k, v in MOE.items() for a in ("--set", f"model.{k}={v}")), "--set", "training.steps=4",
-          "--set", "training.log_every=1", "--set", "training.micro_batch_size=2", "--set", "training.checkpoint_every=2",
-          "--set", "training.eval_steps=1")
+          "--set", "training.log_every=1", "--set", "training.micro_batch_size=2",
+          "--set", "training.checkpoint_every=2", "--set", "training.eval_steps=1")
 EP2 = ("--set", "parallel.ep=2", "--set", "strategy.name=ddp")
 RUNS = {
     "one": ("--set", "training.grad_accum=4"),
@@ -76,11 +76,13 @@ def test_expert_parallel_layouts_train_as_one_process(runs, name) -> None:
         assert split[step]["layout"]["ep"] == 2
     info = json.loads((runs[name] / "run.json").read_text())
     assert info["layout"]["label"] == LABELS[name]
-    # the export gathers every rank's experts: the one-process model's tensors, (E, F, C) each
+    # the export gathers every rank's experts: the one-process model's tensors, (E, F, C) each. Within 1e-3, not
+    # 1e-5: AdamW turns a gradient of rounding noise (a key bias: softmax ignores it) into steps of lr's size, while
+    # an expert gathered in the wrong order would be off by the weights' own size (~0.1)
     want, got = load_file(runs["one"] / "model.safetensors"), load_file(runs[name] / "model.safetensors")
     assert got.keys() == want.keys()
     for key, value in want.items():
-        torch.testing.assert_close(got[key], value, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name} {key}: {m}")
+        torch.testing.assert_close(got[key], value, rtol=0, atol=1e-3, msg=lambda m: f"{name} {key}: {m}")
 
 
 def test_checkpoints_resume_across_ep(runs) -> None:
