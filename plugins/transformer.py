@@ -123,15 +123,14 @@ def _check_pipeline(options: TransformerConfig, preset) -> Iterator[InvalidValue
 
 
 def _check_experts_layout(options: TransformerConfig, preset) -> Iterator[InvalidValue]:
-    """What mixture-of-experts layers do not support yet: tensor and pipeline parallelism, compiled blocks, and the
-    expert-bias update under DeepSpeed (its optimizer has no step hooks)."""
+    """What mixture-of-experts layers do not support yet: tensor parallelism, compiled blocks, and the expert-bias
+    update under DeepSpeed (its optimizer has no step hooks)."""
     if not options.n_experts:
         return
     parallel = preset.parallel
-    for key, degree, what in (("tp", parallel.tp, "tensor"), ("pp", parallel.pp, "pipeline")):
-        if degree > 1:
-            yield InvalidValue(f"parallel.{key}", f"mixture-of-experts layers (n_experts = {options.n_experts}) are "
-                                                  f"not split by {what} parallelism yet (use parallel.{key} = 1)")
+    if parallel.tp > 1:
+        yield InvalidValue("parallel.tp", f"mixture-of-experts layers (n_experts = {options.n_experts}) are not split "
+                                          f"by tensor parallelism yet (use parallel.tp = 1)")
     if preset.training.compile:
         yield InvalidValue("training.compile", "mixture-of-experts layers are not compiled yet (their token counts "
                                                "set the shapes); use compile = false")

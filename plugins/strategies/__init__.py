@@ -33,6 +33,7 @@ class DDPConfig:
     tensor_parallel: ClassVar[bool] = True  # replicas of a model split by hand (parallel.tp_impl = "scratch"):
     # DDP's buckets take plain tensors, so no native_tensor_parallel (tp_impl = "auto" picks scratch)
     pipeline_parallel: ClassVar[bool] = True  # each pipeline stage its own DDP over the stage's data-parallel ranks
+    expert_parallel: ClassVar[bool] = True  # the experts left out of DDP, reduced over "edp" (parallel.ep > 1)
     fp16_loss_scaling: ClassVar[bool] = True  # GradScaler, as single
 
     bucket_cap_mb: float = param(25.0, gt=0.0)

@@ -128,8 +128,29 @@ def _microbatches(preset: Preset, registry: Any) -> Iterator[PresetError]:
 
 
 def _expert_parallel(preset: Preset, registry: Any) -> Iterator[PresetError]:
-    if preset.parallel.ep > 1:  # the keys exist; the all-to-all dispatch lands with issue 31's expert parallelism
-        yield PresetError("parallel.ep > 1: expert parallelism is not available yet (valid: 1)", key="parallel.ep")
+    """ep > 1: MoE layers whose n_experts it divides, a data-parallel degree it divides (EP ranks are drawn from the
+    data-parallel ones: docs/expert-parallel.md), and a strategy that leaves the experts to it."""
+    par = preset.parallel
+    if par.ep == 1:
+        return
+    n_experts = getattr(preset.model.options, "n_experts", 0) or 0
+    if not n_experts:
+        yield PresetError(f"parallel.ep = {par.ep} splits the experts of mixture-of-experts layers, and the model has "
+                          f"none (set model.n_experts > 0, or parallel.ep = 1)", key="parallel.ep")
+        return
+    if preset.world_size % (par.tp * par.pp):
+        return  # _world_size's problem: no data-parallel degree to check against
+    dp = preset.world_size // (par.tp * par.pp)
+    valid = ", ".join(str(d) for d in range(1, dp + 1) if dp % d == 0 and n_experts % d == 0)
+    for what, degree in ((f"model.n_experts = {n_experts}", n_experts),
+                         (f"the data-parallel degree {dp} (world size / (tp x pp); EP ranks are drawn from the "
+                          f"data-parallel ones)", dp)):
+        if degree % par.ep:
+            yield PresetError(f"parallel.ep = {par.ep} does not divide {what} (valid ep: {valid})", key="parallel.ep")
+    if not getattr(type(preset.strategy.options), "expert_parallel", False):
+        strategies = ", ".join(_supports(registry, "strategy", "expert_parallel")) or "none"
+        yield PresetError(f"strategy {preset.strategy.name!r} does not support parallel.ep > 1 (valid with ep > 1: "
+                          f"{strategies})", key="strategy.name")
 
 
 LAYOUT_CHECKS: tuple[Callable[[Preset, Any], Iterator[PresetError]], ...] = (

@@ -121,6 +121,11 @@ def combine(y_sorted: Tensor, plan: Dispatch, weights: Tensor) -> Tensor:
 
 
 # -- 3. the experts ------------------------------------------------------------------------------------------------
+def _local(w: Tensor) -> Tensor:
+    """A DTensor's local shard (the experts this rank holds under native expert parallelism); a tensor as it is."""
+    return w.to_local() if hasattr(w, "to_local") else w
+
+
 def _matmul_dtype(x: Tensor) -> torch.dtype:
     """The dtype a matmul of ``x`` runs in: autocast's when it is on (``_grouped_mm`` is not on its lists)."""
     kind = x.device.type
@@ -181,12 +186,14 @@ class GroupedExperts(nn.Module):
                 nn.init.uniform_(w, -bound, bound)
 
     def _mlp(self, x: Tensor, linear: Callable[[Tensor, Tensor], Tensor]) -> Tensor:
-        """One expert FFN over rows ``x``, ``linear(h, w)`` applying the stacked matrix ``w`` to the rows."""
+        """One expert FFN over rows ``x``, ``linear(h, w)`` applying the stacked matrix ``w`` to the rows. Under
+        native expert parallelism the weights are DTensors: this rank computes with its experts, their local shard."""
+        up, down = _local(self.up_proj), _local(self.down_proj)
         if self.mlp == "swiglu":
-            h = F.silu(linear(x, self.gate_proj)) * linear(x, self.up_proj)  # (rows, F)
+            h = F.silu(linear(x, _local(self.gate_proj))) * linear(x, up)  # (rows, F)
         else:
-            h = (F.relu if self.mlp == "relu" else F.gelu)(linear(x, self.up_proj))
-        return linear(self.dropout(h), self.down_proj)  # (rows, C)
+            h = (F.relu if self.mlp == "relu" else F.gelu)(linear(x, up))
+        return linear(self.dropout(h), down)  # (rows, C)
 
     def forward(self, x: Tensor, counts: Tensor) -> Tensor:
         if self.impl not in ("grouped", "loop"):
@@ -223,7 +230,9 @@ def _zero_stats(n_experts: int, device: torch.device) -> dict[str, Tensor]:
     return {"tokens_per_expert": torch.zeros(n_experts, dtype=torch.int64, device=device),
             "dropped": torch.zeros((), dtype=torch.int64, device=device),
             "aux_loss": torch.zeros((), device=device), "z_loss": torch.zeros((), device=device),
-            "micro_batches": torch.zeros((), dtype=torch.int64, device=device)}
+            "micro_batches": torch.zeros((), dtype=torch.int64, device=device),
+            "a2a_bytes": torch.zeros((), dtype=torch.int64, device=device),
+            "a2a_wait_s": torch.zeros((), dtype=torch.float64)}
 
 
 def _in_backward() -> bool:
@@ -304,6 +313,17 @@ class MoEFeedForward(nn.Module):
         terms = [coef * loss for coef, loss in ((self.aux_loss_coef if self.balance == "aux_loss" else 0.0, aux),
                                                 (self.z_loss_coef, z)) if coef]
         return attach_aux_loss(y, sum(terms)) if terms else y
+
+    def record_traffic(self, nbytes: int, seconds: float, backward: bool) -> None:
+        """Add one expert-parallel all-to-all of rows to ``stats``: ``a2a_bytes`` (bytes this rank handed to the
+        collective) and ``a2a_wait_s`` (seconds in it), in training forwards and backwards; an activation
+        checkpoint's recomputed forward (a forward inside backward) is not counted again."""
+        if not self.training or (not backward and _in_backward()):
+            return
+        if self.stats is None:
+            self.stats = _zero_stats(self.n_experts, self.gate.weight.device)
+        self.stats["a2a_bytes"] += nbytes
+        self.stats["a2a_wait_s"] += seconds
 
     def reset_stats(self) -> None:
         """Forget the routing statistics (``stats``: None until the next training forward)."""

@@ -1,4 +1,5 @@
-"""How a run's ranks are arranged: pipeline × data parallel × tensor parallel on one device mesh.
+"""How a run's ranks are arranged: pipeline × data parallel × tensor parallel on one device mesh, the data-parallel
+ranks split again into expert-data-parallel × expert parallel.
 
 Ranks are laid out with tensor parallelism varying fastest and pipeline parallelism slowest, as in Megatron-LM,
 picotron and torchtitan: with tp = 2 and world_size = 4, ranks (0, 1) split one model replica and (2, 3) the
@@ -7,8 +8,19 @@ parallelism sends gradients once a step; a pipeline sends one activation per sta
 
     rank = (pp_rank · dp + dp_rank) · tp + tp_rank
 
+Expert parallelism draws its ranks from the data-parallel ones, as torchtitan does: the dp ranks of a (pp, tp)
+coordinate are edp × ep, ep varying fastest,
+
+    dp_rank = edp_rank · ep + ep_rank
+
+so ep consecutive dp ranks split the experts (an EP group) and the edp = dp / ep groups hold the same experts
+(the ranks of one ep_rank form an expert-data-parallel group, over which expert gradients are reduced). EP is the
+inner one because its traffic is the heavier: two all-to-alls of every routed token per MoE layer, forward and
+backward, against one all-reduce of the expert gradients a step; consecutive ranks share a node when they can.
+
 The mesh is torch's ``init_device_mesh`` with the named dimensions ("dp", "tp"), and ("pp", "dp", "tp") with a
-pipeline (torchtitan's ParallelDims does the same, with more dimensions).
+pipeline (torchtitan's ParallelDims does the same, with more dimensions); with ep > 1 a second mesh over the same
+ranks splits "dp" into ("edp", "ep") (:func:`build_expert_mesh`).
 """
 
 from __future__ import annotations
@@ -22,25 +34,40 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Layout:
-    """``world_size`` ranks as pp × dp × tp. Raises ValueError (naming ``tp`` and ``pp``) when tp · pp does not
-    divide world_size."""
+    """``world_size`` ranks as pp × dp × tp, dp as edp × ep. Raises ValueError (naming ``tp`` and ``pp``, or
+    ``ep``) when tp · pp does not divide world_size or ep the data-parallel degree."""
 
     world_size: int
     tp: int = 1
     pp: int = 1
+    ep: int = 1
 
     def __post_init__(self) -> None:
         if self.tp < 1 or self.pp < 1 or self.world_size % (self.tp * self.pp):
             raise ValueError(f"tp x pp = {self.tp} x {self.pp} must divide the world size {self.world_size} "
                              f"(launch.nproc_per_node x launch.nnodes)")
+        if self.ep < 1 or self.dp % self.ep:
+            raise ValueError(f"ep = {self.ep} must divide the data-parallel degree {self.dp} (world size / (tp x pp))")
 
     @property
     def dp(self) -> int:
         """Model replicas: world_size / (tp · pp)."""
         return self.world_size // (self.tp * self.pp)
 
+    @property
+    def edp(self) -> int:
+        """Replicas of each expert: dp / ep."""
+        return self.dp // self.ep
+
     def dp_rank(self, rank: int) -> int:
         return rank // self.tp % self.dp
+
+    def ep_rank(self, rank: int) -> int:
+        """Which slice of the experts ``rank`` holds: dp_rank mod ep."""
+        return self.dp_rank(rank) % self.ep
+
+    def edp_rank(self, rank: int) -> int:
+        return self.dp_rank(rank) // self.ep
 
     def tp_rank(self, rank: int) -> int:
         return rank % self.tp
@@ -53,8 +80,10 @@ class Layout:
         return (pp_rank * self.dp + dp_rank) * self.tp + tp_rank
 
     def describe(self) -> dict[str, int]:
-        """The layout as telemetry writes it: ``{"dp": .., "tp": ..}``, plus ``"pp"`` with a pipeline."""
-        return {"dp": self.dp, "tp": self.tp, **({"pp": self.pp} if self.pp > 1 else {})}
+        """The layout as telemetry writes it: ``{"dp": .., "tp": ..}``, plus ``"pp"`` with a pipeline and ``"ep"``
+        with expert parallelism (dp stays the data-parallel degree, ep of it)."""
+        return {"dp": self.dp, "tp": self.tp, **({"pp": self.pp} if self.pp > 1 else {}),
+                **({"ep": self.ep} if self.ep > 1 else {})}
 
 
 def build_mesh(layout: Layout, device_type: str) -> DeviceMesh:
@@ -66,3 +95,15 @@ def build_mesh(layout: Layout, device_type: str) -> DeviceMesh:
     if layout.pp == 1:
         return init_device_mesh(device_type, (layout.dp, layout.tp), mesh_dim_names=("dp", "tp"))
     return init_device_mesh(device_type, (layout.pp, layout.dp, layout.tp), mesh_dim_names=("pp", "dp", "tp"))
+
+
+def build_expert_mesh(layout: Layout, device_type: str) -> DeviceMesh:
+    """The same ranks with dp split: ("edp", "ep", "tp"), ("pp", "edp", "ep", "tp") with a pipeline.
+    ``mesh["ep"]`` is this rank's EP group (the ranks that split its experts), ``mesh["edp"]`` the ranks holding the
+    same experts. A mesh of its own rather than "dp" split and flattened back in one mesh: torch deprecates slicing
+    a flattened dimension from its root mesh, and every other part of a run reads "dp" whole."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    pp = ((layout.pp,), ("pp",)) if layout.pp > 1 else ((), ())
+    return init_device_mesh(device_type, (*pp[0], layout.edp, layout.ep, layout.tp),
+                            mesh_dim_names=(*pp[1], "edp", "ep", "tp"))

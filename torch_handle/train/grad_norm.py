@@ -54,7 +54,8 @@ def _summed(grad: torch.Tensor) -> torch.Tensor:
 
 
 def mesh_grad_norm(named: Iterable[tuple[str, nn.Parameter]], mesh: Any, plan: Plan | None = None,
-                   exclude: Container[str] = (), pp_group: Any = None) -> float:
+                   exclude: Container[str] = (), pp_group: Any = None, experts: Container[str] = (),
+                   ep_group: Any = None) -> float:
     """The 2-norm of every gradient of the one-process model, from this rank's parts of them; a collective over
     ``mesh`` (the ("dp", "tp") or ("pp", "dp", "tp") ``DeviceMesh``; every rank calls it).
 
@@ -63,12 +64,17 @@ def mesh_grad_norm(named: Iterable[tuple[str, nn.Parameter]], mesh: Any, plan: P
         plan: the hand-written TP plan (which names are split over "tp"), or None.
         exclude: names counted on another rank (a tied weight's second copy on the last pipeline stage).
         pp_group: the pipeline group (each stage's parameters are its own), or None.
+        experts: names of expert parameters split over ``ep_group`` (each EP rank holds other experts; expert
+            parallelism), summed over that group.
     Returns:
         The norm (float; inf or nan when a gradient is)."""
     device = next((p.grad.device for _, p in named if p.grad is not None), None)
-    sums = torch.zeros(4, dtype=torch.float64, device=device)  # replicated, over tp, over dp, over both
+    sums = torch.zeros(5, dtype=torch.float64, device=device)  # replicated, over tp, over dp, over both; over ep
     for name, p in named:
         if p.grad is None or name in exclude:
+            continue
+        if name in experts:
+            sums[4] += local(p.grad).detach().double().pow(2).sum()
             continue
         # the gradient's own layout, not the parameter's: DTensor hands an untied vocabulary-parallel embedding
         # (Shard(0)) a Replicate gradient, the whole of it on every TP rank
@@ -81,8 +87,10 @@ def mesh_grad_norm(named: Iterable[tuple[str, nn.Parameter]], mesh: Any, plan: P
     dist.all_reduce(sums[1:2], group=mesh["tp"].get_group())  # outside the counted step traffic: scalars
     dist.all_reduce(sums[2:3], group=mesh["dp"].get_group())
     dist.all_reduce(sums[3:4])  # every rank holds a different part (and every stage different parameters)
+    if ep_group is not None:
+        dist.all_reduce(sums[4:5], group=ep_group)
     if pp_group is not None:
-        total = sums[:3].sum()
+        total = sums[:3].sum() + sums[4]
         dist.all_reduce(total, group=pp_group)
         return math.sqrt(float(total + sums[3]))
     return math.sqrt(float(sums.sum()))

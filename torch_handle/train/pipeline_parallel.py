@@ -32,6 +32,7 @@ from torch_handle.common.testhooks import HANG_ENV, parse_test_stall
 from torch_handle.config.schema import ParallelConfig
 from torch_handle.data.datasets import IGNORE_INDEX
 from torch_handle.errors import CheckpointError
+from torch_handle.model.aux_loss import set_loss_scale
 from torch_handle.model.kernels import cross_entropy
 from torch_handle.model.pipeline import split_decoder, split_layers, tied_names
 from torch_handle.observe.heartbeat import beat
@@ -78,6 +79,7 @@ class PipelineParallel:
         self.group_ranks = dist.get_process_group_ranks(self.group)  # global rank of each pipeline rank
         self.timeline = Timeline(ctx.device)
         self.strategy: Any = None
+        self.ep: Any = None  # the strategy's ExpertParallel share, when parallel.ep > 1 (set by bind)
         self.shard: nn.Module | None = None
         self.tied: dict[str, str] = {}
         self._tie_group = self._tie_groups()
@@ -138,6 +140,9 @@ class PipelineParallel:
         strategy.clips_gradients = False
         if self.tp is not None:
             self.tp.bind(strategy)
+        self.ep = strategy.expert_parallel  # its experts split over "ep" (pp x ep): reduced and saved with ours
+        if self.ep is not None:
+            self.ep.bind(strategy)
         self.grad_sync = strategy.pipeline_grad_sync() or data_parallel.NoSync()
         if self.impl == "scratch":
             link = StageLink(self.group, self.group_ranks, self.my_stages[0], self.ctx.device, self.timeline)
@@ -184,6 +189,9 @@ class PipelineParallel:
         tokens = sum((y != IGNORE_INDEX).sum() for y in labels)
         self._tokens = tokens.double()
         self._running, self._forwards = trainer.step + 1, 0
+        # the schedule's losses bypass loss_fn's probe: an MoE layer's attached losses get the gradient a micro-batch's
+        # loss gets in gradient accumulation over m micro-batches, 1/m (torch_handle.model.aux_loss)
+        set_loss_scale(1.0 / self.m)
         self.timeline.begin()
         counting = self.first_stage_saved_bytes is None
         self.engine.count_saved = counting
@@ -261,8 +269,12 @@ class PipelineParallel:
                     dist.all_reduce(local(p.grad), group=self._tie_group)
         if self.tp is not None:
             self.tp.sync_partial_grads(named)
+        experts = {}
+        if self.ep is not None:
+            self.ep.sync_grads()
+            experts = self.ep.norm_args(self.shard)
         plan = self.tp.plan if self.tp is not None and self.tp.impl == "scratch" else None
-        norm = mesh_grad_norm(named, self.ctx.mesh, plan, exclude=self.tied, pp_group=self.group)
+        norm = mesh_grad_norm(named, self.ctx.mesh, plan, exclude=self.tied, pp_group=self.group, **experts)
         clip_((p for _, p in named), norm, max_norm)
         return norm
 
@@ -314,7 +326,10 @@ class PipelineParallel:
     def full_state_dict(self, model: nn.Module | None = None) -> dict[str, torch.Tensor] | None:
         """The one-process state dict, joined from every stage (each gathered over its TP and FSDP shards) on rank
         0 (None elsewhere); a collective."""
-        parts = self._gather(full_model_state(self.shard, *self._split()))
+        weights = full_model_state(self.shard, *self._split())
+        if self.ep is not None:
+            self.ep.gather_state(self.shard, weights, None)
+        parts = self._gather(weights)
         return None if parts is None else {k: v for part in parts if part for k, v in part.items()}
 
     def save(self, ckpt_dir: Path) -> None:
@@ -322,6 +337,8 @@ class PipelineParallel:
         rank 0 and write the portable form with the LR schedule; every rank calls it."""
         weights = self.full_state_dict()
         state = full_optimizer_state(self.shard, self.strategy.optimizer, *self._split())
+        if self.ep is not None:
+            self.ep.gather_state(self.shard, None, state)
         own = None if state is None else {k: v for k, v in state.items() if k not in self.tied}
         parts = self._gather(own)
         if self.ctx.is_main:
@@ -345,8 +362,10 @@ class PipelineParallel:
             if entry is None:
                 raise CheckpointError(f"{portable}: optimizer state has no {self.tied.get(name, name)}")
             by_name[name] = entry
-        load_full_state(self.shard, self.strategy.optimizer, {k: weights[k] for k in own}, by_name,
-                        *self._split())
+        weights = {k: weights[k] for k in own}
+        if self.ep is not None:
+            self.ep.cut_state(self.shard, weights, by_name)
+        load_full_state(self.shard, self.strategy.optimizer, weights, by_name, *self._split())
         load_schedule(self.strategy.optimizer, self.strategy.scheduler, scheduler)
 
     def micro_batch(self) -> contextlib.AbstractContextManager:

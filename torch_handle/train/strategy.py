@@ -44,14 +44,18 @@ class DistContext:
     device: torch.device
     backend: str
     layout: Any = None
-    """The pp x dp x tp :class:`~torch_handle.parallel.mesh.Layout` when ``parallel.tp`` or ``parallel.pp`` > 1, else
-    None (dp = world size)."""
+    """The pp x dp x tp :class:`~torch_handle.parallel.mesh.Layout` when ``parallel.tp``, ``parallel.pp`` or
+    ``parallel.ep`` > 1, else None (dp = world size)."""
     mesh: Any = None
     """The ("dp", "tp") or ("pp", "dp", "tp") ``DeviceMesh`` of ``layout``."""
     tp_group: Any = None
     """This rank's :class:`~torch_handle.parallel.tensor.mappings.TPGroup` (the mesh's "tp" dimension)."""
     pp_group: Any = None
     """This rank's pipeline process group (the mesh's "pp" dimension), None without a pipeline."""
+    ep_impl: str = "native"
+    """``parallel.ep_impl``: how the experts are split when ``layout.ep`` > 1."""
+    ep_mesh: Any = None
+    """The ("edp", "ep", "tp") or ("pp", "edp", "ep", "tp") ``DeviceMesh`` when ``layout.ep`` > 1, else None."""
 
     @property
     def is_main(self) -> bool:
@@ -89,6 +93,16 @@ class DistContext:
     def barrier(self) -> None:
         if self.distributed:
             dist.barrier()
+
+
+def build_expert_parallel(ctx: DistContext, model: torch.nn.Module) -> Any:
+    """This rank's :class:`~torch_handle.train.expert_parallel.ExpertParallel` with ``model``'s experts split over
+    the mesh's "ep" dimension, or None when ``parallel.ep`` is 1."""
+    if ctx.layout is None or ctx.layout.ep == 1:
+        return None
+    from torch_handle.train.expert_parallel import ExpertParallel  # it imports this module
+
+    return ExpertParallel(ctx, ctx.ep_impl).parallelize(model)
 
 
 def lr_lambda(training: TrainingConfig):
@@ -149,6 +163,9 @@ class Strategy:
     """
 
     name = "base"
+    expert_parallel: Any = None
+    """The :class:`~torch_handle.train.expert_parallel.ExpertParallel` share when ``parallel.ep`` > 1 (built before
+    :meth:`wrap`, which leaves the expert parameters to it), else None."""
     clips_gradients = True
     """Whether :meth:`step` clips (and measures) the gradient norm; the trainer turns it off under tensor
     parallelism, where it computes the norm over the split gradients itself."""
@@ -156,6 +173,7 @@ class Strategy:
     def __init__(self, options: Any, training: TrainingConfig, ctx: DistContext, model: torch.nn.Module):
         self.options, self.training, self.ctx = options, training, ctx
         self._sync = True
+        self.expert_parallel = build_expert_parallel(ctx, model)  # experts split over "ep" before any wrapping
         self.model: torch.nn.Module = self.wrap(model)
         self.optimizer: torch.optim.Optimizer = self.build_optimizer(self.model.parameters())
         # what the model itself does at every optimizer step: an MoE router's expert biases under balance =
@@ -241,8 +259,8 @@ class Strategy:
     def step_stats(self) -> dict[str, float | int]:
         """Figures about the optimizer step that just ended, merged into its ``step`` event by the trainer (on
         rank 0: rank 0's figures), e.g. ``comm_s``, ``allreduce_calls``, ``allreduce_bytes``; called once per
-        step, after :meth:`step` or :meth:`skip_step`. Default: none."""
-        return {}
+        step, after :meth:`step` or :meth:`skip_step`. Default: none, or with expert parallelism the layout."""
+        return {} if self.expert_parallel is None else self.expert_parallel.step_stats()
 
     def close(self) -> None:
         """Release what the strategy registered (gradient hooks, ...); called once by the trainer at the end of the

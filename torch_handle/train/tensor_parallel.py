@@ -21,7 +21,7 @@ from torch_handle.checkpoint.convert import load_schedule, read_portable, write_
 from torch_handle.config.schema import ParallelConfig
 from torch_handle.data.datasets import IGNORE_INDEX
 from torch_handle.model.parallelize import parallelize_tensor, tensor_parallel_plan
-from torch_handle.parallel.mesh import Layout, build_mesh
+from torch_handle.parallel.mesh import Layout, build_expert_mesh, build_mesh
 from torch_handle.parallel.tensor.checkpoint import full_model_state, full_optimizer_state, load_full_state
 from torch_handle.parallel.tensor.cross_entropy import vocab_parallel_cross_entropy
 from torch_handle.parallel.tensor.layers import all_reduce_grads
@@ -32,15 +32,16 @@ from torch_handle.train.strategy import DistContext
 
 
 def attach_layout(ctx: DistContext, parallel: ParallelConfig) -> DistContext:
-    """``ctx`` with the pp × dp × tp layout of ``parallel``: the device mesh, the TP and pipeline groups and the
-    data-parallel rank and size (``ctx.dp_rank``, ``ctx.dp_size``). With tp = pp = 1: ``ctx`` unchanged (dp = world
-    size)."""
-    if parallel.tp == 1 and parallel.pp == 1:
+    """``ctx`` with the pp × dp × tp layout of ``parallel`` (dp as edp × ep): the device mesh, the TP and pipeline
+    groups, the data-parallel rank and size (``ctx.dp_rank``, ``ctx.dp_size``) and the expert-parallel
+    implementation. With tp = pp = ep = 1: ``ctx`` unchanged (dp = world size)."""
+    if parallel.tp == 1 and parallel.pp == 1 and parallel.ep == 1:
         return ctx
-    layout = Layout(ctx.world_size, parallel.tp, parallel.pp)
+    layout = Layout(ctx.world_size, parallel.tp, parallel.pp, parallel.ep)
     mesh = build_mesh(layout, ctx.device.type)
     return replace(ctx, layout=layout, mesh=mesh, tp_group=TPGroup(mesh["tp"].get_group()),
-                   pp_group=mesh["pp"].get_group() if layout.pp > 1 else None)
+                   pp_group=mesh["pp"].get_group() if layout.pp > 1 else None, ep_impl=parallel.ep_impl,
+                   ep_mesh=build_expert_mesh(layout, ctx.device.type) if layout.ep > 1 else None)
 
 
 class TensorParallel:

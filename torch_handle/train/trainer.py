@@ -91,7 +91,7 @@ class Trainer:
     # -- build ---------------------------------------------------------------------------------------------------
     def build(self) -> None:
         p = self.preset
-        if p.parallel.tp > 1 or p.parallel.pp > 1:
+        if max(p.parallel.tp, p.parallel.pp, p.parallel.ep) > 1:
             from torch_handle.train.tensor_parallel import TensorParallel, attach_layout
 
             self.ctx = attach_layout(self.ctx, p.parallel)
@@ -149,7 +149,7 @@ class Trainer:
 
         strategy_plugin = self.registry.get("strategy", p.strategy.name)
         self.strategy: Strategy = strategy_plugin.factory(p.strategy.options, self.training, ctx, model)
-        share = self.pp or self.tp  # a model split over ranks saves and loads its state itself (pp: with its TP)
+        share = self.pp or self.tp or self.strategy.expert_parallel  # a split model saves its state itself
         self.state_io = self.strategy if share is None else share.bind(self.strategy)
         self.loop = self.pp or self.strategy.micro_batch_loop() or GradientAccumulation()
 
@@ -369,7 +369,7 @@ class Trainer:
                 self.strategy.skip_step()
                 record["skipped"] = True
                 grad_norm = float("nan")
-            elif share := self.pp or self.tp:  # the norm over every stage's and shard's gradients, clipped there
+            elif share := self.pp or self.tp or self.strategy.expert_parallel:  # the norm over every part, clipped
                 grad_norm = share.before_step(t.grad_clip or float("inf"))
                 self.strategy.step()
             else:
@@ -522,7 +522,7 @@ class Trainer:
         """Final weights as ``model.safetensors`` (rank 0; every rank takes part in gathering them)."""
         beat("export", self.step)
         model = self.strategy.unwrapped()
-        share = self.tp or self.pp
+        share = self.tp or self.pp or self.strategy.expert_parallel
         state = self.strategy.full_state_dict() if share is None else share.full_state_dict(model)
         if state is None:
             return
