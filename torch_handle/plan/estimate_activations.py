@@ -256,6 +256,9 @@ def fake_activations(build: ModelBuild, batch: int, seq_len: int, precision: str
     from torch_handle.parallel.tensor.cross_entropy import vocab_parallel_cross_entropy
     from torch_handle.plan.shape_tp_group import ShapeTPGroup
 
+    from torch_handle.plan.estimate_moe import dropless
+
+    build = dropless(build)  # a capacity's cut depends on the routing: measured at its most, dropless
     dtype = torch_dtype(precision)
     group = ShapeTPGroup(build.tp) if build.tp > 1 else None
     # the vocabulary-parallel loss's backward indexes with nonzero(): a data-dependent shape needs a ShapeEnv
