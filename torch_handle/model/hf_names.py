@@ -128,14 +128,15 @@ def to_hf_config(args: TransformerArgs, family: str | None = None) -> dict[str, 
     if family in MOE_FAMILIES:
         d_ff_expert = args.d_ff_expert or args.d_ff
         n_sparse = sum(args.is_moe_layer(i) for i in range(args.n_layers))
-        config.update(num_experts_per_tok=args.top_k, output_router_logits=False,
-                      router_aux_loss_coef=args.router_aux_loss * n_sparse / args.top_k)
+        config["num_experts_per_tok"] = args.top_k
         if family == "qwen3_moe":
             config.update(num_experts=args.n_experts, moe_intermediate_size=d_ff_expert,
                           decoder_sparse_step=args.moe_every, mlp_only_layers=[], norm_topk_prob=args.norm_topk_prob)
         else:  # every layer sparse: intermediate_size is an expert's
             config.update(num_local_experts=args.n_experts, intermediate_size=d_ff_expert, sliding_window=None,
                           router_jitter_noise=0.0)
+        # after the keys that shape the model: hf_dir names the first key an option changes
+        config.update(output_router_logits=False, router_aux_loss_coef=args.router_aux_loss * n_sparse / args.top_k)
     return config
 
 

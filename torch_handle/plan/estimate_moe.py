@@ -38,8 +38,9 @@ if TYPE_CHECKING:
     from torch_handle.plan.estimate_model import ModelBuild, ModelShape
     from torch_handle.plan.model_states import States, Variant
 
-__all__ = ["MoEShape", "all_to_all_bytes", "dispatched_rows", "dropless", "expert_param_bytes", "moe_shape",
-           "moe_step", "preset_moe", "rank_state_bytes", "split_experts", "token_buffer_bytes"]
+__all__ = ["MoEShape", "all_to_all_bytes", "dispatched_rows", "dropless", "expert_param_bytes",
+           "fake_grouped_matmuls", "moe_shape", "moe_step", "preset_moe", "rank_state_bytes", "split_experts",
+           "token_buffer_bytes"]
 
 COUNT_BYTES = 8
 """Bytes of one per-expert count exchanged before the dispatch (int64)."""
@@ -89,6 +90,34 @@ def dropless(build: ModelBuild) -> ModelBuild:
     if getattr(build.options, "capacity_factor", None) is None:
         return build
     return dataclasses.replace(build, options=dataclasses.replace(build.options, capacity_factor=None))
+
+
+def fake_grouped_matmuls(model: torch.nn.Module) -> None:
+    """Let ``model``'s grouped experts run on fake tensors in any dtype: the meta kernel of ``torch._grouped_mm``
+    takes bf16 only (CUDA's constraint; the CPU kernel, what a run uses, takes fp32 too). Outside bf16 each grouped
+    matmul becomes a dense one of the same shapes that saves the same storages (the M sorted rows, the stacked
+    weights cast to the compute dtype): what the activation count sees. For a model on fake tensors only."""
+    import types
+
+    import torch
+    from torch.nn import functional as F
+
+    from torch_handle.model.moe import GroupedExperts
+
+    def grouped(self: GroupedExperts, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        kind = x.device.type
+        dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
+        if dtype == torch.bfloat16:
+            return type(self)._grouped(self, x, counts)
+
+        def linear(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # (M, in) x (E, out, in)[0] -> (M, out)
+            return F.linear(h.to(dtype), w.to(dtype)[0])
+
+        return self._mlp(x, linear)
+
+    for m in model.modules():
+        if isinstance(m, GroupedExperts):
+            m._grouped = types.MethodType(grouped, m)
 
 
 def split_experts(shape: ModelShape, ep: int) -> tuple[ModelShape, ModelShape]:
