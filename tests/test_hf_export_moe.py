@@ -1,5 +1,5 @@
 """A mixture-of-experts run, end to end beyond training: a tiny Qwen 3 MoE-shaped decoder (4 experts, top-2, every
-second layer sparse) trained by ``handle run`` (2 ranks, DDP, 3 steps) exports with ``handle export --format hf`` to
+second layer sparse) trained by ``handle run`` (2 ranks, DDP, 2 steps) exports with ``handle export --format hf`` to
 a directory ``transformers`` loads as ``Qwen3MoeForCausalLM`` with the run's logits, every expert and the router
 included; ``[model] init_from`` maps its config.json back and loads the weights; and ``handle estimate`` of the same
 preset holds what the run's memory telemetry measured, the routed experts' bytes per rank included (issue 31's
@@ -24,7 +24,7 @@ transformers = pytest.importorskip("transformers", reason="needs the hf extra: p
 
 pytestmark = pytest.mark.dist
 
-STEPS, E, K = 3, 4, 2
+STEPS, E, K = 2, 4, 2
 QWEN3_MOE = f"""norm = "rmsnorm"
 position = "rope"
 mlp = "swiglu"

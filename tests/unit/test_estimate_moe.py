@@ -147,3 +147,28 @@ def test_the_estimate_command_prints_and_writes_the_moe_figures(preset):
     result = CliRunner().invoke(cli, ["estimate", str(preset.source), "--nproc", "2", "--json"])
     row = json.loads(result.stdout)
     assert (row["ep"], row["n_experts"], row["active_params"]) == (1, E_, moe.active_params)
+
+
+def test_plan_times_the_all_to_alls_and_drops_what_the_loader_refuses(preset):
+    """The EP part of a layout's step (bytes that leave the rank over the link, a latency per all-to-all and per
+    count exchange), and ``plan_layouts`` trying ep = 2 on 2 ranks: planned where the preset loader runs it, else
+    dropped with the loader's own line."""
+    from torch_handle.plan import plan_cost
+    from torch_handle.plan.planner import Batch, Layout, plan_layouts, step_cost
+
+    registry, links = get_registry(), plan_cost.default_links("gloo")
+    moe = preset_moe(preset, registry)
+    layout, batch = Layout(2, 1, 1, strategy="ddp", ep=2), Batch(4, 2)
+    est = estimate_layout(with_layout(preset, nproc_per_node=2, ep=2), registry)
+    cost = step_cost(layout, batch, preset, est, 1e6, 1e12, links, 2, 8 * 32, moe)
+    assert cost.ep_bytes == 2 * all_to_all_bytes(moe, 4 * 32, 2, 4)
+    assert cost.ep_s == pytest.approx(cost.ep_bytes / (links.intra_gbps * 1e9) + 5 * 2 * links.latency_s)
+    assert step_cost(dataclasses.replace(layout, ep=1), batch, preset, est, 1e6, 1e12, links, 2, 8 * 32, moe).ep_s == 0
+    plan = plan_layouts(preset, registry, nproc=2, nnodes=1, device_memory=1 << 40, peak_flops=1e12,
+                        peak_source="test", links=links)
+    planned = [r for r in plan.rows if r.layout.ep == 2]
+    dropped = [reason for x, reason in plan.dropped if x.ep == 2]
+    assert len(planned) + len(dropped) == 2  # activation checkpointing off and on
+    assert all(r.cost.ep_bytes > 0 and "parallel.ep=2" in r.overrides for r in planned)
+    assert all(reason.startswith("parallel.ep") for reason in dropped)
+    assert any("experts: 4 per MoE layer" in note for note in plan.notes)
