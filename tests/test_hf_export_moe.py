@@ -61,7 +61,7 @@ def moe(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("moe")
     preset = root / "qwen3_moe.toml"
     preset.write_text(tiny_preset(root / "runs", steps=STEPS, log_every=1).replace("[model]\n", "[model]\n" + QWEN3_MOE)
-                      .replace("eval_every = 0\n", "eval_every = 0\neval_steps = 2\n"))
+                      .replace("eval_every = 0\n", "eval_every = 0\neval_steps = 1\n"))
     run = handle_run(preset, "run.name=moe")
     out = root / "export"
     result = CliRunner().invoke(cli, ["export", str(run), "--format", "hf", str(out), "--json"])

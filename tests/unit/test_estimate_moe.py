@@ -172,3 +172,18 @@ def test_plan_times_the_all_to_alls_and_drops_what_the_loader_refuses(preset):
     assert all(r.cost.ep_bytes > 0 and "parallel.ep=2" in r.overrides for r in planned)
     assert all(reason.startswith("parallel.ep") for reason in dropped)
     assert any("experts: 4 per MoE layer" in note for note in plan.notes)
+
+
+def test_the_estimate_runs_after_a_real_backward_in_the_same_process(preset):
+    """A real backward leaves the balancing losses' scale a real tensor (model/aux_loss.py); the fake-tensor
+    measurement must not take it in, and leaves it as it was."""
+    from torch_handle.model import aux_loss
+
+    before = aux_loss.loss_scale()
+    real = torch.tensor(0.5)
+    aux_loss.set_loss_scale(real)
+    try:
+        (row,) = E.estimate_preset(preset, get_registry(), [2])
+        assert row.activation.saved > 0 and aux_loss.loss_scale() is real
+    finally:
+        aux_loss.set_loss_scale(before)
