@@ -41,8 +41,8 @@ if TYPE_CHECKING:
     from torch_handle.plan.model_states import States, Variant
 
 __all__ = ["MoEShape", "all_to_all_bytes", "dispatched_rows", "dropless", "expert_param_bytes",
-           "fake_grouped_matmuls", "moe_shape", "moe_step", "plain_loss_scale", "preset_moe", "rank_state_bytes", "split_experts",
-           "token_buffer_bytes"]
+           "fake_grouped_matmuls", "moe_shape", "moe_step", "plain_loss_scale", "preset_moe", "rank_state_bytes",
+           "split_experts", "token_buffer_bytes"]
 
 COUNT_BYTES = 8
 """Bytes of one per-expert count exchanged before the dispatch (int64)."""
