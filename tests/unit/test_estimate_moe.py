@@ -1,8 +1,8 @@
 """``handle estimate`` and ``handle plan`` with experts: total and active parameters counted by hand from the
 model's named parameters, the routed experts split by ``[parallel] ep`` (their gradients and optimizer state with
 them; the dense tensors under the strategy as before), the all-to-all bytes and token buffers against their
-formulas, and the plan's enumeration of ep. ep > 1 is computed at the function level: the preset loader refuses it
-until expert parallelism lands, so the presets here get it by ``with_layout`` (unchecked), as a planner does."""
+formulas, and the plan's enumeration of ep. ep > 1 is computed at the function level: the presets here get it by
+``with_layout`` (unchecked, as a planner does), so the arithmetic is tested whatever the loader accepts."""
 
 from __future__ import annotations
 
