@@ -3,7 +3,8 @@ second layer sparse) trained by ``handle run`` (2 ranks, DDP, 2 steps) exports w
 a directory ``transformers`` loads as ``Qwen3MoeForCausalLM`` with the run's logits, every expert and the router
 included; ``[model] init_from`` maps its config.json back and loads the weights; and ``handle estimate`` of the same
 preset holds what the run's memory telemetry measured, the routed experts' bytes per rank included (issue 31's
-done-when 4: with ep = 1 every rank holds all experts; with ep = 2, once the preset loader runs it, half)."""
+done-when 4). The run is at ep = 2 where the preset loader runs expert parallelism (each rank holds half the
+experts, and the export gathers them), else at ep = 1."""
 
 from __future__ import annotations
 
@@ -56,17 +57,34 @@ def last_memory(run_dir: Path) -> list[dict]:
     return [e for e in events if e["kind"] == "step" and e.get("memory")][-1]["memory"]
 
 
+def expert_parallel(preset: Path) -> int:
+    """2 where the preset loader runs ``parallel.ep = 2`` (expert parallelism: each rank holds half the experts),
+    else 1 (every rank holds all of them)."""
+    from torch_handle.config.loader import load_preset
+    from torch_handle.errors import PresetError
+    from torch_handle.registry import get_registry
+
+    try:
+        load_preset(preset, ["parallel.ep=2"], get_registry())
+    except PresetError:
+        return 1
+    return 2
+
+
 @pytest.fixture(scope="module")
 def moe(tmp_path_factory) -> dict[str, Path]:
+    """One run serves every test: at ep = 2 where it runs, so the export also gathers experts from two ranks."""
     root = tmp_path_factory.mktemp("moe")
     preset = root / "qwen3_moe.toml"
     preset.write_text(tiny_preset(root / "runs", steps=STEPS, log_every=1).replace("[model]\n", "[model]\n" + QWEN3_MOE)
                       .replace("eval_every = 0\n", "eval_every = 0\neval_steps = 1\n"))
+    ep = expert_parallel(preset)
+    preset.write_text(preset.read_text() + f"[parallel]\nep = {ep}\n")
     run = handle_run(preset, "run.name=moe")
     out = root / "export"
     result = CliRunner().invoke(cli, ["export", str(run), "--format", "hf", str(out), "--json"])
     assert result.exit_code == 0, result.output
-    return {"preset": preset, "run": run, "out": out, "info": json.loads(result.stdout)}
+    return {"preset": preset, "run": run, "out": out, "info": json.loads(result.stdout), "ep": ep}
 
 
 def test_the_moe_export_loads_as_qwen3_moe_with_the_runs_logits_experts_and_router(moe):
@@ -120,9 +138,10 @@ def test_init_from_maps_the_moe_config_back_and_loads_every_expert(moe):
 
 
 def test_the_estimate_holds_the_runs_memory_and_expert_bytes(moe):
-    """Rank 0 and 1's telemetry against ``handle estimate`` of the same preset: parameters, gradients and optimizer
+    """Each rank's telemetry against ``handle estimate`` of the same preset: parameters, gradients and optimizer
     state to the byte; the routed experts' bytes per rank (the parameters less the dense ones, counted from the
-    run's model) equal to the estimate's within 5%; the activations saved within 5%."""
+    run's model: all experts at ep = 1, half at ep = 2) within 5% of the estimate's (issue 31's done-when 4); the
+    activations saved within 5% (the estimate assumes uniform routing)."""
     from torch_handle.config.loader import load_preset
     from torch_handle.infer.generate import load_run
     from torch_handle.plan.estimate import estimate_preset
@@ -130,47 +149,15 @@ def test_the_estimate_holds_the_runs_memory_and_expert_bytes(moe):
 
     model = load_run(moe["run"]).model
     dense = sum(p.numel() for n, p in model.named_parameters() if ".ff.experts." not in n)
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".ff.experts." in n)
     registry = get_registry()
     (row,) = estimate_preset(load_preset(moe["preset"], [], registry), registry, [2])
-    for mem in last_memory(moe["run"]):
+    assert row.ep == moe["ep"] and row.expert_param_bytes == 4 * experts // moe["ep"]
+    memory = last_memory(moe["run"])
+    assert len(memory) == 2
+    for mem in memory:
         assert (row.param_bytes, row.grad_bytes, row.optimizer_bytes) == (
             mem["param_bytes"], mem["grad_bytes"], mem["optimizer_bytes"])
         measured = mem["param_bytes"] - 4 * dense  # fp32 under DDP
         assert abs(row.expert_param_bytes - measured) <= 0.05 * measured
         assert abs(row.activation.saved - mem["activation_saved_bytes"]) <= 0.05 * mem["activation_saved_bytes"]
-    assert row.expert_param_bytes == 4 * sum(p.numel() for n, p in model.named_parameters() if ".ff.experts." in n)
-
-
-def _ep_runs(preset: Path) -> str | None:
-    """Why an ep = 2 run cannot start yet (the preset loader's line), None once it can."""
-    from torch_handle.config.loader import load_preset
-    from torch_handle.errors import PresetError
-    from torch_handle.registry import get_registry
-
-    try:
-        load_preset(preset, ["parallel.ep=2"], get_registry())
-    except PresetError as e:
-        return str(e)
-    return None
-
-
-def test_an_ep_2_run_holds_the_estimated_expert_bytes_per_rank(moe):
-    """Done-when 4 of issue 31: each of 2 ranks holds half the experts; the estimate's per-rank expert bytes within
-    5% of the run's (its parameter bytes less the dense ones)."""
-    why = _ep_runs(moe["preset"])
-    if why is not None:
-        pytest.skip(f"expert parallelism not runnable yet: {why}")
-    from torch_handle.config.loader import load_preset
-    from torch_handle.infer.generate import load_run
-    from torch_handle.plan.estimate import estimate_preset
-    from torch_handle.registry import get_registry
-
-    run = handle_run(moe["preset"], "run.name=ep2", "parallel.ep=2", "training.steps=1")
-    model = load_run(run).model
-    dense = sum(p.numel() for n, p in model.named_parameters() if ".ff.experts." not in n)
-    registry = get_registry()
-    (row,) = estimate_preset(load_preset(moe["preset"], ["parallel.ep=2"], registry), registry, [2])
-    for mem in last_memory(run):
-        measured = mem["param_bytes"] - 4 * dense
-        assert abs(row.expert_param_bytes - measured) <= 0.05 * measured
-        assert abs(row.param_bytes - mem["param_bytes"]) <= 0.05 * mem["param_bytes"]
