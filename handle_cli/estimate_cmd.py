@@ -117,6 +117,20 @@ def _largest(rows: list, layouts: dict[tuple[str, int], str]) -> str:
     return "largest rank (*): " + ", ".join(parts)
 
 
+def moe_line(row) -> str:
+    """What the experts add, from an :class:`~torch_handle.plan.estimate.Estimate` of a model with experts."""
+    m = row.moe
+    text = (f"experts: {m.n_experts} per MoE layer in {m.moe_layers} layer(s), top_k {m.top_k}: {m.active_params:,} "
+            f"of {m.params:,} parameters active per token (what the FLOPs and MFU count); {m.expert_params:,} in "
+            f"the routed experts, split over ep = {row.ep}")
+    if row.expert_param_bytes is not None:
+        text += (f": {fmt_bytes(row.expert_param_bytes, precise=True)} of expert parameters per rank (rank "
+                 f"{row.rank}), all-to-all {fmt_bytes(row.all_to_all_bytes or 0, precise=True)} sent per step, token "
+                 f"buffers {fmt_bytes(row.token_buffer_bytes or 0, precise=True)} per micro-batch (in the "
+                 f"activations)")
+    return text
+
+
 @click.command("estimate", context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("preset")
 @click.option("--set", "overrides", multiple=True, metavar="TABLE.KEY=VALUE",
@@ -156,6 +170,12 @@ def estimate(preset: str, overrides: tuple[str, ...], nproc: str, nnodes: int | 
     strategy's sharding over dp applied per stage; `rank` is its global rank (TP fastest), * (--json: largest)
     marks the rank that holds the most, named below the table.
 
+    A model with experts (model.n_experts > 0) gets a line of total and active parameters (a token passes
+    through top_k of the experts: the FLOPs count those), the routed experts' bytes per rank with
+    parallel.ep ranks splitting them (their gradients and optimizer state likewise), the bytes each rank sends by
+    all-to-all in a step (4 per MoE layer and micro-batch with ep > 1, uniform routing) and the token buffers of a
+    micro-batch; --json: active_params, expert_params, expert_param_bytes, all_to_all_bytes, token_buffer_bytes.
+
     \b
     Examples:
       handle estimate presets/zero2.toml
@@ -166,6 +186,7 @@ def estimate(preset: str, overrides: tuple[str, ...], nproc: str, nnodes: int | 
       handle estimate presets/single.toml --set parallel.tp=2 --set parallel.sequence_parallel=true --nproc 2
       handle estimate presets/single.toml --set parallel.pp=2 --set parallel.pp_schedule=gpipe \
         --set training.grad_accum=8 --nproc 2
+      handle estimate presets/moe.toml --nproc 2,4 --json    # total, active and expert parameters
 
     Exit code 2 with one line on stderr for a bad preset, --set, --nproc or --device-memory.
     """
@@ -226,6 +247,9 @@ def estimate(preset: str, overrides: tuple[str, ...], nproc: str, nnodes: int | 
     click.echo(f"{loaded.source}: {rows[0].params:,} parameters, {precision}, micro_batch_size "
                f"{t.micro_batch_size} x seq_len {loaded.data.options.seq_len}, activation checkpointing "
                f"{'on' if checkpointing else 'off'}, {nodes} node(s)")
+    if rows[0].moe is not None:
+        for line in textwrap.wrap(moe_line(rows[0]), 110, subsequent_indent="  "):
+            click.echo(line)
     if tp > 1 or pp > 1:  # the line every view shows (handle validate, handle runs, the dashboard)
         click.echo(f"layout: {RunLayout.from_preset(loaded).label()} at the preset's world size "
                    f"{loaded.world_size}; each row's rank is a global rank, (pp_rank x dp + dp_rank) x tp + tp_rank")

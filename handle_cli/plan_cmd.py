@@ -304,9 +304,11 @@ def plan_table(rows: list[dict[str, Any]]):
     from rich.table import Table
 
     table = Table(header_style="bold")
+    ep = any(r.get("ep", 1) > 1 for r in rows)  # the all-to-alls' column only where a layout has them
     for name, justify in (("#", "right"), ("layout", "left"), ("strategy", "left"), ("mbs×ga", "right"),
                           ("largest rank", "right"), ("tokens/s", "right"), ("step ms", "right"),
-                          ("bubble", "right"), ("TP comm", "right"), ("DP comm", "right"), ("PP comm", "right")):
+                          ("bubble", "right"), ("TP comm", "right"), ("DP comm", "right"), ("PP comm", "right"),
+                          *((("EP comm", "right"),) if ep else ())):
         table.add_column(name, justify=justify, no_wrap=True)
     for i, r in enumerate(rows, 1):
         strategy = r["strategy"] + (f", tp {r['tp_impl']}" if r.get("tp_impl") else "")
@@ -314,7 +316,8 @@ def plan_table(rows: list[dict[str, Any]]):
                       f"{fmt_bytes(r['largest_bytes'])} (r{r['largest_rank']})",
                       f"{r['predicted_tokens_per_s']:,.0f}", f"{r['step_s'] * 1e3:,.1f}",
                       "-" if r["pp"] == 1 else f"{r['bubble']:.0%}", _comm(r["tp_bytes"], r["tp_s"]),
-                      _comm(r["dp_bytes"], r["dp_s"]), _comm(r["pp_bytes"], r["pp_s"]))
+                      _comm(r["dp_bytes"], r["dp_s"]), _comm(r["pp_bytes"], r["pp_s"]),
+                      *((_comm(r["ep_bytes"], r["ep_s"]),) if ep else ()))
     return table
 
 

@@ -41,7 +41,8 @@ TOKENIZER_CONFIG = "tokenizer_config.json"
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 """``config.json``'s ``torch_dtype`` names of the dtypes an export may write."""
 
-_NOT_SHAPE = {"dropout", "activation_checkpointing", "attention", "fused_qkv", *DATASET_FIELDS}
+_NOT_SHAPE = {"dropout", "activation_checkpointing", "attention", "fused_qkv", *DATASET_FIELDS,
+              "capacity_factor", "router_aux_loss", "router_z_loss", "bias_update_rate"}
 """``TransformerArgs`` fields that do not shape the weights (how they are computed or trained, or the data's)."""
 
 
@@ -62,8 +63,11 @@ def read_config(directory: Path | str) -> dict[str, Any]:
 
 
 def _shape_value(args: TransformerArgs, name: str) -> Any:
-    """A field as the weights see it: unset n_kv_heads is n_heads, unset head_dim d_model / n_heads."""
-    return {"n_kv_heads": args.kv_heads, "head_dim": args.d_k}.get(name, getattr(args, name))
+    """A field as the weights see it: unset n_kv_heads is n_heads, unset head_dim d_model / n_heads, unset
+    d_ff_expert d_ff, and d_ff nothing when every layer is sparse (Mixtral's intermediate_size is an expert's)."""
+    dense = any(not args.is_moe_layer(i) for i in range(args.n_layers))
+    return {"n_kv_heads": args.kv_heads, "head_dim": args.d_k, "d_ff": args.d_ff if dense else None,
+            "d_ff_expert": (args.d_ff_expert or args.d_ff) if args.n_experts else None}.get(name, getattr(args, name))
 
 
 def _config_key(theirs: TransformerArgs, name: str, value: Any) -> str | None:
@@ -95,19 +99,20 @@ def config_mismatch(args: TransformerArgs, directory: Path | str) -> str | None:
     try:
         to_hf_config(args)
     except CheckpointError as e:
-        return f"model.{e} (init_from loads Llama and Qwen 3 weights only)"
+        return f"model.{e} (init_from loads Llama, Qwen 3, Qwen 3 MoE and Mixtral weights only)"
     try:
         theirs = TransformerArgs(**from_hf_config(config))
     except CheckpointError as e:
         raise CheckpointError(f"{where}: {e}") from None
     except (KeyError, TypeError, ValueError) as e:
-        raise CheckpointError(f"{where}: not a Llama or Qwen 3 config ({type(e).__name__}: {e})") from None
+        raise CheckpointError(f"{where}: not a Llama, Qwen 3, Qwen 3 MoE or Mixtral config ({type(e).__name__}: "
+                              f"{e})") from None
     for field in dataclasses.fields(TransformerArgs):
         name = field.name
         if name in _NOT_SHAPE:
             continue
         mine, other = _shape_value(args, name), _shape_value(theirs, name)
-        if mine == other:
+        if mine == other or (name == "d_ff" and None in (mine, other)):  # no dense layer on one side: moot
             continue
         key = _config_key(theirs, name, getattr(args, name)) or name
         value = flat_keys(config).get(key, other)

@@ -6,4 +6,4 @@ routing, the balancing losses and bias), then ``moe`` (dispatch, grouped experts
 a layer's loss reaches the gradients). Beside it, not inside it: ``kernels`` (fast CPU dropout and
 cross-entropy), ``kv_cache`` (incremental decoding), ``parallelize`` (the blocks that checkpointing, FSDP and
 compile act on), ``flops`` (training FLOPs per token), ``profiling`` (profiler ranges), ``hf_names`` (the
-parameter and config names of ``transformers``' Llama and Qwen 3)."""
+parameter and config names of ``transformers``' Llama, Qwen 3, Qwen 3 MoE and Mixtral)."""

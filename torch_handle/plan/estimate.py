@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 from torch_handle.plan.estimate_activations import ActivationBytes, activation_bytes, compute_mode
 from torch_handle.plan.estimate_layout import estimate_layout, with_layout
 from torch_handle.plan.estimate_model import model_shape
+from torch_handle.plan.estimate_moe import MoEShape, expert_param_bytes, moe_step, preset_moe, rank_state_bytes
 from torch_handle.plan.model_states import (BUILTIN, COMPARE_VARIANTS, MEASURED, States, Variant, model_state_bytes,
                                             preset_variant)
 
@@ -92,6 +93,17 @@ class Estimate:
     """The most micro-batches alive at once in each of ``pp_stages`` under the schedule."""
     largest: bool | None = None
     """With pp > 1: whether this pipeline rank holds the most device bytes of its (strategy, world size)."""
+    ep: int = 1
+    """Expert-parallel degree: each MoE layer's experts split over ep of the dp ranks."""
+    moe: MoEShape | None = None
+    """The experts (None for a dense model); ``as_dict`` gives ``active_params``, ``expert_params``, ``n_experts``,
+    ``top_k`` and ``moe_layers``, and then the three figures below."""
+    expert_param_bytes: int | None = None
+    """Routed-expert parameter bytes of this rank (part of ``param_bytes``): E / ep experts per MoE layer."""
+    all_to_all_bytes: int | None = None
+    """Bytes this rank sends by all-to-all in one step (0 with ep = 1): :mod:`torch_handle.plan.estimate_moe`."""
+    token_buffer_bytes: int | None = None
+    """The expert-sorted token rows of one micro-batch, every MoE layer (part of the activations)."""
 
     @property
     def activation_bytes(self) -> int:
@@ -108,11 +120,19 @@ class Estimate:
             value = getattr(self, f.name)
             if isinstance(value, ActivationBytes):
                 out.update(value.as_fields())
+            elif f.name == "moe":
+                if value is not None:
+                    out.update({k: v for k, v in value.as_dict().items() if k not in ("d_model", "params")})
+            elif self.moe is None and f.name in _MOE_FIELDS:
+                continue
             elif not ((f.name.startswith("pp_") or f.name == "largest") and self.pp == 1):
                 out[f.name] = dict(value) if isinstance(value, dict) else value
             if f.name == "world_size":
                 out["dp"] = self.dp
         return out
+
+
+_MOE_FIELDS = ("ep", "expert_param_bytes", "all_to_all_bytes", "token_buffer_bytes")
 
 
 def supports_tensor_parallel(registry: PluginRegistry, strategy: str) -> bool:
@@ -128,14 +148,16 @@ def estimate_preset(preset: Preset, registry: PluginRegistry, world_sizes: Seque
     """Estimates for every variant (default: the preset's strategy) at every world size, ordered by variant then
     world size, for the preset's ``[parallel]`` layout: with tp > 1, world sizes that tp does not divide are
     left out, and each row is one TP rank's, its strategy's formula applied to the TP shard over dp = world_size /
-    tp ranks. ``single`` is estimated where dp = 1 only (world size 1, or tp).
+    tp ranks. ``single`` is estimated where dp = 1 only (world size 1, or tp). With experts and ``[parallel] ep``,
+    world sizes whose dp ep does not divide are left out, and each rank holds E / ep experts of each MoE layer
+    (:func:`~torch_handle.plan.estimate_moe.rank_state_bytes`).
 
     ``rank``: the (global) rank to report (default: the one with the largest device total; ranks differ by a
     partition boundary at most; the TP ranks of a replica hold the same).
 
     Raises:
         ValueError: a strategy that is not built in (no measured memory model), one that does not run with tp > 1
-            when tp > 1, or an empty ``world_sizes``.
+            when tp > 1, an empty ``world_sizes``, ep not dividing n_experts.
         PresetError: a dataset without ``vocab_size``/``seq_len`` options.
     """
     if not world_sizes:
@@ -152,6 +174,8 @@ def estimate_preset(preset: Preset, registry: PluginRegistry, world_sizes: Seque
     whole = model_shape(preset, registry, tp=1)
     shape = model_shape(preset, registry) if tp > 1 else whole
     precision = preset.training.precision
+    ep, moe = preset.parallel.ep, preset_moe(preset, registry)
+    extra = moe_step(moe, preset) if moe is not None else {}
     acts: dict[str, ActivationBytes] = {}
     rows = []
     for v in variants:
@@ -161,12 +185,12 @@ def estimate_preset(preset: Preset, registry: PluginRegistry, world_sizes: Seque
         act = acts[mode]
         for world in world_sizes:
             dp = world // tp
-            if world % tp or (v.strategy == "single" and dp != 1):
+            if world % tp or (v.strategy == "single" and dp != 1) or dp % ep:
                 continue
             ranks = [rank] if rank is not None else range(0, world, tp)
             best: tuple[int, int, States] | None = None
             for r in ranks:
-                s = model_state_bytes(shape, v, precision, dp, r // tp)
+                s = rank_state_bytes(shape, v, precision, dp, r // tp, ep)
                 device = s.param + s.grad + s.optimizer - s.host + act.total
                 if best is None or device > best[0]:
                     best = (device, r, s)
@@ -177,6 +201,11 @@ def estimate_preset(preset: Preset, registry: PluginRegistry, world_sizes: Seque
                                  device, s.host, None if device_memory is None else device <= device_memory,
                                  {k: val for k, val in asdict(v).items() if k not in ("label",)}, tp,
                                  shape.n_params if tp > 1 else None, preset.parallel.sequence_parallel))
+            if moe is not None:
+                rows[-1].ep, rows[-1].moe = ep, moe
+                rows[-1].expert_param_bytes = expert_param_bytes(shape, v, precision, dp, r // tp, ep)
+                rows[-1].all_to_all_bytes, rows[-1].token_buffer_bytes = extra["all_to_all_bytes"], extra[
+                    "token_buffer_bytes"]
     return rows
 
 

@@ -34,7 +34,8 @@ from typing import TYPE_CHECKING, Any
 from torch_handle.config.layout import microbatch_problem, pipeline_microbatches
 from torch_handle.plan.estimate_activations import ActivationBytes, PartSaved, compute_mode, fake_activations
 from torch_handle.plan.estimate_model import ModelBuild, ModelShape, model_build
-from torch_handle.plan.model_states import BUILTIN, States, Variant, model_state_bytes, preset_variant
+from torch_handle.plan.estimate_moe import rank_state_bytes
+from torch_handle.plan.model_states import BUILTIN, States, Variant, preset_variant
 
 if TYPE_CHECKING:
     from torch_handle.config.schema import Preset
@@ -122,6 +123,8 @@ class LayoutEstimate:
     sequence_parallel: bool = False
     tp_shard_params: int = 0
     """Parameters of one TP rank's shard of the whole model (= ``params`` when tp = 1)."""
+    ep: int = 1
+    """Expert-parallel degree (each MoE layer's experts split over ep of the dp ranks)."""
 
     @property
     def largest(self) -> RankMemory:
@@ -165,6 +168,8 @@ class _Params:
     split_counts: tuple[int, int, int] = (0, 0, 0)
     """(one layer's, the embedding's, the head's parameters; the head 0 when tied): what ``pp_split = "params"``
     balances, as :func:`torch_handle.plan.estimate_pipeline._ranges` counts them."""
+    experts: tuple[tuple[bool, ...], ...] = ()
+    """Beside ``parts``: whether each entry holds routed experts (empty for a model without experts)."""
 
     def shape(self, parts: set[int]) -> ModelShape:
         """The parameters of ``parts`` (a pipeline rank's shard, in the order it registers them): a tied embedding
@@ -174,12 +179,14 @@ class _Params:
         if not self.parts or len(parts) == len(self.parts):
             return self.whole
         head = len(self.parts) - 1
-        chosen = [p for i in sorted(parts) for j, p in enumerate(self.parts[i])
-                  if not (i == head and j in self.tied and 0 in parts)]
+        keep = [(i, j) for i in sorted(parts) for j in range(len(self.parts[i]))
+                if not (i == head and j in self.tied and 0 in parts)]
+        chosen = [self.parts[i][j] for i, j in keep]
         blocks = [sum(n for n, _ in self.parts[i]) for i in sorted(parts) if 0 < i < head]
         rest = sum(n for n, _ in chosen) - sum(blocks)
         return ModelShape(tuple(n for n, _ in chosen), tuple(d for _, d in chosen),
-                          (*blocks, rest) if rest else tuple(blocks))
+                          (*blocks, rest) if rest else tuple(blocks),
+                          tuple(self.experts[i][j] for i, j in keep) if self.experts else ())
 
 
 def _build_key(build: ModelBuild) -> tuple:
@@ -200,6 +207,7 @@ def _cached_build(build: ModelBuild) -> tuple:
 def _params(key: tuple) -> _Params:
     import torch
 
+    from torch_handle.model.moe import GroupedExperts
     from torch_handle.plan.estimate_model import build_model
 
     with torch.device("meta"):
@@ -210,6 +218,8 @@ def _params(key: tuple) -> _Params:
         return _Params((), whole)
     n = len(layers)
     parts: list[list[tuple[int, int]]] = [[] for _ in range(n + 2)]
+    flags: list[list[bool]] = [[] for _ in range(n + 2)]
+    routed = {id(p) for m in model.modules() if isinstance(m, GroupedExperts) for p in m.parameters()}
     seen: set[int] = set()
     tied = set()
     for name, p in model.named_parameters(remove_duplicate=False):
@@ -223,9 +233,11 @@ def _params(key: tuple) -> _Params:
             tied.add(len(parts[part]))
         seen.add(id(p))
         parts[part].append((p.numel(), p.shape[0] if p.dim() else 1))
+        flags[part].append(id(p) in routed)
     head = 0 if model.args.tie_embeddings else model.lm_head.weight.numel()
     counts = (sum(p.numel() for p in layers[0].parameters()), model.embed.weight.numel(), head)
-    return _Params(tuple(tuple(x) for x in parts), whole, frozenset(tied), counts)
+    return _Params(tuple(tuple(x) for x in parts), whole, frozenset(tied), counts,
+                   tuple(tuple(x) for x in flags) if routed else ())
 
 
 @dataclass(frozen=True)
@@ -316,13 +328,13 @@ def _stage_parts(preset: Preset, params: _Params, n_stages: int) -> list[tuple[i
     return out
 
 
-def _dp_states(shape: ModelShape, variant: Variant, precision: str, dp: int, every_rank: bool
+def _dp_states(shape: ModelShape, variant: Variant, precision: str, dp: int, every_rank: bool, ep: int = 1
                ) -> list[tuple[int, States]]:
     """(dp_rank, model states) of every dp rank holding ``shape``, or only of the one with the most device bytes
-    (the lowest among equals)."""
+    (the lowest among equals); with ``ep`` > 1 each holds E / ep experts (:mod:`torch_handle.plan.estimate_moe`)."""
     out = []
     for dp_rank in range(dp):
-        out.append((dp_rank, model_state_bytes(shape, variant, precision, dp, dp_rank)))
+        out.append((dp_rank, rank_state_bytes(shape, variant, precision, dp, dp_rank, ep)))
         if variant.strategy in ("single", "ddp") or (variant.strategy == "scratch-ddp" and not variant.shard_optimizer):
             out += [(r, out[0][1]) for r in range(1, dp)]  # every dp rank holds the same
             break
@@ -405,7 +417,7 @@ def estimate_layout(preset: Preset, registry: PluginRegistry, *, every_rank: boo
         logits = acts.whole.logits if last else 0
         act_saved = peaks[pp_rank][0]
         act = act_saved + logits + acts.whole.recompute
-        for dp_rank, s in _dp_states(shape, variant, t.precision, dp, every_rank):
+        for dp_rank, s in _dp_states(shape, variant, t.precision, dp, every_rank, par.ep):
             for tp_rank in range(tp):
                 rows.append(RankMemory(
                     layout.rank(pp_rank, dp_rank, tp_rank), pp_rank, dp_rank, tp_rank, stages, s.param, s.grad,
@@ -414,4 +426,4 @@ def estimate_layout(preset: Preset, registry: PluginRegistry, *, every_rank: boo
     rows.sort(key=lambda r: r.rank)
     return LayoutEstimate(preset.world_size, dp, tp, pp, par.pp_schedule if pp > 1 else None, m, checkpointing,
                           variant.label, rows, t.precision, whole_params.whole.n_params, v, batch,
-                          par.sequence_parallel, params.whole.n_params)
+                          par.sequence_parallel, params.whole.n_params, par.ep)

@@ -40,6 +40,9 @@ class ModelShape:
     units: tuple[int, ...] = field(default=(), compare=False)
     """Elements of each ``scratch-fsdp`` unit: the model's ``blocks()``, then the rest; empty for a model without
     blocks (its units are its modules: estimated as one per tensor)."""
+    experts: tuple[bool, ...] = field(default=(), compare=False)
+    """Per tensor: whether it holds routed experts (stacked on dim 0, split by ``[parallel] ep``:
+    :mod:`torch_handle.plan.estimate_moe`); empty for a model without experts."""
 
     @property
     def n_params(self) -> int:
@@ -53,11 +56,15 @@ class ModelShape:
     def of(cls, model: torch.nn.Module) -> ModelShape:
         from torch_handle.model.parallelize import model_blocks
 
+        from torch_handle.model.moe import GroupedExperts
+
         params = [p for p in model.parameters() if p.requires_grad]
         blocks = [sum(p.numel() for p in b.parameters() if p.requires_grad) for b in model_blocks(model, default=[])]
         rest = sum(p.numel() for p in params) - sum(blocks)
         units = (*blocks, rest) if blocks and rest else tuple(blocks)
-        return cls(tuple(p.numel() for p in params), tuple(p.shape[0] if p.dim() else 1 for p in params), units)
+        routed = {id(p) for m in model.modules() if isinstance(m, GroupedExperts) for p in m.parameters()}
+        return cls(tuple(p.numel() for p in params), tuple(p.shape[0] if p.dim() else 1 for p in params), units,
+                   tuple(id(p) in routed for p in params) if routed else ())
 
 
 @dataclass(frozen=True)

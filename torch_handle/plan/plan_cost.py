@@ -15,7 +15,11 @@ step = compute + bubble + TP communication + DP communication + pipeline sends, 
   all-reduce (ddp, ZeRO-1/2's reduce-scatter + all-gather), 3(n - 1)/n for strategies that shard the parameters
   (fsdp, ZeRO-3: the all-gathers of forward and backward and a reduce-scatter), one latency per 25 MiB bucket;
 * pipeline: each of a rank's v stages sends its output activation forward and receives its gradient back for every
-  micro-batch, 2·v·m messages of (samples / m) x seq_len x d_model elements.
+  micro-batch, 2·v·m messages of (samples / m) x seq_len x d_model elements;
+* EP (models with experts, ep > 1): per MoE layer and micro-batch the dispatch and combine all-to-alls and their
+  transposes in backward, the bytes that leave the rank (:func:`torch_handle.plan.estimate_moe.all_to_all_bytes`:
+  (ep - 1)/ep of N·k rows of d_model under uniform routing) over the link, one latency per all-to-all and per
+  exchange of the split sizes (nccl-tests' alltoall busbw is algbw·(n - 1)/n: the same bytes).
 
 Nothing overlaps in the model (DDP's bucketed all-reduce really hides behind backward), so the step time is an upper
 bound on what the communication costs and a lower bound on compute (the matmul peak is the best case).
@@ -124,10 +128,12 @@ class StepCost:
     dp_s: float
     pp_bytes: int
     pp_s: float
+    ep_bytes: int = 0
+    ep_s: float = 0.0
 
     @property
     def step_s(self) -> float:
-        return self.compute_s + self.bubble_s + self.tp_s + self.dp_s + self.pp_s
+        return self.compute_s + self.bubble_s + self.tp_s + self.dp_s + self.pp_s + self.ep_s
 
     def as_dict(self) -> dict[str, Any]:
         return {**asdict(self), "step_s": self.step_s}
@@ -171,7 +177,8 @@ def dp_seconds(grad_bytes: int, dp: int, strategy: str, links: Links, crosses_no
 
 
 def pp_seconds(pp_bytes: int, sends: int, links: Links, crosses_nodes: bool) -> float:
-    """Seconds of a pipeline rank's ``sends`` point-to-point messages of ``pp_bytes`` in all."""
+    """Seconds of a pipeline rank's ``sends`` point-to-point messages of ``pp_bytes`` in all (and of an
+    expert-parallel rank's all-to-alls: the bytes that leave it)."""
     if sends == 0:
         return 0.0
     return pp_bytes / (links.gbps(crosses_nodes) * 1e9) + sends * links.latency_s

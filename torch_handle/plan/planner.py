@@ -3,7 +3,9 @@ reason, the rest ranked by a predicted step time.
 
 Enumeration: every (dp, tp, pp) with dp·tp·pp = N (tp inside a node when there are several nodes); for pp > 1 the
 schedules gpipe, 1f1b and interleaved-1f1b (v = 2), each with m = pp, 2pp and 4pp micro-batches where m divides
-the replica's samples; activation checkpointing off and on. The global batch stays the preset's
+the replica's samples; activation checkpointing off and on; for a model with experts, every expert-parallel degree
+ep > 1 that divides both dp and n_experts beside ep = 1 (ep ranks are drawn from the dp ones: the experts split,
+the batch does not). The global batch stays the preset's
 (micro_batch_size x grad_accum x its own dp), split over each layout's dp replicas as ``bench scaling --strong``
 splits it (:func:`~torch_handle.plan.bench_scaling.strong_batch`). The data-parallel strategy is the preset's,
 ``ddp`` when the preset's is ``single`` and dp > 1, and ``single`` when dp = 1.
@@ -28,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 from torch_handle.common.units import fmt_bytes
 from torch_handle.plan import plan_cost
 from torch_handle.plan.bench_scaling import preset_strategy_label, strong_batch
+from torch_handle.plan.estimate_moe import MoEShape, all_to_all_bytes, preset_moe
 
 if TYPE_CHECKING:
     from torch_handle.config.schema import Preset
@@ -55,6 +58,8 @@ class Layout:
     activation_checkpointing: bool = False
     strategy: str = "single"
     """The ``[strategy] name`` (``single`` when dp = 1)."""
+    ep: int = 1
+    """Expert-parallel degree: each MoE layer's experts split over ep of the dp ranks."""
 
     @property
     def world_size(self) -> int:
@@ -62,8 +67,8 @@ class Layout:
 
     @property
     def mesh(self) -> str:
-        """``dp 2 × tp 1 × pp 2``"""
-        return f"dp {self.dp} × tp {self.tp} × pp {self.pp}"
+        """``dp 2 × tp 1 × pp 2``, ``dp 4 × tp 1 × pp 1 (ep 2)``"""
+        return f"dp {self.dp} × tp {self.tp} × pp {self.pp}" + (f" (ep {self.ep})" if self.ep > 1 else "")
 
     @property
     def label(self) -> str:
@@ -78,7 +83,7 @@ class Layout:
     def as_dict(self) -> dict[str, Any]:
         return {"label": self.label, "mesh": self.mesh, "dp": self.dp, "tp": self.tp, "pp": self.pp,
                 "schedule": self.schedule, "v": self.v, "microbatches": self.microbatches,
-                "activation_checkpointing": self.activation_checkpointing, "strategy": self.strategy}
+                "activation_checkpointing": self.activation_checkpointing, "strategy": self.strategy, "ep": self.ep}
 
 
 @dataclass(frozen=True)
@@ -98,6 +103,8 @@ def layout_overrides(layout: Layout, batch: Batch, nproc_per_node: int, nnodes: 
     if layout.pp > 1:
         out += [f"parallel.pp_schedule={layout.schedule}", f"parallel.pp_stages_per_rank={layout.v}",
                 f"parallel.pp_microbatches={layout.microbatches}"]
+    if layout.ep > 1:
+        out.append(f"parallel.ep={layout.ep}")
     return out
 
 
@@ -113,6 +120,8 @@ def adapted_overrides(base: Preset, layout: Layout) -> list[str]:
         out.append("parallel.sequence_parallel=false")
     if layout.pp > 1 and par.pp_impl == "scratch" and layout.schedule not in PP_SCRATCH:
         out.append("parallel.pp_impl=native")
+    if layout.ep == 1 and par.ep > 1:
+        out.append("parallel.ep=1")
     return out
 
 
@@ -204,9 +213,17 @@ def factorizations(n: int) -> list[tuple[int, int, int]]:
             for tp in range(1, n // pp + 1) if (n // pp) % tp == 0]
 
 
-def candidate_layouts(n: int, strategy: str, samples: Callable[[int], int | None]) -> list[Layout]:
+def expert_degrees(dp: int, n_experts: int) -> list[int]:
+    """The ep tried with ``dp`` replicas of a model with ``n_experts`` experts per MoE layer: 1, and every ep > 1
+    dividing both (none but 1 for a dense model)."""
+    return [1] + [ep for ep in range(2, dp + 1) if n_experts and dp % ep == 0 and n_experts % ep == 0]
+
+
+def candidate_layouts(n: int, strategy: str, samples: Callable[[int], int | None], n_experts: int = 0
+                      ) -> list[Layout]:
     """Every layout tried on ``n`` ranks; ``samples(dp)`` is a replica's samples per step (None: the global batch
-    does not divide over dp, the layout is still listed to be dropped)."""
+    does not divide over dp, the layout is still listed to be dropped); ``n_experts``: E of a model with experts,
+    whose layouts are tried with every ep of :func:`expert_degrees` too."""
     out = []
     for dp, tp, pp in factorizations(n):
         name = "single" if dp == 1 else strategy
@@ -215,9 +232,10 @@ def candidate_layouts(n: int, strategy: str, samples: Callable[[int], int | None
             s = samples(dp)
             ms = sorted({f * pp for f in MICROBATCH_FACTORS if s is None or s % (f * pp) == 0}) or [pp]
             pipes = [(sched, v, m) for sched, v in PP_SCHEDULES for m in ms]
-        for sched, v, m in pipes:
-            for ac in (False, True):
-                out.append(Layout(dp, tp, pp, sched, v, m, ac, name))
+        for ep in expert_degrees(dp, n_experts):
+            for sched, v, m in pipes:
+                for ac in (False, True):
+                    out.append(Layout(dp, tp, pp, sched, v, m, ac, name, ep))
     return out
 
 
@@ -247,6 +265,7 @@ def plan_layouts(base: Preset, registry: PluginRegistry, *, nproc: int, nnodes: 
     global_batch = t.micro_batch_size * t.grad_accum * base_dp
     seq_len = int(getattr(base.data.options, "seq_len", 0) or 0)
     flops_per_token = model_flops_per_token(base, registry)
+    moe = preset_moe(base, registry)
     own = preset_strategy_label(base.strategy.name, getattr(base.strategy.options, "zero_stage", None))
     strategy = "ddp" if base.strategy.name == "single" else base.strategy.name
     plan = Plan(nproc, nnodes, device_memory, global_batch, seq_len, flops_per_token, peak_flops * contention,
@@ -260,10 +279,16 @@ def plan_layouts(base: Preset, registry: PluginRegistry, *, nproc: int, nnodes: 
                                                 "hand elsewhere" if tp_impl == "auto" else
                                                 f"tp_impl {tp_impl} (the preset's) in every layout"))
 
+    if moe is not None:
+        plan.notes.append(f"experts: {moe.n_experts} per MoE layer in {moe.moe_layers} layer(s), "
+                          f"{moe.active_params:,} of {moe.params:,} parameters active per token (the FLOPs'); ep "
+                          f"tried where it divides dp and {moe.n_experts}; EP comm: 4 all-to-alls per MoE layer "
+                          f"and micro-batch, uniform routing")
+
     def samples(dp: int) -> int | None:
         return global_batch // dp if global_batch % dp == 0 else None
 
-    for layout in candidate_layouts(nproc, strategy, samples):
+    for layout in candidate_layouts(nproc, strategy, samples, moe.n_experts if moe else 0):
         if nnodes > 1 and per_node % layout.tp:
             plan.dropped.append((layout, f"tp {layout.tp} spans nodes ({per_node} ranks per node): tensor "
                                          "parallelism stays inside a node"))
@@ -293,7 +318,7 @@ def plan_layouts(base: Preset, registry: PluginRegistry, *, nproc: int, nnodes: 
                                          f"{fmt_bytes(device_memory)} (rank {largest.rank})"))
             continue
         cost = step_cost(layout, batch, preset, est, flops_per_token, plan.peak_flops, links, per_node,
-                         global_batch * seq_len)
+                         global_batch * seq_len, moe)
         plan.rows.append(Row(layout, batch, est, cost, global_batch * seq_len, overrides,
                              preset.parallel.tp_impl if layout.tp > 1 else None))
     plan.rows.sort(key=lambda r: (-r.tokens_per_s, r.estimate.largest.total_bytes))
@@ -301,9 +326,10 @@ def plan_layouts(base: Preset, registry: PluginRegistry, *, nproc: int, nnodes: 
 
 
 def step_cost(layout: Layout, batch: Batch, preset: Preset, est: Any, flops_per_token: float, peak_flops: float,
-              links: plan_cost.Links, per_node: int, tokens: int) -> plan_cost.StepCost:
+              links: plan_cost.Links, per_node: int, tokens: int, moe: MoEShape | None = None
+              ) -> plan_cost.StepCost:
     """The :class:`~torch_handle.plan.plan_cost.StepCost` of ``layout`` (module docstring of
-    :mod:`~torch_handle.plan.plan_cost` for the formulas)."""
+    :mod:`~torch_handle.plan.plan_cost` for the formulas); ``moe``: the experts, for the all-to-alls of ep > 1."""
     from torch_handle.parallel.tensor.mappings import step_volume
 
     options = preset.model.options
@@ -329,8 +355,14 @@ def step_cost(layout: Layout, batch: Batch, preset: Preset, est: Any, flops_per_
         pp_bytes = 2 * layout.v * samples * seq_len * d_model * element
         pp_s = plan_cost.pp_seconds(pp_bytes, sends, links,
                                     plan_cost.crosses_nodes(layout.pp, layout.tp * layout.dp, per_node))
+    ep_bytes, ep_s = 0, 0.0
+    if moe is not None and layout.ep > 1:  # a pipeline rank runs 1/pp of the MoE layers for every micro-batch
+        per_step = all_to_all_bytes(moe, batch.micro_batch_size * seq_len, layout.ep, element) * batch.grad_accum
+        ep_bytes = per_step // layout.pp
+        calls = 5 * -(-moe.moe_layers // layout.pp) * batch.grad_accum  # 4 all-to-alls + the counts, per layer
+        ep_s = plan_cost.pp_seconds(ep_bytes, calls, links, plan_cost.crosses_nodes(layout.ep, layout.tp, per_node))
     return plan_cost.StepCost(compute, bubble, bubble_s, tp_bytes, tp_s, grad_bytes if layout.dp > 1 else 0, dp_s,
-                              pp_bytes, pp_s)
+                              pp_bytes, pp_s, ep_bytes, ep_s)
 
 
 def _strategy_label(preset: Preset) -> str:
