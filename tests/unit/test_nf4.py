@@ -38,6 +38,19 @@ def _weights(shape: tuple[int, ...], dtype: torch.dtype, seed: int = 0) -> torch
     return w.to(dtype)
 
 
+def _on_boundaries(code: torch.Tensor, n_blocks: int, block_size: int, seed: int = 0) -> torch.Tensor:
+    """(n_blocks * block_size,) float32: each block starts with its absmax (random), the rest are midpoints of
+    ``code``'s neighbouring values times it, nudged by -1, 0 or +1 float32 step: values on the decision boundaries,
+    where how the scaling rounds and which way a tie goes decide the code."""
+    g = torch.Generator().manual_seed(seed)
+    absmax = torch.rand(n_blocks, 1, generator=g) + 0.5
+    midpoints = (code[:-1] + code[1:]) / 2
+    values = midpoints[torch.randint(0, len(midpoints), (n_blocks, block_size - 1), generator=g)] * absmax
+    step = torch.randint(-1, 2, values.shape, generator=g).float()
+    nudged = torch.where(step == 0, values, torch.nextafter(values, step * torch.inf))
+    return torch.cat([absmax, nudged], dim=1).flatten()
+
+
 def test_code_book_is_the_papers_and_derived_from_normal_quantiles() -> None:
     code = nf4_code()
     assert code.dtype == torch.float32 and torch.equal(code, torch.tensor(PAPER_NF4))
@@ -154,12 +167,20 @@ def test_bit_for_bit_with_bitsandbytes(bnb, dtype: torch.dtype, shape: tuple[int
     assert torch.equal(bnb.dequantize_4bit(packed, state), ours.dequantize(torch.bfloat16))
 
 
+def test_bit_for_bit_with_bitsandbytes_on_decision_boundaries(bnb) -> None:
+    w = _on_boundaries(nf4_code(), 256, 64).view(128, 128)
+    packed, state = bnb.quantize_4bit(w, blocksize=64, quant_type="nf4", compress_statistics=False)
+    ours = quantize_nf4(w, double_quant=False)
+    assert torch.equal(packed.flatten(), ours.packed) and torch.equal(state.absmax, ours.absmax)
+
+
 def test_blockwise_8bit_equals_bitsandbytes_reference(bnb) -> None:
-    """The 8-bit step alone, on values that cover every code and land on code values exactly."""
+    """The 8-bit step alone, on values that cover every code, land on code values exactly and on the boundaries."""
     g = torch.Generator().manual_seed(0)
     x = torch.rand(4096, generator=g) * 2 - 1
     x[::3] *= 1e-4  # the dense codes near 0
     x[1::7] = dynamic_code()[torch.randint(0, 256, (585,), generator=g)]
+    x = torch.cat([x, _on_boundaries(dynamic_code(), 16, 256)])
     reference = torch.ops.bitsandbytes.quantize_blockwise.default.redispatch(
         torch._C.DispatchKeySet(torch._C.DispatchKey.CompositeExplicitAutograd), x, bnb.create_dynamic_map(), 256)
     codes, absmax = quantize_blockwise(x, 256, (dynamic_code()[1:] + dynamic_code()[:-1]) / 2)
@@ -178,25 +199,30 @@ def _reference(q: NF4Linear, linear: nn.Linear, dtype: torch.dtype) -> nn.Linear
     return ref
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_nf4_linear_forward_backward_equal_dequantised_linear(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, "bf16 autocast"], ids=str)
+def test_nf4_linear_forward_backward_equal_dequantised_linear(dtype) -> None:
     torch.manual_seed(0)
+    autocast = dtype == "bf16 autocast"  # fp32 weights and input, bf16 matmuls: how handle trains in bf16
+    dtype = torch.float32 if autocast else dtype
     linear = nn.Linear(96, 80).to(dtype)
     q = NF4Linear.from_linear(linear)
     ref = _reference(q, linear, dtype)
     x = torch.randn(2, 5, 96, dtype=dtype, requires_grad=True)
     x_ref = x.detach().clone().requires_grad_(True)
-    y, y_ref = q(x), ref(x_ref)
-    assert y.dtype == dtype and torch.equal(y, y_ref)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        y, y_ref = q(x), ref(x_ref)
+    assert y.dtype == (torch.bfloat16 if autocast else dtype) and torch.equal(y, y_ref)
     grad = torch.randn_like(y)
     y.backward(grad)
     y_ref.backward(grad)
-    assert torch.equal(x.grad, x_ref.grad)
+    assert x.grad.dtype == dtype and torch.equal(x.grad, x_ref.grad)
     # No weight gradient anywhere: the codes are buffers, the bias a frozen parameter.
     assert [(n, p.requires_grad) for n, p in q.named_parameters()] == [("bias", False)] and q.bias.grad is None
     assert all(not b.requires_grad and b.grad is None for b in q.buffers())
     q.bias.requires_grad_(True)  # a trainable bias gets autograd's gradient
-    q(x).backward(grad)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        y = q(x)
+    y.backward(grad)
     assert torch.equal(q.bias.grad, ref.bias.grad)
 
 
