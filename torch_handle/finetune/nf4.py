@@ -165,7 +165,8 @@ def quantize_nf4(weight: Tensor, *, block_size: int = BLOCK_SIZE, double_quant: 
     first. With ``double_quant``, the absmax constants: mean = absmax.mean(), then ``quantize_blockwise`` of
     absmax - mean with ``absmax_block_size`` and the 8-bit ``dynamic_code`` (QLoRA §3, double quantisation).
     Deterministic: the same weight gives the same bytes on every call, so a checkpoint that references the base
-    weights can rebuild its NF4 copy instead of storing it.
+    weights can rebuild its NF4 copy instead of storing it; but the mean is a float32 reduction whose last bit
+    depends on the device and the number of CPU threads (as bitsandbytes' does), so rebuild under both the same.
 
     Raises:
         ValueError: ``weight`` is not floating point, is empty, or a block size is not positive.
@@ -227,8 +228,9 @@ class NF4Linear(nn.Module):
     State dict: the stored tensors as buffers: ``weight_packed`` (uint8, two codes a byte), ``weight_absmax_codes``
     (uint8), ``weight_absmax_scale`` and ``weight_absmax_mean`` (float32), or ``weight_absmax`` (float32) without
     double quantisation; and ``bias``. A checkpoint that holds them reloads them exactly. A fine-tuning run's
-    checkpoint need not hold them: they are a deterministic function of the base weights, so resuming from a
-    reference to the trained base (verified by its hash) and ``from_linear`` gives the same bytes again.
+    checkpoint need not hold them: they are a deterministic function of the base weights (on one device and CPU
+    thread count: ``quantize_nf4``), so resuming from a reference to the trained base (verified by its hash) and
+    ``from_linear`` gives the same bytes again.
 
     Shape:
         x (..., in_features) -> (..., out_features), or (..., the selected parts' features) with ``parts``.
