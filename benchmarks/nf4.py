@@ -1,6 +1,7 @@
 """NF4 (torch_handle/finetune/nf4.py, docs/qlora.md) measured: bytes, dequantisation cost, error and loss.
 
-    python benchmarks/nf4.py [--run RUN_DIR] [--steps 300] [--threads 1] [--reps 11] [--json]
+    python benchmarks/nf4.py [bytes] [dequant] [quality] [--run RUN_DIR] [--steps 150] [--threads 1] [--reps 11]
+    python benchmarks/nf4.py cuda    # on a GPU, with bitsandbytes installed
 
 * ``bytes``: the weights of a d_model 512 decoder's linears (4 layers, d_ff 2048: every attention projection and
   feed-forward matrix; the output projection is tied to the embedding and stays as it is) in fp32, bf16, NF4 with
@@ -12,6 +13,9 @@
 * ``quality``: a trained model (``--run``, or presets/single.toml's decoder, d_model 256, trained for ``--steps``)
   with its linears quantised: the relative error ||W - Q(W)||_F / ||W||_F over all of them and the worst layer's, and the
   validation loss of the fp32 weights, the weights cast to bf16, NF4 and NF4 double-quantised.
+* ``cuda`` (only when named): against bitsandbytes' CUDA kernels on the same weights (bf16, fp16, fp32), the 4-bit
+  codes and 8-bit constants that differ and whether the dequantised weights are equal; the dequantisation and an
+  NF4Linear's forward against bitsandbytes and a bf16 nn.Linear; the allocated bytes of eight 4096x4096 linears.
 
 Bytes and losses do not depend on the machine's load; times do.
 """
@@ -118,11 +122,64 @@ def measure_quality(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
+def _median_ms(fn, reps: int) -> float:
+    times = []
+    for rep in range(reps + 1):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        if rep:
+            times.append(time.perf_counter() - start)
+    return round(statistics.median(times) * 1e3, 4)
+
+
+def measure_cuda(reps: int) -> list[dict[str, Any]]:
+    """On a CUDA device, against bitsandbytes' CUDA kernels: the codes and constants that differ, and timings."""
+    import bitsandbytes.functional as bnb
+
+    from torch_handle.finetune.nf4 import quantize_nf4
+
+    if not torch.cuda.is_available():
+        raise SystemExit("cuda: no CUDA device")
+    rows = []
+    for shape, dtype in (((4096, 4096), torch.bfloat16), ((11008, 4096), torch.bfloat16),
+                         ((1024, 2816), torch.float16), ((4096, 4096), torch.float32)):
+        w = (torch.randn(shape, device="cuda") * torch.rand(shape[0], 1, device="cuda") * 0.05).to(dtype)
+        packed, state = bnb.quantize_4bit(w, blocksize=64, quant_type="nf4", compress_statistics=True)
+        ours = quantize_nf4(w)
+        rows.append({"shape": list(shape), "dtype": str(dtype).split(".")[1],
+                     "codes_differing": int((packed.flatten() != ours.packed).sum()), "codes": ours.numel,
+                     "constants_differing": int((state.absmax != ours.absmax_codes).sum()),
+                     "constants": ours.absmax_codes.numel(),
+                     "mean_and_scales_equal": torch.equal(state.offset, ours.absmax_mean)
+                     and torch.equal(state.state2.absmax, ours.absmax_scale),
+                     "dequantised_equal": torch.equal(bnb.dequantize_4bit(packed, state), ours.dequantize())})
+    w = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16) * 0.02
+    packed, state = bnb.quantize_4bit(w, blocksize=64, quant_type="nf4", compress_statistics=True)
+    ours, linear = quantize_nf4(w), nn.Linear(4096, 4096, bias=False, device="cuda", dtype=torch.bfloat16)
+    nf4_linear, x = NF4Linear.from_linear(linear), torch.randn(8, 512, 4096, device="cuda", dtype=torch.bfloat16)
+    rows.append({"dequantise_4096x4096_bf16_ms": _median_ms(lambda: ours.dequantize(torch.bfloat16), reps),
+                 "bitsandbytes_ms": _median_ms(lambda: bnb.dequantize_4bit(packed, state), reps),
+                 "linear_8x512_tokens_ms": _median_ms(lambda: linear(x), reps),
+                 "nf4_linear_ms": _median_ms(lambda: nf4_linear(x), reps)})
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    layers = [nn.Linear(4096, 4096, bias=False, device="cuda", dtype=torch.bfloat16) for _ in range(8)]
+    bf16_bytes = torch.cuda.memory_allocated() - base
+    layers = [NF4Linear.from_linear(layer) for layer in layers]
+    torch.cuda.empty_cache()
+    nf4_bytes = torch.cuda.memory_allocated() - base
+    rows.append({"allocated_8_linears_4096x4096_bf16": bf16_bytes, "nf4": nf4_bytes,
+                 "vs_bf16": round(nf4_bytes / bf16_bytes, 4)})
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("what", nargs="*", choices=["bytes", "dequant", "quality"], default=[])
+    ap.add_argument("what", nargs="*", choices=["bytes", "dequant", "quality", "cuda"], default=[])
     ap.add_argument("--run", type=Path, help="a finished run directory to quantise (default: train one)")
-    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--steps", type=int, default=150)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--reps", type=int, default=11)
     ap.add_argument("--out", type=Path, default=_common.ROOT / "runs" / "bench-nf4")
@@ -132,8 +189,8 @@ def main() -> None:
     model = DecoderLM(TransformerArgs(4096, **MODEL, tie_embeddings=True)).eval()
     sections = {"bytes": lambda: measure_bytes(model), "dequant": lambda: measure_dequant(model, args.threads,
                                                                                           args.reps),
-                "quality": lambda: measure_quality(args)}
-    for what in args.what or list(sections):
+                "quality": lambda: measure_quality(args), "cuda": lambda: measure_cuda(args.reps)}
+    for what in args.what or ["bytes", "dequant", "quality"]:
         for row in sections[what]():
             print(json.dumps({"section": what, **row}) if args.json else
                   f"{what:8} " + "  ".join(f"{k} {v}" for k, v in row.items()))
