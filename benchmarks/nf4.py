@@ -11,8 +11,8 @@
   threads: 1 is a torchrun worker's), with nn.Linear and with NF4Linear, interleaved, median of ``--reps``; and
   the dequantisation of all its NF4 weights alone, the cost NF4 adds to every forward (and again to the backward).
 * ``quality``: a trained model (``--run``, or presets/single.toml's decoder, d_model 256, trained for ``--steps``)
-  with its linears quantised: the relative error ||W - Q(W)||_F / ||W||_F over all of them and the worst layer's, and the
-  validation loss of the fp32 weights, the weights cast to bf16, NF4 and NF4 double-quantised.
+  with its linears quantised: the relative error ||W - Q(W)||_F / ||W||_F over all of them and the worst layer's,
+  and the validation loss of the fp32 weights, the weights cast to bf16, NF4 and NF4 double-quantised.
 * ``cuda`` (only when named): against bitsandbytes' CUDA kernels on the same weights (bf16, fp16, fp32), the 4-bit
   codes and 8-bit constants that differ and whether the dequantised weights are equal; the dequantisation and an
   NF4Linear's forward against bitsandbytes and a bf16 nn.Linear; the allocated bytes of eight 4096x4096 linears.
