@@ -36,13 +36,13 @@ def test_a_lora_run_trains_adapters_alone_resumes_and_hands_them_on(tmp_path, pr
     from torch_handle.infer.adapter_export import export_run
     from torch_handle.infer.hf_export import export_hf
 
-    exporter = _preset(tmp_path, steps=2, model=LLAMA + "fused_qkv = false")
+    exporter = _preset(tmp_path, steps=1, model=LLAMA + "fused_qkv = false")
     source = create_run_dir(tmp_path / "runs", "base", dump_preset(exporter), {"status": "starting"})
     assert _train(exporter, source, process_group) == "finished"
     export_hf(source, tmp_path / "hf")
     base = load_file(str(tmp_path / "hf" / "model.safetensors"))
 
-    preset = _lora_preset(tmp_path, steps=3)
+    preset = _lora_preset(tmp_path, steps=2)
     assert preset.finetune.method == "lora"
     straight = create_run_dir(tmp_path / "runs", "straight", dump_preset(preset), {"status": "starting"})
     assert _train(preset, straight, process_group) == "finished"
@@ -76,8 +76,13 @@ def test_a_lora_run_trains_adapters_alone_resumes_and_hands_them_on(tmp_path, pr
     base["model.norm.weight"] = base["model.norm.weight"] + 1e-3
     save_file(base, str(tmp_path / "hf" / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match="the frozen base changed since these adapters were trained") as e:
-        _train(_lora_preset(tmp_path, steps=4), run_dir, process_group)
+        _train(_lora_preset(tmp_path, steps=3), run_dir, process_group)
     assert "\n" not in str(e.value)
+    from torch_handle.launch.run import check_inputs
+
+    (tmp_path / "hf").rename(tmp_path / "moved")  # a LoRA resume needs its base: checked before anything starts
+    with pytest.raises(CheckpointError, match=f"^model.init_from: {tmp_path / 'hf'}: no such directory"):
+        check_inputs(preset, resume=True)
 
 
 def _has(module: str) -> bool:
