@@ -16,11 +16,12 @@ from torch import nn
 from torch_handle.finetune.lora import apply_lora
 
 
-def prepare_model(model: nn.Module, preset: Any, *, new_run: bool, load_base: Callable[[nn.Module, str], str]
-                  ) -> list[str]:
+def prepare_model(model: nn.Module, preset: Any, *, new_run: bool, load_base: Callable[[nn.Module, str], str],
+                  note: Callable[[str], None] = lambda line: None) -> list[str]:
     """Load ``preset.model``'s ``init_from`` into ``model`` where the run needs it, then apply
-    ``preset.finetune``. ``load_base(model, directory) -> note`` reads a Hugging Face directory
-    (:func:`torch_handle.checkpoint.hf_dir.load_into`). Returns the lines for the run's log.
+    ``preset.finetune``. ``load_base(model, directory) -> line`` reads a Hugging Face directory
+    (:func:`torch_handle.checkpoint.hf_dir.load_into`). Each line for the run's log goes to ``note`` as it comes;
+    returns them all.
 
     Raises:
         CheckpointError: ``init_from`` that does not fit the model (from ``load_base``).
@@ -31,9 +32,11 @@ def prepare_model(model: nn.Module, preset: Any, *, new_run: bool, load_base: Ca
     init_from = getattr(preset.model.options, "init_from", None)
     if init_from and (new_run or finetune.method != "none"):
         notes.append(f"init_from: {load_base(model, init_from)}")
+        note(notes[-1])
     if finetune.method == "lora":
         info = apply_lora(model, finetune.rank, finetune.alpha, finetune.dropout, finetune.target_modules)
         share = info["trainable"] / (info["trainable"] + info["frozen"])
         notes.append(f"LoRA rank {finetune.rank} on {info['adapted']} linears: {info['trainable']:,} trainable "
                      f"parameters ({share:.2%}), {info['frozen']:,} frozen (base sha256 {info['base_sha256'][:12]})")
+        note(notes[-1])
     return notes

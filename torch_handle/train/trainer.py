@@ -127,9 +127,8 @@ class Trainer:
         torch.manual_seed(p.run.seed)
         model_plugin = self.registry.get("model", p.model.name)
         model = model_plugin.factory(p.model.options, self.data.vocab_size, self.data.pad_id, self.data.max_len)
-        for note in prepare_model(model, p, new_run=not ckpt.list_checkpoints(self.run_dir / "checkpoints"),
-                                  load_base=hf_dir.load_into):  # init_from's weights; LoRA's frozen base, adapters
-            self._note(Level.INFO, note)
+        prepare_model(model, p, new_run=not ckpt.list_checkpoints(self.run_dir / "checkpoints"),  # init_from, LoRA
+                      load_base=hf_dir.load_into, note=lambda line: self._note(Level.INFO, line))
         flops = getattr(model, "flops_per_token", None)  # optional part of the model contract
         self.model_info = {"params": sum(t.numel() for t in model.parameters()),
                            "flops_per_token": float(flops(self.data.max_len)) if flops is not None else None}
