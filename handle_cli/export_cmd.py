@@ -23,8 +23,10 @@ import click
               show_default=True, help="Dtype of the exported weights.")
 @click.option("--force", is_flag=True, help="Replace OUT when it is a Hugging Face model directory already "
                                             "(a non-empty OUT is refused otherwise; nothing else is deleted).")
+@click.option("--merge", is_flag=True, help="A LoRA run: fold its adapters into the base and write the merged "
+                                            "model (without it a LoRA run exports its adapters in peft's format).")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object: directory, architecture, params, ...")
-def export(run_dir: Path, out: Path, fmt: str, checkpoint: int | None, dtype: str, force: bool,
+def export(run_dir: Path, out: Path, fmt: str, checkpoint: int | None, dtype: str, force: bool, merge: bool,
            as_json: bool) -> None:
     """Write RUN's decoder to OUT as a Hugging Face model: LlamaForCausalLM, or Qwen3ForCausalLM with qk_norm.
 
@@ -34,18 +36,30 @@ def export(run_dir: Path, out: Path, fmt: str, checkpoint: int | None, dtype: st
     transformers.AutoModelForCausalLM.from_pretrained(OUT) and AutoTokenizer.from_pretrained(OUT), and a new
     run starts from it with [model] init_from = "OUT" (docs/hf.md).
 
+    A LoRA run ([finetune] method = "lora") exports its adapters as peft's save_pretrained does
+    (adapter_config.json, adapter_model.safetensors: peft.PeftModel.from_pretrained(base, OUT) loads them onto
+    the transformers model of its init_from), or with --merge the model with the adapters folded in (docs/lora.md).
+
     \b
     Examples:
       handle export runs/llama-20260101-120000 --format hf exported/llama
       handle export runs/llama-20260101-120000 exported/llama --checkpoint 200 --dtype bfloat16 --force --json
+      handle export runs/lora-20260101-130000 exported/lora-adapter
+      handle export runs/lora-20260101-130000 exported/lora-merged --merge
 
     Exit code 2 with one line on stderr, and nothing written, for a run that cannot be exported or a non-empty OUT.
     """
-    from torch_handle.infer.hf_export import export_hf
+    from torch_handle.infer.adapter_export import export_run
 
-    result = export_hf(run_dir, out, checkpoint=checkpoint, dtype=dtype, force=force)
+    result = export_run(run_dir, out, checkpoint=checkpoint, dtype=dtype, force=force, merge=merge)
     if as_json:
         click.echo(json.dumps(result))
+        return
+    if result["format"] == "peft":
+        click.echo(f"exported {run_dir}'s LoRA adapters to {out}: r {result['r']}, lora_alpha {result['lora_alpha']:g} "
+                   f"on {', '.join(result['target_modules'])}, {result['params']:,} parameters")
+        click.echo(f"load with: peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained("
+                   f"{result['base']!r}), {str(out)!r})")
         return
     step = f" (step {result['step']})" if result["step"] is not None else ""
     click.echo(f"exported {run_dir}{step} to {out}: {result['architecture']}, {result['params']:,} parameters, "

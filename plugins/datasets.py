@@ -35,6 +35,10 @@ class TextConfig(PydocConfig):
     """A file, a directory, or a glob of text files (for example 'data/*.txt')."""
     valid_path: str = ""
     """Optional separate validation file/glob; when empty, valid_fraction of path is held out."""
+    tokenizer: str = ""
+    """A tokenizer.json, or a directory holding one (a ``handle export --format hf`` directory, a run directory),
+    to encode the text with instead of training one on it: what fine-tuning a base on a new corpus needs (the
+    base's token ids). vocab_size must then be at least its size."""
 
     def check(self) -> None:
         if not self.path:
@@ -154,8 +158,20 @@ def _lm_bundle(train_docs, valid_docs, options, ctx, name):
 
     if not "".join(train_docs).strip():
         raise DataError(f"{name}: empty corpus")
-    tok, tok_path = load_or_train_tokenizer(train_docs, options.vocab_size, ctx.cache_dir, is_main=ctx.is_main,
-                                            barrier=ctx.barrier)
+    if getattr(options, "tokenizer", ""):  # a base's own tokenizer (fine-tuning): its ids, not the corpus's
+        from tokenizers import Tokenizer
+
+        tok_path = Path(options.tokenizer)
+        tok_path = tok_path if tok_path.is_file() else tok_path / "tokenizer.json"
+        if not tok_path.is_file():  # checked when the data is built: a preset naming a future export still loads
+            raise DataError(f"data.tokenizer: {options.tokenizer}: no such file, nor a directory with a tokenizer.json")
+        tok = Tokenizer.from_file(str(tok_path))
+        if tok.get_vocab_size() > options.vocab_size:
+            raise DataError(f"{tok_path}: {tok.get_vocab_size()} tokens, more than data.vocab_size = "
+                            f"{options.vocab_size}")
+    else:
+        tok, tok_path = load_or_train_tokenizer(train_docs, options.vocab_size, ctx.cache_dir, is_main=ctx.is_main,
+                                                barrier=ctx.barrier)
     train = LMDataset(encode_stream(tok, train_docs), options.seq_len, f"{name} (train split)")
     valid = LMDataset(encode_stream(tok, valid_docs), options.seq_len, f"{name} (validation split)")
     return DataBundle(train=train, valid=valid, vocab_size=tok.get_vocab_size(), max_len=options.seq_len,

@@ -106,7 +106,7 @@ class DeepSpeedStrategy(Strategy):
         _skip_shm_comm_build()
         deepspeed.init_distributed(dist_backend=self.ctx.backend)  # reuses the initialised process group
         self.engine, optimizer, _, _ = deepspeed.initialize(
-            model=model, model_parameters=model.parameters(), config=self.ds_config,
+            model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=self.ds_config,
             lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(self.training)))
         log.info("DeepSpeed engine: zero_stage=%d optimizer=%s", self.engine.zero_optimization_stage(),
                  type(optimizer).__name__)
@@ -228,7 +228,7 @@ class DeepSpeedStrategy(Strategy):
         from torch_handle.api import CheckpointError, safe_load
 
         module = self.engine.module
-        params = dict(module.named_parameters())
+        params = {n: p for n, p in module.named_parameters() if p.requires_grad}  # LoRA: the adapters alone
         if not any(hasattr(p, "ds_id") or getattr(p, "_hp_mapping", None) is not None for p in params.values()):
             # no partitioned fp32 master copy (ZeRO-0 in fp32): a torch optimizer over the module's parameters
             if not isinstance(self.optimizer, torch.optim.Optimizer):
@@ -301,7 +301,9 @@ class DeepSpeedStrategy(Strategy):
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         if self._zero3():
-            state = self.engine._zero3_consolidated_16bit_state_dict()  # collective: every rank calls it
+            # collective: every rank calls it; a frozen base (LoRA) stays out, as module.state_dict() leaves it
+            frozen = any(not p.requires_grad for p in self.engine.module.parameters())
+            state = self.engine._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters=frozen)
         else:
             state = self.engine.module.state_dict() if self.ctx.is_main else None
         if not self.ctx.is_main or state is None:

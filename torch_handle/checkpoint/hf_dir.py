@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
@@ -28,7 +27,7 @@ import torch
 from torch import Tensor
 
 from torch_handle.checkpoint.resume import flat_keys
-from torch_handle.common.fsio import read_json_object
+from torch_handle.common.fsio import read_json_object, replacing_dir
 from torch_handle.errors import CheckpointError
 from torch_handle.model.args import DATASET_FIELDS, TransformerArgs
 from torch_handle.model.hf_names import from_hf_config, to_hf_config
@@ -210,29 +209,21 @@ def write(out: Path | str, config: Mapping[str, Any], state: Mapping[str, Tensor
     rope = config.get("rope_parameters")
     if isinstance(rope, Mapping) and "rope_theta" in rope:
         config.setdefault("rope_theta", rope["rope_theta"])
-    tmp = out.parent / f".{out.name}.{os.getpid()}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
     try:
-        tmp.mkdir(parents=True)
-        # safetensors stores each tensor on its own: no views of a shared buffer (the split fused Q/K/V)
-        tensors = {k: v.detach().to(DTYPES[dtype]).contiguous().clone() for k, v in state.items()}
-        save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt", **metadata})
-        (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-        if tokenizer_path is not None:
-            shutil.copyfile(tokenizer_path, tmp / TOKENIZER_FILE)
-            tokenizer_config = {"tokenizer_class": "PreTrainedTokenizerFast",
-                                "model_max_length": config.get("max_position_embeddings"),
-                                **{role: token for role, (token, _) in specials.items()}}
-            (tmp / TOKENIZER_CONFIG).write_text(json.dumps(tokenizer_config, indent=2, sort_keys=True) + "\n",
-                                                encoding="utf-8")
-        written = sorted(p.name for p in tmp.iterdir())
-        old = out.parent / f".{out.name}.{os.getpid()}.old"
-        if out.exists():
-            os.rename(out, old)
-        os.rename(tmp, out)
-        shutil.rmtree(old, ignore_errors=True)
+        with replacing_dir(out) as tmp:
+            # safetensors stores each tensor on its own: no views of a shared buffer (the split fused Q/K/V)
+            tensors = {k: v.detach().to(DTYPES[dtype]).contiguous().clone() for k, v in state.items()}
+            save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt", **metadata})
+            (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+            if tokenizer_path is not None:
+                shutil.copyfile(tokenizer_path, tmp / TOKENIZER_FILE)
+                tokenizer_config = {"tokenizer_class": "PreTrainedTokenizerFast",
+                                    "model_max_length": config.get("max_position_embeddings"),
+                                    **{role: token for role, (token, _) in specials.items()}}
+                (tmp / TOKENIZER_CONFIG).write_text(json.dumps(tokenizer_config, indent=2, sort_keys=True) + "\n",
+                                                    encoding="utf-8")
+            written = sorted(p.name for p in tmp.iterdir())
     except OSError as e:
-        shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointError(f"{out}: cannot write the export ({type(e).__name__}: {e})") from None
     return written
 

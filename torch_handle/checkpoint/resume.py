@@ -63,6 +63,8 @@ _FROZEN = {
     "training.beta1": "it is restored from the checkpoint's optimizer state (the change would be ignored)",
     "training.beta2": "it is restored from the checkpoint's optimizer state (the change would be ignored)",
     "training.weight_decay": "it is restored from the checkpoint's optimizer state (the change would be ignored)",
+    **{f"finetune.{k}": "the checkpoint holds these adapters (only finetune.dropout may change)"
+       for k in ("method", "rank", "alpha", "target_modules")},
 }
 
 

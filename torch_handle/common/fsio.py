@@ -43,6 +43,32 @@ def replacing(path: Path) -> Iterator[Path]:
         raise
 
 
+@contextlib.contextmanager
+def replacing_dir(out: Path) -> Iterator[Path]:
+    """Yield an empty temporary directory beside ``out`` to write ``out``'s new content into; on leaving without
+    an exception it takes ``out``'s place (an old ``out`` is moved aside, then removed), otherwise it is removed:
+    ``out`` is either untouched or complete.
+
+    Raises:
+        OSError: the directory cannot be created or renamed (whatever the body raises passes through).
+    """
+    import shutil
+
+    tmp = out.parent / f".{out.name}.{os.getpid()}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tmp.mkdir(parents=True)
+        yield tmp
+        old = out.parent / f".{out.name}.{os.getpid()}.old"
+        if out.exists():
+            os.rename(out, old)
+        os.rename(tmp, out)
+        shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
 def write_text_atomic(path: Path, text: str) -> None:
     """Write ``text`` (UTF-8) to ``path`` atomically.
 

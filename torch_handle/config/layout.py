@@ -153,9 +153,24 @@ def _expert_parallel(preset: Preset, registry: Any) -> Iterator[PresetError]:
                           f"{strategies})", key="strategy.name")
 
 
+def _finetune(preset: Preset, registry: Any) -> Iterator[PresetError]:
+    """What LoRA adapts (the from-scratch Transformer) and the layouts it runs under (docs/lora.md)."""
+    if preset.finetune.method == "none":
+        return
+    if preset.model.name != "transformer":
+        yield PresetError(f"finetune.method = {preset.finetune.method!r} adapts the from-scratch 'transformer' "
+                          f"(model.name = {preset.model.name!r})", key="model.name")
+    for key in ("tp", "pp"):
+        if getattr(preset.parallel, key) > 1:
+            yield PresetError(f"LoRA adapters are not split by parallel.{key} yet (valid: 1)", key=f"parallel.{key}")
+    if preset.strategy.name == "scratch-fsdp":
+        yield PresetError("scratch-fsdp shards flat per unit, frozen base and adapters together: use fsdp, deepspeed, "
+                          "ddp, scratch-ddp or single with finetune.method = 'lora'", key="strategy.name")
+
+
 LAYOUT_CHECKS: tuple[Callable[[Preset, Any], Iterator[PresetError]], ...] = (
     _world_size, _plugin_supports("model"), _plugin_supports("strategy"), _native_tp, _tied_v_shape,
-    _pipeline_precision, _microbatches, _expert_parallel)
+    _pipeline_precision, _microbatches, _expert_parallel, _finetune)
 """The ``[parallel]`` checks, structure first; each ``check(preset, registry)`` yields its problems."""
 
 

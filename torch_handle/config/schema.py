@@ -267,6 +267,44 @@ class ParallelConfig:
                 yield InvalidValue("pp_layers", "every stage needs at least one layer")
 
 
+FINETUNE_TARGETS = ("attention", "mlp", "all", "q_proj", "k_proj", "v_proj", "out_proj", "o_proj", "gate_proj",
+                    "up_proj", "down_proj", "linear1", "linear2")
+"""What ``finetune.target_modules`` accepts: groups, this model's linears, peft's ``o_proj``
+(``torch_handle/finetune/lora.py`` resolves them)."""
+
+
+@dataclass
+class FinetuneConfig:
+    """``[finetune]``: train low-rank adapters on a frozen base instead of every weight (LoRA, Hu et al. 2021;
+    docs/lora.md). The base is the model's ``init_from`` directory (a ``handle export --format hf`` of a run, or a
+    Llama / Qwen 3 checkpoint), loaded again and checked by hash on every resume; without ``init_from`` the base
+    is the seed's initial weights (for tests). Checkpoints and ``model.safetensors`` hold the adapters alone."""
+
+    method: Literal["none", "lora", "qlora"] = "none"
+    """none: train every weight; lora: adapters on the target linears, everything else frozen; qlora: LoRA on a
+    base stored in 4-bit NormalFloat (Dettmers et al. 2023)."""
+    rank: int = param(8, ge=1)
+    """r: the adapters' inner width (A is r x in_features, B out_features x r)."""
+    alpha: float = param(16.0, gt=0.0)
+    """The update is scaled by alpha / rank (peft's lora_alpha)."""
+    dropout: float = param(0.0, ge=0.0, lt=1.0)
+    """Dropout on the adapters' input (peft's lora_dropout); the base path has none of it."""
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"])
+    """The linears that get adapters: q_proj, k_proj, v_proj, out_proj (o_proj), gate_proj, up_proj, down_proj
+    (linear1, linear2 for the paper's FFN), or the groups attention, mlp, all. Default: W_q and W_v, as Hu et al."""
+
+    def check(self) -> Iterator[InvalidValue]:
+        for target in self.target_modules:
+            if target not in FINETUNE_TARGETS:
+                yield InvalidValue("target_modules", f"{target!r} is not a linear of the Transformer (valid: "
+                                                     f"{', '.join(FINETUNE_TARGETS)})")
+        if self.method != "none" and not self.target_modules:
+            yield InvalidValue("target_modules", "is empty: name at least one linear (or attention, mlp, all)")
+        if self.method == "qlora":
+            yield InvalidValue("method", "'qlora' needs the NF4 frozen base, which this build does not have yet "
+                                         "(valid: none, lora)")
+
+
 @dataclass
 class PluginSection:
     """A ``[model]``/``[data]``/``[strategy]``/``[profiler]`` table: the plugin ``name`` and its options."""
@@ -281,8 +319,8 @@ PLUGIN_TABLES: dict[str, str] = {"model": "model", "data": "dataset", "strategy"
 
 DEFAULT_PLUGINS: dict[str, str] = {"model": "transformer", "data": "pydoc", "strategy": "single", "profiler": "none"}
 CORE_TABLES: dict[str, type] = {"run": RunConfig, "training": TrainingConfig, "launch": LaunchConfig,
-                                "parallel": ParallelConfig}
-TABLE_ORDER = ("run", "model", "data", "training", "strategy", "parallel", "launch", "profiler")
+                                "parallel": ParallelConfig, "finetune": FinetuneConfig}
+TABLE_ORDER = ("run", "model", "data", "training", "finetune", "strategy", "parallel", "launch", "profiler")
 
 
 def plugin_name(table: str, values: Any) -> Any:
@@ -304,6 +342,7 @@ class Preset:
     launch: LaunchConfig
     profiler: PluginSection
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
     source: str = "<preset>"
     """Where the preset came from (for messages)."""
     resolved: dict[str, str] = field(default_factory=dict, compare=False)

@@ -28,7 +28,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from torch_handle.checkpoint.hf_dir import load_into
 from torch_handle.checkpoint.store import list_checkpoints, safe_load, verify
+from torch_handle.finetune.build import prepare_model
 from torch_handle.data.datasets import BOS_ID, EOS_ID, IGNORE_INDEX, PAD_ID, DataContext, TranslationDataset
 from torch_handle.errors import CheckpointError, DataError, RunDirError
 from torch_handle.model.kv_cache import KVCache
@@ -154,9 +156,12 @@ def load_run(run_dir: Path | str, checkpoint: int | None = None, device: str | t
         raise RunDirError(f"{run_dir / TOKENIZER_FILE}: unreadable ({' '.join(str(e).split())})") from None
     state = _read_weights(weights)
     factory = get_registry().get("model", preset.model.name).factory
-    model = factory(preset.model.options, tokenizer.get_vocab_size(), PAD_ID, _max_len(state, preset, weights))
+    with torch.random.fork_rng(devices=[]):  # the run's initial weights: a LoRA run without init_from froze them
+        torch.manual_seed(preset.run.seed)
+        model = factory(preset.model.options, tokenizer.get_vocab_size(), PAD_ID, _max_len(state, preset, weights))
     if not isinstance(model, (DecoderLM, EncoderDecoder)):
         raise RunDirError(f"{run_dir}: model {preset.model.name!r} is not the project's Transformer")
+    prepare_model(model, preset, new_run=False, load_base=load_into)  # LoRA: the frozen base, then the adapters
     try:
         model.load_state_dict({k: v.float() for k, v in state.items()})
     except RuntimeError as e:

@@ -19,6 +19,7 @@ import torch
 from torch_handle.checkpoint import hf_dir
 from torch_handle.data.datasets import PAD_ID, SPECIAL_TOKENS
 from torch_handle.errors import CheckpointError, RunDirError
+from torch_handle.finetune.lora import merge_lora
 from torch_handle.infer.generate import TOKENIZER_FILE, load_run
 from torch_handle.model.hf_names import to_hf_config, to_hf_state_dict
 from torch_handle.rundir import PRESET_FILE
@@ -70,7 +71,7 @@ def _step(weights: Path, checkpoint: int | None) -> int | None:
 
 
 def export_hf(run_dir: Path | str, out: Path | str, *, checkpoint: int | None = None, dtype: str = "float32",
-              force: bool = False) -> dict[str, Any]:
+              force: bool = False, merge: bool = False) -> dict[str, Any]:
     """Write run ``run_dir``'s decoder as a Hugging Face model directory ``out``.
 
     Args:
@@ -80,6 +81,8 @@ def export_hf(run_dir: Path | str, out: Path | str, *, checkpoint: int | None = 
             ``model.safetensors``.
         dtype: ``float32``, ``bfloat16`` or ``float16``: the weights' dtype in ``out``.
         force: replace ``out`` when it is a Hugging Face model directory already.
+        merge: a LoRA run's adapters folded into its base (W + (α/r)·B·A; ``finetune.lora.merge_lora``): the
+            adapted model as a plain one (``torch_handle.infer.adapter_export`` decides when).
 
     Returns:
         ``{"directory", "format", "architecture", "model_type", "params", "dtype", "weights", "step", "files"}``
@@ -96,6 +99,8 @@ def export_hf(run_dir: Path | str, out: Path | str, *, checkpoint: int | None = 
     hf_dir.check_out(out, force)
     check_exportable(run_dir)
     loaded = load_run(run_dir, checkpoint)
+    if merge:
+        merge_lora(loaded.model)
     args = loaded.model.args
     config = to_hf_config(args)
     state = to_hf_state_dict(loaded.model.state_dict(), args)

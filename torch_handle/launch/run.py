@@ -43,9 +43,9 @@ from torch_handle.rundir import (ACTIVE, PRESET_FILE, create_run_dir, launcher_a
 
 def check_inputs(preset: Preset, *, resume: bool = False) -> None:
     """Cheap checks of what a run will read, before anything starts, through the plugins' ``preflight`` hooks:
-    the dataset's (missing paths, undecodable text) and, unless ``resume`` (the checkpoint holds the weights
-    then), the model's (``[model] init_from``: the directory and the shape its config.json gives). Nothing when
-    the plugins have none.
+    the dataset's (missing paths, undecodable text) and, unless ``resume`` of a run without ``[finetune]`` (the
+    checkpoint holds the weights then), the model's (``[model] init_from``: the directory and the shape its
+    config.json gives). Nothing when the plugins have none.
 
     Raises:
         DataError, CheckpointError: one line naming the path and the problem.
@@ -56,7 +56,8 @@ def check_inputs(preset: Preset, *, resume: bool = False) -> None:
     if preflight is not None:
         preflight(preset.data.options)
     preflight = registry.get("model", preset.model.name).preflight
-    if preflight is not None and not resume:
+    # a LoRA run reads its frozen base (init_from) on every resume: its checkpoints hold the adapters alone
+    if preflight is not None and (not resume or preset.finetune.method != "none"):
         preflight(preset.model.options, preset)
 
 

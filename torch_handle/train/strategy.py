@@ -175,7 +175,9 @@ class Strategy:
         self._sync = True
         self.expert_parallel = build_expert_parallel(ctx, model)  # experts split over "ep" before any wrapping
         self.model: torch.nn.Module = self.wrap(model)
-        self.optimizer: torch.optim.Optimizer = self.build_optimizer(self.model.parameters())
+        # a frozen parameter (LoRA's base) has no optimizer state: the optimizer sees the trainable ones only
+        self.optimizer: torch.optim.Optimizer = self.build_optimizer(
+            p for p in self.model.parameters() if p.requires_grad)
         # what the model itself does at every optimizer step: an MoE router's expert biases under balance =
         # "aux_free", moved by the load of the data-parallel replicas (not of the tp ranks, which route the same
         # tokens, nor of other pipeline stages, whose layers are others: the default group would add those in)
@@ -291,9 +293,9 @@ class Strategy:
         return getattr(self.model, "module", self.model)
 
     def parameter_names(self) -> list[str]:
-        """The one-process model's parameter names in ``named_parameters()`` order (shared ones once): how a
-        ``torch`` checkpoint's numbered optimizer state maps to names (``convert.ensure_portable``)."""
-        return [n for n, _ in self.unwrapped().named_parameters()]
+        """The one-process model's trainable parameter names in ``named_parameters()`` order (shared ones once):
+        how a ``torch`` checkpoint's numbered optimizer state maps to names (``convert.ensure_portable``)."""
+        return [n for n, p in self.unwrapped().named_parameters() if p.requires_grad]
 
     def checkpoint_layout(self) -> dict[str, Any]:
         """What :meth:`save` writes, recorded in every checkpoint's ``layout.json`` (the trainer adds the world

@@ -26,6 +26,7 @@ from torch_handle.checkpoint import hf_dir, shared_dirs, store as ckpt
 from torch_handle.common.fsio import replacing
 from torch_handle.common.testhooks import DELAY_ENV, HANG_ENV, parse_test_delay, parse_test_hang
 from torch_handle.config.loader import Preset
+from torch_handle.finetune.build import prepare_model
 from torch_handle.data.datasets import DataBundle, DataContext, GlobalBatchSampler, ResumableDistributedSampler
 from torch_handle.model.parallelize import checkpointed_blocks, model_blocks
 from torch_handle.parallel.tensor.random import get_rng_tracker
@@ -126,9 +127,8 @@ class Trainer:
         torch.manual_seed(p.run.seed)
         model_plugin = self.registry.get("model", p.model.name)
         model = model_plugin.factory(p.model.options, self.data.vocab_size, self.data.pad_id, self.data.max_len)
-        init_from = getattr(p.model.options, "init_from", None)  # a new run's first weights; a resume: its checkpoint
-        if init_from and not ckpt.list_checkpoints(self.run_dir / "checkpoints"):
-            self._note(Level.INFO, f"init_from: {hf_dir.load_into(model, init_from)}")
+        prepare_model(model, p, new_run=not ckpt.list_checkpoints(self.run_dir / "checkpoints"),  # init_from, LoRA
+                      load_base=hf_dir.load_into, note=lambda line: self._note(Level.INFO, line))
         flops = getattr(model, "flops_per_token", None)  # optional part of the model contract
         self.model_info = {"params": sum(t.numel() for t in model.parameters()),
                            "flops_per_token": float(flops(self.data.max_len)) if flops is not None else None}

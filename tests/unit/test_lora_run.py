@@ -1,0 +1,113 @@
+"""A LoRA run in this process (gloo, world size 1; the harness of test_trainer_step.py): a Llama-shaped run exported
+with ``handle export --format hf`` is the frozen base of a ``[finetune] method = "lora"`` run, which saves its
+adapters alone, holds optimizer state for them alone, leaves the base bitwise as it was, stops and resumes to the
+uninterrupted losses, refuses a changed base in one line, and hands on its adapters: peft loads them onto the
+``transformers`` model of the base with our logits, and the ``--merge`` export gives them too."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tests.unit.test_trainer_step import _events, _preset, _train, fake_peak, process_group  # noqa: F401
+from torch_handle.config.loader import dump_preset
+from torch_handle.errors import CheckpointError
+from torch_handle.finetune.lora import BASE_HASH_BUFFER
+from torch_handle.rundir import STOP_FILE, create_run_dir
+
+LLAMA = 'norm = "rmsnorm"\nposition = "rope"\nmlp = "swiglu"\nnorm_first = true\nscale_embeddings = false\n'
+LORA = '[finetune]\nmethod = "lora"\nrank = 4\nalpha = 8.0\ntarget_modules = ["all"]\n'
+
+
+def _lora_preset(tmp_path, steps: int):
+    # _preset puts its model text under [model]: the [finetune] table follows it
+    return _preset(tmp_path, steps=steps, model=LLAMA + f'init_from = "{tmp_path / "hf"}"\nfused_qkv = false\n' + LORA)
+
+
+def _steps(run_dir):
+    return [e for e in _events(run_dir) if e["kind"] == "step"]
+
+
+def test_a_lora_run_trains_adapters_alone_resumes_and_hands_them_on(tmp_path, process_group):
+    from torch_handle.infer.adapter_export import export_run
+    from torch_handle.infer.hf_export import export_hf
+
+    exporter = _preset(tmp_path, steps=1, model=LLAMA + "fused_qkv = false")
+    source = create_run_dir(tmp_path / "runs", "base", dump_preset(exporter), {"status": "starting"})
+    assert _train(exporter, source, process_group) == "finished"
+    export_hf(source, tmp_path / "hf")
+    base = load_file(str(tmp_path / "hf" / "model.safetensors"))
+
+    preset = _lora_preset(tmp_path, steps=2)
+    assert preset.finetune.method == "lora"
+    straight = create_run_dir(tmp_path / "runs", "straight", dump_preset(preset), {"status": "starting"})
+    assert _train(preset, straight, process_group) == "finished"
+    steps = _steps(straight)
+    saved = load_file(str(straight / "model.safetensors"))
+    assert BASE_HASH_BUFFER in saved and all(".lora_A." in k or ".lora_B." in k for k in saved if k != BASE_HASH_BUFFER)
+    trainable = [t for k, t in saved.items() if k != BASE_HASH_BUFFER]
+    # AdamW's exp_avg and exp_avg_sq (fp32) and a 4-byte step per trainable tensor: nothing for the frozen base
+    assert steps[0]["memory"][0]["optimizer_bytes"] == sum(8 * t.numel() + 4 for t in trainable)
+    logs = [e["message"] for e in _events(straight) if e["kind"] == "log"]
+    assert any(m.startswith("LoRA rank 4 on 7 linears: ") for m in logs), logs
+
+    run_dir = create_run_dir(tmp_path / "runs", "stopped", dump_preset(preset), {"status": "starting"})
+    (run_dir / STOP_FILE).touch()
+    assert _train(preset, run_dir, process_group) == "stopped"
+    (run_dir / STOP_FILE).unlink()
+    ckpt = torch.load(run_dir / "checkpoints" / "step-1" / "model.pt", weights_only=True)
+    assert not any(k.endswith("base.weight") or k.startswith("embed") for k in ckpt)  # adapters (+ hash) only
+    assert _train(preset, run_dir, process_group) == "finished"
+    assert [e["loss"] for e in _steps(run_dir)] == pytest.approx([e["loss"] for e in steps], rel=1e-6, abs=0)
+
+    # handed on: adapters in peft's format onto transformers' base, and the merged model
+    result = export_run(straight, tmp_path / "adapter")
+    assert result["format"] == "peft" and result["base"] == str((tmp_path / "hf").resolve())
+    export_run(straight, tmp_path / "merged", merge=True)
+    assert load_file(str(tmp_path / "hf" / "model.safetensors")).keys() == base.keys()
+    if os.environ.get("CI") or _has("peft"):
+        _logits_agree(tmp_path, straight)
+
+    # a changed base: the resume refuses it in one line (its adapters were trained on the old one)
+    base["model.norm.weight"] = base["model.norm.weight"] + 1e-3
+    save_file(base, str(tmp_path / "hf" / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="the frozen base changed since these adapters were trained") as e:
+        _train(_lora_preset(tmp_path, steps=3), run_dir, process_group)
+    assert "\n" not in str(e.value)
+    from torch_handle.launch.run import check_inputs
+
+    (tmp_path / "hf").rename(tmp_path / "moved")  # a LoRA resume needs its base: checked before anything starts
+    with pytest.raises(CheckpointError, match=f"^model.init_from: {tmp_path / 'hf'}: no such directory"):
+        check_inputs(preset, resume=True)
+
+
+def _has(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+def _logits_agree(tmp_path, run_dir) -> None:
+    import peft
+    import transformers
+
+    from torch_handle.infer.generate import load_run
+
+    ours = load_run(run_dir).model
+    base = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32).eval()
+    ids = torch.randint(4, 300, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        base_logits = base(ids).logits
+    adapted = peft.PeftModel.from_pretrained(base, str(tmp_path / "adapter")).eval()
+    merged = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"), dtype=torch.float32).eval()
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["target_modules"] == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
+    with torch.no_grad():
+        expected = ours(ids)
+        assert (expected - base_logits).abs().max() > 1e-4  # the adapters changed the model
+        torch.testing.assert_close(adapted(ids).logits, expected, atol=1e-5, rtol=0)
+        torch.testing.assert_close(merged(ids).logits, expected, atol=1e-5, rtol=0)

@@ -1,0 +1,74 @@
+"""``handle export`` of a LoRA run (``[finetune] method = "lora"``): its adapters in peft's format, or with
+``--merge`` the adapted model as a plain Hugging Face model.
+
+The run's ``model.safetensors`` (or a checkpoint's model state) holds the adapters alone, gathered by rank 0
+from whatever layout trained them (DDP, FSDP2, ZeRO-2/3: the strategies' ``full_state_dict``); the base comes from
+``model.init_from``, checked against the hash the adapters carry (:func:`torch_handle.infer.generate.load_run`).
+So a merge is *gather, then merge*: adapters gathered at the end of the run, folded into the base here.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from torch_handle.errors import CheckpointError
+from torch_handle.finetune import peft_format
+from torch_handle.infer.generate import load_run
+from torch_handle.infer.hf_export import check_exportable, export_hf
+from torch_handle.rundir import PRESET_FILE
+
+
+def finetune_method(run_dir: Path) -> str:
+    """The run's ``finetune.method`` (``"none"`` for a run from before the table). Raises as
+    :func:`check_exportable`."""
+    from torch_handle.config.loader import load_preset
+
+    check_exportable(run_dir)
+    return load_preset(run_dir / PRESET_FILE).finetune.method
+
+
+def export_adapters(run_dir: Path | str, out: Path | str, *, checkpoint: int | None = None,
+                    force: bool = False) -> dict[str, Any]:
+    """Write a LoRA run's adapters to ``out`` as peft's ``save_pretrained`` does (``adapter_config.json``,
+    ``adapter_model.safetensors``; :mod:`torch_handle.finetune.peft_format`); ``base_model_name_or_path`` is the
+    run's ``model.init_from``, absolute.
+
+    Returns:
+        ``{"directory", "format": "peft", "base", "r", "lora_alpha", "target_modules", "params", "step", "files"}``
+        (``params``: the adapters' parameters).
+
+    Raises:
+        RunDirError, PresetError, CheckpointError: as :func:`torch_handle.infer.hf_export.export_hf`; a changed
+            base (its hash differs from the adapters'). Nothing is written on any of them.
+    """
+    run_dir, out = Path(run_dir), Path(out)
+    loaded = load_run(run_dir, checkpoint)
+    init_from = getattr(loaded.preset.model.options, "init_from", None)
+    base = str(Path(init_from).resolve()) if init_from else None
+    state = peft_format.peft_state_dict(loaded.model, loaded.model.args)
+    config = peft_format.adapter_config(loaded.model, loaded.model.args, dropout=loaded.preset.finetune.dropout,
+                                        base=base)
+    files = peft_format.write_adapter(out, state, config, force=force,
+                                      metadata={"source": str(run_dir.resolve()), "weights": loaded.weights.name})
+    return {"directory": str(out), "format": "peft", "base": base, "r": config["r"],
+            "lora_alpha": config["lora_alpha"], "target_modules": config["target_modules"],
+            "params": sum(t.numel() for t in state.values()), "step": checkpoint, "files": files}
+
+
+def export_run(run_dir: Path | str, out: Path | str, *, checkpoint: int | None = None, dtype: str = "float32",
+               force: bool = False, merge: bool = False) -> dict[str, Any]:
+    """``handle export``: a LoRA run's adapters (peft's format), or with ``merge`` its merged model; any other run
+    as a Hugging Face model (:func:`export_hf`).
+
+    Raises:
+        CheckpointError: ``merge`` for a run without adapters; as :func:`export_hf` and :func:`export_adapters`.
+    """
+    run_dir = Path(run_dir)
+    method = finetune_method(run_dir)
+    if merge and method == "none":
+        raise CheckpointError(f"{run_dir}: --merge folds LoRA adapters into their base, and this run has none "
+                              f"(finetune.method = 'none'): export it without --merge")
+    if method != "none" and not merge:
+        return export_adapters(run_dir, out, checkpoint=checkpoint, force=force)
+    return export_hf(run_dir, out, checkpoint=checkpoint, dtype=dtype, force=force, merge=merge)
