@@ -109,3 +109,14 @@ def test_the_routing_table_is_what_the_all_reduce_sums_over_dp_ranks_once_per_tp
     dense = RoutingTelemetry(torch.nn.Linear(2, 2))
     vector = torch.zeros(3, dtype=torch.float64)
     assert dense.attach(vector, model) is vector and dense.fields(vector) == {}
+
+
+def test_the_routing_table_is_built_on_the_step_vectors_device():
+    """On a GPU the step vector is on the device while ``a2a_wait_s`` is a host counter: the table goes to the
+    vector's device (the first CUDA MoE run, 2026-11-27, failed its first step on this). The meta device stands
+    in for CUDA here: a host tensor mixed into it fails the same way."""
+    from torch_handle.train.routing import RoutingTelemetry
+
+    model = _decoder_with_two_moe_layers()
+    vector = RoutingTelemetry(model).attach(torch.zeros(3, dtype=torch.float64, device="meta"), model)
+    assert vector.device.type == "meta" and vector.shape[0] > 3

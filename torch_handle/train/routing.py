@@ -33,9 +33,10 @@ MEAN_OVER_MICRO_BATCHES = ("aux_loss", "z_loss")
 
 
 def _scalar(value: Any, device: torch.device) -> Tensor:
-    """A counter as a float64 0-d tensor on ``device`` (a tensor stays where it is: no host read)."""
+    """A counter as a float64 0-d tensor on ``device`` (no host read; a counter kept on the host, as
+    ``a2a_wait_s`` is, goes to the device)."""
     if isinstance(value, Tensor):
-        return value.detach().to(torch.float64).reshape(())
+        return value.detach().to(device, torch.float64).reshape(())
     return torch.tensor(float(value), dtype=torch.float64, device=device)
 
 
