@@ -3,11 +3,14 @@ ranks, runs every check once in that process group and rank 0 writes the results
 
 - ``equivalence``: torch DDP + AdamW, then scratch-fsdp ZeRO-2, ZeRO-3, ZeRO-3 without reshard_after_forward and
   ZeRO-3 with prefetch, on the tiny Transformer of tests/scratch_ddp_worker.py and on a model that is not handle's
-  (embedding, LayerNorm, Linears: :class:`Small`), 10 optimizer steps of grad_accum 2; per variant the max abs
-  parameter difference to DDP (clipping off), and with clipping at 0.5 active.
+  (embedding, LayerNorm, Linears: :class:`Small`), the Transformer with frozen parameters (:func:`frozen_tiny`)
+  and a module with a bf16 frozen weight (:class:`Mixed`), 10 optimizer steps of grad_accum 2; per variant the
+  max abs parameter difference to DDP (clipping off), and with clipping at 0.5 active.
 - ``memory``: per rank, AdamW state and master elements, parameter bytes between steps, and one process's.
 - ``bf16``: ZeRO-2 and ZeRO-3 with bf16 compute, 3 steps, against one process that casts its weights the same way.
-- ``checkpoint``: save, convert, load natively and through the portable form, and the reverse from torch's.
+- ``checkpoint``: save, convert, load natively and through the portable form, and the reverse from torch's; a
+  model with frozen parameters through the portable form.
+- ``grad_shards``: after one step's backward, each trainable parameter's gradient shard against DDP's gradient.
 - ``comm``: one step's ``step_stats`` per variant, and the number of units.
 """
 
@@ -392,6 +395,41 @@ def check_checkpoint(rank: int, root: Path) -> dict[str, Any]:
     if rank == 0:
         out["from_torch_max_diff"] = max(float((weights[n] - p.detach()).abs().max())
                                          for n, p in reference[0].module.named_parameters())
+    out.update(check_frozen_checkpoint(rank, root))
+    return out
+
+
+def check_frozen_checkpoint(rank: int, root: Path) -> dict[str, Any]:
+    """:func:`frozen_tiny` under ZeRO-3 saved after a step, converted, loaded through the portable form as ZeRO-2:
+    the portable form's optimizer state (trainable parameters only), and the next step against the run's own."""
+    from torch_handle.checkpoint import convert
+
+    out: dict[str, Any] = {}
+    run = scratch(frozen_tiny, 0.0, zero_stage=3)
+    train(run, rank, steps=1)
+    saved = root / "frozen"
+    if rank == 0:
+        saved.mkdir()
+    dist.barrier()
+    run.save(saved)
+    dist.barrier()
+    if rank == 0:
+        names = [n for n, _ in run.model.named_parameters()]
+        convert.ensure_portable(saved, {**run.checkpoint_layout(), "world_size": WORLD}, names)
+        _, state, _ = convert.read_portable(saved / "portable")
+        out["frozen_portable_state"] = sorted(state) == sorted(
+            n for n, p in run.model.named_parameters() if p.requires_grad)
+    dist.barrier()
+    train(run, rank, steps=1)
+    expected = run.full_state_dict()
+    resumed = scratch(frozen_tiny, 0.0, zero_stage=2)
+    resumed.load_portable(saved / "portable")
+    train(resumed, rank, steps=1)
+    weights = resumed.full_state_dict()
+    if rank == 0:
+        out["frozen_portable_max_diff"] = max(float((weights[k] - v).abs().max()) for k, v in expected.items())
+    for strategy in (run, resumed):
+        strategy.close()
     return out
 
 

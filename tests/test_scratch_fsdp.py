@@ -200,6 +200,14 @@ def test_checkpoints_resume_natively_through_the_portable_form_and_from_torch(re
     assert c["from_torch_max_diff"] <= 1e-6
 
 
+@pytest.mark.dist
+def test_a_checkpoint_with_frozen_parameters_resumes_through_the_portable_form(results):
+    """The frozen Transformer's ZeRO-3 checkpoint: its portable form has AdamW state for the trainable parameters
+    only; loaded as ZeRO-2 the next step equals the run's own (within 1e-6; measured: bitwise)."""
+    c = results[0]["checkpoint"]
+    assert c["frozen_portable_state"] and c["frozen_portable_max_diff"] <= 1e-6
+
+
 # -- in this process -------------------------------------------------------------------------------------------
 
 

@@ -96,8 +96,7 @@ class ScratchFSDPStrategy(Strategy):
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of ``loss / grad_accum`` (times the loss scale in fp16); then the reducer finishes (on the
         last micro-batch: every trainable ``shard.grad`` is its rows of the mean over the ranks) and ZeRO-3 frees
-        whatever is still
-        gathered."""
+        whatever is still gathered."""
         loss = loss / self.training.grad_accum
         (loss * self.scaler.scale if self.scaler is not None else loss).backward()
         self.reducer.finish(self._sync)
