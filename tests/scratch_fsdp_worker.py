@@ -340,6 +340,16 @@ def shared_dir(rank: int, root: str | None) -> Path:
     return Path(found[0])
 
 
+def save_everywhere(strategy, rank: int, directory: Path) -> Path:
+    """``strategy.save`` on every rank into ``directory`` (made by rank 0), the ranks waiting for each other."""
+    if rank == 0:
+        directory.mkdir()
+    dist.barrier()
+    strategy.save(directory)
+    dist.barrier()
+    return directory
+
+
 def check_checkpoint(rank: int, root: Path) -> dict[str, Any]:
     """A ZeRO-3 run saved after 2 steps: its files; their portable form against the gathered weights; loaded
     natively as ZeRO-2 and through the portable form as ZeRO-3, 2 more steps against the run's own 2 more. The
@@ -351,12 +361,7 @@ def check_checkpoint(rank: int, root: Path) -> dict[str, Any]:
     run = scratch(tiny_model, 0.0, zero_stage=3)
     train(run, rank, steps=2)
     names = [n for n, _ in run.model.named_parameters()]
-    saved = root / "fsdp"
-    if rank == 0:
-        saved.mkdir()
-    dist.barrier()
-    run.save(saved)
-    dist.barrier()
+    saved = save_everywhere(run, rank, root / "fsdp")
     at_save = run.full_state_dict()
     if rank == 0:
         out["files"] = sorted(p.name for p in saved.iterdir())
@@ -407,12 +412,7 @@ def check_frozen_checkpoint(rank: int, root: Path) -> dict[str, Any]:
     out: dict[str, Any] = {}
     run = scratch(frozen_tiny, 0.0, zero_stage=3)
     train(run, rank, steps=1)
-    saved = root / "frozen"
-    if rank == 0:
-        saved.mkdir()
-    dist.barrier()
-    run.save(saved)
-    dist.barrier()
+    saved = save_everywhere(run, rank, root / "frozen")
     if rank == 0:
         names = [n for n, _ in run.model.named_parameters()]
         convert.ensure_portable(saved, {**run.checkpoint_layout(), "world_size": WORLD}, names)
