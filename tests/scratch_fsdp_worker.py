@@ -3,11 +3,14 @@ ranks, runs every check once in that process group and rank 0 writes the results
 
 - ``equivalence``: torch DDP + AdamW, then scratch-fsdp ZeRO-2, ZeRO-3, ZeRO-3 without reshard_after_forward and
   ZeRO-3 with prefetch, on the tiny Transformer of tests/scratch_ddp_worker.py and on a model that is not handle's
-  (embedding, LayerNorm, Linears: :class:`Small`), 10 optimizer steps of grad_accum 2; per variant the max abs
-  parameter difference to DDP (clipping off), and with clipping at 0.5 active.
+  (embedding, LayerNorm, Linears: :class:`Small`), the Transformer with frozen parameters (:func:`frozen_tiny`)
+  and a module with a bf16 frozen weight (:class:`Mixed`), 10 optimizer steps of grad_accum 2; per variant the
+  max abs parameter difference to DDP (clipping off), and with clipping at 0.5 active.
 - ``memory``: per rank, AdamW state and master elements, parameter bytes between steps, and one process's.
 - ``bf16``: ZeRO-2 and ZeRO-3 with bf16 compute, 3 steps, against one process that casts its weights the same way.
-- ``checkpoint``: save, convert, load natively and through the portable form, and the reverse from torch's.
+- ``checkpoint``: save, convert, load natively and through the portable form, and the reverse from torch's; a
+  model with frozen parameters through the portable form.
+- ``grad_shards``: after one step's backward, each trainable parameter's gradient shard against DDP's gradient.
 - ``comm``: one step's ``step_stats`` per variant, and the number of units.
 """
 
@@ -49,7 +52,50 @@ class Small(torch.nn.Module):
         return self.out(h + self.down(torch.nn.functional.gelu(self.up(h))))
 
 
-MODELS = {"transformer": tiny_model, "small": Small}
+FROZEN = ("embed.", "self_attn_norm.", "qkv_proj.", "linear1.")
+
+
+def frozen_tiny() -> torch.nn.Module:
+    """The tiny Transformer with the embedding, each block's first norm and half its linears frozen: the first op
+    of every block reads only frozen weights, so its backward (the input's gradient) may run after the block's
+    last trainable gradient is in (what a LoRA model does)."""
+    model = tiny_model()
+    for name, p in model.named_parameters():
+        if any(part in name for part in FROZEN):
+            p.requires_grad_(False)
+    return model
+
+
+class Adapter(torch.nn.Module):
+    """A bf16 frozen weight beside fp32 trainable low-rank factors (LoRA-like), 25 output rows: an odd dim 0, so
+    each rank's chunk of the weight and of ``b`` is padded on 2 ranks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(25, 24).to(torch.bfloat16), requires_grad=False)
+        self.a = torch.nn.Parameter(torch.randn(3, 24) * 0.1)
+        self.b = torch.nn.Parameter(torch.randn(25, 3) * 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        base = torch.nn.functional.linear(x.to(torch.bfloat16), self.weight).float()
+        return base + torch.nn.functional.linear(torch.nn.functional.linear(x, self.a), self.b)
+
+
+class Mixed(torch.nn.Module):
+    """Units found per module; ``adapter`` is one unit of two dtypes (two all-gathers)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(VOCAB, 24)
+        self.adapter = Adapter()
+        self.out = torch.nn.Linear(25, VOCAB, bias=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.nn.functional.gelu(self.adapter(self.embed(input_ids))))
+
+
+MODELS = {"transformer": tiny_model, "small": Small, "frozen": frozen_tiny, "mixed": Mixed}
 
 
 def config(clip: float):
@@ -122,7 +168,7 @@ def check_equivalence(rank: int) -> dict[str, Any]:
         for clip in (0.0, 0.5) if model_name == "transformer" else (0.0,):
             ref, ref_norms = reference_ddp(rank, make, clip)
             for variant, options in VARIANTS.items():
-                if (clip or model_name == "small") and variant not in ("zero2", "zero3"):
+                if (clip or model_name != "transformer") and variant not in ("zero2", "zero3"):
                     continue
                 strategy = scratch(make, clip, **options)
                 stats = train(strategy, rank)
@@ -131,13 +177,58 @@ def check_equivalence(rank: int) -> dict[str, Any]:
                 if rank == 0:
                     names = [n for n, _ in strategy.model.named_parameters()]
                     diffs = [float((weights[n] - r).abs().max()) for n, r in zip(names, ref)]
-                    moved = max(float((weights[n] - p.detach()).abs().max())
-                                for n, p in zip(names, make().parameters()))
-                    found = {"max_abs_diff": max(diffs), "moved": moved, "units": len(strategy.units),
+                    initial = dict(make().named_parameters())
+                    change = {n: float((weights[n].float() - p.detach().float()).abs().max())
+                              for n, p in initial.items()}
+                    frozen = [n for n, p in initial.items() if not p.requires_grad]
+                    found = {"max_abs_diff": max(diffs), "units": len(strategy.units),
+                             "moved": max(v for n, v in change.items() if n not in frozen),
+                             "frozen": frozen, "frozen_max_change": max((change[n] for n in frozen), default=0.0),
+                             "frozen_dtypes": sorted({str(weights[n].dtype) for n in frozen}),
+                             "optimizer_states": len(strategy.optimizer.state),
+                             "state_is_trainable_shards": all(
+                                 s in set(strategy.trainable_shards()) for s in strategy.optimizer.state),
+                             "trainable": sum(p.requires_grad for p in initial.values()),
+                             "gather_dtypes": [sorted(str(d) for d in u.groups) for u in strategy.units],
                              "grad_norms": [s["grad_norm"] for s in stats], "ddp_grad_norms": ref_norms,
                              "unit_names": [u.name for u in strategy.units], "last_step": stats[-1]}
                 out[f"{model_name}/{variant}/clip{clip}"] = found
                 strategy.close()
+    return out
+
+
+def check_grad_shards(rank: int) -> dict[str, Any]:
+    """One step's backward (grad_accum 2) under torch DDP and under ZeRO-3 on the same data: per model, on every
+    rank, each trainable parameter's ``shard.grad`` against its rows of DDP's full gradient (``torch.chunk`` on dim
+    0), and the frozen ones' gradients (there should be none)."""
+    out = {}
+    for model_name, make in MODELS.items():
+        if model_name == "small":
+            continue
+        model = ddp(make, 0.0)[0]
+        strategy = scratch(make, 0.0, zero_stage=3)
+        data = batches(rank, ACCUM)
+        for i in range(ACCUM):
+            with contextlib.nullcontext() if i == ACCUM - 1 else model.no_sync():
+                (loss_of(model, data[i]) / ACCUM).backward()
+            with strategy.accumulating(sync=i == ACCUM - 1):
+                loss = loss_of(strategy.model, data[i])
+            strategy.backward(loss)
+        expected = dict(model.module.named_parameters())
+        found = {"shapes_ok": True, "max_abs_diff": 0.0, "frozen_grads": 0, "padded": 0}
+        for name, sp in strategy.shards._sharded().items():
+            if not sp.trainable:
+                found["frozen_grads"] += sp.shard.grad is not None or sp.param.grad is not None
+                continue
+            chunks = torch.chunk(expected[name].grad, WORLD, dim=0)
+            rows = chunks[rank] if rank < len(chunks) else expected[name].grad[:0]
+            found["shapes_ok"] &= sp.shard.grad.shape == rows.shape
+            found["max_abs_diff"] = max(found["max_abs_diff"], float((sp.shard.grad - rows).abs().max()))
+            found["padded"] += sp.rows != sp.length
+        everyone = [None] * WORLD
+        dist.all_gather_object(everyone, found)
+        out[model_name] = everyone
+        strategy.close()
     return out
 
 
@@ -153,8 +244,9 @@ def check_memory(rank: int) -> dict[str, Any]:
         stats = train(strategy, rank, steps=1)
         moments = [t for t in optimizer_state_tensors(strategy.optimizer) if t.dim() > 0]
         out[variant] = {"moment_elements": sum(t.numel() for t in moments),
-                        "master_elements": sum(u.master.numel() for u in strategy.units),
-                        "padding": sum(u.padded - u.numel for u in strategy.units),
+                        "master_elements": sum(s.numel() for s in strategy.trainable_shards()),
+                        "padding": sum(WORLD * sp.chunk_numel - sp.param.numel() for u in strategy.units
+                                       for sp in u.params),
                         "units": len(strategy.units), "param_bytes": stats[-1]["param_bytes"],
                         "optimizer_bytes": stats[-1]["optimizer_bytes"], "comm": stats[-1],
                         "blocks": len([u for u in strategy.units if u.name])}
@@ -237,7 +329,7 @@ def check_bf16(rank: int) -> dict[str, Any]:
                 "fp32_ddp_diff": max(float((weights[n] - p.detach()).abs().max())
                                      for n, p in fp32[0].module.named_parameters()),
                 "allgather_bytes": stats[-1]["allgather_bytes"], "reducescatter_bytes": stats[-1]["reducescatter_bytes"],
-                "weight_dtype": str(strategy.units[0].full.dtype)}
+                "weight_dtype": str(strategy.units[0].params[0].full.dtype)}
         strategy.close()
     return out
 
@@ -246,6 +338,16 @@ def shared_dir(rank: int, root: str | None) -> Path:
     found = [root]
     dist.broadcast_object_list(found, src=0)
     return Path(found[0])
+
+
+def save_everywhere(strategy, rank: int, directory: Path) -> Path:
+    """``strategy.save`` on every rank into ``directory`` (made by rank 0), the ranks waiting for each other."""
+    if rank == 0:
+        directory.mkdir()
+    dist.barrier()
+    strategy.save(directory)
+    dist.barrier()
+    return directory
 
 
 def check_checkpoint(rank: int, root: Path) -> dict[str, Any]:
@@ -259,12 +361,7 @@ def check_checkpoint(rank: int, root: Path) -> dict[str, Any]:
     run = scratch(tiny_model, 0.0, zero_stage=3)
     train(run, rank, steps=2)
     names = [n for n, _ in run.model.named_parameters()]
-    saved = root / "fsdp"
-    if rank == 0:
-        saved.mkdir()
-    dist.barrier()
-    run.save(saved)
-    dist.barrier()
+    saved = save_everywhere(run, rank, root / "fsdp")
     at_save = run.full_state_dict()
     if rank == 0:
         out["files"] = sorted(p.name for p in saved.iterdir())
@@ -303,6 +400,36 @@ def check_checkpoint(rank: int, root: Path) -> dict[str, Any]:
     if rank == 0:
         out["from_torch_max_diff"] = max(float((weights[n] - p.detach()).abs().max())
                                          for n, p in reference[0].module.named_parameters())
+    out.update(check_frozen_checkpoint(rank, root))
+    return out
+
+
+def check_frozen_checkpoint(rank: int, root: Path) -> dict[str, Any]:
+    """:func:`frozen_tiny` under ZeRO-3 saved after a step, converted, loaded through the portable form as ZeRO-2:
+    the portable form's optimizer state (trainable parameters only), and the next step against the run's own."""
+    from torch_handle.checkpoint import convert
+
+    out: dict[str, Any] = {}
+    run = scratch(frozen_tiny, 0.0, zero_stage=3)
+    train(run, rank, steps=1)
+    saved = save_everywhere(run, rank, root / "frozen")
+    if rank == 0:
+        names = [n for n, _ in run.model.named_parameters()]
+        convert.ensure_portable(saved, {**run.checkpoint_layout(), "world_size": WORLD}, names)
+        _, state, _ = convert.read_portable(saved / "portable")
+        out["frozen_portable_state"] = sorted(state) == sorted(
+            n for n, p in run.model.named_parameters() if p.requires_grad)
+    dist.barrier()
+    train(run, rank, steps=1)
+    expected = run.full_state_dict()
+    resumed = scratch(frozen_tiny, 0.0, zero_stage=2)
+    resumed.load_portable(saved / "portable")
+    train(resumed, rank, steps=1)
+    weights = resumed.full_state_dict()
+    if rank == 0:
+        out["frozen_portable_max_diff"] = max(float((weights[k] - v).abs().max()) for k, v in expected.items())
+    for strategy in (run, resumed):
+        strategy.close()
     return out
 
 
@@ -315,7 +442,8 @@ def run_checks(rank: int, store: str, out_path: str) -> None:
     try:
         results: dict[str, Any] = {}
         timings = {}
-        for name, check in (("equivalence", check_equivalence), ("memory", check_memory), ("bf16", check_bf16)):
+        for name, check in (("equivalence", check_equivalence), ("grad_shards", check_grad_shards),
+                            ("memory", check_memory), ("bf16", check_bf16)):
             t0 = time.perf_counter()
             results[name] = check(rank)
             timings[name] = time.perf_counter() - t0

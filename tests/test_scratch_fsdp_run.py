@@ -1,6 +1,6 @@
 """``scratch-fsdp`` end to end: a real 2-rank torchrun ``handle run`` of the tiny preset (ZeRO-3, fp32, dropout 0,
 checkpoints at steps 4 and 8), then the run as a stop after step 4 leaves it resumed (a) on 1 rank as ``single``
-with grad_accum 2 (the same global batch), (b) on 2 ranks as ``fsdp`` (FSDP2): the flat-sharded checkpoint is
+with grad_accum 2 (the same global batch), (b) on 2 ranks as ``fsdp`` (FSDP2): the param-sharded checkpoint is
 converted to the portable form and steps 5-8 reproduce the uninterrupted losses within 1e-4 relative (measured:
 4e-8 and 0). The reverse, a ``torch``-format checkpoint loaded by scratch-fsdp, is in tests/test_scratch_fsdp.py;
 an FSDP2 checkpoint resumed as scratch-fsdp was measured by hand (losses within 4e-8).
@@ -46,7 +46,7 @@ def zero3_run(tmp_path_factory) -> tuple[Path, Path]:
 
 def test_the_run_reports_its_collectives_and_the_estimated_memory(zero3_run):
     """Step events carry the all-gather/reduce-scatter counts; rank 0's model-state telemetry equals ``handle
-    estimate``'s figures to the byte; checkpoints are flat-sharded ZeRO-3."""
+    estimate``'s figures to the byte; checkpoints are param-sharded ZeRO-3."""
     run, preset = zero3_run
     assert json.loads((run / "run.json").read_text())["status"] == "finished"
     step_event = [e for e in events(run, "step") if "memory" in e][-1]
@@ -54,7 +54,7 @@ def test_the_run_reports_its_collectives_and_the_estimated_memory(zero3_run):
     assert _estimated(preset) == {k: step_event["memory"][0][k] for k in ("param_bytes", "grad_bytes",
                                                                           "optimizer_bytes")}
     layout = json.loads((run / "checkpoints" / f"step-{STOP_AT}" / "layout.json").read_text())
-    assert (layout["format"], layout["strategy"], layout["zero_stage"]) == ("flat-sharded", "scratch-fsdp", 3)
+    assert (layout["format"], layout["strategy"], layout["zero_stage"]) == ("param-sharded", "scratch-fsdp", 3)
 
 
 @pytest.mark.parametrize("changes", [

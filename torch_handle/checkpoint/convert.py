@@ -16,8 +16,10 @@ DCP reshards them on load for any world size. The other formats are converted on
   numbered in ``named_parameters()`` order): the numbers are mapped to names;
 - ``torch-sharded`` (scratch-ddp with ``shard_optimizer``): ``model.pt`` + one ``optim-rank<R>.pt`` per rank,
   each listing the parameters it owns: the shards are merged;
-- ``flat-sharded`` (scratch-fsdp, ZeRO-2/3): one ``shard-rank<R>.pt`` per rank, per unit a slice of the unit's
-  flat padded fp32 weights and AdamW state: the slices are joined and cut into the named parameters;
+- ``param-sharded`` (scratch-fsdp, ZeRO-2/3): one ``shard-rank<R>.pt`` per rank, per parameter its rows of
+  dim 0 of the weights and AdamW state: the rows are joined in rank order; ``flat-sharded`` (scratch-fsdp before
+  it sharded per parameter): per unit a slice of the unit's flat padded fp32 weights and AdamW state, joined and
+  cut into the named parameters;
 - ``deepspeed`` (ZeRO 1-3): DeepSpeed's own converter to its *universal checkpoint*
   (``deepspeed.checkpoint.ds_to_universal``, one directory per parameter with ``fp32.pt``, ``exp_avg.pt``,
   ``exp_avg_sq.pt`` and, for stages 1-2, ``step.pt``), then its per-parameter files are mapped to the names
@@ -102,8 +104,8 @@ def ensure_portable(ckpt_dir: Path, layout: dict[str, Any], param_names: list[st
     if fmt == "dcp":
         return None
     ckpt_dir = Path(ckpt_dir)
-    readers = {"torch": _from_torch, "torch-sharded": _from_torch_sharded, "flat-sharded": _from_flat_sharded,
-               "deepspeed": _from_deepspeed}
+    readers = {"torch": _from_torch, "torch-sharded": _from_torch_sharded, "param-sharded": _from_param_sharded,
+               "flat-sharded": _from_flat_sharded, "deepspeed": _from_deepspeed}
     if fmt not in readers:
         raise CheckpointError(f"{ckpt_dir}: cannot convert a checkpoint of format {fmt!r} (known: dcp, "
                               f"{', '.join(readers)})")
@@ -264,15 +266,39 @@ def _from_torch_sharded(ckpt_dir: Path, param_names: list[str], work: Path):
     return model, state, scheduler
 
 
-def _from_flat_sharded(ckpt_dir: Path, param_names: list[str], work: Path):
-    """scratch-fsdp: rank r's file holds elements ``r * padded / N : (r + 1) * padded / N`` of each unit's flat
-    vector (parameters end to end, then zero padding) of the weights, ``exp_avg`` and ``exp_avg_sq``."""
+def _shard_files(ckpt_dir: Path) -> list[dict[str, Any]]:
+    """scratch-fsdp's ``shard-rank<R>.pt`` files, read in rank order."""
     files = sorted(ckpt_dir.glob("shard-rank*.pt"), key=lambda f: int(f.stem[len("shard-rank"):]))
     if not files:
         raise CheckpointError(f"{ckpt_dir}: no shard-rank*.pt files")
     shards = [safe_load(f) for f in files]
     if shards[0]["world_size"] != len(shards):
         raise CheckpointError(f"{ckpt_dir}: {len(shards)} shard files, written by {shards[0]['world_size']} ranks")
+    return shards
+
+
+def _from_param_sharded(ckpt_dir: Path, param_names: list[str], work: Path):
+    """scratch-fsdp: rank r's file holds, per parameter, rows ``[start, start + len)`` of dim 0 of the weights,
+    ``exp_avg`` and ``exp_avg_sq`` (trainable ones only), so the ranks' rows concatenated are the full tensors."""
+    shards = _shard_files(ckpt_dir)
+    model: dict[str, torch.Tensor] = dict(shards[0]["buffers"])
+    state: StateByName = {}
+    for name, entry in shards[0]["params"].items():
+        def joined(key: str) -> torch.Tensor:
+            return torch.cat([shard["params"][name][key] for shard in shards]).reshape(entry["shape"]).clone()
+
+        model[name] = joined("shard")
+        if "step" in entry:
+            state[name] = {"step": entry["step"].clone(), **{k: joined(k) for k in ("exp_avg", "exp_avg_sq")}}
+    for key, name in shards[0]["aliases"].items():
+        model[key] = model[name]
+    return model, state, shards[0]["scheduler"]
+
+
+def _from_flat_sharded(ckpt_dir: Path, param_names: list[str], work: Path):
+    """scratch-fsdp: rank r's file holds elements ``r * padded / N : (r + 1) * padded / N`` of each unit's flat
+    vector (parameters end to end, then zero padding) of the weights, ``exp_avg`` and ``exp_avg_sq``."""
+    shards = _shard_files(ckpt_dir)
     model: dict[str, torch.Tensor] = dict(shards[0]["buffers"])
     state: StateByName = {}
     for i, unit in enumerate(shards[0]["units"]):

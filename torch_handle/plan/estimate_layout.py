@@ -174,7 +174,7 @@ class _Params:
     def shape(self, parts: set[int]) -> ModelShape:
         """The parameters of ``parts`` (a pipeline rank's shard, in the order it registers them): a tied embedding
         counts once on a rank that runs both the first and the last stage, twice in a pipeline that puts them on
-        two ranks. Its blocks are its layers, the rest one unit."""
+        two ranks."""
         parts = {p for p in parts if p < len(self.parts)}  # the loss (part L + 2) has no parameters
         if not self.parts or len(parts) == len(self.parts):
             return self.whole
@@ -182,10 +182,7 @@ class _Params:
         keep = [(i, j) for i in sorted(parts) for j in range(len(self.parts[i]))
                 if not (i == head and j in self.tied and 0 in parts)]
         chosen = [self.parts[i][j] for i, j in keep]
-        blocks = [sum(n for n, _ in self.parts[i]) for i in sorted(parts) if 0 < i < head]
-        rest = sum(n for n, _ in chosen) - sum(blocks)
         return ModelShape(tuple(n for n, _ in chosen), tuple(d for _, d in chosen),
-                          (*blocks, rest) if rest else tuple(blocks),
                           tuple(self.experts[i][j] for i, j in keep) if self.experts else ())
 
 

@@ -37,9 +37,6 @@ class ModelShape:
     """Elements of each parameter tensor."""
     dim0: tuple[int, ...]
     """Size of each tensor's first dimension (FSDP2 shards on it); 1 for a scalar."""
-    units: tuple[int, ...] = field(default=(), compare=False)
-    """Elements of each ``scratch-fsdp`` unit: the model's ``blocks()``, then the rest; empty for a model without
-    blocks (its units are its modules: estimated as one per tensor)."""
     experts: tuple[bool, ...] = field(default=(), compare=False)
     """Per tensor: whether it holds routed experts (stacked on dim 0, split by ``[parallel] ep``:
     :mod:`torch_handle.plan.estimate_moe`); empty for a model without experts."""
@@ -54,17 +51,12 @@ class ModelShape:
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> ModelShape:
-        from torch_handle.model.parallelize import model_blocks
-
         from torch_handle.model.moe import GroupedExperts
 
         params = [p for p in model.parameters() if p.requires_grad]
-        blocks = [sum(p.numel() for p in b.parameters() if p.requires_grad) for b in model_blocks(model, default=[])]
-        rest = sum(p.numel() for p in params) - sum(blocks)
-        units = (*blocks, rest) if blocks and rest else tuple(blocks)
         routed = {id(p) for m in model.modules() if isinstance(m, GroupedExperts) for p in m.parameters()}
-        return cls(tuple(p.numel() for p in params), tuple(p.shape[0] if p.dim() else 1 for p in params), units,
-                   tuple(id(p) in routed for p in params) if routed else ())
+        return cls(tuple(p.numel() for p in params), tuple(p.shape[0] if p.dim() else 1 for p in params),
+                   experts=tuple(id(p) in routed for p in params) if routed else ())
 
 
 @dataclass(frozen=True)

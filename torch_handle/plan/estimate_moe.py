@@ -152,7 +152,7 @@ def split_experts(shape: ModelShape, ep: int) -> tuple[ModelShape, ModelShape]:
         raise ValueError(f"parallel.ep = {ep} does not divide n_experts = {experts[0][1]}")
     local = [(n // ep, d // ep) for n, d in experts]
     return (ModelShape(tuple(n for n, _ in dense), tuple(d for _, d in dense)),
-            ModelShape(tuple(n for n, _ in local), tuple(d for _, d in local), (), (True,) * len(local)))
+            ModelShape(tuple(n for n, _ in local), tuple(d for _, d in local), (True,) * len(local)))
 
 
 def rank_state_bytes(shape: ModelShape, variant: Variant, precision: str, dp: int, dp_rank: int, ep: int = 1

@@ -174,10 +174,11 @@ def model_state_bytes(shape: ModelShape, variant: Variant, precision: str, world
     * deepspeed stage 3: b N/W + b N/W + 12 N/W + 4, each parameter padded to a multiple of W.
     * fsdp (FSDP2): fp32 shards whatever the precision (MixedPrecisionPolicy casts per use): 4 N/W + 4 N/W +
       8 N/W + 4T, per-parameter dim-0 chunks (parameter and gradient shards padded to equal rows).
-    * scratch-fsdp: per unit (:attr:`ModelShape.units`) a shard of ceil(n_unit / W) elements, S in all: the fp32
-      gradient shards 4S, AdamW 8S + 4 per unit; stage 3 holds only the fp32 master shards as its weights (4S;
-      no unit is gathered when the trainer measures, after the step), stage 2 the full padded weights in the
-      compute dtype (b S W) and the master shards beside them (4S, counted as optimizer state).
+    * scratch-fsdp: every parameter sharded on dim 0 as FSDP2 does (rank r owns O of its elements, P padded per
+      rank, as for fsdp): the fp32 gradient shards are views of each unit's reduce-scatter output, 4P; AdamW
+      8 O + 4T; stage 3 holds only the fp32 master shards as its weights (4 O, each its own tensor; no unit is
+      gathered when the trainer measures, after the step), stage 2 every full padded weight in the compute
+      dtype (b P W) and the master shards beside them (4 O, counted as optimizer state).
     * deepspeed with ``offload_optimizer`` (DeepSpeedCPUAdam: ``step`` is no tensor): the fp32 master partition
       and Adam moments, 12 N/W, live in host memory, and so does an fp32 gradient partition, 4 N/W. Stages 1/2
       add two staging buffers of the largest parameter L in the model dtype (one on the host, one on the
@@ -216,11 +217,10 @@ def model_state_bytes(shape: ModelShape, variant: Variant, precision: str, world
         s.param, s.grad, s.optimizer = 4 * padded, 4 * padded, 8 * owned + 4 * tensors
         return s
     if name == "scratch-fsdp":
-        units = shape.units or shape.numels
-        shards = sum(math.ceil(u / world) for u in units)
-        s.param, s.grad, s.optimizer = 4 * shards, 4 * shards, 8 * shards + 4 * len(units)
+        padded, owned, _ = _fsdp_local(shape, world, rank)
+        s.param, s.grad, s.optimizer = 4 * owned, 4 * padded, 8 * owned + 4 * t
         if variant.zero_stage == 2:
-            s.param, s.optimizer = b * shards * world, s.optimizer + 4 * shards
+            s.param, s.optimizer = b * padded * world, s.optimizer + 4 * owned
         return s
     if name != "deepspeed":
         raise ValueError(f"no memory model for strategy {name!r} (built in: {', '.join(BUILTIN)})")

@@ -9,11 +9,11 @@ from typing import Any, Iterable
 import torch
 import torch.distributed as dist
 
-from handle_plugins.strategies.scratch_fsdp.checkpoint import FlatShardCheckpoint
+from handle_plugins.strategies.scratch_fsdp.checkpoint import ParamShardCheckpoint
 from handle_plugins.strategies.scratch_fsdp.comm import CountedCollectives
 from handle_plugins.strategies.scratch_fsdp.reduce import GradientReducer
 from handle_plugins.strategies.scratch_fsdp.scaler import ShardedLossScaler
-from handle_plugins.strategies.scratch_fsdp.units import FlatUnit, find_units
+from handle_plugins.strategies.scratch_fsdp.units import Unit, find_units
 from handle_plugins.strategies.scratch_fsdp.zero3 import ParameterGatherer
 from torch_handle.api import Strategy, optimizer_state_tensors, tensor_bytes
 from torch_handle.common.precision import torch_dtype
@@ -23,11 +23,13 @@ class ScratchFSDPStrategy(Strategy):
     """Hand-written ZeRO-2 and ZeRO-3 (see the package docstring). Options: ``ScratchFSDPConfig``
     (``zero_stage``, ``reshard_after_forward``, ``prefetch``).
 
-    Per rank: every unit's fp32 master shard (``padded / world_size`` elements) and AdamW's state for it
-    (:meth:`build_optimizer` builds the project's AdamW over the shards only). ZeRO-2 keeps every unit's full
-    weights in the compute dtype and all-gathers the updated shards into them after each step; ZeRO-3 keeps only
-    the shards and gathers a unit for its forward and its backward (:class:`ParameterGatherer`). Both
-    reduce-scatter the gradients unit by unit during the last micro-batch's backward (:class:`GradientReducer`).
+    Per rank: every parameter's shard (its rows of dim 0, :class:`~shard.ShardedParam`), fp32 for the trainable
+    ones, and AdamW's state for those (:meth:`build_optimizer` builds the project's AdamW over the trainable
+    shards only: a frozen parameter, ``requires_grad = False``, has no optimizer state and no gradient). ZeRO-2
+    keeps every full weight in the compute dtype and all-gathers the updated shards into them after each step;
+    ZeRO-3 keeps only the shards and gathers a unit for its forward and its backward (:class:`ParameterGatherer`).
+    Both reduce-scatter the trainable gradients unit by unit during the last micro-batch's backward
+    (:class:`GradientReducer`), which leaves each trainable shard its gradient rows in ``shard.grad``.
 
     Mixed precision (``training.precision`` bf16 or fp16): the gathered weights, hence the compute, are in that
     dtype and the base class's autocast stays on (norms and softmax in fp32); gradients are reduced and the shards
@@ -37,9 +39,9 @@ class ScratchFSDPStrategy(Strategy):
     :meth:`step_stats`: ``allgather_calls``/``bytes``, ``reducescatter_calls``/``bytes`` (full padded buffers,
     numel x element size), ``allreduce_calls``/``bytes`` (the gradient norm: one float per step) and ``comm_s``
     (seconds waited, not hidden behind compute). Memory: :meth:`param_bytes` is the resident shards (ZeRO-3) or full
-    weights (ZeRO-2) plus, for ZeRO-3, whatever unit is gathered at the moment of measurement (between steps:
-    none); :meth:`optimizer_bytes` is AdamW's state, plus the master shards for ZeRO-2 (a copy beside the full
-    weights). Needs a process group (torchrun starts one for every run).
+    weights (ZeRO-2, plus the frozen shards) plus, for ZeRO-3, whatever unit is gathered at the moment of
+    measurement (between steps: none); :meth:`optimizer_bytes` is AdamW's state, plus the trainable shards for
+    ZeRO-2 (fp32 masters beside the full weights). Needs a process group (torchrun starts one for every run).
     """
 
     name = "scratch-fsdp"
@@ -48,33 +50,38 @@ class ScratchFSDPStrategy(Strategy):
         self.comm = CountedCollectives(ctx)
         super().__init__(options, training, ctx, model)
         self.scaler = ShardedLossScaler(self.comm) if training.precision == "fp16" else None
-        self.shards = FlatShardCheckpoint(self)
+        self.shards = ParamShardCheckpoint(self)
 
     # -- set-up --------------------------------------------------------------------------------------------------
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
-        """Broadcast rank 0's weights and buffers, cut the model into :class:`FlatUnit` s (their parameters
-        become views of each unit's flat buffer), hook the reducer and, at stage 3, the gatherer, and free every
+        """Broadcast rank 0's weights and buffers, cut the model into :class:`Unit` s (each parameter sharded,
+        its ``.data`` a view of its gathered buffer), hook the reducer and, at stage 3, the gatherer, and free every
         unit's full weights. The model itself is not wrapped."""
         with torch.no_grad():
             for t in [*model.parameters(), *model.buffers()]:
                 dist.broadcast(t, src=0)
         p = self.training.precision
         dtype = torch.float32 if p == "fp32" else torch_dtype(p)
-        self.units = [FlatUnit(name, module, params, self.ctx.rank, self.ctx.world_size, dtype)
+        self.units = [Unit(name, module, params, self.ctx.rank, self.ctx.world_size, dtype)
                       for name, module, params in find_units(model)]
         self.reducer = GradientReducer(self.units, self.comm)
         self.gatherer = None
         if self.options.zero_stage == 3:
             self.gatherer = ParameterGatherer(self.units, self.comm, self.options.reshard_after_forward,
                                               self.options.prefetch)
-            self.reducer.on_unit_done = self.gatherer.release
+            self.reducer.on_grads_done = self.gatherer.grads_done
             for unit in self.units:
                 unit.free()
         return model
 
     def build_optimizer(self, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
-        """The project's AdamW (the base class's) over the units' master shards, not the model's parameters."""
-        return super().build_optimizer([unit.master for unit in self.units])
+        """The project's AdamW (the base class's) over the trainable parameters' shards, not the model's
+        parameters."""
+        return super().build_optimizer(self.trainable_shards())
+
+    def trainable_shards(self) -> list[torch.nn.Parameter]:
+        """Every trainable parameter's fp32 shard, unit by unit: what the optimizer steps."""
+        return [sp.shard for unit in self.units for sp in unit.trainable]
 
     def describe(self) -> dict[str, Any]:
         o = self.options
@@ -88,8 +95,8 @@ class ScratchFSDPStrategy(Strategy):
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of ``loss / grad_accum`` (times the loss scale in fp16); then the reducer finishes (on the
-        last micro-batch: every ``master.grad`` is the mean over the ranks) and ZeRO-3 frees whatever is still
-        gathered."""
+        last micro-batch: every trainable ``shard.grad`` is its rows of the mean over the ranks) and ZeRO-3 frees
+        whatever is still gathered."""
         loss = loss / self.training.grad_accum
         (loss * self.scaler.scale if self.scaler is not None else loss).backward()
         self.reducer.finish(self._sync)
@@ -106,8 +113,8 @@ class ScratchFSDPStrategy(Strategy):
         Returns:
             The global norm before clipping, a float32 scalar tensor.
         """
-        grads = [u.master.grad for u in self.units if u.master.grad is not None]
-        squares = torch.zeros((), dtype=torch.float32, device=self.units[0].master.device)
+        grads = [s.grad for s in self.trainable_shards() if s.grad is not None]
+        squares = torch.zeros((), dtype=torch.float32, device=self.ctx.device)
         for g in grads:
             squares += g.square().sum()
         self.comm(squares)
@@ -128,7 +135,7 @@ class ScratchFSDPStrategy(Strategy):
             The global gradient norm before clipping (inf for a step skipped on overflow).
         """
         if self.scaler is not None:
-            overflow = self.scaler.unscale([u.master.grad for u in self.units if u.master.grad is not None])
+            overflow = self.scaler.unscale([s.grad for s in self.trainable_shards() if s.grad is not None])
             self.scaler.update(overflow)
             if overflow:
                 self.skip_step()
@@ -136,7 +143,7 @@ class ScratchFSDPStrategy(Strategy):
                 return float("inf")
         grad_norm = super().step()
         if self.gatherer is None:
-            self.gather_all()
+            self.gather_all(trainable_only=True)
         return grad_norm
 
     def skip_step(self) -> None:
@@ -144,12 +151,13 @@ class ScratchFSDPStrategy(Strategy):
         self.reducer.drop_gradients()
 
     @torch.no_grad()
-    def gather_all(self) -> None:
-        """ZeRO-2: every unit's full weights from the ranks' master shards, cast to the compute dtype."""
-        sources = [unit.master.detach().to(unit.dtype) for unit in self.units]
-        works = [self.comm.all_gather(unit.full, source) for unit, source in zip(self.units, sources)]
-        for work in works:
-            self.comm.wait(work)
+    def gather_all(self, trainable_only: bool = False) -> None:
+        """ZeRO-2: every unit's full weights from the ranks' shards, in their gather dtypes (``trainable_only``:
+        after a step, which changed only those)."""
+        for unit in self.units:
+            unit.start_gather(self.comm, trainable_only)
+        for unit in self.units:
+            unit.finish_gather(self.comm)
 
     def step_stats(self) -> dict[str, float | int]:
         """Communication since the previous call (one optimizer step): see the class docstring."""
@@ -163,20 +171,22 @@ class ScratchFSDPStrategy(Strategy):
 
     # -- memory --------------------------------------------------------------------------------------------------
     def master_bytes(self) -> int:
-        return sum(unit.master.numel() * unit.master.element_size() for unit in self.units)
+        return tensor_bytes(self.trainable_shards())
 
     def param_bytes(self) -> int:
         gathered = sum(unit.full_bytes() for unit in self.units)
-        return gathered + (self.master_bytes() if self.gatherer is not None else 0)
+        frozen = tensor_bytes(sp.shard for unit in self.units for sp in unit.params if not sp.trainable)
+        return gathered + frozen + (self.master_bytes() if self.gatherer is not None else 0)
 
     def grad_bytes(self) -> int:
-        return tensor_bytes([*(u.master.grad for u in self.units), *(p.grad for u in self.units for p in u.params)])
+        return tensor_bytes([*(s.grad for s in self.trainable_shards()),
+                             *(sp.param.grad for u in self.units for sp in u.trainable)])
 
     def optimizer_bytes(self) -> int:
         state = tensor_bytes(optimizer_state_tensors(self.optimizer))
         return state + (self.master_bytes() if self.gatherer is None else 0)
 
-    # -- checkpoints: one file per rank (format flat-sharded) ----------------------------------------------------
+    # -- checkpoints: one file per rank (format param-sharded) ---------------------------------------------------
     def checkpoint_layout(self) -> dict[str, Any]:
         return self.shards.layout()
 
