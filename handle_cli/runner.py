@@ -15,7 +15,8 @@ from handle_cli.common import EXIT_FAILED, EXIT_FINISHED, EXIT_STOPPED
 from torch_handle.config.loader import Preset
 from torch_handle.errors import RunDirError
 from torch_handle.launch.run import Interrupt, SupervisedRun
-from torch_handle.observe.fields import GRAD_BYTES, OPTIMIZER_BYTES, PARAM_BYTES, Kind, Level, Status
+from torch_handle.observe.fields import (FROZEN_PARAM_BYTES, GRAD_BYTES, OPTIMIZER_BYTES, PARAM_BYTES,
+                                         TRAINABLE_PARAM_BYTES, Kind, Level, Status)
 from torch_handle.observe.state import RunState
 from torch_handle.rundir import read_run_info
 from torch_handle.common.run_layout import RunLayout
@@ -74,7 +75,10 @@ def summary_text(s: RunState, run_dir: Path, info: dict) -> str:
         model_state = sum(peak.get(key, 0) for key in (PARAM_BYTES, GRAD_BYTES, OPTIMIZER_BYTES))
         cuda = peak.get("cuda_max_allocated_bytes")
         extra = f"   cuda peak {fmt_bytes(cuda)}" if cuda is not None else ""
-        lines.append(f"  rank {rank}: params {fmt_bytes(peak.get('param_bytes', 0))}  grads "
+        frozen = peak.get(FROZEN_PARAM_BYTES)  # a LoRA run: its frozen base apart from what trains
+        split = f" ({fmt_bytes(peak.get(TRAINABLE_PARAM_BYTES, 0))} trainable, {fmt_bytes(frozen)} frozen)" \
+            if frozen else ""
+        lines.append(f"  rank {rank}: params {fmt_bytes(peak.get('param_bytes', 0))}{split}  grads "
                      f"{fmt_bytes(peak.get('grad_bytes', 0))}  optimizer {fmt_bytes(peak.get('optimizer_bytes', 0))}"
                      f"  (model state {fmt_bytes(model_state)})  rss {fmt_bytes(peak.get('rss_bytes', 0))}{extra}")
     return "\n".join(lines)

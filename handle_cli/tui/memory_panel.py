@@ -17,11 +17,13 @@ from handle_cli.tui.text_fit import fit, wrap_pieces
 from torch_handle.common.run_layout import RunLayout
 from torch_handle.common.units import fmt_bytes
 from torch_handle.observe.fields import (CUDA_ALLOCATED_BYTES, CUDA_MAX_ALLOCATED_BYTES, CUDA_RESERVED_BYTES,
-                                         GRAD_BYTES, OPTIMIZER_BYTES, PARAM_BYTES, RSS_BYTES)
+                                         FROZEN_PARAM_BYTES, GRAD_BYTES, OPTIMIZER_BYTES, PARAM_BYTES, RSS_BYTES)
 
 DETAILED_RANKS = 2
 """Up to this many ranks, each gets a block of lines; more get the summary and one line each."""
 STATE_PARTS = ((PARAM_BYTES, "green", "params"), (GRAD_BYTES, "yellow", "grads"), (OPTIMIZER_BYTES, "magenta", "optim"))
+FROZEN_PART = ((FROZEN_PARAM_BYTES, "green", "frozen"),)
+"""The share of params that no optimizer updates, named after them in a LoRA run's detail line."""
 
 
 def state_bytes(m: dict[str, int]) -> int:
@@ -240,10 +242,12 @@ class MemoryBars(Widget):
             line.append(f"{fmt_bytes(state_bytes(m)):>{value_w}}")
             lines.append(line)
 
-            detail = " · ".join(f"{label} {fmt_bytes(m[key])}" for key, _, label in self.PARTS if key in m)
+            # a LoRA run: how much of params is the frozen base (at its storage bytes: NF4 under QLoRA)
+            parts = [*self.PARTS[:1], *FROZEN_PART[:1 if m.get(FROZEN_PARAM_BYTES) else 0], *self.PARTS[1:]]
+            detail = " · ".join(f"{label} {fmt_bytes(m[key])}" for key, _, label in parts if key in m)
             if 14 + len(detail) > width:
                 detail = " ".join(f"{label[:3]} {fmt_bytes(m[key]).replace(' ', '')[:-2]}"
-                                  for key, _, label in self.PARTS if key in m)
+                                  for key, _, label in parts if key in m)
             lines.append(Text(" " * max(1, min(14, width - len(detail))) + detail, "dim", no_wrap=True,
                               overflow="ellipsis", end=""))
 

@@ -160,11 +160,14 @@ class DeepSpeedStrategy(Strategy):
     def _zero3(self) -> bool:
         return self.engine.zero_optimization_stage() == 3
 
-    def param_bytes(self) -> int:
-        params = list(self.engine.module.parameters())
-        if self._zero3():
+    def param_bytes(self, frozen_only: bool = False) -> int:
+        params = [p for p in self.engine.module.parameters() if not (frozen_only and p.requires_grad)]
+        if self._zero3():  # this rank's partition of each parameter, frozen ones too
             return tensor_bytes(getattr(p, "ds_tensor", None) for p in params)
         return tensor_bytes(params)
+
+    def frozen_param_bytes(self) -> int:
+        return self.param_bytes(frozen_only=True)
 
     def _optimizer_attrs(self, want_grads: bool) -> Iterator[torch.Tensor]:
         for name, value in vars(self.optimizer).items():

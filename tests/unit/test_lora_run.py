@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from tests.unit.test_trainer_step import _events, _preset, _train, fake_peak, process_group  # noqa: F401
 from torch_handle.config.loader import dump_preset
 from torch_handle.errors import CheckpointError
-from torch_handle.finetune.lora import BASE_HASH_BUFFER
+from torch_handle.finetune.lora import BASE_HASH_BUFFER, adapter_modules
 from torch_handle.rundir import STOP_FILE, create_run_dir
 
 LLAMA = 'norm = "rmsnorm"\nposition = "rope"\nmlp = "swiglu"\nnorm_first = true\nscale_embeddings = false\n'
@@ -72,6 +72,8 @@ def test_a_lora_run_trains_adapters_alone_resumes_and_hands_them_on(tmp_path, pr
     if os.environ.get("CI") or _has("peft"):
         _logits_agree(tmp_path, straight)
 
+    _qlora_trains_on_an_nf4_base(tmp_path, process_group, base, steps)
+
     # a changed base: the resume refuses it in one line (its adapters were trained on the old one)
     base["model.norm.weight"] = base["model.norm.weight"] + 1e-3
     save_file(base, str(tmp_path / "hf" / "model.safetensors"), metadata={"format": "pt"})
@@ -83,6 +85,78 @@ def test_a_lora_run_trains_adapters_alone_resumes_and_hands_them_on(tmp_path, pr
     (tmp_path / "hf").rename(tmp_path / "moved")  # a LoRA resume needs its base: checked before anything starts
     with pytest.raises(CheckpointError, match=f"^model.init_from: {tmp_path / 'hf'}: no such directory"):
         check_inputs(preset, resume=True)
+
+
+def _nf4_bytes(n: int) -> int:
+    """Stored bytes of an n-element NF4 weight, double-quantised: codes, 8-bit constants, scales, the mean."""
+    blocks = -(-n // 64)
+    return -(-n // 2) + blocks + 4 * -(-blocks // 256) + 4
+
+
+def _qlora_trains_on_an_nf4_base(tmp_path, process_group, base, lora_steps) -> None:
+    """The same run with method = "qlora": every block linear of the base in NF4 (its bytes in the telemetry, to
+    the byte), the adapters as LoRA's, no NF4 buffer in a checkpoint, a resume that rebuilds the same NF4 bytes
+    (the uninterrupted losses), and the merged export our model's logits."""
+    from torch_handle.infer.adapter_export import export_run
+
+    preset = _preset(tmp_path, steps=2, model=LLAMA + f'init_from = "{tmp_path / "hf"}"\nfused_qkv = false\n'
+                     + LORA.replace('"lora"', '"qlora"'))
+    straight = create_run_dir(tmp_path / "runs", "qlora", dump_preset(preset), {"status": "starting"})
+    assert _train(preset, straight, process_group) == "finished"
+    steps = _steps(straight)
+    assert any(e["message"].startswith("QLoRA rank 4 on 7 linears: ") for e in _events(straight) if e["kind"] == "log")
+    linears = [t.numel() for k, t in base.items() if k.startswith("model.layers.") and k.endswith("proj.weight")]
+    assert len(linears) == 7
+    lora, qlora = lora_steps[0]["memory"][0], steps[0]["memory"][0]
+    # the base's linears at 4.127 bits instead of fp32's 32; adapters, gradients and optimizer state as LoRA's
+    assert qlora["frozen_param_bytes"] == lora["frozen_param_bytes"] - 4 * sum(linears) + sum(map(_nf4_bytes, linears))
+    for key in ("trainable_param_bytes", "grad_bytes", "optimizer_bytes"):
+        assert qlora[key] == lora[key] > 0, key
+    assert qlora["param_bytes"] == qlora["trainable_param_bytes"] + qlora["frozen_param_bytes"]
+    assert lora["param_bytes"] == lora["trainable_param_bytes"] + lora["frozen_param_bytes"]
+    losses = [e["loss"] for e in steps]
+    assert losses[0] == pytest.approx(lora_steps[0]["loss"], rel=1e-2) and losses[0] != lora_steps[0]["loss"]
+
+    run_dir = create_run_dir(tmp_path / "runs", "qlora-stopped", dump_preset(preset), {"status": "starting"})
+    (run_dir / STOP_FILE).touch()
+    assert _train(preset, run_dir, process_group) == "stopped"
+    (run_dir / STOP_FILE).unlink()
+    ckpt = torch.load(run_dir / "checkpoints" / "step-1" / "model.pt", weights_only=True)
+    assert not any("weight_" in k or k.endswith("base.weight") for k in ckpt)  # no NF4 buffer, no base
+    assert _train(preset, run_dir, process_group) == "finished"  # the NF4 base rebuilt from the checked base
+    assert [e["loss"] for e in _steps(run_dir)] == pytest.approx(losses, rel=1e-6, abs=0)
+
+    export_run(straight, tmp_path / "qlora-adapter")
+    export_run(straight, tmp_path / "qlora-merged", merge=True)  # the dequantised base, adapters folded in
+    assert load_file(str(tmp_path / "qlora-merged" / "model.safetensors")).keys() == base.keys()
+    if os.environ.get("CI") or _has("peft"):
+        _qlora_logits_agree(tmp_path, straight)
+
+
+def _qlora_logits_agree(tmp_path, run_dir) -> None:
+    """The merged export gives our logits (1e-5); peft's adapters on the unquantised fp32 base give them within
+    the NF4 error: bounded by twice the base's own logit error from quantisation (measured: docs/qlora.md)."""
+    import peft
+    import transformers
+
+    from torch_handle.infer.generate import load_run
+
+    ours = load_run(run_dir).model
+    load = transformers.AutoModelForCausalLM.from_pretrained
+    ids = torch.randint(4, 300, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = ours(ids)
+        torch.testing.assert_close(load(str(tmp_path / "qlora-merged"), dtype=torch.float32).eval()(ids).logits,
+                                   expected, atol=1e-5, rtol=0)
+        base = load(str(tmp_path / "hf"), dtype=torch.float32).eval()
+        for module in adapter_modules(ours).values():  # zero adapters: our NF4 base alone
+            for b in module.lora_B.values():
+                b.weight.zero_()
+        nf4_error = (ours(ids) - base(ids).logits).abs().max().item()
+        adapted = peft.PeftModel.from_pretrained(base, str(tmp_path / "qlora-adapter")).eval()
+        error = (adapted(ids).logits - expected).abs().max().item()
+    assert 0 < nf4_error and error <= 2 * nf4_error, (error, nf4_error)
+    print(f"QLoRA logits: peft on the fp32 base vs ours {error:.3g}, NF4 base vs fp32 base {nf4_error:.3g}")
 
 
 def _has(module: str) -> bool:

@@ -300,9 +300,6 @@ class FinetuneConfig:
                                                      f"{', '.join(FINETUNE_TARGETS)})")
         if self.method != "none" and not self.target_modules:
             yield InvalidValue("target_modules", "is empty: name at least one linear (or attention, mlp, all)")
-        if self.method == "qlora":
-            yield InvalidValue("method", "'qlora' needs the NF4 frozen base, which this build does not have yet "
-                                         "(valid: none, lora)")
 
 
 @dataclass

@@ -3,7 +3,8 @@ reader of a run uses (the trainer on every rank, ``handle generate`` / ``export`
 
 A full fine-tune reads ``init_from`` once, into a new run; a resumed run starts from its checkpoint. A LoRA run
 reads it every time (checkpoints hold the adapters alone: the frozen base comes from ``init_from`` again, checked
-against the hash the adapters were trained on), then wraps the targeted linears (:func:`apply_lora`).
+against the hash the adapters were trained on), then wraps the targeted linears (:func:`apply_lora`). A QLoRA run
+then stores its frozen base linears in NF4 (:func:`quantize_base`), rebuilt the same way on every load.
 """
 
 from __future__ import annotations
@@ -11,9 +12,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import nn
 
 from torch_handle.finetune.lora import apply_lora
+from torch_handle.finetune.nf4 import quantize_linears
+
+QLORA_SKIP = ("lm_head", "*.lora_A.*", "*.lora_B.*")
+"""Linears QLoRA leaves in the compute precision: the output projection (transformers' bitsandbytes integration
+keeps it so; a tied one is the embedding table anyway) and the adapters themselves."""
 
 
 def prepare_model(model: nn.Module, preset: Any, *, new_run: bool, load_base: Callable[[nn.Module, str], str],
@@ -33,10 +40,33 @@ def prepare_model(model: nn.Module, preset: Any, *, new_run: bool, load_base: Ca
     if init_from and (new_run or finetune.method != "none"):
         notes.append(f"init_from: {load_base(model, init_from)}")
         note(notes[-1])
-    if finetune.method == "lora":
-        info = apply_lora(model, finetune.rank, finetune.alpha, finetune.dropout, finetune.target_modules)
+    if finetune.method in ("lora", "qlora"):
+        quantize = quantize_base if finetune.method == "qlora" else None
+        info = apply_lora(model, finetune.rank, finetune.alpha, finetune.dropout, finetune.target_modules,
+                          quantize=quantize)
         share = info["trainable"] / (info["trainable"] + info["frozen"])
-        notes.append(f"LoRA rank {finetune.rank} on {info['adapted']} linears: {info['trainable']:,} trainable "
-                     f"parameters ({share:.2%}), {info['frozen']:,} frozen (base sha256 {info['base_sha256'][:12]})")
+        name, stored = ("QLoRA", " (linears in NF4)") if quantize else ("LoRA", "")
+        notes.append(f"{name} rank {finetune.rank} on {info['adapted']} linears: {info['trainable']:,} trainable "
+                     f"parameters ({share:.2%}), {info['frozen']:,} frozen{stored} (base sha256 "
+                     f"{info['base_sha256'][:12]})")
         note(notes[-1])
     return notes
+
+
+def quantize_base(model: nn.Module) -> list[str]:
+    """QLoRA's frozen base (Dettmers et al. 2023, §3): every linear of the blocks, adapted or not, becomes an
+    ``NF4Linear`` (4.127 bits a weight, double-quantised), as the paper quantises every linear layer of the base;
+    the embeddings, the norms, the output projection (:data:`QLORA_SKIP`) and the adapters stay in the compute
+    precision. Returns the names quantised.
+
+    On one CPU thread, whatever the run's thread count: the double quantisation's mean is a float32 reduction whose
+    last bit depends on the thread count (docs/qlora.md), and a resume or ``handle export`` rebuilds these bytes
+    from the hash-checked base rather than reading them from a checkpoint. Same bytes for the same base, torch
+    build and CPU (the model is still on the CPU here: the trainer moves it to its device afterwards).
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return quantize_linears(model, skip=QLORA_SKIP)
+    finally:
+        torch.set_num_threads(threads)

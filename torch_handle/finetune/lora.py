@@ -26,7 +26,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -92,7 +92,7 @@ class LoRALinear(nn.Module):
         self.base = base
         self.in_features, self.out_features = base.in_features, base.out_features
         self.rank, self.alpha, self.scaling = rank, alpha, alpha / rank
-        self.part_features: tuple[int, ...] = tuple(getattr(base, "part_features", (base.out_features,)))
+        self.part_features: tuple[int, ...] = tuple(getattr(base, "part_features", None) or (base.out_features,))
         self.parts = dict(parts) if parts else {DEFAULT_ADAPTER: 0}
         self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         self.lora_A = nn.ModuleDict({name: nn.Linear(self.in_features, rank, bias=False) for name in self.parts})
@@ -131,8 +131,9 @@ class LoRALinear(nn.Module):
     @torch.no_grad()
     def merged_weight(self) -> Tensor:
         """W + (α / r) · B · A, (out_features, in_features): the base weight with the update folded in (what
-        peft's ``merge_and_unload`` writes). Raises AttributeError for a base without a plain ``weight``."""
-        weight = self.base.weight.detach().clone()
+        peft's ``merge_and_unload`` writes); a quantised base (NF4) dequantised first. Raises AttributeError for a
+        base with neither a plain ``weight`` nor ``dequantize()``."""
+        weight = self.base.dequantize() if hasattr(self.base, "dequantize") else self.base.weight.detach().clone()
         offsets = [sum(self.part_features[:i]) for i in range(len(self.part_features))]
         for name, i in self.parts.items():
             update = (self.lora_B[name].weight @ self.lora_A[name].weight) * self.scaling
@@ -172,12 +173,16 @@ def base_hash(model: nn.Module, frozen: Iterable[str]) -> bytes:
     return digest.digest()
 
 
-def apply_lora(model: nn.Module, rank: int, alpha: float, dropout: float, target_modules: Sequence[str]
-               ) -> dict[str, Any]:
+def apply_lora(model: nn.Module, rank: int, alpha: float, dropout: float, target_modules: Sequence[str], *,
+               quantize: Callable[[nn.Module], Any] | None = None) -> dict[str, Any]:
     """Wrap ``model``'s targeted linears in :class:`LoRALinear` in place and freeze everything else; register the
     state-dict hooks that keep the frozen base out of saved state (see the module's docstring), the base's hash
     buffer, and a ``flops_per_token`` that counts what is computed (:func:`lora_flops_per_token`). Call it on the
     full model, after its base weights are loaded and before any wrapping or sharding.
+
+    ``quantize(model)``, if given, runs after the hash is taken and the adapters are in place, and may replace
+    frozen linears by quantised ones (QLoRA: ``finetune/build.py``); the buffers it adds are base storage, kept
+    out of saved state like the frozen parameters and rebuilt from the hash-checked base on every load.
 
     Returns:
         ``{"adapted": n linears, "trainable": parameters, "frozen": parameters, "base_sha256": hex}``.
@@ -197,8 +202,14 @@ def apply_lora(model: nn.Module, rank: int, alpha: float, dropout: float, target
         parent_name, _, leaf = name.rpartition(".")
         parent = model.get_submodule(parent_name)
         setattr(parent, leaf, LoRALinear(getattr(parent, leaf), rank, alpha, dropout, parts))
+    counts = {"trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
+              "frozen": sum(p.numel() for p in model.parameters() if not p.requires_grad)}
+    buffers = {n for n, _ in model.named_buffers()}
+    if quantize is not None:
+        quantize(model)
     # names after wrapping: the base's weight of "x.q_proj" is now "x.q_proj.base.weight"
     frozen_now = {n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    frozen_now |= {n for n, _ in model.named_buffers() if n not in buffers}
     model.register_buffer(BASE_HASH_BUFFER, torch.frombuffer(bytearray(digest), dtype=torch.uint8).clone())
     model._register_state_dict_hook(functools.partial(_drop_frozen, frozen=frozen_now))
     model._register_load_state_dict_pre_hook(functools.partial(_check_base, digest=digest), with_module=False)
@@ -206,9 +217,7 @@ def apply_lora(model: nn.Module, rank: int, alpha: float, dropout: float, target
     flops = getattr(model, "flops_per_token", None)
     if flops is not None:
         model.flops_per_token = functools.partial(lora_flops_per_token, model, flops)
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    return {"adapted": len(plan), "trainable": trainable,
-            "frozen": sum(p.numel() for p in model.parameters() if not p.requires_grad), "base_sha256": digest.hex()}
+    return {"adapted": len(plan), **counts, "base_sha256": digest.hex()}
 
 
 def _relative(key: str, prefix: str) -> str:
@@ -270,12 +279,17 @@ def lora_flops_per_token(model: nn.Module, full: Any, seq_len: int) -> float:
 
 def merge_lora(model: nn.Module) -> nn.Module:
     """Fold every adapter into its base weight (W + (α/r)·B·A) and put the base linear back in its place, in
-    place; drops the hooks' buffer. Returns ``model``, now the plain architecture with merged weights (what
-    ``handle export --merge`` writes; peft's ``merge_and_unload``)."""
+    place; drops the hooks' buffer. A quantised base (QLoRA's NF4) becomes plain linears of its dequantised
+    weights. Returns ``model``, now the plain architecture with merged weights (what ``handle export --merge``
+    writes; peft's ``merge_and_unload``)."""
+    from torch_handle.finetune.nf4 import dequantize_linears
+
     for name, module in adapter_modules(model).items():
-        module.base.weight.data.copy_(module.merged_weight())
+        base = module.base.to_linear() if hasattr(module.base, "to_linear") else module.base
+        base.weight.data.copy_(module.merged_weight())
         parent_name, _, leaf = name.rpartition(".")
-        setattr(model.get_submodule(parent_name), leaf, module.base)
+        setattr(model.get_submodule(parent_name), leaf, base)
+    dequantize_linears(model)
     model._buffers.pop(BASE_HASH_BUFFER, None)
     model._state_dict_hooks.clear()
     model._load_state_dict_pre_hooks.clear()

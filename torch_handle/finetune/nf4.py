@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from torch_handle.model.attention import select_parts
+from torch_handle.model.attention import StackedLinear, select_parts
 
 BLOCK_SIZE = 64
 """Weights per absmax constant (the paper's block size for the 4-bit quantisation)."""
@@ -273,6 +273,19 @@ class NF4Linear(nn.Module):
         """W, (out_features, in_features), in ``dtype`` (default: the original weight's dtype)."""
         return self.nf4_weight().dequantize(dtype)
 
+    @torch.no_grad()
+    def to_linear(self) -> nn.Linear:
+        """The plain linear of the dequantised weight (a ``StackedLinear`` where this one has parts), bias copied,
+        on this module's device: what an export writes (``handle export --merge`` of a QLoRA run)."""
+        bias, device = self.bias is not None, self.weight_packed.device
+        linear = nn.Linear(self.in_features, self.out_features, bias=bias) if self.part_features is None \
+            else StackedLinear(self.in_features, self.part_features, bias=bias)
+        linear = linear.to(device=device, dtype=self.weight_dtype)
+        linear.weight.copy_(self.dequantize())
+        if bias:
+            linear.bias.copy_(self.bias)
+        return linear
+
     def forward(self, x: Tensor, parts: slice | None = None) -> Tensor:
         if parts is None:
             return _NF4LinearFunction.apply(x, self.bias, self.nf4_weight(), None)
@@ -334,6 +347,22 @@ def quantize_linears(model: nn.Module, *, skip: tuple[str, ...] = (), block_size
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, NF4Linear.from_linear(linear, block_size=block_size, double_quant=double_quant))
     return [name for name, _ in targets]
+
+
+def nf4_buffers(model: nn.Module) -> list[Tensor]:
+    """The stored tensors of every :class:`NF4Linear` of ``model`` (its quantised weights; biases excluded)."""
+    return [t for m in model.modules() if isinstance(m, NF4Linear) for t in m.buffers(recurse=False)]
+
+
+def dequantize_linears(model: nn.Module) -> list[str]:
+    """Replace every :class:`NF4Linear` of ``model`` by its dequantised plain linear (:meth:`NF4Linear.to_linear`),
+    in place; returns the qualified names replaced."""
+    names = [name for name, m in model.named_modules() if isinstance(m, NF4Linear)]
+    for name in names:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, getattr(parent, child).to_linear())
+    return names
 
 
 def _pad_to(flat: Tensor, multiple: int) -> Tensor:

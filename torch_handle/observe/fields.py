@@ -69,7 +69,9 @@ BREAKDOWN = (*STEP_PHASES.values(), COMM_S)
 """Every part of a step in ``step`` events (a strategy without ``comm_s`` leaves it out)."""
 
 # step events: ``memory``, one object per rank, bytes
-PARAM_BYTES = "param_bytes"
+PARAM_BYTES = "param_bytes"  # trainable + frozen
+TRAINABLE_PARAM_BYTES = "trainable_param_bytes"  # parameters an optimizer updates
+FROZEN_PARAM_BYTES = "frozen_param_bytes"  # a LoRA run's frozen base, at its storage bytes (NF4 under QLoRA)
 GRAD_BYTES = "grad_bytes"
 OPTIMIZER_BYTES = "optimizer_bytes"
 RSS_BYTES = "rss_bytes"
@@ -84,8 +86,8 @@ ACTIVATION_RECOMPUTE_BYTES = "activation_recompute_bytes"  # the largest block r
 ACTIVATION_BYTES = "activation_bytes"  # the sum of the three (estimate; in older events: the saved part)
 ACTIVATION_PARTS = (ACTIVATION_SAVED_BYTES, ACTIVATION_LOGITS_BYTES, ACTIVATION_RECOMPUTE_BYTES)
 
-MEMORY = (PARAM_BYTES, GRAD_BYTES, OPTIMIZER_BYTES, RSS_BYTES, ACTIVATION_SAVED_BYTES, CUDA_ALLOCATED_BYTES,
-          CUDA_MAX_ALLOCATED_BYTES, CUDA_RESERVED_BYTES)
+MEMORY = (PARAM_BYTES, TRAINABLE_PARAM_BYTES, FROZEN_PARAM_BYTES, GRAD_BYTES, OPTIMIZER_BYTES, RSS_BYTES,
+          ACTIVATION_SAVED_BYTES, CUDA_ALLOCATED_BYTES, CUDA_MAX_ALLOCATED_BYTES, CUDA_RESERVED_BYTES)
 """Every figure a ``memory`` entry carries besides ``rank``."""
 
 # step events: ``ranks``, one object per rank every log_every steps (with more than one rank)

@@ -31,6 +31,8 @@ import torch.distributed as dist
 
 from torch_handle.common.precision import torch_dtype
 from torch_handle.config.loader import TrainingConfig
+from torch_handle.finetune.nf4 import nf4_buffers
+from torch_handle.observe.fields import FROZEN_PARAM_BYTES, PARAM_BYTES, TRAINABLE_PARAM_BYTES
 from torch_handle.model.router import register_expert_bias_updates
 
 
@@ -283,6 +285,19 @@ class Strategy:
     def param_bytes(self) -> int:
         """Bytes of model parameters this rank holds (its shard under ZeRO-3/FSDP)."""
         return tensor_bytes(self.model.parameters())
+
+    def frozen_param_bytes(self) -> int:
+        """Bytes of the frozen parameters (``requires_grad`` False: a LoRA run's base) among :meth:`param_bytes`."""
+        return tensor_bytes(p for p in self.unwrapped().parameters() if not p.requires_grad)
+
+    def param_bytes_split(self) -> dict[str, int]:
+        """This rank's ``param_bytes`` as trainable + frozen (the memory telemetry's three fields, bytes). Frozen:
+        the frozen parameters plus the weights a quantised base keeps as buffers (QLoRA's NF4 linears, which are
+        no parameters: replicated on every rank, as FSDP2 and ZeRO-3 shard parameters only). A full fine-tune:
+        frozen 0."""
+        stored = tensor_bytes(nf4_buffers(self.unwrapped()))
+        total, frozen = self.param_bytes() + stored, self.frozen_param_bytes() + stored
+        return {PARAM_BYTES: total, TRAINABLE_PARAM_BYTES: total - frozen, FROZEN_PARAM_BYTES: frozen}
 
     def optimizer_bytes(self) -> int:
         """Bytes of optimizer state plus any fp32 master copy this rank holds (called after ``step``)."""

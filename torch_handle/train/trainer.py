@@ -35,7 +35,7 @@ from torch_handle.rundir import HEARTBEAT_S, STOP_FILE, touch_heartbeat, update_
 from torch_handle.train.strategy import DistContext, Strategy
 from torch_handle.observe.fields import (ACTIVATION_SAVED_BYTES, BACKWARD_S, COMM_S, CUDA_ALLOCATED_BYTES,
                                          CUDA_MAX_ALLOCATED_BYTES, CUDA_RESERVED_BYTES, DATA_S, GRAD_BYTES,
-                                         OPTIMIZER_BYTES, PARAM_BYTES, RSS_BYTES, STEP_PHASES, WAIT_S, Kind, Level,
+                                         OPTIMIZER_BYTES, RSS_BYTES, STEP_PHASES, WAIT_S, Kind, Level,
                                          Status)
 from torch_handle.observe.comm import comm_fields
 from torch_handle.observe.heartbeat import beat, busy
@@ -423,7 +423,7 @@ class Trainer:
         """Every rank's memory figures and its own step timing (``rank``, ``step_time_s``, ``data_s``,
         ``wait_s``, seconds), in one ``all_gather_object``; ``(memory, ranks)`` on rank 0, ``(None, None)``
         elsewhere."""
-        mem = {"rank": self.ctx.rank, PARAM_BYTES: self.strategy.param_bytes(), GRAD_BYTES: grad_bytes,
+        mem = {"rank": self.ctx.rank, **self.strategy.param_bytes_split(), GRAD_BYTES: grad_bytes,
                OPTIMIZER_BYTES: self.strategy.optimizer_bytes(), RSS_BYTES: psutil.Process().memory_info().rss}
         if self.ctx.device.type == "cuda":
             mem.update({CUDA_ALLOCATED_BYTES: torch.cuda.memory_allocated(),
