@@ -74,6 +74,11 @@ def test_expert_parallel_layouts_train_as_one_process(runs, name) -> None:
         for key in ("loss", "grad_norm"):
             assert abs(split[step][key] - ref[key]) <= 1e-5 * abs(ref[key]), (name, step, key, split[step], ref)
         assert split[step]["layout"]["ep"] == 2
+        # issue 31's invariant in every layout: each layer's tokens per expert add up to the step's tokens x top_k
+        # (a pipeline stage's shape inference, a forward on uninitialised tensors, counted once into step 1: 3/2 of
+        # it, and now and then NaN losses that dropped every step event)
+        moe = split[step]["moe"]
+        assert [sum(c) for c in moe["tokens_per_expert"]] == [split[step]["tokens"] * moe["top_k"]] * 2, (name, step)
     info = json.loads((runs[name] / "run.json").read_text())
     assert info["layout"]["label"] == LABELS[name]
     # the export gathers every rank's experts: the one-process model's tensors, (E, F, C) each. Within 1e-3, not

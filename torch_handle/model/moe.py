@@ -23,7 +23,9 @@ M = N·k - dropped rows of the sorted buffer, F = d_ff of one expert.
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from typing import Callable, Literal, NamedTuple
 
 import torch
@@ -241,6 +243,28 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+_UNCOUNTED = [0]
+"""Depth of :func:`uncounted` contexts entered."""
+
+
+@contextlib.contextmanager
+def uncounted() -> Iterator[None]:
+    """Forwards that are not part of a training step: their routing is neither counted in ``stats`` nor moves the
+    expert biases. torch's pipeline stages infer their shapes with a real forward of the stage on uninitialised
+    tensors in the first step (``PipelineStage._forward_metadata_inference``, torch 2.13): counted, it added a
+    micro-batch of routing to step 1 and, now and then, NaN losses from the garbage."""
+    _UNCOUNTED[0] += 1
+    try:
+        yield
+    finally:
+        _UNCOUNTED[0] -= 1
+
+
+def _counted() -> bool:
+    """Whether this training forward's routing counts: not a recomputation inside backward, not :func:`uncounted`."""
+    return not _in_backward() and not _UNCOUNTED[0]
+
+
 class MoEFeedForward(nn.Module):
     """A mixture-of-experts feed-forward network, in place of a layer's FFN: y = Σⱼ wⱼ · expertⱼ(x) over the
     token's k routed experts (+ shared(x)).
@@ -300,7 +324,7 @@ class MoEFeedForward(nn.Module):
         expert bias."""
         aux = load_balancing_loss(routing.probs, plan.routed, self.top_k)
         z = router_z_loss(routing.logits)
-        if not _in_backward():
+        if _counted():
             if self.stats is None:
                 self.stats = _zero_stats(self.n_experts, y.device)
             s = self.stats
@@ -318,7 +342,7 @@ class MoEFeedForward(nn.Module):
         """Add one expert-parallel all-to-all of rows to ``stats``: ``a2a_bytes`` (bytes this rank handed to the
         collective) and ``a2a_wait_s`` (seconds in it), in training forwards and backwards; an activation
         checkpoint's recomputed forward (a forward inside backward) is not counted again."""
-        if not self.training or (not backward and _in_backward()):
+        if not self.training or _UNCOUNTED[0] or (not backward and _in_backward()):
             return
         if self.stats is None:
             self.stats = _zero_stats(self.n_experts, self.gate.weight.device)
