@@ -123,14 +123,15 @@ def _check_pipeline(options: TransformerConfig, preset) -> Iterator[InvalidValue
 
 
 def _check_experts_layout(options: TransformerConfig, preset) -> Iterator[InvalidValue]:
-    """What mixture-of-experts layers do not support yet: tensor parallelism, compiled blocks, and the expert-bias
-    update under DeepSpeed (its optimizer has no step hooks)."""
+    """What mixture-of-experts layers do not support yet: tensor parallelism with sequence parallelism or expert
+    parallelism, compiled blocks, and the expert-bias update under DeepSpeed (its optimizer has no step hooks)."""
     if not options.n_experts:
         return
     parallel = preset.parallel
-    if parallel.tp > 1:
-        yield InvalidValue("parallel.tp", f"mixture-of-experts layers (n_experts = {options.n_experts}) are not split "
-                                          f"by tensor parallelism yet (use parallel.tp = 1)")
+    if parallel.tp > 1 and (parallel.sequence_parallel or parallel.ep > 1):
+        yield InvalidValue("parallel.tp", f"mixture-of-experts layers (n_experts = {options.n_experts}) are replicated "
+                                          f"over the TP ranks, which must route the same tokens: tp > 1 works without "
+                                          f"sequence_parallel and with ep = 1 (or use parallel.tp = 1)")
     if preset.training.compile:
         yield InvalidValue("training.compile", "mixture-of-experts layers are not compiled yet (their token counts "
                                                "set the shapes); use compile = false")

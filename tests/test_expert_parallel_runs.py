@@ -1,8 +1,9 @@
-"""Expert parallelism through `handle run`: ep = 2 on 2 processes (DDP, by hand), dp 2 × ep 2 on 4 (DDP, native) and
-pp 2 × ep 2 on 4 (DDP per stage in torch's 1F1B, by hand) give the one-process losses and gradient norms within
-1e-5 at every step and the same final weights (fp32, dropless, aux and z losses on); the step-2 checkpoint of the
-ep = 2 run resumes on one process, and the one-process run's resumes on ep = 2, each continuing the one-process
-losses.
+"""Expert parallelism through `handle run`: ep = 2 on 2 processes (DDP, by hand), dp 2 × ep 2 on 4 (FSDP2: the
+experts sharded over "edp", the dense part over "dp"; native) and pp 2 × ep 2 on 4 (DDP per stage in torch's 1F1B, by
+hand) give the one-process losses and gradient norms within 1e-5 at every step and the same final weights (fp32,
+dropless, aux and z losses on). Two resumes from step 2 continue the one-process losses and norms: the ep = 2 run's
+checkpoint on tp = 2 (ep -> 1, and MoE layers replicated over the TP ranks), and the one-process run's on ep = 2 under
+FSDP2 (the checkpoint cut into an EP run's experts).
 
 A tiny MoE decoder (2 layers, both MoE: 4 SwiGLU experts, top-2; 4 steps of 8 sequences: micro-batches of 2, as
 many per step on every layout, so the balancing loss sees the same micro-batches as the one-process run's).
@@ -32,11 +33,12 @@ RUNS = {
     "one": ("--set", "training.grad_accum=4"),
     "ep2-scratch": (*EP2, "--set", "launch.nproc_per_node=2", "--set", "training.grad_accum=2",
                     "--set", "parallel.ep_impl=scratch"),
-    "dp2xep2-native": (*EP2, "--set", "launch.nproc_per_node=4", "--set", "training.grad_accum=1"),
+    "dp2xep2-fsdp": (*EP2, "--set", "strategy.name=fsdp", "--set", "launch.nproc_per_node=4",
+                     "--set", "training.grad_accum=1"),
     "pp2xep2": (*EP2, "--set", "launch.nproc_per_node=4", "--set", "training.grad_accum=2", "--set", "parallel.pp=2",
                 "--set", "parallel.ep_impl=scratch"),
 }
-LABELS = {"ep2-scratch": "dp 1 × ep 2 (ddp; ep scratch)", "dp2xep2-native": "dp 2 × ep 2 (ddp; ep native)",
+LABELS = {"ep2-scratch": "dp 1 × ep 2 (ddp; ep scratch)", "dp2xep2-fsdp": "dp 2 × ep 2 (fsdp; ep native)",
           "pp2xep2": "dp 1 × ep 2 × pp 2 (ddp; ep scratch; pp 1F1B native)"}
 
 
@@ -50,9 +52,10 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     """Every run of :data:`RUNS`, two at a time, then the two resumes from step 2."""
     root = tmp_path_factory.mktemp("ep-runs")
     done = handle_runs(root, RUNS, COMMON, at_once=2)
-    resumes = {"ep2-as-one": ("ep2-scratch", ("--set", "launch.nproc_per_node=1", "--set", "parallel.ep=1",
-                                              "--set", "strategy.name=single", "--set", "training.grad_accum=4")),
-               "one-as-ep2": ("one", ("--set", "launch.nproc_per_node=2", *EP2, "--set", "training.grad_accum=2"))}
+    resumes = {"ep2-as-tp2": ("ep2-scratch", ("--set", "launch.nproc_per_node=2", "--set", "parallel.ep=1",
+                                              "--set", "parallel.tp=2", "--set", "training.grad_accum=4")),
+               "one-as-ep2-fsdp": ("one", ("--set", "launch.nproc_per_node=2", *EP2, "--set", "strategy.name=fsdp",
+                                           "--set", "training.grad_accum=2", "--set", "parallel.ep_impl=scratch"))}
     commands = {}
     for name, (source, overrides) in resumes.items():
         stopped = root / name
@@ -66,7 +69,7 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     return done
 
 
-@pytest.mark.parametrize("name", ["ep2-scratch", "dp2xep2-native", "pp2xep2"])
+@pytest.mark.parametrize("name", ["ep2-scratch", "dp2xep2-fsdp", "pp2xep2"])
 def test_expert_parallel_layouts_train_as_one_process(runs, name) -> None:
     one, split = _steps(runs["one"]), _steps(runs[name])
     assert sorted(split) == sorted(one) == [1, 2, 3, 4]
@@ -90,10 +93,12 @@ def test_expert_parallel_layouts_train_as_one_process(runs, name) -> None:
         torch.testing.assert_close(got[key], value, rtol=0, atol=1e-3, msg=lambda m: f"{name} {key}: {m}")
 
 
-def test_checkpoints_resume_across_ep(runs) -> None:
-    one = _steps(runs["one"])
-    for name in ("ep2-as-one", "one-as-ep2"):
-        resumed = _steps(runs[name])
-        assert sorted(resumed) == [3, 4], name
-        for step in (3, 4):
-            assert abs(resumed[step]["loss"] - one[step]["loss"]) <= 1e-5 * one[step]["loss"], (name, step)
+@pytest.mark.parametrize("name, layout", [("ep2-as-tp2", {"tp": 2}), ("one-as-ep2-fsdp", {"ep": 2})])
+def test_checkpoints_resume_across_ep(runs, name, layout) -> None:
+    """ep 2 -> 1 on tp 2 (whose steps check MoE under tensor parallelism too), and 1 -> ep 2 under FSDP2."""
+    one, resumed = _steps(runs["one"]), _steps(runs[name])
+    assert sorted(resumed) == [3, 4], name
+    for step in (3, 4):
+        for key in ("loss", "grad_norm"):
+            assert abs(resumed[step][key] - one[step][key]) <= 1e-5 * abs(one[step][key]), (name, step, key)
+        assert layout.items() <= resumed[step]["layout"].items(), resumed[step]["layout"]

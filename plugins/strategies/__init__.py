@@ -90,6 +90,7 @@ class FSDPConfig:
     tensor_parallel: ClassVar[bool] = True  # FSDP x TP: each TP shard sharded again over the data-parallel ranks
     native_tensor_parallel: ClassVar[bool] = True  # fully_shard takes DTensor parameters (torchtitan's FSDP x TP)
     pipeline_parallel: ClassVar[bool] = True  # FSDP x PP: each stage sharded over its data-parallel ranks
+    expert_parallel: ClassVar[bool] = True  # the experts sharded over "edp", the dense part over "dp" (torchtitan)
 
     reshard_after_forward: bool = True
     """Free gathered parameters after forward (ZeRO-3-like); false keeps them until backward (ZeRO-2-like)."""

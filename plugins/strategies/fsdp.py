@@ -50,11 +50,32 @@ class FSDPStrategy(Strategy):
             if self.ctx.is_main:
                 log.warning("fsdp: %s, so it is sharded as one unit: all of its parameters are gathered for the "
                             "whole forward and backward", e)
+        if self.expert_parallel is not None:
+            self._shard_experts(model, kwargs)
         for block in blocks:
             fully_shard(block, **kwargs)
         for part in pipeline_parts(model) or [model]:  # a pipeline's stages each a root, as torchtitan shards them
             fully_shard(part, **kwargs)
         return model
+
+    def _shard_experts(self, model: torch.nn.Module, kwargs: dict[str, Any]) -> None:
+        """EP x FSDP as torchtitan's ``apply_fsdp`` does it: each MoE layer's experts (this rank's E/ep of them)
+        sharded over the ranks that hold the same experts ("edp", dp / ep of them), before their block is sharded
+        over "dp" (which then leaves them out). Their gradients are reduce-scattered over "edp" and divided by dp,
+        not edp: summed over edp they hold every dp rank's tokens (the all-to-all's backward brought the EP group's),
+        and the one-process scale divides by dp (:mod:`torch_handle.train.expert_parallel`)."""
+        from torch.distributed.fsdp import fully_shard
+
+        from torch_handle.model.moe import moe_layers
+
+        for layer in moe_layers(model):
+            fully_shard(layer.experts, **{**kwargs, "mesh": self.ctx.ep_mesh["edp"]})
+            layer.experts.set_gradient_divide_factor(float(self.ctx.layout.dp))
+            # a factor other than the group's size is a PREMUL_SUM, which gloo lacks: sum, then divide. Not on one
+            # edp rank, where torch 2.13 skips the collective and divides twice (once in the copy, once after)
+            if self.ctx.backend == "gloo" and self.ctx.layout.edp > 1:
+                layer.experts.set_force_sum_reduction_for_comms(True)
+        self.expert_parallel.reduces_grads = False
 
     def autocast(self):
         import contextlib

@@ -24,8 +24,8 @@ MOE = '[model]\nn_experts = 4\ntop_k = 2\n'
      "the data-parallel ones) (valid ep: 1, 2)"),
     ("[parallel]\nep = 2\n[strategy]\nname = \"ddp\"\n[launch]\nnproc_per_node = 2\n",
      "parallel.ep = 2 splits the experts of mixture-of-experts layers, and the model has none"),
-    (MOE + "[parallel]\nep = 2\n[strategy]\nname = \"fsdp\"\n[launch]\nnproc_per_node = 2\n",
-     "strategy 'fsdp' does not support parallel.ep > 1 (valid with ep > 1: ddp)"),
+    (MOE + "[parallel]\nep = 2\n[strategy]\nname = \"deepspeed\"\n[launch]\nnproc_per_node = 2\n",
+     "strategy 'deepspeed' does not support parallel.ep > 1 (valid with ep > 1: ddp, fsdp)"),
 ])
 def test_bad_expert_layouts_are_one_line_before_anything_starts(tmp_path, monkeypatch, tables, message):
     monkeypatch.chdir(tmp_path)

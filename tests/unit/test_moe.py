@@ -260,8 +260,10 @@ def test_checkpointed_recompute_is_not_counted_twice_and_dense_models_have_no_mo
     ({"model": {"n_experts": 4, "moe_every": 9}}, "model.moe_every: 9 is more than n_layers="),
     ({"model": {"n_experts": 4, "top_k": 1}}, "model.norm_topk_prob: with top_k = 1"),
     ({"model": {"n_experts": 4, "router": "topk"}}, "model.router: 'topk' is not one of 'softmax', 'sigmoid'"),
-    ({"model": {"n_experts": 4}, "parallel": {"tp": 2}, "launch": {"nproc_per_node": 2}},
-     "parallel.tp: mixture-of-experts layers (n_experts = 4) are not split by tensor parallelism yet"),
+    ({"model": {"n_experts": 4}, "parallel": {"tp": 2, "sequence_parallel": True}, "launch": {"nproc_per_node": 2}},
+     "parallel.tp: mixture-of-experts layers (n_experts = 4) are replicated over the TP ranks"),
+    ({"model": {"n_experts": 4}, "parallel": {"tp": 2, "ep": 2}, "strategy": {"name": "ddp"},
+      "launch": {"nproc_per_node": 4}}, "parallel.tp: mixture-of-experts layers (n_experts = 4) are replicated"),
     ({"model": {"n_experts": 4}, "training": {"compile": True}}, "training.compile: mixture-of-experts layers"),
 ])
 def test_bad_moe_options_are_one_line_naming_the_key(tables, message):

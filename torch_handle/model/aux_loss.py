@@ -50,7 +50,8 @@ class _ProbeLossScale(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> Tensor:
-        set_loss_scale(grad.detach().clone())
+        # tensor parallelism's native loss is a replicated DTensor: the factor is its local value
+        set_loss_scale((grad.to_local() if hasattr(grad, "to_local") else grad).detach().clone())
         return grad
 
 

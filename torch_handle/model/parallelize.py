@@ -101,7 +101,9 @@ def tensor_parallel_plan(model: Any) -> dict[str, Any]:
     RoPE rotates each head by the positions of the whole sequence: attention always sees all of it. The FFN's first
     linear (SwiGLU: its gate and up projections) is column-parallel and its second (down) row-parallel (d_ff/tp
     hidden units per rank: SiLU(gate)·up is elementwise, so each rank's units need nothing else). The norms
-    (LayerNorm or RMSNorm) are replicated. The encoder-decoder's
+    (LayerNorm or RMSNorm) are replicated, and so is a mixture-of-experts layer (router, experts, shared experts):
+    every TP rank routes the same tokens (the whole sequence: sequence parallelism is refused with MoE) through the
+    same experts, so their gradients are equal on the TP ranks and need no reduction over them. The encoder-decoder's
     cross-attention is split the same way: Q from the decoder state and K, V from the encoder memory are
     column-parallel (two calls of the one fused projection), so the memory enters the TP region of every decoder
     block, gathered along the sequence under sequence parallelism. The token embedding (shared by source and target)
@@ -113,6 +115,7 @@ def tensor_parallel_plan(model: Any) -> dict[str, Any]:
     Raises:
         ValueError: one line, for a model without a plan (one that is not ``DecoderLM`` or ``EncoderDecoder``).
     """
+    from torch_handle.model.moe import MoEFeedForward
     from torch_handle.model.transformer import DecoderLM, EncoderDecoder
     from torch_handle.parallel.tensor.plan import Stacked, Style
 
@@ -140,9 +143,10 @@ def tensor_parallel_plan(model: Any) -> dict[str, Any]:
                 plan[f"{prefix}.{name}.out_proj"] = Style.ROWWISE
                 plan.update({f"{prefix}.{name}.{norm}": Style.HEAD_NORM for norm in ("q_norm", "k_norm")
                              if getattr(attn, norm, None) is not None})
-            ff = ("gate_proj", "up_proj", "down_proj") if hasattr(layer.ff, "gate_proj") else ("linear1", "linear2")
-            plan.update({f"{prefix}.ff.{linear}": Style.COLWISE for linear in ff[:-1]})
-            plan[f"{prefix}.ff.{ff[-1]}"] = Style.ROWWISE
+            if not isinstance(layer.ff, MoEFeedForward):  # an MoE layer is replicated over tp (see above)
+                ff = ("gate_proj", "up_proj", "down_proj") if hasattr(layer.ff, "gate_proj") else ("linear1", "linear2")
+                plan.update({f"{prefix}.ff.{linear}": Style.COLWISE for linear in ff[:-1]})
+                plan[f"{prefix}.ff.{ff[-1]}"] = Style.ROWWISE
             plan.update({f"{prefix}.{norm}": Style.NORM for norm in ("self_attn_norm", "cross_attn_norm", "ff_norm")
                          if getattr(layer, norm, None) is not None})
             plan[f"{prefix}.dropout"] = Style.DROPOUT

@@ -48,6 +48,12 @@ def _layer_label(name: str, ordinal: int) -> str:
     return found.group(1) if found else str(ordinal)
 
 
+def _by_hand(param: torch.Tensor) -> bool:
+    """Whether the expert tensor ``param`` is a hand-written slice of the experts (scratch EP: a plain tensor, or
+    FSDP's DTensor over "edp" of one) rather than a DTensor that carries its "ep" placement (native EP)."""
+    return "ep" not in (getattr(getattr(param, "device_mesh", None), "mesh_dim_names", None) or ())
+
+
 def apply_expert_parallel(model: nn.Module, impl: str, ep_mesh: Any) -> list[nn.Parameter]:
     """Split every MoE layer's experts of ``model`` (same weights on every rank) over ``ep_mesh`` in place: this
     rank keeps experts [ep_rank · E/ep, (ep_rank + 1) · E/ep), and the experts' module gets the dispatch and combine
@@ -91,13 +97,22 @@ class ExpertParallel:
         self.ep, self.dp = ctx.layout.ep, ctx.layout.dp
         self.ep_group, self.edp_group = self.ep_mesh.get_group(), ctx.ep_mesh["edp"].get_group()
         self.ep_rank = dist.get_rank(self.ep_group)
-        self.params: list[nn.Parameter] = []
+        self.model: nn.Module | None = None
         self.strategy: Any = None
+        self.reduces_grads = True
+        """Whether :meth:`sync_grads` reduces the expert gradients over "edp"; FSDP turns it off (it shards the
+        experts over "edp" and reduce-scatters their gradients there, divided by dp)."""
 
     def parallelize(self, model: nn.Module) -> ExpertParallel:
         """Split ``model``'s experts (:func:`apply_expert_parallel`). Returns self."""
-        self.params = apply_expert_parallel(model, self.impl, self.ep_mesh)
+        apply_expert_parallel(model, self.impl, self.ep_mesh)
+        self.model = model
         return self
+
+    @property
+    def params(self) -> list[nn.Parameter]:
+        """This rank's expert parameters, read from the model each time: ``fully_shard`` replaces them."""
+        return [p for layer in moe_layers(self.model) for p in layer.experts.parameters()]
 
     def expert_names(self, module: nn.Module) -> list[str]:
         """The names, in ``module``, of the expert parameters it holds (what DDP must leave alone)."""
@@ -107,7 +122,10 @@ class ExpertParallel:
     # -- gradients -----------------------------------------------------------------------------------------------
     def sync_grads(self) -> None:
         """After a step's last backward: each expert gradient summed over the edp group and divided by dp (see the
-        module: the one-process scale). One all-reduce per expert tensor (none when edp = 1)."""
+        module: the one-process scale). One all-reduce of every expert gradient together (none when edp = 1); none
+        at all when FSDP reduce-scatters them over "edp" itself (``reduces_grads`` off)."""
+        if not self.reduces_grads:
+            return
         grads = [local(p.grad) for p in self.params if p.grad is not None]
         if grads and self.dp // self.ep > 1:
             flat = torch.cat([g.flatten() for g in grads])
@@ -119,8 +137,10 @@ class ExpertParallel:
 
     def norm_args(self, module: nn.Module) -> dict[str, Any]:
         """``mesh_grad_norm``'s arguments for the experts of ``module``: their names and the EP group (each rank's
-        experts are its own: their squares are summed over it)."""
-        return {"experts": set(self.expert_names(module)), "ep_group": self.ep_group}
+        experts are its own: their squares are summed over it; and over "edp" too when FSDP shards them there)."""
+        sharded = any(hasattr(p, "to_local") and "edp" in (p.device_mesh.mesh_dim_names or ()) for p in self.params)
+        groups = (self.ep_group, self.edp_group) if sharded and self.dp > self.ep else self.ep_group
+        return {"experts": set(self.expert_names(module)), "ep_group": groups}
 
     def bind(self, strategy: Any) -> ExpertParallel:
         """Work with the data-parallel ``strategy``: it stops clipping (:meth:`before_step` reduces the experts'
@@ -145,8 +165,10 @@ class ExpertParallel:
 
     # -- checkpoints: experts joined by name ----------------------------------------------------------------------
     def _full(self, value: torch.Tensor) -> torch.Tensor:
-        """The (E, ...) tensor of this rank's (E/ep, ...) slice: all-gathered over the EP group (a collective)."""
-        value = local(value).detach().contiguous()
+        """The (E, ...) tensor of this rank's (E/ep, ...) slice (FSDP's shard of it over "edp" gathered first):
+        all-gathered over the EP group (a collective)."""
+        value = value.full_tensor() if _by_hand(value) and hasattr(value, "full_tensor") else value
+        value = value.detach().contiguous()
         parts = [torch.empty_like(value) for _ in range(self.ep)]
         dist.all_gather(parts, value, group=self.ep_group)
         return torch.cat(parts).cpu()
@@ -156,8 +178,9 @@ class ExpertParallel:
         """Put the one-process expert tensors of ``module`` into ``weights`` (a state dict) and ``state`` (optimizer
         state by name) in place, where a hand-written split left this rank's slice (DTensors were gathered by the
         model-state functions already). A collective over the EP group; None: that part skipped."""
+        experts = {id(p) for p in self.params}
         for name, param in module.named_parameters():
-            if not any(param is p for p in self.params) or hasattr(param, "to_local"):
+            if id(param) not in experts or not _by_hand(param):
                 continue
             if weights is not None:
                 weights[name] = self._full(param)
@@ -170,8 +193,9 @@ class ExpertParallel:
                   state: dict[str, dict[str, torch.Tensor]] | None) -> None:
         """The reverse of :meth:`gather_state` before a load: this rank's slice of each hand-split expert tensor, in
         place (DTensors are cut by ``load_full_state`` from their placements). No communication."""
+        experts = {id(p) for p in self.params}
         for name, param in module.named_parameters():
-            if not any(param is p for p in self.params) or hasattr(param, "to_local") or name not in weights:
+            if id(param) not in experts or not _by_hand(param) or name not in weights:
                 continue
             weights[name] = weights[name].chunk(self.ep)[self.ep_rank]
             for key, value in (state or {}).get(name, {}).items():

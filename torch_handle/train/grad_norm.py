@@ -65,7 +65,7 @@ def mesh_grad_norm(named: Iterable[tuple[str, nn.Parameter]], mesh: Any, plan: P
         exclude: names counted on another rank (a tied weight's second copy on the last pipeline stage).
         pp_group: the pipeline group (each stage's parameters are its own), or None.
         experts: names of expert parameters split over ``ep_group`` (each EP rank holds other experts; expert
-            parallelism), summed over that group.
+            parallelism), summed over that group; a tuple of groups: over each (FSDP's "edp" shards of them too).
     Returns:
         The norm (float; inf or nan when a gradient is)."""
     device = next((p.grad.device for _, p in named if p.grad is not None), None)
@@ -87,8 +87,8 @@ def mesh_grad_norm(named: Iterable[tuple[str, nn.Parameter]], mesh: Any, plan: P
     dist.all_reduce(sums[1:2], group=mesh["tp"].get_group())  # outside the counted step traffic: scalars
     dist.all_reduce(sums[2:3], group=mesh["dp"].get_group())
     dist.all_reduce(sums[3:4])  # every rank holds a different part (and every stage different parameters)
-    if ep_group is not None:
-        dist.all_reduce(sums[4:5], group=ep_group)
+    for group in ep_group if isinstance(ep_group, tuple) else () if ep_group is None else (ep_group,):
+        dist.all_reduce(sums[4:5], group=group)
     if pp_group is not None:
         total = sums[:3].sum() + sums[4]
         dist.all_reduce(total, group=pp_group)
