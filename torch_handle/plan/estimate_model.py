@@ -128,8 +128,8 @@ def build_model(build: ModelBuild, tp_group: TPGroup | None = None) -> torch.nn.
 
     With ``build.finetune``, the full model is adapted first, as the run's ``prepare_model`` does it: LoRA's
     adapters on the targeted linears, everything else frozen, and under QLoRA every block linear of the base in
-    NF4 (:func:`torch_handle.finetune.build.quantize_base`; on the meta device its buffers have their stored
-    shapes, 4 bits a weight plus the double-quantised constants, and no values).
+    NF4 (the linears :func:`torch_handle.finetune.build.quantize_base` replaces, with buffers of the stored shapes,
+    4 bits a weight plus the double-quantised constants, and no values: nothing is quantised).
 
     Raises:
         ValueError: one line, for a model that has no tensor-parallel plan.
@@ -148,13 +148,14 @@ def build_model(build: ModelBuild, tp_group: TPGroup | None = None) -> torch.nn.
 def _finetuned(model: torch.nn.Module, build: ModelBuild) -> torch.nn.Module:
     if build.finetune is None:
         return model
-    from torch_handle.finetune.build import quantize_base
+    from torch_handle.finetune.build import QLORA_SKIP
     from torch_handle.finetune.lora import wrap_lora
+    from torch_handle.finetune.nf4 import quantize_linears
 
     method, rank, alpha, dropout, targets = build.finetune
     wrap_lora(model, rank, alpha, dropout, targets)
-    if method == "qlora":
-        quantize_base(model)
+    if method == "qlora":  # the linears quantize_base replaces, with buffers of the stored shapes
+        quantize_linears(model, skip=QLORA_SKIP, shapes_only=True)
     return model
 
 
