@@ -390,9 +390,14 @@ def _pack_nibbles(codes: Tensor) -> Tensor:
 def _table_like(name: str, like: Tensor) -> Tensor:
     """:func:`_table` on ``like``'s device; a fake tensor of it when ``like`` is one (``handle estimate`` runs a
     QLoRA model's forward and backward on fake tensors, which refuse the cached real table)."""
-    table = _table(name, like.device)
     mode = getattr(like, "fake_mode", None)
-    return table if mode is None else mode.from_tensor(table)
+    if mode is None:
+        return _table(name, like.device)
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():  # the code books are built from values (tolist), which fake tensors lack
+        table = _table(name, like.device)
+    return mode.from_tensor(table)
 
 
 @functools.cache
