@@ -85,7 +85,8 @@ def _table(rows: list, device_memory: int | None, layouts: dict[tuple[str, int],
     pipeline = any(r.pp > 1 for r in rows)
     compare = len({r.strategy for r in rows}) > 1  # a replica of several ranks (dp 1) names no strategy: say it here
     finetune = rows[0].frozen_param_bytes is not None  # the params column as LoRA's telemetry splits it
-    head = [*(["strategy"] if compare else []), "layout", "world", *(["stage", "in flight", "rank"] if pipeline else []),
+    stage_cols = ["stage", "in flight", "rank"] if pipeline else []
+    head = [*(["strategy"] if compare else []), "layout", "world", *stage_cols,
             *(["trainable", "frozen"] if finetune else ["params"]), "grads", "optimizer", "activations",
             "device total", "host"]
     if device_memory is not None:

@@ -219,7 +219,8 @@ def estimate_preset(preset: Preset, registry: PluginRegistry, world_sizes: Seque
                 if v.strategy in ("single", "ddp") or (v.strategy == "scratch-ddp" and not v.shard_optimizer):
                     break  # every rank holds the same
             device, r, s = best
-            rows.append(Estimate(v.label, world, r, precision, whole.n_params + sum(whole.frozen_numels), s.param, s.grad, s.optimizer, act,
+            params = whole.n_params + sum(whole.frozen_numels)
+            rows.append(Estimate(v.label, world, r, precision, params, s.param, s.grad, s.optimizer, act,
                                  device, s.host, None if device_memory is None else device <= device_memory,
                                  {k: val for k, val in asdict(v).items() if k not in ("label",)}, tp,
                                  shape.n_params if tp > 1 else None, preset.parallel.sequence_parallel))
