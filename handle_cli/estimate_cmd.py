@@ -84,13 +84,17 @@ def row_layouts(rows: list, preset, registry) -> dict[tuple[str, int], str]:
 def _table(rows: list, device_memory: int | None, layouts: dict[tuple[str, int], str]) -> list[str]:
     pipeline = any(r.pp > 1 for r in rows)
     compare = len({r.strategy for r in rows}) > 1  # a replica of several ranks (dp 1) names no strategy: say it here
-    head = [*(["strategy"] if compare else []), "layout", "world", *(["stage", "in flight", "rank"] if pipeline else []),
-            "params", "grads", "optimizer", "activations", "device total", "host"]
+    finetune = rows[0].frozen_param_bytes is not None  # the params column as LoRA's telemetry splits it
+    stage_cols = ["stage", "in flight", "rank"] if pipeline else []
+    head = [*(["strategy"] if compare else []), "layout", "world", *stage_cols,
+            *(["trainable", "frozen"] if finetune else ["params"]), "grads", "optimizer", "activations",
+            "device total", "host"]
     if device_memory is not None:
         head.append("fits")
     body = []
     for r in rows:
-        sizes = (r.param_bytes, r.grad_bytes, r.optimizer_bytes, r.activation_bytes, r.device_bytes)
+        params = (r.trainable_param_bytes, r.frozen_param_bytes) if finetune else (r.param_bytes,)
+        sizes = (*params, r.grad_bytes, r.optimizer_bytes, r.activation_bytes, r.device_bytes)
         stage = [",".join(map(str, r.pp_stages or [])), "+".join(map(str, r.pp_in_flight or [])),
                  f"{r.rank}{'*' if r.largest else ''}"] if pipeline else []
         cells = [*([r.strategy] if compare else []), layouts[r.strategy, r.world_size], str(r.world_size), *stage,
@@ -115,6 +119,18 @@ def _largest(rows: list, layouts: dict[tuple[str, int], str]) -> str:
              f"{','.join(map(str, r.pp_stages or []))}) {fmt_bytes(r.device_bytes, precise=True)}"
              for r in rows if r.largest]
     return "largest rank (*): " + ", ".join(parts)
+
+
+def finetune_line(row, preset) -> str:
+    """What a LoRA / QLoRA preset trains and freezes, from an :class:`~torch_handle.plan.estimate.Estimate`."""
+    f, ft = row.finetune, preset.finetune
+    total = f["trainable_params"] + f["frozen_params"]
+    nf4 = ", the blocks' linears in NF4 besides" if ft.method == "qlora" else ""
+    flops = f"; {f['flops_per_token']:,.0f} training FLOPs per token (what the run's MFU counts: 4 per frozen " \
+            f"matmul weight, not 6)" if f["flops_per_token"] else ""
+    return (f"finetune: {ft.method} rank {ft.rank} on {', '.join(ft.target_modules)}: {f['trainable_params']:,} "
+            f"trainable parameters ({f['trainable_params'] / total:.2%}), {f['frozen_params']:,} frozen{nf4} (no "
+            f"gradient, no optimizer state; sharded as the strategy shards parameters){flops}")
 
 
 def moe_line(row) -> str:
@@ -249,6 +265,9 @@ def estimate(preset: str, overrides: tuple[str, ...], nproc: str, nnodes: int | 
                f"{'on' if checkpointing else 'off'}, {nodes} node(s)")
     if rows[0].moe is not None:
         for line in textwrap.wrap(moe_line(rows[0]), 110, subsequent_indent="  "):
+            click.echo(line)
+    if rows[0].finetune is not None:
+        for line in textwrap.wrap(finetune_line(rows[0], loaded), 110, subsequent_indent="  "):
             click.echo(line)
     if tp > 1 or pp > 1:  # the line every view shows (handle validate, handle runs, the dashboard)
         click.echo(f"layout: {RunLayout.from_preset(loaded).label()} at the preset's world size "

@@ -114,6 +114,7 @@ def _qlora_trains_on_an_nf4_base(tmp_path, process_group, base, lora_steps) -> N
         assert qlora[key] == lora[key] > 0, key
     assert qlora["param_bytes"] == qlora["trainable_param_bytes"] + qlora["frozen_param_bytes"]
     assert lora["param_bytes"] == lora["trainable_param_bytes"] + lora["frozen_param_bytes"]
+    _estimate_is_the_telemetry(preset, qlora)
     losses = [e["loss"] for e in steps]
     assert losses[0] == pytest.approx(lora_steps[0]["loss"], rel=1e-2) and losses[0] != lora_steps[0]["loss"]
 
@@ -131,6 +132,17 @@ def _qlora_trains_on_an_nf4_base(tmp_path, process_group, base, lora_steps) -> N
     assert load_file(str(tmp_path / "qlora-merged" / "model.safetensors")).keys() == base.keys()
     if os.environ.get("CI") or _has("peft"):
         _qlora_logits_agree(tmp_path, straight)
+
+
+def _estimate_is_the_telemetry(preset, memory) -> None:
+    """``handle estimate``'s figures of the QLoRA preset equal the run's to the byte: the NF4 buffers sized on
+    the meta device as quantisation sizes them, the rest of the base and the adapters as the strategy keeps them."""
+    from torch_handle.plan.estimate import estimate_preset
+    from torch_handle.registry import get_registry
+
+    (row,) = estimate_preset(preset, get_registry(), [1])
+    keys = ("param_bytes", "trainable_param_bytes", "frozen_param_bytes", "grad_bytes", "optimizer_bytes")
+    assert {k: row.as_dict()[k] for k in keys} == {k: memory[k] for k in keys}
 
 
 def _qlora_logits_agree(tmp_path, run_dir) -> None:

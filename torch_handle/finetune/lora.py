@@ -173,11 +173,35 @@ def base_hash(model: nn.Module, frozen: Iterable[str]) -> bytes:
     return digest.digest()
 
 
+def wrap_lora(model: nn.Module, rank: int, alpha: float, dropout: float, target_modules: Sequence[str]) -> int:
+    """Freeze every parameter of ``model`` and wrap its targeted linears in :class:`LoRALinear`, in place, and
+    install a ``flops_per_token`` that counts what is computed (:func:`lora_flops_per_token`): the adapted
+    architecture alone, no hash and no state-dict hooks, so it runs on the meta device too (``handle estimate``
+    sizes a LoRA preset's model with it). Returns the number of linears adapted.
+
+    Raises:
+        ValueError: an unknown target name, or no linear of ``model`` matched.
+    """
+    plan = _wrap_plan(model, resolve_targets(target_modules))
+    if not plan:
+        raise ValueError(f"finetune.target_modules = {list(target_modules)} matches no linear of the model")
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for name, parts in plan:
+        parent_name, _, leaf = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        setattr(parent, leaf, LoRALinear(getattr(parent, leaf), rank, alpha, dropout, parts))
+    flops = getattr(model, "flops_per_token", None)
+    if flops is not None:
+        model.flops_per_token = functools.partial(lora_flops_per_token, model, flops)
+    return len(plan)
+
+
 def apply_lora(model: nn.Module, rank: int, alpha: float, dropout: float, target_modules: Sequence[str], *,
                quantize: Callable[[nn.Module], Any] | None = None) -> dict[str, Any]:
-    """Wrap ``model``'s targeted linears in :class:`LoRALinear` in place and freeze everything else; register the
-    state-dict hooks that keep the frozen base out of saved state (see the module's docstring), the base's hash
-    buffer, and a ``flops_per_token`` that counts what is computed (:func:`lora_flops_per_token`). Call it on the
+    """Wrap ``model``'s targeted linears in :class:`LoRALinear` in place and freeze everything else, with a
+    ``flops_per_token`` that counts what is computed (:func:`wrap_lora`); register the state-dict hooks that keep
+    the frozen base out of saved state (see the module's docstring) and the base's hash buffer. Call it on the
     full model, after its base weights are loaded and before any wrapping or sharding.
 
     ``quantize(model)``, if given, runs after the hash is taken and the adapters are in place, and may replace
@@ -190,18 +214,9 @@ def apply_lora(model: nn.Module, rank: int, alpha: float, dropout: float, target
     Raises:
         ValueError: an unknown target name, or no linear of ``model`` matched.
     """
-    targets = resolve_targets(target_modules)
-    plan = _wrap_plan(model, targets)
-    if not plan:
-        raise ValueError(f"finetune.target_modules = {list(target_modules)} matches no linear of the model")
-    for p in model.parameters():
-        p.requires_grad_(False)
     frozen = [n for n, _ in model.named_parameters(remove_duplicate=False)]
     digest = base_hash(model, frozen)
-    for name, parts in plan:
-        parent_name, _, leaf = name.rpartition(".")
-        parent = model.get_submodule(parent_name)
-        setattr(parent, leaf, LoRALinear(getattr(parent, leaf), rank, alpha, dropout, parts))
+    adapted = wrap_lora(model, rank, alpha, dropout, target_modules)
     counts = {"trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
               "frozen": sum(p.numel() for p in model.parameters() if not p.requires_grad)}
     buffers = {n for n, _ in model.named_buffers()}
@@ -214,10 +229,7 @@ def apply_lora(model: nn.Module, rank: int, alpha: float, dropout: float, target
     model._register_state_dict_hook(functools.partial(_drop_frozen, frozen=frozen_now))
     model._register_load_state_dict_pre_hook(functools.partial(_check_base, digest=digest), with_module=False)
     model.register_load_state_dict_post_hook(functools.partial(_frozen_not_missing, frozen=frozen_now))
-    flops = getattr(model, "flops_per_token", None)
-    if flops is not None:
-        model.flops_per_token = functools.partial(lora_flops_per_token, model, flops)
-    return {"adapted": len(plan), **counts, "base_sha256": digest.hex()}
+    return {"adapted": adapted, **counts, "base_sha256": digest.hex()}
 
 
 def _relative(key: str, prefix: str) -> str:

@@ -124,7 +124,7 @@ class NF4Weight:
         """The absmax constants, (n_blocks,) float32, dequantised when double-quantised: code * scale + mean."""
         if self.absmax is not None:
             return self.absmax
-        groups = _pad_to(_table("dynamic", self.packed.device)[self.absmax_codes.int()],
+        groups = _pad_to(_table_like("dynamic", self.packed)[self.absmax_codes.int()],
                          self.absmax_block_size).view(-1, self.absmax_block_size)  # (n_groups, 256)
         scaled = (groups * self.absmax_scale.view(-1, 1)).flatten()[: self.absmax_codes.numel()]
         return scaled + self.absmax_mean
@@ -135,7 +135,7 @@ class NF4Weight:
         Each element is NF4[code] * absmax of its block, a float32 product rounded once to ``dtype``.
         """
         # One lookup a byte in the (256, 2) table of (NF4[b >> 4], NF4[b & 15]): the codes never exist unpacked.
-        pairs = _table("pairs", self.packed.device).index_select(0, self.packed.int()).flatten()[: self.numel]  # (n,)
+        pairs = _table_like("pairs", self.packed).index_select(0, self.packed.int()).flatten()[: self.numel]  # (n,)
         blocks = _pad_to(pairs, self.block_size).view(-1, self.block_size)  # (n_blocks, block_size)
         values = (blocks * self.block_absmax().view(-1, 1)).flatten()[: self.numel]
         return values.view(self.shape).to(dtype or self.dtype)
@@ -329,12 +329,15 @@ def _stored_shapes(n: int, block_size: int, double_quant: bool) -> dict[str, tup
 
 
 def quantize_linears(model: nn.Module, *, skip: tuple[str, ...] = (), block_size: int = BLOCK_SIZE,
-                     double_quant: bool = True) -> list[str]:
+                     double_quant: bool = True, shapes_only: bool = False) -> list[str]:
     """Replace every ``nn.Linear`` of ``model`` by its ``NF4Linear``, in place; returns the qualified names replaced.
 
     Left as they are: linears whose qualified name matches a pattern of ``skip`` (``fnmatch``: ``"lm_head"``,
     ``"layers.*.ff.*"``), and linears whose weight is shared with another module (a tied output projection: the
     embedding table stays in full precision, as QLoRA keeps embeddings).
+
+    ``shapes_only``: the ``NF4Linear`` gets buffers of the stored shapes without quantising (zeros; no values on
+    the meta device, where ``handle estimate`` sizes a QLoRA model: the same bytes as quantising gives).
     """
     owners: dict[int, int] = {}
     for module in model.modules():
@@ -345,8 +348,15 @@ def quantize_linears(model: nn.Module, *, skip: tuple[str, ...] = (), block_size
     for name, linear in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, NF4Linear.from_linear(linear, block_size=block_size, double_quant=double_quant))
+        setattr(parent, child, _shaped(linear, block_size, double_quant) if shapes_only
+                else NF4Linear.from_linear(linear, block_size=block_size, double_quant=double_quant))
     return [name for name, _ in targets]
+
+
+def _shaped(linear: nn.Linear, block_size: int, double_quant: bool) -> NF4Linear:
+    return NF4Linear(linear.in_features, linear.out_features, linear.bias is not None, dtype=linear.weight.dtype,
+                     block_size=block_size, double_quant=double_quant,
+                     part_features=getattr(linear, "part_features", None), device=linear.weight.device)
 
 
 def nf4_buffers(model: nn.Module) -> list[Tensor]:
@@ -375,6 +385,19 @@ def _pack_nibbles(codes: Tensor) -> Tensor:
     if codes.numel() % 2:
         codes = torch.cat([codes, codes.new_full((1,), 7)])  # 7: the code of 0.0, as bitsandbytes pads
     return (codes[0::2] << 4) | codes[1::2]
+
+
+def _table_like(name: str, like: Tensor) -> Tensor:
+    """:func:`_table` on ``like``'s device; a fake tensor of it when ``like`` is one (``handle estimate`` runs a
+    QLoRA model's forward and backward on fake tensors, which refuse the cached real table)."""
+    mode = getattr(like, "fake_mode", None)
+    if mode is None:
+        return _table(name, like.device)
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():  # the code books are built from values (tolist), which fake tensors lack
+        table = _table(name, like.device)
+    return mode.from_tensor(table)
 
 
 @functools.cache

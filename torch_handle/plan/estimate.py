@@ -104,6 +104,19 @@ class Estimate:
     """Bytes this rank sends by all-to-all in one step (0 with ep = 1): :mod:`torch_handle.plan.estimate_moe`."""
     token_buffer_bytes: int | None = None
     """The expert-sorted token rows of one micro-batch, every MoE layer (part of the activations)."""
+    frozen_param_bytes: int | None = None
+    """A fine-tuning preset's (``[finetune]`` LoRA or QLoRA) frozen base on this rank, part of ``param_bytes``;
+    ``as_dict`` puts ``trainable_param_bytes`` and it after ``param_bytes``, as the memory telemetry names them.
+    None (and absent from ``as_dict``) for a full training run."""
+    finetune: dict[str, Any] | None = None
+    """A fine-tuning preset's ``finetune_method``, ``trainable_params``, ``frozen_params`` (parameters; QLoRA's
+    NF4 weights are buffers, counted by neither, as the run's ``model_params`` leaves them out) and
+    ``flops_per_token`` (training FLOPs, what the run's tflops and MFU count: :func:`~torch_handle.finetune.lora.
+    lora_flops_per_token`); ``as_dict`` gives them as top-level keys. None for a full training run."""
+
+    @property
+    def trainable_param_bytes(self) -> int | None:
+        return None if self.frozen_param_bytes is None else self.param_bytes - self.frozen_param_bytes
 
     @property
     def activation_bytes(self) -> int:
@@ -123,12 +136,17 @@ class Estimate:
             elif f.name == "moe":
                 if value is not None:
                     out.update({k: v for k, v in value.as_dict().items() if k not in ("d_model", "params")})
-            elif self.moe is None and f.name in _MOE_FIELDS:
+            elif (self.moe is None and f.name in _MOE_FIELDS) or f.name == "frozen_param_bytes":
                 continue
+            elif f.name == "finetune":
+                out.update(value or {})
             elif not ((f.name.startswith("pp_") or f.name == "largest") and self.pp == 1):
                 out[f.name] = dict(value) if isinstance(value, dict) else value
             if f.name == "world_size":
                 out["dp"] = self.dp
+            if f.name == "param_bytes" and self.frozen_param_bytes is not None:
+                out["trainable_param_bytes"] = self.trainable_param_bytes
+                out["frozen_param_bytes"] = self.frozen_param_bytes
         return out
 
 
@@ -150,7 +168,10 @@ def estimate_preset(preset: Preset, registry: PluginRegistry, world_sizes: Seque
     left out, and each row is one TP rank's, its strategy's formula applied to the TP shard over dp = world_size /
     tp ranks. ``single`` is estimated where dp = 1 only (world size 1, or tp). With experts and ``[parallel] ep``,
     world sizes whose dp ep does not divide are left out, and each rank holds E / ep experts of each MoE layer
-    (:func:`~torch_handle.plan.estimate_moe.rank_state_bytes`).
+    (:func:`~torch_handle.plan.estimate_moe.rank_state_bytes`). A ``[finetune]`` preset (LoRA, QLoRA) is sized as
+    its run builds the model: gradients and optimizer state for the adapters alone, the frozen base at its storage
+    bytes under the strategy's sharding (``frozen_param_bytes``: :func:`~torch_handle.plan.model_states.
+    frozen_param_bytes`); variants its run refuses (QLoRA: all but single and ddp; LoRA: scratch-fsdp) are left out.
 
     ``rank``: the (global) rank to report (default: the one with the largest device total; ranks differ by a
     partition boundary at most; the TP ranks of a replica hold the same).
@@ -162,7 +183,7 @@ def estimate_preset(preset: Preset, registry: PluginRegistry, world_sizes: Seque
     """
     if not world_sizes:
         raise ValueError("no world sizes to estimate")
-    variants = list(variants) if variants else [preset_variant(preset)]
+    variants = [v for v in variants if _finetune_runs_under(preset, v)] if variants else [preset_variant(preset)]
     tp = preset.parallel.tp
     for v in variants:
         if v.strategy not in BUILTIN:
@@ -176,6 +197,7 @@ def estimate_preset(preset: Preset, registry: PluginRegistry, world_sizes: Seque
     precision = preset.training.precision
     ep, moe = preset.parallel.ep, preset_moe(preset, registry)
     extra = moe_step(moe, preset) if moe is not None else {}
+    finetune = _finetune_info(preset, registry, whole)
     acts: dict[str, ActivationBytes] = {}
     rows = []
     for v in variants:
@@ -197,16 +219,41 @@ def estimate_preset(preset: Preset, registry: PluginRegistry, world_sizes: Seque
                 if v.strategy in ("single", "ddp") or (v.strategy == "scratch-ddp" and not v.shard_optimizer):
                     break  # every rank holds the same
             device, r, s = best
-            rows.append(Estimate(v.label, world, r, precision, whole.n_params, s.param, s.grad, s.optimizer, act,
+            params = whole.n_params + sum(whole.frozen_numels)
+            rows.append(Estimate(v.label, world, r, precision, params, s.param, s.grad, s.optimizer, act,
                                  device, s.host, None if device_memory is None else device <= device_memory,
                                  {k: val for k, val in asdict(v).items() if k not in ("label",)}, tp,
                                  shape.n_params if tp > 1 else None, preset.parallel.sequence_parallel))
+            if finetune is not None:
+                rows[-1].frozen_param_bytes, rows[-1].finetune = s.frozen_param, finetune
             if moe is not None:
                 rows[-1].ep, rows[-1].moe = ep, moe
                 rows[-1].expert_param_bytes = expert_param_bytes(shape, v, precision, dp, r // tp, ep)
                 rows[-1].all_to_all_bytes, rows[-1].token_buffer_bytes = extra["all_to_all_bytes"], extra[
                     "token_buffer_bytes"]
     return rows
+
+
+def _finetune_info(preset: Preset, registry: PluginRegistry, whole: Any) -> dict[str, Any] | None:
+    """:attr:`Estimate.finetune` of the preset (``whole``: the shape of its untouched-by-tp model), or None."""
+    if preset.finetune.method == "none":
+        return None
+    from torch_handle.plan.planner import model_flops_per_token
+
+    try:
+        flops: float | None = model_flops_per_token(preset, registry)
+    except ValueError:  # a model without flops_per_token
+        flops = None
+    return {"finetune_method": preset.finetune.method, "trainable_params": whole.n_params,
+            "frozen_params": sum(whole.frozen_numels), "flops_per_token": flops}
+
+
+def _finetune_runs_under(preset: Preset, variant: Variant) -> bool:
+    """Whether the preset's ``[finetune]`` method runs under the variant's strategy (config/layout.py's rule)."""
+    method = preset.finetune.method
+    if method == "qlora":
+        return variant.strategy in ("single", "ddp")
+    return method == "none" or variant.strategy != "scratch-fsdp"
 
 
 def supports_pipeline_parallel(registry: PluginRegistry, strategy: str) -> bool:

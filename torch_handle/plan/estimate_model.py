@@ -31,7 +31,8 @@ __all__ = ["ModelBuild", "ModelShape", "build_model", "model_build", "model_shap
 
 @dataclass(frozen=True)
 class ModelShape:
-    """The trainable parameters of a model, each tensor once (tied weights once), in registration order."""
+    """The trainable parameters of a model, each tensor once (tied weights once), in registration order, and what
+    a fine-tuning run holds frozen beside them (its base: parameters, and QLoRA's NF4 buffers)."""
 
     numels: tuple[int, ...]
     """Elements of each parameter tensor."""
@@ -40,6 +41,16 @@ class ModelShape:
     experts: tuple[bool, ...] = field(default=(), compare=False)
     """Per tensor: whether it holds routed experts (stacked on dim 0, split by ``[parallel] ep``:
     :mod:`torch_handle.plan.estimate_moe`); empty for a model without experts."""
+    frozen_numels: tuple[int, ...] = ()
+    """Elements of each frozen parameter tensor (``requires_grad`` False: a LoRA run's base), registration order."""
+    frozen_dim0: tuple[int, ...] = ()
+    stored_bytes: int = 0
+    """Bytes of the quantised base's buffers (QLoRA's NF4 weights: no parameters, so whole on every rank)."""
+
+    @property
+    def frozen(self) -> ModelShape:
+        """The frozen parameters as a shape of their own (what the strategies' sharding formulas take)."""
+        return ModelShape(self.frozen_numels, self.frozen_dim0)
 
     @property
     def n_params(self) -> int:
@@ -53,10 +64,19 @@ class ModelShape:
     def of(cls, model: torch.nn.Module) -> ModelShape:
         from torch_handle.model.moe import GroupedExperts
 
+        from torch_handle.finetune.nf4 import nf4_buffers
+
         params = [p for p in model.parameters() if p.requires_grad]
+        frozen = [p for p in model.parameters() if not p.requires_grad]
         routed = {id(p) for m in model.modules() if isinstance(m, GroupedExperts) for p in m.parameters()}
-        return cls(tuple(p.numel() for p in params), tuple(p.shape[0] if p.dim() else 1 for p in params),
-                   experts=tuple(id(p) in routed for p in params) if routed else ())
+        return cls(tuple(p.numel() for p in params), _dim0(params),
+                   experts=tuple(id(p) in routed for p in params) if routed else (),
+                   frozen_numels=tuple(p.numel() for p in frozen), frozen_dim0=_dim0(frozen),
+                   stored_bytes=sum(t.numel() * t.element_size() for t in nf4_buffers(model)))
+
+
+def _dim0(params: list[torch.Tensor]) -> tuple[int, ...]:
+    return tuple(p.shape[0] if p.dim() else 1 for p in params)
 
 
 @dataclass(frozen=True)
@@ -73,6 +93,9 @@ class ModelBuild:
     tp: int = 1
     """Tensor-parallel degree ``[parallel] tp``: the model is split over this many ranks."""
     sequence_parallel: bool = False
+    finetune: tuple[str, int, float, float, tuple[str, ...]] | None = None
+    """``[finetune]``'s (method, rank, alpha, dropout, target_modules) when it is LoRA or QLoRA: the adapters and
+    the frozen (and, under QLoRA, NF4-stored) base are built as the run builds them (:func:`build_model`)."""
 
 
 def model_build(preset: Preset, registry: PluginRegistry) -> ModelBuild:
@@ -92,8 +115,10 @@ def model_build(preset: Preset, registry: PluginRegistry) -> ModelBuild:
                           file=preset.source, key="data")
     task = getattr(data, "task", "lm")
     factory = registry.get("model", preset.model.name).factory
+    ft = preset.finetune
+    finetune = None if ft.method == "none" else (ft.method, ft.rank, ft.alpha, ft.dropout, tuple(ft.target_modules))
     return ModelBuild(factory, preset.model.options, vocab, PAD_ID, seq_len + 1 if task == "translation" else seq_len,
-                      task, preset.parallel.tp, preset.parallel.sequence_parallel)
+                      task, preset.parallel.tp, preset.parallel.sequence_parallel, finetune)
 
 
 def build_model(build: ModelBuild, tp_group: TPGroup | None = None) -> torch.nn.Module:
@@ -101,18 +126,37 @@ def build_model(build: ModelBuild, tp_group: TPGroup | None = None) -> torch.nn.
     ``FakeTensorMode``), split over ``build.tp`` ranks when tp > 1 as TP rank ``tp_group.rank`` holds it (default:
     rank 0 of a :class:`ShapeTPGroup`, whose collectives only compute shapes).
 
+    With ``build.finetune``, the full model is adapted first, as the run's ``prepare_model`` does it: LoRA's
+    adapters on the targeted linears, everything else frozen, and under QLoRA every block linear of the base in
+    NF4 (the linears :func:`torch_handle.finetune.build.quantize_base` replaces, with buffers of the stored shapes,
+    4 bits a weight plus the double-quantised constants, and no values: nothing is quantised).
+
     Raises:
         ValueError: one line, for a model that has no tensor-parallel plan.
     """
     if build.tp == 1:
-        return build.factory(build.options, build.vocab_size, build.pad_id, build.max_len)
+        return _finetuned(build.factory(build.options, build.vocab_size, build.pad_id, build.max_len), build)
     from torch_handle.model.parallelize import parallelize_tensor
     from torch_handle.plan.shape_tp_group import ShapeTPGroup
 
     vocab = math.ceil(build.vocab_size / build.tp) * build.tp
-    model = build.factory(build.options, vocab, build.pad_id, build.max_len)
+    model = _finetuned(build.factory(build.options, vocab, build.pad_id, build.max_len), build)
     group = tp_group if tp_group is not None else ShapeTPGroup(build.tp)
     return parallelize_tensor(model, "scratch", group, sequence_parallel=build.sequence_parallel)
+
+
+def _finetuned(model: torch.nn.Module, build: ModelBuild) -> torch.nn.Module:
+    if build.finetune is None:
+        return model
+    from torch_handle.finetune.build import QLORA_SKIP
+    from torch_handle.finetune.lora import wrap_lora
+    from torch_handle.finetune.nf4 import quantize_linears
+
+    method, rank, alpha, dropout, targets = build.finetune
+    wrap_lora(model, rank, alpha, dropout, targets)
+    if method == "qlora":  # the linears quantize_base replaces, with buffers of the stored shapes
+        quantize_linears(model, skip=QLORA_SKIP, shapes_only=True)
+    return model
 
 
 def model_shape(preset: Preset, registry: PluginRegistry, tp: int | None = None) -> ModelShape:

@@ -18,7 +18,8 @@ from torch_handle.plan.estimate_model import ModelShape
 if TYPE_CHECKING:
     from torch_handle.config.schema import Preset
 
-__all__ = ["BUILTIN", "COMPARE_VARIANTS", "MEASURED", "States", "Variant", "model_state_bytes", "preset_variant"]
+__all__ = ["BUILTIN", "COMPARE_VARIANTS", "MEASURED", "States", "Variant", "frozen_param_bytes",
+           "model_state_bytes", "preset_variant", "trainable_state_bytes"]
 
 # ---------------------------------------------------------------------------------------------------------------
 # What is estimated
@@ -89,8 +90,11 @@ class States:
     """Bytes of model states one rank holds; ``host_*`` is the part of each that lives in host memory."""
 
     param: int = 0
+    """Every parameter byte, trainable and frozen (``frozen_param`` of them)."""
     grad: int = 0
     optimizer: int = 0
+    frozen_param: int = 0
+    """A fine-tuning run's frozen base (parameters and QLoRA's NF4 buffers), part of ``param``."""
     host_param: int = 0
     host_grad: int = 0
     host_optimizer: int = 0
@@ -160,6 +164,58 @@ def _greedy_owned(shape: ModelShape, world: int, rank: int) -> tuple[int, int]:
 
 
 def model_state_bytes(shape: ModelShape, variant: Variant, precision: str, world: int, rank: int = 0) -> States:
+    """:func:`trainable_state_bytes` of ``shape``'s trainable parameters plus its frozen base
+    (:func:`frozen_param_bytes`), which adds to ``param`` (and ``frozen_param``) alone: a frozen parameter has no
+    gradient and no optimizer state under any strategy (Hu et al. 2021, §4.2).
+
+    Raises:
+        ValueError: as :func:`trainable_state_bytes`; a frozen base under scratch-fsdp (which LoRA does not run).
+    """
+    s = trainable_state_bytes(shape, variant, precision, world, rank)
+    if shape.frozen_numels or shape.stored_bytes:
+        device, host = frozen_param_bytes(shape, variant, precision, world)
+        s.frozen_param = device + host
+        s.param += s.frozen_param
+        s.host_param += host
+    return s
+
+
+def frozen_param_bytes(shape: ModelShape, variant: Variant, precision: str, world: int) -> tuple[int, int]:
+    """(device, host) bytes of the frozen base one rank holds: its frozen parameters in the dtype and sharding the
+    strategy gives every parameter, plus the quantised base's buffers (``shape.stored_bytes``: QLoRA's NF4
+    weights are buffers, which no strategy shards) whole. F = frozen parameters, b as in
+    :func:`trainable_state_bytes`.
+
+    * single, ddp, scratch-ddp, deepspeed stage 0 in fp32: the fp32 model, whole: 4F.
+    * fsdp (FSDP2 shards every parameter of a ``fully_shard`` unit, frozen or not): 4 x its padded dim-0 chunk.
+    * deepspeed: the engine casts every parameter to the model dtype; stages 0-2 partition only what the optimizer
+      holds, so the base stays whole, bF; stage 3 partitions every module parameter (``ds_tensor``), b x
+      ceil(n / W) each, on the host with ``offload_param``.
+
+    Measured equal to the byte against the telemetry of 2-rank fp32 LoRA runs (ddp, fsdp, ZeRO-2, ZeRO-3) and of
+    a QLoRA run (tests/test_lora_strategies.py, tests/unit/test_lora_run.py); bf16 under DeepSpeed follows its
+    cast, not measured.
+
+    Raises:
+        ValueError: scratch-fsdp (it shards each unit flat, base and adapters together: LoRA refuses it).
+    """
+    frozen, b, name = shape.frozen, _model_dtype_bytes(precision), variant.strategy
+    if name in ("single", "ddp", "scratch-ddp"):
+        return 4 * frozen.n_params + shape.stored_bytes, 0
+    if name == "fsdp":
+        return 4 * _fsdp_local(frozen, world, 0)[0] + shape.stored_bytes, 0
+    if name != "deepspeed":
+        raise ValueError(f"no memory model for a frozen base under strategy {name!r}")
+    if variant.zero_stage < 3:
+        return b * frozen.n_params + shape.stored_bytes, 0
+    partition = b * _ds3_partition(frozen, world)
+    if variant.offload_param != "none":
+        return shape.stored_bytes, partition
+    return partition + shape.stored_bytes, 0
+
+
+def trainable_state_bytes(shape: ModelShape, variant: Variant, precision: str, world: int, rank: int = 0
+                          ) -> States:
     """Bytes of parameters, gradients and optimizer state (Adam(W): two fp32 moments, fp32 master weights where
     the strategy keeps them, and a 4-byte ``step`` per state tensor) that ``rank`` of ``world`` holds: what
     the ``memory`` telemetry reports (distinct storages; gradients before the optimizer step, optimizer state
