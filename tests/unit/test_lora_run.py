@@ -115,6 +115,10 @@ def _qlora_trains_on_an_nf4_base(tmp_path, process_group, base, lora_steps) -> N
     assert qlora["param_bytes"] == qlora["trainable_param_bytes"] + qlora["frozen_param_bytes"]
     assert lora["param_bytes"] == lora["trainable_param_bytes"] + lora["frozen_param_bytes"]
     _estimate_is_the_telemetry(preset, qlora)
+    # MFU counts what is computed: the NF4 weights (buffers, not parameters) cost their 4 FLOPs a token as LoRA's
+    # frozen fp32 ones do, so the two count the same FLOPs per token
+    per_token = [e["tflops"] / e["tokens_per_s"] for e in (lora_steps[0], steps[0])]
+    assert per_token[1] == pytest.approx(per_token[0], rel=1e-6)
     losses = [e["loss"] for e in steps]
     assert losses[0] == pytest.approx(lora_steps[0]["loss"], rel=1e-2) and losses[0] != lora_steps[0]["loss"]
 

@@ -273,7 +273,9 @@ def lora_flops_per_token(model: nn.Module, full: Any, seq_len: int) -> float:
     So the count is ``full(seq_len)`` (6 N over every matmul parameter, adapters included, plus the attention
     scores' 12·L·width·seq_len, which have no weights) minus 2 per frozen matmul parameter. Slight overcounts
     kept: the first block's input gradient (the frozen embedding needs none) and the norms' gains (counted as
-    matmul parameters by ``flops.matmul_params``)."""
+    matmul parameters by ``flops.matmul_params``). QLoRA's NF4 weights are buffers, which ``full`` does not see:
+    4 FLOPs each (forward and the input's gradient, on the dequantised weight)."""
+    from torch_handle.finetune.nf4 import NF4Linear
     from torch_handle.model.flops import embedding_weights
 
     tables = {id(w) for w in embedding_weights(model)}
@@ -286,7 +288,8 @@ def lora_flops_per_token(model: nn.Module, full: Any, seq_len: int) -> float:
             continue
         seen.add(id(p))
         frozen_matmul += p.numel()
-    return float(full(seq_len)) - 2.0 * frozen_matmul
+    nf4 = sum(m.in_features * m.out_features for m in model.modules() if isinstance(m, NF4Linear))
+    return float(full(seq_len)) - 2.0 * frozen_matmul + 4.0 * nf4
 
 
 def merge_lora(model: nn.Module) -> nn.Module:
