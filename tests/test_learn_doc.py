@@ -167,6 +167,9 @@ class Walk:
         elif path == ("profile",) and "--pipeline" in rest:
             if "bubble measured" not in output or "rank 1" not in output:
                 self.fail(cmd, "no pipeline chart", output)
+        elif path == ("profile",) and "--routing" in rest:
+            if "MoE layers" not in output or "aux loss" not in output:
+                self.fail(cmd, "no routing summary", output)
         elif path == ("profile",):
             if "time split" not in output or "top operators" not in output:
                 self.fail(cmd, "no profile summary", output)
@@ -288,7 +291,7 @@ def test_the_page_walks_the_whole_path():
                 "strategy.sync=flat", "strategy.sync=overlap", "presets/scratch-zero1.toml", "presets/zero1.toml",
                 "presets/zero2.toml", "presets/zero3.toml", "presets/fsdp.toml", "model.activation_checkpointing=true",
                 "profiler.name=torch", "handle profile", "handle estimate", "handle bench scaling", "presets/tp.toml",
-                "presets/pp.toml", "parallel.pp_schedule=gpipe", "--pipeline"]
+                "presets/pp.toml", "parallel.pp_schedule=gpipe", "--pipeline", "presets/moe.toml", "--routing"]
     at = 0
     for what in expected:  # each after the one before
         found = joined.find(what, at)
