@@ -143,7 +143,8 @@ class LoRALinear(nn.Module):
           (``DROPOUT``).
         - row-parallel base (``ROWWISE``: out_proj, down_proj): A split on its input columns as the base is, its
           partial products (r wide) summed over the group (``g``), B replicated (``NORM``: a partial sum under
-          sequence parallelism).
+          sequence parallelism); the adapter's dropout draws the one-process mask of the whole input and keeps
+          this rank's features (``SLICE_DROPOUT``).
 
         Raises:
             ValueError: a style that is not a linear's split (the vocabulary's, a norm's)."""
@@ -158,8 +159,8 @@ class LoRALinear(nn.Module):
         plan: dict[str, Any] = {"base": style}
         plan.update({f"{split}.{name}": Style.ROWWISE if split == "lora_A" else Style.COLWISE for name in self.parts})
         plan.update({f"{replicated}.{name}": Style.NORM for name in self.parts})
-        if split == "lora_B" and isinstance(self.lora_dropout, nn.Dropout):
-            plan["lora_dropout"] = Style.DROPOUT
+        if isinstance(self.lora_dropout, nn.Dropout):
+            plan["lora_dropout"] = Style.DROPOUT if split == "lora_B" else Style.SLICE_DROPOUT
         return plan
 
     @torch.no_grad()
