@@ -110,7 +110,8 @@ def tensor_parallel_plan(model: Any) -> dict[str, Any]:
     and the LM head are split over the vocabulary (the loss is vocabulary-parallel: the logits are never gathered).
     Under sequence parallelism the norms and the embedding and residual dropouts run on 1/tp of the sequence,
     from the positional encoding on (the encoder's and the decoder's; the dropouts draw the one-process masks:
-    ``Style.DROPOUT``).
+    ``Style.DROPOUT``). A planned linear wrapped by LoRA (``LoRALinear``) is planned as its parts: its base split as
+    the linear would be, its adapters with it (``LoRALinear.tensor_parallel_plan``).
 
     Raises:
         ValueError: one line, for a model without a plan (one that is not ``DecoderLM`` or ``EncoderDecoder``).
