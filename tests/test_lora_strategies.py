@@ -1,7 +1,7 @@
 """LoRA under the strategies and layouts: one module-scoped set of real 2-process torchrun runs (tiny Llama-shaped
 decoder, adapters on every linear, fp32, dropout 0, 4 steps: the adapters' B leaves zero at step 1, so steps 2-4
 compare adapted models) against the single-process run of the same preset in this process (grad_accum 2: the same
-samples per step). The data-parallel strategies run dp 2; tensor parallelism (hand-written and DTensor) and the
+samples per step). The data-parallel strategies (ddp, fsdp, ZeRO-2/3, scratch-ddp's ZeRO-1, scratch-fsdp) run dp 2; tensor parallelism (hand-written and DTensor) and the
 pipeline run dp 1 with grad_accum 2. Each gives the single-process losses within 1e-5, leaves every frozen base
 weight bitwise as it started (the final weights are the adapters; the base is rebuilt from the seed and compared),
 holds optimizer state for the adapters alone (per rank exactly what the accounting of the trainable parameters
@@ -45,6 +45,7 @@ STRATEGIES = {"ddp": ["strategy.name=ddp"], "fsdp": ["strategy.name=fsdp"],
               "zero2": ["strategy.name=deepspeed", "strategy.zero_stage=2"],
               "zero3": ["strategy.name=deepspeed", "strategy.zero_stage=3"],
               "scratch-zero1": ["strategy.name=scratch-ddp", "strategy.shard_optimizer=true"],
+              "scratch-fsdp": ["strategy.name=scratch-fsdp"],
               "tp-scratch": ["parallel.tp=2", "parallel.tp_impl=scratch", "training.grad_accum=2"],
               "tp-native": ["parallel.tp=2", "parallel.tp_impl=native", "strategy.name=fsdp", "training.grad_accum=2"],
               "pp": ["parallel.pp=2", "parallel.pp_impl=scratch", "training.grad_accum=2"]}
@@ -122,7 +123,7 @@ def test_the_base_stays_bitwise_as_it_started(lora_runs):
 
 def test_optimizer_bytes_are_the_adapters_alone(lora_runs):
     """AdamW: exp_avg and exp_avg_sq (8 bytes per trainable parameter) and a 4-byte step per tensor; DeepSpeed
-    keeps its fp32 master copy too (12 bytes) and shards it; FSDP2 and ZeRO-1 shard the 8 bytes. Nothing for the
+    keeps its fp32 master copy too (12 bytes) and shards it; FSDP2, scratch-fsdp and ZeRO-1 shard the 8 bytes. Nothing for the
     frozen base (13x the adapters here)."""
     adapters = list(_adapters(lora_runs["ddp"]).values())
     n, tensors = sum(t.numel() for t in adapters), len(adapters)
@@ -130,8 +131,10 @@ def test_optimizer_bytes_are_the_adapters_alone(lora_runs):
     assert memory["single"][0]["optimizer_bytes"] == memory["ddp"][0]["optimizer_bytes"] == 8 * n + 4 * tensors
     for name in ("zero2", "zero3"):
         assert [m["optimizer_bytes"] for m in memory[name]] == [12 * n // 2 + 4] * 2, name
-    # FSDP2: every rank half of each tensor's moments (the widths are even) and every step counter
-    assert [m["optimizer_bytes"] for m in memory["fsdp"]] == [8 * n // 2 + 4 * tensors] * 2
+    # FSDP2 and scratch-fsdp (per parameter): every rank half of each tensor's moments (the widths are even) and
+    # every step counter
+    for name in ("fsdp", "scratch-fsdp"):
+        assert [m["optimizer_bytes"] for m in memory[name]] == [8 * n // 2 + 4 * tensors] * 2, name
     owned = [m["optimizer_bytes"] for m in memory["scratch-zero1"]]  # ZeRO-1: whole tensors, balanced by size
     assert sum(owned) == 8 * n + 4 * tensors and max(owned) <= 0.55 * sum(owned), owned
     info = json.loads((lora_runs["zero3"] / "run.json").read_text())
