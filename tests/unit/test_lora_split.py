@@ -85,3 +85,24 @@ def test_row_parallel_partial_sums_add_to_the_one_process_output(name):
     got = sum(_local(model, name, plan, r)(x.chunk(TP, dim=-1)[r]) for r in range(TP))
     torch.testing.assert_close(got, full(x), rtol=1e-5, atol=1e-5)
     assert len(adapter_modules(model)) == 2 * 5
+
+
+@pytest.mark.parametrize("sets,refused", [
+    (["parallel.tp=2"], None), (["parallel.pp=2"], None), (["strategy.name=scratch-fsdp"], None),
+    (["finetune.method=qlora", "parallel.tp=2"], "parallel.tp: QLoRA's NF4 base is not split by parallel.tp"),
+    (["finetune.method=qlora", "parallel.pp=2"], "parallel.pp: QLoRA's NF4 base is not split by parallel.pp")])
+def test_lora_runs_under_every_layout_qlora_not_split(tmp_path, sets, refused):
+    from tests.helpers import tiny_preset
+    from torch_handle.config.loader import load_preset
+    from torch_handle.errors import PresetError
+    from torch_handle.registry import get_registry
+
+    path = tmp_path / "lora.toml"
+    path.write_text(tiny_preset(tmp_path / "runs") + '[finetune]\nmethod = "lora"\ntarget_modules = ["all"]\n')
+    overrides = ["training.grad_accum=2", *sets]
+    if refused is None:
+        assert load_preset(path, overrides, get_registry()).finetune.method == "lora"
+        return
+    with pytest.raises(PresetError) as err:
+        load_preset(path, overrides, get_registry())
+    assert refused in str(err.value) and len(str(err.value).splitlines()) == 1
