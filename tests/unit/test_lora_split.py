@@ -106,3 +106,18 @@ def test_lora_runs_under_every_layout_qlora_not_split(tmp_path, sets, refused):
     with pytest.raises(PresetError) as err:
         load_preset(path, overrides, get_registry())
     assert refused in str(err.value) and len(str(err.value).splitlines()) == 1
+
+
+def test_a_split_resume_checks_the_base_hash():
+    """A TP or pipeline resume loads the one-process state slice by slice (``load_full_state``), not through
+    ``load_state_dict``; the LoRA model's hash check runs there too."""
+    from torch_handle.errors import CheckpointError
+    from torch_handle.finetune.lora import BASE_HASH_BUFFER
+    from torch_handle.parallel.tensor.checkpoint import load_full_state
+
+    model = _model()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    load_full_state(model, None, state, None, "scratch", {}, None)  # the same base: loads
+    state[BASE_HASH_BUFFER][0] ^= 1
+    with pytest.raises(CheckpointError, match="the frozen base changed"):
+        load_full_state(model, None, state, None, "scratch", {}, None)
