@@ -1,11 +1,12 @@
 """LoRA under the strategies and layouts: one module-scoped set of real 2-process torchrun runs (tiny Llama-shaped
 decoder, adapters on every linear, fp32, dropout 0, 4 steps: the adapters' B leaves zero at step 1, so steps 2-4
 compare adapted models) against the single-process run of the same preset in this process (grad_accum 2: the same
-samples per step). The data-parallel strategies (ddp, fsdp, ZeRO-2/3, scratch-ddp's ZeRO-1, scratch-fsdp) run dp 2; tensor parallelism (hand-written and DTensor) and the
-pipeline run dp 1 with grad_accum 2. Each gives the single-process losses within 1e-5, leaves every frozen base
-weight bitwise as it started (the final weights are the adapters; the base is rebuilt from the seed and compared),
-holds optimizer state for the adapters alone (per rank exactly what the accounting of the trainable parameters
-says for its strategy and split), and exports (peft's format, and merged) the one-process files."""
+samples per step). The data-parallel strategies (ddp, fsdp, ZeRO-2/3, scratch-ddp's ZeRO-1, scratch-fsdp) run
+dp 2; tensor parallelism (hand-written and DTensor) and the pipeline run dp 1 with grad_accum 2. Each gives the
+single-process losses within 1e-5, leaves every frozen base weight bitwise as it started (the final weights are
+the adapters; the base is rebuilt from the seed and compared), holds optimizer state for the adapters alone (per
+rank exactly what the accounting of the trainable parameters says for its strategy and split), and exports
+(peft's format, and merged) the one-process files."""
 
 from __future__ import annotations
 
@@ -54,7 +55,8 @@ COLUMN_PARALLEL, ROW_PARALLEL = (".qkv_proj.", ".gate_proj.", ".up_proj."), (".o
 
 
 def _preset_text(output_dir: Path) -> str:
-    text = tiny_preset(output_dir, steps=STEPS).replace("[model]\nd_model = 64\nn_heads = 4\nn_layers = 2\nd_ff = 128\n", LLAMA)
+    text = tiny_preset(output_dir, steps=STEPS)
+    text = text.replace("[model]\nd_model = 64\nn_heads = 4\nn_layers = 2\nd_ff = 128\n", LLAMA)
     return text.replace("log_every = 5", "log_every = 10\neval_steps = 1\nlr = 0.01")
 
 
@@ -123,8 +125,8 @@ def test_the_base_stays_bitwise_as_it_started(lora_runs):
 
 def test_optimizer_bytes_are_the_adapters_alone(lora_runs):
     """AdamW: exp_avg and exp_avg_sq (8 bytes per trainable parameter) and a 4-byte step per tensor; DeepSpeed
-    keeps its fp32 master copy too (12 bytes) and shards it; FSDP2, scratch-fsdp and ZeRO-1 shard the 8 bytes. Nothing for the
-    frozen base (13x the adapters here)."""
+    keeps its fp32 master copy too (12 bytes) and shards it; FSDP2, scratch-fsdp and ZeRO-1 shard the 8 bytes; tp 2
+    halves the split adapters, pp 2 keeps each stage's own. Nothing for the frozen base (13x the adapters here)."""
     adapters = list(_adapters(lora_runs["ddp"]).values())
     n, tensors = sum(t.numel() for t in adapters), len(adapters)
     memory = {name: [e for e in events(run, "step") if "memory" in e][-1]["memory"] for name, run in lora_runs.items()}
