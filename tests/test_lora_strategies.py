@@ -1,9 +1,12 @@
-"""LoRA under the strategies: one module-scoped set of real 2-process torchrun runs (tiny Llama-shaped decoder,
-adapters on every linear, fp32, dropout 0, 10 steps) against the single-process run of the same preset in this
-process (grad_accum 2: the same samples per step). Each gives the single-process losses within 1e-5, leaves every
-frozen base weight bitwise as it started (the final weights are the adapters; the base is rebuilt from the seed
-and compared), and holds optimizer state for the adapters alone: per rank exactly what the accounting of the
-trainable parameters says for its strategy."""
+"""LoRA under the strategies and layouts: one module-scoped set of real 2-process torchrun runs (tiny Llama-shaped
+decoder, adapters on every linear, fp32, dropout 0, 4 steps: the adapters' B leaves zero at step 1, so steps 2-4
+compare adapted models) against the single-process run of the same preset in this process (grad_accum 2: the same
+samples per step). The data-parallel strategies (ddp, fsdp, ZeRO-2/3, scratch-ddp's ZeRO-1, scratch-fsdp) run
+dp 2; tensor parallelism (hand-written and DTensor) and the pipeline run dp 1 with grad_accum 2. Each gives the
+single-process losses within 1e-5, leaves every frozen base weight bitwise as it started (the final weights are
+the adapters; the base is rebuilt from the seed and compared), holds optimizer state for the adapters alone (per
+rank exactly what the accounting of the trainable parameters says for its strategy and split), and exports
+(peft's format, and merged) the one-process files."""
 
 from __future__ import annotations
 
@@ -42,11 +45,18 @@ target_modules = ["all"]
 STRATEGIES = {"ddp": ["strategy.name=ddp"], "fsdp": ["strategy.name=fsdp"],
               "zero2": ["strategy.name=deepspeed", "strategy.zero_stage=2"],
               "zero3": ["strategy.name=deepspeed", "strategy.zero_stage=3"],
-              "scratch-zero1": ["strategy.name=scratch-ddp", "strategy.shard_optimizer=true"]}
+              "scratch-zero1": ["strategy.name=scratch-ddp", "strategy.shard_optimizer=true"],
+              "scratch-fsdp": ["strategy.name=scratch-fsdp"],
+              "tp-scratch": ["parallel.tp=2", "parallel.tp_impl=scratch", "training.grad_accum=2"],
+              "tp-native": ["parallel.tp=2", "parallel.tp_impl=native", "strategy.name=fsdp", "training.grad_accum=2"],
+              "pp": ["parallel.pp=2", "parallel.pp_impl=scratch", "training.grad_accum=2"]}
+STEPS = 4
+COLUMN_PARALLEL, ROW_PARALLEL = (".qkv_proj.", ".gate_proj.", ".up_proj."), (".out_proj.", ".down_proj.")
 
 
 def _preset_text(output_dir: Path) -> str:
-    text = tiny_preset(output_dir).replace("[model]\nd_model = 64\nn_heads = 4\nn_layers = 2\nd_ff = 128\n", LLAMA)
+    text = tiny_preset(output_dir, steps=STEPS)
+    text = text.replace("[model]\nd_model = 64\nn_heads = 4\nn_layers = 2\nd_ff = 128\n", LLAMA)
     return text.replace("log_every = 5", "log_every = 10\neval_steps = 1\nlr = 0.01")
 
 
@@ -88,7 +98,7 @@ def _single(path: Path, root: Path) -> Path:
 
 def test_every_strategy_gives_the_single_process_losses(lora_runs):
     reference = step_losses(lora_runs["single"])
-    assert sorted(reference) == list(range(1, 11))
+    assert sorted(reference) == list(range(1, STEPS + 1))
     for name in STRATEGIES:
         losses = step_losses(lora_runs[name])
         worst = max(abs(losses[s] - reference[s]) for s in reference)
@@ -115,30 +125,68 @@ def test_the_base_stays_bitwise_as_it_started(lora_runs):
 
 def test_optimizer_bytes_are_the_adapters_alone(lora_runs):
     """AdamW: exp_avg and exp_avg_sq (8 bytes per trainable parameter) and a 4-byte step per tensor; DeepSpeed
-    keeps its fp32 master copy too (12 bytes) and shards it; FSDP2 and ZeRO-1 shard the 8 bytes. Nothing for the
-    frozen base (20x the adapters here)."""
-    from safetensors.torch import load_file
-
-    from torch_handle.finetune.lora import BASE_HASH_BUFFER
-
-    adapters = [t for k, t in load_file(str(lora_runs["ddp"] / "model.safetensors")).items() if k != BASE_HASH_BUFFER]
+    keeps its fp32 master copy too (12 bytes) and shards it; FSDP2, scratch-fsdp and ZeRO-1 shard the 8 bytes; tp 2
+    halves the split adapters, pp 2 keeps each stage's own. Nothing for the frozen base (13x the adapters here)."""
+    adapters = list(_adapters(lora_runs["ddp"]).values())
     n, tensors = sum(t.numel() for t in adapters), len(adapters)
     memory = {name: [e for e in events(run, "step") if "memory" in e][-1]["memory"] for name, run in lora_runs.items()}
     assert memory["single"][0]["optimizer_bytes"] == memory["ddp"][0]["optimizer_bytes"] == 8 * n + 4 * tensors
     for name in ("zero2", "zero3"):
         assert [m["optimizer_bytes"] for m in memory[name]] == [12 * n // 2 + 4] * 2, name
-    # FSDP2: every rank half of each tensor's moments (the widths are even) and every step counter
-    assert [m["optimizer_bytes"] for m in memory["fsdp"]] == [8 * n // 2 + 4 * tensors] * 2
+    # FSDP2 and scratch-fsdp (per parameter): every rank half of each tensor's moments (the widths are even) and
+    # every step counter
+    for name in ("fsdp", "scratch-fsdp"):
+        assert [m["optimizer_bytes"] for m in memory[name]] == [8 * n // 2 + 4 * tensors] * 2, name
     owned = [m["optimizer_bytes"] for m in memory["scratch-zero1"]]  # ZeRO-1: whole tensors, balanced by size
     assert sum(owned) == 8 * n + 4 * tensors and max(owned) <= 0.55 * sum(owned), owned
     info = json.loads((lora_runs["zero3"] / "run.json").read_text())
     assert info["zero_stage"] == 3 and info["world_size"] == 2
+    # tp 2: B of a column-parallel linear and A of a row-parallel one split in half, the other adapter whole
+    split = sum(t.numel() for k, t in _adapters(lora_runs["ddp"]).items()
+                if (".lora_B." in k and any(c in k for c in COLUMN_PARALLEL))
+                or (".lora_A." in k and any(r in k for r in ROW_PARALLEL)))
+    assert 0 < split < n
+    for name in ("tp-scratch", "tp-native"):
+        assert [m["optimizer_bytes"] for m in memory[name]] == [8 * (n - split // 2) + 4 * tensors] * 2, name
+    # pp 2: each stage steps its own layer's adapters (the embedding and the head, on the two ends, have none)
+    assert [m["optimizer_bytes"] for m in memory["pp"]] == [(8 * n + 4 * tensors) // 2] * 2
+
+
+def _adapters(run_dir: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    from torch_handle.finetune.lora import BASE_HASH_BUFFER
+
+    return {k: t for k, t in load_file(str(run_dir / "model.safetensors")).items() if k != BASE_HASH_BUFFER}
+
+
+@pytest.mark.parametrize("name", ["tp-scratch", "tp-native", "pp"])
+def test_a_split_run_exports_the_one_process_files(lora_runs, name, tmp_path):
+    """The split run's final weights are the one-process adapters (gathered over the TP ranks / joined from the
+    stages, under the one-process names): its peft export and its merged export match the single process's."""
+    from safetensors.torch import load_file
+
+    from torch_handle.infer.adapter_export import export_run
+
+    for merge in (False, True):
+        files = {}
+        for run in ("single", name):
+            out = tmp_path / f"{run}-{merge}"
+            export_run(lora_runs[run], out, merge=merge)
+            files[run] = {f.name: f for f in out.iterdir()}
+        assert files["single"].keys() == files[name].keys()
+        for file in (f for f in files["single"] if f.endswith(".safetensors")):
+            want, got = load_file(str(files["single"][file])), load_file(str(files[name][file]))
+            assert want.keys() == got.keys(), (name, file)
+            for key in want:
+                torch.testing.assert_close(got[key], want[key], rtol=1e-4, atol=1e-6, msg=f"{name} {file} {key}")
 
 
 def test_the_estimate_is_the_telemetry_to_the_byte(lora_runs):
     """``handle estimate`` of each run's own preset.toml: rank 0's trainable and frozen parameter bytes, gradients
     and optimizer state equal its memory telemetry exactly (DDP: the base whole; FSDP2 and ZeRO-3: the base
-    sharded like any parameter; ZeRO-2: the base whole beside the flat adapters), and its FLOPs per token are
+    sharded like any parameter; ZeRO-2: the base whole beside the flat adapters; tp 2: base and adapters split by
+    the plan), and its FLOPs per token are
     what the run's tflops counts (LoRA's: 4 per frozen matmul weight)."""
     from torch_handle.config.loader import load_preset
     from torch_handle.plan.estimate import estimate_preset
@@ -146,12 +194,12 @@ def test_the_estimate_is_the_telemetry_to_the_byte(lora_runs):
 
     registry = get_registry()
     keys = ("trainable_param_bytes", "frozen_param_bytes", "grad_bytes", "optimizer_bytes")
-    for name in ("ddp", "fsdp", "zero2", "zero3"):
+    for name in ("ddp", "fsdp", "zero2", "zero3", "tp-scratch", "tp-native"):
         run = lora_runs[name]
         step = [e for e in events(run, "step") if "memory" in e][-1]
         (row,) = estimate_preset(load_preset(run / "preset.toml", [], registry), registry, [2], rank=0)
         estimated = {k: row.as_dict()[k] for k in keys}
         assert estimated == {k: step["memory"][0][k] for k in keys}, name
-        assert 0 < estimated["trainable_param_bytes"] < estimated["frozen_param_bytes"] / 10, name
+        assert 0 < estimated["trainable_param_bytes"] < estimated["frozen_param_bytes"] / 5, name
         assert row.finetune["flops_per_token"] == pytest.approx(step["tflops"] * 1e12 / step["tokens_per_s"],
                                                                 rel=1e-9), name

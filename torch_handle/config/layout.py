@@ -160,15 +160,14 @@ def _finetune(preset: Preset, registry: Any) -> Iterator[PresetError]:
     if preset.model.name != "transformer":
         yield PresetError(f"finetune.method = {preset.finetune.method!r} adapts the from-scratch 'transformer' "
                           f"(model.name = {preset.model.name!r})", key="model.name")
-    for key in ("tp", "pp"):
-        if getattr(preset.parallel, key) > 1:
-            yield PresetError(f"LoRA adapters are not split by parallel.{key} yet (valid: 1)", key=f"parallel.{key}")
-    if preset.finetune.method == "qlora" and preset.strategy.name not in ("single", "ddp"):
-        yield PresetError(f"finetune.method = 'qlora' runs under single or ddp so far (not {preset.strategy.name!r}; "
-                          f"docs/qlora.md)", key="strategy.name")
-    elif preset.strategy.name == "scratch-fsdp":
-        yield PresetError("scratch-fsdp shards flat per unit, frozen base and adapters together: use fsdp, deepspeed, "
-                          "ddp, scratch-ddp or single with finetune.method = 'lora'", key="strategy.name")
+    if preset.finetune.method == "qlora":
+        for key in ("tp", "pp"):
+            if getattr(preset.parallel, key) > 1:
+                yield PresetError(f"QLoRA's NF4 base is not split by parallel.{key} yet (valid: 1; finetune.method "
+                                  f"= 'lora' is)", key=f"parallel.{key}")
+        if preset.strategy.name not in ("single", "ddp"):
+            yield PresetError(f"finetune.method = 'qlora' runs under single or ddp so far (not "
+                              f"{preset.strategy.name!r}; docs/qlora.md)", key="strategy.name")
 
 
 LAYOUT_CHECKS: tuple[Callable[[Preset, Any], Iterator[PresetError]], ...] = (

@@ -111,22 +111,57 @@ class LoRALinear(nn.Module):
             nn.init.kaiming_uniform_(self.lora_A[name].weight, a=math.sqrt(5))
             nn.init.zeros_(self.lora_B[name].weight)
 
-    def delta(self, x: Tensor, parts: slice | None = None) -> Tensor:
+    def delta(self, x: Tensor, parts: slice | None = None, width: int | None = None) -> Tensor:
         """(α / r) · B · A · dropout(x): (..., in) -> (..., rows of ``parts``; all rows when None), zero in the
-        rows of blocks without an adapter."""
+        rows of blocks without an adapter. ``width``: the base's output features here, when the layer is split
+        over tensor-parallel ranks (each part then holds its share of the rows: :meth:`tensor_parallel_plan`)."""
         h = self.lora_dropout(x)
         if self.parts.keys() == {DEFAULT_ADAPTER}:
             return self.lora_B[DEFAULT_ADAPTER](self.lora_A[DEFAULT_ADAPTER](h)) * self.scaling
         index = range(len(self.part_features))[parts or slice(None)]
+        whole = sum(self.part_features[i] for i in index)
         by_index = {i: name for name, i in self.parts.items()}
         blocks = [self.lora_B[by_index[i]](self.lora_A[by_index[i]](h)) * self.scaling if i in by_index
-                  else h.new_zeros(*h.shape[:-1], self.part_features[i]) for i in index]
+                  else h.new_zeros(*h.shape[:-1], self.part_features[i] * (width or whole) // whole) for i in index]
         return torch.cat(blocks, dim=-1)
 
     def forward(self, x: Tensor, parts: slice | None = None) -> Tensor:
         """(..., in_features) -> (..., out_features), or a stacked base's rows of ``parts`` (cross-attention)."""
         out = self.base(x) if parts is None else self.base(x, parts=parts)
-        return out + self.delta(x, parts).to(out.dtype)
+        return out + self.delta(x, parts, out.shape[-1]).to(out.dtype)
+
+    def tensor_parallel_plan(self, style: Any) -> dict[str, Any]:
+        """How to split this layer when its base is split as ``style`` (a tensor-parallel plan's entry, see
+        :mod:`torch_handle.parallel.tensor.plan`): names relative to this module -> their styles. The adapters
+        follow the base (Megatron's layout applied to W + B·A), so each rank computes its slice of the update:
+
+        - column-parallel base (``COLWISE``, ``Stacked``: q/k/v, gate/up): B split on its output rows as the base
+          is (a stacked base's adapters each on their own part's rows), A replicated. B's layer takes A·x through
+          the TP region's ``f`` (identity forward, all-reduce backward), so A's gradient and the input's are
+          whole on every rank; under sequence parallelism it gathers A·x (r wide) along the sequence, A's
+          gradient is a partial sum (``NORM``) and the adapter's dropout draws the one-process mask
+          (``DROPOUT``).
+        - row-parallel base (``ROWWISE``: out_proj, down_proj): A split on its input columns as the base is, its
+          partial products (r wide) summed over the group (``g``), B replicated (``NORM``: a partial sum under
+          sequence parallelism); the adapter's dropout draws the one-process mask of the whole input and keeps
+          this rank's features (``SLICE_DROPOUT``).
+
+        Raises:
+            ValueError: a style that is not a linear's split (the vocabulary's, a norm's)."""
+        from torch_handle.parallel.tensor.plan import Stacked, Style
+
+        if style is Style.ROWWISE:
+            split, replicated = "lora_A", "lora_B"
+        elif style is Style.COLWISE or isinstance(style, Stacked):
+            split, replicated = "lora_B", "lora_A"
+        else:
+            raise ValueError(f"LoRA adapts linears split by rows or columns, not {style}")
+        plan: dict[str, Any] = {"base": style}
+        plan.update({f"{split}.{name}": Style.ROWWISE if split == "lora_A" else Style.COLWISE for name in self.parts})
+        plan.update({f"{replicated}.{name}": Style.NORM for name in self.parts})
+        if isinstance(self.lora_dropout, nn.Dropout):
+            plan["lora_dropout"] = Style.DROPOUT if split == "lora_B" else Style.SLICE_DROPOUT
+        return plan
 
     @torch.no_grad()
     def merged_weight(self) -> Tensor:

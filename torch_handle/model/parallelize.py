@@ -110,7 +110,8 @@ def tensor_parallel_plan(model: Any) -> dict[str, Any]:
     and the LM head are split over the vocabulary (the loss is vocabulary-parallel: the logits are never gathered).
     Under sequence parallelism the norms and the embedding and residual dropouts run on 1/tp of the sequence,
     from the positional encoding on (the encoder's and the decoder's; the dropouts draw the one-process masks:
-    ``Style.DROPOUT``).
+    ``Style.DROPOUT``). A planned linear wrapped by LoRA (``LoRALinear``) is planned as its parts: its base split as
+    the linear would be, its adapters with it (``LoRALinear.tensor_parallel_plan``).
 
     Raises:
         ValueError: one line, for a model without a plan (one that is not ``DecoderLM`` or ``EncoderDecoder``).
@@ -153,7 +154,17 @@ def tensor_parallel_plan(model: Any) -> dict[str, Any]:
     if model.args.norm_first:
         plan.update({norm: Style.NORM for norm in final_norms})
     plan["lm_head"] = Style.VOCAB_HEAD
-    return plan
+    return _wrapped_plans(model, plan)
+
+
+def _wrapped_plans(model: Any, plan: dict[str, Any]) -> dict[str, Any]:
+    """``plan`` with each planned module that wraps its linear (LoRA's ``LoRALinear``: the base plus adapters) replaced
+    by the plan the wrapper gives for its parts (``module.tensor_parallel_plan(style)``, names relative to it)."""
+    out = {}
+    for name, style in plan.items():
+        split = getattr(model.get_submodule(name), "tensor_parallel_plan", None)
+        out.update({f"{name}.{part}": s for part, s in split(style).items()} if callable(split) else {name: style})
+    return out
 
 
 def replicated_numel(model: Any) -> int:
@@ -226,7 +237,8 @@ def parallelize_tensor(model: Any, impl: str, tp: Any, *, sequence_parallel: boo
     (``tp`` the "tp" ``DeviceMesh``: DTensor ``parallelize_module``; the forward returns a vocabulary-sharded
     DTensor for ``F.cross_entropy`` under ``loss_parallel()``). Tied embeddings stay tied: the token table and the
     LM head are split over the same vocabulary rows, so each rank's slices are one tensor. An encoder-decoder under
-    sequence parallelism pads its inputs to a multiple of tp inside its forward (:class:`PadToMultiple`).
+    sequence parallelism pads its inputs to a multiple of tp inside its forward (:class:`PadToMultiple`). A frozen
+    parameter (LoRA's base) stays frozen in its split.
 
     Raises:
         ValueError: a model without a plan, or an unknown ``impl``."""
@@ -234,6 +246,7 @@ def parallelize_tensor(model: Any, impl: str, tp: Any, *, sequence_parallel: boo
     from torch_handle.parallel.tensor.plan import apply_native, apply_scratch
 
     plan = tensor_parallel_plan(model)
+    frozen = {name for name, p in model.named_parameters() if not p.requires_grad}  # LoRA's base: stays frozen
     if impl == "scratch":
         apply_scratch(model, plan, tp, sequence_parallel=sequence_parallel)
     elif impl == "native":
@@ -242,6 +255,8 @@ def parallelize_tensor(model: Any, impl: str, tp: Any, *, sequence_parallel: boo
         raise ValueError(f"unknown tensor-parallel implementation {impl!r}; expected 'scratch' or 'native'")
     if model.args.tie_embeddings:
         model.lm_head.weight = model.embed.weight
+    for name, p in model.named_parameters():  # the split layers' parameters are new ones (names unchanged)
+        p.requires_grad_(name not in frozen)
     if sequence_parallel and isinstance(model, EncoderDecoder):
         PadToMultiple(tp.size if impl == "scratch" else tp.size(), model.args.pad_id).attach(model)
     return model

@@ -94,6 +94,12 @@ class PipelineShard(nn.Module):
         self.layers = nn.ModuleDict({str(i): model.layers[i] for i in layer_ids})
         if last:
             self.final_norm, self.lm_head = model.final_norm, model.lm_head
+        # the whole model's own buffers and state-dict hooks (LoRA's: the frozen base left out of saved state,
+        # the base's hash saved and checked on load) hold for every shard of it: names are the same
+        for name, buffer in model.named_buffers(recurse=False):
+            self.register_buffer(name, buffer, persistent=name not in model._non_persistent_buffers_set)
+        for hooks in ("_state_dict_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks"):
+            getattr(self, hooks).update(getattr(model, hooks))
         self.stage_views: list[nn.Module] = []  # a plain list: the views' modules are this shard's, registered once
 
     def blocks(self) -> list[nn.Module]:

@@ -357,7 +357,9 @@ class PipelineParallel:
         if missing:
             raise CheckpointError(f"{portable}: model state has no {missing[0]} ({len(missing)} name(s) missing)")
         by_name = {}
-        for name, _ in self.shard.named_parameters():
+        for name, p in self.shard.named_parameters():
+            if not p.requires_grad:  # LoRA's frozen base: no optimizer state
+                continue
             entry = state.get(self.tied.get(name, name))
             if entry is None:
                 raise CheckpointError(f"{portable}: optimizer state has no {self.tied.get(name, name)}")

@@ -172,9 +172,12 @@ def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, m
     communication.
 
     Raises:
-        CheckpointError: a name the model has and the state lacks, or the reverse (one line naming it).
+        CheckpointError: a name the model has and the state lacks, or the reverse (one line naming it), or what
+            the model's own load hooks raise (a LoRA model's: a base that changed since the checkpoint).
         ValueError: an unknown ``impl``."""
     _check(impl)
+    for hook in model._load_state_dict_pre_hooks.values():  # what load_state_dict runs first (LoRA: the base's hash)
+        hook(model_state, "", {}, True, [], [], [])
     own = model.state_dict(keep_vars=True)
     for names, which in ((own.keys() - model_state.keys(), "model state has no"),
                          (model_state.keys() - own.keys(), "the model has no")):

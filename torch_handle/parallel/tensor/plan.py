@@ -18,6 +18,7 @@ style              by hand                               native (torch.distribut
 ``TO_SEQUENCE``    (SP) output split along the sequence  (SP) PrepareModuleOutput(Replicate -> Shard(1))
 ``DROPOUT``        (SP) SequenceParallelDropout          (SP) SequenceParallelDropout
 ``HEAD_NORM``      grads all-reduced over TP             grads all-reduced over TP
+``SLICE_DROPOUT``  SequenceParallelDropout(dim=-1)       SequenceParallelDropout(dim=-1)
 =================  ====================================  ===============================================
 
 ``Stacked`` is a fused projection, several column-parallel outputs in one weight (the attention's [W_q; W_k; W_v]):
@@ -32,7 +33,9 @@ gradient is a partial sum over the TP group with or without sequence parallelism
 ``NORM`` and ``TO_SEQUENCE`` act only under sequence parallelism: a module marked ``TO_SEQUENCE`` (the positional
 encoding: the last step on the whole sequence) hands its output over as this rank's 1/tp of the sequence, and the
 norms then run on that shard, and so do the dropouts marked ``DROPOUT`` (drawing the one-process mask and keeping
-this rank's slice: :mod:`torch_handle.parallel.tensor.random`).
+this rank's slice: :mod:`torch_handle.parallel.tensor.random`). ``SLICE_DROPOUT`` is a dropout on this rank's slice
+of the features (the input of a row-parallel linear, as LoRA's adapter sees it): in every layout it draws the
+one-process mask and keeps this rank's features.
 """
 
 from __future__ import annotations
@@ -64,6 +67,7 @@ class Style(enum.Enum):
     TO_SEQUENCE = "to_sequence"
     DROPOUT = "dropout"
     HEAD_NORM = "head_norm"
+    SLICE_DROPOUT = "slice_dropout"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,6 +121,8 @@ def apply_scratch(model: nn.Module, plan: Plan, tp: TPGroup, *, sequence_paralle
                 _set(model, name, SequenceParallelDropout(module, tp.rank, tp.size))
             elif style is Style.HEAD_NORM:
                 mark_sequence_parallel(module)
+            elif style is Style.SLICE_DROPOUT:
+                _set(model, name, SequenceParallelDropout(module, tp.rank, tp.size, dim=-1))
         except ValueError as e:
             raise ValueError(f"{name}: {e}") from None
     return model
@@ -147,6 +153,9 @@ def apply_native(model: nn.Module, plan: Plan, tp_mesh: DeviceMesh, *, sequence_
         if style is Style.DROPOUT and sp:
             _set(model, name, SequenceParallelDropout(model.get_submodule(name), tp_mesh.get_local_rank(),
                                                       tp_mesh.size()))
+        elif style is Style.SLICE_DROPOUT:
+            _set(model, name, SequenceParallelDropout(model.get_submodule(name), tp_mesh.get_local_rank(),
+                                                      tp_mesh.size(), dim=-1))
         elif isinstance(style, Stacked) and style.equal:
             native[name] = FusedColwiseParallel(parts=len(style.parts), input_layouts=seq)
         elif isinstance(style, Stacked) or style is Style.HEAD_NORM:
