@@ -121,7 +121,8 @@ def _pipeline_step(args: TransformerArgs, impl: str, schedule: str, v: int
     pp = PipelineParallel(parallel, ctx, n_microbatches=4, label_smoothing=0.0)
     torch.manual_seed(0)
     shard = pp.split(DecoderLM(args))
-    strategy = SimpleNamespace(autocast=contextlib.nullcontext, clips_gradients=True, pipeline_grad_sync=lambda: None)
+    strategy = SimpleNamespace(autocast=contextlib.nullcontext, clips_gradients=True, pipeline_grad_sync=lambda: None,
+                               expert_parallel=None)
     pp.bind(strategy)
     trainer = SimpleNamespace(timer=PhaseTimer(), training=SimpleNamespace(grad_accum=ACCUM), step=1,
                               strategy=strategy)
