@@ -18,8 +18,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.test_distributed import events, handle, run_dir_of, step_losses
-from tests.helpers import tiny_preset
+from tests.test_distributed import events, step_losses
+from tests.helpers import handle_at_once, tiny_preset
 
 pytestmark = pytest.mark.dist
 
@@ -66,10 +66,13 @@ def lora_runs(tmp_path_factory) -> dict[str, Path]:
     path = root / "lora.toml"
     path.write_text(_preset_text(root / "runs"))
     env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(root / "torch_extensions")}
+    # two at a time: a tiny 2-process run is mostly process start-up (imports, rendezvous), which overlaps
+    commands = {name: ("run", str(path), *[x for s in [f"run.name={name}", *sets] for x in ("--set", s)])
+                for name, sets in STRATEGIES.items()}
     runs = {}
-    for name, sets in STRATEGIES.items():
-        args = [x for s in [f"run.name={name}", *sets] for x in ("--set", s)]
-        runs[name] = run_dir_of(handle("run", str(path), *args, env=env))
+    for name, (code, out) in handle_at_once(commands, at_once=2, env=env).items():
+        assert code == 0, f"{name}:\n{out[-3000:]}"
+        runs[name] = Path(next(ln for ln in out.splitlines() if ln.startswith("run directory: ")).split(": ", 1)[1])
     runs["single"] = _single(path, root)
     return runs
 
