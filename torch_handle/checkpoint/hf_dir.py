@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from torch_handle.checkpoint.resume import flat_keys
-from torch_handle.common.fsio import read_json_object, replacing_dir
+from torch_handle.common.fsio import read_json_object, replace_problem, replacing_dir
 from torch_handle.errors import CheckpointError
 from torch_handle.model.args import DATASET_FIELDS, TransformerArgs
 from torch_handle.model.hf_names import from_hf_config, to_hf_config
@@ -230,13 +230,6 @@ def write(out: Path | str, config: Mapping[str, Any], state: Mapping[str, Tensor
 
 def check_out(out: Path, force: bool) -> None:
     """Raises CheckpointError unless ``out`` may receive an export (see :func:`write`)."""
-    if out.is_file():
-        raise CheckpointError(f"{out}: is a file (give a directory to write the export into)")
-    if not out.is_dir() or not any(out.iterdir()):
-        return
-    if not force:
-        raise CheckpointError(f"{out}: not empty (give --force to replace a Hugging Face model directory, or an "
-                              f"empty or new directory)")
-    if not (out / CONFIG_FILE).is_file():
-        raise CheckpointError(f"{out}: not empty and not a Hugging Face model directory (no {CONFIG_FILE}): "
-                              f"--force replaces only those")
+    problem = replace_problem(out, force, marker=CONFIG_FILE, kind="a Hugging Face model", what="the export")
+    if problem:
+        raise CheckpointError(problem)

@@ -115,3 +115,18 @@ def read_toml(path: Path) -> dict[str, Any] | None:
             return tomllib.load(f)
     except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError):
         return None
+
+
+def replace_problem(out: Path, force: bool, *, marker: str, kind: str, what: str) -> str | None:
+    """Why directory ``out`` may not receive ``what`` (e.g. "the export"), or None: it is a file; or it holds
+    something and ``force`` is off; or it holds something that is not a ``kind`` directory (no ``marker`` file
+    in it), which even ``force`` does not replace."""
+    if out.is_file():
+        return f"{out}: is a file (give a directory to write {what} into)"
+    if not out.is_dir() or not any(out.iterdir()):
+        return None
+    if not force:
+        return f"{out}: not empty (give --force to replace {kind} directory, or an empty or new directory)"
+    if not (out / marker).is_file():
+        return f"{out}: not empty and not {kind} directory (no {marker}): --force replaces only those"
+    return None

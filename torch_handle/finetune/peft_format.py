@@ -20,7 +20,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from torch_handle.common.fsio import replacing_dir
+from torch_handle.common.fsio import replace_problem, replacing_dir
 from torch_handle.errors import CheckpointError
 from torch_handle.finetune.lora import DEFAULT_ADAPTER, adapter_modules
 from torch_handle.model.args import TransformerArgs
@@ -84,15 +84,9 @@ def write_adapter(out: Path | str, state: dict[str, Tensor], config: dict[str, A
     from safetensors.torch import save_file
 
     out = Path(out)
-    if out.is_file():
-        raise CheckpointError(f"{out}: is a file (give a directory to write the adapters into)")
-    if out.is_dir() and any(out.iterdir()):
-        if not force:
-            raise CheckpointError(f"{out}: not empty (give --force to replace an adapter directory, or an empty or "
-                                  f"new directory)")
-        if not (out / CONFIG_FILE).is_file():
-            raise CheckpointError(f"{out}: not empty and not an adapter directory (no {CONFIG_FILE}): --force "
-                                  f"replaces only those")
+    problem = replace_problem(out, force, marker=CONFIG_FILE, kind="an adapter", what="the adapters")
+    if problem:
+        raise CheckpointError(problem)
     try:
         with replacing_dir(out) as tmp:
             tensors = {k: v.detach().float().contiguous().clone() for k, v in state.items()}
