@@ -118,6 +118,39 @@ class LMDataset(Dataset):
         return {"input_ids": chunk[:-1], "labels": chunk[1:]}
 
 
+class TokenWindows(Dataset):
+    """Packed samples from a prepared split (:class:`torch_handle.data.shards.TokenSplit`): window ``i`` is tokens
+    ``[i * seq_len, (i + 1) * seq_len + 1)`` of the split's stream, across document and shard boundaries, read
+    from disk at each access (nothing of the corpus is held in memory).
+
+    Item: ``{"input_ids": (seq_len,), "labels": (seq_len,)}``, labels shifted by one; with ``document_mask`` also
+    ``"position_ids": (seq_len,)``, each token's position in its document, restarting at 0 at every document
+    start and at the window's first token (the model then attends within documents only).
+
+    Raises:
+        DataError: when the split is too short for a single window.
+    """
+
+    def __init__(self, split: Any, seq_len: int, *, document_mask: bool = False, name: str = "corpus"):
+        if split.n_tokens < seq_len + 1:
+            raise DataError(f"{name}: {split.n_tokens} tokens is too small for one sample of seq_len={seq_len}")
+        self.split, self.seq_len, self.document_mask = split, seq_len, document_mask
+        self.n = (split.n_tokens - 1) // seq_len
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        if not 0 <= i < self.n:
+            raise IndexError(f"sample {i} outside [0, {self.n})")
+        start = i * self.seq_len
+        chunk = torch.from_numpy(self.split.window(start, start + self.seq_len + 1))
+        item = {"input_ids": chunk[:-1], "labels": chunk[1:]}
+        if self.document_mask:
+            item["position_ids"] = torch.from_numpy(self.split.positions(start, start + self.seq_len))
+        return item
+
+
 class TranslationDataset(Dataset):
     """Sentence pairs for an encoder-decoder: source ``tokens + <eos>``; target input ``<bos> + tokens``,
     labels ``tokens + <eos>``; each truncated to ``max_len``.

@@ -1,0 +1,341 @@
+"""Prepared token shards: the on-disk format that ``handle data prepare`` writes and the ``tokens`` dataset reads.
+
+A prepared directory holds, for each split (``train``, ``valid``), one or more shards, and one ``meta.json``::
+
+    DIR/meta.json             what is here (below); written last, so a directory without it is not prepared
+    DIR/tokenizer.json        the tokenizer that made the ids (HF ``tokenizers`` JSON)
+    DIR/train-00000.bin       token ids, little-endian ``dtype`` (uint16 when the vocabulary fits, else uint32),
+                              documents one after the other, each ended by ``<eos>``
+    DIR/train-00000.idx       int64 little-endian document boundaries within the shard: ``[0, end_0, end_1, ...]``
+                              (documents + 1 entries; document d is ``bin[idx[d]:idx[d + 1]]``)
+
+As Megatron-Core's indexed dataset (``megatron/core/datasets/indexed_dataset.py``: a ``.bin`` of tokens and an
+``.idx`` of offsets) and nanoGPT's ``train.bin``: the tokens never enter Python lists; a reader maps only the
+window it needs (:meth:`TokenSplit.window`) and drops the mapping at once (nanoGPT #287: a long-lived memmap's
+pages count in the process's RSS), so resident memory does not grow with the corpus.
+
+A corpus prepared in parts (``handle data prepare --part I/N``, one Slurm array task each) is a directory of
+``part-IIIII-of-NNNNN/`` subdirectories, each a prepared directory of its own, all with one tokenizer:
+:func:`open_prepared` reads them as one dataset, in part order, without copying.
+
+``meta.json``::
+
+    {"format": "handle-tokens", "version": 1, "dtype": "uint16",
+     "tokenizer": {"file": "tokenizer.json", "sha256": HEX, "vocab_size": 4096, "eos_id": 2},
+     "splits": {"train": {"tokens": N, "documents": D, "shards": [{"bin": ..., "idx": ..., "tokens": n,
+                                                                   "documents": d}, ...]},
+                "valid": {...}},
+     "sources": [{"path": ..., "format": "text" | "jsonl" | "parquet" | "hf", "sha256": HEX, "bytes": B,
+                  "documents": d, "split": "train" | "valid" | "both"}, ...],
+     "valid": {"method": "documents" | "source" | "tail", "fraction": f},
+     "part": null | {"index": i, "count": n}}
+
+No torch import: the CLI's checks read it too.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable
+
+import numpy as np
+
+from torch_handle.errors import DataError
+
+FORMAT, VERSION = "handle-tokens", 1
+META_FILE, TOKENIZER_FILE = "meta.json", "tokenizer.json"
+SPLITS = ("train", "valid")
+SHARD_TOKENS = 1 << 28
+"""A shard is closed at the first document end past this many tokens (512 MiB of uint16): few files, each well
+under any filesystem's limit. Shard boundaries depend on the documents only, never on the number of workers."""
+IDX_DTYPE = np.dtype("<i8")
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """The smallest little-endian unsigned dtype that holds every id below ``vocab_size``: uint16 up to 65,536
+    ids (ids 0..65,535), else uint32."""
+    return np.dtype("<u2") if vocab_size <= 1 << 16 else np.dtype("<u4")
+
+
+def file_sha256(path: Path, chunk: int = 1 << 20) -> str:
+    """Hex SHA-256 of a file's bytes, read in chunks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def part_dir_name(index: int, count: int) -> str:
+    """``part-IIIII-of-NNNNN``: the subdirectory ``--part I/N`` writes (``index`` counts from 0)."""
+    return f"part-{index:05d}-of-{count:05d}"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Writing
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class ShardWriter:
+    """Appends documents of one split to ``DIR/<split>-NNNNN.bin/.idx`` shards.
+
+    Call :meth:`add` with each document's ids in corpus order (the ``<eos>`` is appended here), then :meth:`close`,
+    which returns the split's entry for ``meta.json``. The bytes depend on the documents and ``shard_tokens`` only.
+
+    Raises:
+        DataError: an id that does not fit ``dtype`` (a tokenizer bigger than the vocabulary it was sized for).
+    """
+
+    def __init__(self, directory: Path, split: str, dtype: np.dtype, eos_id: int, *,
+                 shard_tokens: int = SHARD_TOKENS):
+        self.directory, self.split, self.dtype, self.eos_id = Path(directory), split, np.dtype(dtype), eos_id
+        self.shard_tokens = shard_tokens
+        self.shards: list[dict[str, Any]] = []
+        self._bin = self._ends = None
+        self._tokens = 0
+
+    def _open(self) -> None:
+        k = len(self.shards)
+        name = f"{self.split}-{k:05d}"
+        self.shards.append({"bin": f"{name}.bin", "idx": f"{name}.idx", "tokens": 0, "documents": 0})
+        self._bin = open(self.directory / f"{name}.bin", "wb")
+        self._ends: list[int] = [0]
+        self._tokens = 0
+
+    def _finish(self) -> None:
+        if self._bin is None:
+            return
+        self._bin.close()
+        np.asarray(self._ends, dtype=IDX_DTYPE).tofile(self.directory / self.shards[-1]["idx"])
+        self.shards[-1].update(tokens=self._tokens, documents=len(self._ends) - 1)
+        self._bin = None
+
+    def add(self, ids: Iterable[int] | np.ndarray) -> None:
+        """Append one document (its ids without ``<eos>``)."""
+        arr = np.asarray(ids, dtype=np.int64)
+        if arr.size and (arr.max() > np.iinfo(self.dtype).max or arr.min() < 0):
+            raise DataError(f"token id {int(arr.max())} does not fit {self.dtype.name} (vocabulary too big)")
+        if self._bin is None:
+            self._open()
+        doc = np.empty(arr.size + 1, dtype=self.dtype)
+        doc[:-1], doc[-1] = arr, self.eos_id
+        self._bin.write(doc.tobytes())
+        self._tokens += doc.size
+        self._ends.append(self._tokens)
+        if self._tokens >= self.shard_tokens:
+            self._finish()
+
+    def close(self) -> dict[str, Any]:
+        """Close the last shard; the split's ``meta.json`` entry ``{"tokens", "documents", "shards"}``."""
+        self._finish()
+        return {"tokens": sum(s["tokens"] for s in self.shards),
+                "documents": sum(s["documents"] for s in self.shards), "shards": self.shards}
+
+
+def write_meta(directory: Path, meta: dict[str, Any]) -> None:
+    """Write ``meta.json`` (``format`` and ``version`` filled in); keys sorted, so equal content is equal bytes."""
+    full = {"format": FORMAT, "version": VERSION, **meta}
+    (Path(directory) / META_FILE).write_text(json.dumps(full, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Reading
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Shard:
+    bin: Path
+    start: int
+    """Global token offset of the shard's first token within its split."""
+    tokens: int
+
+
+class TokenSplit:
+    """One split of one or more prepared directories, read as one stream of tokens.
+
+    ``doc_starts`` (int64, (D,)) are the global token offsets where documents begin: small (8 bytes a document),
+    read into memory. The tokens stay on disk.
+
+    Raises:
+        DataError: a shard missing or of the wrong size for ``meta.json`` (truncated), an index that does not
+            match its shard.
+    """
+
+    def __init__(self, metas: list[tuple[Path, dict[str, Any]]], split: str):
+        self.split = split
+        self.dtype = np.dtype(metas[0][1]["dtype"]).newbyteorder("<")
+        self.shards: list[_Shard] = []
+        starts: list[np.ndarray] = []
+        total = 0
+        for directory, meta in metas:
+            for entry in meta["splits"][split]["shards"]:
+                bin_path, idx_path = directory / entry["bin"], directory / entry["idx"]
+                n, d = int(entry["tokens"]), int(entry["documents"])
+                for path, want in ((bin_path, n * self.dtype.itemsize), (idx_path, (d + 1) * IDX_DTYPE.itemsize)):
+                    if not path.is_file():
+                        raise DataError(f"{path}: missing (listed in {directory / META_FILE}; prepare again)")
+                    if path.stat().st_size != want:
+                        raise DataError(f"{path}: {path.stat().st_size} bytes, {directory / META_FILE} says {want} "
+                                        f"(truncated or changed; prepare again)")
+                ends = np.fromfile(idx_path, dtype=IDX_DTYPE)
+                if ends[0] != 0 or ends[-1] != n or (d and np.any(np.diff(ends) <= 0)):
+                    raise DataError(f"{idx_path}: document offsets do not match {bin_path.name} (prepare again)")
+                self.shards.append(_Shard(bin_path, total, n))
+                starts.append(ends[:-1] + total)
+                total += n
+        self.n_tokens = total
+        self.doc_starts = np.concatenate(starts) if starts else np.zeros(0, dtype=IDX_DTYPE)
+        self._shard_starts = np.array([s.start for s in self.shards], dtype=np.int64)
+
+    @property
+    def n_documents(self) -> int:
+        return int(self.doc_starts.size)
+
+    def window(self, start: int, stop: int) -> np.ndarray:
+        """Tokens ``[start, stop)`` of the split as int64 (stop - start,), read through short-lived memory maps of
+        only the pages needed (across shard boundaries).
+
+        Raises:
+            IndexError: a range outside ``[0, n_tokens]``.
+        """
+        if not 0 <= start <= stop <= self.n_tokens:
+            raise IndexError(f"tokens [{start}, {stop}) outside [0, {self.n_tokens}) of the {self.split} split")
+        out = np.empty(stop - start, dtype=np.int64)
+        k = int(np.searchsorted(self._shard_starts, start, side="right")) - 1
+        pos = start
+        while pos < stop:
+            shard = self.shards[k]
+            lo, hi = pos - shard.start, min(stop, shard.start + shard.tokens) - shard.start
+            if hi > lo:
+                mm = np.memmap(shard.bin, dtype=self.dtype, mode="r", offset=lo * self.dtype.itemsize,
+                               shape=(hi - lo,))
+                out[pos - start: pos - start + hi - lo] = mm
+                del mm
+                pos += hi - lo
+            k += 1
+        return out
+
+    def positions(self, start: int, stop: int) -> np.ndarray:
+        """Each token's position in its document for the window ``[start, stop)``, int64 (stop - start,): 0 at the
+        window's first token and at every document start within it, counting up in between (the ``position_ids``
+        of a packed sample with document masking)."""
+        first = int(np.searchsorted(self.doc_starts, start, side="right"))
+        last = int(np.searchsorted(self.doc_starts, stop, side="left"))
+        seg_starts = np.concatenate([[0], self.doc_starts[first:last] - start])  # (S,) within the window
+        idx = np.arange(stop - start, dtype=np.int64)
+        return idx - seg_starts[np.searchsorted(seg_starts, idx, side="right") - 1]
+
+
+def read_meta(directory: Path) -> dict[str, Any]:
+    """``DIR/meta.json``, checked for format and version.
+
+    Raises:
+        DataError: no meta.json (not a prepared directory, or a prepare that did not finish), unreadable JSON,
+            another format or a newer version.
+    """
+    path = Path(directory) / META_FILE
+    if not path.is_file():
+        raise DataError(f"{directory}: not a prepared token directory (no {META_FILE}; run `handle data prepare`)")
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise DataError(f"{path}: unreadable ({' '.join(str(e).split())})") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise DataError(f"{path}: not a {FORMAT} meta.json")
+    if meta.get("version") != VERSION:
+        raise DataError(f"{path}: version {meta.get('version')}, this handle reads version {VERSION}")
+    for key in ("dtype", "tokenizer", "splits"):
+        if key not in meta:
+            raise DataError(f"{path}: no {key!r} entry (prepare again)")
+    return meta
+
+
+def prepared_parts(directory: Path) -> list[tuple[Path, dict[str, Any]]]:
+    """The prepared directories that ``directory`` stands for, with their ``meta.json``: itself, or its
+    ``part-*-of-N`` subdirectories (all N of them, one tokenizer and dtype).
+
+    Raises:
+        DataError: see :func:`read_meta`; parts missing, of different counts, tokenizers or dtypes.
+    """
+    directory = Path(directory)
+    if (directory / META_FILE).is_file():
+        return [(directory, read_meta(directory))]
+    parts = sorted(p for p in directory.glob("part-*-of-*") if p.is_dir()) if directory.is_dir() else []
+    if not parts:
+        if not directory.exists():
+            raise DataError(f"{directory}: no such directory (give a directory written by `handle data prepare`)")
+        return [(directory, read_meta(directory))]  # raises: not prepared
+    counts = {p.name.rsplit("-of-", 1)[1] for p in parts}
+    if len(counts) != 1:
+        raise DataError(f"{directory}: parts of different counts ({', '.join(sorted(counts))})")
+    count = int(counts.pop())
+    have = {p.name for p in parts}
+    missing = [part_dir_name(i, count) for i in range(count) if part_dir_name(i, count) not in have]
+    missing += [part_dir_name(i, count) for i in range(count)
+                if part_dir_name(i, count) in have and not (directory / part_dir_name(i, count) / META_FILE).is_file()]
+    if missing:
+        raise DataError(f"{directory}: {len(missing)} of {count} parts not prepared ({', '.join(missing[:3])}"
+                        f"{', ...' if len(missing) > 3 else ''})")
+    metas = [(directory / part_dir_name(i, count), read_meta(directory / part_dir_name(i, count)))
+             for i in range(count)]
+    first = metas[0][1]
+    for path, meta in metas[1:]:
+        if meta["tokenizer"].get("sha256") != first["tokenizer"].get("sha256"):
+            raise DataError(f"{path}: another tokenizer than {metas[0][0].name} (prepare every part with one "
+                            f"--tokenizer)")
+        if meta["dtype"] != first["dtype"]:
+            raise DataError(f"{path}: dtype {meta['dtype']}, {metas[0][0].name} has {first['dtype']}")
+    return metas
+
+
+@dataclass
+class Prepared:
+    """A prepared dataset: its splits, tokenizer file and metadata (of the first part when in parts)."""
+
+    directory: Path
+    metas: list[tuple[Path, dict[str, Any]]]
+    train: TokenSplit
+    valid: TokenSplit
+
+    @property
+    def meta(self) -> dict[str, Any]:
+        return self.metas[0][1]
+
+    @property
+    def tokenizer_path(self) -> Path:
+        directory, meta = self.metas[0]
+        return directory / meta["tokenizer"].get("file", TOKENIZER_FILE)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.meta["tokenizer"]["vocab_size"])
+
+    @property
+    def fingerprint(self) -> str:
+        """Hash of every part's meta.json: changes when any shard, source or the tokenizer changes."""
+        h = hashlib.sha256()
+        for directory, _ in self.metas:
+            h.update((directory / META_FILE).read_bytes())
+        return h.hexdigest()[:16]
+
+
+def open_prepared(directory: Path) -> Prepared:
+    """Open a prepared directory (or a directory of parts) for reading.
+
+    Raises:
+        DataError: see :func:`prepared_parts` and :class:`TokenSplit`; a split with no tokens.
+    """
+    metas = prepared_parts(Path(directory))
+    splits = {}
+    for split in SPLITS:
+        if any(split not in m["splits"] for _, m in metas):
+            raise DataError(f"{directory}: no {split} split in {META_FILE}")
+        splits[split] = TokenSplit(metas, split)
+    tok = metas[0][0] / metas[0][1]["tokenizer"].get("file", TOKENIZER_FILE)
+    if not tok.is_file():
+        raise DataError(f"{tok}: missing (the tokenizer of {directory}; prepare again)")
+    return Prepared(Path(directory), metas, splits["train"], splits["valid"])
