@@ -78,6 +78,11 @@ def validate(preset: str, overrides: tuple[str, ...]) -> None:
                 click.echo(f"error: {e}", err=True)
             sys.exit(2)
     check_inputs(p)  # DataError: one line, exit 2 (HandleGroup)
+    from torch_handle.launch.base_tokenizer import resolve_base_tokenizer
+
+    p, tokenizer_note = resolve_base_tokenizer(p)
+    if tokenizer_note:
+        click.echo(f"note: {tokenizer_note}")
     from torch_handle.common.run_layout import RunLayout
 
     click.echo(f"{p.source}: ok: {RunLayout.from_preset(p).label()}, world size {p.world_size}, "

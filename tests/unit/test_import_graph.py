@@ -42,7 +42,7 @@ LAYERS: dict[str, set[str]] = {
     "finetune": _BASE | {"config", "parallel", "model"},  # LoRA/QLoRA wrap the model's linears
     # parallel: the TP dropout stream; model: hf_names, for the Hugging Face directory (hf_dir)
     "checkpoint": _BASE | {"registry", "config", "rundir", "observe", "parallel", "model"},
-    "launch": _BASE | {"registry", "config", "rundir", "observe", "checkpoint"},
+    "launch": _BASE | {"registry", "config", "rundir", "observe", "checkpoint", "data"},
     "train": _BASE | {"registry", "config", "rundir", "observe", "parallel", "model", "data", "finetune", "checkpoint",
                       "launch"},
     "plan": _BASE | {"registry", "config", "rundir", "observe", "parallel", "model", "data", "finetune", "checkpoint",

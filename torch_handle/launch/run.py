@@ -51,10 +51,13 @@ def check_inputs(preset: Preset, *, resume: bool = False) -> None:
         DataError, CheckpointError: one line naming the path and the problem.
         PresetError: a plugin is not registered.
     """
+    from torch_handle.launch.base_tokenizer import check_base_tokenizer
+
     registry = get_registry()
     preflight = registry.get("dataset", preset.data.name).preflight
     if preflight is not None:
         preflight(preset.data.options)
+    check_base_tokenizer(preset)  # a base's embeddings index its own tokenizer's ids
     preflight = registry.get("model", preset.model.name).preflight
     # a LoRA run reads its frozen base (init_from) on every resume: its checkpoints hold the adapters alone
     if preflight is not None and (not resume or preset.finetune.method != "none"):
@@ -77,7 +80,9 @@ def prepare_run(preset: str | None, overrides: tuple[str, ...], run_dir: Path | 
     (:func:`torch_handle.launch.precision.resolve_for_run`): ``preset.toml`` holds the concrete precision and
     run.json ``precision`` and ``precision_reason`` (and ``precision_warning`` for an explicit bf16 on a CPU that
     emulates it). run.json's ``layout`` is the run's dp × tp × pp, their implementations and its strategy
-    (:meth:`torch_handle.common.run_layout.RunLayout.record`), for the views that do not load the preset. A node
+    (:meth:`torch_handle.common.run_layout.RunLayout.record`), for the views that do not load the preset. A
+    ``model.init_from`` directory with a tokenizer gives the dataset its tokenizer when the preset names none
+    (:func:`torch_handle.launch.base_tokenizer.resolve_base_tokenizer`; said through ``note``). A node
     joining a multi-node run's shared directory takes the precision of its ``preset.toml``. A
     ``parallel.tp_impl = "auto"`` was resolved when the preset loaded (:mod:`torch_handle.config.tp_impl`):
     ``preset.toml`` holds the implementation and run.json its reason, ``tp_impl_reason``.
@@ -88,8 +93,13 @@ def prepare_run(preset: str | None, overrides: tuple[str, ...], run_dir: Path | 
     if resume_dir is not None:
         return prepare_resume(Path(resume_dir), overrides, note)
     assert preset is not None
+    from torch_handle.launch.base_tokenizer import resolve_base_tokenizer
+
     loaded = load_preset(preset, overrides)
     check_inputs(loaded)
+    loaded, tokenizer_note = resolve_base_tokenizer(loaded)
+    if tokenizer_note and note is not None:
+        note(tokenizer_note)
     join = Path(run_dir) if loaded.launch.nnodes > 1 and run_dir is not None else None
     loaded, precision = resolve_for_run(loaded, join)
     info = {"status": Status.STARTING, "name": loaded.run.name, "preset": str(loaded.source),
