@@ -30,7 +30,7 @@ from torch_handle.checkpoint.resume import flat_keys
 from torch_handle.common.fsio import read_json_object, replace_problem, replacing_dir
 from torch_handle.errors import CheckpointError
 from torch_handle.model.args import DATASET_FIELDS, TransformerArgs
-from torch_handle.model.hf_names import from_hf_config, to_hf_config
+from torch_handle.model.hf_names import Inexpressible, from_hf_config, to_hf_config
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -97,8 +97,8 @@ def config_mismatch(args: TransformerArgs, directory: Path | str) -> str | None:
     where = directory / CONFIG_FILE
     try:
         to_hf_config(args)
-    except CheckpointError as e:
-        return f"model.{e} (init_from loads Llama, Qwen 3, Qwen 3 MoE and Mixtral weights only)"
+    except Inexpressible as e:
+        return f"{e.text('model.')} (init_from loads Llama, Qwen 3, Qwen 3 MoE and Mixtral weights only)"
     try:
         theirs = TransformerArgs(**from_hf_config(config))
     except CheckpointError as e:
