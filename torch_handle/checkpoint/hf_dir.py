@@ -81,10 +81,16 @@ def _config_key(theirs: TransformerArgs, name: str, value: Any) -> str | None:
     return next((key for key in after if after[key] != before.get(key)), None)
 
 
-def config_mismatch(args: TransformerArgs, directory: Path | str) -> str | None:
-    """One line naming the first option of ``args`` (the preset's ``[model]``) whose weights would not fit the
-    model ``DIR/config.json`` describes (``model.n_kv_heads = 4 but DIR/config.json has num_key_value_heads =
-    2``), or naming the first option no Hugging Face model has; None when they fit. Options that do
+_DERIVED = {"head_dim": ("d_model", "n_heads"), "n_kv_heads": ("n_heads",), "d_ff_expert": ("d_ff",)}
+"""Fields that, left unset, follow others (head_dim = d_model / n_heads, ...): a mismatch of theirs is one of
+those others', named once."""
+
+
+def config_mismatches(args: TransformerArgs, directory: Path | str) -> list[str]:
+    """One line for each option of ``args`` (the preset's ``[model]``) whose weights would not fit the model
+    ``DIR/config.json`` describes (``model.n_kv_heads = 4 but DIR/config.json has num_key_value_heads = 2``), all of
+    them, in field order (an unset field that follows a mismatched one, head_dim = d_model / n_heads, is not named
+    again); or the one line naming every option no Hugging Face model has; empty when they fit. Options that do
     not shape the weights (dropout, the attention kernel, fused_qkv, activation checkpointing) may differ; the
     vocabulary is checked when the weights load (the run's tokenizer gives it).
 
@@ -98,7 +104,7 @@ def config_mismatch(args: TransformerArgs, directory: Path | str) -> str | None:
     try:
         to_hf_config(args)
     except Inexpressible as e:
-        return f"{e.text('model.')} (init_from loads Llama, Qwen 3, Qwen 3 MoE and Mixtral weights only)"
+        return [f"{e.text('model.')} (init_from loads Llama, Qwen 3, Qwen 3 MoE and Mixtral weights only)"]
     try:
         theirs = TransformerArgs(**from_hf_config(config))
     except CheckpointError as e:
@@ -106,6 +112,7 @@ def config_mismatch(args: TransformerArgs, directory: Path | str) -> str | None:
     except (KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"{where}: not a Llama, Qwen 3, Qwen 3 MoE or Mixtral config ({type(e).__name__}: "
                               f"{e})") from None
+    found: dict[str, str] = {}
     for field in dataclasses.fields(TransformerArgs):
         name = field.name
         if name in _NOT_SHAPE:
@@ -113,11 +120,18 @@ def config_mismatch(args: TransformerArgs, directory: Path | str) -> str | None:
         mine, other = _shape_value(args, name), _shape_value(theirs, name)
         if mine == other or (name == "d_ff" and None in (mine, other)):  # no dense layer on one side: moot
             continue
+        if getattr(args, name) is None and any(source in found for source in _DERIVED.get(name, ())):
+            continue  # follows a mismatch named already
         key = _config_key(theirs, name, getattr(args, name)) or name
         value = flat_keys(config).get(key, other)
         shown = f"= {mine!r}" if getattr(args, name) is not None else f"is unset (so {mine!r})"
-        return f"model.{name} {shown} but {where} has {key} = {value!r}"
-    return None
+        found[name] = f"model.{name} {shown} but {where} has {key} = {value!r}"
+    return list(found.values())
+
+
+def config_mismatch(args: TransformerArgs, directory: Path | str) -> str | None:
+    """:func:`config_mismatches` as one line (``; `` between them), or None when the weights fit."""
+    return "; ".join(config_mismatches(args, directory)) or None
 
 
 def read_weights(directory: Path | str) -> dict[str, Tensor]:
