@@ -230,16 +230,27 @@ def write(out: Path | str, config: Mapping[str, Any], state: Mapping[str, Tensor
             save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt", **metadata})
             (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
             if tokenizer_path is not None:
-                shutil.copyfile(tokenizer_path, tmp / TOKENIZER_FILE)
-                tokenizer_config = {"tokenizer_class": "PreTrainedTokenizerFast",
-                                    "model_max_length": config.get("max_position_embeddings"),
-                                    **{role: token for role, (token, _) in specials.items()}}
-                (tmp / TOKENIZER_CONFIG).write_text(json.dumps(tokenizer_config, indent=2, sort_keys=True) + "\n",
-                                                    encoding="utf-8")
+                write_tokenizer(tmp, tokenizer_path, specials, config.get("max_position_embeddings"))
             written = sorted(p.name for p in tmp.iterdir())
     except OSError as e:
         raise CheckpointError(f"{out}: cannot write the export ({type(e).__name__}: {e})") from None
     return written
+
+
+def write_tokenizer(directory: Path, tokenizer_path: Path, specials: Mapping[str, tuple[str, int]],
+                    model_max_length: int | None) -> list[str]:
+    """Write the tokenizer ``AutoTokenizer.from_pretrained(directory)`` loads: ``tokenizer.json`` (a copy of
+    ``tokenizer_path``) and ``tokenizer_config.json`` (the class and the special tokens' roles). Returns the files.
+
+    Raises:
+        OSError: a failed copy or write.
+    """
+    shutil.copyfile(tokenizer_path, Path(directory) / TOKENIZER_FILE)
+    tokenizer_config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": model_max_length,
+                        **{role: token for role, (token, _) in specials.items()}}
+    (Path(directory) / TOKENIZER_CONFIG).write_text(json.dumps(tokenizer_config, indent=2, sort_keys=True) + "\n",
+                                                    encoding="utf-8")
+    return [TOKENIZER_FILE, TOKENIZER_CONFIG]
 
 
 def check_out(out: Path, force: bool) -> None:
