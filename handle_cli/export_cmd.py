@@ -38,7 +38,8 @@ def export(run_dir: Path, out: Path, fmt: str, checkpoint: int | None, dtype: st
 
     A LoRA run ([finetune] method = "lora") exports its adapters as peft's save_pretrained does
     (adapter_config.json, adapter_model.safetensors: peft.PeftModel.from_pretrained(base, OUT) loads them onto
-    the transformers model of its init_from), or with --merge the model with the adapters folded in (docs/lora.md).
+    the transformers model of its init_from, whose path OUT stores relative to itself) and its tokenizer beside,
+    or with --merge the model with the adapters folded in (docs/lora.md).
 
     \b
     Examples:
@@ -59,7 +60,8 @@ def export(run_dir: Path, out: Path, fmt: str, checkpoint: int | None, dtype: st
         click.echo(f"exported {run_dir}'s LoRA adapters to {out}: r {result['r']}, lora_alpha {result['lora_alpha']:g} "
                    f"on {', '.join(result['target_modules'])}, {result['params']:,} parameters")
         click.echo(f"load with: peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained("
-                   f"{result['base']!r}), {str(out)!r})")
+                   f"{result['base_dir']!r}), {str(out)!r}); its tokenizer: AutoTokenizer.from_pretrained("
+                   f"{str(out)!r})")
         return
     step = f" (step {result['step']})" if result["step"] is not None else ""
     click.echo(f"exported {run_dir}{step} to {out}: {result['architecture']}, {result['params']:,} parameters, "

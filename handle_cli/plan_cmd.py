@@ -44,12 +44,14 @@ MEASURE_SKIP = 2
                    f"{DEFAULT_OUTPUT_DIR}/comm-*/ for the backend, else assumed defaults, said so).")
 @click.option("--backend", type=click.Choice(["gloo", "nccl"]), default=None,
               help="Whose bandwidths to use (default: the preset's launch.backend; auto = nccl with CUDA).")
+@click.option("--top", "top_rows", default=None, metavar="N",
+              help="Print the N fastest layouts only (numbered as in the full table; --json keeps every one).")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object on stdout, nothing else.")
 @click.option("--output-dir", type=click.Path(path_type=Path), default=None, metavar="DIR",
               help="--measure: keep the runs under DIR/plan-<UTC time>/ (default: a temporary directory, removed).")
 def plan(preset: str, nproc: str, nnodes: str, device_memory: str | None, overrides: tuple[str, ...],
          measure: str | None, steps: str, peak_tflops: str | None, comm_path: Path | None, backend: str | None,
-         as_json: bool, output_dir: Path | None) -> None:
+         top_rows: str | None, as_json: bool, output_dir: Path | None) -> None:
     """Rank every dp x tp x pp layout of PRESET on N ranks by predicted speed, before running anything.
 
     Layouts: every dp x tp x pp = N (tp inside a node), for pp > 1 the schedules gpipe, 1f1b and
@@ -69,6 +71,7 @@ def plan(preset: str, nproc: str, nnodes: str, device_memory: str | None, overri
     \b
     Examples:
       handle plan presets/ddp.toml --nproc 4
+      handle plan presets/moe.toml --nproc 4 --top 12        # the 12 fastest, numbered 1-12
       handle plan presets/gpt2-small.toml --nproc 8 --device-memory 80GiB --peak-tflops 408 --backend nccl
       handle plan presets/ddp.toml --nproc 4 --measure 3 --set training.micro_batch_size=4
     """
@@ -78,6 +81,7 @@ def plan(preset: str, nproc: str, nnodes: str, device_memory: str | None, overri
         fail(f"--nproc: {n} ranks do not spread evenly over {k} nodes (use a multiple of --nnodes)")
     memory = _bytes_option("--device-memory", device_memory) if device_memory is not None else None
     top = int_option("--measure", measure, 1, 64) if measure is not None else None
+    shown = int_option("--top", top_rows, 1, 100_000) if top_rows is not None else None
     n_steps = int_option("--steps", steps, MEASURE_SKIP + 1, 10_000)
     peak = _tflops_option(peak_tflops) if peak_tflops is not None else None
     if comm_path is not None and not comm_path.is_file():
@@ -88,10 +92,10 @@ def plan(preset: str, nproc: str, nnodes: str, device_memory: str | None, overri
     preset = resolve_preset_spec(preset)
     made, user = _plan(preset, list(overrides), n, k, memory, peak, comm_path, backend, measuring=top is not None)
     if top is None:
-        _report(made, None, as_json)
+        _report(made, None, as_json, shown)
         return
     records, stopped = _measure(preset, user, made, top, n_steps, parent, as_json)
-    _report(made, records, as_json)
+    _report(made, records, as_json, shown)
     if stopped:
         sys.exit(EXIT_STOPPED)
     failed = [r for r in records if r["status"] != "finished"]
@@ -253,7 +257,7 @@ def _measure(preset: str, user: list[str], made, top: int, steps: int, parent: P
     return records, stopped
 
 
-def _report(made, records: list[dict[str, Any]] | None, as_json: bool) -> None:
+def _report(made, records: list[dict[str, Any]] | None, as_json: bool, shown: int | None = None) -> None:
     from torch_handle.plan.plan_measured import comparison
 
     out = made.as_dict()
@@ -270,7 +274,15 @@ def _report(made, records: list[dict[str, Any]] | None, as_json: bool) -> None:
     console = Console(highlight=False, width=None if tty else 200)
     for line in header_lines(out):
         console.print(line, markup=False)
-    console.print(plan_table(out["layouts"]))
+    # a file or a pipe: every column (however wide); a terminal: the columns that fit, every cell whole
+    table = plan_table(out["layouts"][:shown], width=console.width if tty else None)
+    narrow = console.width
+    console.width = 10_000
+    console.print(table)
+    console.width = narrow
+    if shown is not None and shown < len(out["layouts"]):
+        console.print(f"(the {shown} fastest of {len(out['layouts'])} layouts; --top {len(out['layouts'])} or no "
+                      f"--top for every one)", markup=False)
     for line in dropped_lines(out["dropped"]):
         console.print(line, markup=False)
     if records:
@@ -299,26 +311,45 @@ def _comm(nbytes: int, seconds: float) -> str:
     return "-" if not nbytes else f"{fmt_bytes(nbytes)} {seconds * 1e3:,.1f} ms"
 
 
-def plan_table(rows: list[dict[str, Any]]):
-    """The ranked layouts as a rich Table."""
+_DROP_FIRST = ("EP comm", "PP comm", "DP comm", "TP comm", "bubble", "step ms", "mbs×ga", "strategy", "largest rank")
+"""The columns a terminal too narrow for the whole table leaves out, in this order (# and layout, which name a
+row, and tokens/s, which ranks it, always stay)."""
+
+
+def plan_table(rows: list[dict[str, Any]], width: int | None = None):
+    """The ranked layouts as a rich Table, every cell whole: with ``width`` (a terminal's columns), the columns of
+    :data:`_DROP_FIRST` are left out, in that order, until it fits (a caption names them)."""
+    from rich.console import Console
+    from rich.measure import Measurement
     from rich.table import Table
 
-    table = Table(header_style="bold")
     ep = any(r.get("ep", 1) > 1 for r in rows)  # the all-to-alls' column only where a layout has them
-    for name, justify in (("#", "right"), ("layout", "left"), ("strategy", "left"), ("mbs×ga", "right"),
-                          ("largest rank", "right"), ("tokens/s", "right"), ("step ms", "right"),
-                          ("bubble", "right"), ("TP comm", "right"), ("DP comm", "right"), ("PP comm", "right"),
-                          *((("EP comm", "right"),) if ep else ())):
-        table.add_column(name, justify=justify, no_wrap=True)
-    for i, r in enumerate(rows, 1):
-        strategy = r["strategy"] + (f", tp {r['tp_impl']}" if r.get("tp_impl") else "")
-        table.add_row(str(i), r["label"], strategy, f"{r['micro_batch_size']}×{r['grad_accum']}",
-                      f"{fmt_bytes(r['largest_bytes'])} (r{r['largest_rank']})",
-                      f"{r['predicted_tokens_per_s']:,.0f}", f"{r['step_s'] * 1e3:,.1f}",
-                      "-" if r["pp"] == 1 else f"{r['bubble']:.0%}", _comm(r["tp_bytes"], r["tp_s"]),
-                      _comm(r["dp_bytes"], r["dp_s"]), _comm(r["pp_bytes"], r["pp_s"]),
-                      *((_comm(r["ep_bytes"], r["ep_s"]),) if ep else ()))
-    return table
+    cells: dict[str, tuple[str, list[str]]] = {
+        "#": ("right", [str(i) for i in range(1, len(rows) + 1)]), "layout": ("left", [r["label"] for r in rows]),
+        "strategy": ("left", [r["strategy"] + (f", tp {r['tp_impl']}" if r.get("tp_impl") else "") for r in rows]),
+        "mbs×ga": ("right", [f"{r['micro_batch_size']}×{r['grad_accum']}" for r in rows]),
+        "largest rank": ("right", [f"{fmt_bytes(r['largest_bytes'])} (r{r['largest_rank']})" for r in rows]),
+        "tokens/s": ("right", [f"{r['predicted_tokens_per_s']:,.0f}" for r in rows]),
+        "step ms": ("right", [f"{r['step_s'] * 1e3:,.1f}" for r in rows]),
+        "bubble": ("right", ["-" if r["pp"] == 1 else f"{r['bubble']:.0%}" for r in rows]),
+        **{f"{d.upper()} comm": ("right", [_comm(r[f"{d}_bytes"], r[f"{d}_s"]) for r in rows])
+           for d in ("tp", "dp", "pp", *(("ep",) if ep else ()))}}
+    left_out: list[str] = []
+    while True:
+        table = Table(header_style="bold")
+        names = [n for n in cells if n not in left_out]
+        for name in names:
+            table.add_column(name, justify=cells[name][0], no_wrap=True)
+        for i in range(len(rows)):
+            table.add_row(*(cells[name][1][i] for name in names))
+        if left_out:
+            table.caption = f"left out to fit {width} columns: {', '.join(left_out)} (--json has every field)"
+        if width is None or len(left_out) == len(_DROP_FIRST):
+            return table
+        console = Console(width=10_000)
+        if Measurement.get(console, console.options, table).maximum <= width:
+            return table
+        left_out.append(next(n for n in _DROP_FIRST if n in cells and n not in left_out))
 
 
 def dropped_lines(dropped: list[dict[str, Any]]) -> list[str]:

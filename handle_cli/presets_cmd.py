@@ -52,31 +52,54 @@ def plugin_presets() -> list[tuple[str, Path, str]]:
 # ---------------------------------------------------------------------------------------------------------------
 
 
+TARGETS = ("hf",)
+"""``handle validate --target``: what a run of the preset must also be able to do (``hf``: export with ``handle
+export --format hf``)."""
+
+
 @click.command()
 @click.argument("preset")
 @OVERRIDE
-def validate(preset: str, overrides: tuple[str, ...]) -> None:
+@click.option("--target", type=click.Choice(TARGETS), default=None,
+              help="Also check that a run of PRESET will export: hf = handle export --format hf (every option a "
+                   "Hugging Face class cannot express, with the value it needs).")
+@click.option("--json", "as_json", is_flag=True,
+              help="One JSON object on stdout: ok, layout, world_size, steps, architecture, problems.")
+def validate(preset: str, overrides: tuple[str, ...], target: str | None, as_json: bool) -> None:
     """Check PRESET and every plugin section without starting anything.
 
     Every problem is reported at once, one line each, structure first (the model's shape, the layout, then the
     details): each table on its own, and every check that spans tables whose inputs are valid; then the dataset
-    plugin's pre-flight check (paths exist, UTF-8). Example: `handle validate presets/pp.toml --set parallel.pp=4`.
-    A valid preset prints its layout, world size and steps:
+    plugin's pre-flight check (paths exist, UTF-8). A valid preset prints its layout, world size and steps:
     `presets/3d.toml: ok: dp 2 × tp 2 × pp 2 (ddp; tp scratch + sp; pp 1F1B scratch), world size 8, 500 steps`.
+    With --target hf, a preset whose run would not export to Hugging Face format is a problem too: every option
+    the closest class (Llama, Qwen 3, Qwen 3 MoE, Mixtral) cannot express, with the value it needs.
     Exit code 2 when there is any problem.
+
+    \b
+    Examples:
+      handle validate presets/pp.toml --set parallel.pp=4
+      handle validate presets/moe.toml --target hf      # before training: will its run export?
+      handle validate presets/llama.toml --target hf --json
     """
     from torch_handle.config.loader import load_preset, preset_problems
     from torch_handle.launch.run import check_inputs
 
     spec = resolve_preset_spec(preset)
-    if os.environ.get("HANDLE_DEBUG"):
+    then = _target_check(target)
+    if os.environ.get("HANDLE_DEBUG") and not as_json:
         p = load_preset(spec, overrides)  # the traceback of the first problem
+        problems = list(then(p)) if then else []
     else:
-        p, problems = preset_problems(spec, overrides)
-        if problems:
-            for e in problems:
-                click.echo(f"error: {e}", err=True)
-            sys.exit(2)
+        p, problems = preset_problems(spec, overrides, then=then)
+    if problems:
+        if as_json:
+            click.echo(json.dumps({"preset": spec, "ok": False, "target": target, "problems": [
+                {"file": str(e.file) if e.file else None, "line": e.line, "key": e.key, "message": e.message}
+                for e in problems]}))
+        for e in problems if not as_json else ():
+            click.echo(f"error: {e}", err=True)
+        sys.exit(2)
     check_inputs(p)  # DataError: one line, exit 2 (HandleGroup)
     from torch_handle.launch.base_tokenizer import resolve_base_tokenizer
 
@@ -85,8 +108,30 @@ def validate(preset: str, overrides: tuple[str, ...]) -> None:
         click.echo(f"note: {tokenizer_note}")
     from torch_handle.common.run_layout import RunLayout
 
-    click.echo(f"{p.source}: ok: {RunLayout.from_preset(p).label()}, world size {p.world_size}, "
-               f"{p.training.steps} steps")
+    layout = RunLayout.from_preset(p).label()
+    architecture = _architecture(p) if target == "hf" else None
+    if as_json:
+        click.echo(json.dumps({"preset": p.source, "ok": True, "target": target, "layout": layout,
+                               "world_size": p.world_size, "steps": p.training.steps, "architecture": architecture,
+                               "problems": []}))
+        return
+    exports = f"; exports as {architecture} (handle export RUN --format hf OUT)" if architecture else ""
+    click.echo(f"{p.source}: ok: {layout}, world size {p.world_size}, {p.training.steps} steps{exports}")
+
+
+def _target_check(target: str | None):
+    """The further check of a valid preset that ``--target`` names (None: none)."""
+    if target != "hf":
+        return None
+    from torch_handle.infer.hf_export import export_preset_errors
+
+    return export_preset_errors
+
+
+def _architecture(preset) -> str | None:
+    from torch_handle.infer.hf_export import export_problems
+
+    return export_problems(preset)[0]
 
 
 # ---------------------------------------------------------------------------------------------------------------

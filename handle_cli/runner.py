@@ -70,7 +70,8 @@ def summary_text(s: RunState, run_dir: Path, info: dict) -> str:
         # run.json's record (preset.toml's for an older run), with the strategy the workers reported
         layout = RunLayout.from_run(run_dir, info, s.layout_degrees).with_strategy(s.event_strategy, s.event_zero_stage)
         world = f", world size {layout.world_size}" if layout.dp is not None else ""  # else the label names it
-        lines.append(f"  {layout.label()}{world}, optimizer {info.get('optimizer')}")
+        finetune = f", {s.finetune}" if s.finetune else ""  # QLoRA named as such, not as its preset's name
+        lines.append(f"  {layout.label()}{world}, optimizer {info.get('optimizer')}{finetune}")
     for rank, peak in sorted(s.peak_memory.items()):
         model_state = sum(peak.get(key, 0) for key in (PARAM_BYTES, GRAD_BYTES, OPTIMIZER_BYTES))
         cuda = peak.get("cuda_max_allocated_bytes")

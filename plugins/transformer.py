@@ -19,36 +19,39 @@ def _post_init(self) -> None:
     # else a contradiction, left for ``check`` to report (a constructor that raises reads as a plugin bug)
 
 
-def _check(self) -> None:
+def _check(self) -> Iterator[InvalidValue]:
+    """Every problem of the table, each independent of the others: a problem of one key never hides one of another
+    (the head width RoPE rotates is checked only when the heads divide d_model, since it is computed from them)."""
     if self.activation is not None:
-        raise InvalidValue("activation", f"{self.activation!r} is the old name of mlp, which says {self.mlp!r}; "
+        yield InvalidValue("activation", f"{self.activation!r} is the old name of mlp, which says {self.mlp!r}; "
                                          f"give mlp only")
     if self.init_from is not None and self.kind != "decoder":
-        raise InvalidValue("init_from", f"loads a decoder (LlamaForCausalLM, Qwen3ForCausalLM) but kind = "
+        yield InvalidValue("init_from", f"loads a decoder (LlamaForCausalLM, Qwen3ForCausalLM) but kind = "
                                         f"{self.kind!r}; use kind = 'decoder'")
-    if self.head_dim is None and self.d_model % self.n_heads:
-        raise InvalidValue("n_heads", f"{self.n_heads} does not divide d_model={self.d_model} (or give head_dim)")
+    heads_divide = self.head_dim is not None or self.d_model % self.n_heads == 0
+    if not heads_divide:
+        yield InvalidValue("n_heads", f"{self.n_heads} does not divide d_model={self.d_model} (or give head_dim)")
     if self.n_kv_heads is not None and (self.n_kv_heads > self.n_heads or self.n_heads % self.n_kv_heads):
-        raise InvalidValue("n_kv_heads", f"{self.n_kv_heads} does not divide n_heads={self.n_heads} (each key/value "
+        yield InvalidValue("n_kv_heads", f"{self.n_kv_heads} does not divide n_heads={self.n_heads} (each key/value "
                                          f"head serves an equal group of query heads)")
     if self.n_experts:
-        _check_experts(self)
+        yield from _check_experts(self)
     d_k = self.head_dim or self.d_model // self.n_heads
-    if self.position == "rope" and d_k % 2:
-        raise InvalidValue("head_dim" if self.head_dim else "n_heads",
+    if heads_divide and self.position == "rope" and d_k % 2:
+        yield InvalidValue("head_dim" if self.head_dim else "n_heads",
                            f"RoPE rotates channel pairs: the head width {d_k} must be even")
 
 
-def _check_experts(self) -> None:
-    """The mixture-of-experts options, when n_experts > 0."""
+def _check_experts(self) -> Iterator[InvalidValue]:
+    """The mixture-of-experts options, when n_experts > 0: every problem."""
     if self.top_k > self.n_experts:
-        raise InvalidValue("top_k", f"{self.top_k} is more than n_experts={self.n_experts} (each token goes to top_k "
+        yield InvalidValue("top_k", f"{self.top_k} is more than n_experts={self.n_experts} (each token goes to top_k "
                                     f"different experts)")
     if self.moe_every > self.n_layers:
-        raise InvalidValue("moe_every", f"{self.moe_every} is more than n_layers={self.n_layers}: no layer would be "
+        yield InvalidValue("moe_every", f"{self.moe_every} is more than n_layers={self.n_layers}: no layer would be "
                                         f"an MoE layer")
     if self.top_k == 1 and self.norm_topk_prob:
-        raise InvalidValue("norm_topk_prob", "with top_k = 1 it makes every weight 1, and the router would learn from "
+        yield InvalidValue("norm_topk_prob", "with top_k = 1 it makes every weight 1, and the router would learn from "
                                              "its balancing loss only; set norm_topk_prob = false (Switch)")
 
 
@@ -162,22 +165,22 @@ def build(options: TransformerConfig, vocab_size: int, pad_id: int, max_len: int
 def preflight(options: TransformerConfig, preset) -> None:
     """A new run with ``init_from``: the directory holds a config.json whose model has this table's shape, and a
     vocabulary the run's tokenizer can fill (at most ``data.vocab_size``; the exact size is checked when the
-    weights load). Raises CheckpointError naming the first mismatch."""
+    weights load). Raises CheckpointError naming every mismatch, one line each."""
     if options.init_from is None:
         return
-    from torch_handle.checkpoint.hf_dir import CONFIG_FILE, config_mismatch, read_config
+    from torch_handle.checkpoint.hf_dir import CONFIG_FILE, config_mismatches, read_config
 
     vocab_size = getattr(preset.data.options, "vocab_size", None)
     try:
-        mismatch = config_mismatch(_args(options, vocab_size or 1, None, 1), options.init_from)
+        mismatches = config_mismatches(_args(options, vocab_size or 1, None, 1), options.init_from)
         theirs = read_config(options.init_from).get("vocab_size")
     except CheckpointError as e:  # the directory or its config.json: say which option named it
         raise CheckpointError(f"model.init_from: {e}") from None
-    if mismatch is not None:
-        raise CheckpointError(mismatch)
     if isinstance(vocab_size, int) and isinstance(theirs, int) and theirs > vocab_size:
-        raise CheckpointError(f"data.vocab_size = {vocab_size} but {options.init_from}/{CONFIG_FILE} has vocab_size = "
-                              f"{theirs} (the run's tokenizer has at most data.vocab_size tokens)")
+        mismatches.append(f"data.vocab_size = {vocab_size} but {options.init_from}/{CONFIG_FILE} has vocab_size = "
+                          f"{theirs} (the run's tokenizer has at most data.vocab_size tokens)")
+    if mismatches:
+        raise CheckpointError("\n".join(mismatches))  # the CLI prints one error line each
 
 
 @hookimpl

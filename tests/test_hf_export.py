@@ -199,8 +199,8 @@ def test_a_model_transformers_cannot_express_is_refused(rt, tmp_path, key, value
     shown = value.strip('"') if value.startswith('"') else value.capitalize()
     shown = f"'{shown}'" if value.startswith('"') else shown
     assert result.exit_code == 2
-    assert result.stderr == (f"error: {run}: cannot export to Hugging Face format: model.{key} = {shown}: "
-                             f"LlamaForCausalLM needs {needs}\n")
+    assert result.stderr == (f"error: {run}: cannot export to Hugging Face format: LlamaForCausalLM needs "
+                             f"model.{needs} (not {shown})\n")
     assert not (tmp_path / "out").exists()
 
 

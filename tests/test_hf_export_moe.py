@@ -1,10 +1,11 @@
-"""A mixture-of-experts run, end to end beyond training: a tiny Qwen 3 MoE-shaped decoder (4 experts, top-2, every
-second layer sparse) trained by ``handle run`` (2 ranks, DDP, 2 steps) exports with ``handle export --format hf`` to
-a directory ``transformers`` loads as ``Qwen3MoeForCausalLM`` with the run's logits, every expert and the router
-included; ``[model] init_from`` maps its config.json back and loads the weights; and ``handle estimate`` of the same
-preset holds what the run's memory telemetry measured, the routed experts' bytes per rank included (issue 31's
-done-when 4). The run is at ep = 2 where the preset loader runs expert parallelism (each rank holds half the
-experts, and the export gathers them), else at ep = 1."""
+"""A mixture-of-experts run, end to end beyond training: the shipped ``presets/moe.toml`` (a Qwen 3 MoE-shaped
+decoder) made tiny (4 experts, top-2, every second layer sparse) trained by ``handle run`` (2 ranks, DDP, 2 steps)
+exports with the ``handle export --format hf`` its header names to a directory ``transformers`` loads as
+``Qwen3MoeForCausalLM`` with the run's logits, every expert and the router included; ``[model] init_from`` maps its
+config.json back and loads the weights; and ``handle estimate`` of the same preset holds what the run's memory
+telemetry measured, the routed experts' bytes per rank included (issue 31's done-when 4). The run is at ep = 2
+where the preset loader runs expert parallelism (each rank holds half the experts, and the export gathers them),
+else at ep = 1."""
 
 from __future__ import annotations
 
@@ -26,21 +27,12 @@ transformers = pytest.importorskip("transformers", reason="needs the hf extra: p
 pytestmark = pytest.mark.dist
 
 STEPS, E, K = 2, 4, 2
-QWEN3_MOE = f"""norm = "rmsnorm"
-position = "rope"
-mlp = "swiglu"
-n_kv_heads = 2
-qk_norm = true
-bias = false
-scale_embeddings = false
-norm_first = true
-tie_embeddings = false
-n_experts = {E}
+MOE_PRESET = Path(__file__).resolve().parents[1] / "presets" / "moe.toml"
+TINY_MOE = f"""n_experts = {E}
 top_k = {K}
-moe_every = 2
 d_ff_expert = 48
-norm_topk_prob = false
 """
+"""presets/moe.toml's experts made tiny (tiny_preset gives the widths; the preset its blocks and its routing)."""
 TEXT = "def f(x):\n    return x + 1  # the docs of the with statement\n\nclass A:\n    pass"
 
 
@@ -76,10 +68,12 @@ def moe(tmp_path_factory) -> dict[str, Path]:
     """One run serves every test: at ep = 2 where it runs, so the export also gathers experts from two ranks."""
     root = tmp_path_factory.mktemp("moe")
     preset = root / "qwen3_moe.toml"
-    preset.write_text(tiny_preset(root / "runs", steps=STEPS, log_every=1).replace("[model]\n", "[model]\n" + QWEN3_MOE)
+    preset.write_text(f'extends = "{MOE_PRESET}"\n' + tiny_preset(root / "runs", steps=STEPS, log_every=1)
+                      .replace("[model]\n", "[model]\n" + TINY_MOE)
                       .replace("eval_every = 0\n", "eval_every = 0\neval_steps = 1\n"))
     ep = expert_parallel(preset)
     preset.write_text(preset.read_text() + f"[parallel]\nep = {ep}\n")
+    assert "handle export runs/moe --format hf exported/moe" in MOE_PRESET.read_text()  # the header names it
     run = handle_run(preset, "run.name=moe")
     out = root / "export"
     result = CliRunner().invoke(cli, ["export", str(run), "--format", "hf", str(out), "--json"])
@@ -98,7 +92,7 @@ def test_the_moe_export_loads_as_qwen3_moe_with_the_runs_logits_experts_and_rout
     assert (moe["info"]["architecture"], moe["info"]["model_type"]) == ("Qwen3MoeForCausalLM", "qwen3_moe")
     config = json.loads((moe["out"] / "config.json").read_text())
     assert (config["num_experts"], config["num_experts_per_tok"], config["decoder_sparse_step"]) == (E, K, 2)
-    assert (config["moe_intermediate_size"], config["norm_topk_prob"], config["mlp_only_layers"]) == (48, False, [])
+    assert (config["moe_intermediate_size"], config["norm_topk_prob"], config["mlp_only_layers"]) == (48, True, [])
     batch = torch.tensor([ours.tokenizer.encode(TEXT).ids[:32]])
     with torch.no_grad():
         theirs, mine = model(batch).logits, ours.model(batch)

@@ -72,6 +72,8 @@ class StatusHeader(Widget):
         step = state.step
         p1: list[Piece] = [(0, Text(f" {status.upper()} ", STATUS_STYLES.get(status, "reverse")))]
         p1.append((1, _piece("  ", (state.preset, "bold"))))
+        if state.finetune:  # QLoRA named as such: the method, its rank and the NF4 base
+            p1.append((2, _piece("  ", (state.finetune, "magenta"))))
         layout = state.run_layout  # the line every view shows (dp × tp × pp, implementations, strategy)
         if layout.dp is not None:  # narrower: the degrees alone, then without spaces (80 columns keep them)
             degrees = layout.degrees_text()

@@ -4,6 +4,7 @@ In-process (click's CliRunner), no torch for the checks."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -100,3 +101,36 @@ def test_a_shipped_preset_with_a_new_layout_reports_every_problem(monkeypatch, n
         assert len(got) == len(lines) and result.stdout == "", result.stderr
         for line, want in zip(got, lines):
             assert line.startswith(f"error: {want}"), (line, want)
+
+
+def test_a_problem_of_one_model_key_hides_no_other(monkeypatch, no_launch):
+    """Heads that do not divide d_model and a top_k above n_experts: independent, so both are reported (issue 38)."""
+    monkeypatch.chdir(REPO)
+    monkeypatch.delenv("HANDLE_DEBUG", raising=False)
+    result = CliRunner().invoke(cli, ["validate", "presets/moe.toml", "--set", "model.d_model=250",
+                                      "--set", "model.top_k=9"])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.splitlines() == [
+        "error: presets/single.toml:7: model.n_heads: 4 does not divide d_model=250 (or give head_dim)",
+        "error: presets/moe.toml (--set): model.top_k: 9 is more than n_experts=8 (each token goes to top_k different "
+        "experts)"]
+
+
+def test_init_from_mismatches_are_reported_in_one_go(monkeypatch, no_launch, tmp_path):
+    """A Hugging Face directory whose d_model, n_layers and d_ff all differ from the preset's: one line each, in one
+    ``handle validate`` (not one per try); head_dim, which follows d_model, is not named again."""
+    from torch_handle.model.args import TransformerArgs
+    from torch_handle.model.hf_names import to_hf_config
+
+    monkeypatch.chdir(REPO)
+    monkeypatch.delenv("HANDLE_DEBUG", raising=False)
+    llama = dict(norm="rmsnorm", position="rope", mlp="swiglu", n_kv_heads=2, bias=False, scale_embeddings=False,
+                 norm_first=True)
+    other = TransformerArgs(100, d_model=128, n_heads=4, n_layers=2, d_ff=352, **llama)
+    (tmp_path / "config.json").write_text(json.dumps(to_hf_config(other)))
+    result = CliRunner().invoke(cli, ["validate", "presets/llama.toml", "--set", f"model.init_from={tmp_path}"])
+    assert result.exit_code == 2, result.output
+    where = tmp_path / "config.json"
+    assert result.stderr.splitlines() == [f"error: model.d_model = 256 but {where} has hidden_size = 128",
+                                          f"error: model.n_layers = 4 but {where} has num_hidden_layers = 2",
+                                          f"error: model.d_ff = 704 but {where} has intermediate_size = 352"]

@@ -63,7 +63,7 @@ def test_the_first_option_that_differs_is_named_with_its_config_key(tmp_path):
     assert hf_dir.config_mismatch(dataclasses.replace(LLAMA, n_kv_heads=None), tmp_path) == (
         f"model.n_kv_heads is unset (so 4) but {where} has num_key_value_heads = 2")
     assert hf_dir.config_mismatch(dataclasses.replace(LLAMA, position="sinusoidal"), tmp_path) == (
-        "model.position = 'sinusoidal': LlamaForCausalLM needs position = 'rope' (init_from loads Llama, Qwen 3, "
+        "LlamaForCausalLM needs model.position = 'rope' (not 'sinusoidal') (init_from loads Llama, Qwen 3, "
         "Qwen 3 MoE and Mixtral weights only)")
     with pytest.raises(CheckpointError, match=r"model\.d_model = 64 but .* has hidden_size = 32"):
         hf_dir.load_into(DecoderLM(dataclasses.replace(LLAMA, d_model=64)), tmp_path)

@@ -115,10 +115,14 @@ def test_state_dicts_and_configs_round_trip(case):
 def test_each_mismatch_is_one_line_naming_it():
     args = args_of("llama-gqa-tied-fused")
     for change, message in [
-        ({"position": "sinusoidal"}, "position = 'sinusoidal': LlamaForCausalLM needs position = 'rope'"),
-        ({"norm": "layernorm"}, "norm = 'layernorm': LlamaForCausalLM needs norm = 'rmsnorm'"),
-        ({"scale_embeddings": True}, "scale_embeddings = True: LlamaForCausalLM needs scale_embeddings = False"),
-        ({"qk_norm": True, "bias": True}, "bias = True: Qwen3ForCausalLM needs bias = False"),
+        ({"position": "sinusoidal"}, "LlamaForCausalLM needs position = 'rope' (not 'sinusoidal')"),
+        ({"norm": "layernorm"}, "LlamaForCausalLM needs norm = 'rmsnorm' (not 'layernorm')"),
+        ({"scale_embeddings": True}, "LlamaForCausalLM needs scale_embeddings = False (not True)"),
+        ({"qk_norm": True, "bias": True}, "Qwen3ForCausalLM needs bias = False (not True)"),
+        # every option at once, against the family fewest changes away
+        ({"position": "sinusoidal", "norm": "layernorm", "mlp": "gelu"},
+         "LlamaForCausalLM needs position = 'rope' (not 'sinusoidal'); norm = 'rmsnorm' (not 'layernorm'); "
+         "mlp = 'swiglu' (not 'gelu')"),
     ]:
         with pytest.raises(CheckpointError) as e:
             to_hf_config(dataclasses.replace(args, **change))
@@ -217,16 +221,21 @@ def test_a_hugging_face_moe_loads_into_ours_and_round_trips(case):
 def test_moe_options_transformers_cannot_express_are_refused_by_name():
     qwen, mixtral = moe_args("qwen3_moe-every-2nd-gqa-raw-topk"), moe_args("mixtral-untied-separate")
     for args, change, message in [
-        (qwen, {"n_shared_experts": 1}, "n_shared_experts = 1: Qwen3MoeForCausalLM needs n_shared_experts = 0"),
-        (qwen, {"router": "sigmoid"}, "router = 'sigmoid': Qwen3MoeForCausalLM needs router = 'softmax'"),
-        (qwen, {"balance": "aux_free"}, "balance = 'aux_free': Qwen3MoeForCausalLM needs balance = 'aux_loss'"),
-        (mixtral, {"moe_every": 2}, "moe_every = 2: MixtralForCausalLM needs moe_every = 1 (with qk_norm = True "
-                                    "it exports as Qwen3MoeForCausalLM)"),
+        (qwen, {"n_shared_experts": 1}, "Qwen3MoeForCausalLM needs n_shared_experts = 0 (not 1)"),
+        (qwen, {"router": "sigmoid"}, "Qwen3MoeForCausalLM needs router = 'softmax' (not 'sigmoid')"),
+        (qwen, {"balance": "aux_free"}, "Qwen3MoeForCausalLM needs balance = 'aux_loss' (not 'aux_free')"),
+        (mixtral, {"moe_every": 2}, "MixtralForCausalLM needs moe_every = 1 (not 2) (with qk_norm = True it "
+                                    "exports as Qwen3MoeForCausalLM)"),
+        # Mixtral is two options away, Qwen 3 MoE one (qk_norm): the closer one is named
+        (mixtral, {"moe_every": 2, "norm_topk_prob": False}, "Qwen3MoeForCausalLM needs qk_norm = True (not False)"),
+        (qwen, {"router": "sigmoid", "balance": "aux_free", "n_shared_experts": 1},
+         "Qwen3MoeForCausalLM needs router = 'softmax' (not 'sigmoid'); n_shared_experts = 0 (not 1); "
+         "balance = 'aux_loss' (not 'aux_free')"),
     ]:
         with pytest.raises(CheckpointError) as e:
             to_hf_config(dataclasses.replace(args, **change))
         assert str(e.value) == message
-    with pytest.raises(CheckpointError, match=r"^n_experts = 4: Qwen3ForCausalLM needs n_experts = 0$"):
+    with pytest.raises(CheckpointError, match=r"^Qwen3ForCausalLM needs n_experts = 0 \(not 4\)$"):
         to_hf_config(qwen, "qwen3")
     with pytest.raises(CheckpointError, match=r"^mlp_only_layers = \[0\]: only decoder_sparse_step maps"):
         from_hf_config({**to_hf_config(qwen), "mlp_only_layers": [0]})

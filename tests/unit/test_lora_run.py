@@ -66,7 +66,15 @@ def test_a_lora_run_trains_adapters_alone_resumes_and_hands_them_on(tmp_path, pr
 
     # handed on: adapters in peft's format onto transformers' base, and the merged model
     result = export_run(straight, tmp_path / "adapter")
-    assert result["format"] == "peft" and result["base"] == str((tmp_path / "hf").resolve())
+    # the base relative to the adapters (the two move together) and the run's tokenizer beside them (issue 38)
+    assert result["format"] == "peft" and result["base"] == os.path.join("..", "hf")
+    assert result["base_dir"] == str(tmp_path / "hf")
+    stored = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["base_model_name_or_path"]
+    assert (tmp_path / "adapter" / stored).resolve() == (tmp_path / "hf").resolve()
+    assert {"tokenizer.json", "tokenizer_config.json"} <= set(result["files"])
+    assert (tmp_path / "adapter" / "tokenizer.json").read_bytes() == (straight / "tokenizer.json").read_bytes()
+    assert json.loads((tmp_path / "adapter" / "tokenizer_config.json").read_text()) == json.loads(
+        (tmp_path / "hf" / "tokenizer_config.json").read_text())
     export_run(straight, tmp_path / "merged", merge=True)
     assert load_file(str(tmp_path / "hf" / "model.safetensors")).keys() == base.keys()
     if os.environ.get("CI") or _has("peft"):
@@ -188,7 +196,11 @@ def _logits_agree(tmp_path, run_dir) -> None:
     from torch_handle.infer.generate import load_run
 
     ours = load_run(run_dir).model
-    base = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32).eval()
+    adapter = tmp_path / "adapter"
+    stored = json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"]
+    base = transformers.AutoModelForCausalLM.from_pretrained(adapter / stored, dtype=torch.float32).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(adapter)  # beside the adapters
+    assert tokenizer("def f(x):")["input_ids"] == load_run(run_dir).tokenizer.encode("def f(x):").ids
     ids = torch.randint(4, 300, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         base_logits = base(ids).logits

@@ -155,3 +155,27 @@ def test_rank_names():
     assert RunLayout.from_parts(2, "ddp", None).rank_name(1) == "rank 1"  # data parallel only: the rank says it
     unknown = RunLayout(world_size=4, strategy="ddp")
     assert unknown.rank_name(3) == "rank 3" and unknown.degrees_text() == "ddp, world size 4"
+
+
+def test_a_qlora_run_is_named_qlora_in_the_summary_and_the_dashboard_header(tmp_path):
+    """A run of presets/lora.toml with method = "qlora" keeps its preset's name, "lora": the method is named beside
+    it (run.json's finetune record; preset.toml's [finetune] for a run from before the record), NF4 included."""
+    from handle_cli.runner import summary_text
+    from handle_cli.tui.header import StatusHeader
+    from torch_handle.observe.state import RunState
+
+    info = {"status": "finished", "preset": "presets/lora.toml", "strategy": "ddp", "world_size": 2,
+            "optimizer": "AdamW", "finetune": {"method": "qlora", "rank": 8},
+            LAYOUT_KEY: RunLayout.from_parts(2, "ddp", None).record()}
+    state = RunState(tmp_path, info=info)
+    assert "  dp 2 (ddp), world size 2, optimizer AdamW, QLoRA r8 (NF4 base)" in summary_text(state, tmp_path, info)
+    header = StatusHeader()
+    header.state = state
+    first = header.lines(200)[0].plain
+    assert "lora  dp 2 (ddp)" not in first and "lora  QLoRA r8 (NF4 base)  dp 2 (ddp)" in first
+    old = {k: v for k, v in info.items() if k != "finetune"}
+    (tmp_path / "preset.toml").write_text('[finetune]\nmethod = "lora"\nrank = 4\n')
+    assert RunState(tmp_path, info=old).finetune == "LoRA r4"
+    (tmp_path / "preset.toml").write_text('[finetune]\nmethod = "none"\n')
+    assert RunState(tmp_path, info=old).finetune is None
+    assert "LoRA" not in summary_text(RunState(tmp_path, info=old), tmp_path, old)

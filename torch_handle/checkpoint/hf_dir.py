@@ -30,7 +30,7 @@ from torch_handle.checkpoint.resume import flat_keys
 from torch_handle.common.fsio import read_json_object, replace_problem, replacing_dir
 from torch_handle.errors import CheckpointError
 from torch_handle.model.args import DATASET_FIELDS, TransformerArgs
-from torch_handle.model.hf_names import from_hf_config, to_hf_config
+from torch_handle.model.hf_names import Inexpressible, from_hf_config, to_hf_config
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -81,10 +81,16 @@ def _config_key(theirs: TransformerArgs, name: str, value: Any) -> str | None:
     return next((key for key in after if after[key] != before.get(key)), None)
 
 
-def config_mismatch(args: TransformerArgs, directory: Path | str) -> str | None:
-    """One line naming the first option of ``args`` (the preset's ``[model]``) whose weights would not fit the
-    model ``DIR/config.json`` describes (``model.n_kv_heads = 4 but DIR/config.json has num_key_value_heads =
-    2``), or naming the first option no Hugging Face model has; None when they fit. Options that do
+_DERIVED = {"head_dim": ("d_model", "n_heads"), "n_kv_heads": ("n_heads",), "d_ff_expert": ("d_ff",)}
+"""Fields that, left unset, follow others (head_dim = d_model / n_heads, ...): a mismatch of theirs is one of
+those others', named once."""
+
+
+def config_mismatches(args: TransformerArgs, directory: Path | str) -> list[str]:
+    """One line for each option of ``args`` (the preset's ``[model]``) whose weights would not fit the model
+    ``DIR/config.json`` describes (``model.n_kv_heads = 4 but DIR/config.json has num_key_value_heads = 2``), all of
+    them, in field order (an unset field that follows a mismatched one, head_dim = d_model / n_heads, is not named
+    again); or the one line naming every option no Hugging Face model has; empty when they fit. Options that do
     not shape the weights (dropout, the attention kernel, fused_qkv, activation checkpointing) may differ; the
     vocabulary is checked when the weights load (the run's tokenizer gives it).
 
@@ -97,8 +103,8 @@ def config_mismatch(args: TransformerArgs, directory: Path | str) -> str | None:
     where = directory / CONFIG_FILE
     try:
         to_hf_config(args)
-    except CheckpointError as e:
-        return f"model.{e} (init_from loads Llama, Qwen 3, Qwen 3 MoE and Mixtral weights only)"
+    except Inexpressible as e:
+        return [f"{e.text('model.')} (init_from loads Llama, Qwen 3, Qwen 3 MoE and Mixtral weights only)"]
     try:
         theirs = TransformerArgs(**from_hf_config(config))
     except CheckpointError as e:
@@ -106,6 +112,7 @@ def config_mismatch(args: TransformerArgs, directory: Path | str) -> str | None:
     except (KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"{where}: not a Llama, Qwen 3, Qwen 3 MoE or Mixtral config ({type(e).__name__}: "
                               f"{e})") from None
+    found: dict[str, str] = {}
     for field in dataclasses.fields(TransformerArgs):
         name = field.name
         if name in _NOT_SHAPE:
@@ -113,11 +120,18 @@ def config_mismatch(args: TransformerArgs, directory: Path | str) -> str | None:
         mine, other = _shape_value(args, name), _shape_value(theirs, name)
         if mine == other or (name == "d_ff" and None in (mine, other)):  # no dense layer on one side: moot
             continue
+        if getattr(args, name) is None and any(source in found for source in _DERIVED.get(name, ())):
+            continue  # follows a mismatch named already
         key = _config_key(theirs, name, getattr(args, name)) or name
         value = flat_keys(config).get(key, other)
         shown = f"= {mine!r}" if getattr(args, name) is not None else f"is unset (so {mine!r})"
-        return f"model.{name} {shown} but {where} has {key} = {value!r}"
-    return None
+        found[name] = f"model.{name} {shown} but {where} has {key} = {value!r}"
+    return list(found.values())
+
+
+def config_mismatch(args: TransformerArgs, directory: Path | str) -> str | None:
+    """:func:`config_mismatches` as one line (``; `` between them), or None when the weights fit."""
+    return "; ".join(config_mismatches(args, directory)) or None
 
 
 def read_weights(directory: Path | str) -> dict[str, Tensor]:
@@ -216,16 +230,27 @@ def write(out: Path | str, config: Mapping[str, Any], state: Mapping[str, Tensor
             save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt", **metadata})
             (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
             if tokenizer_path is not None:
-                shutil.copyfile(tokenizer_path, tmp / TOKENIZER_FILE)
-                tokenizer_config = {"tokenizer_class": "PreTrainedTokenizerFast",
-                                    "model_max_length": config.get("max_position_embeddings"),
-                                    **{role: token for role, (token, _) in specials.items()}}
-                (tmp / TOKENIZER_CONFIG).write_text(json.dumps(tokenizer_config, indent=2, sort_keys=True) + "\n",
-                                                    encoding="utf-8")
+                write_tokenizer(tmp, tokenizer_path, specials, config.get("max_position_embeddings"))
             written = sorted(p.name for p in tmp.iterdir())
     except OSError as e:
         raise CheckpointError(f"{out}: cannot write the export ({type(e).__name__}: {e})") from None
     return written
+
+
+def write_tokenizer(directory: Path, tokenizer_path: Path, specials: Mapping[str, tuple[str, int]],
+                    model_max_length: int | None) -> list[str]:
+    """Write the tokenizer ``AutoTokenizer.from_pretrained(directory)`` loads: ``tokenizer.json`` (a copy of
+    ``tokenizer_path``) and ``tokenizer_config.json`` (the class and the special tokens' roles). Returns the files.
+
+    Raises:
+        OSError: a failed copy or write.
+    """
+    shutil.copyfile(tokenizer_path, Path(directory) / TOKENIZER_FILE)
+    tokenizer_config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": model_max_length,
+                        **{role: token for role, (token, _) in specials.items()}}
+    (Path(directory) / TOKENIZER_CONFIG).write_text(json.dumps(tokenizer_config, indent=2, sort_keys=True) + "\n",
+                                                    encoding="utf-8")
+    return [TOKENIZER_FILE, TOKENIZER_CONFIG]
 
 
 def check_out(out: Path, force: bool) -> None:

@@ -78,3 +78,20 @@ def strategy_label(strategy: Any, zero_stage: Any) -> str:
         label += f" ZeRO-{clean(zero_stage, 8)}"
     return label
 
+
+
+FINETUNE_NAMES = {"lora": "LoRA", "qlora": "QLoRA"}
+"""How a ``finetune.method`` reads in every view (the method's own name: QLoRA is LoRA on an NF4 base)."""
+
+
+def finetune_label(table: Any) -> str | None:
+    """``QLoRA r8 (NF4 base)``, ``LoRA r8``: a ``[finetune]`` table (a mapping: preset.toml's, or run.json's
+    ``finetune`` record) as the summary and the dashboard name it; None for ``method = "none"``, no table, or
+    values that are not a method's."""
+    if not isinstance(table, dict) or table.get("method") not in FINETUNE_NAMES:
+        return None
+    rank = table.get("rank")
+    label = FINETUNE_NAMES[table["method"]]
+    if isinstance(rank, int) and not isinstance(rank, bool):
+        label += f" r{rank}"
+    return label + (" (NF4 base)" if table["method"] == "qlora" else "")

@@ -37,6 +37,7 @@ import os
 import re
 import sys
 import typing
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -323,20 +324,26 @@ def load_preset(path: str | Path, overrides: typing.Sequence[str] = (), registry
     return preset
 
 
-def preset_problems(path: str | Path, overrides: typing.Sequence[str] = (), registry: PluginRegistry | None = None
+def preset_problems(path: str | Path, overrides: typing.Sequence[str] = (), registry: PluginRegistry | None = None,
+                    *, then: Callable[[Preset], Iterable[PresetError]] | None = None
                     ) -> tuple[Preset | None, list[PresetError]]:
     """:func:`load_preset`, returning every problem instead of raising: ``(preset, [])`` when it is valid, else
     ``(None, problems)`` ordered structure first (:func:`torch_handle.config.problems.structure_first`: level,
     table, line).
 
     The file is read once. A problem of the file itself (missing, TOML syntax, ``extends``, a malformed
-    ``--set``) is reported alone. Raises nothing for a preset problem.
+    ``--set``) is reported alone. Raises nothing for a preset problem. ``then``: a further check of a valid
+    preset (``handle validate --target hf``'s), whose problems (keyed ``table.key``) are located and ordered the
+    same way.
     """
     try:
         composed = _compose(path, overrides, registry)
     except PresetError as e:
         return None, [e]
     preset, problems = walk(composed.data, registry, str(composed.path))
+    if preset is not None and then is not None:
+        problems = list(then(preset))
+        preset = None if problems else preset
     return preset, structure_first(composed.locate(e) for e in problems)
 
 

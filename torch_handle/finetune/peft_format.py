@@ -2,9 +2,12 @@
 ``transformers`` export of the base (``handle export --format hf``), as peft's ``save_pretrained`` writes it::
 
     adapter_config.json         peft_type LORA, r, lora_alpha, lora_dropout, target_modules (Hugging Face names),
-                                base_model_name_or_path (the run's model.init_from), task_type CAUSAL_LM
+                                base_model_name_or_path (the run's model.init_from, relative to this
+                                directory where both are local), task_type CAUSAL_LM
     adapter_model.safetensors   base_model.model.<Hugging Face module path>.lora_A.weight  (r, in_features)
                                 base_model.model.<Hugging Face module path>.lora_B.weight  (out_features, r)
+    tokenizer.json              the run's tokenizer, as the base's export has it (``AutoTokenizer`` loads the
+    tokenizer_config.json       directory), written by the caller (``extra``)
 
 The keys are peft's (``utils/save_and_load.py``: ``get_peft_model_state_dict`` drops the adapter name
 ``default``) over the module paths of :func:`torch_handle.model.hf_names.hf_names`. A fused Q/K/V projection's
@@ -15,6 +18,7 @@ separate projections: the same update, since the fused weight is the three stack
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -72,10 +76,12 @@ def adapter_config(model: nn.Module, args: TransformerArgs, *, dropout: float, b
 
 
 def write_adapter(out: Path | str, state: dict[str, Tensor], config: dict[str, Any], *, force: bool = False,
-                  metadata: dict[str, str] | None = None) -> list[str]:
-    """Write ``out/adapter_config.json`` and ``out/adapter_model.safetensors`` (fp32), into a temporary directory
-    renamed into place: ``out`` is untouched or complete. A non-empty ``out`` is replaced only with ``force`` and
-    only when it is an adapter directory itself. Returns the files written.
+                  metadata: dict[str, str] | None = None,
+                  extra: Callable[[Path], list[str]] | None = None) -> list[str]:
+    """Write ``out/adapter_config.json`` and ``out/adapter_model.safetensors`` (fp32), and whatever ``extra`` writes
+    into the directory it is given (the tokenizer files), into a temporary directory renamed into place: ``out`` is
+    untouched or complete. A non-empty ``out`` is replaced only with ``force`` and only when it is an adapter
+    directory itself. Returns the files written.
 
     Raises:
         CheckpointError: ``out`` is a file, non-empty (without ``force``, or not an adapter directory), or the
@@ -92,6 +98,7 @@ def write_adapter(out: Path | str, state: dict[str, Tensor], config: dict[str, A
             tensors = {k: v.detach().float().contiguous().clone() for k, v in state.items()}
             save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt", **(metadata or {})})
             (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+            written = [CONFIG_FILE, WEIGHTS_FILE, *(extra(tmp) if extra is not None else ())]
     except OSError as e:
         raise CheckpointError(f"{out}: cannot write the adapters ({type(e).__name__}: {e})") from None
-    return [CONFIG_FILE, WEIGHTS_FILE]
+    return written

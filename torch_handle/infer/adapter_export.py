@@ -9,13 +9,14 @@ So a merge is *gather, then merge*: adapters gathered at the end of the run, fol
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
 from torch_handle.errors import CheckpointError
 from torch_handle.finetune import peft_format
-from torch_handle.infer.generate import load_run
-from torch_handle.infer.hf_export import check_exportable, export_hf
+from torch_handle.infer.generate import TOKENIZER_FILE, load_run
+from torch_handle.infer.hf_export import ROLES, check_exportable, export_hf
 from torch_handle.rundir import PRESET_FILE
 
 
@@ -31,27 +32,36 @@ def finetune_method(run_dir: Path) -> str:
 def export_adapters(run_dir: Path | str, out: Path | str, *, checkpoint: int | None = None,
                     force: bool = False) -> dict[str, Any]:
     """Write a LoRA run's adapters to ``out`` as peft's ``save_pretrained`` does (``adapter_config.json``,
-    ``adapter_model.safetensors``; :mod:`torch_handle.finetune.peft_format`); ``base_model_name_or_path`` is the
-    run's ``model.init_from``, absolute.
+    ``adapter_model.safetensors``; :mod:`torch_handle.finetune.peft_format`) with the run's tokenizer beside them
+    (``tokenizer.json``, ``tokenizer_config.json``: ``AutoTokenizer.from_pretrained(out)`` loads it);
+    ``base_model_name_or_path`` is the run's ``model.init_from`` relative to ``out`` (``../llama``), so the two
+    directories move together.
 
     Returns:
-        ``{"directory", "format": "peft", "base", "r", "lora_alpha", "target_modules", "params", "step", "files"}``
-        (``params``: the adapters' parameters).
+        ``{"directory", "format": "peft", "base", "base_dir", "r", "lora_alpha", "target_modules", "params",
+        "step", "files"}`` (``base``: as stored, relative to ``out``; ``base_dir``: the same directory from here;
+        ``params``: the adapters' parameters).
 
     Raises:
         RunDirError, PresetError, CheckpointError: as :func:`torch_handle.infer.hf_export.export_hf`; a changed
             base (its hash differs from the adapters'). Nothing is written on any of them.
     """
+    from torch_handle.checkpoint import hf_dir
+
     run_dir, out = Path(run_dir), Path(out)
     loaded = load_run(run_dir, checkpoint)
     init_from = getattr(loaded.preset.model.options, "init_from", None)
-    base = str(Path(init_from).resolve()) if init_from else None
+    base = os.path.relpath(Path(init_from).resolve(), out.resolve()) if init_from else None
     state = peft_format.peft_state_dict(loaded.model, loaded.model.args)
     config = peft_format.adapter_config(loaded.model, loaded.model.args, dropout=loaded.preset.finetune.dropout,
                                         base=base)
-    files = peft_format.write_adapter(out, state, config, force=force,
-                                      metadata={"source": str(run_dir.resolve()), "weights": loaded.weights.name})
-    return {"directory": str(out), "format": "peft", "base": base, "r": config["r"],
+    tokenizer = run_dir / TOKENIZER_FILE
+    specials = hf_dir.special_tokens(tokenizer, ROLES)
+    files = peft_format.write_adapter(
+        out, state, config, force=force, metadata={"source": str(run_dir.resolve()), "weights": loaded.weights.name},
+        extra=lambda tmp: hf_dir.write_tokenizer(tmp, tokenizer, specials, loaded.model.args.max_len))
+    return {"directory": str(out), "format": "peft", "base": base,
+            "base_dir": os.path.normpath(out / base) if base else None, "r": config["r"],
             "lora_alpha": config["lora_alpha"], "target_modules": config["target_modules"],
             "params": sum(t.numel() for t in state.values()), "step": checkpoint, "files": files}
 

@@ -6,7 +6,9 @@ DDP, ZeRO, FSDP2, tensor or pipeline parallel) or, with ``checkpoint=STEP``, a c
 :func:`torch_handle.infer.generate.load_run` reads them); names and config keys are
 :mod:`torch_handle.model.hf_names`'s, files :mod:`torch_handle.checkpoint.hf_dir`'s. A run whose model no Hugging
 Face class computes (post-LN, sinusoidal positions, LayerNorm, GELU, scaled embeddings, an encoder-decoder, the
-``hf`` plugin's models, which are ``transformers`` models already) is refused before anything is read or written.
+``hf`` plugin's models, which are ``transformers`` models already) is refused before anything is read or written,
+in one line naming every option that differs and the value each needs (:func:`export_problems`, which ``handle
+validate --target hf`` also runs before training).
 """
 
 from __future__ import annotations
@@ -18,15 +20,49 @@ import torch
 
 from torch_handle.checkpoint import hf_dir
 from torch_handle.data.datasets import PAD_ID, SPECIAL_TOKENS
-from torch_handle.errors import CheckpointError, RunDirError
+from torch_handle.errors import CheckpointError, PresetError, RunDirError
 from torch_handle.finetune.lora import merge_lora
 from torch_handle.infer.generate import TOKENIZER_FILE, load_run
-from torch_handle.model.hf_names import to_hf_config, to_hf_state_dict
+from torch_handle.model.hf_names import Inexpressible, Problem, to_hf_config, to_hf_state_dict
 from torch_handle.rundir import PRESET_FILE
 
 FORMATS = ("hf",)
 ROLES: dict[str, str] = dict(zip(("pad_token", "bos_token", "eos_token", "unk_token"), SPECIAL_TOKENS))
 """``tokenizer_config.json``'s role -> the project tokenizer's special token (``data/datasets.py``)."""
+
+
+HF_PLUGIN = ("only the from-scratch 'transformer' maps; the 'hf' plugin's models are transformers models "
+             "already")
+
+
+def export_problems(preset: Any) -> tuple[str | None, list[Problem]]:
+    """Whether a run of ``preset`` (a loaded :class:`~torch_handle.config.schema.Preset`) exports to a Hugging Face
+    class, from its ``[model]`` alone (the model is sized on the meta device: no memory): ``(architecture, [])``,
+    or ``(architecture, problems)``: every option that class cannot express, keyed as the preset names it
+    (``("model.position", "sinusoidal", "= 'rope'", "")``). The class is the one fewest options away
+    (:func:`torch_handle.model.hf_names.closest_family`); None, with the one problem ``model.name``, for another
+    model plugin. Used by ``handle export`` and ``handle validate --target hf``."""
+    from torch_handle.model.hf_names import FAMILIES, closest_family, hf_problems
+    from torch_handle.registry import get_registry
+
+    model = preset.model
+    if model.name != "transformer":
+        return None, [("model.name", model.name, "= 'transformer'", f" ({HF_PLUGIN})")]
+    kind = getattr(model.options, "kind", "decoder")
+    with torch.device("meta"):  # the model's TransformerArgs, as the plugin builds them; no memory
+        args = get_registry().get("model", model.name).factory(model.options, len(SPECIAL_TOKENS), PAD_ID, 8).args
+    family = closest_family(args)
+    problems: list[Problem] = [("model.kind", kind, "= 'decoder'", "")] if kind != "decoder" else []
+    problems += [(f"model.{key}", have, need, note) for key, have, need, note in hf_problems(args, family)]
+    return FAMILIES[family], problems
+
+
+def export_preset_errors(preset: Any) -> list[PresetError]:
+    """:func:`export_problems` as preset problems, one per option, keyed as the preset names it (``model.position:
+    'sinusoidal': MixtralForCausalLM needs 'rope'``): ``handle validate --target hf``'s check."""
+    architecture, problems = export_problems(preset)
+    return [PresetError(f"{have!r}: {architecture or 'handle export --format hf'} needs {need.removeprefix('= ')}"
+                        f"{note}", key=key) for key, have, need, note in problems]
 
 
 def check_exportable(run_dir: Path) -> str:
@@ -35,29 +71,21 @@ def check_exportable(run_dir: Path) -> str:
     Raises:
         RunDirError: not a run directory.
         PresetError: its preset no longer loads.
-        CheckpointError: a model no Hugging Face causal LM computes: the first option that differs and the value
-            it needs (``model.norm = 'layernorm': LlamaForCausalLM needs norm = 'rmsnorm'``).
+        CheckpointError: a model no Hugging Face causal LM computes: every option that differs and the value each
+            needs, in one line (``RUN: cannot export to Hugging Face format: MixtralForCausalLM needs
+            model.position = 'rope' (not 'sinusoidal'); model.scale_embeddings = False (not True)``).
     """
     from torch_handle.config.loader import load_preset
-    from torch_handle.registry import get_registry
 
     if not (run_dir / PRESET_FILE).is_file():
         raise RunDirError(f"{run_dir}: not a run directory (no {PRESET_FILE})")
-    preset = load_preset(run_dir / PRESET_FILE)
-    model = preset.model
+    architecture, problems = export_problems(load_preset(run_dir / PRESET_FILE))
     where = f"{run_dir}: cannot export to Hugging Face format"
-    if model.name != "transformer":
-        raise CheckpointError(f"{where}: model.name = {model.name!r} (only the from-scratch 'transformer' maps; the "
-                              f"'hf' plugin's models are transformers models already)")
-    if getattr(model.options, "kind", "decoder") != "decoder":
-        raise CheckpointError(f"{where}: model.kind = {model.options.kind!r}: LlamaForCausalLM needs kind = "
-                              f"'decoder'")
-    with torch.device("meta"):  # the model's TransformerArgs, as the plugin builds them; no memory
-        args = get_registry().get("model", model.name).factory(model.options, len(SPECIAL_TOKENS), PAD_ID, 8).args
-    try:
-        return to_hf_config(args)["architectures"][0]
-    except CheckpointError as e:
-        raise CheckpointError(f"{where}: model.{e}") from None
+    if architecture is None:
+        raise CheckpointError(f"{where}: model.name = {problems[0][1]!r} ({HF_PLUGIN})")
+    if problems:
+        raise CheckpointError(f"{where}: {Inexpressible(architecture, problems)}")
+    return architecture
 
 
 def _step(weights: Path, checkpoint: int | None) -> int | None:

@@ -33,7 +33,7 @@ from torch_handle.launch.multinode import create_or_join_run_dir, owns_run_dir, 
 from torch_handle.launch.precision import resolve_for_run
 from torch_handle.launch.supervisor import Launch
 from torch_handle.observe.fields import Kind, Status
-from torch_handle.observe.state import RunState
+from torch_handle.observe.state import FINETUNE_KEY, RunState
 from torch_handle.observe.tail import EventReader
 from torch_handle.observe.telemetry import EVENTS_FILE
 from torch_handle.registry import get_registry
@@ -106,7 +106,9 @@ def prepare_run(preset: str | None, overrides: tuple[str, ...], run_dir: Path | 
             "strategy": loaded.strategy.name, "zero_stage": getattr(loaded.strategy.options, "zero_stage", None),
             "world_size": loaded.world_size, "steps": loaded.training.steps, "start_time": time.time(),
             "end_time": None, "restarts": 0, LAYOUT_KEY: RunLayout.from_preset(loaded).record(), **precision,
-            **({REASON_FIELD: loaded.resolved[TP_KEY]} if TP_KEY in loaded.resolved else {})}
+            **({REASON_FIELD: loaded.resolved[TP_KEY]} if TP_KEY in loaded.resolved else {}),
+            **({FINETUNE_KEY: {"method": loaded.finetune.method, "rank": loaded.finetune.rank}}
+               if loaded.finetune.method != "none" else {})}
     if loaded.launch.nnodes > 1:
         if run_dir is not None:
             directory, _ = create_or_join_run_dir(loaded, info, Path(run_dir))

@@ -34,8 +34,9 @@ transformers 5 holds the experts fused in memory (``experts.gate_up_proj`` (E, 2
 auxiliary-loss-free expert bias -- are refused by name.
 
 Configs are plain dicts (``config.json``'s keys; ``transformers.AutoConfig.for_model(**d)`` builds one), and no
-``transformers`` import happens here: the export, ``init_from`` and the tests bring their own. Every mismatch --
-an option the Hugging Face model does not have, a missing or unexpected key, a shape -- raises
+``transformers`` import happens here: the export, ``init_from`` and the tests bring their own. Options the Hugging
+Face class does not have raise :class:`Inexpressible`, one line naming every one with the value it needs (against
+the family fewest changes away, :func:`closest_family`); a missing or unexpected key or a shape raises
 ``CheckpointError`` with one line naming the first one.
 """
 
@@ -74,11 +75,30 @@ def hf_family(args: TransformerArgs) -> str:
     return "qwen3" if args.qk_norm else "llama"
 
 
-def _check_args(args: TransformerArgs, family: str) -> None:
-    """Raises CheckpointError naming the first option of ``args`` that ``family`` cannot express."""
+Problem = tuple[str, Any, str, str]
+"""One option a family cannot express: ``(key, the value args has, what the family needs, a note)``, e.g.
+``("position", "sinusoidal", "= 'rope'", "")``."""
+
+
+class Inexpressible(CheckpointError):
+    """Every option of a ``TransformerArgs`` that the Hugging Face class ``architecture`` cannot express, with the
+    value each needs, in one line (:meth:`text`): ``MixtralForCausalLM needs model.position = 'rope' (not
+    'sinusoidal'); model.scale_embeddings = False (not True)``. ``problems``: :data:`Problem` s, in field order."""
+
+    def __init__(self, architecture: str, problems: list[Problem], prefix: str = ""):
+        self.architecture, self.problems = architecture, list(problems)
+        super().__init__(self.text(prefix))
+
+    def text(self, prefix: str = "") -> str:
+        """The line, each key after ``prefix`` (``"model."``: as a preset names it)."""
+        return f"{self.architecture} needs " + "; ".join(f"{prefix}{key} {need} (not {have!r}){note}"
+                                                         for key, have, need, note in self.problems)
+
+
+def hf_problems(args: TransformerArgs, family: str) -> list[Problem]:
+    """Every option of ``args`` that ``family``'s class cannot express, with the value it needs (empty: it can)."""
     if family not in FAMILIES:
         raise CheckpointError(f"unknown Hugging Face family {family!r}; expected one of {', '.join(FAMILIES)}")
-    name = FAMILIES[family]
     needs: dict[str, object] = {**_SHARED, "qk_norm": family in _QK_NORM}
     if family != "llama":
         needs["bias"] = False
@@ -88,13 +108,33 @@ def _check_args(args: TransformerArgs, family: str) -> None:
             needs.update(moe_every=1, norm_topk_prob=True)
     else:
         needs["n_experts"] = 0
+    found: list[Problem] = []
     for key, value in needs.items():
         if getattr(args, key) != value:
             hint = (" (with qk_norm = True it exports as Qwen3MoeForCausalLM)"
                     if family == "mixtral" and key in ("moe_every", "norm_topk_prob") else "")
-            raise CheckpointError(f"{key} = {getattr(args, key)!r}: {name} needs {key} = {value!r}{hint}")
+            found.append((key, getattr(args, key), f"= {value!r}", hint))
     if family == "llama" and args.d_model % args.n_heads:
-        raise CheckpointError(f"d_model = {args.d_model}: {name} needs it divisible by n_heads = {args.n_heads}")
+        found.append(("d_model", args.d_model, f"divisible by n_heads = {args.n_heads}", ""))
+    return found
+
+
+def closest_family(args: TransformerArgs) -> str:
+    """The family ``args`` is fewest options away from: :func:`hf_family` when it expresses ``args`` or no other
+    one of the same kind (dense: llama, qwen3; experts: qwen3_moe, mixtral) needs fewer changes."""
+    first = hf_family(args)
+    kinds = MOE_FAMILIES if args.n_experts else ("llama", "qwen3")
+    return min([first, *(f for f in kinds if f != first)], key=lambda f: len(hf_problems(args, f)))
+
+
+def _check_args(args: TransformerArgs, family: str | None) -> str:
+    """``family`` (None: :func:`closest_family`), or raises :class:`Inexpressible` naming every option of ``args``
+    that it cannot express."""
+    family = family or closest_family(args)
+    problems = hf_problems(args, family)
+    if problems:
+        raise Inexpressible(FAMILIES[family], problems)
+    return family
 
 
 def to_hf_config(args: TransformerArgs, family: str | None = None) -> dict[str, Any]:
@@ -107,11 +147,10 @@ def to_hf_config(args: TransformerArgs, family: str | None = None) -> dict[str, 
     classes compute every routed token (dropless) and have no z-loss.
 
     Raises:
-        CheckpointError: an option the family cannot express (``position = 'sinusoidal': LlamaForCausalLM needs
-            position = 'rope'``).
+        Inexpressible: options the family (None: the closest one) cannot express, every one (``LlamaForCausalLM
+            needs position = 'rope' (not 'sinusoidal'); scale_embeddings = False (not True)``).
     """
-    family = family or hf_family(args)
-    _check_args(args, family)
+    family = _check_args(args, family)
     config = {
         "model_type": family, "architectures": [FAMILIES[family]], "vocab_size": args.vocab_size,
         "hidden_size": args.d_model, "intermediate_size": args.d_ff, "num_hidden_layers": args.n_layers,
@@ -304,7 +343,7 @@ def to_hf_state_dict(state: Mapping[str, Tensor], args: TransformerArgs, family:
         CheckpointError: ``args`` the family cannot express, or a missing, unexpected or misshapen key of
             ``state`` (named).
     """
-    _check_args(args, family or hf_family(args))
+    _check_args(args, family)
     state = {k: v for k, v in state.items() if not (args.tie_embeddings and k == "lm_head.weight")}
     if args.fused_qkv:
         sizes = [args.n_heads * args.d_k, args.kv_heads * args.d_k, args.kv_heads * args.d_k]
@@ -374,7 +413,7 @@ def from_hf_state_dict(state: Mapping[str, Tensor], args: TransformerArgs, famil
         CheckpointError: ``args`` the family cannot express, or a missing, unexpected or misshapen key of
             ``state`` (named).
     """
-    _check_args(args, family or hf_family(args))
+    _check_args(args, family)
     state = {k: v for k, v in state.items() if not k.endswith(_ROTARY_KEY)}
     if args.tie_embeddings:
         state.pop("lm_head.weight", None)

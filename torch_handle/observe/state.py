@@ -11,11 +11,15 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from torch_handle.common.run_layout import LAYOUT_KEY, RunLayout
-from torch_handle.common.text import clean, strategy_label
+from torch_handle.common.fsio import read_toml
+from torch_handle.common.text import clean, finetune_label, strategy_label
 from torch_handle.observe.comm import read_comm
 from torch_handle.observe.fields import (ACTIVATION_BYTES, ACTIVATION_SAVED_BYTES, BREAKDOWN, COMM, DATA_S, MEMORY,
                                          WAIT_S, Kind, Level, Status)
 from torch_handle.observe.tail import BadLine, integer, number
+
+FINETUNE_KEY = "finetune"
+"""run.json's ``{"method", "rank"}`` of a fine-tuning run (``[finetune]``; absent when it trains every weight)."""
 
 SLOW_RANK_RATIO = 0.2
 """A rank is slow when it lags the other ranks' median by more than this share of the median step time ..."""
@@ -108,6 +112,8 @@ class RunState:
     is how it reads."""
     preset_layout: RunLayout | None = None
     """For a run whose run.json has no ``layout`` record (an old one): :meth:`RunLayout.from_run`'s, read once."""
+    preset_finetune: dict[str, Any] | None = None
+    """For a run whose run.json has no ``finetune`` record: preset.toml's ``[finetune]`` (``{}``: none), read once."""
     comm: dict[str, float] | None = None
     """The newest step event's communication seconds per dimension of the layout (``{"dp": .., "tp": ..}``,
     :func:`~torch_handle.observe.comm.read_comm`); None when it has none."""
@@ -365,6 +371,18 @@ class RunState:
                 self.preset_layout = RunLayout.from_run(self.run_dir, self.info)
             layout = self.preset_layout.matching(self.layout_degrees)
         return layout.with_strategy(self.event_strategy, self.event_zero_stage)
+
+    @property
+    def finetune(self) -> str | None:
+        """What the run fine-tunes with, as every view names it (``QLoRA r8 (NF4 base)``,
+        :func:`~torch_handle.common.text.finetune_label`): run.json's ``finetune`` record, or for a run from
+        before it preset.toml's ``[finetune]`` (read once); None for a run that trains every weight."""
+        if FINETUNE_KEY in self.info:
+            return finetune_label(self.info[FINETUNE_KEY])
+        if self.preset_finetune is None:
+            data = read_toml(self.run_dir / "preset.toml")
+            self.preset_finetune = (data or {}).get("finetune") or {}
+        return finetune_label(self.preset_finetune)
 
     @property
     def precision(self) -> str | None:
