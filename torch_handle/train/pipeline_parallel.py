@@ -87,6 +87,7 @@ class PipelineParallel:
         self.smoothing = label_smoothing  # of the running schedule (evaluation: 0)
         self.first_stage_saved_bytes: int | None = None
         self.peak_saved_bytes: int | None = None
+        self.activation_saved_bytes: int | None = None  # the loop's figure: this rank's first stage, first micro-batch
         self.test_stall = parse_test_stall(os.environ.get(HANG_ENV, ""), ctx.rank)
         self._running, self._forwards = 0, 0  # the running step (1-based), its forwards so far on the first stage
 
@@ -200,7 +201,7 @@ class PipelineParallel:
         if counting:
             self.first_stage_saved_bytes = self.engine.saved_bytes[0] if 0 in self.my_stages else 0
             self.peak_saved_bytes = self.engine.peak_saved_bytes
-            trainer.activation_saved_bytes = self.engine.saved_bytes[0]
+            self.activation_saved_bytes = self.engine.saved_bytes[0]
         spans = self.timeline.spans()
         busy = {"forward": sum(b - a for k, *_, a, b in spans if k == "F"),
                 "backward": sum(b - a for k, *_, a, b in spans if k in ("B", "W"))}
