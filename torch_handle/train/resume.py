@@ -68,7 +68,7 @@ def load_state(trainer: Any, path: Path, layout: dict[str, Any]) -> str:
     if "world_size" not in layout or ("strategy" not in layout and layout.get("format") != "dcp"):
         layout = {**strategy.checkpoint_layout(), "world_size": ctx.world_size, **layout}  # older
     if state_io.loads_natively(layout):
-        strategy.load(path)
+        state_io.load(path)
         return ""
     from torch_handle.checkpoint import convert
     from torch_handle.common.units import fmt_bytes
@@ -80,7 +80,7 @@ def load_state(trainer: Any, path: Path, layout: dict[str, Any]) -> str:
                                    f"nodes (its shards are spread over the nodes' directories)")
     outcome: Any = None
     if trainer.is_dir_main:  # one conversion per run directory, while that directory's other ranks wait
-        names = getattr(state_io, "parameter_names", strategy.parameter_names)()
+        names = state_io.parameter_names()
         try:
             with busy("convert"):
                 outcome = convert.ensure_portable(path, layout, names)

@@ -38,7 +38,9 @@ from torch_handle.observe.telemetry import EVENTS_FILE, EventWriter, NullEventWr
 from torch_handle.train.loop import GradientAccumulation, MicroBatchLoop, plain
 from torch_handle.train.loss import loss_fn
 from torch_handle.train.phases import PhaseTimer
+from torch_handle.train.compose import build_shares
 from torch_handle.train.resume import resume
+from torch_handle.train.share import ParallelShare
 from torch_handle.train.routing import RoutingTelemetry
 from torch_handle.train.step_report import StepReport
 
@@ -57,8 +59,10 @@ class Trainer:
         self.training = preset.training
         self.events = EventWriter(self.run_dir / EVENTS_FILE) if ctx.is_main else NullEventWriter()
         self.step = 0
-        self.tp: Any = None  # the TensorParallel share of this process when parallel.tp > 1 (see build)
-        self.pp: Any = None  # the PipelineParallel share when parallel.pp > 1: also the step's micro-batch loop
+        self.share: ParallelShare | None = None
+        """The run's parallel share (tp, pp or ep > 1; :func:`~torch_handle.train.compose.build_shares`): build, step,
+        checkpoints and export go through it; None: the strategy holds the whole model."""
+        self.pipeline: Any = None  # the PipelineParallel share when parallel.pp > 1: also the loop and the evaluation
         self.loop: MicroBatchLoop = GradientAccumulation()
         self.epoch = 0
         self.samples_in_epoch = 0
@@ -84,18 +88,8 @@ class Trainer:
     # -- build ---------------------------------------------------------------------------------------------------
     def build(self) -> None:
         p = self.preset
-        if max(p.parallel.tp, p.parallel.pp, p.parallel.ep) > 1:
-            from torch_handle.train.tensor_parallel import TensorParallel, attach_layout
-
-            self.ctx = attach_layout(self.ctx, p.parallel)
-        if p.parallel.tp > 1:
-            self.tp = TensorParallel(p.parallel, self.ctx)
-        if p.parallel.pp > 1:
-            from torch_handle.config.layout import pipeline_microbatches
-            from torch_handle.train.pipeline_parallel import PipelineParallel
-
-            self.pp = PipelineParallel(p.parallel, self.ctx, pipeline_microbatches(p), self.training.label_smoothing,
-                                       self.tp)
+        shares = build_shares(p, self.ctx)  # the layout's mesh, and its TP, pipeline and EP shares side by side
+        self.ctx, self.share, self.pipeline = shares.ctx, shares.run, shares.pp
         ctx = self.ctx
         ckpt.seed_everything(p.run.seed)
         data_plugin = self.registry.get("dataset", p.data.name)
@@ -126,10 +120,8 @@ class Trainer:
                            "flops_per_token": float(flops(self.data.max_len)) if flops is not None else None}
         self.routing = RoutingTelemetry(model, ctx.tp_rank, ctx.dp_size)  # every MoE layer, before a pipeline split
         model.to(ctx.device)
-        if self.tp is not None:
-            self.tp.parallelize(model)
-        if self.pp is not None:
-            model = self.pp.split(model)
+        if self.share is not None:
+            model = self.share.parallelize(model)  # TP split, the pipeline's stages, the experts split over "ep"
         if self.training.compile:
             # Per block and in place (nn.Module.compile), as torchtitan does: the blocks stay the modules that
             # blocks() returns, so fsdp's fully_shard per block and activation checkpointing see them unchanged.
@@ -141,9 +133,8 @@ class Trainer:
 
         strategy_plugin = self.registry.get("strategy", p.strategy.name)
         self.strategy: Strategy = strategy_plugin.factory(p.strategy.options, self.training, ctx, model)
-        share = self.pp or self.tp or self.strategy.expert_parallel  # a split model saves its state itself
-        self.state_io = self.strategy if share is None else share.bind(self.strategy)
-        self.loop = self.pp or self.strategy.micro_batch_loop() or GradientAccumulation()
+        self.state_io = self.strategy if self.share is None else self.share.bind(self.strategy)  # saves, loads itself
+        self.loop = self.pipeline or self.strategy.micro_batch_loop() or GradientAccumulation()
 
         t = self.training
         # the samples of each step depend on the seed and the step, not on the world size (see GlobalBatchSampler)
@@ -167,7 +158,7 @@ class Trainer:
         if ctx.is_main and self.model_info["flops_per_token"]:
             self.peak_flops = self._peak()
         ctx.barrier()  # the other ranks wait (idle) while rank 0 measures the peak, which needs the cores
-        self.report = StepReport(ctx, self.strategy, [s for s in (self.tp, self.pp) if s is not None], self.events,
+        self.report = StepReport(ctx, self.strategy, [self.share] if self.share else [], self.events,
                                  self.run_dir, self.model_info["flops_per_token"], self.peak_flops)
 
     def _peak(self) -> float | None:
@@ -233,11 +224,11 @@ class Trainer:
         with self.strategy.autocast():
             logits = self.strategy.model(**batch)
         eps = self.training.label_smoothing if train else 0.0
-        return loss_fn(logits, labels, eps) if self.tp is None else self.tp.loss(logits, labels, eps)
+        return loss_fn(logits, labels, eps) if self.share is None else self.share.loss(logits, labels, eps)
 
     def micro_batch(self):
         """Context of one micro-batch's forward, loss and backward (``loss_parallel()`` for native TP)."""
-        return contextlib.nullcontext() if self.tp is None else self.tp.micro_batch()
+        return contextlib.nullcontext() if self.share is None else self.share.micro_batch()
 
     def train_step(self, batches: Iterator[dict[str, torch.Tensor]]) -> dict[str, Any]:
         """One optimizer step over ``grad_accum`` micro-batches; returns its ``step`` event (plus ``stop``).
@@ -248,8 +239,8 @@ class Trainer:
         t0 = time.perf_counter()
         t, timer = self.training, self.timer
         timer.begin()
-        if self.tp is not None:
-            self.tp.begin_step()
+        if self.share is not None:
+            self.share.begin_step()
         # [loss * tokens, tokens, stop] stays on the device until the one sync below (nccl needs it there too)
         stats = torch.zeros(3, dtype=torch.float64, device=self.ctx.device)
         self.loop.run(self, batches, stats)  # the micro-batches
@@ -290,8 +281,8 @@ class Trainer:
             self.strategy.skip_step()
             record["skipped"] = True
             return float("nan")
-        if share := self.pp or self.tp or self.strategy.expert_parallel:  # the norm over every part, clipped
-            grad_norm = share.before_step(t.grad_clip or float("inf"))
+        if self.share is not None:  # the norm over every part, clipped
+            grad_norm = self.share.before_step(t.grad_clip or float("inf"))
             self.strategy.step()
             return grad_norm
         return self.strategy.step()
@@ -305,8 +296,8 @@ class Trainer:
             if i >= self.training.eval_steps:
                 break
             batch = {k: v.to(self.ctx.device, non_blocking=True) for k, v in batch.items()}
-            if self.pp is not None:
-                loss_sum, n = self.pp.evaluate(batch)  # on the last stage; zeros elsewhere
+            if self.pipeline is not None:
+                loss_sum, n = self.pipeline.evaluate(batch)  # on the last stage; zeros elsewhere
                 total += torch.stack([loss_sum, n]).to(total)
                 continue
             with self.micro_batch():
@@ -357,8 +348,7 @@ class Trainer:
         """Final weights as ``model.safetensors`` (rank 0; every rank takes part in gathering them)."""
         beat("export", self.step)
         model = self.strategy.unwrapped()
-        share = self.tp or self.pp or self.strategy.expert_parallel
-        state = self.strategy.full_state_dict() if share is None else share.full_state_dict(model)
+        state = self.strategy.full_state_dict() if self.share is None else self.share.full_state_dict(model)
         if state is None:
             return
         from safetensors.torch import save_file
