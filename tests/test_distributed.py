@@ -66,6 +66,15 @@ def strategy_runs(base) -> dict[str, Path]:
     return runs
 
 
+@pytest.mark.parametrize("name", ["ddp", "zero1", "zero2", "zero3", "fsdp", "scratch-zero1"])
+def test_every_strategy_hands_on_its_whole_model(strategy_runs, name) -> None:
+    """model.safetensors has the one-process tensors, handle generate loads it, and it equals the last checkpoint's
+    consolidated state (a ZeRO-3 or FSDP2 shard set converted to the portable form; tests/whole_weights.py)."""
+    from tests.whole_weights import assert_whole_weights
+
+    assert_whole_weights(strategy_runs[name])
+
+
 def test_strategies_compute_the_same_losses_fp32(strategy_runs):
     """ddp, ZeRO-1/2/3, FSDP2 and scratch-ddp (bucketed, with its hand-written ZeRO-1: the unsharded modes are
     proven bitwise equal to DDP in tests/test_scratch_ddp.py) give the same per-step losses (fp32, same seed)

@@ -165,7 +165,8 @@ def _decoder(rank: int, meshes, impl: str, forced: bool) -> None:
     set_loss_scale(1.0)  # each rank its micro-batch, as DDP runs it (and averages)
     torch.manual_seed(0)
     model = DecoderLM(_args()).train()
-    ep = ExpertParallel(ctx, impl).parallelize(model)
+    ep = ExpertParallel(ctx, impl)
+    ep.parallelize(model)
     if forced:
         _force_onto_rank_0(model)
     loss = F.cross_entropy(model(ids[rank]).flatten(0, 1), ids[rank].flatten())
@@ -203,7 +204,8 @@ def _decoder(rank: int, meshes, impl: str, forced: bool) -> None:
     weights = {k: v.clone() for k, v in initial.items()}
     torch.manual_seed(1)
     fresh = DecoderLM(_args()).train()
-    ep2 = ExpertParallel(ctx, impl).parallelize(fresh)
+    ep2 = ExpertParallel(ctx, impl)
+    ep2.parallelize(fresh)
     ep2.cut_state(fresh, weights, None)
     load_full_state(fresh, None, weights, None, "scratch", {}, SimpleNamespace(rank=0))
     for name, p in fresh.named_parameters():

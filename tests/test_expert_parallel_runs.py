@@ -20,6 +20,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.helpers import handle_at_once, handle_runs
+from tests.whole_weights import assert_whole_weights
 
 pytestmark = pytest.mark.dist
 
@@ -102,3 +103,10 @@ def test_checkpoints_resume_across_ep(runs, name, layout) -> None:
         for key in ("loss", "grad_norm"):
             assert abs(resumed[step][key] - one[step][key]) <= 1e-5 * abs(one[step][key]), (name, step, key)
         assert layout.items() <= resumed[step]["layout"].items(), resumed[step]["layout"]
+
+
+@pytest.mark.parametrize("name", ["one", "ep2-scratch", "dp2xep2-fsdp", "pp2xep2"])
+def test_every_expert_layout_hands_on_its_whole_model(runs, name: str) -> None:
+    """model.safetensors has the one-process MoE model's every tensor (the experts gathered over "ep", every
+    stage), handle generate loads it, and it equals the last checkpoint's consolidated state."""
+    assert_whole_weights(runs[name])

@@ -108,6 +108,15 @@ def test_every_strategy_gives_the_single_process_losses(lora_runs):
         assert worst <= 1e-5, f"{name}: losses differ from the single process's by up to {worst:.2e}"
 
 
+@pytest.mark.parametrize("name", ["single", *STRATEGIES])
+def test_every_layout_hands_on_its_whole_model(lora_runs, name) -> None:
+    """model.safetensors has the one-process tensors (base and adapters), handle generate loads it, and it equals
+    the last checkpoint's consolidated state (tests/whole_weights.py)."""
+    from tests.whole_weights import assert_whole_weights
+
+    assert_whole_weights(lora_runs[name])
+
+
 def test_the_base_stays_bitwise_as_it_started(lora_runs):
     """Every run's final weights hold the adapters and the base's hash; the base rebuilt from the seed (what every
     rank froze) has that hash, and the adapters' own B moved away from zero."""

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import handle_runs
+from tests.whole_weights import assert_whole_weights
 
 pytestmark = pytest.mark.dist
 
@@ -124,3 +125,10 @@ def test_a_stage_syncs_its_gradients_once_a_step(runs) -> None:
     stage0 = model.embed.weight.numel() + sum(p.numel() for layer in model.layers[:2] for p in layer.parameters())
     for e in _events(runs["dp2xpp2-scratch-ddp"], "step"):
         assert (e["allreduce_calls"], e["allreduce_bytes"]) == (1, 4 * stage0), (e["step"], stage0)
+
+
+@pytest.mark.parametrize("name", ["one", *LAYOUTS])
+def test_every_layout_hands_on_its_whole_model(runs, name: str) -> None:
+    """model.safetensors has the one-process model's every tensor (tp x pp: every stage, gathered over TP), handle
+    generate loads it, and it equals the last checkpoint's consolidated state (tests/whole_weights.py)."""
+    assert_whole_weights(runs[name])

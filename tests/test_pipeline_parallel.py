@@ -111,7 +111,7 @@ def _pipeline_step(args: TransformerArgs, impl: str, schedule: str, v: int
     returns, the gradients of this rank's shard by their one-process names, and the evaluation loss."""
     from torch_handle.train.pipeline_parallel import PipelineParallel
     from torch_handle.train.strategy import DistContext
-    from torch_handle.train.tensor_parallel import attach_layout
+    from torch_handle.parallel.mesh import attach_layout
 
     import torch.distributed as dist
 

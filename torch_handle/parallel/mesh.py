@@ -25,11 +25,13 @@ ranks splits "dp" into ("edp", "ep") (:func:`build_expert_mesh`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
+
+    from torch_handle.config.schema import ParallelConfig
 
 
 @dataclass(frozen=True)
@@ -107,3 +109,25 @@ def build_expert_mesh(layout: Layout, device_type: str) -> DeviceMesh:
     pp = ((layout.pp,), ("pp",)) if layout.pp > 1 else ((), ())
     return init_device_mesh(device_type, (*pp[0], layout.edp, layout.ep, layout.tp),
                             mesh_dim_names=(*pp[1], "edp", "ep", "tp"))
+
+
+def attach_layout(ctx: Any, parallel: ParallelConfig) -> Any:
+    """``ctx`` (a ``DistContext``, copied) with the pp × dp × tp layout of ``parallel`` (dp as edp × ep): the device
+    mesh, the TP group (tp > 1) and the pipeline group (pp > 1), the data-parallel rank and size (``ctx.dp_rank``,
+    ``ctx.dp_size``) and the expert-parallel implementation and mesh (ep > 1). With tp = pp = ep = 1: ``ctx``
+    unchanged (dp = world size). Collective: every rank calls it (the mesh's process groups).
+
+    Raises:
+        ValueError: tp · pp does not divide the world size, or ep the data-parallel degree (:class:`Layout`)."""
+    if parallel.tp == 1 and parallel.pp == 1 and parallel.ep == 1:
+        return ctx
+    layout = Layout(ctx.world_size, parallel.tp, parallel.pp, parallel.ep)
+    mesh = build_mesh(layout, ctx.device.type)
+    tp_group = None
+    if layout.tp > 1:  # an EP-only or pipeline-only run imports nothing of tensor parallelism
+        from torch_handle.parallel.tensor.mappings import TPGroup
+
+        tp_group = TPGroup(mesh["tp"].get_group())
+    return replace(ctx, layout=layout, mesh=mesh, tp_group=tp_group,
+                   pp_group=mesh["pp"].get_group() if layout.pp > 1 else None, ep_impl=parallel.ep_impl,
+                   ep_mesh=build_expert_mesh(layout, ctx.device.type) if layout.ep > 1 else None)

@@ -38,6 +38,7 @@ from torch_handle.checkpoint.convert import load_schedule, read_portable, write_
 from torch_handle.model.moe import moe_layers
 from torch_handle.parallel.tensor.checkpoint import full_model_state, full_optimizer_state, load_full_state
 from torch_handle.train.grad_norm import clip_, local, mesh_grad_norm
+from torch_handle.train.share import PortableShare
 
 _WHOLE = SimpleNamespace(rank=0)  # the TP "group" of a model without tensor parallelism: nothing split
 
@@ -84,13 +85,14 @@ def apply_expert_parallel(model: nn.Module, impl: str, ep_mesh: Any) -> list[nn.
     return params
 
 
-class ExpertParallel:
+class ExpertParallel(PortableShare):
     """One process's share of expert parallelism (``parallel.ep > 1``), for the trainer and the strategy; ``ctx`` is
     the rank's ``DistContext`` with its layout (``attach_layout``), ``impl`` ``parallel.ep_impl``.
 
-    Built by the strategy before it wraps the model (:func:`build_expert_parallel`); the trainer then uses it as its
-    model-state share (``bind``, ``before_step``, ``save``, ``load_portable``, ``full_state_dict``,
-    ``step_stats``), unless a pipeline is that share (which calls this one for its experts)."""
+    Built with the run's other shares (:func:`~torch_handle.train.compose.build_shares`) and handed to the strategy
+    (``ctx.expert_parallel``), which leaves the experts to it when it wraps the model; the trainer uses it as the run's
+    :class:`~torch_handle.train.share.ParallelShare`, unless a pipeline is that share (which calls this one for its
+    experts)."""
 
     def __init__(self, ctx: Any, impl: str) -> None:
         self.ctx, self.impl, self.mesh, self.ep_mesh = ctx, impl, ctx.mesh, ctx.ep_mesh["ep"]
@@ -103,11 +105,11 @@ class ExpertParallel:
         """Whether :meth:`sync_grads` reduces the expert gradients over "edp"; FSDP turns it off (it shards the
         experts over "edp" and reduce-scatters their gradients there, divided by dp)."""
 
-    def parallelize(self, model: nn.Module) -> ExpertParallel:
-        """Split ``model``'s experts (:func:`apply_expert_parallel`). Returns self."""
+    def parallelize(self, model: nn.Module) -> nn.Module:
+        """Split ``model``'s experts (:func:`apply_expert_parallel`) in place. Returns ``model``."""
         apply_expert_parallel(model, self.impl, self.ep_mesh)
         self.model = model
-        return self
+        return model
 
     @property
     def params(self) -> list[nn.Parameter]:
@@ -160,7 +162,7 @@ class ExpertParallel:
         clip_((p for _, p in named), norm, max_norm)
         return norm
 
-    def step_stats(self) -> dict[str, Any]:
+    def step_stats(self, timeline: bool = False) -> dict[str, Any]:
         return {"layout": self.ctx.layout.describe()}
 
     # -- checkpoints: experts joined by name ----------------------------------------------------------------------
@@ -206,9 +208,6 @@ class ExpertParallel:
         """An EP checkpoint is the portable form (DCP, full tensors by name, ``format = "dcp"``): any ep resumes it,
         and ``single``, ``ddp`` or ``fsdp`` without experts split."""
         return {"format": "dcp", "strategy": self.strategy.name, "ep": self.ep, "ep_impl": self.impl}
-
-    def loads_natively(self, layout: dict[str, Any]) -> bool:
-        return False  # every checkpoint reaches an EP run through its portable form
 
     def full_state_dict(self, model: nn.Module | None = None) -> dict[str, torch.Tensor] | None:
         """The one-process state dict on rank 0 (None elsewhere); a collective over the EP group."""

@@ -14,6 +14,7 @@ from typing import Any, Iterator, Protocol
 
 import torch
 
+from torch_handle.model.parallelize import checkpointed_blocks
 from torch_handle.observe.heartbeat import beat
 
 
@@ -23,14 +24,30 @@ def plain(t: torch.Tensor) -> torch.Tensor:
 
 
 class MicroBatchLoop(Protocol):
+    activation_saved_bytes: int | None
+    """Bytes autograd saved for this rank's first micro-batch (measured once per process; None before), for the memory
+    telemetry's ``activation_saved_bytes``."""
+
     def run(self, trainer: Any, batches: Iterator[dict[str, torch.Tensor]], stats: torch.Tensor) -> None:
         """Forward, loss and backward of the step's ``training.grad_accum`` micro-batches from ``batches``; adds
         Σ loss · tokens to ``stats[0]`` and the tokens to ``stats[1]`` (each once per model replica)."""
 
 
+def activation_counter(model: torch.nn.Module) -> Any:
+    """Counts the distinct storages autograd saves during one micro-batch's forward of ``model`` (parameters and
+    buffers left out; with activation checkpointing the blocks' inputs instead): ``activation_saved_bytes`` in the
+    memory telemetry, as ``handle estimate`` names its prediction."""
+    from torch_handle.observe.activations import SavedTensorCounter
+
+    return SavedTensorCounter([*model.parameters(), *model.buffers()], checkpointed_blocks(model))
+
+
 class GradientAccumulation:
     """One micro-batch after another: forward and loss under the strategy's autocast, backward, with the
     strategy's gradient sync on the last one only (``accumulating(sync=...)``)."""
+
+    def __init__(self) -> None:
+        self.activation_saved_bytes: int | None = None
 
     def run(self, trainer: Any, batches: Iterator[dict[str, torch.Tensor]], stats: torch.Tensor) -> None:
         t, timer, strategy = trainer.training, trainer.timer, trainer.strategy
@@ -42,10 +59,10 @@ class GradientAccumulation:
                     time.sleep(trainer.test_delay_s)  # HANDLE_TEST_DELAY_RANK: a slow input pipeline, for tests
             with strategy.accumulating(sync=i == t.grad_accum - 1), trainer.micro_batch():
                 with timer.phase("forward"):
-                    if i == 0 and trainer.activation_saved_bytes is None:  # once per process: what autograd saves
-                        with trainer.activation_counter() as counter:
+                    if i == 0 and self.activation_saved_bytes is None:  # once per process: what autograd saves
+                        with activation_counter(strategy.unwrapped()) as counter:
                             loss, n = trainer.forward_loss(batch)
-                        trainer.activation_saved_bytes = counter.bytes
+                        self.activation_saved_bytes = counter.bytes
                     else:
                         loss, n = trainer.forward_loss(batch)
                     once = float(trainer.ctx.tp_rank == 0)  # a replica's TP ranks hold the same loss: count it once

@@ -44,6 +44,7 @@ from torch_handle.parallel.pipeline.timeline import Timeline, summarize
 from torch_handle.parallel.tensor.checkpoint import full_model_state, full_optimizer_state, load_full_state
 from torch_handle.train.grad_norm import clip_, local, mesh_grad_norm
 from torch_handle.train.loop import plain
+from torch_handle.train.share import PortableShare
 from torch_handle.train.strategy import DistContext
 
 
@@ -51,7 +52,7 @@ _WHOLE = SimpleNamespace(rank=0)
 """The TP "group" of a rank without tensor parallelism: rank 0 of one, nothing split."""
 
 
-class PipelineParallel:
+class PipelineParallel(PortableShare):
     """One process's share of a pipeline (``parallel.pp > 1``): the stages it runs, its schedule, and what the
     trainer asks of it. With tensor parallelism (``tp``) each stage's layers are split over the stage's TP ranks
     and the last stage's loss is vocabulary-parallel; with data parallelism the strategy wraps each stage (DDP,
@@ -64,10 +65,14 @@ class PipelineParallel:
         n_microbatches: m (``parallel.pp_microbatches``, or ``grad_accum``).
         label_smoothing: the training loss's ``training.label_smoothing``.
         tp: the :class:`~torch_handle.train.tensor_parallel.TensorParallel` share of this rank, or None.
+        ep: the :class:`~torch_handle.train.expert_parallel.ExpertParallel` share of this rank, or None.
+
+    The composed share of its layout (:data:`~torch_handle.train.share.COMPOSITION`): every call reaches this rank's
+    stages, then their TP split (``tp``), then their experts (``ep``).
     """
 
     def __init__(self, parallel: ParallelConfig, ctx: DistContext, n_microbatches: int, label_smoothing: float,
-                 tp: Any = None):
+                 tp: Any = None, ep: Any = None):
         self.parallel, self.ctx, self.m, self.label_smoothing, self.tp = parallel, ctx, n_microbatches, \
             label_smoothing, tp
         self.impl, self.schedule_name = parallel.pp_impl, parallel.pp_schedule
@@ -79,7 +84,7 @@ class PipelineParallel:
         self.group_ranks = dist.get_process_group_ranks(self.group)  # global rank of each pipeline rank
         self.timeline = Timeline(ctx.device)
         self.strategy: Any = None
-        self.ep: Any = None  # the strategy's ExpertParallel share, when parallel.ep > 1 (set by bind)
+        self.ep = ep  # its experts split over "ep" (pp x ep): reduced and saved with the stages' parameters
         self.shard: nn.Module | None = None
         self.tied: dict[str, str] = {}
         self._tie_group = self._tie_groups()
@@ -87,6 +92,7 @@ class PipelineParallel:
         self.smoothing = label_smoothing  # of the running schedule (evaluation: 0)
         self.first_stage_saved_bytes: int | None = None
         self.peak_saved_bytes: int | None = None
+        self.activation_saved_bytes: int | None = None  # the loop's figure: this rank's first stage, first micro-batch
         self.test_stall = parse_test_stall(os.environ.get(HANG_ENV, ""), ctx.rank)
         self._running, self._forwards = 0, 0  # the running step (1-based), its forwards so far on the first stage
 
@@ -124,6 +130,16 @@ class PipelineParallel:
         self.stages = self.shard.stage_views  # the modules the schedule calls: a strategy may wrap them (DDP)
         return self.shard
 
+    def parallelize(self, model: nn.Module) -> nn.Module:
+        """Split ``model`` over the TP ranks (with ``tp``), keep this rank's stages (:meth:`split`) and split their
+        experts (with ``ep``); returns the shard the strategy steps."""
+        if self.tp is not None:
+            self.tp.parallelize(model)
+        shard = self.split(model)
+        if self.ep is not None:
+            self.ep.parallelize(shard)
+        return shard
+
     def _stall(self, module: nn.Module, args: Any) -> None:
         """``HANDLE_TEST_HANG_RANK = RANK:STEP:SECONDS:MB``: sleep before the first stage's forward of micro-batch
         MB in step STEP (:func:`~torch_handle.common.testhooks.parse_test_stall`)."""
@@ -140,7 +156,6 @@ class PipelineParallel:
         strategy.clips_gradients = False
         if self.tp is not None:
             self.tp.bind(strategy)
-        self.ep = strategy.expert_parallel  # its experts split over "ep" (pp x ep): reduced and saved with ours
         if self.ep is not None:
             self.ep.bind(strategy)
         self.grad_sync = strategy.pipeline_grad_sync() or data_parallel.NoSync()
@@ -163,6 +178,14 @@ class PipelineParallel:
         labels = batch.pop("labels")
         inputs = [dict(zip(batch, values)) for values in zip(*(v.chunk(self.m) for v in batch.values()))]
         return inputs, list(labels.chunk(self.m))
+
+    def begin_step(self) -> None:
+        if self.tp is not None:
+            self.tp.begin_step()
+
+    def loss(self, logits: Any, labels: torch.Tensor, label_smoothing: float) -> tuple[torch.Tensor, torch.Tensor]:
+        return super().loss(logits, labels, label_smoothing) if self.tp is None else self.tp.loss(logits, labels,
+                                                                                                  label_smoothing)
 
     def native_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The ``loss_fn(output, target)`` of torch's schedules."""
@@ -200,7 +223,7 @@ class PipelineParallel:
         if counting:
             self.first_stage_saved_bytes = self.engine.saved_bytes[0] if 0 in self.my_stages else 0
             self.peak_saved_bytes = self.engine.peak_saved_bytes
-            trainer.activation_saved_bytes = self.engine.saved_bytes[0]
+            self.activation_saved_bytes = self.engine.saved_bytes[0]
         spans = self.timeline.spans()
         busy = {"forward": sum(b - a for k, *_, a, b in spans if k == "F"),
                 "backward": sum(b - a for k, *_, a, b in spans if k in ("B", "W"))}
@@ -285,13 +308,14 @@ class PipelineParallel:
         gathered = self._gather((self.timeline.spans(), self.peak_saved_bytes))
         if not self.ctx.is_main:
             return {}
+        tp = self.tp.step_stats() if self.tp is not None else {}  # its traffic
         pipeline = summarize([s for s, _ in gathered], self.schedule_name, self.pp, self.m, self.v, timeline=timeline)
         pipeline["impl"] = self.impl
         pipeline["layers"] = [len(r) for r in self.ranges]
         if all(peak is not None for _, peak in gathered):
             for row, (_, peak) in zip(pipeline["ranks"], gathered):
                 row["activation_peak_bytes"] = peak
-        return {"layout": self.ctx.layout.describe(), "pipeline": pipeline}
+        return {**tp, "layout": self.ctx.layout.describe(), "pipeline": pipeline}
 
     # -- checkpoints: the stages joined by name, in the portable form ------------------------------------------
     def checkpoint_layout(self) -> dict[str, Any]:
@@ -299,9 +323,6 @@ class PipelineParallel:
         every stage on rank 0, so that any strategy or world size resumes it (torchtitan #474: every stage's
         parameters, not the first stage's only)."""
         return {"format": "dcp", "strategy": self.strategy.name, "pp": self.pp, "pp_impl": self.impl}
-
-    def loads_natively(self, layout: dict[str, Any]) -> bool:
-        return False  # every checkpoint reaches a pipeline run through its portable form
 
     def parameter_names(self) -> list[str]:
         """The one-process model's parameter names (every stage's), in its ``named_parameters()`` order: a

@@ -58,6 +58,10 @@ class DistContext:
     """``parallel.ep_impl``: how the experts are split when ``layout.ep`` > 1."""
     ep_mesh: Any = None
     """The ("edp", "ep", "tp") or ("pp", "edp", "ep", "tp") ``DeviceMesh`` when ``layout.ep`` > 1, else None."""
+    expert_parallel: Any = None
+    """This rank's :class:`~torch_handle.train.expert_parallel.ExpertParallel` share when ``layout.ep`` > 1, its
+    experts already split (built with the run's other shares: :func:`torch_handle.train.share.build_shares`), for
+    the strategy (:attr:`Strategy.expert_parallel`); else None."""
 
     @property
     def is_main(self) -> bool:
@@ -95,16 +99,6 @@ class DistContext:
     def barrier(self) -> None:
         if self.distributed:
             dist.barrier()
-
-
-def build_expert_parallel(ctx: DistContext, model: torch.nn.Module) -> Any:
-    """This rank's :class:`~torch_handle.train.expert_parallel.ExpertParallel` with ``model``'s experts split over
-    the mesh's "ep" dimension, or None when ``parallel.ep`` is 1."""
-    if ctx.layout is None or ctx.layout.ep == 1:
-        return None
-    from torch_handle.train.expert_parallel import ExpertParallel  # it imports this module
-
-    return ExpertParallel(ctx, ctx.ep_impl).parallelize(model)
 
 
 def lr_lambda(training: TrainingConfig):
@@ -166,8 +160,9 @@ class Strategy:
 
     name = "base"
     expert_parallel: Any = None
-    """The :class:`~torch_handle.train.expert_parallel.ExpertParallel` share when ``parallel.ep`` > 1 (built before
-    :meth:`wrap`, which leaves the expert parameters to it), else None."""
+    """The :class:`~torch_handle.train.expert_parallel.ExpertParallel` share when ``parallel.ep`` > 1 (``ctx``'s: the
+    model's experts are split before the strategy is built, and :meth:`wrap` leaves their parameters to it), else
+    None."""
     clips_gradients = True
     """Whether :meth:`step` clips (and measures) the gradient norm; the trainer turns it off under tensor
     parallelism, where it computes the norm over the split gradients itself."""
@@ -175,7 +170,7 @@ class Strategy:
     def __init__(self, options: Any, training: TrainingConfig, ctx: DistContext, model: torch.nn.Module):
         self.options, self.training, self.ctx = options, training, ctx
         self._sync = True
-        self.expert_parallel = build_expert_parallel(ctx, model)  # experts split over "ep" before any wrapping
+        self.expert_parallel = getattr(ctx, "expert_parallel", None)  # experts split over "ep" before any wrapping
         self.model: torch.nn.Module = self.wrap(model)
         # a frozen parameter (LoRA's base) has no optimizer state: the optimizer sees the trainable ones only
         self.optimizer: torch.optim.Optimizer = self.build_optimizer(

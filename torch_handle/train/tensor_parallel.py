@@ -10,7 +10,6 @@ the same micro-batches, so the data samplers use the data-parallel rank and size
 from __future__ import annotations
 
 import contextlib
-from dataclasses import replace
 from pathlib import Path
 from typing import Any, ContextManager
 
@@ -22,30 +21,16 @@ from torch_handle.config.schema import ParallelConfig
 from torch_handle.data.datasets import IGNORE_INDEX
 from torch_handle.model.aux_loss import probe_loss_scale
 from torch_handle.model.parallelize import parallelize_tensor, tensor_parallel_plan
-from torch_handle.parallel.mesh import Layout, build_expert_mesh, build_mesh
 from torch_handle.parallel.tensor.checkpoint import full_model_state, full_optimizer_state, load_full_state
 from torch_handle.parallel.tensor.cross_entropy import vocab_parallel_cross_entropy
 from torch_handle.parallel.tensor.layers import all_reduce_grads
-from torch_handle.parallel.tensor.mappings import TPGroup
 from torch_handle.parallel.tensor.plan import partial_grad
 from torch_handle.train.grad_norm import clip_, local, mesh_grad_norm
+from torch_handle.train.share import PortableShare
 from torch_handle.train.strategy import DistContext
 
 
-def attach_layout(ctx: DistContext, parallel: ParallelConfig) -> DistContext:
-    """``ctx`` with the pp × dp × tp layout of ``parallel`` (dp as edp × ep): the device mesh, the TP and pipeline
-    groups, the data-parallel rank and size (``ctx.dp_rank``, ``ctx.dp_size``) and the expert-parallel
-    implementation. With tp = pp = ep = 1: ``ctx`` unchanged (dp = world size)."""
-    if parallel.tp == 1 and parallel.pp == 1 and parallel.ep == 1:
-        return ctx
-    layout = Layout(ctx.world_size, parallel.tp, parallel.pp, parallel.ep)
-    mesh = build_mesh(layout, ctx.device.type)
-    return replace(ctx, layout=layout, mesh=mesh, tp_group=TPGroup(mesh["tp"].get_group()),
-                   pp_group=mesh["pp"].get_group() if layout.pp > 1 else None, ep_impl=parallel.ep_impl,
-                   ep_mesh=build_expert_mesh(layout, ctx.device.type) if layout.ep > 1 else None)
-
-
-class TensorParallel:
+class TensorParallel(PortableShare):
     """One process's share of tensor parallelism (``parallel.tp > 1``), for the trainer.
 
     ``impl`` ``"scratch"``: the hand-written layers; the model returns this rank's vocabulary slice of the logits
@@ -76,9 +61,10 @@ class TensorParallel:
     def _target(self) -> Any:
         return self.tp if self.impl == "scratch" else self.ctx.mesh["tp"]
 
-    def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor] | None:
+    def full_state_dict(self, model: nn.Module | None = None) -> dict[str, torch.Tensor] | None:
         """The one-process state dict (names and values of the unsplit model) on rank 0, None elsewhere; a
-        collective over the TP group."""
+        collective over the TP group. ``model``: the split model (default: the strategy's)."""
+        model = model if model is not None else self.strategy.unwrapped()
         state = full_model_state(model, self.impl, self.plan, self._target())
         return state if self.ctx.is_main else None
 
@@ -86,9 +72,6 @@ class TensorParallel:
         """A TP checkpoint is the portable form itself (DCP, full tensors by name: ``format = "dcp"``), so that
         ``single``, ``ddp`` or ``fsdp`` on any world size resume it, and it records the layout that wrote it."""
         return {"format": "dcp", "strategy": self.strategy.name, "tp": self.tp.size, "tp_impl": self.impl}
-
-    def loads_natively(self, layout: dict[str, Any]) -> bool:
-        return False  # every checkpoint reaches a TP run through its portable form (load_portable)
 
     def save(self, ckpt_dir: Path) -> None:
         """Gather the full model and optimizer state to rank 0 and write it as the portable form (with the LR
@@ -150,7 +133,7 @@ class TensorParallel:
         sp = self.impl == "scratch" and self.sequence_parallel
         all_reduce_grads([local(p.grad) for n, p in named if partial_grad(n, self.plan, sp)], self.tp)
 
-    def step_stats(self) -> dict[str, Any]:
+    def step_stats(self, timeline: bool = False) -> dict[str, Any]:
         """The layout, and for the hand-written path this step's TP collectives: ``tp_comm_calls``,
         ``tp_comm_bytes`` (full-tensor bytes) and ``tp_comm_s`` (seconds this rank spent in them)."""
         out: dict[str, Any] = {"layout": self.ctx.layout.describe()}

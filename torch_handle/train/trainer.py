@@ -17,7 +17,6 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
-import psutil
 import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
@@ -28,23 +27,22 @@ from torch_handle.common.testhooks import DELAY_ENV, HANG_ENV, parse_test_delay,
 from torch_handle.config.loader import Preset
 from torch_handle.finetune.build import prepare_model
 from torch_handle.data.datasets import DataBundle, DataContext, GlobalBatchSampler, ResumableDistributedSampler
-from torch_handle.model.parallelize import checkpointed_blocks, model_blocks
+from torch_handle.model.parallelize import model_blocks
 from torch_handle.parallel.tensor.random import get_rng_tracker
 from torch_handle.registry import PluginRegistry
-from torch_handle.rundir import HEARTBEAT_S, STOP_FILE, touch_heartbeat, update_run_info
+from torch_handle.rundir import STOP_FILE, update_run_info
 from torch_handle.train.strategy import DistContext, Strategy
-from torch_handle.observe.fields import (ACTIVATION_SAVED_BYTES, BACKWARD_S, COMM_S, CUDA_ALLOCATED_BYTES,
-                                         CUDA_MAX_ALLOCATED_BYTES, CUDA_RESERVED_BYTES, DATA_S, GRAD_BYTES,
-                                         OPTIMIZER_BYTES, RSS_BYTES, STEP_PHASES, WAIT_S, Kind, Level,
-                                         Status)
-from torch_handle.observe.comm import comm_fields
+from torch_handle.observe.fields import Kind, Level, Status
 from torch_handle.observe.heartbeat import beat, busy
-from torch_handle.observe.state import SLOW_RANK_LOGS, SLOW_RANK_RATIO, slowest_rank
 from torch_handle.observe.telemetry import EVENTS_FILE, EventWriter, NullEventWriter
 from torch_handle.train.loop import GradientAccumulation, MicroBatchLoop, plain
 from torch_handle.train.loss import loss_fn
 from torch_handle.train.phases import PhaseTimer
+from torch_handle.train.compose import build_shares
+from torch_handle.train.resume import resume
+from torch_handle.train.share import ParallelShare
 from torch_handle.train.routing import RoutingTelemetry
+from torch_handle.train.step_report import StepReport
 
 log = logging.getLogger("torch_handle")
 
@@ -61,23 +59,21 @@ class Trainer:
         self.training = preset.training
         self.events = EventWriter(self.run_dir / EVENTS_FILE) if ctx.is_main else NullEventWriter()
         self.step = 0
-        self.tp: Any = None  # the TensorParallel share of this process when parallel.tp > 1 (see build)
-        self.pp: Any = None  # the PipelineParallel share when parallel.pp > 1: also the step's micro-batch loop
+        self.share: ParallelShare | None = None
+        """The run's parallel share (tp, pp or ep > 1; :func:`~torch_handle.train.compose.build_shares`): build, step,
+        checkpoints and export go through it; None: the strategy holds the whole model."""
+        self.pipeline: Any = None  # the PipelineParallel share when parallel.pp > 1: also the loop and the evaluation
         self.loop: MicroBatchLoop = GradientAccumulation()
         self.epoch = 0
         self.samples_in_epoch = 0
         """The data position: samples of this epoch's global order consumed by all ranks (GlobalBatchSampler)."""
         self.restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-        self.activation_saved_bytes: int | None = None
-        """Bytes autograd saved for this rank's first micro-batch (measured once per process)."""
         self.timer = PhaseTimer(ctx.device)
         """Step breakdown (``timer.enabled = False`` turns it off; benchmarks/breakdown_overhead.py compares)."""
         self.test_delay_s = parse_test_delay(os.environ.get(DELAY_ENV, ""), ctx.rank)
         self.test_hang = parse_test_hang(os.environ.get(HANG_ENV, ""), ctx.rank)
         self.peak_flops: float | None = None
         """This rank's device peak FLOP/s for the run's precision (measured, cached; rank 0 only), for ``mfu``."""
-        self._slow_streak: tuple[int | None, int] = (None, 0)
-        self._pending_logs: list[dict[str, Any]] = []
         self.gather = shared_dirs.gatherer(ctx)
         self.dir_leaders: list[int] = [0] * ctx.world_size
         """For every rank, the lowest rank that sees its run directory (all 0 on one node or a shared filesystem;
@@ -92,18 +88,8 @@ class Trainer:
     # -- build ---------------------------------------------------------------------------------------------------
     def build(self) -> None:
         p = self.preset
-        if max(p.parallel.tp, p.parallel.pp, p.parallel.ep) > 1:
-            from torch_handle.train.tensor_parallel import TensorParallel, attach_layout
-
-            self.ctx = attach_layout(self.ctx, p.parallel)
-        if p.parallel.tp > 1:
-            self.tp = TensorParallel(p.parallel, self.ctx)
-        if p.parallel.pp > 1:
-            from torch_handle.config.layout import pipeline_microbatches
-            from torch_handle.train.pipeline_parallel import PipelineParallel
-
-            self.pp = PipelineParallel(p.parallel, self.ctx, pipeline_microbatches(p), self.training.label_smoothing,
-                                       self.tp)
+        shares = build_shares(p, self.ctx)  # the layout's mesh, and its TP, pipeline and EP shares side by side
+        self.ctx, self.share, self.pipeline = shares.ctx, shares.run, shares.pp
         ctx = self.ctx
         ckpt.seed_everything(p.run.seed)
         data_plugin = self.registry.get("dataset", p.data.name)
@@ -128,16 +114,14 @@ class Trainer:
         model_plugin = self.registry.get("model", p.model.name)
         model = model_plugin.factory(p.model.options, self.data.vocab_size, self.data.pad_id, self.data.max_len)
         prepare_model(model, p, new_run=not ckpt.list_checkpoints(self.run_dir / "checkpoints"),  # init_from, LoRA
-                      load_base=hf_dir.load_into, note=lambda line: self._note(Level.INFO, line))
+                      load_base=hf_dir.load_into, note=lambda line: self.note(Level.INFO, line))
         flops = getattr(model, "flops_per_token", None)  # optional part of the model contract
         self.model_info = {"params": sum(t.numel() for t in model.parameters()),
                            "flops_per_token": float(flops(self.data.max_len)) if flops is not None else None}
         self.routing = RoutingTelemetry(model, ctx.tp_rank, ctx.dp_size)  # every MoE layer, before a pipeline split
         model.to(ctx.device)
-        if self.tp is not None:
-            self.tp.parallelize(model)
-        if self.pp is not None:
-            model = self.pp.split(model)
+        if self.share is not None:
+            model = self.share.parallelize(model)  # TP split, the pipeline's stages, the experts split over "ep"
         if self.training.compile:
             # Per block and in place (nn.Module.compile), as torchtitan does: the blocks stay the modules that
             # blocks() returns, so fsdp's fully_shard per block and activation checkpointing see them unchanged.
@@ -149,9 +133,8 @@ class Trainer:
 
         strategy_plugin = self.registry.get("strategy", p.strategy.name)
         self.strategy: Strategy = strategy_plugin.factory(p.strategy.options, self.training, ctx, model)
-        share = self.pp or self.tp or self.strategy.expert_parallel  # a split model saves its state itself
-        self.state_io = self.strategy if share is None else share.bind(self.strategy)
-        self.loop = self.pp or self.strategy.micro_batch_loop() or GradientAccumulation()
+        self.state_io = self.strategy if self.share is None else self.share.bind(self.strategy)  # saves, loads itself
+        self.loop = self.pipeline or self.strategy.micro_batch_loop() or GradientAccumulation()
 
         t = self.training
         # the samples of each step depend on the seed and the step, not on the world size (see GlobalBatchSampler)
@@ -175,6 +158,8 @@ class Trainer:
         if ctx.is_main and self.model_info["flops_per_token"]:
             self.peak_flops = self._peak()
         ctx.barrier()  # the other ranks wait (idle) while rank 0 measures the peak, which needs the cores
+        self.report = StepReport(ctx, self.strategy, [self.share] if self.share else [], self.events,
+                                 self.run_dir, self.model_info["flops_per_token"], self.peak_flops)
 
     def _peak(self) -> float | None:
         """The matmul peak behind MFU (:func:`torch_handle.observe.peak.peak_for_mfu`), reported as a log event."""
@@ -200,22 +185,11 @@ class Trainer:
 
     # -- resume --------------------------------------------------------------------------------------------------
     def maybe_resume(self) -> None:
-        root = self.run_dir / "checkpoints"
-        # the newest checkpoint that verifies in every run directory (one directory: rank 0's newest valid one)
-        path, skipped = shared_dirs.agree_on_checkpoint(root, self.ctx.rank, self.dir_leaders, self.gather)
-        for message in skipped:
-            log.warning(message)
-            self.events.emit(Kind.LOG, level=Level.WARNING, message=message)
-        if path is None:
-            return
-        path = Path(path)
-        layout = ckpt.read_layout(path)
-        how = self._load_checkpoint(path, layout)
-        self.strategy.apply_schedule()  # a resume may change training.lr: the checkpoint holds the old peak
-        self._load_position(path, layout)
-        message = f"resumed from {path.relative_to(self.run_dir)} at step {self.step}{how}"
-        log.info(message)
-        self.events.emit(Kind.LOG, level=Level.INFO, message=message)
+        """Continue from the newest checkpoint every run directory holds, if any (:func:`torch_handle.train.resume
+        .resume`)."""
+        position = resume(self)
+        if position is not None:
+            self.step, self.epoch, self.samples_in_epoch = position.step, position.epoch, position.samples_in_epoch
 
     def checkpoint_layout(self) -> dict[str, Any]:
         """This run's ``layout.json`` (see :data:`torch_handle.checkpoint.store.LAYOUT`)."""
@@ -224,85 +198,7 @@ class Trainer:
                 "micro_batch_size": t.micro_batch_size, "grad_accum": t.grad_accum,
                 "global_batch": self.train_sampler.global_batch, "precision": t.precision}
 
-    def _load_checkpoint(self, path: Path, layout: dict[str, Any]) -> str:
-        """Model, optimizer and schedule: the strategy's own loader when it reads this layout, else rank 0 (the
-        first rank of each run directory) converts the checkpoint to the portable form (torch_handle.checkpoint.convert) and
-        every rank loads that. Returns what the resume message adds (empty for a native load).
-
-        Raises:
-            CheckpointError: the conversion failed (one line), or it would need the shards of several nodes'
-                run directories.
-        """
-        if "world_size" not in layout or ("strategy" not in layout and layout.get("format") != "dcp"):
-            layout = {**self.strategy.checkpoint_layout(), "world_size": self.ctx.world_size, **layout}  # older
-        if self.state_io.loads_natively(layout):
-            self.strategy.load(path)
-            return ""
-        from torch_handle.checkpoint import convert
-        from torch_handle.common.units import fmt_bytes
-
-        if len(set(self.dir_leaders)) > 1 and layout.get("format") != "torch":
-            # each node's directory holds only its own ranks' shards: no rank sees the whole checkpoint
-            raise ckpt.CheckpointError(f"{path}: resuming a checkpoint written by {convert.describe(layout)} under "
-                                       f"another strategy or world size needs one run directory shared by all "
-                                       f"nodes (its shards are spread over the nodes' directories)")
-        outcome: Any = None
-        if self.is_dir_main:  # one conversion per run directory, while that directory's other ranks wait
-            names = getattr(self.state_io, "parameter_names", self.strategy.parameter_names)()
-            try:
-                with busy("convert"):
-                    outcome = convert.ensure_portable(path, layout, names)
-            except Exception as e:  # noqa: BLE001 - every rank must learn of it, not wait at the next collective
-                outcome = f"{type(e).__name__}: {e}".splitlines()[0]
-        outcomes = self.gather(outcome)
-        failed = next((o for o in outcomes if isinstance(o, str)), None)
-        if failed is not None:
-            raise ckpt.CheckpointError(f"cannot convert {path} (written by {convert.describe(layout)}): {failed}")
-        start = time.perf_counter()
-        self.state_io.load_portable(convert.portable_dir(path, layout))
-        loaded_s = time.perf_counter() - start
-        done = outcomes[self.dir_leaders[self.ctx.rank]]
-        if done is None:
-            converted = ""
-        elif done["cached"]:
-            converted = "converted to the portable form by an earlier resume, "
-        else:
-            converted = (f"converted to the portable form in {done['seconds']:.2f} s "
-                         f"({fmt_bytes(done['bytes'])}), ")
-        how = f" (written by {convert.describe(layout)}; {converted}loaded in {loaded_s:.2f} s)"
-        if self.training.precision == "fp16":
-            self._note(Level.WARNING, "the fp16 loss scale starts again from its initial value (a converted "
-                                      "checkpoint carries no loss scaler)")
-        return how
-
-    def _load_position(self, path: Path, layout: dict[str, Any]) -> None:
-        """Step, epoch and data position (the same for every rank), and this rank's RNG states when the
-        checkpoint has them (else a fresh seed, logged)."""
-        own = ckpt.own_rng_state(path, self.ctx.rank, layout, self.preset.parallel.tp)
-        state = ckpt.load_trainer_state(path, self.ctx.rank if own else 0, restore_rng=own)
-        if not own:
-            ckpt.seed_everything(self.preset.run.seed + 1000 * self.ctx.dp_rank + state.step, self.ctx.tp_rank)
-        if self.ctx.is_main and (not own or (layout.get("world_size") or self.ctx.world_size) < self.ctx.world_size):
-            self._note(Level.INFO, f"ranks with no RNG state of their own in the checkpoint (written on "
-                                   f"{layout.get('world_size')} ranks, tp = {layout.get('tp', 1)}) are seeded from "
-                                   f"run.seed + 1000 x dp rank + step")
-        self.step, self.epoch = state.step, state.epoch
-        t, global_batch = self.training, self.train_sampler.global_batch
-        if state.samples_in_epoch is not None:
-            self.samples_in_epoch = state.samples_in_epoch
-        else:  # written before the global order: per-rank micro-batches of the run's (then frozen) settings
-            self.samples_in_epoch = state.batch_in_epoch * t.micro_batch_size * self.ctx.world_size
-            self._note(Level.WARNING, f"the checkpoint predates the world-size-independent data order: the rest "
-                                      f"of epoch {self.epoch} is drawn in the new order from sample "
-                                      f"{self.samples_in_epoch}")
-        saved = layout.get("global_batch")
-        if saved and saved != global_batch:
-            self._note(Level.WARNING, f"global batch changed from {saved} to {global_batch} samples per step "
-                                      f"(micro_batch_size x grad_accum x world size): the data continues at sample "
-                                      f"{self.samples_in_epoch} of epoch {self.epoch}, but the trajectory will "
-                                      f"differ from an uninterrupted run's")
-
-    def _note(self, level: str, message: str) -> None:
+    def note(self, level: str, message: str) -> None:
         """A rank-0 log event (and a line in this rank's log)."""
         (log.warning if level == Level.WARNING else log.info)(message)
         self.events.emit(Kind.LOG, level=level, message=message)
@@ -328,11 +224,11 @@ class Trainer:
         with self.strategy.autocast():
             logits = self.strategy.model(**batch)
         eps = self.training.label_smoothing if train else 0.0
-        return loss_fn(logits, labels, eps) if self.tp is None else self.tp.loss(logits, labels, eps)
+        return loss_fn(logits, labels, eps) if self.share is None else self.share.loss(logits, labels, eps)
 
     def micro_batch(self):
         """Context of one micro-batch's forward, loss and backward (``loss_parallel()`` for native TP)."""
-        return contextlib.nullcontext() if self.tp is None else self.tp.micro_batch()
+        return contextlib.nullcontext() if self.share is None else self.share.micro_batch()
 
     def train_step(self, batches: Iterator[dict[str, torch.Tensor]]) -> dict[str, Any]:
         """One optimizer step over ``grad_accum`` micro-batches; returns its ``step`` event (plus ``stop``).
@@ -343,11 +239,11 @@ class Trainer:
         t0 = time.perf_counter()
         t, timer = self.training, self.timer
         timer.begin()
-        if self.tp is not None:
-            self.tp.begin_step()
+        if self.share is not None:
+            self.share.begin_step()
         # [loss * tokens, tokens, stop] stays on the device until the one sync below (nccl needs it there too)
         stats = torch.zeros(3, dtype=torch.float64, device=self.ctx.device)
-        self.loop.run(self, batches, stats)
+        self.loop.run(self, batches, stats)  # the micro-batches
         log_memory = (self.step + 1) % t.log_every == 0 or self.step == 0
         with timer.phase("sync"):
             # One small all-reduce carries the global loss, token count, the stop request (rank 0 reads the STOP
@@ -360,106 +256,36 @@ class Trainer:
                 dist.all_reduce(stats)
             stats = stats.cpu()
             grad_bytes = self.strategy.grad_bytes() if log_memory else 0
-        loss_value = float(stats[0] / stats[1])
-        record: dict[str, Any] = {"step": self.step + 1, "loss": loss_value, "tokens": int(stats[1])}
+        record: dict[str, Any] = {"step": self.step + 1, "loss": float(stats[0] / stats[1]), "tokens": int(stats[1])}
         with timer.phase("optimizer"):
-            if not math.isfinite(loss_value):
-                if t.on_nan == "stop":
-                    raise NonFiniteLoss(f"non-finite loss ({loss_value}) at step {self.step + 1}")
-                self.strategy.skip_step()
-                record["skipped"] = True
-                grad_norm = float("nan")
-            elif share := self.pp or self.tp or self.strategy.expert_parallel:  # the norm over every part, clipped
-                grad_norm = share.before_step(t.grad_clip or float("inf"))
-                self.strategy.step()
-            else:
-                grad_norm = self.strategy.step()
+            grad_norm = self._optimizer_step(record)
         if self.ctx.device.type == "cuda":
             torch.cuda.synchronize()  # honest step time: wait for the kernels we launched (and the phase events)
         self.step += 1
-        dt = time.perf_counter() - t0
-        record.update(lr=self.strategy.lr, grad_norm=grad_norm, step_time_s=dt, tokens_per_s=record["tokens"] / dt)
-        stats_of_strategy = self.strategy.step_stats()  # e.g. comm_s, allreduce_calls, allreduce_bytes (scratch-ddp)
-        record.update(stats_of_strategy)
-        if self.tp is not None:
-            record.update(self.tp.step_stats())  # the layout; the scratch path's TP traffic
-        if self.pp is not None:
-            record.update(self.pp.step_stats(timeline=log_memory))  # the layout; busy, idle, the bubble
-        record.update(comm_fields(record), **self.routing.fields(stats))  # observe.comm; an MoE's train.routing
-        parts = timer.read()
-        if parts:
-            # the strategy's gradient-communication wait happened inside its backward: count it once, as comm_s
-            comm = float(stats_of_strategy.get(COMM_S) or 0.0)
-            record.update({STEP_PHASES[phase]: seconds for phase, seconds in parts.items()})
-            record[BACKWARD_S] = max(0.0, parts["backward"] - comm)
-        flops = self.model_info["flops_per_token"]
-        if flops:
-            record["tflops"] = flops * record["tokens_per_s"] / 1e12
-            if self.peak_flops:
-                record["mfu"] = flops * record["tokens_per_s"] / (self.peak_flops * self.ctx.world_size)
-        if log_memory:
-            own = {"rank": self.ctx.rank, "step_time_s": dt}
-            if parts:
-                own.update({DATA_S: parts["data"], WAIT_S: parts["sync"] + float(stats_of_strategy.get(COMM_S) or 0)})
-            memory, ranks = self.gather_memory(grad_bytes, own)
-            record["memory"] = memory
-            if ranks is not None and len(ranks) > 1:
-                record["ranks"] = ranks
-                self._check_slow_ranks(ranks)
+        self.report.record(record, grad_norm=grad_norm, seconds=time.perf_counter() - t0, log_memory=log_memory,
+                           grad_bytes=grad_bytes, timer=timer, activation_saved_bytes=self.loop.activation_saved_bytes,
+                           routing=self.routing.fields(stats))
         record["stop"] = bool(stats[2] > 0)
         return record
 
-    def activation_counter(self):
-        """Counts the distinct storages autograd saves during one micro-batch's forward (parameters and buffers
-        left out; with activation checkpointing the blocks' inputs instead): ``activation_saved_bytes`` in the
-        memory telemetry, as ``handle estimate`` names its prediction."""
-        from torch_handle.observe.activations import SavedTensorCounter
+    def _optimizer_step(self, record: dict[str, Any]) -> float:
+        """The optimizer step after the sync, or a skipped one (``record["skipped"]``) for a non-finite loss under
+        ``on_nan = "skip"``. Returns the gradient norm before clipping (NaN when skipped).
 
-        model = self.strategy.unwrapped()
-        return SavedTensorCounter([*model.parameters(), *model.buffers()], checkpointed_blocks(model))
-
-    def gather_memory(self, grad_bytes: int, timing: dict[str, Any] | None = None
-                      ) -> tuple[list[dict[str, int]] | None, list[dict[str, Any]] | None]:
-        """Every rank's memory figures and its own step timing (``rank``, ``step_time_s``, ``data_s``,
-        ``wait_s``, seconds), in one ``all_gather_object``; ``(memory, ranks)`` on rank 0, ``(None, None)``
-        elsewhere."""
-        mem = {"rank": self.ctx.rank, **self.strategy.param_bytes_split(), GRAD_BYTES: grad_bytes,
-               OPTIMIZER_BYTES: self.strategy.optimizer_bytes(), RSS_BYTES: psutil.Process().memory_info().rss}
-        if self.ctx.device.type == "cuda":
-            mem.update({CUDA_ALLOCATED_BYTES: torch.cuda.memory_allocated(),
-                        CUDA_MAX_ALLOCATED_BYTES: torch.cuda.max_memory_allocated(),
-                        CUDA_RESERVED_BYTES: torch.cuda.memory_reserved()})
-        if self.activation_saved_bytes is not None:
-            mem[ACTIVATION_SAVED_BYTES] = self.activation_saved_bytes
-        timing = timing if timing is not None else {"rank": self.ctx.rank}
-        if not self.ctx.distributed:
-            return [mem], [timing]
-        gathered: list[Any] = [None] * self.ctx.world_size
-        dist.all_gather_object(gathered, (mem, timing))
-        if not self.ctx.is_main:
-            return None, None
-        return [m for m, _ in gathered], [r for _, r in gathered]
-
-    def _check_slow_ranks(self, ranks: list[dict[str, Any]]) -> None:
-        """Rank 0: a ``log`` warning when the same rank lags the other ranks' median by more than
-        :data:`~torch_handle.observe.state.SLOW_RANK_RATIO` of the median step time for
-        :data:`~torch_handle.observe.state.SLOW_RANK_LOGS` consecutive gathers (once per such streak)."""
-        slow = slowest_rank(ranks)
-        if slow is None or slow["ratio"] <= SLOW_RANK_RATIO:
-            self._slow_streak = (None, 0)
-            return
-        rank, count = self._slow_streak
-        count = count + 1 if rank == slow["rank"] else 1
-        self._slow_streak = (slow["rank"], count)
-        if count == SLOW_RANK_LOGS:
-            message = (f"rank {slow['rank']} is slow: {slow['lag_s'] * 1000:.0f} ms per step "
-                       f"({slow['ratio']:.0%} of the median step time) behind the other ranks for {count} "
-                       f"consecutive logs (its data wait {slow['data_s'] * 1000:.0f} ms, the others' median "
-                       f"{slow['median_data_s'] * 1000:.0f} ms)")
-            log.warning(message)
-            # emitted after this step's event (by _emit_step), so the warning follows the 5th log it is about
-            self._pending_logs.append({"level": Level.WARNING, "message": message, "rank": slow["rank"],
-                                       "lag_s": slow["lag_s"]})
+        Raises:
+            NonFiniteLoss: a non-finite loss under ``on_nan = "stop"``."""
+        t, loss = self.training, record["loss"]
+        if not math.isfinite(loss):
+            if t.on_nan == "stop":
+                raise NonFiniteLoss(f"non-finite loss ({loss}) at step {self.step + 1}")
+            self.strategy.skip_step()
+            record["skipped"] = True
+            return float("nan")
+        if self.share is not None:  # the norm over every part, clipped
+            grad_norm = self.share.before_step(t.grad_clip or float("inf"))
+            self.strategy.step()
+            return grad_norm
+        return self.strategy.step()
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -470,8 +296,8 @@ class Trainer:
             if i >= self.training.eval_steps:
                 break
             batch = {k: v.to(self.ctx.device, non_blocking=True) for k, v in batch.items()}
-            if self.pp is not None:
-                loss_sum, n = self.pp.evaluate(batch)  # on the last stage; zeros elsewhere
+            if self.pipeline is not None:
+                loss_sum, n = self.pipeline.evaluate(batch)  # on the last stage; zeros elsewhere
                 total += torch.stack([loss_sum, n]).to(total)
                 continue
             with self.micro_batch():
@@ -522,8 +348,7 @@ class Trainer:
         """Final weights as ``model.safetensors`` (rank 0; every rank takes part in gathering them)."""
         beat("export", self.step)
         model = self.strategy.unwrapped()
-        share = self.tp or self.pp or self.strategy.expert_parallel
-        state = self.strategy.full_state_dict() if share is None else share.full_state_dict(model)
+        state = self.strategy.full_state_dict() if self.share is None else self.share.full_state_dict(model)
         if state is None:
             return
         from safetensors.torch import save_file
@@ -532,16 +357,6 @@ class Trainer:
         tensors = {k: v.detach().contiguous().clone() for k, v in state.items()}
         with replacing(self.run_dir / "model.safetensors") as tmp:
             save_file(tensors, str(tmp), metadata={"step": str(self.step), "preset": "preset.toml"})
-
-    def _emit_step(self, record: dict[str, Any]) -> None:
-        record.pop("stop", None)
-        self.events.emit(Kind.STEP, **record)
-        if self.ctx.is_main and time.monotonic() - getattr(self, "_last_beat", 0.0) >= HEARTBEAT_S:
-            touch_heartbeat(self.run_dir)  # rank 0's sign of life, next to the launcher's
-            self._last_beat = time.monotonic()
-        for fields in self._pending_logs:
-            self.events.emit(Kind.LOG, **fields)
-        self._pending_logs.clear()
 
     def train(self) -> str:
         """Run to ``training.steps``; returns the final status (``finished`` or ``stopped``)."""
@@ -570,7 +385,7 @@ class Trainer:
             while self.step < t.steps:
                 record = self.train_step(batches)
                 stop = record["stop"]
-                self._emit_step(record)
+                self.report.emit(record)
                 self.profiler.step()
                 last = self.step == t.steps
                 if last or (t.eval_every and self.step % t.eval_every == 0):

@@ -1,0 +1,59 @@
+"""The run's parallel share, built from its layout: the TP, pipeline and expert-parallel shares side by side (each
+only when its degree is above 1, each module imported only then: an EP-only run imports no tensor parallelism), and
+the one share the trainer uses everywhere (build, step, checkpoint, export), composed in the order of
+:data:`~torch_handle.train.share.COMPOSITION`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+from torch_handle.config.layout import pipeline_microbatches
+from torch_handle.config.loader import Preset
+from torch_handle.parallel.mesh import attach_layout
+from torch_handle.train.share import ParallelShare
+
+
+@dataclass(frozen=True)
+class Shares:
+    """This rank's shares of a layout: ``tp`` (:class:`~torch_handle.train.tensor_parallel.TensorParallel`), ``pp``
+    (:class:`~torch_handle.train.pipeline_parallel.PipelineParallel`, which holds the other two) and ``ep``
+    (:class:`~torch_handle.train.expert_parallel.ExpertParallel`), None where the degree is 1; ``ctx`` is the rank's
+    ``DistContext`` with the layout's mesh and the EP share (``ctx.expert_parallel``, for the strategy)."""
+
+    ctx: Any
+    tp: Any = None
+    pp: Any = None
+    ep: Any = None
+
+    @property
+    def run(self) -> ParallelShare | None:
+        """The run's one share: the pipeline's (it delegates to the TP and EP shares of its stages), else the TP
+        share, else the EP share; None for a data-parallel run (the strategy holds the whole model)."""
+        return self.pp or self.tp or self.ep
+
+
+def build_shares(preset: Preset, ctx: Any) -> Shares:
+    """The shares of ``preset.parallel``'s layout on this rank, before the model exists (a collective: the mesh).
+
+    Raises:
+        ValueError: the layout does not fit the world size (:class:`~torch_handle.parallel.mesh.Layout`)."""
+    par = preset.parallel
+    if max(par.tp, par.pp, par.ep) == 1:
+        return Shares(ctx)
+    ctx = attach_layout(ctx, par)
+    tp = ep = pp = None
+    if par.tp > 1:
+        from torch_handle.train.tensor_parallel import TensorParallel
+
+        tp = TensorParallel(par, ctx)
+    if par.ep > 1:
+        from torch_handle.train.expert_parallel import ExpertParallel
+
+        ep = ExpertParallel(ctx, par.ep_impl)
+    if par.pp > 1:
+        from torch_handle.train.pipeline_parallel import PipelineParallel
+
+        pp = PipelineParallel(par, ctx, pipeline_microbatches(preset), preset.training.label_smoothing, tp, ep)
+    return Shares(replace(ctx, expert_parallel=ep), tp, pp, ep)
