@@ -98,15 +98,16 @@ class Trainer:
         self.dir_leaders, cache_leaders = shared_dirs.directory_leaders([self.run_dir, cache_dir], ctx.rank,
                                                                       ctx.local_rank, self.gather)
         beat("data", busy=ctx.local_rank == 0)  # the tokenizer may be built here while the other ranks wait
+        t0 = time.perf_counter()
         self.data: DataBundle = data_plugin.factory(
             p.data.options, DataContext(cache_dir=cache_dir, is_main=cache_leaders[ctx.rank] == ctx.rank,
                                              barrier=ctx.barrier))
         beat("build")
         if self.is_dir_main and self.data.tokenizer_path is not None:
             shutil.copyfile(self.data.tokenizer_path, self.run_dir / "tokenizer.json")
-        log.info("data %s: %d train / %d validation samples, vocabulary %d, max_len %d",
+        log.info("data %s: %d train / %d validation samples, vocabulary %d, max_len %d (data set-up %.2f s)",
                  self.data.description or p.data.name, len(self.data.train), len(self.data.valid),
-                 self.data.vocab_size, self.data.max_len)
+                 self.data.vocab_size, self.data.max_len, time.perf_counter() - t0)
 
         # Same seed on every rank: identical initial weights (DDP would broadcast them anyway; ZeRO-3 must not
         # rely on that).
