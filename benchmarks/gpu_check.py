@@ -9,7 +9,7 @@ calls, then the run itself; on CUDA out of memory again at 3/4), eager and with 
 benchmarks/attention_mask.py (attention with a mask tensor against ``is_causal`` alone); 4 ``multi``,
 with 2 or more GPUs, ``handle bench comm`` on nccl and 2-rank ZeRO-2 and FSDP2 runs of the GPT-2-small model. MFU
 is reported against the measured bf16 peak (``handle env --peak``, what step events divide by) and against the
-datasheet's dense bf16 peak (:data:`DATASHEET_BF16`).
+datasheet's dense bf16 peak (``_rows.DATASHEET_BF16``); ``_rows.consistency`` checks that each row's figures multiply.
 
 Without a CUDA device it says so in one line and runs the CPU smoke version of the same steps (gloo, 2 processes
 standing in for 2 devices, tiny models, a few steps, the CUDA tests skipped, no compile); tests/test_gpu_check.py
@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import statistics
 import subprocess
 import sys
@@ -42,6 +41,9 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # for a module loaded by its path (the tests)
+from _rows import consistency, datasheet_peak  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = ("tests", "demo", "gpt2", "multi")
 PARTS = ("data", "forward", "backward", "sync", "optimizer")
@@ -49,27 +51,7 @@ MEMORY_FRACTION = 0.85
 """Share of the GPU's memory the micro-batch search lets ``handle estimate``'s device bytes fill: the estimate leaves
 out the allocator's caching, backward temporaries (the logits' gradient among them) and the CUDA context."""
 MAX_ATTEMPTS = 4
-DATASHEET_BF16: list[tuple[str, str, float, str]] = [
-    (r"\bH100\b.*\bPCIe\b", "H100 PCIe", 756e12,
-     "NVIDIA H100 Tensor Core GPU datasheet: BF16 Tensor Core 1,513 TFLOPS with sparsity"),
-    (r"\bH100\b(?!.*\bNVL\b)", "H100 SXM", 989e12,
-     "NVIDIA H100 Tensor Core GPU datasheet: BF16 Tensor Core 1,979 TFLOPS with sparsity"),
-    (r"\bH200\b(?!.*\bNVL\b)", "H200", 989e12,
-     "NVIDIA H200 Tensor Core GPU datasheet: BF16 Tensor Core 1,979 TFLOPS with sparsity"),
-    (r"\bA100\b", "A100", 312e12, "NVIDIA A100 Tensor Core GPU datasheet: BF16 Tensor Core 312 TFLOPS "
-                                   "(624 with sparsity)"),
-]
-"""(pattern on ``torch.cuda.get_device_name``, card, dense bf16 FLOP/s, source): the dense figure is half the
-datasheet's "with sparsity" one. A card not listed gets no datasheet MFU."""
 TINY = ["model.d_model=64", "model.n_heads=4", "model.n_layers=2", "model.d_ff=128", "data.vocab_size=512"]
-
-
-def datasheet_peak(device_name: str) -> dict[str, Any] | None:
-    """``{"card", "bf16_flops", "source"}`` of the first :data:`DATASHEET_BF16` entry matching ``device_name``."""
-    for pattern, card, flops, source in DATASHEET_BF16:
-        if re.search(pattern, device_name):
-            return {"card": card, "bf16_flops": flops, "source": source}
-    return None
 
 
 @dataclass
@@ -241,13 +223,17 @@ def summarize_run(run_dir: Path, skip: int, datasheet: dict[str, Any] | None) ->
         if (run_dir / "preset.toml").exists() else {}
     message = info.get("message") or ""
     world = info.get("world_size") or 1
+    training, data = preset.get("training", {}), preset.get("data", {})
     row: dict[str, Any] = {
         "status": "ok" if info.get("status") == "finished" else "failed", "run_dir": str(run_dir),
         "message": message or None, "oom": "out of memory" in message.lower(),
         "strategy": info.get("strategy"), "zero_stage": info.get("zero_stage"), "world_size": world,
         "precision": info.get("precision"), "params": info.get("model_params"), "peak_flops": info.get("peak_flops"),
-        "micro_batch_size": preset.get("training", {}).get("micro_batch_size"),
-        "seq_len": preset.get("data", {}).get("seq_len"), "compile": preset.get("training", {}).get("compile"),
+        "micro_batch_size": training.get("micro_batch_size"), "grad_accum": training.get("grad_accum", 1),
+        # as built (run.json): the tokenizer may stop short of data.vocab_size; the preset's, to compare
+        "seq_len": info.get("max_len", data.get("seq_len")), "vocab_size": info.get("vocab_size"),
+        "preset_seq_len": data.get("seq_len"), "preset_vocab_size": data.get("vocab_size"),
+        "flops_per_token": info.get("flops_per_token"), "compile": training.get("compile"),
         "steps": len(steps), "measured_steps": len(measured),
         "tokens_per_step": _median([e.get("tokens") for e in measured]),
         "tokens_per_s": _median([e.get("tokens_per_s") for e in measured]),
@@ -266,6 +252,11 @@ def summarize_run(run_dir: Path, skip: int, datasheet: dict[str, Any] | None) ->
     for key in ("cuda_max_allocated_bytes", "cuda_reserved_bytes"):
         values = [m[key] for m in memory if isinstance(m.get(key), int)]
         row[key] = max(values) if values else None
+    if row["vocab_size"] is not None and row["vocab_size"] != row["preset_vocab_size"]:
+        row["note"] = f"vocabulary {row['vocab_size']:,} (the tokenizer stopped short of {row['preset_vocab_size']:,})"
+    row["checks"] = consistency(row, datasheet)
+    if row["status"] == "ok" and (wrong := [c["what"] for c in row["checks"] if not c["ok"]]):
+        row.update(status="failed", message="the row's figures disagree: " + "; ".join(wrong))
     return row
 
 
@@ -352,10 +343,16 @@ def write_corpus(path: Path, max_bytes: int) -> Path:
 
 
 def gpt2_overrides(plan: Plan, out: Path) -> list[str]:
+    """The GPT-2 runs' ``--set``s: the ``text`` dataset on the corpus, with the preset's seq_len and vocab_size
+    restated. ``data.name=text`` switches the data plugin, which starts the ``[data]`` table afresh
+    (config/loader.py): without them the runs trained at the text plugin's defaults, seq_len 128 and a 4,096-entry
+    vocabulary (issue 40: the H100 rows' micro-batch 128 "at seq_len 1,024")."""
     corpus = out / "corpus.txt"
     if not corpus.exists() or corpus.stat().st_size < plan.corpus_bytes:
         write_corpus(corpus, plan.corpus_bytes)
-    return ["data.name=text", f"data.path={corpus}", "launch.nproc_per_node=1", *plan.gpt2_sets]
+    data = tomllib.loads((ROOT / "presets" / "gpt2-small.toml").read_text(encoding="utf-8"))["data"]
+    return ["data.name=text", f"data.path={corpus}", f"data.seq_len={data['seq_len']}",
+            f"data.vocab_size={data['vocab_size']}", "launch.nproc_per_node=1", *plan.gpt2_sets]
 
 
 def search(plan: Plan, runner: Runner, overrides: list[str]) -> dict[str, Any]:
@@ -485,8 +482,9 @@ def _cell(value: Any, fmt: str) -> str:
 
 def table(rows: list[dict[str, Any]]) -> list[str]:
     """The rows as a markdown table (what docs/gpu.md's Results section shows)."""
-    head = ["step", "check", "status", "world", "micro-batch", "tokens/s", "ms/step",
-            "data / fwd / bwd / sync / opt ms", "MFU (measured peak)", "MFU (datasheet)", "CUDA max alloc", "note"]
+    head = ["step", "check", "status", "world", "micro-batch", "seq len", "vocab", "tokens/step", "ms/step", "tokens/s",
+            "GFLOP/token", "peak TFLOP/s", "data / fwd / bwd / sync / opt ms", "MFU (measured peak)", "MFU (datasheet)",
+            "CUDA max alloc", "note"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         parts = r.get("breakdown_ms") or {}
@@ -497,9 +495,12 @@ def table(rows: list[dict[str, Any]]) -> list[str]:
             e = r["estimate"]
             tried = ", ".join(f"{a['micro_batch_size']} {_outcome(a)}" for a in e["attempts"])
             note = f"estimate: {e['micro_batch_size']} fit; ran {tried}" + (f"; {note}" if note else "")
+        flops, peak = r.get("flops_per_token"), r.get("peak_flops")
         cells = [str(r["step"]), r["title"], r["status"], _cell(r.get("world_size"), "d"),
-                 _cell(r.get("micro_batch_size"), "d"), _cell(r.get("tokens_per_s"), ",.0f"),
-                 _cell(r.get("step_ms"), ".1f"), split, _cell(r.get("mfu"), ".1%"),
+                 _cell(r.get("micro_batch_size"), "d"), _cell(r.get("seq_len"), ",d"), _cell(r.get("vocab_size"), ",d"),
+                 _cell(r.get("tokens_per_step"), ",.0f"), _cell(r.get("step_ms"), ".1f"),
+                 _cell(r.get("tokens_per_s"), ",.0f"), _cell(None if flops is None else flops / 1e9, ".3f"),
+                 _cell(None if peak is None else peak / 1e12, ".3g"), split, _cell(r.get("mfu"), ".1%"),
                  _cell(r.get("mfu_datasheet"), ".1%"),
                  "-" if mem is None else binary(mem), " ".join(str(note).split()).replace("|", "/")]
         lines.append("| " + " | ".join(cells) + " |")

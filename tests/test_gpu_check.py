@@ -71,6 +71,14 @@ def test_the_smoke_version_runs_every_step_through_the_cli(tmp_path):
     assert found["attempts"] == [{"micro_batch_size": fits, "status": "ok", "oom": False}]
     assert eager["params"] == found["params"]  # the run's tokenizer reached the vocabulary the estimate assumed
     assert eager["tokens_per_step"] == fits * 64 and (out / "corpus.txt").stat().st_size >= 96 << 10
+    # what the run built (run.json), and the row's figures multiplied back together (benchmarks/_rows.py)
+    assert (eager["seq_len"], eager["vocab_size"], eager["preset_vocab_size"]) == (64, 512, 512)
+    for r in (demo, eager, rows["fsdp-2"]):
+        assert r["flops_per_token"] > 0 and r["peak_flops"] > 0, r
+        assert [(c["name"], c["ok"]) for c in r["checks"]] == [("tokens_per_step", True), ("tokens_per_s", True),
+                                                               ("mfu", True)], r["checks"]
+        assert r["mfu"] == pytest.approx(r["tokens_per_step"] / (r["step_ms"] / 1e3) * r["flops_per_token"]
+                                         / (r["peak_flops"] * r["world_size"]), rel=0.01)
     assert rows["gpt2-compile"]["status"] == "skipped" and "compile" in rows["gpt2-compile"]["message"]
 
     attention = rows["attention"]  # benchmarks/attention_mask.py --smoke: one tiny shape, SDPA and dropout, 2 dtypes
@@ -90,7 +98,9 @@ def test_the_smoke_version_runs_every_step_through_the_cli(tmp_path):
     table = [line for line in proc.stdout.splitlines() if line.startswith("| ")]
     for r in report["rows"]:
         assert sum(line.startswith(f"| {r['step']} | {r['title']} | {r['status']} |") for line in table) == 1, r
-    assert f"| {demo['tokens_per_s']:,.0f} |" in next(line for line in table if "| demo" in line)
+    demo_line = next(line for line in table if "| demo" in line)
+    assert f"| {demo['tokens_per_s']:,.0f} |" in demo_line and "| 32 | 512 | 256 |" in demo_line  # seq, vocab, tokens
+    assert f"| {demo['flops_per_token'] / 1e9:.3f} |" in demo_line
     assert all((Path(r["run_dir"]) / "events.jsonl").exists() for r in rows.values() if r.get("run_dir"))
 
     # --only runs some steps and keeps the other steps' rows (a machine that limits one command's time)
@@ -159,3 +169,33 @@ def test_a_run_directory_with_cuda_memory_becomes_a_row(gpu_check):
                                                     for m in e.get("memory", []))
     assert row["mfu_datasheet"] == pytest.approx(row["tflops"] * 1e12 / (989e12 * 2))
     assert row["status"] == "failed"  # run.json says running: not a finished run
+
+
+def test_the_gpt2_runs_keep_the_presets_sequence_length_and_vocabulary(gpu_check, tmp_path):
+    """``--set data.name=text`` starts the [data] table afresh: the H100 rows of docs/gpu.md trained at the text
+    plugin's defaults (seq_len 128, vocabulary 4,096) while the table said 1,024 and 50,304."""
+    from torch_handle.config.loader import load_preset
+
+    plan = gpu_check.Plan.cuda(1, 80 << 30)
+    plan.corpus_bytes = 1 << 10
+    data = load_preset(REPO / "presets" / "gpt2-small.toml", gpu_check.gpt2_overrides(plan, tmp_path)).data
+    assert (data.name, data.options.seq_len, data.options.vocab_size) == ("text", 1024, 50304)
+    smoke = load_preset(REPO / "presets" / "gpt2-small.toml", gpu_check.gpt2_overrides(gpu_check.Plan.cpu_smoke(),
+                                                                                       tmp_path)).data
+    assert (smoke.options.seq_len, smoke.options.vocab_size) == (64, 512)  # the smoke plan's own sets come after
+
+
+def test_a_row_whose_figures_do_not_multiply_fails(gpu_check):
+    """docs/gpu.md's H100 GPT-2 row as it read: micro-batch 128 at seq_len 1,024 in 40.9 ms cannot be 400,825
+    tokens/s, nor that times 0.86 GFLOP a token 22.0% of 989 TFLOP/s; as the run built it (seq_len 128, 4,096
+    tokens: 0.544 GFLOP a token) it adds up."""
+    sheet = {"bf16_flops": 989e12}
+    row = {"world_size": 1, "micro_batch_size": 128, "grad_accum": 1, "seq_len": 1024, "tokens_per_step": 128 * 1024,
+           "step_ms": 40.9, "tokens_per_s": 400_825, "flops_per_token": 0.86e9, "peak_flops": None,
+           "mfu_datasheet": 0.220}
+    checks = {c["name"]: c["ok"] for c in gpu_check.consistency(row, sheet)}
+    assert checks == {"tokens_per_step": True, "tokens_per_s": False, "mfu_datasheet": False}
+    built = {**row, "seq_len": 128, "tokens_per_step": 128 * 128, "step_ms": 128 * 128 / 400_825 * 1e3,
+             "flops_per_token": 0.544e9, "mfu_datasheet": 400_825 * 0.544e9 / 989e12}
+    assert all(c["ok"] for c in gpu_check.consistency(built, sheet))
+    assert not gpu_check.consistency({**built, "tokens_per_step": 128 * 1024}, sheet)[0]["ok"]

@@ -134,6 +134,43 @@ def _matmul_dtype(x: Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
 
 
+@torch.library.custom_op("torch_handle::grouped_mm", mutates_args=())
+def _grouped_op(a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
+    """``torch._grouped_mm(a (M, K), b (E, K, N), offs=offs (E,) int32)`` -> (M, N), opaque to ``torch.compile``
+    (``register_fake`` gives its shape): what a compiled block calls for a dtype ``_grouped_mm``'s meta function
+    refuses."""
+    return torch._grouped_mm(a, b, offs=offs)
+
+
+@_grouped_op.register_fake
+def _(a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
+    return a.new_empty(a.shape[0], b.shape[-1])
+
+
+@torch.library.custom_op("torch_handle::grouped_mm_weight_grad", mutates_args=())
+def _grouped_weight_grad(a: Tensor, grad: Tensor, offs: Tensor) -> Tensor:
+    """The gradient of ``_grouped_op``'s b: for each expert's rows aᵀ·grad, (E, K, N) (as ``_grouped_mm``'s own
+    backward: a 2-d x 2-d grouped matmul split along M)."""
+    return torch._grouped_mm(a.transpose(0, 1), grad, offs=offs)
+
+
+@_grouped_weight_grad.register_fake
+def _(a: Tensor, grad: Tensor, offs: Tensor) -> Tensor:
+    return a.new_empty(offs.shape[0], a.shape[1], grad.shape[1])
+
+
+def _grouped_op_backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor, None]:
+    a, b, offs = ctx.saved_tensors
+    return _grouped_op(grad, b.transpose(-2, -1), offs), _grouped_weight_grad(a, grad, offs), None
+
+
+def _grouped_op_save(ctx, inputs: tuple, output: Tensor) -> None:
+    ctx.save_for_backward(*inputs)
+
+
+_grouped_op.register_autograd(_grouped_op_backward, setup_context=_grouped_op_save)
+
+
 _GROUPED_OK: dict[str, bool] = {}
 """Device type -> whether ``torch._grouped_mm`` ran there (absent: not tried yet)."""
 
@@ -210,9 +247,12 @@ class GroupedExperts(nn.Module):
     def _grouped(self, x: Tensor, counts: Tensor) -> Tensor:
         offsets = counts.cumsum(0).to(torch.int32)  # (E,): end row of each expert's run
         dtype = _matmul_dtype(x)
+        # traced, a 16-bit grouped matmul is torch's op; any other dtype goes through an opaque op (_grouped_mm's
+        # meta function takes bf16 only, as the CUDA kernel once did, though eager runs fp32 on CPU and CUDA)
+        grouped_mm = torch._grouped_mm if dtype == torch.bfloat16 or not torch.compiler.is_compiling() else _grouped_op
 
         def linear(h: Tensor, w: Tensor) -> Tensor:  # (M, in) x (E, out, in) -> (M, out), expert by offsets
-            return torch._grouped_mm(h.to(dtype), w.to(dtype).transpose(-2, -1), offs=offsets)
+            return grouped_mm(h.to(dtype), w.to(dtype).transpose(-2, -1), offs=offsets)
 
         return self._mlp(x, linear)
 
@@ -263,6 +303,19 @@ def uncounted() -> Iterator[None]:
 def _counted() -> bool:
     """Whether this training forward's routing counts: not a recomputation inside backward, not :func:`uncounted`."""
     return not _in_backward() and not _UNCOUNTED[0]
+
+
+@torch.library.custom_op("torch_handle::routing_counted", mutates_args=())
+def _counted_flag(like: Tensor) -> Tensor:
+    """``_counted()`` as a 0-d int64 tensor (1 or 0) on ``like``'s device, read when it runs: a compiled block
+    calls it instead of branching on a host flag that Dynamo can neither trace nor guard (an activation
+    checkpoint's recompute runs the same compiled graph inside backward)."""
+    return torch.tensor(int(_counted()), dtype=torch.int64, device=like.device)
+
+
+@_counted_flag.register_fake
+def _(like: Tensor) -> Tensor:
+    return like.new_empty((), dtype=torch.int64)
 
 
 class MoEFeedForward(nn.Module):
@@ -324,19 +377,26 @@ class MoEFeedForward(nn.Module):
         expert bias."""
         aux = load_balancing_loss(routing.probs, plan.routed, self.top_k)
         z = router_z_loss(routing.logits)
-        if _counted():
-            if self.stats is None:
-                self.stats = _zero_stats(self.n_experts, y.device)
-            s = self.stats
-            s["tokens_per_expert"] += plan.counts
-            s["dropped"] += plan.routed.sum() - plan.counts.sum()
-            s["aux_loss"] += aux.detach()
-            s["z_loss"] += z.detach()
-            s["micro_batches"] += 1
-            self.gate.record_load(plan.routed)
+        if torch.compiler.is_compiling():  # decided when the graph runs, not baked in when it is traced
+            self._count(plan, aux, z, _counted_flag(plan.routed))
+        elif _counted():
+            self._count(plan, aux, z, 1)
         terms = [coef * loss for coef, loss in ((self.aux_loss_coef if self.balance == "aux_loss" else 0.0, aux),
                                                 (self.z_loss_coef, z)) if coef]
         return attach_aux_loss(y, sum(terms)) if terms else y
+
+    def _count(self, plan: Dispatch, aux: Tensor, z: Tensor, counted: Tensor | int) -> None:
+        """Add one micro-batch's routing to ``stats`` and the router's pending load, each times ``counted`` (1, or
+        a 0-d int64 tensor of 0 or 1 under ``torch.compile``: ``_counted_flag``)."""
+        if self.stats is None:
+            self.stats = _zero_stats(self.n_experts, plan.routed.device)
+        s = self.stats
+        s["tokens_per_expert"] += plan.counts * counted
+        s["dropped"] += (plan.routed.sum() - plan.counts.sum()) * counted
+        s["aux_loss"] += aux.detach() * counted
+        s["z_loss"] += z.detach() * counted
+        s["micro_batches"] += counted
+        self.gate.record_load(plan.routed * counted)
 
     def record_traffic(self, nbytes: int, seconds: float, backward: bool) -> None:
         """Add one expert-parallel all-to-all of rows to ``stats``: ``a2a_bytes`` (bytes this rank handed to the

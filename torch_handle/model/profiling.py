@@ -19,7 +19,13 @@ def record_range(name: str) -> contextlib.AbstractContextManager:
     ``torch.autograd._profiler_enabled()`` (a C++ flag, true while any ``torch.profiler`` records) guards it: an
     unguarded range costs microseconds per call even with no profiler, a guarded one about as much as a plain
     no-op context.
+
+    Under ``torch.compile`` (``torch.compiler.is_compiling()``, a constant while Dynamo traces) it is always the
+    no-op: ``_profiler_enabled()`` returns a bool Dynamo cannot put in a graph, so calling it there breaks the graph
+    (and every break splits a block into separate graphs and frames, each guarded and recompiled apart). A compiled
+    block's sub-layer ranges are therefore absent from a trace (Inductor fuses across them anyway); the per-block
+    ranges, which ``transformer.py`` opens outside the compiled blocks, stay.
     """
-    if torch.autograd._profiler_enabled():
+    if not torch.compiler.is_compiling() and torch.autograd._profiler_enabled():
         return torch.profiler.record_function(name)
     return contextlib.nullcontext()

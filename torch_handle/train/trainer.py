@@ -362,16 +362,16 @@ class Trainer:
     def train(self) -> str:
         """Run to ``training.steps``; returns the final status (``finished`` or ``stopped``)."""
         t = self.training
-        # zero_stage None first: a run resumed under a strategy without stages must not keep the old one's
+        # zero_stage None first: a run resumed under a strategy without stages must not keep the old one's;
+        # vocab_size and max_len as the data built them (a tokenizer may stop short of data.vocab_size)
         info = {"status": Status.RUNNING, "world_size": self.ctx.world_size, "zero_stage": None,
-                **self.strategy.describe(),
-                "model_params": self.model_info["params"], "steps": t.steps, "restart": self.restart}
+                **self.strategy.describe(), "model_params": self.model_info["params"], "steps": t.steps,
+                "restart": self.restart, "flops_per_token": self.model_info["flops_per_token"],
+                "vocab_size": self.data.vocab_size, "max_len": self.data.max_len}
         if self.peak_flops:
             info.update(peak_flops=self.peak_flops, precision=t.precision)
         if self.is_dir_main:  # train_start_time: the launcher's sign that a Ctrl-C is now answered at a step
-            fields = dict(info, train_start_time=time.time())
-            if self.restart:
-                fields["restarts"] = self.restart
+            fields = dict(info, train_start_time=time.time(), **({"restarts": self.restart} if self.restart else {}))
             update_run_info(self.run_dir, **fields)
         if self.ctx.is_main:
             self.events.emit(Kind.STATUS, **info)

@@ -1,0 +1,93 @@
+"""``training.compile`` as the trainer does it (``block.compile()`` for each of ``model_blocks``): every block of a
+dense, an MoE and a LoRA decoder is one graph, with no graph break, and compiles at most once more after the first
+step (issue 40: the profiler ranges inside each block broke its graph 12 times, and the frames Dynamo resumed after
+each break recompiled on the sub-layer's name). Counted with Dynamo's own counters (``torch._dynamo.utils.counters``:
+``graph_break`` by reason, ``stats.unique_graphs``), reset between cases; the compiled steps also compute what the
+eager ones do (loss, and for MoE the routing statistics, under activation checkpointing too).
+
+The ``eager`` backend: Dynamo's tracing, where breaks and guards happen (on fake tensors, so an op whose meta function
+refuses the dtype fails here too), without AOTAutograd and Inductor's code generation, which take seconds a graph on
+CPU and cannot add a break."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch._dynamo
+from torch._dynamo.utils import counters
+
+from torch_handle.finetune.lora import apply_lora
+from torch_handle.model.args import TransformerArgs
+from torch_handle.model.moe import routing_stats
+from torch_handle.model.parallelize import model_blocks
+from torch_handle.model.transformer import DecoderLM
+
+BACKEND = "eager"
+VOCAB, BATCH, SEQ, STEPS = 97, 2, 16, 3
+LLAMA = dict(d_model=32, n_heads=4, n_layers=2, d_ff=48, dropout=0.0, max_len=SEQ, norm="rmsnorm", position="rope",
+             mlp="swiglu", norm_first=True, bias=False, scale_embeddings=False, n_kv_heads=2)
+CASES = {
+    "dense": {},
+    # checkpointed: each block's forward runs again inside backward, where its routing must not count
+    "moe": dict(n_experts=4, top_k=2, router_z_loss=0.001, activation_checkpointing=True),
+    "lora": {},
+}
+
+
+def _model(case: str) -> DecoderLM:
+    torch.manual_seed(0)
+    model = DecoderLM(TransformerArgs(VOCAB, **LLAMA, **CASES[case]))
+    if case == "lora":
+        apply_lora(model, rank=4, alpha=8.0, dropout=0.0, target_modules=["all"])
+    return model
+
+
+def _train(model: DecoderLM, after_step=lambda step: None) -> tuple[list[float], list[dict | None]]:
+    """STEPS AdamW steps on fixed random batches; per step the loss and the routing statistics (None: no MoE)."""
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    ids = torch.randint(0, VOCAB, (STEPS, BATCH, SEQ + 1), generator=torch.Generator().manual_seed(1))
+    losses, routing = [], []
+    for step in range(STEPS):
+        logits = model(ids[step, :, :-1])  # (B, T, V)
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[step, :, 1:].flatten())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+        routing.append(routing_stats(model))
+        after_step(step)
+    return losses, routing
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+    counters.clear()
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_compiled_block_is_one_graph_that_does_not_recompile(case):
+    eager = _model(case)
+    compiled = copy.deepcopy(eager)
+    blocks = model_blocks(compiled)
+    for block in blocks:
+        block.compile(backend=BACKEND)
+    graphs: list[int] = []
+    losses, routing = _train(compiled, after_step=lambda step: graphs.append(counters["stats"]["unique_graphs"]))
+
+    breaks = dict(counters["graph_break"])
+    assert not breaks, f"graph breaks inside a compiled block: {breaks}"
+    assert 1 <= graphs[0] <= len(blocks), graphs  # the blocks share their code: one graph, or one each at most
+    assert graphs[-1] - graphs[0] <= 1, f"recompiled after the first step: unique graphs per step {graphs}"
+    expected_losses, expected_routing = _train(eager)
+    assert losses == pytest.approx(expected_losses, rel=1e-4)
+    if "moe" in case:  # counted once per micro-batch, not again in an activation checkpoint's recompute
+        for got, want in zip(routing, expected_routing):
+            assert got["micro_batches"] == want["micro_batches"] == 1
+            assert got["tokens_per_expert"] == want["tokens_per_expert"]
+            assert got["aux_loss"] == pytest.approx(want["aux_loss"], rel=1e-4)
