@@ -1,5 +1,5 @@
-"""Packed documents (``position_ids``, issue 37) split over 2 processes: FSDP2 with activation checkpointing, tensor
-parallel (hand-written and DTensor, with and without sequence parallelism) and pipeline parallel (stages chained by hand, and a step of both pipeline
+"""Packed documents (``position_ids``, issue 37) split over 2 processes: FSDP2 with activation checkpointing, expert
+parallel (an MoE decoder), tensor parallel (hand-written and DTensor, with and without sequence parallelism) and pipeline parallel (stages chained by hand, and a step of both pipeline
 implementations' 1F1B schedules) give, on a packed batch, the logits of each document run on its own in one process
 (fp32, dropout 0, within 1e-5), and the pipeline's step the one-process loss and gradients.
 
@@ -28,8 +28,9 @@ from tests.unit.test_document_mask import LLAMA, PAD_ID, V, packed_documents
 pytestmark = pytest.mark.dist
 
 T = 24
-SHAPES = {"paper": {"norm_first": True}, "llama": LLAMA}  # sinusoidal table; RoPE with grouped-query attention
-TP_CASES = [(shape, impl, sp) for shape in SHAPES for impl in ("scratch", "native") for sp in (False, True)]
+# sinusoidal table; RoPE with grouped-query attention; and a mixture of experts (dropless) on every second layer
+SHAPES = {"paper": {"norm_first": True}, "llama": LLAMA, "moe": {**LLAMA, "n_experts": 4, "top_k": 2, "moe_every": 2}}
+TP_CASES = [(shape, impl, sp) for shape in ("paper", "llama") for impl in ("scratch", "native") for sp in (False, True)]
 PP_IMPLS = ("scratch", "native")
 
 
@@ -81,7 +82,7 @@ def _pipeline_by_hand(rank: int) -> None:
     from torch_handle.model.pipeline import split_decoder, split_layers
 
     ids, positions, spans = packed_documents(2, T)
-    for shape in SHAPES:
+    for shape in ("paper", "llama"):
         reference = _model(shape, n_layers=4).eval()
         _, (stage,) = split_decoder(_model(shape, n_layers=4).eval(), split_layers(4, 2), [rank])
         with torch.no_grad():
@@ -159,12 +160,33 @@ def _fully_sharded(rank: int) -> None:
     assert error <= 1e-5, (f"fsdp 2 rank {rank}", error)
 
 
+def _expert_parallel(rank: int) -> None:
+    """The MoE decoder's experts split over ep = 2 (both implementations; each rank its own packed batch, its tokens
+    dispatched to the other rank's experts): each row's documents are its own."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from torch_handle.train.expert_parallel import apply_expert_parallel
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("ep",))
+    ids, positions, spans = packed_documents(4, T)
+    mine = [(b - 2 * rank, a, e) for b, a, e in spans if b // 2 == rank]
+    reference = _model("moe").eval()
+    for impl in ("scratch", "native"):
+        model = _model("moe").eval()
+        apply_expert_parallel(model, impl, mesh)
+        with torch.no_grad():
+            logits = model(ids[2 * rank:2 * rank + 2], position_ids=positions[2 * rank:2 * rank + 2])
+        error = _alone_error(logits, reference, ids[2 * rank:2 * rank + 2], mine)
+        assert error <= 1e-5, (f"ep 2 {impl} rank {rank}", error)
+
+
 def _every_case(rank: int, tmp: Path) -> None:
+    _expert_parallel(rank)
     _fully_sharded(rank)
     _tensor_parallel(rank)
     _pipeline_by_hand(rank)
     _pipeline_step(rank)
 
 
-def test_packed_documents_under_tp_2_and_pp_2_equal_each_document_on_its_own(tmp_path: Path) -> None:
+def test_packed_documents_over_2_processes_equal_each_document_on_its_own(tmp_path: Path) -> None:
     run_on_gloo(_every_case, tmp_path)
