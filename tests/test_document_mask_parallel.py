@@ -1,7 +1,8 @@
 """Packed documents (``position_ids``, issue 37) split over 2 processes: FSDP2 with activation checkpointing, expert
-parallel (an MoE decoder), tensor parallel (hand-written and DTensor, with and without sequence parallelism) and pipeline parallel (stages chained by hand, and a step of both pipeline
-implementations' 1F1B schedules) give, on a packed batch, the logits of each document run on its own in one process
-(fp32, dropout 0, within 1e-5), and the pipeline's step the one-process loss and gradients.
+parallel (an MoE decoder), tensor parallel (hand-written and DTensor, with and without sequence parallelism) and
+pipeline parallel (stages chained by hand, and a step of both pipeline implementations' 1F1B schedules) give, on a
+packed batch, the logits of each document run on its own in one process (fp32, dropout 0, within 1e-5), and the
+pipeline's step the one-process loss and gradients.
 
 One launch of 2 real gloo processes runs every case; each rank computes the one-process reference itself (the same
 seed builds the same model everywhere). The one-process equality, the fast path and the mask's single build are in
