@@ -1,15 +1,17 @@
 """Packed documents (issue 37, ``[data] document_mask``): with ``position_ids`` a packed batch's logits are those of
 each document run on its own (fp32, dropout 0, within 1e-5), for the paper's decoder (sinusoidal table), Llama- and
-Qwen 3-shaped ones (RoPE, grouped-query attention, q/k norm), a mixture of experts, both attention kernels, with
-activation checkpointing, and through a pipeline split; a window that crosses no boundary keeps SDPA's causal fast
-path (no mask tensor); the mask is built once per forward, outside the blocks, which receive it as an argument.
+Qwen 3-shaped ones (RoPE, grouped-query attention, q/k norm), a mixture of experts, both attention kernels, and
+through a pipeline split; a window that crosses no boundary keeps SDPA's causal fast path (no mask tensor); the
+mask is built once per forward, outside the blocks, which receive it as an argument; the estimate prices it.
 
-The multi-process paths (tp 2, pp 2) are checked in tests/test_document_mask_parallel.py.
+The multi-process paths (FSDP2 with activation checkpointing, ep 2, tp 2, pp 2) are checked in
+tests/test_document_mask_parallel.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import pytest
 import torch
@@ -30,12 +32,14 @@ SHAPES = {"paper": {"norm_first": True},
           "llama": LLAMA,
           "qwen3": {**LLAMA, "qk_norm": True, "head_dim": 8},
           "moe": {**LLAMA, "n_experts": 4, "top_k": 2, "n_shared_experts": 1, "moe_every": 2},
-          "reference-kernel": {**LLAMA, "attention": "reference"},
-          "checkpointed": {**LLAMA, "activation_checkpointing": True}}
+          "reference-kernel": {**LLAMA, "attention": "reference"}}
 
 
-def _texts() -> list[str]:
-    return [f"y{i} = f(y{i - 1})\n" * (1 + i % 3) for i in range(40)]
+@functools.cache
+def _stream() -> torch.Tensor:
+    """Documents (real BPE ids of small Python sources) joined by ``<eos>``: (N,)."""
+    texts = [f"y{i} = f(y{i - 1})\n" * (1 + i % 3) for i in range(40)]
+    return encode_stream(train_tokenizer(texts, V), texts)
 
 
 def packed_documents(n_rows: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor, list[tuple[int, int, int]]]:
@@ -43,9 +47,7 @@ def packed_documents(n_rows: int, seq_len: int) -> tuple[torch.Tensor, torch.Ten
     ending in its ``<eos>``) cut into windows across their boundaries; ``position_ids`` restart at 0 at each
     document start and at each window's first token. Returns input_ids (B, T), position_ids (B, T) and the
     documents' (row, start, end) spans in the windows."""
-    tok = train_tokenizer(_texts(), V)
-    stream = encode_stream(tok, _texts())  # documents joined by <eos>
-    ids = stream[: n_rows * seq_len].view(n_rows, seq_len)
+    ids = _stream()[: n_rows * seq_len].view(n_rows, seq_len)
     starts = torch.zeros_like(ids, dtype=torch.bool)
     starts[:, 0] = True
     starts[:, 1:] = ids[:, :-1] == EOS_ID  # a document starts after an <eos>
@@ -73,10 +75,10 @@ def test_the_packed_batch_crosses_boundaries_and_restarts_positions() -> None:
 
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_packed_logits_equal_each_document_run_on_its_own(shape: str) -> None:
-    model = _model(shape).train()  # train mode: checkpointing and the MoE's training path run
+    model = _model(shape).train()  # train mode: the MoE's training path runs
     ids, positions, spans = packed_documents(3, T)
     packed = model(ids, position_ids=positions)  # (B, T, V)
-    packed.float().sum().backward()  # the backward through the mask (checkpointed: recomputed with it)
+    packed.float().sum().backward()  # the backward through the mask
     alone = [model(ids[b:b + 1, a:e])[0] for b, a, e in spans]  # (e - a, V) each: positions 0 .. e - a - 1
     worst = max((packed[b, a:e] - y).abs().max().item() for (b, a, e), y in zip(spans, alone))
     assert worst <= 1e-5, (shape, worst)
@@ -185,8 +187,7 @@ def _factory(options, vocab_size, pad_id, max_len):
     return DecoderLM(dataclasses.replace(options, vocab_size=vocab_size, pad_id=pad_id, max_len=max_len))
 
 
-@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
-def test_the_estimate_prices_the_mask_as_a_packed_batch_saves_it(checkpointing: bool) -> None:
+def test_the_estimate_prices_the_mask_as_a_packed_batch_saves_it() -> None:
     """``handle estimate`` runs the model on fake tensors: with ``[data] document_mask`` it passes position_ids, the
     model builds the mask (values unreadable: priced as a batch crossing boundaries), and what autograd saves is
     what a real packed batch saves (within 2%), more than without the mask."""
@@ -195,11 +196,10 @@ def test_the_estimate_prices_the_mask_as_a_packed_batch_saves_it(checkpointing: 
 
     batch, seq = 4, 48
     args = TransformerArgs(vocab_size=V, pad_id=PAD_ID, max_len=seq, d_model=64, n_heads=4, n_layers=3, d_ff=160,
-                           **LLAMA, activation_checkpointing=checkpointing)
+                           **LLAMA)
     build = ModelBuild(_factory, args, V, PAD_ID, seq, "lm")
-    plain = A.fake_activations(build, batch, seq, "fp32", "fp32", checkpointing)
-    priced = A.fake_activations(dataclasses.replace(build, document_mask=True), batch, seq, "fp32", "fp32",
-                                checkpointing)
+    plain = A.fake_activations(build, batch, seq, "fp32", "fp32", False)
+    priced = A.fake_activations(dataclasses.replace(build, document_mask=True), batch, seq, "fp32", "fp32", False)
     torch.manual_seed(0)
     model = _factory(args, V, PAD_ID, seq).train()
     ids, positions, _ = packed_documents(batch, seq)
