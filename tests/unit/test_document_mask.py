@@ -207,3 +207,40 @@ def test_the_estimate_prices_the_mask_as_a_packed_batch_saves_it() -> None:
                                                              ids.flatten()).backward(), model)
     assert priced.saved > plain.saved + batch * seq * seq - 1  # at least the (B, 1, T, T) bool mask
     assert abs(priced.saved - real) <= 0.02 * real, (priced, plain, real)
+
+
+@pytest.mark.parametrize("case", ["llama-gqa-tied-fused", "qwen3-gqa-head_dim-untied"])
+def test_packed_logits_equal_transformers_packing_with_position_ids(case: str) -> None:
+    """Hugging Face's "packing with position_ids": given ``position_ids`` and no ``attention_mask``,
+    ``LlamaForCausalLM`` / ``Qwen3ForCausalLM`` without a cache find the packed sequences (``masking_utils.
+    find_packed_sequence_indices``) and attend within each; our decoder with the same weights gives its logits."""
+    pytest.importorskip("transformers", reason="needs the hf extra: pip install -e '.[dev,hf]'")
+    from tests.unit.test_hf_names import args_of, hf_model, load_into_hf, ours_random
+
+    args = args_of(case)
+    ours, theirs = ours_random(args), hf_model(args)
+    load_into_hf(ours, theirs)
+    ids, positions, _ = packed_documents(3, T)
+    ids = ids % args.vocab_size
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids, position_ids=positions),
+                                   theirs(input_ids=ids, position_ids=positions, use_cache=False).logits,
+                                   atol=1e-5, rtol=0)
+
+
+def test_the_hf_model_plugin_refuses_document_mask() -> None:
+    """The ``hf`` plugin's wrapper takes no position_ids (and OPT's mask would ignore them): one line, before
+    anything starts."""
+    pytest.importorskip("transformers", reason="needs the hf extra: pip install -e '.[dev,hf]'")
+    from types import SimpleNamespace
+
+    from handle_plugins.hf import HFConfig, check_preset
+    from torch_handle.api import InvalidValue
+
+    data = SimpleNamespace(task="lm", seq_len=64, document_mask=True)
+    preset = SimpleNamespace(data=SimpleNamespace(name="tokens", options=data))
+    with pytest.raises(InvalidValue) as refused:
+        check_preset(HFConfig(), preset)
+    assert refused.value.key == "data.document_mask" and "set data.document_mask = false" in str(refused.value)
+    data.document_mask = False
+    check_preset(HFConfig(), preset)
