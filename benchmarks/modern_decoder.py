@@ -1,10 +1,11 @@
 """One figure for each piece of the modern decoder (docs/modern-decoder.md): GQA's key/value cache, RMSNorm's speed,
-SwiGLU's loss at matched parameters, RoPE's loss beyond the training length.
+SwiGLU's loss at matched parameters, RoPE's loss beyond the training length, the cost of packed documents' mask.
 
     python benchmarks/modern_decoder.py kv-cache [--json]
     python benchmarks/modern_decoder.py norm [--reps 21] [--threads 1] [--json]
     python benchmarks/modern_decoder.py swiglu [--steps 200] [--json]
     python benchmarks/modern_decoder.py rope [--steps 300] [--seq-len 64] [--json]
+    python benchmarks/modern_decoder.py document-mask [--reps 21] [--threads 1] [--seq-len 256] [--json]
 
 * ``kv-cache``: the bytes a ``KVCache`` holds after feeding a context to presets/llama.toml's model (4 layers,
   4 query heads of 64) with 4 (multi-head), 2 (the preset: grouped-query) and 1 (multi-query) key/value heads,
@@ -19,6 +20,11 @@ SwiGLU's loss at matched parameters, RoPE's loss beyond the training length.
   the same model with the sinusoidal table (and the paper's √d_model embedding scale that goes with it); then each
   model reads the validation split in windows 4x as long, and the loss per position range is reported: up to the
   training length, and the positions it never saw.
+* ``document-mask``: forward + backward of presets/llama.toml's model (vocabulary 4096) on 8 windows of
+  ``--seq-len`` tokens (on CUDA when there is one, in bf16 autocast; else fp32 with ``--threads``): without
+  ``position_ids``, with ``position_ids`` that cross no boundary (the causal fast path kept), and packed documents
+  of 1/4 and 1/16 of the window (the block-causal mask, built once per forward); median of ``--reps`` after a
+  warm-up, interleaved, and the mask's bytes.
 
 Runs go to ``--out`` (default runs/bench-modern-decoder). Losses and bytes do not depend on the machine's load;
 times do.
@@ -135,18 +141,56 @@ def rope(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
+def document_mask(args: argparse.Namespace) -> list[dict[str, Any]]:
+    from torch_handle.model.transformer import document_mask_of
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    B, T = 8, args.seq_len
+    model = DecoderLM(TransformerArgs(4096, **LLAMA, n_kv_heads=2, max_len=T)).to(device).train()
+    ids = torch.randint(3, 4096, (B, T), device=device)
+    arange = torch.arange(T, device=device)
+    cases = {"no position_ids": None, "position_ids, no boundary": arange.expand(B, T)}
+    for n_docs in (4, 16):
+        cases[f"{n_docs} documents a window"] = (arange % (T // n_docs)).expand(B, T)
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    for rep in range(args.reps + 1):
+        for name, positions in cases.items():
+            kwargs = {} if positions is None else {"position_ids": positions}
+            if cuda:
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
+                model(ids, **kwargs).float().mean().backward()
+            if cuda:
+                torch.cuda.synchronize()
+            if rep:  # the first repetition warms up
+                times[name].append(time.perf_counter() - start)
+    rows = []
+    for name, positions in cases.items():
+        mask = document_mask_of(positions)
+        rows.append({"case": name, "fwd_bwd_ms": round(statistics.median(times[name]) * 1e3, 2),
+                     "mask_bytes": 0 if mask is None else mask.numel(), "device": torch.cuda.get_device_name()
+                     if cuda else f"cpu x{args.threads}", "shape": [B, T]})
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("what", choices=["kv-cache", "norm", "swiglu", "rope"])
+    parser.add_argument("what", choices=["kv-cache", "norm", "swiglu", "rope", "document-mask"])
     parser.add_argument("--reps", type=int, default=21)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--steps", type=int, default=None)
-    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--seq-len", type=int, default=None)
     parser.add_argument("--out", type=Path, default=_common.ROOT / "runs" / "bench-modern-decoder")
     parser.add_argument("--json", action="store_true", help="one JSON object per row")
     args = parser.parse_args()
     args.steps = args.steps or {"swiglu": 200, "rope": 300}.get(args.what, 0)
-    rows = {"kv-cache": kv_cache, "norm": norm, "swiglu": swiglu, "rope": rope}[args.what](args)
+    args.seq_len = args.seq_len or (256 if args.what == "document-mask" else 64)
+    rows = {"kv-cache": kv_cache, "norm": norm, "swiglu": swiglu, "rope": rope,
+            "document-mask": document_mask}[args.what](args)
     for row in rows:
         print(json.dumps(row) if args.json else "  ".join(f"{k} {v}" for k, v in row.items() if k != "run_dir"))
 

@@ -131,13 +131,17 @@ POSITION_KEYS = ("max_position_embeddings", "n_positions")
 
 
 def check_preset(options: HFConfig, preset) -> None:
-    """The extra is installed; the data is language modelling; a local config is readable and long enough."""
+    """The extra is installed; the data is language modelling without packed documents' masks; a local config is
+    readable and long enough."""
     if not transformers_available():
         raise InvalidValue("name", missing_extra_message())
     task = getattr(preset.data.options, "task", "lm")
     if task != "lm":
         raise InvalidValue("name", f"'hf' builds causal language models: it cannot train on data "
                                    f"{preset.data.name!r} ({task}); use a language-modelling dataset")
+    if getattr(preset.data.options, "document_mask", False):
+        raise InvalidValue("data.document_mask", "packed documents' masks are built by the 'transformer' model; "
+                                                 "'hf' takes no position_ids: set data.document_mask = false")
     local = read_local_config(options)
     seq_len = getattr(preset.data.options, "seq_len", None)
     if local is not None and options.pretrained_path and isinstance(seq_len, int):

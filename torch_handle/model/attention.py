@@ -95,16 +95,18 @@ def scaled_dot_product_attention_reference(
 
 
 def _attention_mask(
-    key_padding_mask: Tensor | None, causal: bool, T: int, S: int, device: torch.device, offset: int = 0
+    key_padding_mask: Tensor | None, causal: bool, T: int, S: int, device: torch.device, offset: int = 0,
+    attn_mask: Tensor | None = None,
 ) -> Tensor | None:
-    """Combine causal and key-padding masks into one bool mask, True = may attend.
+    """Combine causal (or a given ``attn_mask``) and key-padding masks into one bool mask, True = may attend.
 
     Returns None when nothing is masked, else a tensor broadcastable to (B, H, T, S). The causal
     mask is aligned top-left (query t sees keys 0..t), matching SDPA's ``is_causal``; with ``offset``
-    (cached keys before the queries) query t sees keys 0..offset + t.
+    (cached keys before the queries) query t sees keys 0..offset + t. ``attn_mask`` (bool (B, 1, T, S), e.g. the
+    block-causal mask of packed documents) replaces the causal mask: it already holds what may be attended.
     """
-    mask = None
-    if causal:
+    mask = attn_mask
+    if causal and mask is None:
         mask = torch.ones(T, S, dtype=torch.bool, device=device).tril(diagonal=offset)  # (T, S)
     if key_padding_mask is not None:
         keep = ~key_padding_mask[:, None, None, :]  # (B, 1, 1, S)
@@ -121,12 +123,13 @@ def sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, dropout_p:
 
 
 def _attend_masked(kernel: Callable[..., Tensor], q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None,
-                   causal: bool, offset: int, dropout_p: float) -> Tensor:
+                   causal: bool, offset: int, dropout_p: float, attn_mask: Tensor | None = None) -> Tensor:
     """``kernel(q, k, v, mask, dropout_p)`` with the mask tensor of ``_attention_mask``: (B, H, T, d_k).
 
-    Only padding can leave a query row with no key (causal always leaves key 0): such rows attend everywhere
-    and their output is zeroed (``_unmask_empty_rows``)."""
-    mask = _attention_mask(key_padding_mask, causal, q.shape[2], k.shape[2], q.device, offset)  # (B|1, 1, T, S)
+    Only padding can leave a query row with no key (causal always leaves key 0, a document mask the query's own
+    position): such rows attend everywhere and their output is zeroed (``_unmask_empty_rows``)."""
+    mask = _attention_mask(key_padding_mask, causal, q.shape[2], k.shape[2], q.device, offset,
+                           attn_mask)  # (B|1, 1, T, S)
     if key_padding_mask is None:
         return kernel(q, k, v, mask, dropout_p)
     mask, empty_rows = _unmask_empty_rows(mask)
@@ -311,23 +314,24 @@ class MultiHeadAttention(nn.Module):
         # (B, L, heads·d_k) -> (B, heads, L, d_k); under tensor parallelism this rank's share of the heads
         return x.view(B, L, -1, self.d_k).transpose(1, 2)
 
-    def _position(self, x: Tensor, norm: RMSNorm | None, offset: int) -> Tensor:
-        """q or k (B, heads, L, d_k) of positions offset .. offset + L - 1: RMS-normalised per head (``qk_norm``),
-        then rotated (RoPE); as it is without either."""
+    def _position(self, x: Tensor, norm: RMSNorm | None, offset: int, positions: Tensor | None = None) -> Tensor:
+        """q or k (B, heads, L, d_k) of positions offset .. offset + L - 1 (or ``positions`` (B, L)): RMS-normalised
+        per head (``qk_norm``), then rotated (RoPE); as it is without either."""
         if norm is not None:
             x = norm(x)
-        return x if self.rope is None else self.rope(x, offset)
+        return x if self.rope is None else self.rope(x, offset, positions)
 
-    def _heads(self, query: Tensor, key: Tensor, value: Tensor, cache: AttentionCache | None
-               ) -> tuple[Tensor, Tensor, Tensor]:
+    def _heads(self, query: Tensor, key: Tensor, value: Tensor, cache: AttentionCache | None,
+               positions: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
         """q (B, H, T, d_k); k, v (B, H_kv, S, d_k): the projections of key/value, or with a ``cache`` the cached
         ones (a static cache that is ready: projected once) or the cached followed by the new (self-attention).
-        Cached keys are stored normalised and rotated: a key's rotation depends on its own position only."""
+        Cached keys are stored normalised and rotated: a key's rotation depends on its own position only.
+        ``positions`` (B, T): each token's position for RoPE (packed documents), instead of 0 .. T - 1."""
         offset = 0 if cache is None or cache.static else cache.length  # positions before these queries
         if cache is not None and cache.ready:
             return self._position(self._split_heads(self._project_q(query)), self.q_norm, offset), cache.k, cache.v
         q, k, v = (self._split_heads(t) for t in self._project_qkv(query, key, value))
-        q, k = self._position(q, self.q_norm, offset), self._position(k, self.k_norm, offset)
+        q, k = self._position(q, self.q_norm, offset, positions), self._position(k, self.k_norm, offset, positions)
         if cache is not None:
             k, v = cache.update(k, v)
         return q, k, v
@@ -335,7 +339,7 @@ class MultiHeadAttention(nn.Module):
     # ---- kernels: (B, H, T, d_k) q, (B, H_kv, S, d_k) k and v in; (B, H, T, d_k) out ------------------------
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None, causal: bool,
-                offset: int) -> Tensor:
+                offset: int, attn_mask: Tensor | None = None) -> Tensor:
         """Run the kernel ``self.attention`` names, in one of three ways:
 
         * the reference, with a mask tensor: ``"reference"``, and ``"sdpa"`` while training with dropout on CPU,
@@ -344,16 +348,17 @@ class MultiHeadAttention(nn.Module):
         * SDPA with ``is_causal`` and no mask tensor, which lets it pick its fastest (flash) kernel: nothing but
           a top-left causal mask to apply (the models pass no ``key_padding_mask`` for a batch without padding:
           ``transformer.padding_mask_of``);
-        * SDPA with a mask tensor otherwise (padding, or a causal mask shifted by cached keys).
+        * SDPA with a mask tensor otherwise (padding, a causal mask shifted by cached keys, or ``attn_mask``: the
+          block-causal mask of packed documents).
         """
         dropout_p = self.dropout if self.training else 0.0
         with tensor_parallel_rng(dropout_p > 0.0):  # under TP these are this rank's heads: masks of its own
             if self.attention == "reference" or (dropout_p > 0.0 and q.device.type == "cpu"):
                 return _attend_masked(scaled_dot_product_attention_reference, q, k, v, key_padding_mask, causal,
-                                      offset, dropout_p)
-            if key_padding_mask is None and not (causal and offset):
+                                      offset, dropout_p, attn_mask)
+            if key_padding_mask is None and attn_mask is None and not (causal and offset):
                 return sdpa(q, k, v, dropout_p=dropout_p, is_causal=causal)
-            return _attend_masked(sdpa, q, k, v, key_padding_mask, causal, offset, dropout_p)
+            return _attend_masked(sdpa, q, k, v, key_padding_mask, causal, offset, dropout_p, attn_mask)
 
     def forward(
         self,
@@ -364,6 +369,8 @@ class MultiHeadAttention(nn.Module):
         key_padding_mask: Tensor | None = None,
         causal: bool = False,
         cache: AttentionCache | None = None,
+        attn_mask: Tensor | None = None,
+        position_ids: Tensor | None = None,
     ) -> Tensor:
         """Attend from ``query`` to ``key``/``value`` with the kernel ``self.attention``.
 
@@ -378,26 +385,37 @@ class MultiHeadAttention(nn.Module):
                 For self-attention the keys are then the P cached plus the T new positions (S = P + T),
                 key_padding_mask covers all S, the causal mask is aligned bottom-right, and RoPE rotates the
                 new queries and keys as positions P .. P + T - 1.
+            attn_mask: optional bool (B, 1, T, S), True = may attend, built once per batch by the model (the
+                block-causal mask of packed documents: ``transformer.document_mask_of``); it replaces the causal
+                mask (``causal`` is then ignored) and forces a mask tensor into the kernel.
+            position_ids: optional LongTensor (B, T): each query's and key's position for RoPE (self-attention;
+                restarting at 0 at each packed document) instead of 0 .. T - 1.
 
         Returns:
             (B, T, C) in query's dtype. A query row whose keys are all masked yields the output
             projection of a zero vector (i.e. the out_proj bias), never NaN.
 
         Raises:
-            ValueError: for a key_padding_mask that is not bool (B, S).
+            ValueError: for a key_padding_mask that is not bool (B, S), or an attn_mask that is not bool (B|1, 1,
+                T, S).
         """
         key = query if key is None else key
         value = key if value is None else value
-        q, k, v = self._heads(query, key, value, cache)  # (B, H, T, d_k), (B, H_kv, S, d_k), (B, H_kv, S, d_k)
+        # (B, H, T, d_k), (B, H_kv, S, d_k), (B, H_kv, S, d_k)
+        q, k, v = self._heads(query, key, value, cache, position_ids)
         # from q, not query: under sequence parallelism query is this rank's 1/tp of the sequence, q all of it
         B, T, S = q.shape[0], q.shape[2], k.shape[2]
         if key_padding_mask is not None and (key_padding_mask.dtype != torch.bool or key_padding_mask.shape != (B, S)):
             raise ValueError(f"key_padding_mask must be a bool tensor of shape {(B, S)}, got "
                              f"{key_padding_mask.dtype} {tuple(key_padding_mask.shape)}")
+        if attn_mask is not None and (attn_mask.dtype != torch.bool or attn_mask.dim() != 4
+                                      or attn_mask.shape[0] not in (1, B) or attn_mask.shape[1:] != (1, T, S)):
+            raise ValueError(f"attn_mask must be a bool tensor of shape {(B, 1, T, S)}, got "
+                             f"{attn_mask.dtype} {tuple(attn_mask.shape)}")
         offset = S - T if cache is not None else 0  # with cached keys the queries are the last T of S positions
         if causal and offset and T == 1:
             causal = False  # one new query may see every cached key
-        out = self._attend(q, k, v, key_padding_mask, causal, offset)  # (B, H, T, d_k)
+        out = self._attend(q, k, v, key_padding_mask, causal, offset, attn_mask)  # (B, H, T, d_k)
         return self.out_proj(out.transpose(1, 2).reshape(B, T, -1))  # heads concatenated: (B, T, H · d_k)
 
     def extra_repr(self) -> str:

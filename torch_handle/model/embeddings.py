@@ -38,7 +38,8 @@ class SinusoidalPositionalEncoding(nn.Module):
         max_len: longest sequence the table covers.
 
     Shape:
-        forward(x): x is (B, T, C) float; returns (B, T, C) in x's dtype.
+        forward(x): x is (B, T, C) float; returns (B, T, C) in x's dtype. With ``position_ids`` (B, T) each token
+        gets the row of its own position (packed documents, positions restarting at 0 at each document).
 
     Raises:
         ValueError: if offset + T > max_len.
@@ -60,12 +61,15 @@ class SinusoidalPositionalEncoding(nn.Module):
         pe[:, 1::2] = torch.cos(position * div_term[: d_model // 2])  # odd C has one fewer cos column
         self.register_buffer("pe", pe.to(torch.float32), persistent=True)  # (max_len, C)
 
-    def forward(self, x: Tensor, offset: int = 0) -> Tensor:
+    def forward(self, x: Tensor, offset: int = 0, position_ids: Tensor | None = None) -> Tensor:
         """x (B, T, C) -> x + PE[offset : offset + T]; ``offset`` is the number of positions before x (the
-        length of a key/value cache when decoding incrementally)."""
+        length of a key/value cache when decoding incrementally). With ``position_ids`` (B, T): x + PE[position_ids]
+        (B, T, C)."""
         T = x.shape[1]
         if offset + T > self.max_len:
             raise ValueError(f"sequence length {offset + T} exceeds positional-encoding max_len {self.max_len}")
+        if position_ids is not None:
+            return x + self.pe[position_ids].to(x.dtype)  # (B, T, C)
         return x + self.pe[offset:offset + T].to(x.dtype)  # (T, C) broadcasts over B
 
     def extra_repr(self) -> str:
@@ -83,7 +87,7 @@ class PositionsInAttention(nn.Module):
         max_len: longest sequence accepted (RoPE itself has no limit: see ``TransformerArgs.max_len``).
 
     Shape:
-        forward(x (B, T, C), offset) -> x.
+        forward(x (B, T, C), offset, position_ids) -> x (the positions are the attention's).
 
     Raises:
         ValueError: if offset + T > max_len.
@@ -93,7 +97,7 @@ class PositionsInAttention(nn.Module):
         super().__init__()
         self.max_len = max_len
 
-    def forward(self, x: Tensor, offset: int = 0) -> Tensor:
+    def forward(self, x: Tensor, offset: int = 0, position_ids: Tensor | None = None) -> Tensor:
         if offset + x.shape[1] > self.max_len:
             raise ValueError(f"sequence length {offset + x.shape[1]} exceeds max_len {self.max_len}")
         return x

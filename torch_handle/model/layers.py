@@ -130,7 +130,8 @@ class DecoderLayer(_ResidualLayer):
         rope_theta: RoPE in the self-attention (a cross-attention never rotates: see ``_ResidualLayer``).
 
     Shape:
-        forward(x (B, T, C), memory (B, S, C) | None) -> (B, T, C).
+        forward(x (B, T, C), memory (B, S, C) | None, attn_mask bool (B, 1, T, T) | None, position_ids (B, T) |
+        None) -> (B, T, C).
 
     Raises:
         ValueError (from forward): memory missing when the layer has cross-attention, or given
@@ -155,8 +156,8 @@ class DecoderLayer(_ResidualLayer):
         self.dropout = Dropout(dropout)
 
     def forward(self, x: Tensor, memory: Tensor | None = None, *, key_padding_mask: Tensor | None = None,
-                memory_key_padding_mask: Tensor | None = None, causal: bool = True, cache: LayerCache | None = None
-                ) -> Tensor:
+                memory_key_padding_mask: Tensor | None = None, causal: bool = True, cache: LayerCache | None = None,
+                attn_mask: Tensor | None = None, position_ids: Tensor | None = None) -> Tensor:
         """
         Args:
             x: (B, T, C) target-side hidden states.
@@ -166,6 +167,10 @@ class DecoderLayer(_ResidualLayer):
             memory_key_padding_mask: bool (B, S), True = padded source position.
             causal: mask future target positions (leave True except for experiments).
             cache: incremental decoding (eval): the keys/values of the P positions decoded before x.
+            attn_mask: bool (B, 1, T, T), True = may attend: the block-causal mask of packed documents, built once
+                per batch by the model outside the blocks (``transformer.document_mask_of``); replaces the causal
+                mask of the self-attention.
+            position_ids: LongTensor (B, T), each token's position in its document (the self-attention's RoPE).
 
         Returns:
             (B, T, C).
@@ -178,7 +183,8 @@ class DecoderLayer(_ResidualLayer):
         self_cache, cross_cache = (None, None) if cache is None else (cache.self_attn, cache.cross_attn)
         x = self._residual(x, self.self_attn_norm, "attention",
                            lambda h: self.self_attn(h, h, h, key_padding_mask=key_padding_mask, causal=causal,
-                                                    cache=self_cache))
+                                                    cache=self_cache, attn_mask=attn_mask,
+                                                    position_ids=position_ids))
         if self.cross_attn is not None:
             x = self._residual(x, self.cross_attn_norm, "cross_attention",
                                lambda h: self.cross_attn(h, memory, memory, key_padding_mask=memory_key_padding_mask,

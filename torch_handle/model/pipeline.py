@@ -21,7 +21,7 @@ from typing import Any, Sequence
 
 from torch import Tensor, nn
 
-from torch_handle.model.transformer import DecoderLM, _TransformerModel
+from torch_handle.model.transformer import DecoderLM, _TransformerModel, documents_of
 
 
 def split_layers(n_layers: int, n_stages: int, layers: Sequence[int] = (), *, by: str = "layers",
@@ -114,9 +114,18 @@ class PipelineShard(nn.Module):
 
 
 class DecoderStage(nn.Module):
-    """One pipeline stage of a decoder: ``forward(h, *, input_ids)`` -> the next stage's input (B, T, C), or the
-    logits (B, T, V) on the last stage. ``h`` is None on the first stage, which embeds ``input_ids`` (B, T); every
-    stage reads ``input_ids`` for the padding mask of its attention.
+    """One pipeline stage of a decoder: ``forward(h, *, input_ids, position_ids=None)`` -> the next stage's input
+    (B, T, C), or the logits (B, T, V) on the last stage. ``h`` is None on the first stage, which embeds
+    ``input_ids`` (B, T); every stage reads ``input_ids`` for the padding mask of its attention.
+
+    Packed documents (``position_ids`` (B, T), as ``DecoderLM.forward`` takes them): every stage builds the
+    block-causal mask (``documents_of``) from the micro-batch's ``position_ids`` itself, once per stage forward,
+    and its RoPE reads them. Both pipeline implementations hand every stage the micro-batch's keyword arguments
+    (every rank holds the whole batch: the hand-written schedules pass ``inputs[i]`` to each stage, torch's
+    ``PipelineStage.forward_one_chunk`` its ``kwargs``), so nothing more crosses the pipeline than the (B, T, C)
+    activation. Sending the mask from stage 0 instead would add B·T² bytes to every send of B·T·C activation
+    elements (at T = 4096, C = 2048: as much again as the bf16 activation) and a second tensor to torch's shape
+    inference, to save each stage one elementwise pass over B·T² booleans.
 
     A view of the :class:`PipelineShard` ``shard`` (it shares its modules; its parameters are the shard's)."""
 
@@ -133,11 +142,12 @@ class DecoderStage(nn.Module):
     _padding_mask = _TransformerModel._padding_mask
     _run_block = _TransformerModel._run_block
 
-    def forward(self, h: Tensor | None = None, *, input_ids: Tensor) -> Tensor:
+    def forward(self, h: Tensor | None = None, *, input_ids: Tensor, position_ids: Tensor | None = None) -> Tensor:
         padding_mask = self._padding_mask(input_ids)  # (B, T) or None
-        x = self._embed(input_ids) if self.first else h  # (B, T, C)
+        documents = documents_of(input_ids, position_ids)  # attn_mask (B, 1, T, T), position_ids (B, T), or none
+        x = self._embed(input_ids, 0, documents.get("position_ids")) if self.first else h  # (B, T, C)
         for i, layer in self.layers.items():
-            x = self._run_block(f"decoder.layer{i}", layer, x, key_padding_mask=padding_mask)
+            x = self._run_block(f"decoder.layer{i}", layer, x, key_padding_mask=padding_mask, **documents)
         return self.lm_head(self.final_norm(x)) if self.last else x
 
 

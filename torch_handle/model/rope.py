@@ -48,7 +48,9 @@ class RotaryEmbedding(nn.Module):
         theta: the base of the frequencies (``TransformerArgs.rope_theta``).
 
     Shape:
-        forward(x (B, H, T, d_k), offset) -> (B, H, T, d_k) in x's dtype.
+        forward(x (B, H, T, d_k), offset) -> (B, H, T, d_k) in x's dtype; forward(x, positions=(B, T)) rotates row
+        b's vector t by its own position ``positions[b, t]`` (packed documents: positions restart at 0 at each
+        document, as in torchtitan's document masking and Hugging Face's packing with ``position_ids``).
 
     Raises:
         ValueError: an odd d_k, or theta <= 1.
@@ -61,18 +63,23 @@ class RotaryEmbedding(nn.Module):
                              f"head_dim={d_k}, rope_theta={theta}")
         self.d_k, self.theta = d_k, theta
 
-    def cos_sin(self, T: int, offset: int, device: torch.device, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    def cos_sin(self, T: int, offset: int, device: torch.device, dtype: torch.dtype,
+                positions: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """cos and sin of the angles of positions offset .. offset + T - 1: each (T, d_k) in ``dtype``, the d_k/2
-        angles repeated for both halves."""
-        positions = torch.arange(offset, offset + T, device=device, dtype=torch.float32)  # (T,)
-        angles = positions[:, None] * rope_frequencies(self.d_k, self.theta, device)[None, :]  # (T, d_k/2)
-        angles = torch.cat((angles, angles), dim=-1)  # (T, d_k): channel j and j + d_k/2 share an angle
+        angles repeated for both halves; with ``positions`` (B, T) (integer), of those positions: each
+        (B, 1, T, d_k), broadcast over the heads."""
+        if positions is None:
+            positions = torch.arange(offset, offset + T, device=device, dtype=torch.float32)  # (T,)
+        angles = positions.float()[..., None] * rope_frequencies(self.d_k, self.theta, device)  # (..., T, d_k/2)
+        angles = torch.cat((angles, angles), dim=-1)  # (..., T, d_k): channel j and j + d_k/2 share an angle
+        if angles.dim() == 3:
+            angles = angles[:, None]  # (B, 1, T, d_k)
         return angles.cos().to(dtype), angles.sin().to(dtype)
 
-    def forward(self, x: Tensor, offset: int = 0) -> Tensor:
+    def forward(self, x: Tensor, offset: int = 0, positions: Tensor | None = None) -> Tensor:
         """x (B, H, T, d_k), the vectors of positions offset .. offset + T - 1 (``offset``: the positions a key/value
-        cache holds) -> x rotated, (B, H, T, d_k)."""
-        cos, sin = self.cos_sin(x.shape[-2], offset, x.device, x.dtype)  # (T, d_k) each, broadcast over B, H
+        cache holds), or of ``positions`` (B, T) when given -> x rotated, (B, H, T, d_k)."""
+        cos, sin = self.cos_sin(x.shape[-2], offset, x.device, x.dtype, positions)  # broadcast over B, H
         return x * cos + rotate_half(x) * sin
 
     def extra_repr(self) -> str:

@@ -16,6 +16,7 @@ Shape letters: B batch, T target length, S source length, C = d_model channels, 
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor, nn
 from torch._subclasses.fake_tensor import is_fake
 from torch.utils.checkpoint import checkpoint
@@ -55,6 +56,52 @@ def padding_mask_of(ids: Tensor, pad_id: int | None) -> Tensor | None:
         return None
     mask = ids == pad_id  # (B, T)
     return mask if bool(mask.any()) else None
+
+
+def document_mask_of(position_ids: Tensor | None) -> Tensor | None:
+    """The block-causal attention mask of packed documents: bool (B, 1, T, T), True where query t may attend key s,
+    i.e. s <= t and both lie in the same document; None when ``position_ids`` is None or every row of it is
+    0 .. T - 1 (the window crosses no document boundary: plain causal attention).
+
+    ``position_ids`` LongTensor (B, T) is each token's position inside its document, restarting at 0 at every
+    document start (and at the window's first token). The documents are the segments ``cumsum(position_ids == 0)``
+    along T. This is torchtitan's document masking (block-causal mask, positions restarting at each document:
+    pytorch/torchtitan#3130, #3149) and Hugging Face's packing with ``position_ids`` ("packing with
+    position_ids", ``DataCollatorWithFlattening``: attention never crosses a position reset). Each document then
+    computes what it computes on its own.
+
+    Built once per batch by the model's forward, outside the blocks (and so outside their ``torch.compile``
+    regions), and handed to every block; (B, 1, T, T) bytes: 4 MiB for B = 4, T = 1024. None keeps SDPA's
+    ``is_causal`` fast path (no mask tensor: see ``padding_mask_of``); deciding it reads one bool back to the host,
+    as ``padding_mask_of`` does. Ids whose values cannot be read (fake or meta tensors: ``handle estimate``) get
+    the mask, so the estimate prices it.
+    """
+    if position_ids is None:
+        return None
+    T = position_ids.shape[1]
+    readable = position_ids.device.type != "meta" and not is_fake(position_ids)
+    if readable and bool((position_ids == torch.arange(T, device=position_ids.device)).all()):
+        return None
+    segment = (position_ids == 0).cumsum(dim=1)  # (B, T): the document of each token
+    same = segment[:, :, None] == segment[:, None, :]  # (B, T, T)
+    causal = torch.ones(T, T, dtype=torch.bool, device=position_ids.device).tril()  # (T, T)
+    return (same & causal)[:, None]  # (B, 1, T, T)
+
+
+def documents_of(input_ids: Tensor, position_ids: Tensor | None) -> dict[str, Tensor]:
+    """The keyword arguments that hand a decoder block its packed documents: ``attn_mask`` (B, 1, T, T) and
+    ``position_ids`` (B, T) (``document_mask_of``); none when ``position_ids`` is None or crosses no document
+    boundary, so the blocks are called as without documents.
+
+    Raises:
+        ValueError: ``position_ids`` not of ``input_ids``' shape (B, T)."""
+    if position_ids is None:
+        return {}
+    if position_ids.shape != input_ids.shape:
+        raise ValueError(f"position_ids must have input_ids' shape {tuple(input_ids.shape)}, got "
+                         f"{tuple(position_ids.shape)}")
+    mask = document_mask_of(position_ids)
+    return {} if mask is None else {"attn_mask": mask, "position_ids": position_ids}
 
 
 class _TransformerModel(nn.Module):
@@ -146,22 +193,25 @@ class _TransformerModel(nn.Module):
         if not self.args.tie_embeddings:
             nn.init.normal_(self.lm_head.weight, mean=0.0, std=std)
 
-    def _embed(self, ids: Tensor, offset: int = 0) -> Tensor:
+    def _embed(self, ids: Tensor, offset: int = 0, position_ids: Tensor | None = None) -> Tensor:
         """(B, T) token ids -> (B, T, C): embedding (scaled by √C unless ``scale_embeddings`` is off) + position
-        (from ``offset``; nothing under RoPE), then dropout (§3.4)."""
+        (from ``offset``, or ``position_ids`` (B, T) of packed documents; nothing under RoPE), then dropout
+        (§3.4)."""
         x = embed_tokens(self.embed, ids, scale=self.args.scale_embeddings)  # (B, T, C)
-        return self.embed_dropout(self.pos_encoding(x, offset))
+        pos = {} if position_ids is None else {"position_ids": position_ids}
+        return self.embed_dropout(self.pos_encoding(x, offset, **pos))
 
     def _padding_mask(self, ids: Tensor) -> Tensor | None:
         """bool (B, T), True where ids == pad_id; None when nothing is padded (``padding_mask_of``)."""
         return padding_mask_of(ids, self.args.pad_id)
 
-    def _decoder_input(self, ids: Tensor, cache: KVCache | None) -> tuple[Tensor, Tensor | None]:
-        """The decoder stack's input: ids (B, T) embedded from position ``cache.length`` (B, T, C), and the
-        padding mask of every key, the P cached positions' first (B, P + T), or None while none of them is
-        padded. Advances ``cache``."""
+    def _decoder_input(self, ids: Tensor, cache: KVCache | None, position_ids: Tensor | None = None
+                       ) -> tuple[Tensor, Tensor | None]:
+        """The decoder stack's input: ids (B, T) embedded from position ``cache.length`` (or at ``position_ids``
+        (B, T)) (B, T, C), and the padding mask of every key, the P cached positions' first (B, P + T), or None
+        while none of them is padded. Advances ``cache``."""
         mask = self._padding_mask(ids)  # (B, T) or None
-        x = self._embed(ids, 0 if cache is None else cache.length)  # (B, T, C)
+        x = self._embed(ids, 0 if cache is None else cache.length, position_ids)  # (B, T, C)
         if cache is not None:
             mask = cache.extend_padding(mask, ids.shape[1])  # (B, P + T) or None
             cache.length += ids.shape[1]
@@ -236,10 +286,17 @@ class DecoderLM(_TransformerModel):
     def blocks(self) -> list[nn.Module]:
         return list(self.layers)
 
-    def forward(self, input_ids: Tensor, *, cache: KVCache | None = None) -> Tensor:
+    def forward(self, input_ids: Tensor, *, position_ids: Tensor | None = None, cache: KVCache | None = None
+                ) -> Tensor:
         """
         Args:
             input_ids: LongTensor (B, T) with T <= max_len (with ``cache``: cache.length + T <= max_len).
+            position_ids: LongTensor (B, T), packed documents (``[data] document_mask``): each token's position in
+                its document, restarting at 0 at every document start and at the window's first token. Attention
+                is then block-causal (causal within a document, nothing across documents) and the positions
+                (RoPE, or the sinusoidal table) are these: every document computes what it computes on its own
+                (``document_mask_of``). The mask is built here, once, and handed to every block. A batch whose
+                every row is 0 .. T - 1 runs exactly as without ``position_ids`` (SDPA's causal fast path).
             cache: incremental decoding (eval): ``KVCache.for_model(model)``, then the same object on every
                 call, each feeding only the tokens after those already seen (positions continue from
                 ``cache.length``). None (training): the whole sequence, as always.
@@ -247,11 +304,18 @@ class DecoderLM(_TransformerModel):
         Returns:
             logits: (B, T, V) in the head's compute dtype (float32, or bf16/fp16 under autocast or a 16-bit
                 model: the loss upcasts them chunk by chunk); position t predicts token t + 1.
+
+        Raises:
+            ValueError: ``position_ids`` with a ``cache`` (packed documents are for training and evaluation), or
+                not of ``input_ids``' shape.
         """
-        x, padding_mask = self._decoder_input(input_ids, cache)  # (B, T, C), (B, P + T) or None
+        if position_ids is not None and cache is not None:
+            raise ValueError("position_ids (packed documents) cannot be combined with a key/value cache")
+        documents = documents_of(input_ids, position_ids)  # attn_mask (B, 1, T, T), position_ids (B, T), or none
+        x, padding_mask = self._decoder_input(input_ids, cache, documents.get("position_ids"))  # (B, T, C), ...
         for i, layer in enumerate(self.layers):
             x = self._run_block(f"decoder.layer{i}", layer, x, key_padding_mask=padding_mask,
-                                **_layer_cache(cache, i))
+                                **_layer_cache(cache, i), **documents)
         x = self.final_norm(x)
         # (B, T, V). No .float(): under autocast the head's output is already rounded to bf16, so an fp32 copy
         # would add no precision, only a pass over B·T·V elements; the loss upcasts per chunk.

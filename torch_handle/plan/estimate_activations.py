@@ -31,7 +31,7 @@ from torch_handle.common.precision import torch_dtype
 from torch_handle.observe.activations import SavedTensorCounter, _storage
 from torch_handle.observe.fields import (ACTIVATION_BYTES, ACTIVATION_LOGITS_BYTES, ACTIVATION_RECOMPUTE_BYTES,
                                          ACTIVATION_SAVED_BYTES)
-from torch_handle.plan.estimate_model import ModelBuild, build_model, model_build
+from torch_handle.plan.estimate_model import ModelBuild, build_model, lm_inputs, model_build
 
 if TYPE_CHECKING:
     import torch
@@ -270,7 +270,7 @@ def fake_activations(build: ModelBuild, batch: int, seq_len: int, precision: str
         if mode == "cast":
             _cast_parameters(model, dtype)
         ids = torch.randint(4, build.vocab_size, (batch, seq_len))
-        inputs = {"input_ids": ids} if build.kind == "lm" else {"src_ids": ids, "tgt_ids": ids.clone()}
+        inputs = lm_inputs(build, ids) if build.kind == "lm" else {"src_ids": ids, "tgt_ids": ids.clone()}
         labels = torch.randint(4, build.vocab_size, (batch, seq_len))
         autocast = torch.autocast("cpu", dtype=dtype) if mode == "autocast" else contextlib.nullcontext()
         exclude = [*model.parameters(), *model.buffers()]

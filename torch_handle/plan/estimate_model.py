@@ -96,6 +96,9 @@ class ModelBuild:
     finetune: tuple[str, int, float, float, tuple[str, ...]] | None = None
     """``[finetune]``'s (method, rank, alpha, dropout, target_modules) when it is LoRA or QLoRA: the adapters and
     the frozen (and, under QLoRA, NF4-stored) base are built as the run builds them (:func:`build_model`)."""
+    document_mask: bool = False
+    """``[data] document_mask``: a language-model batch carries ``position_ids`` of packed documents, and the model
+    builds and keeps its block-causal (B, 1, T, T) mask (:func:`lm_inputs`)."""
 
 
 def model_build(preset: Preset, registry: PluginRegistry) -> ModelBuild:
@@ -118,7 +121,20 @@ def model_build(preset: Preset, registry: PluginRegistry) -> ModelBuild:
     ft = preset.finetune
     finetune = None if ft.method == "none" else (ft.method, ft.rank, ft.alpha, ft.dropout, tuple(ft.target_modules))
     return ModelBuild(factory, preset.model.options, vocab, PAD_ID, seq_len + 1 if task == "translation" else seq_len,
-                      task, preset.parallel.tp, preset.parallel.sequence_parallel, finetune)
+                      task, preset.parallel.tp, preset.parallel.sequence_parallel, finetune,
+                      bool(getattr(data, "document_mask", False)))
+
+
+def lm_inputs(build: ModelBuild, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The keyword arguments of a language model's forward for token ids (B, T): ``input_ids``, and with
+    ``build.document_mask`` ``position_ids`` (B, T) too. Under fake tensors their values cannot be read, so the model
+    builds the block-causal mask as for a batch that crosses document boundaries
+    (:func:`torch_handle.model.transformer.document_mask_of`): the estimate prices the mask."""
+    import torch
+
+    if not build.document_mask:
+        return {"input_ids": ids}
+    return {"input_ids": ids, "position_ids": torch.arange(ids.shape[1]).expand(ids.shape[0], -1)}
 
 
 def build_model(build: ModelBuild, tp_group: TPGroup | None = None) -> torch.nn.Module:

@@ -37,7 +37,7 @@ from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 from torch_handle.plan.estimate_activations import ActivationBytes, fake_activations
-from torch_handle.plan.estimate_model import ModelBuild, ModelShape, build_model, model_build
+from torch_handle.plan.estimate_model import ModelBuild, ModelShape, build_model, lm_inputs, model_build
 
 if TYPE_CHECKING:
     from torch_handle.config.schema import Preset
@@ -149,7 +149,7 @@ def stage_saved_bytes(build: ModelBuild, ranges: list[range], batch: int, seq_le
             blocks = list(stage.layers.values()) if model.args.activation_checkpointing else []
             with SavedTensorCounter([*model.parameters(), *model.buffers()], blocks) as counter:
                 with autocast or contextlib.nullcontext():
-                    y = stage(h, input_ids=ids)
+                    y = stage(h, **lm_inputs(build, ids))
                 if stage.last:
                     labels = torch.randint(4, build.vocab_size, (batch, seq_len))
                     y = F.cross_entropy(y.float().flatten(0, 1), labels.flatten())
