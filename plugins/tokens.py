@@ -70,7 +70,7 @@ class TokensConfig:
             yield InvalidValue("sources", f"two sources are named {dup[0]!r}: give each a distinct name = \"...\"")
 
     def identity(self) -> dict[str, str] | None:
-        """What a resume compares with the checkpoint's record (:mod:`torch_handle.checkpoint.data_identity`)."""
+        """What a resume compares with the checkpoint's record (:mod:`torch_handle.launch.data_identity`)."""
         return identity(self)
 
     def source_list(self) -> list[tuple[str, str, float]]:

@@ -14,7 +14,7 @@ from click.testing import CliRunner
 
 from handle_cli.main import cli
 from tests.prepared_data import prepare, shakespeare_docs, tokenizer_file, wikitext_docs
-from torch_handle.checkpoint.data_identity import check_resume, record
+from torch_handle.launch.data_identity import check_resume, record
 from torch_handle.config.loader import load_preset
 from torch_handle.errors import CheckpointError
 

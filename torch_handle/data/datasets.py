@@ -199,7 +199,7 @@ class DataBundle:
     """Where the data came from, for the rank logs (``data <description>: N train / M validation samples``)."""
     fingerprint: str | None = None
     """A hash of the data's content when the plugin knows one (``tokens``: its meta.json files): checkpoints record
-    it, and a resume on other data is refused (:mod:`torch_handle.checkpoint.data_identity`)."""
+    it, and a resume on other data is refused (:mod:`torch_handle.launch.data_identity`)."""
 
 
 @dataclass

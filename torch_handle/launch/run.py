@@ -22,7 +22,7 @@ from typing import Any
 
 from torch_handle.common.precision import AUTO
 from torch_handle.common.run_layout import LAYOUT_KEY, RunLayout
-from torch_handle.checkpoint.data_identity import check_resume as check_resume_data
+from torch_handle.launch.data_identity import check_resume as check_resume_data
 from torch_handle.checkpoint.resume import (PENDING, RESUME_PRESET, diff, finished_problem,
                                             frozen_changes, layout_adjustments, promote, resumed_mapping,
                                             write_side_preset)

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from torch_handle.checkpoint import data_identity, shared_dirs, store as ckpt
+from torch_handle.checkpoint import shared_dirs, store as ckpt
+from torch_handle.launch import data_identity
 from torch_handle.observe.fields import Kind, Level
 from torch_handle.observe.heartbeat import busy
 

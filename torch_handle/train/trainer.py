@@ -21,11 +21,12 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
-from torch_handle.checkpoint import data_identity, hf_dir, shared_dirs, store as ckpt
+from torch_handle.checkpoint import hf_dir, shared_dirs, store as ckpt
 from torch_handle.common.fsio import replacing
 from torch_handle.common.testhooks import DELAY_ENV, HANG_ENV, parse_test_delay, parse_test_hang
 from torch_handle.config.loader import Preset
 from torch_handle.finetune.build import prepare_model
+from torch_handle.launch import data_identity
 from torch_handle.data.datasets import DataBundle, DataContext, GlobalBatchSampler, ResumableDistributedSampler
 from torch_handle.model.parallelize import model_blocks
 from torch_handle.parallel.tensor.random import get_rng_tracker
