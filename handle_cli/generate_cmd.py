@@ -107,31 +107,52 @@ def translate(run_dir: Path, text: str | None, input_file: Path | None, beam: in
 
 @click.command(name="eval")
 @_RUN
-@click.option("--split", type=click.Choice(["valid", "test"]), default="valid", show_default=True,
-              help="valid: the validation split as the dataset plugin builds it; test: the parallel test files "
-                   "(translation runs).")
+@click.option("--split", type=click.Choice(["valid", "test", "train"]), default="valid", show_default=True,
+              help="valid: the validation split as the dataset plugin builds it (with --data: the directory's); "
+                   "test: the parallel test files (translation runs); train: the --data directory's train split.")
+@click.option("--data", "data_dir", type=click.Path(path_type=Path), metavar="DIR",
+              help="Score a prepared token directory (handle data prepare; the run's tokenizer) instead of the "
+                   "run's own data (language-model runs).")
 @click.option("--beam", type=click.IntRange(min=1), default=4, show_default=True,
               help="Beam size for BLEU/chrF (translation runs); 1 = greedy.")
 @click.option("--alpha", type=click.FloatRange(min=0.0), default=0.6, show_default=True,
               help="GNMT length-penalty exponent.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @_CHECKPOINT
-def eval_cmd(run_dir: Path, split: str, beam: int, alpha: float, as_json: bool, checkpoint: int | None) -> None:
+def eval_cmd(run_dir: Path, split: str, data_dir: Path | None, beam: int, alpha: float, as_json: bool,
+             checkpoint: int | None) -> None:
     """Loss and perplexity of a run on a split; for translation runs also BLEU and chrF (sacrebleu, detokenized).
 
-    Language-model runs have only the validation split. Translation runs: the loss on the split's pairs, and
-    BLEU/chrF of the beam-search translations of its source side against its target side.
+    Language-model runs have the validation split, or with --data DIR either split of any directory prepared with
+    the run's tokenizer. Translation runs: the loss on the split's pairs, and BLEU/chrF of the beam-search
+    translations of its source side against its target side.
+
+    \b
+    Examples:
+      handle eval runs/llama-20250101-120000
+      handle eval runs/llama-20250101-120000 --data data/wiki-tokens --json
+      handle eval runs/llama-20250101-120000 --data data/wiki-tokens --split train
     """
     from torch_handle.infer import generate as g
     from torch_handle.data.corpus import read_pairs
     from torch_handle.data.datasets import pad_collate
 
-    loaded = _load(run_dir, checkpoint, "", "eval")
+    if data_dir is not None and split == "test":
+        fail(f"--data {data_dir}: a prepared directory has the splits valid and train (use --split valid or train)")
+    if data_dir is None and split == "train":
+        fail("--split train scores a prepared directory's train split: give --data DIR")
+    loaded = _load(run_dir, checkpoint, "decoder" if data_dir is not None else "", "eval")
     started = time.perf_counter()
     opts = loaded.preset.data.options
     batch_size = loaded.preset.training.micro_batch_size
     result = {"run": str(run_dir), "weights": str(loaded.weights), "kind": loaded.kind, "split": split}
-    if loaded.kind == "decoder":
+    if data_dir is not None:
+        from torch_handle.infer.eval_data import prepared_split
+
+        dataset = prepared_split(run_dir, loaded.preset, loaded.model.args.max_len, data_dir, split)
+        result["data"] = str(data_dir)
+        loss, tokens = g.evaluate_loss(loaded.model, dataset, None, batch_size)
+    elif loaded.kind == "decoder":
         if split != "valid":
             fail(f"{run_dir}: a language-model run has only a validation split (use --split valid)")
         dataset, collate = g.validation_split(loaded)
@@ -149,7 +170,8 @@ def eval_cmd(run_dir: Path, split: str, beam: int, alpha: float, as_json: bool, 
     if as_json:
         click.echo(json.dumps(result))
         return
-    line = f"{split}: loss {result['loss']:.4f}  perplexity {result['perplexity']:.2f}  ({tokens} tokens)"
+    line = f"{data_dir} ({split})" if data_dir is not None else split
+    line = f"{line}: loss {result['loss']:.4f}  perplexity {result['perplexity']:.2f}  ({tokens} tokens)"
     if "bleu" in result:
         line += (f"\nBLEU {result['bleu']:.2f}  chrF {result['chrf']:.2f}  ({result['sentences']} sentences, "
                  f"beam {beam})\n{result['bleu_signature']}\n{result['chrf_signature']}")

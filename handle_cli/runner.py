@@ -17,6 +17,7 @@ from torch_handle.errors import RunDirError
 from torch_handle.launch.run import Interrupt, SupervisedRun
 from torch_handle.observe.fields import (FROZEN_PARAM_BYTES, GRAD_BYTES, OPTIMIZER_BYTES, PARAM_BYTES,
                                          TRAINABLE_PARAM_BYTES, Kind, Level, Status)
+from torch_handle.observe.data_mix import shares_text
 from torch_handle.observe.state import RunState
 from torch_handle.rundir import read_run_info
 from torch_handle.common.run_layout import RunLayout
@@ -66,6 +67,8 @@ def summary_text(s: RunState, run_dir: Path, info: dict) -> str:
     if s.mean_tokens_per_s:
         # elapsed: from the launch to the end, as the dashboard's header says (RunState.elapsed_s)
         lines.append(f"  mean {s.mean_tokens_per_s:,.0f} tokens/s   elapsed {fmt_duration(s.elapsed_s(info))}")
+    if totals := s.source_totals:  # a data mixture: the share of the tokens each source gave
+        lines.append(f"  data mix {shares_text(totals)}   ({sum(totals.values()):,} tokens)")
     if info.get("strategy"):
         # run.json's record (preset.toml's for an older run), with the strategy the workers reported
         layout = RunLayout.from_run(run_dir, info, s.layout_degrees).with_strategy(s.event_strategy, s.event_zero_stage)

@@ -10,6 +10,7 @@ from textual.widget import Widget
 
 from handle_cli.tui.text_fit import Piece, fit
 from torch_handle.common.text import clean, fmt_duration, fmt_float
+from torch_handle.observe.data_mix import shares_text
 from torch_handle.observe.fields import Status
 from torch_handle.observe.state import RunState
 
@@ -119,6 +120,8 @@ class StatusHeader(Widget):
         p2.append((6, _piece("  ", (clean(state.run_dir.name, 80), "dim"))))
 
         lines = [fit(p1, width), fit(p2, width)]
+        if totals := state.source_totals:  # a data mixture: each source's share of the tokens so far
+            lines.append(Text.assemble(("data ", "bold"), shares_text(totals, width - 5), no_wrap=True, end=""))
         message = state.message
         if message and status in MESSAGE_STYLES:
             text = ("error: " if status == Status.FAILED else "") + message

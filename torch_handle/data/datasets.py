@@ -197,6 +197,9 @@ class DataBundle:
     """Token id of padding (the model's attention mask and ``pad_collate`` use it)."""
     description: str = ""
     """Where the data came from, for the rank logs (``data <description>: N train / M validation samples``)."""
+    fingerprint: str | None = None
+    """A hash of the data's content when the plugin knows one (``tokens``: its meta.json files): checkpoints record
+    it, and a resume on other data is refused (:mod:`torch_handle.launch.data_identity`)."""
 
 
 @dataclass

@@ -22,6 +22,7 @@ from typing import Any
 
 from torch_handle.common.precision import AUTO
 from torch_handle.common.run_layout import LAYOUT_KEY, RunLayout
+from torch_handle.launch.data_identity import check_resume as check_resume_data
 from torch_handle.checkpoint.resume import (PENDING, RESUME_PRESET, diff, finished_problem,
                                             frozen_changes, layout_adjustments, promote, resumed_mapping,
                                             write_side_preset)
@@ -172,6 +173,7 @@ def prepare_resume(resume_dir: Path, overrides: tuple[str, ...], note: Callable[
     stored = with_node_rank(loaded, 0) if nodes else loaded  # a multi-node run's preset.toml holds node_rank 0
     changes = diff(current, stored)
     check_inputs(loaded, resume=True)
+    check_resume_data(resume_dir, loaded.data.options)  # the checkpoint's data and tokenizer are still these
     for line in notes if note is not None else ():
         note(line)
     if not owner:

@@ -14,6 +14,7 @@ from torch_handle.common.run_layout import LAYOUT_KEY, RunLayout
 from torch_handle.common.fsio import read_toml
 from torch_handle.common.text import clean, finetune_label, strategy_label
 from torch_handle.observe.comm import read_comm
+from torch_handle.observe.data_mix import SOURCE_TOKENS, add_source_tokens
 from torch_handle.observe.fields import (ACTIVATION_BYTES, ACTIVATION_SAVED_BYTES, BREAKDOWN, COMM, DATA_S, MEMORY,
                                          WAIT_S, Kind, Level, Status)
 from torch_handle.observe.tail import BadLine, integer, number
@@ -123,6 +124,8 @@ class RunState:
     """True once a step event carried the step breakdown (the dashboard shows its time panel then)."""
     slowest: dict[str, Any] | None = None
     """:func:`slowest_rank` of the newest ``ranks`` list (``rank``, ``lag_s``, ``ratio``, ``spread_s``, ...)."""
+    source_tokens: list[dict[str, Any] | None] = field(default_factory=list)
+    """A data mixture's tokens by source, per step (``source_tokens`` of step events; None where absent)."""
     val_steps: list[int] = field(default_factory=list)
     val_loss: list[float | None] = field(default_factory=list)
     grad_norm: float | None = None
@@ -231,6 +234,8 @@ class RunState:
                 self.tokens_per_s_sum += tokens_per_s
                 self.tokens_per_s_count += 1
         self.step_time_s.append(number(event.get("step_time_s")))
+        mix = event.get(SOURCE_TOKENS)
+        self.source_tokens.append(mix if isinstance(mix, dict) else None)
         for key in BREAKDOWN:
             getattr(self, key).append(number(event.get(key)))
         self.breakdown_seen = self.breakdown_seen or self.forward_s[-1] is not None
@@ -292,7 +297,7 @@ class RunState:
         keep = 0
         while keep < len(self.steps) and self.steps[keep] < step:
             keep += 1
-        for series in (self.steps, self.loss, self.lr, self.tokens_per_s, self.step_time_s,
+        for series in (self.steps, self.loss, self.lr, self.tokens_per_s, self.step_time_s, self.source_tokens,
                        *(getattr(self, key) for key in BREAKDOWN)):
             del series[keep:]
         while self.val_steps and self.val_steps[-1] >= step:
@@ -300,6 +305,14 @@ class RunState:
             self.val_loss.pop()
 
     # -- derived ---------------------------------------------------------------------------------------------
+
+    @property
+    def source_totals(self) -> dict[str, int]:
+        """A data mixture's tokens by source over the run's steps (empty for a run without a mixture)."""
+        totals: dict[str, int] = {}
+        for mix in self.source_tokens:
+            add_source_tokens(totals, mix)
+        return totals
 
     @property
     def status(self) -> str:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from torch_handle.checkpoint import shared_dirs, store as ckpt
+from torch_handle.launch import data_identity
 from torch_handle.observe.fields import Kind, Level
 from torch_handle.observe.heartbeat import busy
 
@@ -46,6 +47,9 @@ def resume(trainer: Any) -> Position | None:
         return None
     path = Path(path)
     layout = ckpt.read_layout(path)
+    # the data and tokenizer it was trained on (handle run --resume checks the same before anything starts)
+    now = data_identity.record(trainer.data.tokenizer_path, trainer.data.fingerprint)
+    data_identity.check_layout(layout, now, path)
     how = load_state(trainer, path, layout)
     trainer.strategy.apply_schedule()  # a resume may change training.lr: the checkpoint holds the old peak
     position = load_position(trainer, path, layout)

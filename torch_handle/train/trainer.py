@@ -26,6 +26,7 @@ from torch_handle.common.fsio import replacing
 from torch_handle.common.testhooks import DELAY_ENV, HANG_ENV, parse_test_delay, parse_test_hang
 from torch_handle.config.loader import Preset
 from torch_handle.finetune.build import prepare_model
+from torch_handle.launch import data_identity
 from torch_handle.data.datasets import DataBundle, DataContext, GlobalBatchSampler, ResumableDistributedSampler
 from torch_handle.model.parallelize import model_blocks
 from torch_handle.parallel.tensor.random import get_rng_tracker
@@ -33,6 +34,7 @@ from torch_handle.registry import PluginRegistry
 from torch_handle.rundir import STOP_FILE, update_run_info
 from torch_handle.train.strategy import DistContext, Strategy
 from torch_handle.observe.fields import Kind, Level, Status
+from torch_handle.observe.data_mix import step_source_tokens
 from torch_handle.observe.heartbeat import beat, busy
 from torch_handle.observe.telemetry import EVENTS_FILE, EventWriter, NullEventWriter
 from torch_handle.train.loop import GradientAccumulation, MicroBatchLoop, plain
@@ -197,7 +199,8 @@ class Trainer:
         t = self.training
         return {**self.state_io.checkpoint_layout(), "world_size": self.ctx.world_size,
                 "micro_batch_size": t.micro_batch_size, "grad_accum": t.grad_accum,
-                "global_batch": self.train_sampler.global_batch, "precision": t.precision}
+                "global_batch": self.train_sampler.global_batch, "precision": t.precision,
+                **data_identity.record(self.data.tokenizer_path, self.data.fingerprint)}  # a resume on other data
 
     def note(self, level: str, message: str) -> None:
         """A rank-0 log event (and a line in this rank's log)."""
@@ -258,6 +261,8 @@ class Trainer:
             stats = stats.cpu()
             grad_bytes = self.strategy.grad_bytes() if log_memory else 0
         record: dict[str, Any] = {"step": self.step + 1, "loss": float(stats[0] / stats[1]), "tokens": int(stats[1])}
+        if self.ctx.is_main:  # a mixture's tokens by source, from the step's samples (observe.data_mix)
+            record.update(step_source_tokens(self.data.train, self.train_sampler, self.epoch, self.samples_in_epoch))
         with timer.phase("optimizer"):
             grad_norm = self._optimizer_step(record)
         if self.ctx.device.type == "cuda":

@@ -1,0 +1,220 @@
+"""Dataset plugin ``tokens``: language modelling on prepared token shards (``handle data prepare``), one directory
+or a weighted mixture of several.
+
+Every rank reads the shards by memory map (:class:`torch_handle.data.shards.TokenSplit`): nothing is copied per
+rank, and start-up time and resident memory do not grow with the corpus. The trainer's global sampler gives the
+same samples for the same seed and step at any world size, so a run resumes exactly at any step and world size
+with nothing stored per rank. A mixture is blended over the global sample index
+(:mod:`torch_handle.data.mixture`); the step events carry each source's tokens
+(:mod:`torch_handle.observe.data_mix`).
+
+The pre-flight check (no torch) reads every directory's ``meta.json`` and the sizes of its shards, and reports
+every problem at once: a missing directory, an unreadable or unprepared ``meta.json``, a truncated shard, sources
+prepared with different tokenizers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+from torch_handle.api import DataError, InvalidValue, hookimpl, param
+
+_SOURCE_KEYS = ("path", "weight", "name")
+
+
+@dataclass
+class TokensConfig:
+    """``[data]`` options of ``tokens``: language modelling on directories written by ``handle data prepare``."""
+
+    path: str = ""
+    """A prepared directory (with meta.json) or a directory of parts (part-*-of-N/); or use ``sources``."""
+    sources: list[dict] = field(default_factory=list)
+    """A mixture instead of ``path``: ``[{path = "DIR", weight = 0.7, name = "web"}, ...]``. Weights are per
+    sample, so per token (samples are fixed-length windows), normalised to shares, rounded to 1/10,000; ``name``
+    (default: the directory's name) labels the source in the telemetry. A source shorter than its share wraps
+    around (upsampled; said in the log)."""
+    seq_len: int = param(128, ge=2)
+    """Tokens per language-modelling sample (a packed window across documents)."""
+    document_mask: bool = False
+    """Attend within documents only: each sample also carries ``position_ids`` restarting at every document."""
+    num_workers: int = param(0, ge=0, frozen_on_resume=False)
+    """DataLoader worker processes per rank (0: read in the training process; reads are memory maps)."""
+
+    def check(self) -> Iterator[InvalidValue]:
+        if bool(self.path) == bool(self.sources):
+            yield InvalidValue("path", "give either path (a prepared directory) or sources (a mixture), not "
+                                       f"{'both' if self.path else 'neither'}")
+        names: list[str] = []
+        for i, source in enumerate(self.sources):
+            key = f"sources[{i}]"
+            if not isinstance(source, dict):
+                yield InvalidValue("sources", f"{key}: {source!r} must be a table {{path = \"DIR\", weight = W}}")
+                continue
+            unknown = sorted(set(source) - set(_SOURCE_KEYS))
+            if unknown:
+                yield InvalidValue("sources", f"{key}: unknown key {unknown[0]!r} (valid: {', '.join(_SOURCE_KEYS)})")
+            path = source.get("path")
+            if not isinstance(path, str) or not path:
+                yield InvalidValue("sources", f"{key}.path: {path!r} must be a prepared directory")
+            weight = source.get("weight", 1.0)
+            if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight) \
+                    or weight <= 0:
+                yield InvalidValue("sources", f"{key}.weight: {weight!r} must be a number > 0 (a share of the "
+                                              f"samples)")
+            names.append(str(source.get("name") or Path(str(path or "")).name))
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            yield InvalidValue("sources", f"two sources are named {dup[0]!r}: give each a distinct name = \"...\"")
+
+    def identity(self) -> dict[str, str] | None:
+        """What a resume compares with the checkpoint's record (:mod:`torch_handle.launch.data_identity`)."""
+        return identity(self)
+
+    def source_list(self) -> list[tuple[str, str, float]]:
+        """``(name, path, weight)`` of each source (``path`` alone: one source of weight 1)."""
+        if self.path:
+            return [(Path(self.path).name or "data", self.path, 1.0)]
+        return [(str(s.get("name") or Path(s["path"]).name), s["path"], float(s.get("weight", 1.0)))
+                for s in self.sources]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Pre-flight (no torch): every problem of every source, one line each
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _open(path: str) -> Any:
+    """The prepared directory ``path`` opened (meta.json, shard sizes and document offsets checked)."""
+    from torch_handle.data.shards import open_prepared
+
+    return open_prepared(Path(path).expanduser())
+
+
+def source_problems(options: TokensConfig) -> tuple[list[str], list[Any]]:
+    """``(problems, prepared)``: one line per problem of the sources, and each source's opened directory (None
+    where it has a problem)."""
+    problems: list[str] = []
+    prepared: list[Any] = []
+    for name, path, _ in options.source_list():
+        try:
+            prepared.append(_open(path))
+        except DataError as e:
+            problems.append(f"data.{'path' if options.path else 'sources'}: {e}")
+            prepared.append(None)
+    opened = [(name, p) for (name, _, _), p in zip(options.source_list(), prepared) if p is not None]
+    if opened:
+        first_name, first = opened[0]
+        sha = first.meta["tokenizer"].get("sha256")
+        for name, p in opened[1:]:
+            if p.meta["tokenizer"].get("sha256") != sha:
+                problems.append(f"data.sources: {p.directory} was prepared with another tokenizer than "
+                                f"{first.directory} (every source of a mixture needs the same one: prepare it "
+                                f"again with --tokenizer {first.tokenizer_path})")
+    for (name, path, _), p in zip(options.source_list(), prepared):
+        for split, tokens in ((s, getattr(p, s).n_tokens) for s in ("train", "valid")) if p is not None else ():
+            if tokens < options.seq_len + 1:
+                problems.append(f"{path}: the {split} split has {tokens} tokens, too few for one sample of "
+                                f"data.seq_len = {options.seq_len}")
+    return problems, prepared
+
+
+def preflight(options: TokensConfig) -> None:
+    """Raises:
+        DataError: every problem of :func:`source_problems`, one line each."""
+    problems, _ = source_problems(options)
+    if problems:
+        raise DataError("\n".join(problems))
+
+
+def check_vocabulary(options: TokensConfig, preset: Any) -> Iterator[InvalidValue]:
+    """The prepared vocabulary fits the model: a ``model.init_from`` base's ``vocab_size`` (its config.json) is at
+    least the prepared tokenizer's."""
+    init_from = getattr(preset.model.options, "init_from", None)
+    if not init_from:
+        return
+    import json
+
+    config = Path(init_from) / "config.json"
+    try:
+        theirs = json.loads(config.read_text(encoding="utf-8")).get("vocab_size")
+    except (OSError, ValueError, AttributeError):
+        return  # the model's own pre-flight reports an unreadable base
+    for _, path, _ in options.source_list():
+        try:
+            ours = _open(path).vocab_size
+        except DataError:
+            continue  # the pre-flight reports it
+        if isinstance(theirs, int) and ours > theirs:
+            yield InvalidValue("path" if options.path else "sources",
+                               f"{path}: a vocabulary of {ours} tokens, more than model.init_from's {theirs} "
+                               f"({config}): prepare with the base's tokenizer")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Build (in every rank)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def build(options: TokensConfig, ctx: Any):
+    import logging
+
+    from tokenizers import Tokenizer
+
+    from torch_handle.api import DataBundle
+    from torch_handle.data.datasets import TokenWindows
+    from torch_handle.data.mixture import MixedWindows
+
+    problems, prepared = source_problems(options)
+    if problems:
+        raise DataError("\n".join(problems))
+    sources = options.source_list()
+    first = prepared[0]
+    splits = {}
+    for split in ("train", "valid"):
+        windows = [TokenWindows(getattr(p, split), options.seq_len, document_mask=options.document_mask,
+                                name=f"{path} ({split} split)") for (_, path, _), p in zip(sources, prepared)]
+        splits[split] = windows[0] if not options.sources else \
+            MixedWindows(windows, [w for _, _, w in sources], [n for n, _, _ in sources])
+    if options.sources:
+        mix = splits["train"]
+        for j in mix.blend.upsampled():
+            draws, length = int(mix.blend.draws()[j]), mix.blend.lengths[j]
+            logging.getLogger("torch_handle").warning(
+                "data source %s: its share of the mixture (%d samples an epoch) is more than its %d samples: it "
+                "is upsampled (repeats %.2f times an epoch)", mix.names[j], draws, length, draws / length)
+    tok = Tokenizer.from_file(str(first.tokenizer_path))
+    shares = ", ".join(f"{n} {w / sum(w for *_, w in sources):.0%}" for n, _, w in sources)
+    description = str(options.path) if options.path else f"mixture of {len(sources)} ({shares})"
+    return DataBundle(train=splits["train"], valid=splits["valid"], vocab_size=first.vocab_size,
+                      max_len=options.seq_len, tokenizer_path=first.tokenizer_path, pad_id=tok.token_to_id("<pad>"),
+                      description=description, fingerprint=data_fingerprint(prepared))
+
+
+def data_fingerprint(prepared: list[Any]) -> str:
+    """One hash of every source's :attr:`~torch_handle.data.shards.Prepared.fingerprint` (a single source: its
+    own)."""
+    if len(prepared) == 1:
+        return prepared[0].fingerprint
+    import hashlib
+
+    return hashlib.sha256(",".join(p.fingerprint for p in prepared).encode()).hexdigest()[:16]
+
+
+def identity(options: TokensConfig) -> dict[str, str] | None:
+    """What a resume compares with the checkpoint's record (no torch): ``{"data_fingerprint",
+    "tokenizer_sha256"}``, or None when a source cannot be opened (the pre-flight says why)."""
+    problems, prepared = source_problems(options)
+    if problems:
+        return None
+    from torch_handle.data.shards import file_sha256
+
+    return {"data_fingerprint": data_fingerprint(prepared), "tokenizer_sha256": file_sha256(prepared[0].tokenizer_path)}
+
+
+@hookimpl
+def handle_register_datasets(register):
+    register("tokens", TokensConfig, build, "prepared token shards (handle data prepare), memory-mapped; mixtures",
+             check_vocabulary, preflight=preflight)
