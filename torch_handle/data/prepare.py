@@ -101,6 +101,11 @@ def tokenizer_path(path: str | Path) -> Path:
                     f"`handle export` or a Hugging Face model directory)")
 
 
+def vocab_size_of(tok: Any) -> int:
+    """Rows an embedding needs for ``tok``'s ids: its largest id + 1 (added tokens included)."""
+    return max(max(tok.get_vocab(with_added_tokens=True).values()) + 1, tok.get_vocab_size())
+
+
 def eos_id(tok: Any, path: Path) -> int:
     """The id that ends a document: the ``eos_token`` of a ``tokenizer_config.json`` beside ``path``, else the
     first of ``<eos>``, ``</s>``, ``<|endoftext|>``, ``<|end_of_text|>``, ``<|im_end|>`` in the vocabulary.
@@ -142,9 +147,16 @@ _TOKENIZER = None
 
 
 def _init_worker(tokenizer_json: str) -> None:
+    """Runs first in each encoding process (spawned with ``TOKENIZERS_PARALLELISM=false``: one core per process,
+    the processes are the parallelism)."""
     global _TOKENIZER
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker process: the processes are the parallelism
+    import signal
+
     from tokenizers import Tokenizer
+
+    from torch_handle.common.procs import die_with_parent
+
+    die_with_parent(signal.SIGKILL)  # a killed prepare leaves no encoder behind
 
     _TOKENIZER = Tokenizer.from_str(tokenizer_json)
 
@@ -273,7 +285,7 @@ def prepare(sources: Sequence[str | Source], out: str | Path, *, valid: Sequence
     """
     from tokenizers import Tokenizer
 
-    from torch_handle.launch.cores import usable_cores
+    from torch_handle.common.procs import usable_cores
 
     t0 = time.perf_counter()
     out = Path(out)
@@ -295,7 +307,7 @@ def prepare(sources: Sequence[str | Source], out: str | Path, *, valid: Sequence
         tok_path = tokenizer_path(tokenizer)
         tok = Tokenizer.from_file(str(tok_path))
         eos = eos_id(tok, tok_path)
-        _check_dtype(tok.get_vocab_size(), dtype, tok_path)
+        _check_dtype(vocab_size_of(tok), dtype, tok_path)
     hashes = [s.sha256() for s in [*plan.train, *plan.valid]]
     total = sum(s.bytes for s in [*plan.train, *plan.valid])
     _remove_stale(target)
@@ -306,13 +318,14 @@ def prepare(sources: Sequence[str | Source], out: str | Path, *, valid: Sequence
             train_pieces = (p for split, p, _, _ in _stream(plan, None) if split == "train" and p)
             tok = _train(train_pieces, vocab_size, tokenizer_sample_bytes)
             tok.save(str(tok_path))
-            _check_dtype(tok.get_vocab_size(), dtype, tok_path)
+            _check_dtype(vocab_size_of(tok), dtype, tok_path)
         else:
             shutil.copyfile(tok_path, tmp / TOKENIZER_FILE)
-        vocab = tok.get_vocab_size()
+        vocab = vocab_size_of(tok)
         np_dtype = token_dtype(vocab) if dtype == "auto" else np.dtype(dtype).newbyteorder("<")
         writers = {split: ShardWriter(tmp, split, np_dtype, eos) for split in ("train", "valid")}
         state = Progress(0, total, 0, 0, 0.0)
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # inherited by the spawned encoders
         with ProcessPoolExecutor(workers, mp_context=get_context("spawn"), initializer=_init_worker,
                                  initargs=(tok.to_str(),)) as pool:
             inflight: deque = deque()
