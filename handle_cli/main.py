@@ -193,6 +193,7 @@ def supervise_run(run_dir: Path) -> None:
 from handle_cli.bench_cmd import bench  # noqa: E402
 from handle_cli.bench_comm_cmd import comm  # noqa: E402
 from handle_cli.bench_scaling_cmd import scaling  # noqa: E402
+from handle_cli.data_cmd import data  # noqa: E402
 from handle_cli.env_cmd import env  # noqa: E402
 from handle_cli.estimate_cmd import estimate  # noqa: E402
 from handle_cli.export_cmd import export  # noqa: E402
@@ -212,6 +213,7 @@ cli.add_command(env)
 cli.add_command(bench)
 bench.add_command(comm)
 bench.add_command(scaling)
+cli.add_command(data)
 cli.add_command(estimate)
 cli.add_command(plan)
 cli.add_command(profile)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
-from torch_handle.api import (DataError, InvalidValue, hookimpl, param, pydoc_corpus, read_parallel, read_text,
+from torch_handle.api import (DataError, InvalidValue, hookimpl, param, pydoc_corpus, read_parallel,
                               split_documents, text_files)
 
 
@@ -114,6 +114,16 @@ def _preflight_read(path: Path, budget: _Budget) -> str | None:
 
 def preflight_text(options: TextConfig) -> None:
     """``text``: every file that path (and valid_path) selects exists, is UTF-8, and the corpus is not empty."""
+    from torch_handle.api import not_text_problem, tokenizer_path
+
+    if options.tokenizer:
+        try:
+            tokenizer_path(options.tokenizer)
+        except DataError as e:
+            raise DataError(f"data.tokenizer: {e}") from None
+    files = text_files(options.path) + (text_files(options.valid_path) if options.valid_path else [])
+    if problem := next(filter(None, map(not_text_problem, files)), None):
+        raise DataError(problem)
     budget = _Budget()
     texts = [_preflight_read(f, budget) for f in text_files(options.path)]
     if all(t is not None for t in texts) and not "".join(texts).strip():
@@ -153,43 +163,76 @@ def preflight_parallel(options: ParallelConfig) -> None:
             raise DataError(f"{src_path}: empty corpus")
 
 
-def _lm_bundle(train_docs, valid_docs, options, ctx, name):
-    from torch_handle.api import DataBundle, LMDataset, encode_stream, load_or_train_tokenizer
+_LARGE = 16 << 20
+"""Corpora from this many bytes are encoded by a pool of processes (below, in the rank that prepares)."""
 
-    if not "".join(train_docs).strip():
-        raise DataError(f"{name}: empty corpus")
-    if getattr(options, "tokenizer", ""):  # a base's own tokenizer (fine-tuning): its ids, not the corpus's
-        from tokenizers import Tokenizer
 
-        tok_path = Path(options.tokenizer)
-        tok_path = tok_path if tok_path.is_file() else tok_path / "tokenizer.json"
-        if not tok_path.is_file():  # checked when the data is built: a preset naming a future export still loads
-            raise DataError(f"data.tokenizer: {options.tokenizer}: no such file, nor a directory with a tokenizer.json")
-        tok = Tokenizer.from_file(str(tok_path))
-        if tok.get_vocab_size() > options.vocab_size:
-            raise DataError(f"{tok_path}: {tok.get_vocab_size()} tokens, more than data.vocab_size = "
-                            f"{options.vocab_size}")
-    else:
-        tok, tok_path = load_or_train_tokenizer(train_docs, options.vocab_size, ctx.cache_dir, is_main=ctx.is_main,
-                                                barrier=ctx.barrier)
-    train = LMDataset(encode_stream(tok, train_docs), options.seq_len, f"{name} (train split)")
-    valid = LMDataset(encode_stream(tok, valid_docs), options.seq_len, f"{name} (validation split)")
-    return DataBundle(train=train, valid=valid, vocab_size=tok.get_vocab_size(), max_len=options.seq_len,
-                      tokenizer_path=tok_path, description=name)
+def _cache_key(sources, valid, options) -> str:
+    """What the prepared shards depend on: each source's content hash, the tokenizer (a given file's hash, or
+    the vocabulary to train) and the validation share."""
+    import hashlib
+
+    from torch_handle.api import tokenizer_path
+    from torch_handle.data.shards import VERSION, file_sha256
+
+    tok = getattr(options, "tokenizer", "")
+    parts = [f"v{VERSION}", *(s.sha256() for s in sources), "valid", *(s.sha256() for s in valid),
+             f"tokenizer={file_sha256(tokenizer_path(tok)) if tok else options.vocab_size}",
+             f"valid_fraction={options.valid_fraction if not valid else 0}"]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+
+
+def _progress_logger(name: str):
+    import logging
+    import time
+
+    log, last = logging.getLogger("torch_handle"), [0.0]
+
+    def show(p) -> None:
+        if time.monotonic() - last[0] >= 2.0 or p.bytes >= p.total_bytes:
+            last[0] = time.monotonic()
+            log.info("data %s: preparing, %.1f of %.1f MB read, %s tokens, %.2f MB/s", name, p.bytes / 1e6,
+                     p.total_bytes / 1e6, f"{p.tokens:,}", p.mb_per_s)
+
+    return show
+
+
+def _lm_bundle(sources, valid, options, ctx, name):
+    """Prepare ``sources`` once into ``ctx.cache_dir/tokens-KEY`` (one rank builds while the others wait at the
+    barrier) and read it by memory map: a later start of the same data encodes nothing."""
+    import logging
+
+    from torch_handle.api import DataBundle, TokenWindows, open_prepared, prepare
+
+    out = Path(ctx.cache_dir) / f"tokens-{_cache_key(sources, valid, options)}"
+    if ctx.is_main and not (out / "meta.json").is_file():
+        logging.getLogger("torch_handle").info("data %s: preparing into %s", name, out)
+        size = sum(s.bytes for s in [*sources, *valid])
+        prepare(sources, out, valid=valid, tokenizer=getattr(options, "tokenizer", "") or None,
+                vocab_size=options.vocab_size, valid_fraction=options.valid_fraction, force=True,
+                workers=None if size >= _LARGE else 0, progress=_progress_logger(name))
+    ctx.barrier()
+    data = open_prepared(out)
+    if getattr(options, "tokenizer", "") and data.vocab_size > options.vocab_size:
+        raise DataError(f"{options.tokenizer}: {data.vocab_size} tokens, more than data.vocab_size = "
+                        f"{options.vocab_size}")
+    train = TokenWindows(data.train, options.seq_len, name=f"{name} (train split)")
+    valid_set = TokenWindows(data.valid, options.seq_len, name=f"{name} (validation split)")
+    return DataBundle(train=train, valid=valid_set, vocab_size=data.vocab_size, max_len=options.seq_len,
+                      tokenizer_path=data.tokenizer_path, description=name)
 
 
 def build_pydoc(options: PydocConfig, ctx):
-    train, valid = split_documents(pydoc_corpus(), options.valid_fraction)
-    return _lm_bundle(train, valid, options, ctx, "pydoc_data.topics")
+    from torch_handle.api import memory_source
+
+    return _lm_bundle([memory_source("pydoc_data.topics", pydoc_corpus())], [], options, ctx, "pydoc_data.topics")
 
 
 def build_text(options: TextConfig, ctx):
-    docs = [read_text(f) for f in text_files(options.path)]
-    if options.valid_path:
-        train, valid = docs, [read_text(f) for f in text_files(options.valid_path)]
-    else:
-        train, valid = split_documents(docs, options.valid_fraction)
-    return _lm_bundle(train, valid, options, ctx, options.path)
+    from torch_handle.api import resolve_sources
+
+    valid = resolve_sources([options.valid_path], fmt="text") if options.valid_path else []
+    return _lm_bundle(resolve_sources([options.path], fmt="text"), valid, options, ctx, options.path)
 
 
 def build_parallel(options: ParallelConfig, ctx):

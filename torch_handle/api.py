@@ -27,7 +27,10 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and editors only (name
     from torch_handle.checkpoint.store import safe_load
     from torch_handle.data.corpus import pydoc_corpus, read_parallel, read_text, split_documents, text_files
     from torch_handle.data.datasets import (IGNORE_INDEX, SPECIAL_TOKENS, DataBundle, DataContext, LMDataset, TranslationDataset,
-                                   encode_stream, load_or_train_tokenizer, pad_collate)
+                                   TokenWindows, encode_stream, load_or_train_tokenizer, pad_collate)
+    from torch_handle.data.prepare import prepare, tokenizer_path
+    from torch_handle.data.shards import open_prepared
+    from torch_handle.data.sources import memory_source, not_text_problem, resolve_sources
     from torch_handle.config.loader import deep_merge
     from torch_handle.observe.fields import Kind, Status
     from torch_handle.train.strategy import DistContext, Strategy, lr_lambda, optimizer_state_tensors, tensor_bytes
@@ -50,6 +53,14 @@ _LAZY: dict[str, str] = {
     "pad_collate": "torch_handle.data.datasets",
     "SPECIAL_TOKENS": "torch_handle.data.datasets",
     "IGNORE_INDEX": "torch_handle.data.datasets",
+    "TokenWindows": "torch_handle.data.datasets",
+    # prepared token shards (numpy, tokenizers; no torch)
+    "prepare": "torch_handle.data.prepare",
+    "tokenizer_path": "torch_handle.data.prepare",
+    "open_prepared": "torch_handle.data.shards",
+    "memory_source": "torch_handle.data.sources",
+    "resolve_sources": "torch_handle.data.sources",
+    "not_text_problem": "torch_handle.data.sources",
     # corpora as text (no torch, but kept lazy with the rest of the data names)
     "read_text": "torch_handle.data.corpus",
     "read_parallel": "torch_handle.data.corpus",

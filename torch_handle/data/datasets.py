@@ -79,14 +79,13 @@ def load_or_train_tokenizer(texts: Sequence[str], vocab_size: int, cache_dir: Pa
 
 
 def encode_stream(tokenizer, texts: Sequence[str]) -> torch.Tensor:
-    """Concatenate documents into one stream of token ids, each document ended by ``<eos>``. Shape (N,) int64."""
+    """Concatenate documents into one stream of token ids, each document (a whole text: paragraph breaks stay
+    text) ended by ``<eos>``. Shape (N,) int64. In memory: for corpora of any size see
+    :func:`torch_handle.data.prepare.prepare`."""
     ids: list[int] = []
-    for text in texts:
-        # encode line-blocks in batches: tokenizers parallelises a batch in Rust
-        chunks = [c for c in text.split("\n\n") if c]
-        for enc in tokenizer.encode_batch(chunks):
-            ids.extend(enc.ids)
-            ids.append(EOS_ID)
+    for enc in tokenizer.encode_batch([t for t in texts if t]):  # tokenizers parallelises a batch in Rust
+        ids.extend(enc.ids)
+        ids.append(EOS_ID)
     return torch.tensor(ids, dtype=torch.long)
 
 

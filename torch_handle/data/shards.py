@@ -113,20 +113,25 @@ class ShardWriter:
         self.shards[-1].update(tokens=self._tokens, documents=len(self._ends) - 1)
         self._bin = None
 
-    def add(self, ids: Iterable[int] | np.ndarray) -> None:
-        """Append one document (its ids without ``<eos>``)."""
-        arr = np.asarray(ids, dtype=np.int64)
-        if arr.size and (arr.max() > np.iinfo(self.dtype).max or arr.min() < 0):
+    def add(self, ids: Iterable[int] | np.ndarray, *, end: bool = True) -> None:
+        """Append one document (its ids without ``<eos>``), or with ``end=False`` the first pieces of one (no
+        ``<eos>`` yet; the document ends with the next ``add`` whose ``end`` is true). A shard is closed only at a
+        document's end."""
+        arr = np.asarray(ids)
+        if arr.size and (int(arr.max()) > np.iinfo(self.dtype).max or int(arr.min()) < 0):
             raise DataError(f"token id {int(arr.max())} does not fit {self.dtype.name} (vocabulary too big)")
         if self._bin is None:
             self._open()
-        doc = np.empty(arr.size + 1, dtype=self.dtype)
-        doc[:-1], doc[-1] = arr, self.eos_id
+        doc = np.empty(arr.size + end, dtype=self.dtype)
+        doc[:arr.size] = arr
+        if end:
+            doc[-1] = self.eos_id
         self._bin.write(doc.tobytes())
         self._tokens += doc.size
-        self._ends.append(self._tokens)
-        if self._tokens >= self.shard_tokens:
-            self._finish()
+        if end:
+            self._ends.append(self._tokens)
+            if self._tokens >= self.shard_tokens:
+                self._finish()
 
     def close(self) -> dict[str, Any]:
         """Close the last shard; the split's ``meta.json`` entry ``{"tokens", "documents", "shards"}``."""

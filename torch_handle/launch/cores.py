@@ -13,14 +13,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-
-def usable_cores() -> int:
-    """The CPU cores this process may run on: its affinity mask (``os.sched_getaffinity``, which ``taskset``,
-    cgroup cpusets and Slurm's ``--cpus-per-task`` narrow), else ``os.cpu_count()``; at least 1."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except (AttributeError, OSError):  # macOS and Windows have no affinity call
-        return max(1, os.cpu_count() or 1)
+from torch_handle.common.procs import usable_cores  # noqa: F401 - where the launcher's callers find it
 
 
 def threads_per_rank(nproc: int, cores: int, omp_num_threads: str | None) -> int:

@@ -16,7 +16,6 @@ No torch import here: the CLI stays instant.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import re
 import signal
@@ -29,6 +28,7 @@ from typing import Any
 
 import psutil
 
+from torch_handle.common.procs import die_with_parent  # noqa: F401 - the workers import it from here
 from torch_handle.config.loader import Preset
 from torch_handle.launch.cores import threads_per_rank, usable_cores
 from torch_handle.launch.hang import HangWatchdog, Stall, flight_recorder_env, hang_message, trigger_flight_recorder
@@ -64,18 +64,6 @@ def torchrun_command(preset: Preset, run_dir: Path, python: str = sys.executable
         cmd += ["--rdzv_backend=static", f"--rdzv_endpoint={launch.rdzv_endpoint}", f"--rdzv_id={preset.run.name}"]
     cmd += ["--monitor_interval=0.5", "-m", "torch_handle.train.worker", str(run_dir)]
     return cmd
-
-
-def die_with_parent(sig: int = signal.SIGTERM) -> None:
-    """Linux: have the kernel send ``sig`` to this process when its parent dies, even by SIGKILL
-    (``prctl(PR_SET_PDEATHSIG)``, see prctl(2)); a no-op where libc has no prctl. Safe between fork and exec
-    (``preexec_fn``). A process that calls it after its parent is already gone exits at once."""
-    try:
-        ctypes.CDLL("libc.so.6").prctl(1, sig)  # 1 = PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        return
-    if os.getppid() == 1:  # orphaned before the call: no signal will come
-        os._exit(1)
 
 
 def is_alive(p: psutil.Process) -> bool:

@@ -1,0 +1,142 @@
+"""``handle data``: prepare a corpus into token shards once (``prepare``) and say what a prepared directory holds
+(``info``). Click and the standard library at import; the library (:mod:`torch_handle.data.prepare`) and rich are
+imported when a command runs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from handle_cli.common import fail
+
+
+@click.group()
+def data() -> None:
+    """Prepare corpora into memory-mapped token shards (docs/data.md).
+
+    \b
+    Examples:
+      handle data prepare corpus/*.txt --out data/corpus --vocab-size 8192
+      handle data info data/corpus
+    """
+
+
+def _part(value: str | None) -> tuple[int, int] | None:
+    if value is None:
+        return None
+    try:
+        i, n = (int(x) for x in value.split("/"))
+    except ValueError:
+        fail(f"--part {value}: give I/N, e.g. 0/8 (part I of N, counting from 0)")
+    if not 0 <= i < n:
+        fail(f"--part {value}: I must be in 0..N-1")
+    return i, n
+
+
+@data.command()
+@click.argument("sources", nargs=-1, required=True, metavar="SRC...")
+@click.option("--out", required=True, type=click.Path(path_type=Path), help="Directory to write the shards into.")
+@click.option("--tokenizer", metavar="PATH", help="Encode with this tokenizer.json (or a directory holding one: "
+                                                  "a `handle export`, a Hugging Face model) instead of training one.")
+@click.option("--vocab-size", type=click.IntRange(min=260), default=4096, show_default=True,
+              help="Vocabulary of the byte-level BPE trained when no --tokenizer is given.")
+@click.option("--tokenizer-sample-bytes", type=click.IntRange(min=1), default=64 << 20, show_default=True,
+              help="Train the BPE on the first this many characters of the training documents.")
+@click.option("--format", "fmt", type=click.Choice(["auto", "text", "jsonl", "parquet", "hf"]), default="auto",
+              show_default=True, help="How to read SRC: auto by suffix (.jsonl/.jsonl.gz, .parquet, a "
+                                      "datasets.save_to_disk directory, else plain text).")
+@click.option("--field", default="text", show_default=True, help="JSON Lines: the key holding each document.")
+@click.option("--column", default="text", show_default=True, help="Parquet / hf: the column holding each document.")
+@click.option("--valid-fraction", type=click.FloatRange(0, 1, max_open=True), default=0.05, show_default=True,
+              help="Share of the documents held out for validation (by a hash of source and document number).")
+@click.option("--valid", "valid", multiple=True, metavar="SRC",
+              help="Validation documents of their own (repeatable); then nothing of SRC is held out.")
+@click.option("--workers", type=click.IntRange(min=1), help="Encoding processes [default: the usable cores].")
+@click.option("--part", metavar="I/N", help="Prepare part I of N of the documents (number modulo N) into "
+                                            "OUT/part-IIIII-of-NNNNN; needs --tokenizer.")
+@click.option("--dtype", type=click.Choice(["auto", "uint16", "uint32"]), default="auto", show_default=True,
+              help="Token dtype (auto: uint16 when the vocabulary fits).")
+@click.option("--force", is_flag=True, help="Replace OUT when it is a prepared directory already.")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as one JSON object (no progress bar).")
+def prepare(sources: tuple[str, ...], out: Path, tokenizer: str | None, vocab_size: int, tokenizer_sample_bytes: int,
+            fmt: str, field: str, column: str, valid_fraction: float, valid: tuple[str, ...], workers: int | None,
+            part: str | None, dtype: str, force: bool, as_json: bool) -> None:
+    """Encode SRC (files, directories, globs) into token shards in OUT, once; train on them with
+    [data] name = "tokens", path = "OUT".
+
+    One document is a text file, a JSON Lines line (--field), a Parquet row (--column) or a row of a
+    datasets.save_to_disk directory (hf extra); <eos> ends each. The shards are the same bytes for any --workers;
+    OUT appears only when complete (a killed prepare leaves no OUT).
+
+    \b
+    Examples:
+      handle data prepare notes/ books/*.txt --out data/books --vocab-size 8192
+      handle data prepare web.jsonl.gz --field text --tokenizer exported/llama --out data/web --json
+      handle data prepare shards/*.parquet --column content --tokenizer tok.json --out data/big --part 0/8
+
+    Exit code 2 with one line on stderr, and nothing written, for bad input.
+    """
+    from torch_handle.data.prepare import prepare as run_prepare
+
+    kwargs = dict(valid=valid, tokenizer=tokenizer, vocab_size=vocab_size,
+                  tokenizer_sample_bytes=tokenizer_sample_bytes, valid_fraction=valid_fraction, workers=workers,
+                  part=_part(part), force=force, dtype=dtype, fmt=fmt, field=field, column=column)
+    if as_json:
+        click.echo(json.dumps(run_prepare(list(sources), out, **kwargs)))
+        return
+    from rich.progress import (BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn,
+                               TimeRemainingColumn)
+
+    with Progress(TextColumn("preparing"), BarColumn(), TaskProgressColumn(), TextColumn("{task.fields[what]}"),
+                  TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), transient=True) as bar:
+        task = bar.add_task("prepare", total=None, what="reading")
+
+        def show(p) -> None:
+            bar.update(task, total=p.total_bytes, completed=p.bytes,
+                       what=f"{p.documents:,} docs, {p.tokens:,} tokens, {p.mb_per_s:.1f} MB/s")
+
+        result = run_prepare(list(sources), out, progress=show, **kwargs)
+    s = result["splits"]
+    click.echo(f"prepared {result['directory']}: train {s['train']['tokens']:,} tokens in "
+               f"{s['train']['documents']:,} documents, valid {s['valid']['tokens']:,} tokens in "
+               f"{s['valid']['documents']:,} ({result['valid_method']}); {result['dtype']}, vocabulary "
+               f"{result['vocab_size']:,}; {result['bytes'] / 1e6:.1f} MB in {result['seconds']:.1f} s "
+               f"({result['mb_per_s']:.2f} MB/s, {result['workers']} workers)")
+
+
+@data.command()
+@click.argument("directory", type=click.Path(path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Print meta.json's content (of each part) as JSON.")
+def info(directory: Path, as_json: bool) -> None:
+    """What the prepared DIRECTORY holds: splits, tokens, documents, sources, tokenizer.
+
+    \b
+    Examples:
+      handle data info data/books
+      handle data info data/big --json
+    """
+    from torch_handle.data.shards import prepared_parts
+
+    metas = prepared_parts(directory)
+    if as_json:
+        click.echo(json.dumps({"directory": str(directory), "parts": [{"directory": str(d), **m} for d, m in metas]}))
+        return
+    first = metas[0][1]
+    tok = first["tokenizer"]
+    origin = tok.get("given") or f"trained (vocab_size {tok.get('trained', {}).get('vocab_size')})"
+    click.echo(f"{directory}: {len(metas)} part(s), {first['dtype']}, tokenizer {origin}, vocabulary "
+               f"{tok['vocab_size']:,}, eos id {tok.get('eos_id')}, sha256 {tok.get('sha256', '')[:12]}")
+    for split in ("train", "valid"):
+        tokens = sum(m["splits"].get(split, {}).get("tokens", 0) for _, m in metas)
+        docs = sum(m["splits"].get(split, {}).get("documents", 0) for _, m in metas)
+        click.echo(f"  {split}: {tokens:,} tokens, {docs:,} documents")
+    valid = first.get("valid", {})
+    click.echo(f"  validation: {valid.get('method')} (fraction {valid.get('fraction')})")
+    sources = first.get("sources", [])
+    for s in sources[:10]:
+        click.echo(f"  source {s['path']} ({s['format']}, {s['bytes']:,} bytes, {s['documents']:,} documents, "
+                   f"{s['split']})")
+    if len(sources) > 10:
+        click.echo(f"  ... {len(sources) - 10} more sources (--json lists them)")

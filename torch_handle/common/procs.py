@@ -1,0 +1,29 @@
+"""Process helpers the launcher and the data preparation share: the usable cores, a child that dies with its
+parent. Standard library only."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+
+
+def usable_cores() -> int:
+    """The CPU cores this process may run on: its affinity mask (``os.sched_getaffinity``, which ``taskset``,
+    cgroup cpusets and Slurm's ``--cpus-per-task`` narrow), else ``os.cpu_count()``; at least 1."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # macOS and Windows have no affinity call
+        return max(1, os.cpu_count() or 1)
+
+
+def die_with_parent(sig: int = signal.SIGTERM) -> None:
+    """Linux: have the kernel send ``sig`` to this process when its parent dies, even by SIGKILL
+    (``prctl(PR_SET_PDEATHSIG)``, see prctl(2)); a no-op where libc has no prctl. Safe between fork and exec
+    (``preexec_fn``). A process that calls it after its parent is already gone exits at once."""
+    try:
+        ctypes.CDLL("libc.so.6").prctl(1, sig)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() == 1:  # orphaned before the call: no signal will come
+        os._exit(1)
