@@ -105,7 +105,7 @@ def _pipeline_step(rank: int) -> None:
     from torch_handle.train.phases import PhaseTimer
     from torch_handle.train.pipeline_parallel import PipelineParallel
     from torch_handle.train.strategy import DistContext
-    from torch_handle.train.tensor_parallel import attach_layout
+    from torch_handle.parallel.mesh import attach_layout
 
     ids, positions, _ = packed_documents(4, T + 1)
     batch = {"input_ids": ids[:, :-1], "position_ids": positions[:, :-1], "labels": ids[:, 1:]}

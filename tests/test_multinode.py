@@ -195,8 +195,8 @@ def test_separate_run_directories_a_killed_worker_restarts_both_nodes_and_resume
         assert (d / "tokenizer.json").exists()
     assert list(dirs[1].glob(f"checkpoints/step-{STEPS}/ds/zero_pp_rank_1_*"))
     assert not list(dirs[0].glob(f"checkpoints/step-{STEPS}/ds/zero_pp_rank_1_*"))
-    for n in (0, 1):  # the tokenizer was built on each node, in its own cache
-        assert list((tmp_path / f"node{n}" / "runs" / ".cache").glob("tokenizer-*.json"))
+    for n in (0, 1):  # the data was prepared (tokenizer and shards) on each node, in its own cache
+        assert list((tmp_path / f"node{n}" / "runs" / ".cache").glob("tokens-*/meta.json"))
 
 
 @pytest.mark.parametrize("node, sig", [(1, signal.SIGTERM), (0, signal.SIGINT)], ids=["node1-sigterm", "node0-sigint"])
