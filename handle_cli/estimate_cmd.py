@@ -133,6 +133,22 @@ def finetune_line(row, preset) -> str:
             f"gradient, no optimizer state; sharded as the strategy shards parameters){flops}")
 
 
+def qlora_line(rows: list) -> str:
+    """A QLoRA preset's NF4 base per rank and the rows ``handle run`` refuses, from its estimates."""
+    sizes = sorted({r.nf4_bytes for r in rows})
+    how = {"whole": "whole on every rank: the NF4 weights are buffers, which no strategy shards yet",
+           "stage": "each pipeline rank its own stages' layers", "sharded": "cut on dim 0 under fsdp, "
+           "scratch-fsdp and ZeRO-3 as a sharded NF4 parameter would be (not run yet)"}
+    layouts = "; ".join(how[x] for x in sorted({r.nf4_layout for r in rows}))
+    refused = sorted({r.strategy for r in rows if not r.finetune_runs})
+    text = f"NF4 base: {' to '.join(fmt_bytes(x, precise=True) for x in sizes[::max(1, len(sizes) - 1)])} per " \
+           f"rank ({layouts}), part of frozen"
+    if refused:
+        text += (f"; handle run refuses QLoRA under {', '.join(refused)} so far (docs/qlora.md): those rows price "
+                 f"what it would hold")
+    return text
+
+
 def moe_line(row) -> str:
     """What the experts add, from an :class:`~torch_handle.plan.estimate.Estimate` of a model with experts."""
     m = row.moe
@@ -269,6 +285,9 @@ def estimate(preset: str, overrides: tuple[str, ...], nproc: str, nnodes: int | 
     if rows[0].finetune is not None:
         for line in textwrap.wrap(finetune_line(rows[0], loaded), 110, subsequent_indent="  "):
             click.echo(line)
+        if rows[0].nf4_bytes is not None:
+            for line in textwrap.wrap(qlora_line(rows), 110, subsequent_indent="  "):
+                click.echo(line)
     if tp > 1 or pp > 1:  # the line every view shows (handle validate, handle runs, the dashboard)
         click.echo(f"layout: {RunLayout.from_preset(loaded).label()} at the preset's world size "
                    f"{loaded.world_size}; each row's rank is a global rank, (pp_rank x dp + dp_rank) x tp + tp_rank")

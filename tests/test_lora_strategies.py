@@ -197,8 +197,9 @@ def test_a_split_run_exports_the_one_process_files(lora_runs, name, tmp_path):
 def test_the_estimate_is_the_telemetry_to_the_byte(lora_runs):
     """``handle estimate`` of each run's own preset.toml: rank 0's trainable and frozen parameter bytes, gradients
     and optimizer state equal its memory telemetry exactly (DDP: the base whole; FSDP2 and ZeRO-3: the base
-    sharded like any parameter; ZeRO-2: the base whole beside the flat adapters; tp 2: base and adapters split by
-    the plan), and its FLOPs per token are
+    sharded like any parameter; ZeRO-2: the base whole beside the flat adapters; scratch-fsdp: each rank's rows of
+    every frozen tensor; tp 2: base and adapters split by the plan; pp 2: each stage's own layers, the tied
+    embedding on both ends), and its FLOPs per token are
     what the run's tflops counts (LoRA's: 4 per frozen matmul weight)."""
     from torch_handle.config.loader import load_preset
     from torch_handle.plan.estimate import estimate_preset
@@ -206,12 +207,14 @@ def test_the_estimate_is_the_telemetry_to_the_byte(lora_runs):
 
     registry = get_registry()
     keys = ("trainable_param_bytes", "frozen_param_bytes", "grad_bytes", "optimizer_bytes")
-    for name in ("ddp", "fsdp", "zero2", "zero3", "tp-scratch", "tp-native"):
+    for name in ("ddp", "fsdp", "zero2", "zero3", "scratch-fsdp", "tp-scratch", "tp-native", "pp"):
         run = lora_runs[name]
         step = [e for e in events(run, "step") if "memory" in e][-1]
-        (row,) = estimate_preset(load_preset(run / "preset.toml", [], registry), registry, [2], rank=0)
-        estimated = {k: row.as_dict()[k] for k in keys}
-        assert estimated == {k: step["memory"][0][k] for k in keys}, name
-        assert 0 < estimated["trainable_param_bytes"] < estimated["frozen_param_bytes"] / 5, name
-        assert row.finetune["flops_per_token"] == pytest.approx(step["tflops"] * 1e12 / step["tokens_per_s"],
-                                                                rel=1e-9), name
+        rows = estimate_preset(load_preset(run / "preset.toml", [], registry), registry, [2], rank=0)
+        assert len(rows) == (2 if name == "pp" else 1), name  # pp: one row per stage
+        for row in rows:
+            estimated = {k: row.as_dict()[k] for k in keys}
+            assert estimated == {k: step["memory"][row.rank][k] for k in keys}, (name, row.rank)
+            assert 0 < estimated["trainable_param_bytes"] < estimated["frozen_param_bytes"] / 5, name
+            assert row.finetune["flops_per_token"] == pytest.approx(step["tflops"] * 1e12 / step["tokens_per_s"],
+                                                                    rel=1e-9), name

@@ -36,7 +36,7 @@ from torch_handle.plan.estimate_layout import estimate_layout, with_layout
 from torch_handle.plan.estimate_model import model_shape
 from torch_handle.plan.estimate_moe import MoEShape, expert_param_bytes, moe_step, preset_moe, rank_state_bytes
 from torch_handle.plan.model_states import (BUILTIN, COMPARE_VARIANTS, MEASURED, States, Variant, model_state_bytes,
-                                            preset_variant)
+                                            preset_variant, shards_parameters)
 
 if TYPE_CHECKING:
     from torch_handle.config.schema import Preset
@@ -108,6 +108,16 @@ class Estimate:
     """A fine-tuning preset's (``[finetune]`` LoRA or QLoRA) frozen base on this rank, part of ``param_bytes``;
     ``as_dict`` puts ``trainable_param_bytes`` and it after ``param_bytes``, as the memory telemetry names them.
     None (and absent from ``as_dict``) for a full training run."""
+    nf4_bytes: int | None = None
+    """A QLoRA preset's NF4 weights on this rank (codes, absmax codes, scales, means), part of
+    ``frozen_param_bytes``; None otherwise."""
+    nf4_layout: str | None = None
+    """How ``nf4_bytes`` was priced: ``"whole"`` (every rank holds the whole NF4 base: what a run holds today),
+    ``"stage"`` (a pipeline stage's own layers), ``"sharded"`` (``estimate_preset(nf4_sharded=True)``: cut on
+    dim 0 by whole blocks as a sharded NF4 parameter would be, not run yet)."""
+    finetune_runs: bool | None = None
+    """Whether ``handle run`` runs the preset's ``[finetune]`` method under this row's strategy and layout today
+    (QLoRA: single and ddp without tp or pp); rows it refuses are priced as it would hold them."""
     finetune: dict[str, Any] | None = None
     """A fine-tuning preset's ``finetune_method``, ``trainable_params``, ``frozen_params`` (parameters; QLoRA's
     NF4 weights are buffers, counted by neither, as the run's ``model_params`` leaves them out) and
@@ -136,7 +146,8 @@ class Estimate:
             elif f.name == "moe":
                 if value is not None:
                     out.update({k: v for k, v in value.as_dict().items() if k not in ("d_model", "params")})
-            elif (self.moe is None and f.name in _MOE_FIELDS) or f.name == "frozen_param_bytes":
+            elif (self.moe is None and f.name in _MOE_FIELDS) or f.name == "frozen_param_bytes" or (
+                    f.name in _FINETUNE_FIELDS and value is None):
                 continue
             elif f.name == "finetune":
                 out.update(value or {})
@@ -151,6 +162,7 @@ class Estimate:
 
 
 _MOE_FIELDS = ("ep", "expert_param_bytes", "all_to_all_bytes", "token_buffer_bytes")
+_FINETUNE_FIELDS = ("nf4_bytes", "nf4_layout", "finetune_runs")
 
 
 def supports_tensor_parallel(registry: PluginRegistry, strategy: str) -> bool:
@@ -162,7 +174,7 @@ def supports_tensor_parallel(registry: PluginRegistry, strategy: str) -> bool:
 
 def estimate_preset(preset: Preset, registry: PluginRegistry, world_sizes: Sequence[int],
                     variants: Sequence[Variant] | None = None, device_memory: int | None = None,
-                    rank: int | None = None) -> list[Estimate]:
+                    rank: int | None = None, nf4_sharded: bool = False) -> list[Estimate]:
     """Estimates for every variant (default: the preset's strategy) at every world size, ordered by variant then
     world size, for the preset's ``[parallel]`` layout: with tp > 1, world sizes that tp does not divide are
     left out, and each row is one TP rank's, its strategy's formula applied to the TP shard over dp = world_size /
@@ -171,7 +183,10 @@ def estimate_preset(preset: Preset, registry: PluginRegistry, world_sizes: Seque
     (:func:`~torch_handle.plan.estimate_moe.rank_state_bytes`). A ``[finetune]`` preset (LoRA, QLoRA) is sized as
     its run builds the model: gradients and optimizer state for the adapters alone, the frozen base at its storage
     bytes under the strategy's sharding (``frozen_param_bytes``: :func:`~torch_handle.plan.model_states.
-    frozen_param_bytes`); variants its run refuses (QLoRA: all but single and ddp; LoRA: scratch-fsdp) are left out.
+    frozen_param_bytes`), QLoRA's NF4 weights apart (``nf4_bytes``: whole on every rank, as the run holds them,
+    or with ``nf4_sharded`` cut on dim 0 under the strategies that shard parameters: what a sharded NF4 base would
+    hold, ``nf4_layout`` says which). Variants the run refuses (QLoRA under all but single and ddp) are priced
+    as the model would be held, with ``finetune_runs`` False.
 
     ``rank``: the (global) rank to report (default: the one with the largest device total; ranks differ by a
     partition boundary at most; the TP ranks of a replica hold the same).
@@ -183,7 +198,7 @@ def estimate_preset(preset: Preset, registry: PluginRegistry, world_sizes: Seque
     """
     if not world_sizes:
         raise ValueError("no world sizes to estimate")
-    variants = [v for v in variants if _finetune_runs_under(preset, v)] if variants else [preset_variant(preset)]
+    variants = list(variants) if variants else [preset_variant(preset)]
     tp = preset.parallel.tp
     for v in variants:
         if v.strategy not in BUILTIN:
@@ -212,7 +227,7 @@ def estimate_preset(preset: Preset, registry: PluginRegistry, world_sizes: Seque
             ranks = [rank] if rank is not None else range(0, world, tp)
             best: tuple[int, int, States] | None = None
             for r in ranks:
-                s = rank_state_bytes(shape, v, precision, dp, r // tp, ep)
+                s = rank_state_bytes(shape, v, precision, dp, r // tp, ep, nf4_sharded)
                 device = s.param + s.grad + s.optimizer - s.host + act.total
                 if best is None or device > best[0]:
                     best = (device, r, s)
@@ -225,7 +240,7 @@ def estimate_preset(preset: Preset, registry: PluginRegistry, world_sizes: Seque
                                  {k: val for k, val in asdict(v).items() if k not in ("label",)}, tp,
                                  shape.n_params if tp > 1 else None, preset.parallel.sequence_parallel))
             if finetune is not None:
-                rows[-1].frozen_param_bytes, rows[-1].finetune = s.frozen_param, finetune
+                _set_finetune(rows[-1], preset, v, s, finetune, nf4_sharded)
             if moe is not None:
                 rows[-1].ep, rows[-1].moe = ep, moe
                 rows[-1].expert_param_bytes = expert_param_bytes(shape, v, precision, dp, r // tp, ep)
@@ -249,11 +264,22 @@ def _finetune_info(preset: Preset, registry: PluginRegistry, whole: Any) -> dict
 
 
 def _finetune_runs_under(preset: Preset, variant: Variant) -> bool:
-    """Whether the preset's ``[finetune]`` method runs under the variant's strategy (config/layout.py's rule)."""
-    method = preset.finetune.method
-    if method == "qlora":
-        return variant.strategy in ("single", "ddp")
-    return method == "none" or variant.strategy != "scratch-fsdp"
+    """Whether the preset's ``[finetune]`` method runs under the variant's strategy and the preset's tp and pp
+    (config/layout.py's rule: QLoRA under single and ddp without tp or pp; LoRA everywhere)."""
+    if preset.finetune.method != "qlora":
+        return True
+    return variant.strategy in ("single", "ddp") and preset.parallel.tp == 1 and preset.parallel.pp == 1
+
+
+def _set_finetune(row: Estimate, preset: Preset, variant: Variant, s: States, finetune: dict[str, Any],
+                  nf4_sharded: bool) -> None:
+    """The fine-tuning fields of ``row`` from its model states ``s``."""
+    row.frozen_param_bytes, row.finetune = s.frozen_param, finetune
+    row.finetune_runs = _finetune_runs_under(preset, variant)
+    if preset.finetune.method == "qlora":
+        row.nf4_bytes = s.nf4
+        row.nf4_layout = "stage" if preset.parallel.pp > 1 else "sharded" if (
+            nf4_sharded and shards_parameters(variant)) else "whole"
 
 
 def supports_pipeline_parallel(registry: PluginRegistry, strategy: str) -> bool:
@@ -272,6 +298,7 @@ def _pipeline_rows(preset: Preset, registry: PluginRegistry, world_sizes: Sequen
     for v in variants:
         if not supports_pipeline_parallel(registry, v.strategy):
             raise ValueError(f"strategy {v.strategy!r} does not run with parallel.pp = {par.pp}")
+    finetune = _finetune_info(preset, registry, model_shape(preset, registry, tp=1))
     rows = []
     for v in variants:
         for world in world_sizes:
@@ -293,6 +320,9 @@ def _pipeline_rows(preset: Preset, registry: PluginRegistry, world_sizes: Sequen
                     est.tp_shard_params if par.tp > 1 else None, par.sequence_parallel, par.pp, r.pp_rank,
                     list(r.stages), est.microbatches, list(r.microbatch_saved_bytes), list(r.in_flight),
                     r.pp_rank == largest.pp_rank))
+                if finetune is not None:
+                    _set_finetune(rows[-1], preset, v, States(frozen_param=r.frozen_params_bytes, nf4=r.nf4_bytes),
+                                  finetune, False)
     return rows
 
 

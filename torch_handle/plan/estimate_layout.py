@@ -82,6 +82,10 @@ class RankMemory:
     them, so the memory telemetry's ``activation_saved_bytes`` counts them; the strategy frees them after the
     forward and gathers them again for the backward, so ``activations_bytes`` leaves them out (0 for strategies
     that keep whole parameters: there they are model state)."""
+    frozen_params_bytes: int = 0
+    """A fine-tuning run's frozen base on this rank (QLoRA's NF4 weights included), part of ``params_bytes``."""
+    nf4_bytes: int = 0
+    """QLoRA's NF4 weights of this rank's stages, part of ``frozen_params_bytes``."""
 
     @property
     def total_bytes(self) -> int:
@@ -170,6 +174,12 @@ class _Params:
     balances, as :func:`torch_handle.plan.estimate_pipeline._ranges` counts them."""
     experts: tuple[tuple[bool, ...], ...] = ()
     """Beside ``parts``: whether each entry holds routed experts (empty for a model without experts)."""
+    frozen: tuple[tuple[tuple[int, int], ...], ...] = ()
+    """A fine-tuning model's frozen parameters by part, as ``parts`` (empty without ``[finetune]``)."""
+    frozen_tied: frozenset[int] = frozenset()
+    """Positions in the head part of ``frozen`` of the embedding's tied (frozen) matrix."""
+    nf4: tuple[tuple[tuple[int, int, int], ...], ...] = ()
+    """QLoRA's NF4 weights by part: ``(numel, dim0, stored bytes)`` each (empty without QLoRA)."""
 
     def shape(self, parts: set[int]) -> ModelShape:
         """The parameters of ``parts`` (a pipeline rank's shard, in the order it registers them): a tied embedding
@@ -182,13 +192,18 @@ class _Params:
         keep = [(i, j) for i in sorted(parts) for j in range(len(self.parts[i]))
                 if not (i == head and j in self.tied and 0 in parts)]
         chosen = [self.parts[i][j] for i, j in keep]
+        frozen = [x for i in sorted(parts) for j, x in enumerate(self.frozen[i] if self.frozen else ())
+                  if not (i == head and j in self.frozen_tied and 0 in parts)]
+        nf4 = [x for i in sorted(parts) for x in (self.nf4[i] if self.nf4 else ())]
         return ModelShape(tuple(n for n, _ in chosen), tuple(d for _, d in chosen),
-                          tuple(self.experts[i][j] for i, j in keep) if self.experts else ())
+                          tuple(self.experts[i][j] for i, j in keep) if self.experts else (),
+                          tuple(n for n, _ in frozen), tuple(d for _, d in frozen), sum(b for *_, b in nf4),
+                          tuple(n for n, _, _ in nf4), tuple(d for _, d, _ in nf4))
 
 
 def _build_key(build: ModelBuild) -> tuple:
     return (build.factory, repr(build.options), build.vocab_size, build.pad_id, build.max_len, build.kind, build.tp,
-            build.sequence_parallel)
+            build.sequence_parallel, build.finetune)
 
 
 _BUILDS: dict[tuple, ModelBuild] = {}
@@ -204,6 +219,7 @@ def _cached_build(build: ModelBuild) -> tuple:
 def _params(key: tuple) -> _Params:
     import torch
 
+    from torch_handle.finetune.nf4 import NF4Linear
     from torch_handle.model.moe import GroupedExperts
     from torch_handle.plan.estimate_model import build_model
 
@@ -214,27 +230,38 @@ def _params(key: tuple) -> _Params:
     if layers is None or not hasattr(model, "lm_head"):
         return _Params((), whole)
     n = len(layers)
+
+    def part_of(name: str) -> int:
+        head = name.split(".")[0]
+        return int(name.split(".")[1]) + 1 if head == "layers" else n + 1 if head in ("final_norm", "lm_head") else 0
+
     parts: list[list[tuple[int, int]]] = [[] for _ in range(n + 2)]
+    frozen: list[list[tuple[int, int]]] = [[] for _ in range(n + 2)]
     flags: list[list[bool]] = [[] for _ in range(n + 2)]
     routed = {id(p) for m in model.modules() if isinstance(m, GroupedExperts) for p in m.parameters()}
     seen: set[int] = set()
-    tied = set()
+    tied, frozen_tied = set(), set()
     for name, p in model.named_parameters(remove_duplicate=False):
-        if not p.requires_grad:
-            continue
-        head = name.split(".")[0]
-        part = int(name.split(".")[1]) + 1 if head == "layers" else n + 1 if head in ("final_norm", "lm_head") else 0
+        part, into = part_of(name), parts if p.requires_grad else frozen
         if id(p) in seen:
             if part != n + 1:
                 continue
-            tied.add(len(parts[part]))
+            (tied if p.requires_grad else frozen_tied).add(len(into[part]))
         seen.add(id(p))
-        parts[part].append((p.numel(), p.shape[0] if p.dim() else 1))
-        flags[part].append(id(p) in routed)
+        into[part].append((p.numel(), p.shape[0] if p.dim() else 1))
+        if p.requires_grad:
+            flags[part].append(id(p) in routed)
+    nf4: list[list[tuple[int, int, int]]] = [[] for _ in range(n + 2)]
+    for name, m in model.named_modules():
+        if isinstance(m, NF4Linear):
+            stored = sum(t.numel() * t.element_size() for t in m.buffers(recurse=False))
+            nf4[part_of(name)].append((m.in_features * m.out_features, m.out_features, stored))
     head = 0 if model.args.tie_embeddings else model.lm_head.weight.numel()
     counts = (sum(p.numel() for p in layers[0].parameters()), model.embed.weight.numel(), head)
     return _Params(tuple(tuple(x) for x in parts), whole, frozenset(tied), counts,
-                   tuple(tuple(x) for x in flags) if routed else ())
+                   tuple(tuple(x) for x in flags) if routed else (),
+                   tuple(tuple(x) for x in frozen) if any(frozen) else (), frozenset(frozen_tied),
+                   tuple(tuple(x) for x in nf4) if any(nf4) else ())
 
 
 @dataclass(frozen=True)
@@ -419,7 +446,8 @@ def estimate_layout(preset: Preset, registry: PluginRegistry, *, every_rank: boo
                 rows.append(RankMemory(
                     layout.rank(pp_rank, dp_rank, tp_rank), pp_rank, dp_rank, tp_rank, stages, s.param, s.grad,
                     s.optimizer, act, s.host, shape.n_params, tuple(saved[x] for x in stages),
-                    tuple(peaks[pp_rank][1]), act_saved, logits, acts.whole.recompute, loss, gathered))
+                    tuple(peaks[pp_rank][1]), act_saved, logits, acts.whole.recompute, loss, gathered,
+                    s.frozen_param, s.nf4))
     rows.sort(key=lambda r: r.rank)
     return LayoutEstimate(preset.world_size, dp, tp, pp, par.pp_schedule if pp > 1 else None, m, checkpointing,
                           variant.label, rows, t.precision, whole_params.whole.n_params, v, batch,

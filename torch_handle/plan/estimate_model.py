@@ -46,6 +46,10 @@ class ModelShape:
     frozen_dim0: tuple[int, ...] = ()
     stored_bytes: int = 0
     """Bytes of the quantised base's buffers (QLoRA's NF4 weights: no parameters, so whole on every rank)."""
+    nf4_numels: tuple[int, ...] = ()
+    """Elements of each NF4-stored weight (QLoRA), registration order."""
+    nf4_dim0: tuple[int, ...] = ()
+    """Each NF4-stored weight's out_features (its dim 0, which a sharded NF4 base would be cut on)."""
 
     @property
     def frozen(self) -> ModelShape:
@@ -64,15 +68,18 @@ class ModelShape:
     def of(cls, model: torch.nn.Module) -> ModelShape:
         from torch_handle.model.moe import GroupedExperts
 
-        from torch_handle.finetune.nf4 import nf4_buffers
+        from torch_handle.finetune.nf4 import NF4Linear, nf4_buffers
 
+        nf4 = [m for m in model.modules() if isinstance(m, NF4Linear)]
         params = [p for p in model.parameters() if p.requires_grad]
         frozen = [p for p in model.parameters() if not p.requires_grad]
         routed = {id(p) for m in model.modules() if isinstance(m, GroupedExperts) for p in m.parameters()}
         return cls(tuple(p.numel() for p in params), _dim0(params),
                    experts=tuple(id(p) in routed for p in params) if routed else (),
                    frozen_numels=tuple(p.numel() for p in frozen), frozen_dim0=_dim0(frozen),
-                   stored_bytes=sum(t.numel() * t.element_size() for t in nf4_buffers(model)))
+                   stored_bytes=sum(t.numel() * t.element_size() for t in nf4_buffers(model)),
+                   nf4_numels=tuple(m.in_features * m.out_features for m in nf4),
+                   nf4_dim0=tuple(m.out_features for m in nf4))
 
 
 def _dim0(params: list[torch.Tensor]) -> tuple[int, ...]:

@@ -19,7 +19,8 @@ if TYPE_CHECKING:
     from torch_handle.config.schema import Preset
 
 __all__ = ["BUILTIN", "COMPARE_VARIANTS", "MEASURED", "States", "Variant", "frozen_param_bytes",
-           "model_state_bytes", "preset_variant", "trainable_state_bytes"]
+           "model_state_bytes", "nf4_rank_bytes", "nf4_stored_bytes", "preset_variant", "shards_parameters",
+           "trainable_state_bytes"]
 
 # ---------------------------------------------------------------------------------------------------------------
 # What is estimated
@@ -95,6 +96,9 @@ class States:
     optimizer: int = 0
     frozen_param: int = 0
     """A fine-tuning run's frozen base (parameters and QLoRA's NF4 buffers), part of ``param``."""
+    nf4: int = 0
+    """QLoRA's NF4 weights (packed codes, block absmax codes, second-level scales, means), part of
+    ``frozen_param``."""
     host_param: int = 0
     host_grad: int = 0
     host_optimizer: int = 0
@@ -163,55 +167,100 @@ def _greedy_owned(shape: ModelShape, world: int, rank: int) -> tuple[int, int]:
     return mine[0], mine[1]
 
 
-def model_state_bytes(shape: ModelShape, variant: Variant, precision: str, world: int, rank: int = 0) -> States:
+def model_state_bytes(shape: ModelShape, variant: Variant, precision: str, world: int, rank: int = 0,
+                      nf4_sharded: bool = False) -> States:
     """:func:`trainable_state_bytes` of ``shape``'s trainable parameters plus its frozen base
     (:func:`frozen_param_bytes`), which adds to ``param`` (and ``frozen_param``) alone: a frozen parameter has no
     gradient and no optimizer state under any strategy (Hu et al. 2021, §4.2).
 
     Raises:
-        ValueError: as :func:`trainable_state_bytes`; a frozen base under scratch-fsdp (which LoRA does not run).
+        ValueError: as :func:`trainable_state_bytes`.
     """
     s = trainable_state_bytes(shape, variant, precision, world, rank)
     if shape.frozen_numels or shape.stored_bytes:
-        device, host = frozen_param_bytes(shape, variant, precision, world)
-        s.frozen_param = device + host
+        device, host = frozen_param_bytes(shape, variant, precision, world, rank)
+        s.nf4 = nf4_rank_bytes(shape, variant, world, rank, nf4_sharded)
+        s.frozen_param = device + host + s.nf4
         s.param += s.frozen_param
         s.host_param += host
     return s
 
 
-def frozen_param_bytes(shape: ModelShape, variant: Variant, precision: str, world: int) -> tuple[int, int]:
-    """(device, host) bytes of the frozen base one rank holds: its frozen parameters in the dtype and sharding the
-    strategy gives every parameter, plus the quantised base's buffers (``shape.stored_bytes``: QLoRA's NF4
-    weights are buffers, which no strategy shards) whole. F = frozen parameters, b as in
+def frozen_param_bytes(shape: ModelShape, variant: Variant, precision: str, world: int, rank: int = 0
+                       ) -> tuple[int, int]:
+    """(device, host) bytes of the frozen parameters one rank holds, in the dtype and sharding the strategy gives
+    every parameter (QLoRA's NF4 weights, buffers: :func:`nf4_rank_bytes`). F = frozen parameters, b as in
     :func:`trainable_state_bytes`.
 
     * single, ddp, scratch-ddp, deepspeed stage 0 in fp32: the fp32 model, whole: 4F.
     * fsdp (FSDP2 shards every parameter of a ``fully_shard`` unit, frozen or not): 4 x its padded dim-0 chunk.
+    * scratch-fsdp: every frozen parameter's own dim-0 rows in its dtype (fp32 here: 4 x the elements this rank
+      owns; no master copy, it is never stepped); at stage 2 also every full padded weight in the compute dtype,
+      as for the trainable ones (b x padded chunk x W).
     * deepspeed: the engine casts every parameter to the model dtype; stages 0-2 partition only what the optimizer
       holds, so the base stays whole, bF; stage 3 partitions every module parameter (``ds_tensor``), b x
       ceil(n / W) each, on the host with ``offload_param``.
 
-    Measured equal to the byte against the telemetry of 2-rank fp32 LoRA runs (ddp, fsdp, ZeRO-2, ZeRO-3) and of
-    a QLoRA run (tests/test_lora_strategies.py, tests/unit/test_lora_run.py); bf16 under DeepSpeed follows its
-    cast, not measured.
+    Measured equal to the byte against the telemetry of 2-rank fp32 LoRA runs (ddp, fsdp, ZeRO-2, ZeRO-3,
+    scratch-fsdp, pp 2) and of a QLoRA run (tests/test_lora_strategies.py, tests/unit/test_lora_run.py); bf16
+    under DeepSpeed follows its cast, not measured.
 
     Raises:
-        ValueError: scratch-fsdp (it shards each unit flat, base and adapters together: LoRA refuses it).
+        ValueError: a strategy that is not built in.
     """
     frozen, b, name = shape.frozen, _model_dtype_bytes(precision), variant.strategy
     if name in ("single", "ddp", "scratch-ddp"):
-        return 4 * frozen.n_params + shape.stored_bytes, 0
+        return 4 * frozen.n_params, 0
     if name == "fsdp":
-        return 4 * _fsdp_local(frozen, world, 0)[0] + shape.stored_bytes, 0
+        return 4 * _fsdp_local(frozen, world, 0)[0], 0
+    if name == "scratch-fsdp":
+        padded, owned, _ = _fsdp_local(frozen, world, rank)
+        return 4 * owned + (b * padded * world if variant.zero_stage == 2 else 0), 0
     if name != "deepspeed":
         raise ValueError(f"no memory model for a frozen base under strategy {name!r}")
     if variant.zero_stage < 3:
-        return b * frozen.n_params + shape.stored_bytes, 0
+        return b * frozen.n_params, 0
     partition = b * _ds3_partition(frozen, world)
     if variant.offload_param != "none":
-        return shape.stored_bytes, partition
-    return partition + shape.stored_bytes, 0
+        return 0, partition
+    return partition, 0
+
+
+def shards_parameters(variant: Variant) -> bool:
+    """Whether the variant shards parameters (fsdp, scratch-fsdp, ZeRO-3), so would shard an NF4 base that is a
+    parameter (a tensor subclass, issue 39): :func:`nf4_rank_bytes` with ``sharded``. None shards it yet."""
+    return variant.strategy in ("fsdp", "scratch-fsdp") or (variant.strategy == "deepspeed"
+                                                             and variant.zero_stage == 3)
+
+
+def nf4_stored_bytes(numel: int, block_size: int = 64, absmax_block_size: int = 256, double_quant: bool = True
+                     ) -> int:
+    """Bytes of one weight of ``numel`` elements stored in NF4 (:mod:`torch_handle.finetune.nf4`): ceil(n / 2)
+    packed codes, and per block of ``block_size`` one uint8 absmax code plus, per group of ``absmax_block_size``
+    blocks, one float32 scale, and one float32 mean (double quantisation); one float32 absmax per block without."""
+    blocks = -(-numel // block_size)
+    if not double_quant:
+        return (numel + 1) // 2 + 4 * blocks
+    return (numel + 1) // 2 + blocks + 4 * -(-blocks // absmax_block_size) + 4
+
+
+def nf4_rank_bytes(shape: ModelShape, variant: Variant, world: int, rank: int = 0, sharded: bool = False) -> int:
+    """Bytes of QLoRA's NF4 base on ``rank`` of ``world``.
+
+    Today the NF4 weights are module buffers, which no strategy shards (FSDP2 and ZeRO-3 shard parameters only;
+    DDP leaves constants out of its broadcast): every rank holds ``shape.stored_bytes`` whole, whatever
+    ``variant``. A pipeline stage holds its own layers' (``shape`` is then the stage's).
+
+    ``sharded`` (variants that :func:`shards_parameters` only): the NF4 weight as a parameter cut on dim 0 like any other
+    (torchao's ``NF4Tensor`` under FSDP2): each rank keeps c = ceil(dim0 / W) rows (padded, as FSDP2 pads every
+    shard to c rows) of every weight, i.e. the codes, absmax codes and scales of c x (numel / dim0) elements, and
+    the 4-byte mean replicated: :func:`nf4_stored_bytes` of that chunk. Whole quantisation blocks need c x
+    numel / dim0 to be a multiple of 64 (and of 16,384 for whole scale groups), true of every Llama linear for
+    W <= 8. What the design of issue 39 would hold; the estimate says which it priced.
+    """
+    if not (sharded and shards_parameters(variant)):
+        return shape.stored_bytes
+    return sum(nf4_stored_bytes(-(-d0 // world) * (n // d0)) for n, d0 in zip(shape.nf4_numels, shape.nf4_dim0))
 
 
 def trainable_state_bytes(shape: ModelShape, variant: Variant, precision: str, world: int, rank: int = 0

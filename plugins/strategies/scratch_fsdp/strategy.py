@@ -178,6 +178,12 @@ class ScratchFSDPStrategy(Strategy):
         frozen = tensor_bytes(sp.shard for unit in self.units for sp in unit.params if not sp.trainable)
         return gathered + frozen + (self.master_bytes() if self.gatherer is not None else 0)
 
+    def frozen_param_bytes(self) -> int:
+        """The frozen parameters' part of :meth:`param_bytes`: their shards and whatever full weights of theirs are
+        gathered now (every one at ZeRO-2; none between steps at ZeRO-3)."""
+        frozen = [sp for unit in self.units for sp in unit.params if not sp.trainable]
+        return tensor_bytes(sp.shard for sp in frozen) + sum(sp.full_bytes() for sp in frozen)
+
     def grad_bytes(self) -> int:
         return tensor_bytes([*(s.grad for s in self.trainable_shards()),
                              *(sp.param.grad for u in self.units for sp in u.trainable)])
