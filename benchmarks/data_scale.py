@@ -1,11 +1,11 @@
-"""Data at scale: set-up time before step 1 and peak worker RSS for 10 MB, 100 MB and 1 GB corpora, before (the
-``text`` dataset encodes the corpus in every worker) and after (``handle data prepare`` once, then ``tokens``
-memory-maps it); prepare's throughput from 1 worker to the usable cores against the plain ``tokenizers``
-``encode_batch`` ceiling; the loader's delivered tokens/s against what a training step consumes.
+"""Data at scale: set-up time before step 1 and peak worker RSS for 10 MB, 100 MB and 1 GB corpora: ``handle data
+prepare`` once, then ``tokens`` memory-maps it; the ``text`` dataset's first start (it prepares into the run's
+cache) and second start (it memory-maps the cache); prepare's throughput from 1 worker to the usable cores against
+the plain ``tokenizers`` ``encode_batch`` ceiling (one process, one thread); the loader's delivered tokens/s.
 
     python benchmarks/data_scale.py                       # 10 MB and 100 MB (minutes)
     python benchmarks/data_scale.py --sizes 10,100,1000   # and 1 GB (prepare alone takes minutes on 2 cores)
-    python benchmarks/data_scale.py --before-max 100      # run the `text` path only up to 100 MB
+    python benchmarks/data_scale.py --before-max 100      # run the `text` dataset only up to 100 MB
 
 The corpora are built on this machine from the Python sources and documentation of the running environment
 (``sys.prefix`` and the standard library): one document per file, concatenated in a fixed order and repeated in
@@ -136,6 +136,7 @@ def ceiling_mb_s(corpus: Path, tokenizer: Path, limit: int = 50 * MB) -> float:
     """MB/s of one process's ``Tokenizer.encode_batch`` over the corpus's first ``limit`` bytes (in memory)."""
     from tokenizers import Tokenizer
 
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread, as each prepare worker
     tok = Tokenizer.from_file(str(tokenizer))
     text = b"".join(f.read_bytes() for f in sorted(corpus.iterdir()))[:limit].decode("utf-8", "ignore")
     docs = text.split("\n\n")
@@ -166,7 +167,7 @@ def loader_tokens_per_s(prepared: Path, seq_len: int = 128, micro_batch_size: in
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="10,100", help="corpus sizes in MB, comma-separated")
-    ap.add_argument("--before-max", type=int, default=100, help="largest corpus (MB) to run the `text` path on")
+    ap.add_argument("--before-max", type=int, default=100, help="largest corpus (MB) to run the `text` dataset on")
     ap.add_argument("--work", type=Path, default=None, help="where corpora and prepared data go (default: a temp dir)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
@@ -195,10 +196,10 @@ def main() -> None:
                   "mb_s": round(size / secs, 2), "mb_s_per_worker": round(size / secs / workers, 2)})
         emit({"case": "encode_batch ceiling (1 process)", "corpus_mb": size,
               "mb_s": round(ceiling_mb_s(corpus, tokenizer), 2)})
-        emit(train_row(work, "after: tokens", size, ["data.name=tokens", f"data.path={out}"]))
-        if size <= a.before_max:  # a first start (training the tokenizer) and a second (the tokenizer cached)
+        emit(train_row(work, "tokens (prepared)", size, ["data.name=tokens", f"data.path={out}"]))
+        if size <= a.before_max:  # a first start (preparing into the cache) and a second (memory-mapping it)
             for start in ("first", "second"):
-                emit(train_row(work / f"text-{size}", f"before: text ({start} start)", size,
+                emit(train_row(work / f"text-{size}", f"text ({start} start)", size,
                                ["data.name=text", f"data.path={corpus}"]))
     last = work / f"prepared-{sizes[-1]}mb"
     emit({"case": "loader (rank 0 of 2, seq 128 x micro-batch 8)", "tokens_per_s": round(loader_tokens_per_s(last))})

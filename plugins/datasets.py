@@ -22,9 +22,16 @@ class PydocConfig:
     vocab_size: int = param(4096, ge=260)
     """BPE vocabulary size (including the 4 special tokens and the 256 byte symbols)."""
     valid_fraction: float = param(0.05, gt=0.0, le=0.5)
-    """Fraction of the text (its tail) held out for validation."""
+    """Share held out for validation: whole documents (picked by a hash of their source and number), or the tail
+    of the last document when there are too few (docs/data.md)."""
     num_workers: int = param(0, ge=0, frozen_on_resume=False)
-    """DataLoader worker processes per rank (0: load in the training process; the data is in memory)."""
+    """DataLoader worker processes per rank (0: load in the training process; reads are memory maps)."""
+    tokenizer: str = ""
+    """A tokenizer.json, or a directory holding one (a ``handle export --format hf`` directory, a run directory),
+    to encode the text with instead of training one on it: what fine-tuning a base on a new corpus needs (the
+    base's token ids; empty with ``model.init_from`` holding one: that one). vocab_size must be at least its size."""
+    document_mask: bool = False
+    """Attend within documents only: each sample also carries ``position_ids`` restarting at every document."""
 
 
 @dataclass
@@ -35,11 +42,6 @@ class TextConfig(PydocConfig):
     """A file, a directory, or a glob of text files (for example 'data/*.txt')."""
     valid_path: str = ""
     """Optional separate validation file/glob; when empty, valid_fraction of path is held out."""
-    tokenizer: str = ""
-    """A tokenizer.json, or a directory holding one (a ``handle export --format hf`` directory, a run directory),
-    to encode the text with instead of training one on it: what fine-tuning a base on a new corpus needs (the
-    base's token ids). vocab_size must then be at least its size."""
-
     def check(self) -> None:
         if not self.path:
             raise InvalidValue("path", "is required: a text file, a directory or a glob")
@@ -216,8 +218,9 @@ def _lm_bundle(sources, valid, options, ctx, name):
     if getattr(options, "tokenizer", "") and data.vocab_size > options.vocab_size:
         raise DataError(f"{options.tokenizer}: {data.vocab_size} tokens, more than data.vocab_size = "
                         f"{options.vocab_size}")
-    train = TokenWindows(data.train, options.seq_len, name=f"{name} (train split)")
-    valid_set = TokenWindows(data.valid, options.seq_len, name=f"{name} (validation split)")
+    mask = options.document_mask
+    train = TokenWindows(data.train, options.seq_len, document_mask=mask, name=f"{name} (train split)")
+    valid_set = TokenWindows(data.valid, options.seq_len, document_mask=mask, name=f"{name} (validation split)")
     return DataBundle(train=train, valid=valid_set, vocab_size=data.vocab_size, max_len=options.seq_len,
                       tokenizer_path=data.tokenizer_path, description=name)
 
