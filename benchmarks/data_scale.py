@@ -168,6 +168,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="10,100", help="corpus sizes in MB, comma-separated")
     ap.add_argument("--before-max", type=int, default=100, help="largest corpus (MB) to run the `text` dataset on")
+    ap.add_argument("--scaling-max", type=int, default=100,
+                    help="largest corpus (MB) to prepare with 1 worker too (above it: the usable cores only)")
+    ap.add_argument("--tokenizer", type=Path, default=None,
+                    help="a tokenizer.json to prepare with (default: train one on the smallest corpus)")
     ap.add_argument("--work", type=Path, default=None, help="where corpora and prepared data go (default: a temp dir)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
@@ -181,7 +185,7 @@ def main() -> None:
         rows.append(row)
         print(json.dumps(row) if a.json else "  ".join(f"{k}={v}" for k, v in row.items()), flush=True)
 
-    tokenizer = None
+    tokenizer = a.tokenizer
     for size in sizes:
         corpus = build_corpus(work / f"corpus-{size}mb", size * MB)
         out = work / f"prepared-{size}mb"
@@ -190,11 +194,11 @@ def main() -> None:
             tokenizer = work / "tokenizer.json"
             tokenizer.write_bytes((out / "tokenizer.json").read_bytes())
             emit({"case": "prepare (trains BPE)", "corpus_mb": size, "workers": cores, "s": round(secs, 1)})
-        for workers in sorted({1, cores}):
+        for workers in sorted({1, cores}) if size <= a.scaling_max else [cores]:
             secs = prepare(corpus, out, workers, tokenizer)
             emit({"case": "prepare", "corpus_mb": size, "workers": workers, "s": round(secs, 1),
                   "mb_s": round(size / secs, 2), "mb_s_per_worker": round(size / secs / workers, 2)})
-        emit({"case": "encode_batch ceiling (1 process)", "corpus_mb": size,
+        emit({"case": "encode_batch ceiling (1 process, 1 thread)", "corpus_mb": size,
               "mb_s": round(ceiling_mb_s(corpus, tokenizer), 2)})
         emit(train_row(work, "tokens (prepared)", size, ["data.name=tokens", f"data.path={out}"]))
         if size <= a.before_max:  # a first start (preparing into the cache) and a second (memory-mapping it)
