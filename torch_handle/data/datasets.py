@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
+import numpy as np
 import torch
 from torch.utils.data import Dataset, DistributedSampler, Sampler
 
@@ -283,11 +284,16 @@ class GlobalBatchSampler(Sampler[list[int]]):
 
     def order(self, epoch: int) -> list[int]:
         """The order of the dataset in ``epoch``, the same on every rank and for every world size."""
+        return self.order_array(epoch).tolist()
+
+    def order_array(self, epoch: int) -> np.ndarray:
+        """:meth:`order` as int64 (num_samples,): 8 bytes a sample where a list of Python ints takes about 36 (a
+        1 GB corpus has millions of samples)."""
         if not self.shuffle:
-            return list(range(self.num_samples))
+            return np.arange(self.num_samples, dtype=np.int64)
         g = torch.Generator()
         g.manual_seed(self.seed + epoch)
-        return torch.randperm(self.num_samples, generator=g).tolist()
+        return torch.randperm(self.num_samples, generator=g).numpy()
 
     def steps_in_epoch(self, start: int = 0) -> int:
         """Global batches left in an epoch after its first ``start`` samples."""
@@ -299,10 +305,10 @@ class GlobalBatchSampler(Sampler[list[int]]):
 
     def __iter__(self) -> Iterator[list[int]]:
         start, self._skip = self._skip, 0
-        order = self.order(self.epoch)
+        order = self.order_array(self.epoch)
         mb, ga = self.micro_batch_size, self.grad_accum
         for k in range(self.steps_in_epoch(start)):
             base = start + k * self.global_batch
             for i in range(ga):
                 offset = base + (self.rank * ga + i) * mb
-                yield order[offset: offset + mb]
+                yield order[offset: offset + mb].tolist()

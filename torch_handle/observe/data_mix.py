@@ -19,9 +19,7 @@ SOURCE_TOKENS = "source_tokens"
 
 @functools.lru_cache(maxsize=2)
 def _order(sampler: Any, epoch: int):
-    import numpy as np
-
-    return np.asarray(sampler.order(epoch), dtype=np.int64)  # once an epoch (the sampler draws it once too)
+    return sampler.order_array(epoch)  # once an epoch (the sampler draws it once too)
 
 
 def step_source_tokens(dataset: Any, sampler: Any, epoch: int, samples_in_epoch: int) -> dict[str, Any]:
