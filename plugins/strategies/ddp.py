@@ -10,7 +10,6 @@ import torch
 from handle_plugins.strategies.single import SingleStrategy
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from torch_handle.finetune.nf4 import nf4_buffers
 from torch_handle.model.parallelize import pipeline_parts
 
 
@@ -34,11 +33,8 @@ class DDPStrategy(SingleStrategy):
         group = None if self.ctx.mesh is None else self.ctx.mesh["dp"].get_group()
         if self.expert_parallel is not None:  # each rank's experts are its own: reduced over "edp" by the EP share
             DDP._set_params_and_buffers_to_ignore_for_model(module, self.expert_parallel.expert_names(module))
-        # A QLoRA base's NF4 buffers are constants, equal on every rank (quantised from the hash-checked base):
-        # DDP's default re-broadcast of every buffer before each forward would move a quarter of the base a step.
         return DDP(module, device_ids=device_ids, process_group=group, bucket_cap_mb=o.bucket_cap_mb,
-                   gradient_as_bucket_view=o.gradient_as_bucket_view, find_unused_parameters=o.find_unused_parameters,
-                   broadcast_buffers=not nf4_buffers(module))
+                   gradient_as_bucket_view=o.gradient_as_bucket_view, find_unused_parameters=o.find_unused_parameters)
 
     def accumulating(self, sync: bool) -> ContextManager:
         # Skip the all-reduce on all but the last micro-batch: gradients accumulate locally for free.

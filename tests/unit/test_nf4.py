@@ -216,9 +216,9 @@ def test_nf4_linear_forward_backward_equal_dequantised_linear(dtype) -> None:
     y.backward(grad)
     y_ref.backward(grad)
     assert x.grad.dtype == dtype and torch.equal(x.grad, x_ref.grad)
-    # No weight gradient anywhere: the codes are buffers, the bias a frozen parameter.
-    assert [(n, p.requires_grad) for n, p in q.named_parameters()] == [("bias", False)] and q.bias.grad is None
-    assert all(not b.requires_grad and b.grad is None for b in q.buffers())
+    # No weight gradient anywhere: the codes are a frozen uint8 parameter, the bias a frozen parameter.
+    assert [(n, p.requires_grad) for n, p in q.named_parameters()] == [("weight_nf4", False), ("bias", False)]
+    assert q.bias.grad is None and q.weight_nf4.grad is None and q.weight_nf4.dtype == torch.uint8
     q.bias.requires_grad_(True)  # a trainable bias gets autograd's gradient
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         y = q(x)
@@ -245,9 +245,11 @@ def test_nf4_linear_state_dict_round_trip(double_quant: bool) -> None:
     buffer = io.BytesIO()
     torch.save(q.state_dict(), buffer)
     state = torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
-    expected = {"bias", "weight_packed"} | ({"weight_absmax_codes", "weight_absmax_scale", "weight_absmax_mean"}
-                                            if double_quant else {"weight_absmax"})
-    assert set(state) == expected and state["weight_packed"].dtype == torch.uint8
+    assert set(state) == {"bias", "weight_nf4"} and state["weight_nf4"].dtype == torch.uint8
+    # one flat uint8 tensor: the bytes of the stored tensors, float32 constants first, codes last
+    stored = quantize_nf4(linear.weight, double_quant=double_quant)
+    assert state["weight_nf4"].numel() == stored.nbytes
+    assert torch.equal(state["weight_nf4"][-stored.packed.numel():], stored.packed)
     fresh = NF4Linear(100, 30, dtype=torch.bfloat16, double_quant=double_quant)
     fresh.load_state_dict(state)
     x = torch.randn(4, 100, dtype=torch.bfloat16)
@@ -261,7 +263,8 @@ def test_cast_keeps_constants_in_float32() -> None:
     q = NF4Linear.from_linear(nn.Linear(64, 64))
     before = q.dequantize()
     q.to(torch.bfloat16)
-    assert q.weight_absmax_scale.dtype == torch.float32 and q.bias.dtype == torch.bfloat16
+    assert q.nf4_weight().absmax_scale.dtype == torch.float32 and q.bias.dtype == torch.bfloat16
+    assert q.weight_nf4.dtype == torch.uint8
     assert torch.equal(q.dequantize(), before.to(torch.bfloat16))
 
 

@@ -308,15 +308,17 @@ def lora_flops_per_token(model: nn.Module, full: Any, seq_len: int) -> float:
     So the count is ``full(seq_len)`` (6 N over every matmul parameter, adapters included, plus the attention
     scores' 12·L·width·seq_len, which have no weights) minus 2 per frozen matmul parameter. Slight overcounts
     kept: the first block's input gradient (the frozen embedding needs none) and the norms' gains (counted as
-    matmul parameters by ``flops.matmul_params``). QLoRA's NF4 weights are buffers, which ``full`` does not see:
-    4 FLOPs each (forward and the input's gradient, on the dequantised weight)."""
-    from torch_handle.finetune.nf4 import NF4Linear
+    matmul parameters by ``flops.matmul_params``). QLoRA's NF4 weights: 4 FLOPs each (forward and the input's
+    gradient, on the dequantised weight); their storage (``weight_nf4``, uint8 parameters, which ``full`` counts
+    as 6 per byte) none."""
+    from torch_handle.finetune.nf4 import NF4Linear, nf4_storage
     from torch_handle.model.flops import embedding_weights
 
     tables = {id(w) for w in embedding_weights(model)}
     lm_head = getattr(model, "lm_head", None)
     tied = lm_head is not None and id(getattr(lm_head, "weight", None)) in tables
-    seen: set[int] = set()
+    storage = nf4_storage(model)
+    seen: set[int] = {id(t) for t in storage}
     frozen_matmul = 0
     for p in model.parameters():
         if p.requires_grad or id(p) in seen or (id(p) in tables and not tied):
@@ -324,7 +326,7 @@ def lora_flops_per_token(model: nn.Module, full: Any, seq_len: int) -> float:
         seen.add(id(p))
         frozen_matmul += p.numel()
     nf4 = sum(m.in_features * m.out_features for m in model.modules() if isinstance(m, NF4Linear))
-    return float(full(seq_len)) - 2.0 * frozen_matmul + 4.0 * nf4
+    return float(full(seq_len)) - 2.0 * frozen_matmul - 6.0 * sum(t.numel() for t in storage) + 4.0 * nf4
 
 
 def merge_lora(model: nn.Module) -> nn.Module:

@@ -190,26 +190,29 @@ def quantize_nf4(weight: Tensor, *, block_size: int = BLOCK_SIZE, double_quant: 
 
 class _NF4LinearFunction(torch.autograd.Function):
     """y = x Wᵀ + b with W dequantised from NF4 in the forward and again in the backward: autograd keeps only the
-    4-bit codes for the backward, never a full-precision copy of W (the point of QLoRA's memory figures).
-    ``rows`` picks rows of W (a ``StackedLinear``'s parts), or None for all."""
+    module, never a full-precision copy of W (the point of QLoRA's memory figures), nor even the 4-bit codes it read
+    in the forward: the backward reads the module's ``weight_nf4`` as it is then, which a sharding strategy has
+    gathered again for the backward (FSDP2 and scratch-fsdp into the same storage, DeepSpeed ZeRO-3 into a new
+    one; a saved view would keep the forward's gathered copy alive until the backward). ``rows`` picks rows of W (a
+    ``StackedLinear``'s parts), or None for all."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, bias: Tensor | None, nf4: NF4Weight, rows: Callable[[Tensor], Tensor] | None):
-        ctx.nf4, ctx.rows = nf4, rows
-        return F.linear(x, _weight(nf4, rows, x.dtype), bias)
+    def forward(ctx, x: Tensor, bias: Tensor | None, module: NF4Linear, rows: Callable[[Tensor], Tensor] | None):
+        ctx.module, ctx.rows = module, rows
+        return F.linear(x, _weight(module, rows, x.dtype), bias)
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
         grad_x = grad_bias = None
         if ctx.needs_input_grad[0]:  # (..., out) @ (out, in) -> (..., in)
-            grad_x = grad_out.matmul(_weight(ctx.nf4, ctx.rows, grad_out.dtype))
+            grad_x = grad_out.matmul(_weight(ctx.module, ctx.rows, grad_out.dtype))
         if ctx.needs_input_grad[1]:
             grad_bias = grad_out.reshape(-1, grad_out.shape[-1]).sum(0)
         return grad_x, grad_bias, None, None
 
 
-def _weight(nf4: NF4Weight, rows: Callable[[Tensor], Tensor] | None, dtype: torch.dtype) -> Tensor:
-    weight = nf4.dequantize(dtype)
+def _weight(module: NF4Linear, rows: Callable[[Tensor], Tensor] | None, dtype: torch.dtype) -> Tensor:
+    weight = module.dequantize(dtype)
     return weight if rows is None else rows(weight)
 
 
@@ -218,16 +221,23 @@ class NF4Linear(nn.Module):
 
     Stands where an ``nn.Linear`` stood (``in_features``, ``out_features``, ``bias``; a ``StackedLinear``'s
     ``part_features`` and ``forward(x, parts=...)`` too), so a LoRA wrapper can wrap it. The weight gets no
-    gradient and is no parameter, so no optimizer sees it. The bias, if any, stays a parameter, frozen
-    (``requires_grad=False``; set it to True to train it).
+    gradient and no optimizer sees it. The bias, if any, stays a parameter, frozen (``requires_grad=False``; set it
+    to True to train it).
+
+    Storage: ``weight_nf4``, one frozen ``nn.Parameter`` (``requires_grad=False``) of dtype uint8 and shape
+    ``(nbytes,)`` holding every stored tensor end to end (:data:`STORAGE_ORDER`: the float32 constants first, as
+    their bytes, then the 8-bit absmax codes, then the packed codes). A parameter, so that every strategy that
+    shards parameters shards it on dim 0 like any other (FSDP2's ``fully_shard``, scratch-fsdp, DeepSpeed ZeRO-3:
+    each rank ceil(nbytes / W) bytes, gathered whole before the forward and the backward as a weight is); uint8,
+    so that no mixed-precision cast touches it (FSDP2 casts floating-point parameters only; DeepSpeed's
+    ``module.bfloat16()`` and ``model.to(dtype)`` likewise); one tensor, so that no 0-d mean meets FSDP2's refusal
+    of scalar parameters. The design and why not a tensor subclass: docs/qlora.md, "Sharded".
 
     Compute dtype: the input's. W is dequantised to ``x.dtype`` (one float32 product rounded to it), so the output
     equals ``F.linear(x, self.dequantize(x.dtype), bias)`` bit for bit, and the input gradient equals that of an
     ``nn.Linear`` holding the dequantised weight.
 
-    State dict: the stored tensors as buffers: ``weight_packed`` (uint8, two codes a byte), ``weight_absmax_codes``
-    (uint8), ``weight_absmax_scale`` and ``weight_absmax_mean`` (float32), or ``weight_absmax`` (float32) without
-    double quantisation; and ``bias``. A checkpoint that holds them reloads them exactly. A fine-tuning run's
+    State dict: ``weight_nf4`` and ``bias``; a checkpoint that holds them reloads them exactly. A fine-tuning run's
     checkpoint need not hold them: they are a deterministic function of the base weights (on one device and CPU
     thread count: ``quantize_nf4``), so resuming from a reference to the trained base (verified by its hash) and
     ``from_linear`` gives the same bytes again.
@@ -241,14 +251,16 @@ class NF4Linear(nn.Module):
                  device: torch.device | str | None = None) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        self.weight_dtype, self.block_size = dtype, block_size
+        self.weight_dtype, self.block_size, self.double_quant = dtype, block_size, double_quant
         self.part_features = None if part_features is None else tuple(part_features)
-        # Zero buffers of the stored shapes, so that load_state_dict can fill a fresh module.
-        for name, (shape, buffer_dtype) in _stored_shapes(in_features * out_features, block_size,
-                                                          double_quant).items():
-            self.register_buffer(f"weight_{name}", torch.zeros(shape, dtype=buffer_dtype, device=device))
+        # Zeros of the stored size, so that load_state_dict can fill a fresh module.
+        nbytes = sum(_nbytes(*shape_dtype) for shape_dtype in self._stored_shapes().values())
+        self.weight_nf4 = nn.Parameter(torch.zeros(nbytes, dtype=torch.uint8, device=device), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device), requires_grad=False) \
             if bias else None
+
+    def _stored_shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        return _stored_shapes(self.in_features * self.out_features, self.block_size, self.double_quant)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, *, block_size: int = BLOCK_SIZE, double_quant: bool = True) -> NF4Linear:
@@ -257,15 +269,25 @@ class NF4Linear(nn.Module):
         module = cls(linear.in_features, linear.out_features, linear.bias is not None, dtype=weight.dtype,
                      block_size=block_size, double_quant=double_quant,
                      part_features=getattr(linear, "part_features", None), device=weight.device)
-        for name, tensor in quantize_nf4(weight, block_size=block_size, double_quant=double_quant).tensors().items():
-            setattr(module, f"weight_{name}", tensor)
+        stored = quantize_nf4(weight, block_size=block_size, double_quant=double_quant).tensors()
+        with torch.no_grad():
+            module.weight_nf4.copy_(torch.cat([stored[name].reshape(-1).view(torch.uint8)
+                                               for name in module._stored_shapes()]))
         if linear.bias is not None:
             module.bias.data.copy_(linear.bias.detach())
         return module
 
     def nf4_weight(self) -> NF4Weight:
-        """The stored weight as an ``NF4Weight`` (the buffers themselves, no copy)."""
-        stored = {name: getattr(self, f"weight_{name}", None) for name in _FIELDS}
+        """The stored weight as an ``NF4Weight``: the uint8 codes are views of ``weight_nf4``, the float32 constants
+        copies of their bytes (a few bytes per 16,384 weights; a copy, because a gathered ``weight_nf4`` may sit
+        at any byte offset of a collective's buffer, where a float32 view is not allowed)."""
+        stored: dict[str, Tensor | None] = dict.fromkeys(_FIELDS)
+        offset = 0
+        for name, (shape, dtype) in self._stored_shapes().items():
+            size = _nbytes(shape, dtype)
+            raw = self.weight_nf4.narrow(0, offset, size)
+            stored[name] = raw if dtype == torch.uint8 else raw.clone().view(dtype).reshape(shape)
+            offset += size
         return NF4Weight(**stored, shape=(self.out_features, self.in_features), dtype=self.weight_dtype,
                          block_size=self.block_size)
 
@@ -277,7 +299,7 @@ class NF4Linear(nn.Module):
     def to_linear(self) -> nn.Linear:
         """The plain linear of the dequantised weight (a ``StackedLinear`` where this one has parts), bias copied,
         on this module's device: what an export writes (``handle export --merge`` of a QLoRA run)."""
-        bias, device = self.bias is not None, self.weight_packed.device
+        bias, device = self.bias is not None, self.weight_nf4.device
         linear = nn.Linear(self.in_features, self.out_features, bias=bias) if self.part_features is None \
             else StackedLinear(self.in_features, self.part_features, bias=bias)
         linear = linear.to(device=device, dtype=self.weight_dtype)
@@ -288,29 +310,23 @@ class NF4Linear(nn.Module):
 
     def forward(self, x: Tensor, parts: slice | None = None) -> Tensor:
         if parts is None:
-            return _NF4LinearFunction.apply(x, self.bias, self.nf4_weight(), None)
+            return _NF4LinearFunction.apply(x, self.bias, self, None)
         if self.part_features is None:
             raise TypeError("NF4Linear: parts= needs a StackedLinear's part_features")
         def rows(stacked: Tensor) -> Tensor:
             return select_parts(stacked, self.part_features, parts)
 
         bias = None if self.bias is None else rows(self.bias)
-        return _NF4LinearFunction.apply(x, bias, self.nf4_weight(), rows)
+        return _NF4LinearFunction.apply(x, bias, self, rows)
 
     def _apply(self, fn, recurse=True):
-        # model.to(torch.bfloat16) or .half() would cast the float32 absmax constants too, and dequantisation would
-        # no longer give the quantised values: they follow the device only, while the dtype that dequantize()
-        # returns by default follows the cast as an nn.Linear's weight would.
-        constants = {k: t for k, t in self._buffers.items() if t is not None and t.dtype == torch.float32}
-        self.weight_dtype = fn(torch.zeros((), dtype=self.weight_dtype, device=self.weight_packed.device)).dtype
-        super()._apply(fn, recurse)
-        for name, before in constants.items():
-            if self._buffers[name].dtype != torch.float32:
-                self._buffers[name] = before.to(self._buffers[name].device)
-        return self
+        # model.to(torch.bfloat16) leaves the uint8 storage as it is (only floating-point tensors are cast); the
+        # dtype that dequantize() returns by default follows the cast as an nn.Linear's weight would.
+        self.weight_dtype = fn(torch.zeros((), dtype=self.weight_dtype, device=self.weight_nf4.device)).dtype
+        return super()._apply(fn, recurse)
 
     def extra_repr(self) -> str:
-        absmax = "double-quantised" if self.nf4_weight().double_quant else "float32"
+        absmax = "double-quantised" if self.double_quant else "float32"
         parts = "" if self.part_features is None else f", part_features={self.part_features}"
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"block_size={self.block_size}, absmax {absmax}{parts}")
@@ -319,13 +335,22 @@ class NF4Linear(nn.Module):
 _FIELDS = ("packed", "absmax", "absmax_codes", "absmax_scale", "absmax_mean")
 
 
+def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+
+
 def _stored_shapes(n: int, block_size: int, double_quant: bool) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """Field -> (shape, dtype) of the tensors that store n elements."""
+    """Field -> (shape, dtype) of the tensors that store n elements, in their order in ``weight_nf4``
+    (:data:`STORAGE_ORDER`)."""
     n_blocks = -(-n // block_size)
     if not double_quant:
-        return {"packed": (((n + 1) // 2,), torch.uint8), "absmax": ((n_blocks,), torch.float32)}
-    return {"packed": (((n + 1) // 2,), torch.uint8), "absmax_codes": ((n_blocks,), torch.uint8),
-            "absmax_scale": ((-(-n_blocks // ABSMAX_BLOCK_SIZE),), torch.float32), "absmax_mean": ((), torch.float32)}
+        return {"absmax": ((n_blocks,), torch.float32), "packed": (((n + 1) // 2,), torch.uint8)}
+    return {"absmax_mean": ((), torch.float32), "absmax_scale": ((-(-n_blocks // ABSMAX_BLOCK_SIZE),), torch.float32),
+            "absmax_codes": ((n_blocks,), torch.uint8), "packed": (((n + 1) // 2,), torch.uint8)}
+
+
+STORAGE_ORDER = tuple(_stored_shapes(1, BLOCK_SIZE, True))
+"""The fields in ``NF4Linear.weight_nf4``, double-quantised (without: ``absmax`` then ``packed``)."""
 
 
 def quantize_linears(model: nn.Module, *, skip: tuple[str, ...] = (), block_size: int = BLOCK_SIZE,
@@ -336,7 +361,7 @@ def quantize_linears(model: nn.Module, *, skip: tuple[str, ...] = (), block_size
     ``"layers.*.ff.*"``), and linears whose weight is shared with another module (a tied output projection: the
     embedding table stays in full precision, as QLoRA keeps embeddings).
 
-    ``shapes_only``: the ``NF4Linear`` gets buffers of the stored shapes without quantising (zeros; no values on
+    ``shapes_only``: the ``NF4Linear`` gets a ``weight_nf4`` of the stored size without quantising (zeros; no values on
     the meta device, where ``handle estimate`` sizes a QLoRA model: the same bytes as quantising gives).
     """
     owners: dict[int, int] = {}
@@ -359,9 +384,10 @@ def _shaped(linear: nn.Linear, block_size: int, double_quant: bool) -> NF4Linear
                      part_features=getattr(linear, "part_features", None), device=linear.weight.device)
 
 
-def nf4_buffers(model: nn.Module) -> list[Tensor]:
-    """The stored tensors of every :class:`NF4Linear` of ``model`` (its quantised weights; biases excluded)."""
-    return [t for m in model.modules() if isinstance(m, NF4Linear) for t in m.buffers(recurse=False)]
+def nf4_storage(model: nn.Module) -> list[Tensor]:
+    """The ``weight_nf4`` of every :class:`NF4Linear` of ``model`` (its quantised weights, frozen uint8
+    parameters; biases excluded), registration order."""
+    return [m.weight_nf4 for m in model.modules() if isinstance(m, NF4Linear)]
 
 
 def dequantize_linears(model: nn.Module) -> list[str]:

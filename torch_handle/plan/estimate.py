@@ -113,11 +113,11 @@ class Estimate:
     ``frozen_param_bytes``; None otherwise."""
     nf4_layout: str | None = None
     """How ``nf4_bytes`` was priced: ``"whole"`` (every rank holds the whole NF4 base: what a run holds today),
-    ``"stage"`` (a pipeline stage's own layers), ``"sharded"`` (``estimate_preset(nf4_sharded=True)``: cut on
-    dim 0 by whole blocks as a sharded NF4 parameter would be, not run yet)."""
+    ``"stage"`` (a pipeline stage's own layers), ``"sharded"`` (fsdp, scratch-fsdp, ZeRO-3: each NF4 weight a
+    frozen uint8 parameter cut on dim 0 like any other)."""
     finetune_runs: bool | None = None
     """Whether ``handle run`` runs the preset's ``[finetune]`` method under this row's strategy and layout today
-    (QLoRA: single and ddp without tp or pp); rows it refuses are priced as it would hold them."""
+    (QLoRA: every strategy, without tp); rows it refuses are priced as it would hold them."""
     finetune: dict[str, Any] | None = None
     """A fine-tuning preset's ``finetune_method``, ``trainable_params``, ``frozen_params`` (parameters; QLoRA's
     NF4 weights are buffers, counted by neither, as the run's ``model_params`` leaves them out) and
@@ -174,7 +174,7 @@ def supports_tensor_parallel(registry: PluginRegistry, strategy: str) -> bool:
 
 def estimate_preset(preset: Preset, registry: PluginRegistry, world_sizes: Sequence[int],
                     variants: Sequence[Variant] | None = None, device_memory: int | None = None,
-                    rank: int | None = None, nf4_sharded: bool = False) -> list[Estimate]:
+                    rank: int | None = None) -> list[Estimate]:
     """Estimates for every variant (default: the preset's strategy) at every world size, ordered by variant then
     world size, for the preset's ``[parallel]`` layout: with tp > 1, world sizes that tp does not divide are
     left out, and each row is one TP rank's, its strategy's formula applied to the TP shard over dp = world_size /
@@ -183,10 +183,9 @@ def estimate_preset(preset: Preset, registry: PluginRegistry, world_sizes: Seque
     (:func:`~torch_handle.plan.estimate_moe.rank_state_bytes`). A ``[finetune]`` preset (LoRA, QLoRA) is sized as
     its run builds the model: gradients and optimizer state for the adapters alone, the frozen base at its storage
     bytes under the strategy's sharding (``frozen_param_bytes``: :func:`~torch_handle.plan.model_states.
-    frozen_param_bytes`), QLoRA's NF4 weights apart (``nf4_bytes``: whole on every rank, as the run holds them,
-    or with ``nf4_sharded`` cut on dim 0 under the strategies that shard parameters: what a sharded NF4 base would
-    hold, ``nf4_layout`` says which). Variants the run refuses (QLoRA under all but single and ddp) are priced
-    as the model would be held, with ``finetune_runs`` False.
+    frozen_param_bytes`), QLoRA's NF4 weights apart (``nf4_bytes``: cut on dim 0 under the strategies that shard
+    parameters, whole under the others, ``nf4_layout`` says which). Layouts the run refuses (QLoRA with tp) are
+    priced as the model would be held, with ``finetune_runs`` False.
 
     ``rank``: the (global) rank to report (default: the one with the largest device total; ranks differ by a
     partition boundary at most; the TP ranks of a replica hold the same).
@@ -227,7 +226,7 @@ def estimate_preset(preset: Preset, registry: PluginRegistry, world_sizes: Seque
             ranks = [rank] if rank is not None else range(0, world, tp)
             best: tuple[int, int, States] | None = None
             for r in ranks:
-                s = rank_state_bytes(shape, v, precision, dp, r // tp, ep, nf4_sharded)
+                s = rank_state_bytes(shape, v, precision, dp, r // tp, ep)
                 device = s.param + s.grad + s.optimizer - s.host + act.total
                 if best is None or device > best[0]:
                     best = (device, r, s)
@@ -240,7 +239,7 @@ def estimate_preset(preset: Preset, registry: PluginRegistry, world_sizes: Seque
                                  {k: val for k, val in asdict(v).items() if k not in ("label",)}, tp,
                                  shape.n_params if tp > 1 else None, preset.parallel.sequence_parallel))
             if finetune is not None:
-                _set_finetune(rows[-1], preset, v, s, finetune, nf4_sharded)
+                _set_finetune(rows[-1], preset, v, s, finetune)
             if moe is not None:
                 rows[-1].ep, rows[-1].moe = ep, moe
                 rows[-1].expert_param_bytes = expert_param_bytes(shape, v, precision, dp, r // tp, ep)
@@ -265,21 +264,17 @@ def _finetune_info(preset: Preset, registry: PluginRegistry, whole: Any) -> dict
 
 def _finetune_runs_under(preset: Preset, variant: Variant) -> bool:
     """Whether the preset's ``[finetune]`` method runs under the variant's strategy and the preset's tp and pp
-    (config/layout.py's rule: QLoRA under single and ddp without tp or pp; LoRA everywhere)."""
-    if preset.finetune.method != "qlora":
-        return True
-    return variant.strategy in ("single", "ddp") and preset.parallel.tp == 1 and preset.parallel.pp == 1
+    (config/layout.py's rule: QLoRA under every strategy, without tp; LoRA everywhere)."""
+    return preset.finetune.method != "qlora" or preset.parallel.tp == 1
 
 
-def _set_finetune(row: Estimate, preset: Preset, variant: Variant, s: States, finetune: dict[str, Any],
-                  nf4_sharded: bool) -> None:
+def _set_finetune(row: Estimate, preset: Preset, variant: Variant, s: States, finetune: dict[str, Any]) -> None:
     """The fine-tuning fields of ``row`` from its model states ``s``."""
     row.frozen_param_bytes, row.finetune = s.frozen_param, finetune
     row.finetune_runs = _finetune_runs_under(preset, variant)
     if preset.finetune.method == "qlora":
         row.nf4_bytes = s.nf4
-        row.nf4_layout = "stage" if preset.parallel.pp > 1 else "sharded" if (
-            nf4_sharded and shards_parameters(variant)) else "whole"
+        row.nf4_layout = "stage" if preset.parallel.pp > 1 else "sharded" if shards_parameters(variant) else "whole"
 
 
 def supports_pipeline_parallel(registry: PluginRegistry, strategy: str) -> bool:
@@ -322,7 +317,7 @@ def _pipeline_rows(preset: Preset, registry: PluginRegistry, world_sizes: Sequen
                     r.pp_rank == largest.pp_rank))
                 if finetune is not None:
                     _set_finetune(rows[-1], preset, v, States(frozen_param=r.frozen_params_bytes, nf4=r.nf4_bytes),
-                                  finetune, False)
+                                  finetune)
     return rows
 
 

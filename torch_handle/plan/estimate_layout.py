@@ -198,7 +198,7 @@ class _Params:
         return ModelShape(tuple(n for n, _ in chosen), tuple(d for _, d in chosen),
                           tuple(self.experts[i][j] for i, j in keep) if self.experts else (),
                           tuple(n for n, _ in frozen), tuple(d for _, d in frozen), sum(b for *_, b in nf4),
-                          tuple(n for n, _, _ in nf4), tuple(d for _, d, _ in nf4))
+                          tuple(b for *_, b in nf4))
 
 
 def _build_key(build: ModelBuild) -> tuple:
@@ -219,7 +219,7 @@ def _cached_build(build: ModelBuild) -> tuple:
 def _params(key: tuple) -> _Params:
     import torch
 
-    from torch_handle.finetune.nf4 import NF4Linear
+    from torch_handle.finetune.nf4 import NF4Linear, nf4_storage
     from torch_handle.model.moe import GroupedExperts
     from torch_handle.plan.estimate_model import build_model
 
@@ -241,7 +241,10 @@ def _params(key: tuple) -> _Params:
     routed = {id(p) for m in model.modules() if isinstance(m, GroupedExperts) for p in m.parameters()}
     seen: set[int] = set()
     tied, frozen_tied = set(), set()
+    storage = {id(t) for t in nf4_storage(model)}  # QLoRA's NF4 weights: priced apart (nf4 below)
     for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in storage:
+            continue
         part, into = part_of(name), parts if p.requires_grad else frozen
         if id(p) in seen:
             if part != n + 1:
@@ -254,7 +257,7 @@ def _params(key: tuple) -> _Params:
     nf4: list[list[tuple[int, int, int]]] = [[] for _ in range(n + 2)]
     for name, m in model.named_modules():
         if isinstance(m, NF4Linear):
-            stored = sum(t.numel() * t.element_size() for t in m.buffers(recurse=False))
+            stored = m.weight_nf4.numel()  # uint8
             nf4[part_of(name)].append((m.in_features * m.out_features, m.out_features, stored))
     head = 0 if model.args.tie_embeddings else model.lm_head.weight.numel()
     counts = (sum(p.numel() for p in layers[0].parameters()), model.embed.weight.numel(), head)

@@ -45,11 +45,10 @@ class ModelShape:
     """Elements of each frozen parameter tensor (``requires_grad`` False: a LoRA run's base), registration order."""
     frozen_dim0: tuple[int, ...] = ()
     stored_bytes: int = 0
-    """Bytes of the quantised base's buffers (QLoRA's NF4 weights: no parameters, so whole on every rank)."""
-    nf4_numels: tuple[int, ...] = ()
-    """Elements of each NF4-stored weight (QLoRA), registration order."""
-    nf4_dim0: tuple[int, ...] = ()
-    """Each NF4-stored weight's out_features (its dim 0, which a sharded NF4 base would be cut on)."""
+    """Bytes of the quantised base (QLoRA's NF4 weights, frozen uint8 parameters priced apart from
+    ``frozen_numels``: :func:`~torch_handle.plan.model_states.nf4_rank_bytes`)."""
+    nf4_stored: tuple[int, ...] = ()
+    """Bytes of each NF4 linear's ``weight_nf4`` (QLoRA; uint8, (bytes,): its dim 0), registration order."""
 
     @property
     def frozen(self) -> ModelShape:
@@ -68,18 +67,16 @@ class ModelShape:
     def of(cls, model: torch.nn.Module) -> ModelShape:
         from torch_handle.model.moe import GroupedExperts
 
-        from torch_handle.finetune.nf4 import NF4Linear, nf4_buffers
+        from torch_handle.finetune.nf4 import nf4_storage
 
-        nf4 = [m for m in model.modules() if isinstance(m, NF4Linear)]
+        nf4 = nf4_storage(model)
         params = [p for p in model.parameters() if p.requires_grad]
-        frozen = [p for p in model.parameters() if not p.requires_grad]
+        frozen = [p for p in model.parameters() if not p.requires_grad and all(p is not t for t in nf4)]
         routed = {id(p) for m in model.modules() if isinstance(m, GroupedExperts) for p in m.parameters()}
         return cls(tuple(p.numel() for p in params), _dim0(params),
                    experts=tuple(id(p) in routed for p in params) if routed else (),
                    frozen_numels=tuple(p.numel() for p in frozen), frozen_dim0=_dim0(frozen),
-                   stored_bytes=sum(t.numel() * t.element_size() for t in nf4_buffers(model)),
-                   nf4_numels=tuple(m.in_features * m.out_features for m in nf4),
-                   nf4_dim0=tuple(m.out_features for m in nf4))
+                   stored_bytes=sum(t.numel() for t in nf4), nf4_stored=tuple(t.numel() for t in nf4))
 
 
 def _dim0(params: list[torch.Tensor]) -> tuple[int, ...]:
@@ -151,7 +148,7 @@ def build_model(build: ModelBuild, tp_group: TPGroup | None = None) -> torch.nn.
 
     With ``build.finetune``, the full model is adapted first, as the run's ``prepare_model`` does it: LoRA's
     adapters on the targeted linears, everything else frozen, and under QLoRA every block linear of the base in
-    NF4 (the linears :func:`torch_handle.finetune.build.quantize_base` replaces, with buffers of the stored shapes,
+    NF4 (the linears :func:`torch_handle.finetune.build.quantize_base` replaces, each with a ``weight_nf4`` of the stored size,
     4 bits a weight plus the double-quantised constants, and no values: nothing is quantised).
 
     Raises:
@@ -177,7 +174,7 @@ def _finetuned(model: torch.nn.Module, build: ModelBuild) -> torch.nn.Module:
 
     method, rank, alpha, dropout, targets = build.finetune
     wrap_lora(model, rank, alpha, dropout, targets)
-    if method == "qlora":  # the linears quantize_base replaces, with buffers of the stored shapes
+    if method == "qlora":  # the linears quantize_base replaces, weight_nf4 of the stored size
         quantize_linears(model, skip=QLORA_SKIP, shapes_only=True)
     return model
 

@@ -155,13 +155,12 @@ def split_experts(shape: ModelShape, ep: int) -> tuple[ModelShape, ModelShape]:
             ModelShape(tuple(n for n, _ in local), tuple(d for _, d in local), (True,) * len(local)))
 
 
-def rank_state_bytes(shape: ModelShape, variant: Variant, precision: str, dp: int, dp_rank: int, ep: int = 1,
-                     nf4_sharded: bool = False) -> States:
+def rank_state_bytes(shape: ModelShape, variant: Variant, precision: str, dp: int, dp_rank: int, ep: int = 1
+                     ) -> States:
     """Model-state bytes of data-parallel rank ``dp_rank`` of ``dp`` with ``ep`` expert-parallel ranks: with ep = 1
     (or no experts) :func:`~torch_handle.plan.model_states.model_state_bytes` of the whole ``shape``; else that of
     the dense tensors over dp plus that of this rank's E / ep experts over the dp / ep ranks of its expert group
-    (index dp_rank // ep). ``nf4_sharded``: a QLoRA base priced as sharded NF4 parameters
-    (:func:`~torch_handle.plan.model_states.nf4_rank_bytes`).
+    (index dp_rank // ep).
 
     Raises:
         ValueError: ep does not divide dp or n_experts; a strategy without a memory model.
@@ -169,7 +168,7 @@ def rank_state_bytes(shape: ModelShape, variant: Variant, precision: str, dp: in
     from torch_handle.plan.model_states import States, model_state_bytes
 
     if ep == 1 or not any(shape.experts):
-        return model_state_bytes(shape, variant, precision, dp, dp_rank, nf4_sharded)
+        return model_state_bytes(shape, variant, precision, dp, dp_rank)
     if dp % ep:
         raise ValueError(f"parallel.ep = {ep} does not divide the data-parallel degree {dp}")
     dense, experts = split_experts(shape, ep)

@@ -167,8 +167,7 @@ def _greedy_owned(shape: ModelShape, world: int, rank: int) -> tuple[int, int]:
     return mine[0], mine[1]
 
 
-def model_state_bytes(shape: ModelShape, variant: Variant, precision: str, world: int, rank: int = 0,
-                      nf4_sharded: bool = False) -> States:
+def model_state_bytes(shape: ModelShape, variant: Variant, precision: str, world: int, rank: int = 0) -> States:
     """:func:`trainable_state_bytes` of ``shape``'s trainable parameters plus its frozen base
     (:func:`frozen_param_bytes`), which adds to ``param`` (and ``frozen_param``) alone: a frozen parameter has no
     gradient and no optimizer state under any strategy (Hu et al. 2021, §4.2).
@@ -179,18 +178,20 @@ def model_state_bytes(shape: ModelShape, variant: Variant, precision: str, world
     s = trainable_state_bytes(shape, variant, precision, world, rank)
     if shape.frozen_numels or shape.stored_bytes:
         device, host = frozen_param_bytes(shape, variant, precision, world, rank)
-        s.nf4 = nf4_rank_bytes(shape, variant, world, rank, nf4_sharded)
+        nf4_device, nf4_host = nf4_rank_bytes(shape, variant, world, rank)
+        s.nf4 = nf4_device + nf4_host
         s.frozen_param = device + host + s.nf4
         s.param += s.frozen_param
-        s.host_param += host
+        s.host_param += host + nf4_host
     return s
 
 
-def frozen_param_bytes(shape: ModelShape, variant: Variant, precision: str, world: int, rank: int = 0
-                       ) -> tuple[int, int]:
+def frozen_param_bytes(shape: ModelShape, variant: Variant, precision: str, world: int, rank: int = 0,
+                       element_bytes: int | None = None) -> tuple[int, int]:
     """(device, host) bytes of the frozen parameters one rank holds, in the dtype and sharding the strategy gives
-    every parameter (QLoRA's NF4 weights, buffers: :func:`nf4_rank_bytes`). F = frozen parameters, b as in
-    :func:`trainable_state_bytes`.
+    every parameter (QLoRA's NF4 weights apart: :func:`nf4_rank_bytes`). F = frozen parameters, b as in
+    :func:`trainable_state_bytes`; ``element_bytes``: the bytes of an element of ``shape``'s own tensors (not its
+    ``frozen`` ones) in a dtype no strategy casts, in place of 4 and b (the NF4 base).
 
     * single, ddp, scratch-ddp, deepspeed stage 0 in fp32: the fp32 model, whole: 4F.
     * fsdp (FSDP2 shards every parameter of a ``fully_shard`` unit, frozen or not): 4 x its padded dim-0 chunk.
@@ -209,13 +210,16 @@ def frozen_param_bytes(shape: ModelShape, variant: Variant, precision: str, worl
         ValueError: a strategy that is not built in.
     """
     frozen, b, name = shape.frozen, _model_dtype_bytes(precision), variant.strategy
+    if element_bytes is not None:  # a dtype no strategy casts (QLoRA's uint8 NF4 storage)
+        frozen, b = shape, element_bytes
+    fp32 = element_bytes or 4
     if name in ("single", "ddp", "scratch-ddp"):
-        return 4 * frozen.n_params, 0
+        return fp32 * frozen.n_params, 0
     if name == "fsdp":
-        return 4 * _fsdp_local(frozen, world, 0)[0], 0
+        return fp32 * _fsdp_local(frozen, world, 0)[0], 0
     if name == "scratch-fsdp":
         padded, owned, _ = _fsdp_local(frozen, world, rank)
-        return 4 * owned + (b * padded * world if variant.zero_stage == 2 else 0), 0
+        return fp32 * owned + (b * padded * world if variant.zero_stage == 2 else 0), 0
     if name != "deepspeed":
         raise ValueError(f"no memory model for a frozen base under strategy {name!r}")
     if variant.zero_stage < 3:
@@ -227,8 +231,8 @@ def frozen_param_bytes(shape: ModelShape, variant: Variant, precision: str, worl
 
 
 def shards_parameters(variant: Variant) -> bool:
-    """Whether the variant shards parameters (fsdp, scratch-fsdp, ZeRO-3), so would shard an NF4 base that is a
-    parameter (a tensor subclass, issue 39): :func:`nf4_rank_bytes` with ``sharded``. None shards it yet."""
+    """Whether the variant shards parameters (fsdp, scratch-fsdp, ZeRO-3), so shards QLoRA's NF4 base too (a frozen
+    uint8 parameter: :func:`nf4_rank_bytes`)."""
     return variant.strategy in ("fsdp", "scratch-fsdp") or (variant.strategy == "deepspeed"
                                                              and variant.zero_stage == 3)
 
@@ -244,23 +248,20 @@ def nf4_stored_bytes(numel: int, block_size: int = 64, absmax_block_size: int = 
     return (numel + 1) // 2 + blocks + 4 * -(-blocks // absmax_block_size) + 4
 
 
-def nf4_rank_bytes(shape: ModelShape, variant: Variant, world: int, rank: int = 0, sharded: bool = False) -> int:
-    """Bytes of QLoRA's NF4 base on ``rank`` of ``world``.
+def nf4_rank_bytes(shape: ModelShape, variant: Variant, world: int, rank: int = 0) -> tuple[int, int]:
+    """(device, host) bytes of QLoRA's NF4 base on ``rank`` of ``world``.
 
-    Today the NF4 weights are module buffers, which no strategy shards (FSDP2 and ZeRO-3 shard parameters only;
-    DDP leaves constants out of its broadcast): every rank holds ``shape.stored_bytes`` whole, whatever
-    ``variant``. A pipeline stage holds its own layers' (``shape`` is then the stage's).
-
-    ``sharded`` (variants that :func:`shards_parameters` only): the NF4 weight as a parameter cut on dim 0 like any other
-    (torchao's ``NF4Tensor`` under FSDP2): each rank keeps c = ceil(dim0 / W) rows (padded, as FSDP2 pads every
-    shard to c rows) of every weight, i.e. the codes, absmax codes and scales of c x (numel / dim0) elements, and
-    the 4-byte mean replicated: :func:`nf4_stored_bytes` of that chunk. Whole quantisation blocks need c x
-    numel / dim0 to be a multiple of 64 (and of 16,384 for whole scale groups), true of every Llama linear for
-    W <= 8. What the design of issue 39 would hold; the estimate says which it priced.
+    Each NF4 linear stores its weight as one frozen uint8 parameter, ``weight_nf4`` of
+    :func:`nf4_stored_bytes` bytes (``shape.nf4_stored``), which every strategy holds as it holds a frozen
+    parameter (:func:`frozen_param_bytes` at one byte an element, no cast): whole under single, ddp, scratch-ddp
+    and ZeRO-0/1/2; ceil(bytes / W) a rank under fsdp and ZeRO-3 (on the host with ``offload_param``); this rank's
+    own bytes under scratch-fsdp (plus the gathered whole at its stage 2). A pipeline stage holds its own layers'
+    (``shape`` is then the stage's).
     """
-    if not (sharded and shards_parameters(variant)):
-        return shape.stored_bytes
-    return sum(nf4_stored_bytes(-(-d0 // world) * (n // d0)) for n, d0 in zip(shape.nf4_numels, shape.nf4_dim0))
+    if not shape.nf4_stored:
+        return 0, 0
+    return frozen_param_bytes(ModelShape(shape.nf4_stored, shape.nf4_stored), variant, "fp32", world, rank,
+                              element_bytes=1)
 
 
 def trainable_state_bytes(shape: ModelShape, variant: Variant, precision: str, world: int, rank: int = 0

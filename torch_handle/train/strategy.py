@@ -31,7 +31,6 @@ import torch.distributed as dist
 
 from torch_handle.common.precision import torch_dtype
 from torch_handle.config.loader import TrainingConfig
-from torch_handle.finetune.nf4 import nf4_buffers
 from torch_handle.model.router import register_expert_bias_updates
 from torch_handle.observe.fields import FROZEN_PARAM_BYTES, PARAM_BYTES, TRAINABLE_PARAM_BYTES
 
@@ -287,11 +286,9 @@ class Strategy:
 
     def param_bytes_split(self) -> dict[str, int]:
         """This rank's ``param_bytes`` as trainable + frozen (the memory telemetry's three fields, bytes). Frozen:
-        the frozen parameters plus the weights a quantised base keeps as buffers (QLoRA's NF4 linears, which are
-        no parameters: replicated on every rank, as FSDP2 and ZeRO-3 shard parameters only). A full fine-tune:
-        frozen 0."""
-        stored = tensor_bytes(nf4_buffers(self.unwrapped()))
-        total, frozen = self.param_bytes() + stored, self.frozen_param_bytes() + stored
+        the frozen parameters, QLoRA's NF4 weights among them (frozen uint8 parameters, held as the strategy holds
+        parameters: this rank's shard under fsdp, scratch-fsdp and ZeRO-3). A full fine-tune: frozen 0."""
+        total, frozen = self.param_bytes(), self.frozen_param_bytes()
         return {PARAM_BYTES: total, TRAINABLE_PARAM_BYTES: total - frozen, FROZEN_PARAM_BYTES: frozen}
 
     def optimizer_bytes(self) -> int:
