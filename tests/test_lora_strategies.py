@@ -65,10 +65,16 @@ def lora_runs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("lora")
     path = root / "lora.toml"
     path.write_text(_preset_text(root / "runs"))
+    return strategy_runs(path, root, STRATEGIES)
+
+
+def strategy_runs(path: Path, root: Path, strategies: dict[str, list[str]]) -> dict[str, Path]:
+    """``handle run`` of the preset at ``path`` once per entry of ``strategies`` (name -> its ``--set``
+    overrides), and the single-process reference (:func:`_single`) as ``"single"``: name -> run directory."""
     env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(root / "torch_extensions")}
     # two at a time: a tiny 2-process run is mostly process start-up (imports, rendezvous), which overlaps
     commands = {name: ("run", str(path), *[x for s in [f"run.name={name}", *sets] for x in ("--set", s)])
-                for name, sets in STRATEGIES.items()}
+                for name, sets in strategies.items()}
     runs = {}
     for name, (code, out) in handle_at_once(commands, at_once=2, env=env).items():
         assert code == 0, f"{name}:\n{out[-3000:]}"
@@ -176,6 +182,12 @@ def _adapters(run_dir: Path) -> dict[str, torch.Tensor]:
 def test_a_split_run_exports_the_one_process_files(lora_runs, name, tmp_path):
     """The split run's final weights are the one-process adapters (gathered over the TP ranks / joined from the
     stages, under the one-process names): its peft export and its merged export match the single process's."""
+    assert_exports_match(lora_runs, name, tmp_path)
+
+
+def assert_exports_match(runs: dict[str, Path], name: str, tmp_path: Path) -> None:
+    """Run ``name``'s peft export and merged export equal the single run's, file for file and tensor for
+    tensor."""
     from safetensors.torch import load_file
 
     from torch_handle.infer.adapter_export import export_run
@@ -184,12 +196,15 @@ def test_a_split_run_exports_the_one_process_files(lora_runs, name, tmp_path):
         files = {}
         for run in ("single", name):
             out = tmp_path / f"{run}-{merge}"
-            export_run(lora_runs[run], out, merge=merge)
+            export_run(runs[run], out, merge=merge)
             files[run] = {f.name: f for f in out.iterdir()}
         assert files["single"].keys() == files[name].keys()
-        for file in (f for f in files["single"] if f.endswith(".safetensors")):
+        tensors = [f for f in files["single"] if f.endswith(".safetensors")]
+        assert tensors, files["single"]
+        for file in tensors:
             want, got = load_file(str(files["single"][file])), load_file(str(files[name][file]))
             assert want.keys() == got.keys(), (name, file)
+            assert any("lora_B" in k for k in want) != merge, file  # merged: no adapters left; peft: adapters
             for key in want:
                 torch.testing.assert_close(got[key], want[key], rtol=1e-4, atol=1e-6, msg=f"{name} {file} {key}")
 

@@ -166,6 +166,14 @@ class DeepSpeedStrategy(Strategy):
             return tensor_bytes(getattr(p, "ds_tensor", None) for p in params)
         return tensor_bytes(params)
 
+    def local_shard(self, param: torch.Tensor) -> torch.Tensor:
+        """ZeRO-3: this rank's partition (``ds_tensor``) without its padding; stages 0-2: the parameter."""
+        part = getattr(param, "ds_tensor", None)
+        if not self._zero3() or part is None:
+            return param
+        owned = max(0, min(part.numel(), param.ds_numel - self.ctx.rank * part.numel()))
+        return part.narrow(0, 0, owned)
+
     def frozen_param_bytes(self) -> int:
         return self.param_bytes(frozen_only=True)
 

@@ -95,6 +95,10 @@ class FSDPStrategy(Strategy):
     def param_bytes(self) -> int:
         return tensor_bytes(_local(p) for p in self.model.parameters())
 
+    def local_shard(self, param: torch.Tensor) -> torch.Tensor:
+        """The DTensor's local rows (FSDP2's ``Shard(0)``; the root unit may be left gathered after a forward)."""
+        return _local(param)
+
     def grad_bytes(self) -> int:
         return tensor_bytes(_local(p.grad) for p in self.model.parameters() if p.grad is not None)
 

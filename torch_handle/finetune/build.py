@@ -53,6 +53,24 @@ def prepare_model(model: nn.Module, preset: Any, *, new_run: bool, load_base: Ca
     return notes
 
 
+def nf4_digest(model: nn.Module, local_shard: Callable[[torch.Tensor], torch.Tensor]) -> str | None:
+    """SHA-256 (hex) of this rank's part of ``model``'s NF4 base: every ``weight_nf4``, as ``local_shard`` (the
+    strategy's :meth:`~torch_handle.train.strategy.Strategy.local_shard`) gives this rank's bytes of it, in
+    registration order; None without NF4 linears. Taken before the first step and after the last, it proves the
+    frozen base bitwise unchanged by training (the trainer records both in run.json, ``nf4_sha256``)."""
+    import hashlib
+
+    from torch_handle.finetune.nf4 import nf4_storage
+
+    storage = nf4_storage(model)
+    if not storage:
+        return None
+    digest = hashlib.sha256()
+    for t in storage:
+        digest.update(local_shard(t).detach().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
 def quantize_base(model: nn.Module) -> list[str]:
     """QLoRA's frozen base (Dettmers et al. 2023, §3): every linear of the blocks, adapted or not, becomes an
     ``NF4Linear`` (4.127 bits a weight, double-quantised), as the paper quantises every linear layer of the base;

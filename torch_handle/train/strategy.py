@@ -280,6 +280,12 @@ class Strategy:
         """Bytes of model parameters this rank holds (its shard under ZeRO-3/FSDP)."""
         return tensor_bytes(self.model.parameters())
 
+    def local_shard(self, param: torch.Tensor) -> torch.Tensor:
+        """The part of the model's parameter ``param`` this rank stores between steps, (elements,) or its shape:
+        the parameter itself where it is whole (single, DDP, ZeRO-1/2); a sharding strategy's own rows of it.
+        What a QLoRA run hashes to prove its NF4 base unchanged (:func:`torch_handle.finetune.build.nf4_digest`)."""
+        return param
+
     def frozen_param_bytes(self) -> int:
         """Bytes of the frozen parameters (``requires_grad`` False: a LoRA run's base) among :meth:`param_bytes`."""
         return tensor_bytes(p for p in self.unwrapped().parameters() if not p.requires_grad)

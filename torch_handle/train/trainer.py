@@ -25,7 +25,7 @@ from torch_handle.checkpoint import hf_dir, shared_dirs, store as ckpt
 from torch_handle.common.fsio import replacing
 from torch_handle.common.testhooks import DELAY_ENV, HANG_ENV, parse_test_delay, parse_test_hang
 from torch_handle.config.loader import Preset
-from torch_handle.finetune.build import prepare_model
+from torch_handle.finetune.build import nf4_digest, prepare_model
 from torch_handle.launch import data_identity
 from torch_handle.data.datasets import DataBundle, DataContext, GlobalBatchSampler, ResumableDistributedSampler
 from torch_handle.model.parallelize import model_blocks
@@ -138,6 +138,7 @@ class Trainer:
         self.strategy: Strategy = strategy_plugin.factory(p.strategy.options, self.training, ctx, model)
         self.state_io = self.strategy if self.share is None else self.share.bind(self.strategy)  # saves, loads itself
         self.loop = self.pipeline or self.strategy.micro_batch_loop() or GradientAccumulation()
+        self.nf4_start = nf4_digest(self.strategy.unwrapped(), self.strategy.local_shard)  # QLoRA's base as built
 
         t = self.training
         # the samples of each step depend on the seed and the step, not on the world size (see GlobalBatchSampler)
@@ -402,9 +403,24 @@ class Trainer:
                 if stop and not last:
                     status = Status.STOPPED
                     break
+        self.check_nf4()
         if status == Status.FINISHED:
             self.export()
         return status
+
+    def check_nf4(self) -> None:
+        """QLoRA: every rank's NF4 bytes hashed again and gathered, run.json's ``nf4_sha256`` = {"start": [per
+        rank], "end": [per rank]}; a rank whose base changed is logged as an error (a frozen base must not move).
+        Collective (every rank calls it); nothing without NF4 linears."""
+        if self.nf4_start is None:
+            return
+        end = nf4_digest(self.strategy.unwrapped(), self.strategy.local_shard)
+        pairs = self.gather((self.nf4_start, end))
+        if self.is_dir_main:
+            update_run_info(self.run_dir, nf4_sha256={"start": [a for a, _ in pairs], "end": [b for _, b in pairs]})
+        if end != self.nf4_start:
+            log.error("the NF4 base changed in training on rank %d (sha256 %s at the start, %s now)",
+                      self.ctx.rank, self.nf4_start[:12], end[:12])
 
     def close(self, status: str, message: str = "") -> None:
         strategy = getattr(self, "strategy", None)  # None when build() failed before the strategy existed

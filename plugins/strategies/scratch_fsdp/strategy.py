@@ -178,6 +178,10 @@ class ScratchFSDPStrategy(Strategy):
         frozen = tensor_bytes(sp.shard for unit in self.units for sp in unit.params if not sp.trainable)
         return gathered + frozen + (self.master_bytes() if self.gatherer is not None else 0)
 
+    def local_shard(self, param: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of ``param`` (its :class:`ShardedParam`'s ``shard``)."""
+        return next(sp.shard for unit in self.units for sp in unit.params if sp.param is param)
+
     def frozen_param_bytes(self) -> int:
         """The frozen parameters' part of :meth:`param_bytes`: their shards and whatever full weights of theirs are
         gathered now (every one at ZeRO-2; none between steps at ZeRO-3)."""

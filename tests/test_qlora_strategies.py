@@ -1,0 +1,130 @@
+"""QLoRA under the sharding strategies and the pipeline: one module-scoped set of real 2-process torchrun runs (the
+tiny Llama-shaped decoder of tests/test_lora_strategies.py, adapters on every linear, every block linear of the base
+in NF4, fp32, dropout 0, 3 steps: the adapters' B leaves zero at step 1, so steps 2-3 compare adapted models)
+against the single-process QLoRA run of the same preset in this process (grad_accum 2: the same samples per step).
+fsdp (FSDP2), scratch-fsdp and DeepSpeed ZeRO-3 run dp 2 and shard every linear's ``weight_nf4`` (a frozen uint8
+parameter) on dim 0; ZeRO-2 runs dp 2 with the base whole; the pipeline runs pp 2, each stage its own layers'
+NF4. Each gives the single-process losses
+within 1e-5; each rank's NF4 bytes hash, before the first step and after the last, to exactly its chunk of the
+one-process base's bytes (unchanged, and sharded as torch.chunk cuts it); rank 0's model states equal
+``handle estimate``'s to the byte, its NF4 base at most 0.55x the one-process base when sharded; and every run's
+adapters export (peft's format, and merged) as the one-process run's."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.test_distributed import events, step_losses
+from tests.test_lora_strategies import _preset_text, assert_exports_match, strategy_runs
+
+pytestmark = pytest.mark.dist
+
+STRATEGIES = {"fsdp": ["strategy.name=fsdp"], "scratch-fsdp": ["strategy.name=scratch-fsdp"],
+              "zero2": ["strategy.name=deepspeed", "strategy.zero_stage=2"],
+              "zero3": ["strategy.name=deepspeed", "strategy.zero_stage=3"],
+              "pp": ["parallel.pp=2", "parallel.pp_impl=scratch", "training.grad_accum=2"]}
+SHARDED = ("fsdp", "scratch-fsdp", "zero3")
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def qlora_runs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("qlora")
+    path = root / "qlora.toml"
+    text = _preset_text(root / "runs").replace('method = "lora"', 'method = "qlora"')
+    path.write_text(text.replace("steps = 4", f"steps = {STEPS}"))
+    return strategy_runs(path, root, STRATEGIES)
+
+
+@pytest.fixture(scope="module")
+def base(qlora_runs) -> torch.nn.Module:
+    """The one-process QLoRA model rebuilt from the single run (its base quantised again, hash-checked)."""
+    from torch_handle.infer.generate import load_run
+
+    return load_run(qlora_runs["single"]).model
+
+
+def test_the_preset_is_qlora_for_steps(qlora_runs):
+    reference = step_losses(qlora_runs["single"])
+    assert sorted(reference) == list(range(1, STEPS + 1))
+    text = (qlora_runs["fsdp"] / "preset.toml").read_text()
+    assert 'method = "qlora"' in text and "dropout = 0.0" in text
+
+
+def test_every_layout_gives_the_single_process_losses(qlora_runs):
+    reference = step_losses(qlora_runs["single"])
+    for name in STRATEGIES:
+        losses = step_losses(qlora_runs[name])
+        assert sorted(losses) == sorted(reference), name
+        worst = max(abs(losses[s] - reference[s]) for s in reference)
+        assert worst <= 1e-5, f"{name}: losses differ from the single process's by up to {worst:.2e}"
+
+
+def _digest(chunks: list[torch.Tensor]) -> str:
+    digest = hashlib.sha256()
+    for t in chunks:
+        digest.update(t.contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def test_each_rank_holds_its_chunk_of_the_nf4_base_unchanged(qlora_runs, base):
+    """run.json's ``nf4_sha256``: per rank, the hash of its NF4 bytes before the first step and after the last.
+    They are equal (training moved no code), and equal to the hash of that rank's chunk of the one-process
+    base's ``weight_nf4`` tensors: torch.chunk(2)[rank] of each under the sharding strategies, the rank's own
+    layer's under pp 2, the whole under ZeRO-2 and the single process."""
+    from torch_handle.finetune.nf4 import nf4_storage
+
+    storage = nf4_storage(base)
+    layers = [nf4_storage(layer) for layer in base.layers]
+    for name, run in qlora_runs.items():
+        hashes = json.loads((run / "run.json").read_text())["nf4_sha256"]
+        assert hashes["start"] == hashes["end"], name
+        if name == "single":
+            want = [_digest(storage)]
+        elif name == "pp":
+            want = [_digest(layers[0]), _digest(layers[1])]
+        elif name == "zero2":  # ZeRO-2 partitions the optimizer's (the adapters'), not the frozen parameters
+            want = [_digest(storage)] * 2
+        else:
+            want = [_digest([t.chunk(2)[rank] for t in storage]) for rank in range(2)]
+        assert hashes["end"] == want, name
+
+
+def test_rank_memory_is_the_estimate_to_the_byte(qlora_runs, base):
+    """``handle estimate`` of each run's own preset.toml, rank 0: trainable and frozen parameter bytes (the NF4
+    base among the frozen), gradients and optimizer state equal its memory telemetry exactly; its ``nf4_bytes`` are
+    the bytes of rank 0's chunks of the one-process base, at most 0.55x the whole base when sharded."""
+    from torch_handle.config.loader import load_preset
+    from torch_handle.finetune.nf4 import nf4_storage
+    from torch_handle.plan.estimate import estimate_preset
+    from torch_handle.registry import get_registry
+
+    registry = get_registry()
+    whole = sum(t.numel() for t in nf4_storage(base))
+    keys = ("trainable_param_bytes", "frozen_param_bytes", "grad_bytes", "optimizer_bytes")
+    for name, run in qlora_runs.items():
+        step = [e for e in events(run, "step") if "memory" in e][-1]
+        world = 1 if name == "single" else 2
+        rows = estimate_preset(load_preset(run / "preset.toml", [], registry), registry, [world], rank=0)
+        for row in rows:
+            estimated = {k: row.as_dict()[k] for k in keys}
+            assert estimated == {k: step["memory"][row.rank][k] for k in keys}, (name, row.rank)
+        if name in SHARDED:
+            assert rows[0].nf4_layout == "sharded"
+            assert rows[0].nf4_bytes == sum(t.chunk(2)[0].numel() for t in nf4_storage(base)) <= 0.55 * whole
+        elif name == "pp":
+            assert [r.nf4_bytes for r in rows] == [sum(t.numel() for t in nf4_storage(la)) for la in base.layers]
+        else:
+            assert rows[0].nf4_bytes == whole
+
+
+@pytest.mark.parametrize("name", list(STRATEGIES))
+def test_every_layout_exports_the_one_process_adapters(qlora_runs, name, tmp_path):
+    """The run's peft export (adapters alone) and merged export (the dequantised base with the adapters folded
+    in) match the single process's."""
+    assert_exports_match(qlora_runs, name, tmp_path)
