@@ -97,8 +97,9 @@ def test_each_rank_holds_its_chunk_of_the_nf4_base_unchanged(qlora_runs, base):
 
 def test_rank_memory_is_the_estimate_to_the_byte(qlora_runs, base):
     """``handle estimate`` of each run's own preset.toml, rank 0: trainable and frozen parameter bytes (the NF4
-    base among the frozen), gradients and optimizer state equal its memory telemetry exactly; its ``nf4_bytes`` are
-    the bytes of rank 0's chunks of the one-process base, at most 0.55x the whole base when sharded."""
+    base among the frozen), gradients and optimizer state equal its memory telemetry exactly; its ``nf4_bytes``
+    equal what rank 0 stores (run.json's ``nf4_bytes``, per rank: its chunks of the one-process base's bytes), at
+    most 0.55x the whole base when sharded."""
     from torch_handle.config.loader import load_preset
     from torch_handle.finetune.nf4 import nf4_storage
     from torch_handle.plan.estimate import estimate_preset
@@ -114,13 +115,16 @@ def test_rank_memory_is_the_estimate_to_the_byte(qlora_runs, base):
         for row in rows:
             estimated = {k: row.as_dict()[k] for k in keys}
             assert estimated == {k: step["memory"][row.rank][k] for k in keys}, (name, row.rank)
+        held = json.loads((run / "run.json").read_text())["nf4_bytes"]  # what each rank stores
         if name in SHARDED:
-            assert rows[0].nf4_layout == "sharded"
+            assert held == [sum(t.chunk(2)[rank].numel() for t in nf4_storage(base)) for rank in range(2)], name
+            assert rows[0].nf4_layout == "sharded" and rows[0].nf4_bytes == held[0]
             assert rows[0].nf4_bytes == sum(t.chunk(2)[0].numel() for t in nf4_storage(base)) <= 0.55 * whole
         elif name == "pp":
-            assert [r.nf4_bytes for r in rows] == [sum(t.numel() for t in nf4_storage(la)) for la in base.layers]
+            assert [r.nf4_bytes for r in rows] == held == [sum(t.numel() for t in nf4_storage(la))
+                                                           for la in base.layers]
         else:
-            assert rows[0].nf4_bytes == whole
+            assert rows[0].nf4_bytes == whole and held == [whole] * world
 
 
 @pytest.mark.parametrize("name", list(STRATEGIES))

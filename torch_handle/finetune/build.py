@@ -53,11 +53,12 @@ def prepare_model(model: nn.Module, preset: Any, *, new_run: bool, load_base: Ca
     return notes
 
 
-def nf4_digest(model: nn.Module, local_shard: Callable[[torch.Tensor], torch.Tensor]) -> str | None:
-    """SHA-256 (hex) of this rank's part of ``model``'s NF4 base: every ``weight_nf4``, as ``local_shard`` (the
-    strategy's :meth:`~torch_handle.train.strategy.Strategy.local_shard`) gives this rank's bytes of it, in
+def nf4_digest(model: nn.Module, local_shard: Callable[[torch.Tensor], torch.Tensor]) -> tuple[str, int] | None:
+    """(SHA-256 hex, bytes) of this rank's part of ``model``'s NF4 base: every ``weight_nf4``, as ``local_shard``
+    (the strategy's :meth:`~torch_handle.train.strategy.Strategy.local_shard`) gives this rank's bytes of it, in
     registration order; None without NF4 linears. Taken before the first step and after the last, it proves the
-    frozen base bitwise unchanged by training (the trainer records both in run.json, ``nf4_sha256``)."""
+    frozen base bitwise unchanged by training (the trainer records both in run.json, ``nf4_sha256``, and the bytes,
+    ``nf4_bytes``)."""
     import hashlib
 
     from torch_handle.finetune.nf4 import nf4_storage
@@ -65,10 +66,12 @@ def nf4_digest(model: nn.Module, local_shard: Callable[[torch.Tensor], torch.Ten
     storage = nf4_storage(model)
     if not storage:
         return None
-    digest = hashlib.sha256()
+    digest, nbytes = hashlib.sha256(), 0
     for t in storage:
-        digest.update(local_shard(t).detach().cpu().contiguous().numpy().tobytes())
-    return digest.hexdigest()
+        local = local_shard(t).detach().cpu().contiguous()
+        digest.update(local.numpy().tobytes())
+        nbytes += local.numel() * local.element_size()
+    return digest.hexdigest(), nbytes
 
 
 def quantize_base(model: nn.Module) -> list[str]:

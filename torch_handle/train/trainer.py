@@ -410,17 +410,19 @@ class Trainer:
 
     def check_nf4(self) -> None:
         """QLoRA: every rank's NF4 bytes hashed again and gathered, run.json's ``nf4_sha256`` = {"start": [per
-        rank], "end": [per rank]}; a rank whose base changed is logged as an error (a frozen base must not move).
-        Collective (every rank calls it); nothing without NF4 linears."""
+        rank], "end": [per rank]} and ``nf4_bytes`` = [per rank: the NF4 bytes it stores]; a rank whose base changed
+        is logged as an error (a frozen base must not move). Collective (every rank calls it); nothing without NF4
+        linears."""
         if self.nf4_start is None:
             return
         end = nf4_digest(self.strategy.unwrapped(), self.strategy.local_shard)
         pairs = self.gather((self.nf4_start, end))
         if self.is_dir_main:
-            update_run_info(self.run_dir, nf4_sha256={"start": [a for a, _ in pairs], "end": [b for _, b in pairs]})
+            update_run_info(self.run_dir, nf4_bytes=[b[1] for _, b in pairs],
+                            nf4_sha256={"start": [a[0] for a, _ in pairs], "end": [b[0] for _, b in pairs]})
         if end != self.nf4_start:
             log.error("the NF4 base changed in training on rank %d (sha256 %s at the start, %s now)",
-                      self.ctx.rank, self.nf4_start[:12], end[:12])
+                      self.ctx.rank, self.nf4_start[0][:12], end[0][:12])
 
     def close(self, status: str, message: str = "") -> None:
         strategy = getattr(self, "strategy", None)  # None when build() failed before the strategy existed
