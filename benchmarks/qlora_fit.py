@@ -8,11 +8,9 @@ Rows (bytes of the rank that holds the most, as ``handle estimate`` prices it):
 
 * full: ``finetune.method = "none"`` under fsdp (FSDP2: fp32 parameters, gradients and Adam state sharded);
 * lora: rank-16 adapters on every linear, the frozen base sharded by fsdp (fp32, as handle keeps it);
-* qlora: the block linears in NF4 under ddp (every rank the whole NF4 base: what handle runs today);
-* qlora+fsdp today: fsdp, the NF4 buffers whole on every rank (handle refuses this layout so far; the row prices
-  what it would hold);
-* qlora+fsdp sharded: the NF4 base cut on dim 0 by whole blocks as a sharded NF4 parameter would be (issue 39's
-  design, ``estimate_preset(nf4_sharded=True)``; not run yet).
+* qlora: the block linears in NF4 under ddp (every rank the whole NF4 base);
+* qlora+fsdp: fsdp, every NF4 linear's ``weight_nf4`` (a frozen uint8 parameter) sharded on dim 0 like the rest
+  (docs/qlora.md, "Sharded").
 
 Each cell: GiB per device, then ``24`` / ``80`` where it fits a device of that many GiB (``-`` where it fits
 neither). Not counted (as ``handle estimate`` says): allocator caching, communication buffers, FSDP's gathered
@@ -37,12 +35,11 @@ MODELS = {"8b": [], "70b": ["model.d_model=8192", "model.n_heads=64", "model.n_l
 COMMON = ["training.precision=bf16"]
 """The preset leaves precision at auto (every shipped preset does); the table is for a bf16 GPU."""
 """Llama-3-70B differs from 8B in these (both: 8 key/value heads, vocabulary 128,256, untied, RoPE 500,000)."""
-CASES = {  # label: (overrides, strategy, nf4_sharded)
-    "full": (["finetune.method=none"], "fsdp", False),
-    "lora": (["finetune.method=lora"], "fsdp", False),
-    "qlora": ([], "ddp", False),
-    "qlora+fsdp today": ([], "fsdp", False),
-    "qlora+fsdp sharded": ([], "fsdp", True),
+CASES = {  # label: (overrides, strategy)
+    "full": (["finetune.method=none"], "fsdp"),
+    "lora": (["finetune.method=lora"], "fsdp"),
+    "qlora": ([], "ddp"),
+    "qlora+fsdp": ([], "fsdp"),
 }
 GIB = 1 << 30
 
@@ -52,12 +49,11 @@ def rows(models: list[str], nprocs: list[int]) -> list[dict]:
     out = []
     for model in models:
         for checkpointing in (True, False):
-            for label, (overrides, strategy, sharded) in CASES.items():
+            for label, (overrides, strategy) in CASES.items():
                 preset = load_preset(PRESET, [*COMMON, *MODELS[model], *overrides,
                                               f"model.activation_checkpointing={str(checkpointing).lower()}"],
                                      registry)
-                for r in estimate_preset(preset, registry, nprocs, [Variant(strategy, strategy)],
-                                         nf4_sharded=sharded):
+                for r in estimate_preset(preset, registry, nprocs, [Variant(strategy, strategy)]):
                     out.append({"model": model, "case": label, "activation_checkpointing": checkpointing,
                                 **{k: v for k, v in r.as_dict().items() if k not in ("options", "fits")}})
     return out

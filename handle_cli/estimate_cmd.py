@@ -136,16 +136,14 @@ def finetune_line(row, preset) -> str:
 def qlora_line(rows: list) -> str:
     """A QLoRA preset's NF4 base per rank and the rows ``handle run`` refuses, from its estimates."""
     sizes = sorted({r.nf4_bytes for r in rows})
-    how = {"whole": "whole on every rank: the NF4 weights are buffers, which no strategy shards yet",
+    how = {"whole": "whole on every rank where the strategy does not shard parameters",
            "stage": "each pipeline rank its own stages' layers", "sharded": "cut on dim 0 under fsdp, "
-           "scratch-fsdp and ZeRO-3 as a sharded NF4 parameter would be (not run yet)"}
+           "scratch-fsdp and ZeRO-3, as they shard every parameter"}
     layouts = "; ".join(how[x] for x in sorted({r.nf4_layout for r in rows}))
-    refused = sorted({r.strategy for r in rows if not r.finetune_runs})
     text = f"NF4 base: {' to '.join(fmt_bytes(x, precise=True) for x in sizes[::max(1, len(sizes) - 1)])} per " \
            f"rank ({layouts}), part of frozen"
-    if refused:
-        text += (f"; handle run refuses QLoRA under {', '.join(refused)} so far (docs/qlora.md): those rows price "
-                 f"what it would hold")
+    if any(not r.finetune_runs for r in rows):
+        text += "; handle run refuses QLoRA with tp > 1 (docs/qlora.md): these rows price what it would hold"
     return text
 
 

@@ -120,7 +120,7 @@ class Estimate:
     (QLoRA: every strategy, without tp); rows it refuses are priced as it would hold them."""
     finetune: dict[str, Any] | None = None
     """A fine-tuning preset's ``finetune_method``, ``trainable_params``, ``frozen_params`` (parameters; QLoRA's
-    NF4 weights are buffers, counted by neither, as the run's ``model_params`` leaves them out) and
+    NF4 storage counted by neither, as the run's ``model_params`` leaves it out) and
     ``flops_per_token`` (training FLOPs, what the run's tflops and MFU count: :func:`~torch_handle.finetune.lora.
     lora_flops_per_token`); ``as_dict`` gives them as top-level keys. None for a full training run."""
 

@@ -26,6 +26,7 @@ from torch_handle.common.fsio import replacing
 from torch_handle.common.testhooks import DELAY_ENV, HANG_ENV, parse_test_delay, parse_test_hang
 from torch_handle.config.loader import Preset
 from torch_handle.finetune.build import nf4_digest, prepare_model
+from torch_handle.finetune.nf4 import nf4_storage
 from torch_handle.launch import data_identity
 from torch_handle.data.datasets import DataBundle, DataContext, GlobalBatchSampler, ResumableDistributedSampler
 from torch_handle.model.parallelize import model_blocks
@@ -119,7 +120,8 @@ class Trainer:
         prepare_model(model, p, new_run=not ckpt.list_checkpoints(self.run_dir / "checkpoints"),  # init_from, LoRA
                       load_base=hf_dir.load_into, note=lambda line: self.note(Level.INFO, line))
         flops = getattr(model, "flops_per_token", None)  # optional part of the model contract
-        self.model_info = {"params": sum(t.numel() for t in model.parameters()),
+        stored = sum(t.numel() for t in nf4_storage(model))  # QLoRA's NF4 bytes: weights, but not parameters
+        self.model_info = {"params": sum(t.numel() for t in model.parameters()) - stored,
                            "flops_per_token": float(flops(self.data.max_len)) if flops is not None else None}
         self.routing = RoutingTelemetry(model, ctx.tp_rank, ctx.dp_size)  # every MoE layer, before a pipeline split
         model.to(ctx.device)
