@@ -32,7 +32,7 @@ __all__ = ["ModelBuild", "ModelShape", "build_model", "model_build", "model_shap
 @dataclass(frozen=True)
 class ModelShape:
     """The trainable parameters of a model, each tensor once (tied weights once), in registration order, and what
-    a fine-tuning run holds frozen beside them (its base: parameters, and QLoRA's NF4 buffers)."""
+    a fine-tuning run holds frozen beside them (its base: parameters, QLoRA's NF4 storage among them)."""
 
     numels: tuple[int, ...]
     """Elements of each parameter tensor."""

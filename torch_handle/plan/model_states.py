@@ -95,7 +95,7 @@ class States:
     grad: int = 0
     optimizer: int = 0
     frozen_param: int = 0
-    """A fine-tuning run's frozen base (parameters and QLoRA's NF4 buffers), part of ``param``."""
+    """A fine-tuning run's frozen base (parameters, QLoRA's NF4 storage among them), part of ``param``."""
     nf4: int = 0
     """QLoRA's NF4 weights (packed codes, block absmax codes, second-level scales, means), part of
     ``frozen_param``."""
