@@ -68,7 +68,7 @@ def main() -> None:
         for r in rows:
             print(json.dumps({"one_process_nf4_bytes": whole, **r}))
         return
-    print(f"one process: NF4 base {whole:,} bytes, step {one['step_time_s']:.3f} s")
+    print(f"one process: NF4 base {whole:,} bytes")
     print("| strategy | nf4 / rank (bytes) | x one process | frozen / rank QLoRA | frozen / rank LoRA | step QLoRA (s) "
           "| step LoRA (s) | QLoRA / LoRA |")
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
