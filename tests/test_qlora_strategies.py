@@ -7,28 +7,32 @@ parameter) on dim 0; ZeRO-2 runs dp 2 with the base whole; the pipeline runs pp 
 NF4. Each gives the single-process losses
 within 1e-5; each rank's NF4 bytes hash, before the first step and after the last, to exactly its chunk of the
 one-process base's bytes (unchanged, and sharded as torch.chunk cuts it); rank 0's model states equal
-``handle estimate``'s to the byte, its NF4 base at most 0.55x the one-process base when sharded; and every run's
-adapters export (peft's format, and merged) as the one-process run's."""
+``handle estimate``'s to the byte, its NF4 base at most 0.55x the one-process base when sharded; every run's
+adapters export (peft's format, and merged) as the one-process run's; and the fsdp run resumed from its step-2
+checkpoint (the base quantised again and resharded) repeats step 3 exactly."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.helpers import handle_at_once
 from tests.test_distributed import events, step_losses
 from tests.test_lora_strategies import _preset_text, assert_exports_match, strategy_runs
 
 pytestmark = pytest.mark.dist
 
-STRATEGIES = {"fsdp": ["strategy.name=fsdp"], "scratch-fsdp": ["strategy.name=scratch-fsdp"],
+STRATEGIES = {"fsdp": ["strategy.name=fsdp", "training.checkpoint_every=2"], "scratch-fsdp": ["strategy.name=scratch-fsdp"],
               "zero2": ["strategy.name=deepspeed", "strategy.zero_stage=2"],
               "zero3": ["strategy.name=deepspeed", "strategy.zero_stage=3"],
               "pp": ["parallel.pp=2", "parallel.pp_impl=scratch", "training.grad_accum=2"]}
-SHARDED = ("fsdp", "scratch-fsdp", "zero3")
+SHARDED = ("fsdp", "scratch-fsdp", "zero3", "resumed")
+"""The runs whose NF4 base is sharded ("resumed": the fsdp run resumed from its step-2 checkpoint)."""
 STEPS = 3
 
 
@@ -38,7 +42,14 @@ def qlora_runs(tmp_path_factory) -> dict[str, Path]:
     path = root / "qlora.toml"
     text = _preset_text(root / "runs").replace('method = "lora"', 'method = "qlora"')
     path.write_text(text.replace("steps = 4", f"steps = {STEPS}"))
-    return strategy_runs(path, root, STRATEGIES)
+    runs = strategy_runs(path, root, STRATEGIES)
+    # the fsdp run again from its step-2 checkpoint: the base quantised again from the hash-checked one, resharded
+    resumed = root / "resumed"
+    shutil.copytree(runs["fsdp"], resumed)
+    shutil.rmtree(resumed / "checkpoints" / f"step-{STEPS}")
+    (code, out), = handle_at_once({"resumed": ("run", "--resume", str(resumed))}, at_once=1).values()
+    assert code == 0, out[-3000:]
+    return {**runs, "resumed": resumed}
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +74,13 @@ def test_every_layout_gives_the_single_process_losses(qlora_runs):
         assert sorted(losses) == sorted(reference), name
         worst = max(abs(losses[s] - reference[s]) for s in reference)
         assert worst <= 1e-5, f"{name}: losses differ from the single process's by up to {worst:.2e}"
+
+
+def test_a_resumed_sharded_run_continues_exactly(qlora_runs):
+    """Resumed from step 2, the fsdp run's step 3 repeats the uninterrupted loss bit for bit."""
+    steps = [e for e in events(qlora_runs["resumed"], "step")]
+    assert [e["step"] for e in steps] == [1, 2, 3, 3]
+    assert steps[-1]["loss"] == steps[2]["loss"] == step_losses(qlora_runs["fsdp"])[3]
 
 
 def _digest(chunks: list[torch.Tensor]) -> str:
