@@ -350,8 +350,10 @@ class PipelineParallel(PortableShare):
         weights = full_model_state(self.shard, *self._split())
         if self.ep is not None:
             self.ep.gather_state(self.shard, weights, None)
-        parts = self._gather(weights)
-        return None if parts is None else {k: v for part in parts if part for k, v in part.items()}
+        parts = self._gather(weights)  # every pipeline line's first rank gathers its line: keep rank 0's
+        if not self.ctx.is_main:
+            return None
+        return {k: v for part in parts if part for k, v in part.items()}
 
     def save(self, ckpt_dir: Path) -> None:
         """Join every stage's weights and optimizer state (by parameter name; gathered over TP and FSDP shards) on

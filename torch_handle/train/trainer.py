@@ -357,6 +357,8 @@ class Trainer:
         state = self.strategy.full_state_dict() if self.share is None else self.share.full_state_dict(model)
         if state is None:
             return
+        if not self.ctx.is_main:  # two writers race for one file (an empty dict once won: issue 38)
+            raise RuntimeError(f"rank {self.ctx.rank}: the run's share returned final weights off rank 0")
         from safetensors.torch import save_file
 
         # tied weights share storage, which safetensors refuses: store each tensor on its own
