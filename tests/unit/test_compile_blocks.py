@@ -20,9 +20,9 @@ from torch._dynamo.utils import counters
 
 from torch_handle.finetune.lora import apply_lora
 from torch_handle.model.args import TransformerArgs
-from torch_handle.model.moe import routing_stats
 from torch_handle.model.parallelize import model_blocks
 from torch_handle.model.transformer import DecoderLM
+from torch_handle.train.routing import routing_stats
 
 BACKEND = "eager"
 VOCAB, BATCH, SEQ, STEPS = 97, 2, 16, 3

@@ -13,11 +13,11 @@ import torch
 from torch import nn
 
 from torch_handle.model.args import TransformerArgs
-from torch_handle.model.aux_loss import probe_loss_scale, set_loss_scale
-from torch_handle.model.moe import MoEFeedForward, combine, dispatch, expert_capacity, routing_stats
-from torch_handle.model.router import TopKRouter, load_balancing_loss, register_expert_bias_updates, router_z_loss
+from torch_handle.model.moe import MoEFeedForward, combine, dispatch, expert_capacity
+from torch_handle.model.router import TopKRouter, load_balancing_loss, router_z_loss
 from torch_handle.model.transformer import build_transformer
-from torch_handle.train.loss import loss_fn
+from torch_handle.train.loss import AuxLossScale, loss_fn
+from torch_handle.train.routing import register_expert_bias_updates, routing_stats
 
 C, F, E = 16, 8, 4
 
@@ -201,7 +201,8 @@ def test_training_gradients_include_the_weighted_router_losses_scaled_as_the_los
     x, g, scale = torch.randn(2, 6, C), torch.randn(2, 6, C), 0.25
     moe.train()
     moe.zero_grad()
-    (probe_loss_scale((moe(x) * g).sum()) * scale).backward()
+    loss_scale = AuxLossScale(moe)
+    (loss_scale.probe((moe(x) * g).sum()) * scale).backward()
     got = moe.gate.weight.grad.clone()
 
     moe.eval()  # the same routing and output, nothing attached; the losses by hand
@@ -213,7 +214,7 @@ def test_training_gradients_include_the_weighted_router_losses_scaled_as_the_los
     (scale * ((moe(x) * g).sum() + aux + 0.2 * router_z_loss(routing.logits))).backward()
     torch.testing.assert_close(got, moe.gate.weight.grad, atol=1e-6, rtol=1e-5)
     moe.train()
-    set_loss_scale(1.0)
+    loss_scale.set(1.0)
     moe.zero_grad()
     (moe(x) * g).sum().backward()  # a backward not from the probed loss: the factor set by hand
     assert not torch.allclose(moe.gate.weight.grad, got)

@@ -32,8 +32,8 @@ import torch.distributed as dist
 from torch_handle.common.precision import torch_dtype
 from torch_handle.config.loader import TrainingConfig
 from torch_handle.finetune.nf4 import nf4_buffers
-from torch_handle.model.router import register_expert_bias_updates
 from torch_handle.observe.fields import FROZEN_PARAM_BYTES, PARAM_BYTES, TRAINABLE_PARAM_BYTES
+from torch_handle.train.routing import register_expert_bias_updates
 
 
 @dataclass

@@ -38,7 +38,7 @@ from torch_handle.observe.data_mix import step_source_tokens
 from torch_handle.observe.heartbeat import beat, busy
 from torch_handle.observe.telemetry import EVENTS_FILE, EventWriter, NullEventWriter
 from torch_handle.train.loop import GradientAccumulation, MicroBatchLoop, plain
-from torch_handle.train.loss import loss_fn
+from torch_handle.train.loss import AuxLossScale, loss_fn
 from torch_handle.train.phases import PhaseTimer
 from torch_handle.train.compose import build_shares
 from torch_handle.train.resume import resume
@@ -122,6 +122,7 @@ class Trainer:
         self.model_info = {"params": sum(t.numel() for t in model.parameters()),
                            "flops_per_token": float(flops(self.data.max_len)) if flops is not None else None}
         self.routing = RoutingTelemetry(model, ctx.tp_rank, ctx.dp_size)  # every MoE layer, before a pipeline split
+        self.aux_loss_scale = AuxLossScale(model)  # what the MoE layers' attached losses get in backward
         model.to(ctx.device)
         if self.share is not None:
             model = self.share.parallelize(model)  # TP split, the pipeline's stages, the experts split over "ep"
@@ -228,7 +229,8 @@ class Trainer:
         with self.strategy.autocast():
             logits = self.strategy.model(**batch)
         eps = self.training.label_smoothing if train else 0.0
-        return loss_fn(logits, labels, eps) if self.share is None else self.share.loss(logits, labels, eps)
+        loss, n = loss_fn(logits, labels, eps) if self.share is None else self.share.loss(logits, labels, eps)
+        return self.aux_loss_scale.probe(loss), n
 
     def micro_batch(self):
         """Context of one micro-batch's forward, loss and backward (``loss_parallel()`` for native TP)."""
