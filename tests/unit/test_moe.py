@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from torch_handle.model.args import TransformerArgs
-from torch_handle.model.moe import MoEFeedForward, combine, dispatch, expert_capacity
+from torch_handle.model.moe import MoEFeedForward, combine, dispatch, expert_capacity, no_grouped_kernel
 from torch_handle.model.router import TopKRouter, load_balancing_loss, router_z_loss
 from torch_handle.model.transformer import build_transformer
 from torch_handle.train.loss import AuxLossScale, loss_fn
@@ -113,6 +113,38 @@ def test_grouped_experts_equal_the_loop(mlp, capacity_factor):
     torch.testing.assert_close(y, y_loop, atol=1e-6, rtol=1e-6)
     for name in grads:
         torch.testing.assert_close(grads[name], grads_loop[name], atol=1e-6, rtol=1e-6, msg=name)
+
+
+def test_the_grouped_matmul_falls_back_to_the_loop_only_when_it_has_no_kernel(monkeypatch):
+    """float64 has no grouped kernel (torch's own refusal): the loop computes, and the layer remembers; an
+    out-of-memory error from a kernel that exists propagates and the grouped path stays on."""
+    moe = _moe().eval()
+    x, counts = torch.randn(10, C, dtype=torch.float64), torch.tensor([4, 3, 0, 3])
+    experts = moe.experts.double()
+    try:
+        experts._grouped(x, counts)
+        refused = False  # a later torch with a float64 kernel: nothing to fall back from
+    except RuntimeError as refusal:
+        assert no_grouped_kernel(refusal), refusal
+        refused = True
+    y = experts(x, counts)
+    assert experts.grouped_ok == ({"cpu": False} if refused else {})
+    experts.impl = "loop"
+    torch.testing.assert_close(y, experts(x, counts))
+
+    experts.impl, experts.grouped_ok = "grouped", {}
+    oom = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    def out_of_memory(*args):
+        raise oom
+
+    monkeypatch.setattr(experts, "_grouped", out_of_memory)
+    with pytest.raises(torch.OutOfMemoryError):
+        experts(x, counts)
+    assert experts.grouped_ok == {}
+    assert not no_grouped_kernel(RuntimeError("CUDA error: an illegal memory access was encountered"))
+    assert no_grouped_kernel(NotImplementedError("Could not run 'aten::_grouped_mm' with arguments from the "
+                                                 "'XLA' backend"))
 
 
 def test_dispatch_then_combine_with_unit_weights_returns_the_input_and_its_gradient():
