@@ -104,20 +104,20 @@ def dispatch(x: Tensor, experts: Tensor, n_experts: int, capacity: int | None = 
     return x[order // top_k], Dispatch(order, counts, routed, n_tokens, top_k)
 
 
-def combine(y_sorted: Tensor, plan: Dispatch, weights: Tensor) -> Tensor:
+def combine(y_sorted: Tensor, dispatched: Dispatch, weights: Tensor) -> Tensor:
     """Undo ``dispatch`` and mix: each row goes back to its (token, slot) place (dropped slots are zeros), then each
     token's k rows are summed with its weights, in a fixed order (deterministic, unlike an atomic scatter-add).
 
     Args:
         y_sorted: (M, C), the experts' outputs in the sorted order.
-        plan: what ``dispatch`` returned with the rows.
+        dispatched: what ``dispatch`` returned with the rows.
         weights: (N, k) fp32, the router's weights (``Routing.weights``); cast to y's dtype (as transformers does).
 
     Returns:
         (N, C) in y_sorted's dtype.
     """
-    n_tokens, top_k = plan.n_tokens, plan.top_k
-    slots = y_sorted.new_zeros(n_tokens * top_k, y_sorted.shape[-1]).index_copy(0, plan.order, y_sorted)
+    n_tokens, top_k = dispatched.n_tokens, dispatched.top_k
+    slots = y_sorted.new_zeros(n_tokens * top_k, y_sorted.shape[-1]).index_copy(0, dispatched.order, y_sorted)
     return (slots.view(n_tokens, top_k, -1) * weights.unsqueeze(-1).to(slots.dtype)).sum(dim=1)
 
 
@@ -285,9 +285,10 @@ class GroupedExperts(nn.Module):
 
 
 # -- the layer -----------------------------------------------------------------------------------------------------
-ROUTING_COUNTS = ("tokens_per_expert", "dropped", "aux_loss", "z_loss", "micro_batches")
-"""The keys of ``MoEFeedForward.stats``, in this order: assignments per expert after capacity (E,), dropped
-assignments, the aux and z losses' values (sums over micro-batches), micro-batches counted."""
+ROUTING_COUNTS = ("assignments", "dropped", "aux_loss", "z_loss", "micro_batches")
+"""The keys of ``MoEFeedForward.stats``, in this order: assignments per expert after capacity (E,; the step
+events' ``tokens_per_expert``), dropped assignments (``dropped_tokens``), the aux and z losses' values (sums over
+micro-batches), micro-batches counted."""
 
 
 def in_backward() -> bool:
@@ -357,7 +358,7 @@ class MoEFeedForward(nn.Module):
     def empty_stats(self) -> dict[str, Tensor]:
         """``stats`` before any counted forward: zeros on the layer's device."""
         device = self.gate.weight.device
-        return {"tokens_per_expert": torch.zeros(self.n_experts, dtype=torch.int64, device=device),
+        return {"assignments": torch.zeros(self.n_experts, dtype=torch.int64, device=device),
                 "dropped": torch.zeros((), dtype=torch.int64, device=device),
                 "aux_loss": torch.zeros((), device=device), "z_loss": torch.zeros((), device=device),
                 "micro_batches": torch.zeros((), dtype=torch.int64, device=device)}
@@ -368,38 +369,38 @@ class MoEFeedForward(nn.Module):
         routing = self.gate(h)
         capacity = (None if self.capacity_factor is None
                     else expert_capacity(B * T, self.top_k, self.n_experts, self.capacity_factor))
-        h_sorted, plan = dispatch(h, routing.experts, self.n_experts, capacity)  # (M, C)
-        y = combine(self.experts(h_sorted, plan.counts), plan, routing.weights)  # (N, C)
+        h_sorted, dispatched = dispatch(h, routing.experts, self.n_experts, capacity)  # (M, C)
+        y = combine(self.experts(h_sorted, dispatched.counts), dispatched, routing.weights)  # (N, C)
         if self.shared_experts is not None:
             y = y + self.shared_experts(h)
         y = y.view(B, T, C)
-        return self._balance(y, routing, plan) if self.training else y
+        return self._balance(y, routing, dispatched) if self.training else y
 
-    def _balance(self, y: Tensor, routing: Routing, plan: Dispatch) -> Tensor:
+    def _balance(self, y: Tensor, routing: Routing, dispatched: Dispatch) -> Tensor:
         """The training-time extras: the balancing losses attached to ``y``, the statistics, the load for the
         expert bias."""
-        aux = load_balancing_loss(routing.probs, plan.routed, self.top_k)
+        aux = load_balancing_loss(routing.probs, dispatched.routed, self.top_k)
         z = router_z_loss(routing.logits)
         if torch.compiler.is_compiling():  # decided when the graph runs, not baked in when it is traced
-            self._count(plan, aux, z, _counted_flag(plan.routed))
+            self._count(dispatched, aux, z, _counted_flag(dispatched.routed))
         elif not in_backward():
-            self._count(plan, aux, z, 1)
+            self._count(dispatched, aux, z, 1)
         terms = [coef * loss for coef, loss in ((self.aux_loss_coef if self.balance == "aux_loss" else 0.0, aux),
                                                 (self.z_loss_coef, z)) if coef]
         return attach_aux_loss(y, sum(terms), self.aux_loss_scale) if terms else y
 
-    def _count(self, plan: Dispatch, aux: Tensor, z: Tensor, counted: Tensor | int) -> None:
+    def _count(self, dispatched: Dispatch, aux: Tensor, z: Tensor, counted: Tensor | int) -> None:
         """Add one micro-batch's routing to ``stats`` and the router's pending load, each times ``counted`` (1, or
         a 0-d int64 tensor of 0 or 1 under ``torch.compile``: ``_counted_flag``)."""
         if self.stats is None:
             self.stats = self.empty_stats()
         s = self.stats
-        s["tokens_per_expert"] += plan.counts * counted
-        s["dropped"] += (plan.routed.sum() - plan.counts.sum()) * counted
+        s["assignments"] += dispatched.counts * counted
+        s["dropped"] += (dispatched.routed.sum() - dispatched.counts.sum()) * counted
         s["aux_loss"] += aux.detach() * counted
         s["z_loss"] += z.detach() * counted
         s["micro_batches"] += counted
-        self.gate.record_load(plan.routed * counted)
+        self.gate.record_load(dispatched.routed * counted)
 
     @property
     def inactive_params(self) -> int:

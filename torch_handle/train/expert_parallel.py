@@ -90,7 +90,7 @@ class ExpertParallel(PortableShare):
     the rank's ``DistContext`` with its layout (``attach_layout``), ``impl`` ``parallel.ep_impl``.
 
     Built with the run's other shares (:func:`~torch_handle.train.compose.build_shares`) and handed to the strategy
-    (``ctx.expert_parallel``), which leaves the experts to it when it wraps the model; the trainer uses it as the run's
+    (``ctx.ep_share``), which leaves the experts to it when it wraps the model; the trainer uses it as the run's
     :class:`~torch_handle.train.share.ParallelShare`, unless a pipeline is that share (which calls this one for its
     experts)."""
 

@@ -80,9 +80,9 @@ def attach_traffic(layer: MoEFeedForward) -> AllToAllTraffic:
 
 
 def layer_stats(layer: MoEFeedForward) -> dict[str, Any]:
-    """The layer's counts since the last reset: ``tokens_per_expert`` (E,) int64, then ``dropped``, ``aux_loss``,
+    """The layer's counts since the last reset: ``assignments`` (E,) int64 per expert, then ``dropped``, ``aux_loss``,
     ``z_loss``, ``micro_batches`` (0-d tensors on the layer's device; zeros before the first training forward) and
-    ``a2a_bytes`` (int), ``a2a_wait_s`` (float): the keys ``("tokens_per_expert", *COUNTERS)``."""
+    ``a2a_bytes`` (int), ``a2a_wait_s`` (float): the keys ``("assignments", *COUNTERS)``."""
     traffic = getattr(layer, "traffic", None)
     return {**(layer.stats or layer.empty_stats()), "a2a_bytes": traffic.bytes if traffic else 0,
             "a2a_wait_s": traffic.wait_s if traffic else 0.0}
@@ -109,7 +109,7 @@ def routing_stats(model: nn.Module, reset: bool = True) -> dict | None:
     if not layers:
         return None
     stats = [layer_stats(m) for m in layers]
-    counts = torch.stack([s["tokens_per_expert"] for s in stats]).tolist()
+    counts = torch.stack([s["assignments"] for s in stats]).tolist()
     seen = int(stats[0]["micro_batches"])
     out = {"tokens_per_expert": counts, "dropped_tokens": int(sum(s["dropped"] for s in stats)),
            "aux_loss": float(sum(s["aux_loss"] for s in stats)) / max(seen, 1),
@@ -251,7 +251,7 @@ class RoutingTelemetry:
         table = torch.zeros(len(self.rows), self.width, dtype=torch.float64, device=device)
         for row, layer in self.held(model):
             s = layer_stats(layer)
-            table[row] = torch.cat([s["tokens_per_expert"].to(device, torch.float64),
+            table[row] = torch.cat([s["assignments"].to(device, torch.float64),
                                     torch.stack([_scalar(s.get(k, 0.0), device) for k in self.keys])])
             reset_stats(layer)
         return torch.cat([step_vector, table.flatten() * self.once])

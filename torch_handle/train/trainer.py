@@ -42,7 +42,7 @@ from torch_handle.train.loss import AuxLossScale, loss_fn
 from torch_handle.train.phases import PhaseTimer
 from torch_handle.train.compose import build_shares
 from torch_handle.train.resume import resume
-from torch_handle.train.share import ParallelShare
+from torch_handle.train.share import Checkpointer, ParallelShare
 from torch_handle.train.routing import RoutingTelemetry
 from torch_handle.train.step_report import StepReport
 
@@ -137,7 +137,7 @@ class Trainer:
 
         strategy_plugin = self.registry.get("strategy", p.strategy.name)
         self.strategy: Strategy = strategy_plugin.factory(p.strategy.options, self.training, ctx, model)
-        self.state_io = self.strategy if self.share is None else self.share.bind(self.strategy)  # saves, loads itself
+        self.checkpointer: Checkpointer = self.strategy if self.share is None else self.share.bind(self.strategy)
         self.loop = self.pipeline or self.strategy.micro_batch_loop() or GradientAccumulation()
 
         t = self.training
@@ -198,7 +198,7 @@ class Trainer:
     def checkpoint_layout(self) -> dict[str, Any]:
         """This run's ``layout.json`` (see :data:`torch_handle.checkpoint.store.LAYOUT`)."""
         t = self.training
-        return {**self.state_io.checkpoint_layout(), "world_size": self.ctx.world_size,
+        return {**self.checkpointer.checkpoint_layout(), "world_size": self.ctx.world_size,
                 "micro_batch_size": t.micro_batch_size, "grad_accum": t.grad_accum,
                 "global_batch": self.train_sampler.global_batch, "precision": t.precision,
                 **data_identity.record(self.data.tokenizer_path, self.data.fingerprint)}  # a resume on other data
@@ -331,7 +331,7 @@ class Trainer:
                 shutil.rmtree(tmp, ignore_errors=True)
                 tmp.mkdir(parents=True)
             self.ctx.barrier()
-            self.state_io.save(tmp)
+            self.checkpointer.save(tmp)
             if self.ctx.is_main:
                 ckpt.save_layout(tmp, self.checkpoint_layout())
             steps_done = self.samples_in_epoch // self.train_sampler.global_batch
