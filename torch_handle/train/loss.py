@@ -40,7 +40,7 @@ class _Probe(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
         # tensor parallelism's native loss is a replicated DTensor: the factor is its local value
-        ctx.scale.value = (grad.to_local() if hasattr(grad, "to_local") else grad).detach().clone()
+        ctx.scale.set(grad.to_local() if hasattr(grad, "to_local") else grad)
         return grad, None
 
 
@@ -56,31 +56,43 @@ class AuxLossScale:
     that does not start from a probed loss (a pipeline schedule's, a test's ``out.sum().backward()``) sees the
     last value recorded or :meth:`set`, 1.0 until then.
 
-    One per model: :meth:`bind` hands it to the model's MoE layers (their ``aux_loss_scale``).
+    One per model: :meth:`bind` hands it to the model's MoE layers (their ``aux_loss_scale``). The factor is one
+    0-d tensor on the model's device, written in place: a compiled block reads it when its backward runs (a graph
+    input), where a number would be baked into the graph when it is traced (the aux losses of a compiled MoE block
+    got a gradient of 1 whatever the loop's scale).
 
     Args:
-        model: bound at once when given.
+        model: bound at once when given (on its device: bind after moving it).
         value: the initial factor.
     """
 
-    def __init__(self, model: nn.Module | None = None, value: Tensor | float = 1.0) -> None:
-        self.value: Tensor | float = value
-        """The gradient the probed loss received in the latest backward: a 0-d tensor on the loss's device, never
-        read back to the host, or a float set by hand."""
+    def __init__(self, model: nn.Module | None = None, value: float = 1.0) -> None:
+        self.value = torch.tensor(float(value))
+        """The gradient the probed loss received in the latest backward (0-d fp32, never read back to the host)."""
         if model is not None:
             self.bind(model)
 
     def bind(self, model: nn.Module) -> AuxLossScale:
-        """Make this the scale every MoE layer of ``model`` reads in backward. Returns self."""
+        """Make this the scale every MoE layer of ``model`` reads in backward, on the device of the model's
+        parameters. Returns self."""
         from torch_handle.model.moe import moe_layers
 
-        for layer in moe_layers(model):
+        layers = moe_layers(model)
+        if layers:
+            self.value = self.value.to(layers[0].gate.weight.device)
+        for layer in layers:
             layer.aux_loss_scale = self
         return self
 
     def set(self, value: Tensor | float) -> None:
-        """Set the factor by hand (a pipeline schedule's losses bypass the probe: 1 / micro-batches)."""
-        self.value = value
+        """Set the factor (the probe does; by hand where the losses bypass it: a pipeline schedule's, 1 /
+        micro-batches). In place, through ``.data``: the attached losses of the step's earlier micro-batches hold
+        the tensor for their backward, and a write through it would fail autograd's version check."""
+        value = torch.as_tensor(value).detach()
+        if value.device != self.value.device:  # bound before the model moved: follow the loss (a compiled block
+            self.value = value.to(torch.float32).clone()  # traces once more)
+        else:
+            self.value.data.copy_(value)
 
     def probe(self, loss: Tensor) -> Tensor:
         """``loss`` (a scalar), unchanged; in backward it records the gradient ``loss`` receives."""

@@ -122,8 +122,8 @@ class Trainer:
         self.model_info = {"params": sum(t.numel() for t in model.parameters()),
                            "flops_per_token": float(flops(self.data.max_len)) if flops is not None else None}
         self.routing = RoutingTelemetry(model, ctx.tp_rank, ctx.dp_size)  # every MoE layer, before a pipeline split
-        self.aux_loss_scale = AuxLossScale(model)  # what the MoE layers' attached losses get in backward
         model.to(ctx.device)
+        self.aux_loss_scale = AuxLossScale(model)  # what the MoE layers' attached losses get in backward
         if self.share is not None:
             model = self.share.parallelize(model)  # TP split, the pipeline's stages, the experts split over "ep"
         if self.training.compile:
