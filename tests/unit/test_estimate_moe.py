@@ -154,11 +154,11 @@ def test_plan_times_the_all_to_alls_and_drops_what_the_loader_refuses(preset):
     count exchange), and ``plan_layouts`` trying ep = 2 on 2 ranks: planned where the preset loader runs it, else
     dropped with the loader's own line."""
     from torch_handle.plan import plan_cost
-    from torch_handle.plan.planner import Batch, Layout, plan_layouts, step_cost
+    from torch_handle.plan.planner import Batch, Candidate, plan_layouts, step_cost
 
     registry, links = get_registry(), plan_cost.default_links("gloo")
     moe = preset_moe(preset, registry)
-    layout, batch = Layout(2, 1, 1, strategy="ddp", ep=2), Batch(4, 2)
+    layout, batch = Candidate(2, 1, 1, strategy="ddp", ep=2), Batch(4, 2)
     est = estimate_layout(with_layout(preset, nproc_per_node=2, ep=2), registry)
     cost = step_cost(layout, batch, preset, est, 1e6, 1e12, links, 2, 8 * 32, moe)
     assert cost.ep_bytes == 2 * all_to_all_bytes(moe, 4 * 32, 2, 4)
