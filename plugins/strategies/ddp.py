@@ -32,8 +32,8 @@ class DDPStrategy(SingleStrategy):
         device_ids = [self.ctx.local_rank] if self.ctx.device.type == "cuda" else None
         # with tensor or pipeline parallelism: all-reduce over the ranks that hold the same shard ("dp" of the mesh)
         group = None if self.ctx.mesh is None else self.ctx.mesh["dp"].get_group()
-        if self.expert_parallel is not None:  # each rank's experts are its own: reduced over "edp" by the EP share
-            DDP._set_params_and_buffers_to_ignore_for_model(module, self.expert_parallel.expert_names(module))
+        if self.ep_share is not None:  # each rank's experts are its own: reduced over "edp" by the EP share
+            DDP._set_params_and_buffers_to_ignore_for_model(module, self.ep_share.expert_names(module))
         # A QLoRA base's NF4 buffers are constants, equal on every rank (quantised from the hash-checked base):
         # DDP's default re-broadcast of every buffer before each forward would move a quarter of the base a step.
         return DDP(module, device_ids=device_ids, process_group=group, bucket_cap_mb=o.bucket_cap_mb,
