@@ -56,6 +56,7 @@ def _rank(rank: int, world: int, tmp: str, tokens: int, iters: int, out: str) ->
     from torch_handle.model.moe import MoEFeedForward
     from torch_handle.parallel.mesh import Layout, build_expert_mesh
     from torch_handle.train.expert_parallel import apply_expert_parallel
+    from torch_handle.train.routing import reset_stats
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=world)
@@ -71,16 +72,16 @@ def _rank(rank: int, world: int, tmp: str, tokens: int, iters: int, out: str) ->
             _force(layer, routing)
             x = torch.randn(1, tokens, D_MODEL, generator=torch.Generator().manual_seed(rank), requires_grad=True)
             layer(x).sum().backward()  # warm-up
-            layer.reset_stats()
+            reset_stats(layer)
             dist.barrier()
             start = time.perf_counter()
             for _ in range(iters):
                 layer(x).sum().backward()
             dist.barrier()
             seconds = time.perf_counter() - start
-            sent = layer.stats["a2a_bytes"].clone()
+            sent = torch.tensor(layer.traffic.bytes)
             dist.all_reduce(sent)
-            wait = torch.tensor(float(layer.stats["a2a_wait_s"]))
+            wait = torch.tensor(layer.traffic.wait_s)
             dist.all_reduce(wait, op=dist.ReduceOp.MAX)
             formula = 4 * (tokens * world) * TOP_K * D_MODEL * 4 * iters
             rows.append({"ranks": world, "impl": impl, "routing": routing,

@@ -121,7 +121,7 @@ def _pipeline_step(rank: int) -> None:
         pp = PipelineParallel(parallel, ctx, n_microbatches=2, label_smoothing=0.0)
         shard = pp.split(_model("llama", n_layers=4))
         strategy = SimpleNamespace(autocast=contextlib.nullcontext, clips_gradients=True,
-                                   pipeline_grad_sync=lambda: None, expert_parallel=None)
+                                   pipeline_grad_sync=lambda: None, ep_share=None)
         pp.bind(strategy)
         val = torch.stack(pp.evaluate(dict(batch)))
         dist.all_reduce(val)

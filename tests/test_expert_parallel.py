@@ -142,29 +142,29 @@ def _force_onto_rank_0(model: nn.Module) -> None:
 
 
 def _decoder(rank: int, meshes, impl: str, forced: bool) -> None:
-    from torch_handle.model.aux_loss import set_loss_scale
     from torch_handle.model.moe import moe_layers
     from torch_handle.model.transformer import DecoderLM
     from torch_handle.parallel.tensor.checkpoint import load_full_state
     from torch_handle.train.expert_parallel import ExpertParallel
     from torch_handle.train.grad_norm import mesh_grad_norm
+    from torch_handle.train.loss import AuxLossScale
 
     case = f"{impl} forced={forced}"
     layout, mesh, expert_mesh = meshes
     ctx = SimpleNamespace(layout=layout, mesh=mesh, ep_mesh=expert_mesh, is_main=rank == 0)
     ids = torch.randint(0, 32, (2, B, T), generator=torch.Generator().manual_seed(7))
-    set_loss_scale(0.5)  # one process: the two micro-batches as gradient accumulation, each aux loss at 1/2
     torch.manual_seed(0)
     ref = DecoderLM(_args()).train()
+    AuxLossScale(ref, 0.5)  # one process: the two micro-batches as gradient accumulation, each aux loss at 1/2
     if forced:
         _force_onto_rank_0(ref)
     ref_loss = sum(F.cross_entropy(ref(ids[r]).flatten(0, 1), ids[r].flatten()) for r in range(2)) / 2
     ref_loss.backward()
     ref_norm = torch.stack([p.grad.double().pow(2).sum() for p in ref.parameters()]).sum().sqrt().item()
 
-    set_loss_scale(1.0)  # each rank its micro-batch, as DDP runs it (and averages)
     torch.manual_seed(0)
     model = DecoderLM(_args()).train()
+    AuxLossScale(model, 1.0)  # each rank its micro-batch, as DDP runs it (and averages)
     ep = ExpertParallel(ctx, impl)
     ep.parallelize(model)
     if forced:
@@ -189,10 +189,10 @@ def _decoder(rank: int, meshes, impl: str, forced: bool) -> None:
         if forced and rank == 1 and id(p) in experts:
             assert not grad.any(), (case, name)  # its experts saw no token
 
-    sent = torch.stack([m.stats["a2a_bytes"] for m in moe_layers(model)])
+    sent = torch.tensor([m.traffic.bytes for m in moe_layers(model)])
     dist.all_reduce(sent)
     assert sent.tolist() == [4 * (2 * B * T) * 2 * C * 4] * 2, (case, sent.tolist())  # 4·N·k·C·4, N both ranks'
-    assert all(m.stats["a2a_wait_s"] > 0 for m in moe_layers(model))
+    assert all(m.traffic.wait_s > 0 for m in moe_layers(model))
 
     torch.manual_seed(0)
     initial = DecoderLM(_args()).state_dict()  # the weights both models started from (not stepped)

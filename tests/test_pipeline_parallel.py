@@ -122,7 +122,7 @@ def _pipeline_step(args: TransformerArgs, impl: str, schedule: str, v: int
     torch.manual_seed(0)
     shard = pp.split(DecoderLM(args))
     strategy = SimpleNamespace(autocast=contextlib.nullcontext, clips_gradients=True, pipeline_grad_sync=lambda: None,
-                               expert_parallel=None)
+                               ep_share=None)
     pp.bind(strategy)
     trainer = SimpleNamespace(timer=PhaseTimer(), training=SimpleNamespace(grad_accum=ACCUM), step=1,
                               strategy=strategy)

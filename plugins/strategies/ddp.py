@@ -31,8 +31,8 @@ class DDPStrategy(SingleStrategy):
         device_ids = [self.ctx.local_rank] if self.ctx.device.type == "cuda" else None
         # with tensor or pipeline parallelism: all-reduce over the ranks that hold the same shard ("dp" of the mesh)
         group = None if self.ctx.mesh is None else self.ctx.mesh["dp"].get_group()
-        if self.expert_parallel is not None:  # each rank's experts are its own: reduced over "edp" by the EP share
-            DDP._set_params_and_buffers_to_ignore_for_model(module, self.expert_parallel.expert_names(module))
+        if self.ep_share is not None:  # each rank's experts are its own: reduced over "edp" by the EP share
+            DDP._set_params_and_buffers_to_ignore_for_model(module, self.ep_share.expert_names(module))
         return DDP(module, device_ids=device_ids, process_group=group, bucket_cap_mb=o.bucket_cap_mb,
                    gradient_as_bucket_view=o.gradient_as_bucket_view, find_unused_parameters=o.find_unused_parameters)
 

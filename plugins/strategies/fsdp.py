@@ -50,7 +50,7 @@ class FSDPStrategy(Strategy):
             if self.ctx.is_main:
                 log.warning("fsdp: %s, so it is sharded as one unit: all of its parameters are gathered for the "
                             "whole forward and backward", e)
-        if self.expert_parallel is not None:
+        if self.ep_share is not None:
             self._shard_experts(model, kwargs)
         for block in blocks:
             fully_shard(block, **kwargs)
@@ -75,7 +75,7 @@ class FSDPStrategy(Strategy):
             # edp rank, where torch 2.13 skips the collective and divides twice (once in the copy, once after)
             if self.ctx.backend == "gloo" and self.ctx.layout.edp > 1:
                 layer.experts.set_force_sum_reduction_for_comms(True)
-        self.expert_parallel.reduces_grads = False
+        self.ep_share.reduces_grads = False
 
     def autocast(self):
         import contextlib

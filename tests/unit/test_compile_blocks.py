@@ -20,9 +20,9 @@ from torch._dynamo.utils import counters
 
 from torch_handle.finetune.lora import apply_lora
 from torch_handle.model.args import TransformerArgs
-from torch_handle.model.moe import routing_stats
 from torch_handle.model.parallelize import model_blocks
 from torch_handle.model.transformer import DecoderLM
+from torch_handle.train.routing import routing_stats
 
 BACKEND = "eager"
 VOCAB, BATCH, SEQ, STEPS = 97, 2, 16, 3
@@ -91,3 +91,30 @@ def test_a_compiled_block_is_one_graph_that_does_not_recompile(case):
             assert got["micro_batches"] == want["micro_batches"] == 1
             assert got["tokens_per_expert"] == want["tokens_per_expert"]
             assert got["aux_loss"] == pytest.approx(want["aux_loss"], rel=1e-4)
+
+
+def test_a_compiled_moe_blocks_balancing_losses_get_the_loops_scale():
+    """The aux losses' gradient is the factor the loop scaled its loss by (``AuxLossScale``), read when backward
+    runs: a compiled block took the value it had when traced (1) whatever the loop's scale, until the scale became
+    a tensor written in place. Gradient accumulation's 1/grad_accum changes from step to step here."""
+    from torch_handle.train.loss import AuxLossScale, loss_fn
+
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(1))
+
+    def grads(compiled: bool) -> list[torch.Tensor]:
+        model = _model("moe")
+        model.layers[0].ff.aux_loss_coef = 0.5  # a large coefficient: the router's gradient is mostly the aux loss
+        if compiled:
+            for block in model_blocks(model):
+                block.compile(backend=BACKEND)
+        scale, out = AuxLossScale(model), []
+        for accum in (2, 4, 1):
+            model.zero_grad()
+            (scale.probe(loss_fn(model(ids[:, :-1]), ids[:, 1:])[0]) / accum).backward()
+            out.append(model.layers[0].ff.gate.weight.grad.clone())
+        return out
+
+    compiled = grads(True)
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    for got, want in zip(compiled, grads(False)):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)

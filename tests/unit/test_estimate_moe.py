@@ -154,11 +154,11 @@ def test_plan_times_the_all_to_alls_and_drops_what_the_loader_refuses(preset):
     count exchange), and ``plan_layouts`` trying ep = 2 on 2 ranks: planned where the preset loader runs it, else
     dropped with the loader's own line."""
     from torch_handle.plan import plan_cost
-    from torch_handle.plan.planner import Batch, Layout, plan_layouts, step_cost
+    from torch_handle.plan.planner import Batch, Candidate, plan_layouts, step_cost
 
     registry, links = get_registry(), plan_cost.default_links("gloo")
     moe = preset_moe(preset, registry)
-    layout, batch = Layout(2, 1, 1, strategy="ddp", ep=2), Batch(4, 2)
+    layout, batch = Candidate(2, 1, 1, strategy="ddp", ep=2), Batch(4, 2)
     est = estimate_layout(with_layout(preset, nproc_per_node=2, ep=2), registry)
     cost = step_cost(layout, batch, preset, est, 1e6, 1e12, links, 2, 8 * 32, moe)
     assert cost.ep_bytes == 2 * all_to_all_bytes(moe, 4 * 32, 2, 4)
@@ -175,15 +175,18 @@ def test_plan_times_the_all_to_alls_and_drops_what_the_loader_refuses(preset):
 
 
 def test_the_estimate_runs_after_a_real_backward_in_the_same_process(preset):
-    """A real backward leaves the balancing losses' scale a real tensor (model/aux_loss.py); the fake-tensor
-    measurement must not take it in, and leaves it as it was."""
-    from torch_handle.model import aux_loss
+    """A real backward leaves a real tensor as the balancing losses' scale (``AuxLossScale.value``); the fake-tensor
+    measurement must not take it in (it did when the scale was process-wide), and leaves it as it was."""
+    from torch_handle.model.args import TransformerArgs
+    from torch_handle.model.transformer import build_transformer
+    from torch_handle.train.loss import AuxLossScale, loss_fn
 
-    before = aux_loss.loss_scale()
-    real = torch.tensor(0.5)
-    aux_loss.set_loss_scale(real)
-    try:
-        (row,) = E.estimate_preset(preset, get_registry(), [2])
-        assert row.activation.saved > 0 and aux_loss.loss_scale() is real
-    finally:
-        aux_loss.set_loss_scale(before)
+    model = build_transformer(TransformerArgs(vocab_size=40, d_model=16, n_heads=2, n_layers=1, d_ff=32, n_experts=4,
+                                              top_k=2, dropout=0.0)).train()
+    scale = AuxLossScale(model)
+    ids = torch.randint(0, 40, (2, 8))
+    (scale.probe(loss_fn(model(ids), ids)[0]) * 0.5).backward()
+    real = scale.value
+    assert isinstance(real, torch.Tensor) and real.item() == 0.5
+    (row,) = E.estimate_preset(preset, get_registry(), [2])
+    assert row.activation.saved > 0 and scale.value is real and real.item() == 0.5

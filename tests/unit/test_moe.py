@@ -13,11 +13,11 @@ import torch
 from torch import nn
 
 from torch_handle.model.args import TransformerArgs
-from torch_handle.model.aux_loss import probe_loss_scale, set_loss_scale
-from torch_handle.model.moe import MoEFeedForward, combine, dispatch, expert_capacity, routing_stats
-from torch_handle.model.router import TopKRouter, load_balancing_loss, register_expert_bias_updates, router_z_loss
+from torch_handle.model.moe import MoEFeedForward, combine, dispatch, expert_capacity, no_grouped_kernel
+from torch_handle.model.router import TopKRouter, load_balancing_loss, router_z_loss
 from torch_handle.model.transformer import build_transformer
-from torch_handle.train.loss import loss_fn
+from torch_handle.train.loss import AuxLossScale, loss_fn
+from torch_handle.train.routing import register_expert_bias_updates, routing_stats
 
 C, F, E = 16, 8, 4
 
@@ -115,6 +115,38 @@ def test_grouped_experts_equal_the_loop(mlp, capacity_factor):
         torch.testing.assert_close(grads[name], grads_loop[name], atol=1e-6, rtol=1e-6, msg=name)
 
 
+def test_the_grouped_matmul_falls_back_to_the_loop_only_when_it_has_no_kernel(monkeypatch):
+    """float64 has no grouped kernel (torch's own refusal): the loop computes, and the layer remembers; an
+    out-of-memory error from a kernel that exists propagates and the grouped path stays on."""
+    moe = _moe().eval()
+    x, counts = torch.randn(10, C, dtype=torch.float64), torch.tensor([4, 3, 0, 3])
+    experts = moe.experts.double()
+    try:
+        experts._grouped(x, counts)
+        refused = False  # a later torch with a float64 kernel: nothing to fall back from
+    except RuntimeError as refusal:
+        assert no_grouped_kernel(refusal), refusal
+        refused = True
+    y = experts(x, counts)
+    assert experts.grouped_ok == ({"cpu": False} if refused else {})
+    experts.impl = "loop"
+    torch.testing.assert_close(y, experts(x, counts))
+
+    experts.impl, experts.grouped_ok = "grouped", {}
+    oom = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    def out_of_memory(*args):
+        raise oom
+
+    monkeypatch.setattr(experts, "_grouped", out_of_memory)
+    with pytest.raises(torch.OutOfMemoryError):
+        experts(x, counts)
+    assert experts.grouped_ok == {}
+    assert not no_grouped_kernel(RuntimeError("CUDA error: an illegal memory access was encountered"))
+    assert no_grouped_kernel(NotImplementedError("Could not run 'aten::_grouped_mm' with arguments from the "
+                                                 "'XLA' backend"))
+
+
 def test_dispatch_then_combine_with_unit_weights_returns_the_input_and_its_gradient():
     x = torch.randn(6, C, requires_grad=True)
     experts = torch.tensor([[3, 0], [0, 2], [3, 1], [0, 3], [2, 0], [1, 3]])
@@ -201,7 +233,8 @@ def test_training_gradients_include_the_weighted_router_losses_scaled_as_the_los
     x, g, scale = torch.randn(2, 6, C), torch.randn(2, 6, C), 0.25
     moe.train()
     moe.zero_grad()
-    (probe_loss_scale((moe(x) * g).sum()) * scale).backward()
+    loss_scale = AuxLossScale(moe)
+    (loss_scale.probe((moe(x) * g).sum()) * scale).backward()
     got = moe.gate.weight.grad.clone()
 
     moe.eval()  # the same routing and output, nothing attached; the losses by hand
@@ -213,7 +246,7 @@ def test_training_gradients_include_the_weighted_router_losses_scaled_as_the_los
     (scale * ((moe(x) * g).sum() + aux + 0.2 * router_z_loss(routing.logits))).backward()
     torch.testing.assert_close(got, moe.gate.weight.grad, atol=1e-6, rtol=1e-5)
     moe.train()
-    set_loss_scale(1.0)
+    loss_scale.set(1.0)
     moe.zero_grad()
     (moe(x) * g).sum().backward()  # a backward not from the probed loss: the factor set by hand
     assert not torch.allclose(moe.gate.weight.grad, got)

@@ -12,10 +12,10 @@ import torch
 
 from tests.unit.test_trainer_step import _events, _preset, fake_peak, process_group  # noqa: F401 (fixtures)
 from torch_handle.config.loader import dump_preset, load_preset
-from torch_handle.model.moe import routing_stats
 from torch_handle.model.router import TopKRouter
 from torch_handle.registry import get_registry
 from torch_handle.rundir import create_run_dir
+from torch_handle.train.routing import routing_stats
 from torch_handle.train.trainer import Trainer
 
 STEPS, ACCUM, BATCH, SEQ = 3, 2, 4, 16  # as _preset writes them
@@ -81,12 +81,11 @@ def _decoder_with_two_moe_layers():
 def test_the_routing_table_is_what_the_all_reduce_sums_over_dp_ranks_once_per_tp_group_with_a2a_passed_through():
     from torch_handle.model.moe import moe_layers
     from torch_handle.model.pipeline import PipelineShard
-    from torch_handle.train.routing import RoutingTelemetry
+    from torch_handle.train.routing import RoutingTelemetry, attach_traffic
 
     model = _decoder_with_two_moe_layers()
-    for m in moe_layers(model):  # expert parallelism's counters (h/ep adds them to the layers' stats)
-        m.stats["a2a_bytes"] = torch.tensor(1000, dtype=torch.int64)
-        m.stats["a2a_wait_s"] = 0.002
+    for m in moe_layers(model):  # expert parallelism's counters (apply_expert_parallel attaches them)
+        attach_traffic(m).record(1000, 0.002, backward=True)
     counts = routing_stats(model, reset=False)["tokens_per_expert"]
     aux = [float(m.stats["aux_loss"]) for m in moe_layers(model)]
     telemetry = RoutingTelemetry(model, tp_rank=0, dp_size=2)

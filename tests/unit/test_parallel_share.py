@@ -14,10 +14,18 @@ import pytest
 from torch_handle.train.compose import Shares
 from torch_handle.train.expert_parallel import ExpertParallel
 from torch_handle.train.pipeline_parallel import PipelineParallel
-from torch_handle.train.share import COMPOSITION, ParallelShare
+from torch_handle.train.share import COMPOSITION, Checkpointer, ParallelShare
+from torch_handle.train.strategy import Strategy
 from torch_handle.train.tensor_parallel import TensorParallel
 
-CONTRACT = [name for name, value in vars(ParallelShare).items() if inspect.isfunction(value) and name[0] != "_"]
+
+def _calls(protocol: type) -> list[str]:
+    """The calls ``protocol`` names, its bases' (Checkpointer's) included."""
+    return [name for klass in reversed(protocol.__mro__) if klass in (Checkpointer, ParallelShare)
+            for name, value in vars(klass).items() if inspect.isfunction(value) and name[0] != "_"]
+
+
+CONTRACT = _calls(ParallelShare)
 
 
 def test_the_contract_names_every_call_the_trainer_makes() -> None:
@@ -25,6 +33,15 @@ def test_the_contract_names_every_call_the_trainer_makes() -> None:
         "parallelize", "bind", "begin_step", "micro_batch", "loss", "before_step", "step_stats", "checkpoint_layout",
         "loads_natively", "save", "load", "load_portable", "full_state_dict", "parameter_names"])
     assert COMPOSITION == ("pipeline", "tensor", "expert")
+    assert sorted(_calls(Checkpointer)) == sorted(["checkpoint_layout", "loads_natively", "save", "load",
+                                                   "load_portable", "parameter_names"])
+
+
+def test_the_strategy_is_a_checkpointer() -> None:
+    """A run without a share saves and loads through its strategy: the trainer's ``checkpointer`` either way."""
+    for name in _calls(Checkpointer):
+        want = list(inspect.signature(getattr(Checkpointer, name)).parameters)
+        assert list(inspect.signature(getattr(Strategy, name)).parameters) == want, name
 
 
 @pytest.mark.parametrize("share", [TensorParallel, PipelineParallel, ExpertParallel], ids=lambda c: c.__name__)

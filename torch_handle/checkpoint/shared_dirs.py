@@ -139,12 +139,12 @@ def copy_missing_files(directory: Path, rank: int, leaders: Sequence[int], gathe
     missing = None
     if rank in targets:
         missing = [rel for rel in listing if not (directory / rel).exists()]
-    plan = gather(missing)
+    wanted = gather(missing)  # per rank, the files it lacks
     moved: dict[int, int] = {}
     for target in targets:
         if rank not in (0, target):
             continue
-        for rel in plan[target]:
+        for rel in wanted[target]:
             size = listing[rel]
             path = directory / rel
             if rank == target:

@@ -13,7 +13,7 @@ A preset is checked in two rounds, and every problem of both is reported:
    reported) or raise the first (:class:`~torch_handle.errors.InvalidValue`); a plugin may register a tuple of
    hooks, each run on its own.
 
-:func:`structure_first` orders the problems for reading: :class:`Level`
+:func:`structure_first` orders the problems for reading: :class:`Tier`
 (the model's shape, then the layout, then the details), then the table (:data:`TABLE_ORDER`), then the line.
 
 Standard library only (no torch, no plugin code beyond the plugins' config classes and checks).
@@ -43,7 +43,7 @@ from torch_handle.registry import PluginRegistry, Registration, get_registry
 # --------------------------------------------------------------------------------------------------------------
 
 
-class Level(enum.IntEnum):
+class Tier(enum.IntEnum):
     """How fundamental a problem is: fix the lower ones first (a detail may change once the structure does)."""
 
     FILE = 0
@@ -61,23 +61,23 @@ _LAYOUT_KEYS = frozenset({"launch.nproc_per_node", "launch.nnodes", "strategy.na
 _DETAIL_KEYS = frozenset({"parallel.pp_microbatches"})
 
 
-def level(key: str | None) -> Level:
-    """The :class:`Level` of a problem of ``key`` (``table.key``, a table, or None for the file itself)."""
+def tier(key: str | None) -> Tier:
+    """The :class:`Tier` of a problem of ``key`` (``table.key``, a table, or None for the file itself)."""
     table = (key or "").split(".")[0]
     if table not in TABLE_ORDER:
-        return Level.FILE
+        return Tier.FILE
     if table == "model":
-        return Level.MODEL
+        return Tier.MODEL
     if key in _LAYOUT_KEYS or (table == "parallel" and key not in _DETAIL_KEYS):
-        return Level.LAYOUT
-    return Level.DETAIL
+        return Tier.LAYOUT
+    return Tier.DETAIL
 
 
 def structure_first(problems: Iterable[PresetError]) -> list[PresetError]:
-    """``problems`` by :class:`Level`, then table (:data:`TABLE_ORDER`; unknown tables first), then line; the
+    """``problems`` by :class:`Tier`, then table (:data:`TABLE_ORDER`; unknown tables first), then line; the
     walk's order among equals."""
     tables = {t: i for i, t in enumerate(TABLE_ORDER)}
-    return sorted(problems, key=lambda e: (level(e.key), tables.get((e.key or "").split(".")[0], -1),
+    return sorted(problems, key=lambda e: (tier(e.key), tables.get((e.key or "").split(".")[0], -1),
                                            e.line or 10**9))
 
 

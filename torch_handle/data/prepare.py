@@ -180,7 +180,10 @@ def _held_out(key: str, number: int, fraction: float) -> bool:
 
 
 @dataclass
-class _Plan:
+class _Holdout:
+    """How the validation split is taken: from ``valid`` sources (``method`` "source"), none, the ``tail`` of the
+    training sources, or whole ``documents`` held out (``fraction`` of them)."""
+
     train: list[Source]
     valid: list[Source]
     method: str
@@ -189,25 +192,25 @@ class _Plan:
     """``tail``: the byte of the training sources where validation begins."""
 
 
-def _stream(plan: _Plan, part: tuple[int, int] | None, counts: dict[int, dict[str, int]] | None = None
+def _stream(holdout: _Holdout, part: tuple[int, int] | None, counts: dict[int, dict[str, int]] | None = None
             ) -> Iterator[tuple[str, str, bool, int]]:
     """``(split, piece, end, bytes_read)`` of this part's documents in corpus order; ``counts[source][split]``
     gets each source's documents."""
     number, done_before, pos = 0, 0, 0
     in_tail = False
-    for s, src in enumerate([*plan.train, *plan.valid]):
-        is_valid_source = s >= len(plan.train)
+    for s, src in enumerate([*holdout.train, *holdout.valid]):
+        is_valid_source = s >= len(holdout.train)
         split, doc_no, started = None, 0, False
         done = 0
         for piece, end, done in read_source(src):
             mine = part is None or number % part[1] == part[0]
             if split is None:
                 split = ("valid" if is_valid_source or in_tail or
-                         (plan.method == "documents" and _held_out(src.key, doc_no, plan.fraction)) else "train")
-            if plan.method == "tail" and not in_tail and not is_valid_source:
+                         (holdout.method == "documents" and _held_out(src.key, doc_no, holdout.fraction)) else "train")
+            if holdout.method == "tail" and not in_tail and not is_valid_source:
                 size = len(piece.encode("utf-8", "surrogatepass"))
-                if pos + size >= plan.cut:
-                    k = len(piece.encode("utf-8", "surrogatepass")[:plan.cut - pos].decode("utf-8", "ignore"))
+                if pos + size >= holdout.cut:
+                    k = len(piece.encode("utf-8", "surrogatepass")[:holdout.cut - pos].decode("utf-8", "ignore"))
                     k = piece.rfind("\n", 0, k) + 1
                     if mine and (started or piece[:k]):
                         yield "train", piece[:k], True, done_before + done
@@ -230,18 +233,18 @@ def _count(counts: dict[int, dict[str, int]] | None, source: int, split: str) ->
         counts[source][split] += 1
 
 
-def _plan(train: list[Source], valid: list[Source], fraction: float) -> _Plan:
+def _holdout(train: list[Source], valid: list[Source], fraction: float) -> _Holdout:
     if valid:
-        return _Plan(train, valid, "source", 0.0)
+        return _Holdout(train, valid, "source", 0.0)
     if fraction <= 0:
-        return _Plan(train, [], "none", 0.0)
+        return _Holdout(train, [], "none", 0.0)
     if not 0 < fraction < 1:
         raise DataError(f"valid_fraction {fraction}: valid are 0 <= f < 1")
     countable = all(s.format in ("text", "memory") for s in train)
     n_docs = sum(1 if s.format == "text" else len(s.texts or ()) for s in train)
     if countable and n_docs * fraction < MIN_VALID_DOCUMENTS:
-        return _Plan(train, [], "tail", fraction, cut=int(sum(s.bytes for s in train) * (1 - fraction)))
-    return _Plan(train, [], "documents", fraction)
+        return _Holdout(train, [], "tail", fraction, cut=int(sum(s.bytes for s in train) * (1 - fraction)))
+    return _Holdout(train, [], "documents", fraction)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -302,20 +305,20 @@ def prepare(sources: Sequence[str | Source], out: str | Path, *, valid: Sequence
     if dtype not in ("auto", "uint16", "uint32"):
         raise DataError(f"dtype {dtype!r}: valid are auto, uint16, uint32")
     kw = {"fmt": fmt, "field": field, "column": column}
-    plan = _plan(_sources(sources, **kw), _sources(valid, **kw), valid_fraction)
+    holdout = _holdout(_sources(sources, **kw), _sources(valid, **kw), valid_fraction)
     if tokenizer is not None:
         tok_path = tokenizer_path(tokenizer)
         tok = Tokenizer.from_file(str(tok_path))
         eos = eos_id(tok, tok_path)
         _check_dtype(vocab_size_of(tok), dtype, tok_path)
-    hashes = [s.sha256() for s in [*plan.train, *plan.valid]]
-    total = sum(s.bytes for s in [*plan.train, *plan.valid])
+    hashes = [s.sha256() for s in [*holdout.train, *holdout.valid]]
+    total = sum(s.bytes for s in [*holdout.train, *holdout.valid])
     _remove_stale(target)
     counts: dict[int, dict[str, int]] = {}
     with replacing_dir(target) as tmp:
         if tokenizer is None:
             tok_path, eos = tmp / TOKENIZER_FILE, 2  # <eos> of SPECIAL_TOKENS
-            train_pieces = (p for split, p, _, _ in _stream(plan, None) if split == "train" and p)
+            train_pieces = (p for split, p, _, _ in _stream(holdout, None) if split == "train" and p)
             tok = _train(train_pieces, vocab_size, tokenizer_sample_bytes)
             tok.save(str(tok_path))
             _check_dtype(vocab_size_of(tok), dtype, tok_path)
@@ -343,7 +346,7 @@ def prepare(sources: Sequence[str | Source], out: str | Path, *, valid: Sequence
                     progress(state)
 
             batch, marks, chars = [], [], 0
-            for split, piece, end, done in _stream(plan, part, counts):
+            for split, piece, end, done in _stream(holdout, part, counts):
                 batch.append(piece)
                 marks.append((split, end))
                 chars += len(piece)
@@ -358,18 +361,18 @@ def prepare(sources: Sequence[str | Source], out: str | Path, *, valid: Sequence
                 drain_one()
         splits = {split: w.close() for split, w in writers.items()}
         if part is None and not splits["train"]["documents"]:
-            raise DataError(f"{_names(plan.train)}: no training documents (lower the validation share)")
-        if part is None and plan.method == "documents" and not splits["valid"]["documents"]:
-            raise DataError(f"{_names(plan.train)}: no document held out for validation among "
+            raise DataError(f"{_names(holdout.train)}: no training documents (lower the validation share)")
+        if part is None and holdout.method == "documents" and not splits["valid"]["documents"]:
+            raise DataError(f"{_names(holdout.train)}: no document held out for validation among "
                             f"{splits['train']['documents']:,} (give --valid SRC or a larger --valid-fraction)")
-        write_meta(tmp, _meta(plan, part, hashes, counts, tok_path if tokenizer else None, tmp, vocab, eos,
+        write_meta(tmp, _meta(holdout, part, hashes, counts, tok_path if tokenizer else None, tmp, vocab, eos,
                               np_dtype, splits, vocab_size, tokenizer_sample_bytes))
     seconds = time.perf_counter() - t0
     return {"directory": str(target), "splits": {k: {"tokens": v["tokens"], "documents": v["documents"]}
                                                  for k, v in splits.items()},
             "bytes": total, "seconds": round(seconds, 3), "mb_per_s": round(total / 1e6 / seconds, 3),
             "workers": workers, "tokenizer": str(tokenizer) if tokenizer else "trained", "vocab_size": vocab,
-            "dtype": np_dtype.name, "valid_method": plan.method, "part": list(part) if part else None}
+            "dtype": np_dtype.name, "valid_method": holdout.method, "part": list(part) if part else None}
 
 
 def _names(sources: list[Source]) -> str:
@@ -382,12 +385,12 @@ def _check_dtype(vocab: int, dtype: str, path: Path) -> None:
                         f"{np.iinfo(np.dtype(dtype)).max:,}); give dtype uint32 or auto")
 
 
-def _meta(plan: _Plan, part, hashes, counts, given: Path | None, tmp: Path, vocab: int, eos: int, np_dtype,
+def _meta(holdout: _Holdout, part, hashes, counts, given: Path | None, tmp: Path, vocab: int, eos: int, np_dtype,
           splits, vocab_size: int, sample_bytes: int) -> dict[str, Any]:
     sources = []
-    for s, (src, sha) in enumerate(zip([*plan.train, *plan.valid], hashes)):
+    for s, (src, sha) in enumerate(zip([*holdout.train, *holdout.valid], hashes)):
         c = counts.get(s, {})
-        split = "valid" if s >= len(plan.train) else ("both" if len(c) == 2 else next(iter(c), "train"))
+        split = "valid" if s >= len(holdout.train) else ("both" if len(c) == 2 else next(iter(c), "train"))
         sources.append({"path": str(src.path), "format": src.format, "sha256": sha, "bytes": src.bytes,
                         "documents": sum(c.values()), "split": split})
     tokenizer = {"file": TOKENIZER_FILE, "sha256": file_sha256(tmp / TOKENIZER_FILE), "vocab_size": vocab,
@@ -395,5 +398,5 @@ def _meta(plan: _Plan, part, hashes, counts, given: Path | None, tmp: Path, voca
     tokenizer.update({"given": str(given)} if given else {"trained": {"vocab_size": vocab_size,
                                                                        "sample_bytes": sample_bytes}})
     return {"dtype": np_dtype.name, "tokenizer": tokenizer, "splits": splits, "sources": sources,
-            "valid": {"method": plan.method, "fraction": plan.fraction},
+            "valid": {"method": holdout.method, "fraction": holdout.fraction},
             "part": {"index": part[0], "count": part[1]} if part else None}

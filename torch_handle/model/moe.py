@@ -15,7 +15,7 @@ them (the tokens travel between dispatch and the experts, and back before combin
 4. combine  -- ``combine``: the rows put back in token order and each token's k outputs summed by its weights.
 
 ``MoEFeedForward`` composes them, adds optional shared experts (DeepSeekMoE), attaches the balancing losses to its
-output (``aux_loss.py``) and keeps the routing statistics of the steps (``routing_stats``).
+output (``aux_loss.py``) and counts its routing (``stats``; read, reduced and reset by ``torch_handle.train.routing``).
 
 Shape letters: B batch, T sequence length, N = B·T tokens, C = d_model channels, E experts, k = top_k,
 M = N·k - dropped rows of the sorted buffer, F = d_ff of one expert.
@@ -23,9 +23,8 @@ M = N·k - dropped rows of the sorted buffer, F = d_ff of one expert.
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Iterator
+import re
 from typing import Callable, Literal, NamedTuple
 
 import torch
@@ -33,7 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from torch_handle.model.args import BALANCES, MLP, MLPS, TransformerArgs, check_choice
-from torch_handle.model.aux_loss import attach_aux_loss
+from torch_handle.model.aux_loss import LossScaleSource, attach_aux_loss
 from torch_handle.model.feed_forward import build_feed_forward
 from torch_handle.model.kernels import Dropout
 from torch_handle.model.router import Routing, TopKRouter, load_balancing_loss, router_z_loss
@@ -105,20 +104,20 @@ def dispatch(x: Tensor, experts: Tensor, n_experts: int, capacity: int | None = 
     return x[order // top_k], Dispatch(order, counts, routed, n_tokens, top_k)
 
 
-def combine(y_sorted: Tensor, plan: Dispatch, weights: Tensor) -> Tensor:
+def combine(y_sorted: Tensor, dispatched: Dispatch, weights: Tensor) -> Tensor:
     """Undo ``dispatch`` and mix: each row goes back to its (token, slot) place (dropped slots are zeros), then each
     token's k rows are summed with its weights, in a fixed order (deterministic, unlike an atomic scatter-add).
 
     Args:
         y_sorted: (M, C), the experts' outputs in the sorted order.
-        plan: what ``dispatch`` returned with the rows.
+        dispatched: what ``dispatch`` returned with the rows.
         weights: (N, k) fp32, the router's weights (``Routing.weights``); cast to y's dtype (as transformers does).
 
     Returns:
         (N, C) in y_sorted's dtype.
     """
-    n_tokens, top_k = plan.n_tokens, plan.top_k
-    slots = y_sorted.new_zeros(n_tokens * top_k, y_sorted.shape[-1]).index_copy(0, plan.order, y_sorted)
+    n_tokens, top_k = dispatched.n_tokens, dispatched.top_k
+    slots = y_sorted.new_zeros(n_tokens * top_k, y_sorted.shape[-1]).index_copy(0, dispatched.order, y_sorted)
     return (slots.view(n_tokens, top_k, -1) * weights.unsqueeze(-1).to(slots.dtype)).sum(dim=1)
 
 
@@ -171,8 +170,22 @@ def _grouped_op_save(ctx, inputs: tuple, output: Tensor) -> None:
 _grouped_op.register_autograd(_grouped_op_backward, setup_context=_grouped_op_save)
 
 
-_GROUPED_OK: dict[str, bool] = {}
-"""Device type -> whether ``torch._grouped_mm`` ran there (absent: not tried yet)."""
+_NO_KERNEL = re.compile(r"could not run|not implemented|not supported|only supported|no kernel|unsupported"
+                        r"|expected mat_[ab] to be|strides should be multiple", re.IGNORECASE)
+"""What ``torch._grouped_mm``'s refusals say when it has no kernel for a device, dtype or shape (torch 2.13: "Could
+not run 'aten::_grouped_mm' with arguments from the ... backend", "Expected mat_a to be Float32, BFloat16 or Float16
+matrix", "strides should be multiple of 16 bytes")."""
+
+
+def no_grouped_kernel(error: BaseException) -> bool:
+    """Whether ``error``, raised by ``torch._grouped_mm``, means it has no kernel for this device, dtype or shape
+    (the experts fall back to the loop) rather than the failure of a kernel that exists: never an out-of-memory
+    error (``torch.OutOfMemoryError``, a ``RuntimeError``), a device fault or any other message, which propagate."""
+    if isinstance(error, torch.OutOfMemoryError):
+        return False
+    if isinstance(error, NotImplementedError):
+        return True
+    return isinstance(error, RuntimeError) and _NO_KERNEL.search(str(error)) is not None
 
 
 class GroupedExperts(nn.Module):
@@ -186,7 +199,7 @@ class GroupedExperts(nn.Module):
     with the experts' offsets (one kernel for all experts; forward + backward against the loop, equal in fp32:
     on CPU in torch 2.13 about 3x faster at E = 8; on an H100, torch 2.11, 4.5x at presets/moe.toml's shape and 8.8x
     at E = 64, C = 1024 in bf16, 1.8-2.0x in fp32: benchmarks/moe_experts.py; a device without the kernel falls
-    back to the loop, once and for good); ``"loop"`` runs expert after
+    back to the loop, once and for good, and only then: ``no_grouped_kernel``); ``"loop"`` runs expert after
     expert on its slice, the readable reference (the same formula, ``_mlp``). Both give every expert's slice a
     gradient, zero for an expert that got no rows, so no parameter is ever unused (DDP needs no
     ``find_unused_parameters``).
@@ -214,6 +227,8 @@ class GroupedExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(n_experts, d_model, d_ff))
         self.dropout = Dropout(dropout)
         self.impl: ExpertsImpl = "grouped"
+        self.grouped_ok: dict[str, bool] = {}
+        """Device type -> whether ``torch._grouped_mm`` ran there (absent: not tried yet)."""
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -237,11 +252,13 @@ class GroupedExperts(nn.Module):
     def forward(self, x: Tensor, counts: Tensor) -> Tensor:
         if self.impl not in ("grouped", "loop"):
             raise ValueError(f"unknown experts impl {self.impl!r}; expected 'grouped' or 'loop'")
-        if self.impl == "grouped" and hasattr(torch, "_grouped_mm") and _GROUPED_OK.get(x.device.type, True):
+        if self.impl == "grouped" and hasattr(torch, "_grouped_mm") and self.grouped_ok.get(x.device.type, True):
             try:
                 return self._grouped(x, counts)
-            except (RuntimeError, NotImplementedError):  # no grouped kernel for this device, dtype or shape
-                _GROUPED_OK[x.device.type] = False
+            except (RuntimeError, NotImplementedError) as error:
+                if not no_grouped_kernel(error):  # out of memory, a device fault: not a reason to loop
+                    raise
+                self.grouped_ok[x.device.type] = False
         return self._looped(x, counts)
 
     def _grouped(self, x: Tensor, counts: Tensor) -> Tensor:
@@ -268,49 +285,24 @@ class GroupedExperts(nn.Module):
 
 
 # -- the layer -----------------------------------------------------------------------------------------------------
-def _zero_stats(n_experts: int, device: torch.device) -> dict[str, Tensor]:
-    return {"tokens_per_expert": torch.zeros(n_experts, dtype=torch.int64, device=device),
-            "dropped": torch.zeros((), dtype=torch.int64, device=device),
-            "aux_loss": torch.zeros((), device=device), "z_loss": torch.zeros((), device=device),
-            "micro_batches": torch.zeros((), dtype=torch.int64, device=device),
-            "a2a_bytes": torch.zeros((), dtype=torch.int64, device=device),
-            "a2a_wait_s": torch.zeros((), dtype=torch.float64)}
+ROUTING_COUNTS = ("assignments", "dropped", "aux_loss", "z_loss", "micro_batches")
+"""The keys of ``MoEFeedForward.stats``, in this order: assignments per expert after capacity (E,; the step
+events' ``tokens_per_expert``), dropped assignments (``dropped_tokens``), the aux and z losses' values (sums over
+micro-batches), micro-batches counted."""
 
 
-def _in_backward() -> bool:
+def in_backward() -> bool:
     """True while autograd runs a backward pass: activation checkpointing then recomputes a forward, whose routing
     must not be counted twice."""
     return torch._C._current_graph_task_id() != -1
 
 
-_UNCOUNTED = [0]
-"""Depth of :func:`uncounted` contexts entered."""
-
-
-@contextlib.contextmanager
-def uncounted() -> Iterator[None]:
-    """Forwards that are not part of a training step: their routing is neither counted in ``stats`` nor moves the
-    expert biases. torch's pipeline stages infer their shapes with a real forward of the stage on uninitialised
-    tensors in the first step (``PipelineStage._forward_metadata_inference``, torch 2.13): counted, it added a
-    micro-batch of routing to step 1 and, now and then, NaN losses from the garbage."""
-    _UNCOUNTED[0] += 1
-    try:
-        yield
-    finally:
-        _UNCOUNTED[0] -= 1
-
-
-def _counted() -> bool:
-    """Whether this training forward's routing counts: not a recomputation inside backward, not :func:`uncounted`."""
-    return not _in_backward() and not _UNCOUNTED[0]
-
-
 @torch.library.custom_op("torch_handle::routing_counted", mutates_args=())
 def _counted_flag(like: Tensor) -> Tensor:
-    """``_counted()`` as a 0-d int64 tensor (1 or 0) on ``like``'s device, read when it runs: a compiled block
-    calls it instead of branching on a host flag that Dynamo can neither trace nor guard (an activation
+    """``not in_backward()`` as a 0-d int64 tensor (1 or 0) on ``like``'s device, read when it runs: a compiled
+    block calls it instead of branching on a host flag that Dynamo can neither trace nor guard (an activation
     checkpoint's recompute runs the same compiled graph inside backward)."""
-    return torch.tensor(int(_counted()), dtype=torch.int64, device=like.device)
+    return torch.tensor(int(not in_backward()), dtype=torch.int64, device=like.device)
 
 
 @_counted_flag.register_fake
@@ -331,10 +323,10 @@ class MoEFeedForward(nn.Module):
     parameter names are theirs: ``gate.weight``, ``experts.*_proj``, ``shared_experts.*_proj``.
 
     While training, the objective gains router_aux_loss · ``load_balancing_loss`` (balance = "aux_loss") plus
-    router_z_loss · ``router_z_loss``, attached to the output (``attach_aux_loss``): the loop computes its loss as
-    before. Each training forward also adds its counts to ``stats`` (on the device, no host read): assignments
-    per expert after capacity, dropped assignments, the two losses' values and the micro-batches seen, read and
-    reset by ``routing_stats``.
+    router_z_loss · ``router_z_loss``, attached to the output (``attach_aux_loss``, scaled by ``aux_loss_scale``):
+    the loop computes its loss as before. Each training forward also adds its counts to ``stats`` (on the device,
+    no host read; ``ROUTING_COUNTS``) and the router's ``pending_load``: the model computes them, the training code
+    (:mod:`torch_handle.train.routing`) reads, reduces and resets them and moves the expert biases.
 
     Shape:
         forward(x (B, T, C)) -> (B, T, C).
@@ -358,6 +350,18 @@ class MoEFeedForward(nn.Module):
                                                   args.bias) if args.n_shared_experts else None)
         # plain tensors, not buffers: DDP would overwrite every rank's counts with rank 0's at each forward
         self.stats: dict[str, Tensor] | None = None
+        """This layer's routing since the training code last reset it (None), keys ``ROUTING_COUNTS``."""
+        self.aux_loss_scale: LossScaleSource | None = None
+        """What the attached losses read their gradient from in backward (bound by the training code: ``AuxLossScale``;
+        None: 1)."""
+
+    def empty_stats(self) -> dict[str, Tensor]:
+        """``stats`` before any counted forward: zeros on the layer's device."""
+        device = self.gate.weight.device
+        return {"assignments": torch.zeros(self.n_experts, dtype=torch.int64, device=device),
+                "dropped": torch.zeros((), dtype=torch.int64, device=device),
+                "aux_loss": torch.zeros((), device=device), "z_loss": torch.zeros((), device=device),
+                "micro_batches": torch.zeros((), dtype=torch.int64, device=device)}
 
     def forward(self, x: Tensor) -> Tensor:
         B, T, C = x.shape
@@ -365,53 +369,38 @@ class MoEFeedForward(nn.Module):
         routing = self.gate(h)
         capacity = (None if self.capacity_factor is None
                     else expert_capacity(B * T, self.top_k, self.n_experts, self.capacity_factor))
-        h_sorted, plan = dispatch(h, routing.experts, self.n_experts, capacity)  # (M, C)
-        y = combine(self.experts(h_sorted, plan.counts), plan, routing.weights)  # (N, C)
+        h_sorted, dispatched = dispatch(h, routing.experts, self.n_experts, capacity)  # (M, C)
+        y = combine(self.experts(h_sorted, dispatched.counts), dispatched, routing.weights)  # (N, C)
         if self.shared_experts is not None:
             y = y + self.shared_experts(h)
         y = y.view(B, T, C)
-        return self._balance(y, routing, plan) if self.training else y
+        return self._balance(y, routing, dispatched) if self.training else y
 
-    def _balance(self, y: Tensor, routing: Routing, plan: Dispatch) -> Tensor:
+    def _balance(self, y: Tensor, routing: Routing, dispatched: Dispatch) -> Tensor:
         """The training-time extras: the balancing losses attached to ``y``, the statistics, the load for the
         expert bias."""
-        aux = load_balancing_loss(routing.probs, plan.routed, self.top_k)
+        aux = load_balancing_loss(routing.probs, dispatched.routed, self.top_k)
         z = router_z_loss(routing.logits)
         if torch.compiler.is_compiling():  # decided when the graph runs, not baked in when it is traced
-            self._count(plan, aux, z, _counted_flag(plan.routed))
-        elif _counted():
-            self._count(plan, aux, z, 1)
+            self._count(dispatched, aux, z, _counted_flag(dispatched.routed))
+        elif not in_backward():
+            self._count(dispatched, aux, z, 1)
         terms = [coef * loss for coef, loss in ((self.aux_loss_coef if self.balance == "aux_loss" else 0.0, aux),
                                                 (self.z_loss_coef, z)) if coef]
-        return attach_aux_loss(y, sum(terms)) if terms else y
+        return attach_aux_loss(y, sum(terms), self.aux_loss_scale) if terms else y
 
-    def _count(self, plan: Dispatch, aux: Tensor, z: Tensor, counted: Tensor | int) -> None:
+    def _count(self, dispatched: Dispatch, aux: Tensor, z: Tensor, counted: Tensor | int) -> None:
         """Add one micro-batch's routing to ``stats`` and the router's pending load, each times ``counted`` (1, or
         a 0-d int64 tensor of 0 or 1 under ``torch.compile``: ``_counted_flag``)."""
         if self.stats is None:
-            self.stats = _zero_stats(self.n_experts, plan.routed.device)
+            self.stats = self.empty_stats()
         s = self.stats
-        s["tokens_per_expert"] += plan.counts * counted
-        s["dropped"] += (plan.routed.sum() - plan.counts.sum()) * counted
+        s["assignments"] += dispatched.counts * counted
+        s["dropped"] += (dispatched.routed.sum() - dispatched.counts.sum()) * counted
         s["aux_loss"] += aux.detach() * counted
         s["z_loss"] += z.detach() * counted
         s["micro_batches"] += counted
-        self.gate.record_load(plan.routed * counted)
-
-    def record_traffic(self, nbytes: int, seconds: float, backward: bool) -> None:
-        """Add one expert-parallel all-to-all of rows to ``stats``: ``a2a_bytes`` (bytes this rank handed to the
-        collective) and ``a2a_wait_s`` (seconds in it), in training forwards and backwards; an activation
-        checkpoint's recomputed forward (a forward inside backward) is not counted again."""
-        if not self.training or _UNCOUNTED[0] or (not backward and _in_backward()):
-            return
-        if self.stats is None:
-            self.stats = _zero_stats(self.n_experts, self.gate.weight.device)
-        self.stats["a2a_bytes"] += nbytes
-        self.stats["a2a_wait_s"] += seconds
-
-    def reset_stats(self) -> None:
-        """Forget the routing statistics (``stats``: None until the next training forward)."""
-        self.stats = None
+        self.gate.record_load(dispatched.routed * counted)
 
     @property
     def inactive_params(self) -> int:
@@ -420,44 +409,13 @@ class MoEFeedForward(nn.Module):
         return (self.n_experts - self.top_k) * self.experts.params_per_expert()
 
 
+def named_moe_layers(model: nn.Module) -> list[tuple[str, MoEFeedForward]]:
+    """(name, layer) of the model's MoE feed-forward networks, in module order (layer order), each named by the
+    decoder layer that holds it: its module path without the FFN's own ``.ff`` -- ``layers.3``,
+    ``decoder.layers.2`` (the step events' ``moe.layers``, docs/run-directory.md); ``""`` for ``model`` itself."""
+    return [(name.removesuffix(".ff"), m) for name, m in model.named_modules() if isinstance(m, MoEFeedForward)]
+
+
 def moe_layers(model: nn.Module) -> list[MoEFeedForward]:
     """The model's MoE feed-forward networks, in module order (layer order)."""
-    return [m for m in model.modules() if isinstance(m, MoEFeedForward)]
-
-
-def layer_stats(layer: MoEFeedForward) -> dict[str, Tensor]:
-    """``layer.stats``, or its zeros before the first training forward since a reset: ``tokens_per_expert`` (E,)
-    int64, then 0-d tensors (``dropped``, ``aux_loss``, ``z_loss``, ``micro_batches``, ...), on the layer's device."""
-    return layer.stats or _zero_stats(layer.n_experts, layer.gate.weight.device)
-
-
-STATS_READ = frozenset(("tokens_per_expert", "dropped", "aux_loss", "z_loss", "micro_batches"))
-"""The keys of ``stats`` that ``routing_stats`` reads by name; any other is passed through per layer."""
-
-
-def routing_stats(model: nn.Module, reset: bool = True) -> dict | None:
-    """The routing since the last reset, over all MoE layers, as plain numbers (one host read); None without MoE
-    layers.
-
-    Returns:
-        ``tokens_per_expert``: one list of E counts per MoE layer (assignments computed, after capacity; they sum to
-        N·k - dropped per micro-batch); ``dropped_tokens``: assignments dropped, all layers; ``aux_loss`` and
-        ``z_loss``: the losses' values (without coefficients) averaged over micro-batches and summed over layers;
-        ``micro_batches``; any other counter of the layers' ``stats`` (expert parallelism's ``a2a_bytes``,
-        ``a2a_wait_s``) as one float per layer under its own name.
-    """
-    layers = moe_layers(model)
-    if not layers:
-        return None
-    stats = [layer_stats(m) for m in layers]
-    counts = torch.stack([s["tokens_per_expert"] for s in stats]).tolist()
-    seen = int(stats[0]["micro_batches"])
-    out = {"tokens_per_expert": counts, "dropped_tokens": int(sum(s["dropped"] for s in stats)),
-           "aux_loss": float(sum(s["aux_loss"] for s in stats)) / max(seen, 1),
-           "z_loss": float(sum(s["z_loss"] for s in stats)) / max(seen, 1), "micro_batches": seen}
-    for key in stats[0].keys() - STATS_READ:  # counters added later (expert parallelism's a2a_*): per layer
-        out[key] = [float(s[key]) for s in stats]
-    if reset:
-        for m in layers:
-            m.reset_stats()
-    return out
+    return [m for _, m in named_moe_layers(model)]

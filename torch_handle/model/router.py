@@ -7,8 +7,9 @@ losses and bias that keep the experts evenly loaded.
   per-expert bias added to the scores for the choice only (auxiliary-loss-free balancing).
 * ``load_balancing_loss`` -- the Switch Transformer's E·Σᵢ fᵢ·Pᵢ (Fedus et al. 2021, eq. 4-6).
 * ``router_z_loss`` -- ST-MoE's mean squared log-sum-exp of the router logits (Zoph et al. 2022, eq. 5).
-* ``update_expert_biases`` / ``register_expert_bias_updates`` -- DeepSeek-V3's bias update after each optimizer
-  step (Wang et al. 2024, "Auxiliary-Loss-Free Load Balancing Strategy for Mixture-of-Experts", Algorithm 1).
+The bias moves after each optimizer step by the load the router records (``record_load``): DeepSeek-V3's update
+(Wang et al. 2024, "Auxiliary-Loss-Free Load Balancing Strategy for Mixture-of-Experts", Algorithm 1), applied by
+the training code (``torch_handle.train.routing.update_expert_biases``), not here.
 
 Shape letters: N tokens (batch × sequence, flattened), C = d_model channels, E experts, k = top_k.
 """
@@ -18,7 +19,6 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -57,8 +57,9 @@ class TopKRouter(nn.Module):
         top_k: k, at most E.
         score: ``"softmax"`` or ``"sigmoid"``.
         norm_topk_prob: divide the k chosen scores by their sum.
-        expert_bias: keep a bias buffer (E,) for auxiliary-loss-free balancing, moved by ``update_bias``.
-        bias_update_rate: γ, the step of ``update_bias``.
+        expert_bias: keep a bias buffer (E,) for auxiliary-loss-free balancing, moved by the training code
+            (``torch_handle.train.routing.update_expert_bias``).
+        bias_update_rate: γ, the step of that update.
 
     Shape:
         forward(x (N, C)) -> ``Routing``.
@@ -108,26 +109,11 @@ class TopKRouter(nn.Module):
 
     @torch.no_grad()
     def record_load(self, routed: Tensor) -> None:
-        """Add one micro-batch's assignments per expert (E,) to the load the next ``update_bias`` acts on (nothing
-        without ``expert_bias``)."""
+        """Add one micro-batch's assignments per expert (E,) to ``pending_load``, the load the next bias update acts
+        on (nothing without ``expert_bias``)."""
         if self.expert_bias is not None:
             load = routed.to(self.expert_bias.dtype)
             self.pending_load = load if self.pending_load is None else self.pending_load + load
-
-    @torch.no_grad()
-    def update_bias(self, load: Tensor | None = None) -> None:
-        """bᵢ += γ · sign(mean load − loadᵢ): an overloaded expert's bias falls, an underloaded one's rises (Wang et
-        al. 2024, Algorithm 1; DeepSeek-V3 §2.1.2). ``load`` (E,): the assignments per expert of the step, summed
-        over the data-parallel ranks; default the pending load of this process. Forgets the pending load."""
-        if self.expert_bias is None:
-            return
-        load = self.pending_load_or_zeros() if load is None else load
-        self.expert_bias += self.bias_update_rate * torch.sign(load.mean() - load)
-        self.pending_load = None
-
-    def pending_load_or_zeros(self) -> Tensor:
-        """The assignments per expert (E,) fp32 since the last ``update_bias``."""
-        return self.pending_load if self.pending_load is not None else torch.zeros_like(self.expert_bias)
 
 
 def load_balancing_loss(probs: Tensor, routed: Tensor, top_k: int) -> Tensor:
@@ -154,35 +140,3 @@ def router_z_loss(logits: Tensor) -> Tensor:
     """ST-MoE's router z-loss (Zoph et al. 2022, eq. 5): (1/N) Σₜ (log Σⱼ exp xₜⱼ)², which keeps the router's
     logits small (large ones make the fp32 softmax and its gradient unstable). logits (N, E) -> scalar."""
     return torch.logsumexp(logits, dim=-1).square().mean()
-
-
-def update_expert_biases(model: nn.Module, group: dist.ProcessGroup | None = None) -> None:
-    """Move the expert bias of every auxiliary-loss-free router in ``model`` once (``TopKRouter.update_bias``),
-    from the assignments of the micro-batches since the last call, summed over ``group``'s ranks by one
-    all-reduce of (routers, E) counts when a process group is initialised: the ranks hold the same biases after."""
-    routers = [m for m in model.modules() if isinstance(m, TopKRouter) and m.expert_bias is not None]
-    if not routers:
-        return
-    load = torch.stack([r.pending_load_or_zeros() for r in routers])  # (layers, E)
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
-        dist.all_reduce(load, group=group)
-    for router, layer_load in zip(routers, load):
-        router.update_bias(layer_load)
-
-
-def register_expert_bias_updates(model: nn.Module, optimizer: torch.optim.Optimizer,
-                                 group: dist.ProcessGroup | None = None) -> object | None:
-    """Run ``update_expert_biases(model, group)`` before every ``optimizer.step()`` -- after the step's last
-    backward, once per step whatever the gradient accumulation (torchtitan's ``register_step_pre_hook``, likewise).
-    A step skipped for a non-finite loss moves no bias; its load counts towards the next. Returns the hook's handle,
-    or None when ``model`` has no auxiliary-loss-free router (nothing registered).
-
-    Raises:
-        TypeError: an optimizer without step hooks (not a ``torch.optim.Optimizer``) while the model needs one.
-    """
-    if not any(isinstance(m, TopKRouter) and m.expert_bias is not None for m in model.modules()):
-        return None
-    if not hasattr(optimizer, "register_step_pre_hook"):
-        raise TypeError(f"{type(optimizer).__name__} has no step hooks: balance = 'aux_free' cannot update the "
-                        f"expert biases")
-    return optimizer.register_step_pre_hook(lambda *_: update_expert_biases(model, group))

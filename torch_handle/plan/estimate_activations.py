@@ -256,14 +256,13 @@ def fake_activations(build: ModelBuild, batch: int, seq_len: int, precision: str
     from torch_handle.parallel.tensor.cross_entropy import vocab_parallel_cross_entropy
     from torch_handle.plan.shape_tp_group import ShapeTPGroup
 
-    from torch_handle.plan.estimate_moe import dropless, fake_grouped_matmuls, plain_loss_scale
+    from torch_handle.plan.estimate_moe import dropless, fake_grouped_matmuls
 
     build = dropless(build)  # a capacity's cut depends on the routing: measured at its most, dropless
     dtype = torch_dtype(precision)
     group = ShapeTPGroup(build.tp) if build.tp > 1 else None
-    # the vocabulary-parallel loss's backward indexes with nonzero(): a data-dependent shape needs a ShapeEnv;
-    # an MoE's balancing loss takes the loop's loss scale in backward: a real tensor if this process trained before
-    with FakeTensorMode(allow_non_fake_inputs=False, shape_env=ShapeEnv() if group else None), plain_loss_scale():
+    # the vocabulary-parallel loss's backward indexes with nonzero(): a data-dependent shape needs a ShapeEnv
+    with FakeTensorMode(allow_non_fake_inputs=False, shape_env=ShapeEnv() if group else None):
         model = build_model(build, group)
         fake_grouped_matmuls(model)
         model.train()

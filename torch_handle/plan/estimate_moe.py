@@ -27,10 +27,8 @@ torch is imported inside the functions, so importing this module is cheap.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -41,7 +39,7 @@ if TYPE_CHECKING:
     from torch_handle.plan.model_states import States, Variant
 
 __all__ = ["MoEShape", "all_to_all_bytes", "dispatched_rows", "dropless", "expert_param_bytes",
-           "fake_grouped_matmuls", "moe_shape", "moe_step", "plain_loss_scale", "preset_moe", "rank_state_bytes",
+           "fake_grouped_matmuls", "moe_shape", "moe_step", "preset_moe", "rank_state_bytes",
            "split_experts", "token_buffer_bytes"]
 
 COUNT_BYTES = 8
@@ -120,20 +118,6 @@ def fake_grouped_matmuls(model: torch.nn.Module) -> None:
     for m in model.modules():
         if isinstance(m, GroupedExperts):
             m._grouped = types.MethodType(grouped, m)
-
-
-@contextlib.contextmanager
-def plain_loss_scale() -> Iterator[None]:
-    """The balancing losses' gradient scale (``model.aux_loss.loss_scale``) a plain 1.0 inside, restored after: the
-    scale a real backward recorded is a real tensor, which a backward on fake tensors may not mix in."""
-    from torch_handle.model.aux_loss import loss_scale, set_loss_scale
-
-    saved = loss_scale()
-    set_loss_scale(1.0)
-    try:
-        yield
-    finally:
-        set_loss_scale(saved)
 
 
 def split_experts(shape: ModelShape, ep: int) -> tuple[ModelShape, ModelShape]:

@@ -43,8 +43,9 @@ MICROBATCH_FACTORS = (1, 2, 4)
 
 
 @dataclass(frozen=True)
-class Layout:
-    """One way to run the preset on ``dp·tp·pp`` ranks."""
+class Candidate:
+    """One way to run the preset on ``dp·tp·pp`` ranks: a layout (``parallel.mesh.Layout``'s degrees) with the
+    settings that go with it (schedule, micro-batches, checkpointing, strategy)."""
 
     dp: int
     tp: int
@@ -94,7 +95,7 @@ class Batch:
     grad_accum: int
 
 
-def layout_overrides(layout: Layout, batch: Batch, nproc_per_node: int, nnodes: int) -> list[str]:
+def layout_overrides(layout: Candidate, batch: Batch, nproc_per_node: int, nnodes: int) -> list[str]:
     """The ``--set`` overrides that run ``layout`` (``handle run PRESET --set ...``)."""
     out = [f"launch.nproc_per_node={nproc_per_node}", f"launch.nnodes={nnodes}", f"strategy.name={layout.strategy}",
            f"parallel.tp={layout.tp}", f"parallel.pp={layout.pp}",
@@ -108,7 +109,7 @@ def layout_overrides(layout: Layout, batch: Batch, nproc_per_node: int, nnodes: 
     return out
 
 
-def adapted_overrides(base: Preset, layout: Layout) -> list[str]:
+def adapted_overrides(base: Preset, layout: Candidate) -> list[str]:
     """The preset's ``[parallel]`` choices that cannot run ``layout``, set to what can, as the resume rules do
     (docs/resume.md): ``sequence_parallel`` off where tp = 1 (no TP group to split over), and ``pp_impl`` native
     for a schedule the hand-written pipeline does not have. Without them those layouts were dropped for the
@@ -129,7 +130,7 @@ def adapted_overrides(base: Preset, layout: Layout) -> list[str]:
 class Row:
     """A layout that fits, with its prediction."""
 
-    layout: Layout
+    layout: Candidate
     batch: Batch
     estimate: Any
     """The :class:`~torch_handle.plan.estimate_layout.LayoutEstimate`."""
@@ -171,7 +172,7 @@ class Plan:
     peak_source: str
     links: plan_cost.Links
     rows: list[Row] = field(default_factory=list)
-    dropped: list[tuple[Layout, str]] = field(default_factory=list)
+    dropped: list[tuple[Candidate, str]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
@@ -220,7 +221,7 @@ def expert_degrees(dp: int, n_experts: int) -> list[int]:
 
 
 def candidate_layouts(n: int, strategy: str, samples: Callable[[int], int | None], n_experts: int = 0
-                      ) -> list[Layout]:
+                      ) -> list[Candidate]:
     """Every layout tried on ``n`` ranks; ``samples(dp)`` is a replica's samples per step (None: the global batch
     does not divide over dp, the layout is still listed to be dropped); ``n_experts``: E of a model with experts,
     whose layouts are tried with every ep of :func:`expert_degrees` too."""
@@ -235,7 +236,7 @@ def candidate_layouts(n: int, strategy: str, samples: Callable[[int], int | None
         for ep in expert_degrees(dp, n_experts):
             for sched, v, m in pipes:
                 for ac in (False, True):
-                    out.append(Layout(dp, tp, pp, sched, v, m, ac, name, ep))
+                    out.append(Candidate(dp, tp, pp, sched, v, m, ac, name, ep))
     return out
 
 
@@ -325,7 +326,7 @@ def plan_layouts(base: Preset, registry: PluginRegistry, *, nproc: int, nnodes: 
     return plan
 
 
-def step_cost(layout: Layout, batch: Batch, preset: Preset, est: Any, flops_per_token: float, peak_flops: float,
+def step_cost(layout: Candidate, batch: Batch, preset: Preset, est: Any, flops_per_token: float, peak_flops: float,
               links: plan_cost.Links, per_node: int, tokens: int, moe: MoEShape | None = None
               ) -> plan_cost.StepCost:
     """The :class:`~torch_handle.plan.plan_cost.StepCost` of ``layout`` (module docstring of

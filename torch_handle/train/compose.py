@@ -20,7 +20,7 @@ class Shares:
     """This rank's shares of a layout: ``tp`` (:class:`~torch_handle.train.tensor_parallel.TensorParallel`), ``pp``
     (:class:`~torch_handle.train.pipeline_parallel.PipelineParallel`, which holds the other two) and ``ep``
     (:class:`~torch_handle.train.expert_parallel.ExpertParallel`), None where the degree is 1; ``ctx`` is the rank's
-    ``DistContext`` with the layout's mesh and the EP share (``ctx.expert_parallel``, for the strategy)."""
+    ``DistContext`` with the layout's mesh and the EP share (``ctx.ep_share``, for the strategy)."""
 
     ctx: Any
     tp: Any = None
@@ -56,4 +56,4 @@ def build_shares(preset: Preset, ctx: Any) -> Shares:
         from torch_handle.train.pipeline_parallel import PipelineParallel
 
         pp = PipelineParallel(par, ctx, pipeline_microbatches(preset), preset.training.label_smoothing, tp, ep)
-    return Shares(replace(ctx, expert_parallel=ep), tp, pp, ep)
+    return Shares(replace(ctx, ep_share=ep), tp, pp, ep)

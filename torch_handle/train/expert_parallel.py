@@ -25,7 +25,6 @@ so a checkpoint of any ep resumes on any other); the pipeline's share calls :met
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -35,18 +34,20 @@ import torch.distributed as dist
 from torch import nn
 
 from torch_handle.checkpoint.convert import load_schedule, read_portable, write_portable
-from torch_handle.model.moe import moe_layers
+from torch_handle.model.moe import moe_layers, named_moe_layers
 from torch_handle.parallel.tensor.checkpoint import full_model_state, full_optimizer_state, load_full_state
 from torch_handle.train.grad_norm import clip_, local, mesh_grad_norm
+from torch_handle.train.routing import attach_traffic
 from torch_handle.train.share import PortableShare
 
 _WHOLE = SimpleNamespace(rank=0)  # the TP "group" of a model without tensor parallelism: nothing split
 
 
-def _layer_label(name: str, ordinal: int) -> str:
-    """``3`` for the MoE network ``layers.3.ffn`` (the decoder layer it sits in), else its ordinal among them."""
-    found = re.search(r"(?:^|\.)layers\.(\d+)\.", name + ".")
-    return found.group(1) if found else str(ordinal)
+def _heartbeat_label(name: str, ordinal: int) -> str:
+    """``3`` for the MoE layer named ``layers.3`` or ``decoder.layers.3`` (``named_moe_layers``: the decoder layer
+    it sits in), else its ordinal among them."""
+    index = name.rpartition(".")[2]
+    return index if index.isdigit() else str(ordinal)
 
 
 def _by_hand(param: torch.Tensor) -> bool:
@@ -60,27 +61,26 @@ def apply_expert_parallel(model: nn.Module, impl: str, ep_mesh: Any) -> list[nn.
     rank keeps experts [ep_rank · E/ep, (ep_rank + 1) · E/ep), and the experts' module gets the dispatch and combine
     (``impl`` ``"scratch"``: :class:`~torch_handle.parallel.expert.scratch.ScratchExpertParallel`, plain tensors;
     ``"native"``: :class:`~torch_handle.parallel.expert.native.NativeExpertParallel`, ``Shard(0)`` DTensors). Each
-    layer counts its all-to-alls in its ``stats`` (``a2a_bytes``, ``a2a_wait_s``). Returns the experts'
-    parameters.
+    layer's all-to-alls are counted in its ``traffic`` (:class:`~torch_handle.train.routing.AllToAllTraffic`).
+    Returns the experts' parameters.
 
     Raises:
         ValueError: an unknown ``impl``, or an MoE layer whose n_experts the ep degree does not divide."""
     if impl not in ("scratch", "native"):
         raise ValueError(f"unknown expert-parallel implementation {impl!r}; expected 'scratch' or 'native'")
-    names = {id(m): n for n, m in model.named_modules()}
     params: list[nn.Parameter] = []
-    for ordinal, layer in enumerate(moe_layers(model)):
+    for ordinal, (name, layer) in enumerate(named_moe_layers(model)):
         if layer.n_experts % ep_mesh.size():
             raise ValueError(f"parallel.ep = {ep_mesh.size()} does not divide n_experts = {layer.n_experts}")
-        label = _layer_label(names[id(layer)], ordinal)
+        label, record = _heartbeat_label(name, ordinal), attach_traffic(layer).record
         if impl == "scratch":
             from torch_handle.parallel.expert.scratch import ScratchExpertParallel
 
-            ScratchExpertParallel(ep_mesh.get_group(), label, layer.record_traffic).apply(layer.experts)
+            ScratchExpertParallel(ep_mesh.get_group(), label, record).apply(layer.experts)
         else:
             from torch_handle.parallel.expert.native import NativeExpertParallel
 
-            NativeExpertParallel(label, layer.record_traffic).apply(layer.experts, ep_mesh)
+            NativeExpertParallel(label, record).apply(layer.experts, ep_mesh)
         params.extend(layer.experts.parameters())
     return params
 
@@ -90,7 +90,7 @@ class ExpertParallel(PortableShare):
     the rank's ``DistContext`` with its layout (``attach_layout``), ``impl`` ``parallel.ep_impl``.
 
     Built with the run's other shares (:func:`~torch_handle.train.compose.build_shares`) and handed to the strategy
-    (``ctx.expert_parallel``), which leaves the experts to it when it wraps the model; the trainer uses it as the run's
+    (``ctx.ep_share``), which leaves the experts to it when it wraps the model; the trainer uses it as the run's
     :class:`~torch_handle.train.share.ParallelShare`, unless a pipeline is that share (which calls this one for its
     experts)."""
 

@@ -1,12 +1,13 @@
 """The training loss: token-mean cross-entropy over the whole vocabulary (the tensor-parallel loss over a split
-vocabulary is :func:`torch_handle.parallel.tensor.cross_entropy.vocab_parallel_cross_entropy`)."""
+vocabulary is :func:`torch_handle.parallel.tensor.cross_entropy.vocab_parallel_cross_entropy`), and the scale
+a model's auxiliary losses get in backward (:class:`AuxLossScale`)."""
 
 from __future__ import annotations
 
 import torch
+from torch import Tensor, nn
 
 from torch_handle.data.datasets import IGNORE_INDEX
-from torch_handle.model.aux_loss import probe_loss_scale
 from torch_handle.model.kernels import cross_entropy
 
 
@@ -20,9 +21,79 @@ def loss_fn(logits: torch.Tensor, labels: torch.Tensor, label_smoothing: float =
     ``label_smoothing``; 0 is plain cross-entropy. The trainer passes ``training.label_smoothing`` for training
     steps only: validation loss stays plain cross-entropy.
 
-    Computed by ``torch_handle.model.kernels.cross_entropy`` (chunk by chunk in cache on CPU). The loss passes
-    through ``probe_loss_scale``, an identity whose backward tells the model's auxiliary losses (a mixture of
-    experts' balancing losses, ``torch_handle.model.aux_loss``) the factor this loss was scaled by."""
+    Computed by ``torch_handle.model.kernels.cross_entropy`` (chunk by chunk in cache on CPU). The trainer passes
+    the loss through :meth:`AuxLossScale.probe` before backward."""
     n_tokens = (labels != IGNORE_INDEX).sum()
     flat, targets = logits.flatten(0, 1), labels.flatten()  # (B·T, V), (B·T,)
-    return probe_loss_scale(cross_entropy(flat, targets, label_smoothing, IGNORE_INDEX)), n_tokens
+    return cross_entropy(flat, targets, label_smoothing, IGNORE_INDEX), n_tokens
+
+
+class _Probe(torch.autograd.Function):
+    """Identity on the loop's scalar loss; its backward records the incoming gradient in ``scale.value`` (kept on
+    the device: no synchronisation)."""
+
+    @staticmethod
+    def forward(ctx, loss: Tensor, scale: AuxLossScale) -> Tensor:
+        ctx.scale = scale
+        return loss.view_as(loss)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
+        # tensor parallelism's native loss is a replicated DTensor: the factor is its local value
+        ctx.scale.set(grad.to_local() if hasattr(grad, "to_local") else grad)
+        return grad, None
+
+
+class AuxLossScale:
+    """The gradient a model's attached auxiliary losses (an MoE layer's balancing and z-losses,
+    :mod:`torch_handle.model.aux_loss`) receive in backward: the factor the loop multiplied its loss by.
+
+    :meth:`probe` wraps the loop's loss: an identity whose backward records the gradient that loss received
+    (1 / grad_accum, times the fp16 loss scale, whatever the strategy does), so an auxiliary coefficient means the
+    same with gradient accumulation, loss scaling and every strategy (Megatron-LM's
+    ``MoEAuxLossAutoScaler.set_loss_scale``, recorded instead of computed). Every path from the loss to a layer's
+    output runs through the probe, so autograd runs the probe's backward before any attached loss's. A backward
+    that does not start from a probed loss (a pipeline schedule's, a test's ``out.sum().backward()``) sees the
+    last value recorded or :meth:`set`, 1.0 until then.
+
+    One per model: :meth:`bind` hands it to the model's MoE layers (their ``aux_loss_scale``). The factor is one
+    0-d tensor on the model's device, written in place: a compiled block reads it when its backward runs (a graph
+    input), where a number would be baked into the graph when it is traced (the aux losses of a compiled MoE block
+    got a gradient of 1 whatever the loop's scale).
+
+    Args:
+        model: bound at once when given (on its device: bind after moving it).
+        value: the initial factor.
+    """
+
+    def __init__(self, model: nn.Module | None = None, value: float = 1.0) -> None:
+        self.value = torch.tensor(float(value))
+        """The gradient the probed loss received in the latest backward (0-d fp32, never read back to the host)."""
+        if model is not None:
+            self.bind(model)
+
+    def bind(self, model: nn.Module) -> AuxLossScale:
+        """Make this the scale every MoE layer of ``model`` reads in backward, on the device of the model's
+        parameters. Returns self."""
+        from torch_handle.model.moe import moe_layers
+
+        layers = moe_layers(model)
+        if layers:
+            self.value = self.value.to(layers[0].gate.weight.device)
+        for layer in layers:
+            layer.aux_loss_scale = self
+        return self
+
+    def set(self, value: Tensor | float) -> None:
+        """Set the factor (the probe does; by hand where the losses bypass it: a pipeline schedule's, 1 /
+        micro-batches). In place, through ``.data``: the attached losses of the step's earlier micro-batches hold
+        the tensor for their backward, and a write through it would fail autograd's version check."""
+        value = torch.as_tensor(value).detach()
+        if value.device != self.value.device:  # bound before the model moved: follow the loss (a compiled block
+            self.value = value.to(torch.float32).clone()  # traces once more)
+        else:
+            self.value.data.copy_(value)
+
+    def probe(self, loss: Tensor) -> Tensor:
+        """``loss`` (a scalar), unchanged; in backward it records the gradient ``loss`` receives."""
+        return _Probe.apply(loss, self) if loss.requires_grad else loss

@@ -15,12 +15,12 @@ from typing import Any
 from torch.distributed import pipelining
 from torch.distributed.pipelining import PipelineStage
 
-from torch_handle.model.moe import uncounted
 from torch_handle.observe.activations import SavedTensorCounter
 from torch_handle.observe.heartbeat import beat
 from torch_handle.parallel.pipeline import data_parallel
 from torch_handle.parallel.pipeline.schedules import NATIVE_SCHEDULES
 from torch_handle.parallel.pipeline.timeline import Timeline
+from torch_handle.train.routing import uncounted
 
 
 class TimedStage(PipelineStage):
@@ -39,8 +39,8 @@ class TimedStage(PipelineStage):
         """torch 2.13 infers the stage's shapes with a real forward outside ``no_sync``, which arms a DDP
         submodule's reducer for the next backward (the first micro-batch's) as well as the last: run it under
         ``no_sync``, as the schedule's forwards are; and on uninitialised tensors, so an MoE layer's routing in it is
-        not counted (``moe.uncounted``)."""
-        with data_parallel.forward_context(self.submod), uncounted():
+        not counted (``torch_handle.train.routing.uncounted``)."""
+        with data_parallel.forward_context(self.submod), uncounted(self.submod):
             return super()._forward_metadata_inference(*args, **kwargs)
 
     def get_fwd_recv_ops(self, fwd_chunk_id: int) -> list:

@@ -32,7 +32,6 @@ from torch_handle.common.testhooks import HANG_ENV, parse_test_stall
 from torch_handle.config.schema import ParallelConfig
 from torch_handle.data.datasets import IGNORE_INDEX
 from torch_handle.errors import CheckpointError
-from torch_handle.model.aux_loss import set_loss_scale
 from torch_handle.model.kernels import cross_entropy
 from torch_handle.model.pipeline import split_decoder, split_layers, tied_names
 from torch_handle.observe.heartbeat import beat
@@ -44,6 +43,7 @@ from torch_handle.parallel.pipeline.timeline import Timeline, summarize
 from torch_handle.parallel.tensor.checkpoint import full_model_state, full_optimizer_state, load_full_state
 from torch_handle.train.grad_norm import clip_, local, mesh_grad_norm
 from torch_handle.train.loop import plain
+from torch_handle.train.loss import AuxLossScale
 from torch_handle.train.share import PortableShare
 from torch_handle.train.strategy import DistContext
 
@@ -132,10 +132,13 @@ class PipelineParallel(PortableShare):
 
     def parallelize(self, model: nn.Module) -> nn.Module:
         """Split ``model`` over the TP ranks (with ``tp``), keep this rank's stages (:meth:`split`) and split their
-        experts (with ``ep``); returns the shard the strategy steps."""
+        experts (with ``ep``); returns the shard the strategy steps. The schedule's losses bypass the trainer's
+        probe: the stages' MoE layers get the gradient a micro-batch's loss gets in gradient accumulation over m
+        micro-batches, 1/m (:class:`~torch_handle.train.loss.AuxLossScale`)."""
         if self.tp is not None:
             self.tp.parallelize(model)
         shard = self.split(model)
+        AuxLossScale(shard, 1.0 / self.m)
         if self.ep is not None:
             self.ep.parallelize(shard)
         return shard
@@ -212,9 +215,6 @@ class PipelineParallel(PortableShare):
         tokens = sum((y != IGNORE_INDEX).sum() for y in labels)
         self._tokens = tokens.double()
         self._running, self._forwards = trainer.step + 1, 0
-        # the schedule's losses bypass loss_fn's probe: an MoE layer's attached losses get the gradient a micro-batch's
-        # loss gets in gradient accumulation over m micro-batches, 1/m (torch_handle.model.aux_loss)
-        set_loss_scale(1.0 / self.m)
         self.timeline.begin()
         counting = self.first_stage_saved_bytes is None
         self.engine.count_saved = counting
@@ -350,8 +350,10 @@ class PipelineParallel(PortableShare):
         weights = full_model_state(self.shard, *self._split())
         if self.ep is not None:
             self.ep.gather_state(self.shard, weights, None)
-        parts = self._gather(weights)
-        return None if parts is None else {k: v for part in parts if part for k, v in part.items()}
+        parts = self._gather(weights)  # every pipeline line's first rank gathers its line: keep rank 0's
+        if not self.ctx.is_main:
+            return None
+        return {k: v for part in parts if part for k, v in part.items()}
 
     def save(self, ckpt_dir: Path) -> None:
         """Join every stage's weights and optimizer state (by parameter name; gathered over TP and FSDP shards) on

@@ -68,11 +68,11 @@ def load_state(trainer: Any, path: Path, layout: dict[str, Any]) -> str:
         CheckpointError: the conversion failed (one line), or it would need the shards of several nodes'
             run directories.
     """
-    strategy, state_io, ctx = trainer.strategy, trainer.state_io, trainer.ctx
+    strategy, checkpointer, ctx = trainer.strategy, trainer.checkpointer, trainer.ctx
     if "world_size" not in layout or ("strategy" not in layout and layout.get("format") != "dcp"):
         layout = {**strategy.checkpoint_layout(), "world_size": ctx.world_size, **layout}  # older
-    if state_io.loads_natively(layout):
-        state_io.load(path)
+    if checkpointer.loads_natively(layout):
+        checkpointer.load(path)
         return ""
     from torch_handle.checkpoint import convert
     from torch_handle.common.units import fmt_bytes
@@ -84,7 +84,7 @@ def load_state(trainer: Any, path: Path, layout: dict[str, Any]) -> str:
                                    f"nodes (its shards are spread over the nodes' directories)")
     outcome: Any = None
     if trainer.is_dir_main:  # one conversion per run directory, while that directory's other ranks wait
-        names = state_io.parameter_names()
+        names = checkpointer.parameter_names()
         try:
             with busy("convert"):
                 outcome = convert.ensure_portable(path, layout, names)
@@ -95,7 +95,7 @@ def load_state(trainer: Any, path: Path, layout: dict[str, Any]) -> str:
     if failed is not None:
         raise ckpt.CheckpointError(f"cannot convert {path} (written by {convert.describe(layout)}): {failed}")
     start = time.perf_counter()
-    state_io.load_portable(convert.portable_dir(path, layout))
+    checkpointer.load_portable(convert.portable_dir(path, layout))
     loaded_s = time.perf_counter() - start
     done = outcomes[trainer.dir_leaders[ctx.rank]]
     if done is None:

@@ -39,7 +39,35 @@ parallelism do not compose without a pipeline (``handle validate`` refuses tp > 
 
 
 @runtime_checkable
-class ParallelShare(Protocol):
+class Checkpointer(Protocol):
+    """What saves and loads a run's state: the strategy (``Strategy``), or the share bound to it when the model is
+    split (every :class:`ParallelShare` is one). The trainer keeps it as ``trainer.checkpointer``."""
+
+    def checkpoint_layout(self) -> dict[str, Any]:
+        """What :meth:`save` writes, for ``layout.json`` (a share: ``format = "dcp"``, the portable form, the
+        strategy and the share's degree and implementation)."""
+
+    def loads_natively(self, layout: dict[str, Any]) -> bool:
+        """Whether :meth:`load` reads a checkpoint of ``layout`` as it is (a share: never; every checkpoint
+        reaches it through its portable form and :meth:`load_portable`)."""
+
+    def save(self, ckpt_dir: Path) -> None:
+        """Write the model and optimizer state (and the LR schedule) to ``ckpt_dir`` (a share: the one-process
+        portable form); every rank calls it."""
+
+    def load(self, ckpt_dir: Path) -> None:
+        """Load a checkpoint :meth:`save` wrote (a share's: its portable form)."""
+
+    def load_portable(self, portable: Path) -> None:
+        """Load the portable form (any layout's): every rank keeps its slices of the full tensors."""
+
+    def parameter_names(self) -> list[str]:
+        """The one-process model's trainable parameter names in ``named_parameters()`` order (how a ``torch``
+        checkpoint's numbered optimizer state maps to names)."""
+
+
+@runtime_checkable
+class ParallelShare(Checkpointer, Protocol):
     """One process's share of a split model, for the trainer (see the module)."""
 
     strategy: Any
@@ -71,31 +99,9 @@ class ParallelShare(Protocol):
         """The step event's figures of this share (``layout``; TP traffic; the pipeline's bubble, with its spans
         when ``timeline``); on rank 0. Collective for a pipeline."""
 
-    def checkpoint_layout(self) -> dict[str, Any]:
-        """What :meth:`save` writes, for ``layout.json``: ``format = "dcp"`` (the portable form), the strategy and
-        this share's degree and implementation."""
-
-    def loads_natively(self, layout: dict[str, Any]) -> bool:
-        """Whether :meth:`load` reads a checkpoint of ``layout`` as it is (a share: never; every checkpoint
-        reaches it through its portable form and :meth:`load_portable`)."""
-
-    def save(self, ckpt_dir: Path) -> None:
-        """Write the one-process model and optimizer state (and the LR schedule) as the portable form; every rank
-        calls it, rank 0 writes."""
-
-    def load(self, ckpt_dir: Path) -> None:
-        """Load a checkpoint this share wrote (its portable form)."""
-
-    def load_portable(self, portable: Path) -> None:
-        """Load the portable form (any layout's): every rank keeps its slices of the full tensors."""
-
     def full_state_dict(self, model: nn.Module | None = None) -> dict[str, torch.Tensor] | None:
         """The one-process state dict (names and shapes of the unsplit model) on rank 0, None elsewhere; a
         collective. ``model``: the split model (default: the strategy's)."""
-
-    def parameter_names(self) -> list[str]:
-        """The one-process model's trainable parameter names in ``named_parameters()`` order (how a ``torch``
-        checkpoint's numbered optimizer state maps to names)."""
 
 
 class PortableShare:

@@ -31,8 +31,8 @@ import torch.distributed as dist
 
 from torch_handle.common.precision import torch_dtype
 from torch_handle.config.loader import TrainingConfig
-from torch_handle.model.router import register_expert_bias_updates
 from torch_handle.observe.fields import FROZEN_PARAM_BYTES, PARAM_BYTES, TRAINABLE_PARAM_BYTES
+from torch_handle.train.routing import register_expert_bias_updates
 
 
 @dataclass
@@ -57,10 +57,10 @@ class DistContext:
     """``parallel.ep_impl``: how the experts are split when ``layout.ep`` > 1."""
     ep_mesh: Any = None
     """The ("edp", "ep", "tp") or ("pp", "edp", "ep", "tp") ``DeviceMesh`` when ``layout.ep`` > 1, else None."""
-    expert_parallel: Any = None
+    ep_share: Any = None
     """This rank's :class:`~torch_handle.train.expert_parallel.ExpertParallel` share when ``layout.ep`` > 1, its
-    experts already split (built with the run's other shares: :func:`torch_handle.train.share.build_shares`), for
-    the strategy (:attr:`Strategy.expert_parallel`); else None."""
+    experts already split (built with the run's other shares: :func:`torch_handle.train.compose.build_shares`), for
+    the strategy (:attr:`Strategy.ep_share`); else None."""
 
     @property
     def is_main(self) -> bool:
@@ -158,7 +158,7 @@ class Strategy:
     """
 
     name = "base"
-    expert_parallel: Any = None
+    ep_share: Any = None
     """The :class:`~torch_handle.train.expert_parallel.ExpertParallel` share when ``parallel.ep`` > 1 (``ctx``'s: the
     model's experts are split before the strategy is built, and :meth:`wrap` leaves their parameters to it), else
     None."""
@@ -169,7 +169,7 @@ class Strategy:
     def __init__(self, options: Any, training: TrainingConfig, ctx: DistContext, model: torch.nn.Module):
         self.options, self.training, self.ctx = options, training, ctx
         self._sync = True
-        self.expert_parallel = getattr(ctx, "expert_parallel", None)  # experts split over "ep" before any wrapping
+        self.ep_share = getattr(ctx, "ep_share", None)  # experts split over "ep" before any wrapping
         self.model: torch.nn.Module = self.wrap(model)
         # a frozen parameter (LoRA's base) has no optimizer state: the optimizer sees the trainable ones only
         self.optimizer: torch.optim.Optimizer = self.build_optimizer(
@@ -258,7 +258,7 @@ class Strategy:
         """Figures about the optimizer step that just ended, merged into its ``step`` event by the trainer (on
         rank 0: rank 0's figures), e.g. ``comm_s``, ``allreduce_calls``, ``allreduce_bytes``; called once per
         step, after :meth:`step` or :meth:`skip_step`. Default: none, or with expert parallelism the layout."""
-        return {} if self.expert_parallel is None else self.expert_parallel.step_stats()
+        return {} if self.ep_share is None else self.ep_share.step_stats()
 
     def close(self) -> None:
         """Release what the strategy registered (gradient hooks, ...); called once by the trainer at the end of the

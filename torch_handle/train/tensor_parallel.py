@@ -19,7 +19,6 @@ from torch import nn
 from torch_handle.checkpoint.convert import load_schedule, read_portable, write_portable
 from torch_handle.config.schema import ParallelConfig
 from torch_handle.data.datasets import IGNORE_INDEX
-from torch_handle.model.aux_loss import probe_loss_scale
 from torch_handle.model.parallelize import parallelize_tensor, tensor_parallel_plan
 from torch_handle.parallel.tensor.checkpoint import full_model_state, full_optimizer_state, load_full_state
 from torch_handle.parallel.tensor.cross_entropy import vocab_parallel_cross_entropy
@@ -99,16 +98,15 @@ class TensorParallel(PortableShare):
 
     def loss(self, logits: Any, labels: torch.Tensor, label_smoothing: float) -> tuple[torch.Tensor, torch.Tensor]:
         """(token-mean loss, labelled tokens) of vocabulary-split logits (B, T, V/tp), replicated on the TP ranks.
-        The loss passes through ``probe_loss_scale``, as ``loss_fn``'s does: an MoE layer's attached balancing
+        The trainer passes it through ``AuxLossScale.probe``, as ``loss_fn``'s: an MoE layer's attached balancing
         losses (:mod:`torch_handle.model.aux_loss`) read the factor it was scaled by."""
         if self.impl == "scratch":
-            loss, n_tokens = vocab_parallel_cross_entropy(logits, labels, self.tp, label_smoothing)
-            return probe_loss_scale(loss), n_tokens
+            return vocab_parallel_cross_entropy(logits, labels, self.tp, label_smoothing)
         import torch.nn.functional as F
 
         loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
                                label_smoothing=label_smoothing)
-        return probe_loss_scale(loss), (labels != IGNORE_INDEX).sum()
+        return loss, (labels != IGNORE_INDEX).sum()
 
     def begin_step(self) -> None:
         """Start counting this step's TP traffic (evaluation's forwards are not the step's)."""

@@ -39,11 +39,11 @@ from torch_handle.observe.data_mix import step_source_tokens
 from torch_handle.observe.heartbeat import beat, busy
 from torch_handle.observe.telemetry import EVENTS_FILE, EventWriter, NullEventWriter
 from torch_handle.train.loop import GradientAccumulation, MicroBatchLoop, plain
-from torch_handle.train.loss import loss_fn
+from torch_handle.train.loss import AuxLossScale, loss_fn
 from torch_handle.train.phases import PhaseTimer
 from torch_handle.train.compose import build_shares
 from torch_handle.train.resume import resume
-from torch_handle.train.share import ParallelShare
+from torch_handle.train.share import Checkpointer, ParallelShare
 from torch_handle.train.routing import RoutingTelemetry
 from torch_handle.train.step_report import StepReport
 
@@ -125,6 +125,7 @@ class Trainer:
                            "flops_per_token": float(flops(self.data.max_len)) if flops is not None else None}
         self.routing = RoutingTelemetry(model, ctx.tp_rank, ctx.dp_size)  # every MoE layer, before a pipeline split
         model.to(ctx.device)
+        self.aux_loss_scale = AuxLossScale(model)  # what the MoE layers' attached losses get in backward
         if self.share is not None:
             model = self.share.parallelize(model)  # TP split, the pipeline's stages, the experts split over "ep"
         if self.training.compile:
@@ -138,7 +139,7 @@ class Trainer:
 
         strategy_plugin = self.registry.get("strategy", p.strategy.name)
         self.strategy: Strategy = strategy_plugin.factory(p.strategy.options, self.training, ctx, model)
-        self.state_io = self.strategy if self.share is None else self.share.bind(self.strategy)  # saves, loads itself
+        self.checkpointer: Checkpointer = self.strategy if self.share is None else self.share.bind(self.strategy)
         self.loop = self.pipeline or self.strategy.micro_batch_loop() or GradientAccumulation()
         self.nf4_start = nf4_digest(self.strategy.unwrapped(), self.strategy.local_shard)  # QLoRA's base as built
 
@@ -200,7 +201,7 @@ class Trainer:
     def checkpoint_layout(self) -> dict[str, Any]:
         """This run's ``layout.json`` (see :data:`torch_handle.checkpoint.store.LAYOUT`)."""
         t = self.training
-        return {**self.state_io.checkpoint_layout(), "world_size": self.ctx.world_size,
+        return {**self.checkpointer.checkpoint_layout(), "world_size": self.ctx.world_size,
                 "micro_batch_size": t.micro_batch_size, "grad_accum": t.grad_accum,
                 "global_batch": self.train_sampler.global_batch, "precision": t.precision,
                 **data_identity.record(self.data.tokenizer_path, self.data.fingerprint)}  # a resume on other data
@@ -231,7 +232,8 @@ class Trainer:
         with self.strategy.autocast():
             logits = self.strategy.model(**batch)
         eps = self.training.label_smoothing if train else 0.0
-        return loss_fn(logits, labels, eps) if self.share is None else self.share.loss(logits, labels, eps)
+        loss, n = loss_fn(logits, labels, eps) if self.share is None else self.share.loss(logits, labels, eps)
+        return self.aux_loss_scale.probe(loss), n
 
     def micro_batch(self):
         """Context of one micro-batch's forward, loss and backward (``loss_parallel()`` for native TP)."""
@@ -332,7 +334,7 @@ class Trainer:
                 shutil.rmtree(tmp, ignore_errors=True)
                 tmp.mkdir(parents=True)
             self.ctx.barrier()
-            self.state_io.save(tmp)
+            self.checkpointer.save(tmp)
             if self.ctx.is_main:
                 ckpt.save_layout(tmp, self.checkpoint_layout())
             steps_done = self.samples_in_epoch // self.train_sampler.global_batch
@@ -360,6 +362,8 @@ class Trainer:
         state = self.strategy.full_state_dict() if self.share is None else self.share.full_state_dict(model)
         if state is None:
             return
+        if not self.ctx.is_main:  # two writers race for one file (an empty dict once won: issue 38)
+            raise RuntimeError(f"rank {self.ctx.rank}: the run's share returned final weights off rank 0")
         from safetensors.torch import save_file
 
         # tied weights share storage, which safetensors refuses: store each tensor on its own

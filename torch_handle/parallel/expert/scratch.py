@@ -39,8 +39,8 @@ from torch_handle.observe import heartbeat
 from torch_handle.parallel.expert.permute import inverse, source_to_expert_order
 
 Record = Callable[[int, float, bool], None]
-"""``record(nbytes, seconds, backward)``: what an MoE layer is told of each all-to-all of rows (``MoEFeedForward.
-record_traffic``)."""
+"""``record(nbytes, seconds, backward)``: who is told of each all-to-all of rows (the layer's counters,
+``torch_handle.train.routing.AllToAllTraffic.record``)."""
 
 
 @contextlib.contextmanager
