@@ -10,7 +10,7 @@ from torch_handle.model.aux_loss import probe_loss_scale
 from torch_handle.model.kernels import cross_entropy
 
 
-def loss_fn(logits: torch.Tensor, labels: torch.Tensor, label_smoothing: float = 0.0
+def loss_fn(logits: torch.Tensor, labels: torch.Tensor, label_smoothing: float = 0.0, *, compiled: bool = False
             ) -> tuple[torch.Tensor, torch.Tensor]:
     """Token-mean cross-entropy in fp32. logits (B, T, V), labels (B, T) -> (scalar loss, tokens counted as a
     scalar tensor on the same device: counting must not force a host sync).
@@ -20,9 +20,10 @@ def loss_fn(logits: torch.Tensor, labels: torch.Tensor, label_smoothing: float =
     ``label_smoothing``; 0 is plain cross-entropy. The trainer passes ``training.label_smoothing`` for training
     steps only: validation loss stays plain cross-entropy.
 
-    Computed by ``torch_handle.model.kernels.cross_entropy`` (chunk by chunk in cache on CPU). The loss passes
+    Computed by ``torch_handle.model.kernels.cross_entropy`` (chunk by chunk in cache on CPU; ``compiled``: under
+    ``torch.compile``, as ``training.compile`` asks). The loss passes
     through ``probe_loss_scale``, an identity whose backward tells the model's auxiliary losses (a mixture of
     experts' balancing losses, ``torch_handle.model.aux_loss``) the factor this loss was scaled by."""
     n_tokens = (labels != IGNORE_INDEX).sum()
     flat, targets = logits.flatten(0, 1), labels.flatten()  # (B·T, V), (B·T,)
-    return probe_loss_scale(cross_entropy(flat, targets, label_smoothing, IGNORE_INDEX)), n_tokens
+    return probe_loss_scale(cross_entropy(flat, targets, label_smoothing, IGNORE_INDEX, compiled=compiled)), n_tokens

@@ -228,7 +228,9 @@ class Trainer:
         with self.strategy.autocast():
             logits = self.strategy.model(**batch)
         eps = self.training.label_smoothing if train else 0.0
-        return loss_fn(logits, labels, eps) if self.share is None else self.share.loss(logits, labels, eps)
+        if self.share is not None:
+            return self.share.loss(logits, labels, eps)
+        return loss_fn(logits, labels, eps, compiled=self.training.compile)
 
     def micro_batch(self):
         """Context of one micro-batch's forward, loss and backward (``loss_parallel()`` for native TP)."""
