@@ -126,10 +126,10 @@ class Trainer:
         if self.share is not None:
             model = self.share.parallelize(model)  # TP split, the pipeline's stages, the experts split over "ep"
         if self.training.compile:
-            # Per block and in place (nn.Module.compile), as torchtitan does: the blocks stay the modules that
-            # blocks() returns, so fsdp's fully_shard per block and activation checkpointing see them unchanged.
-            for block in model_blocks(model, default=[model]):
-                block.compile()
+            # In place (nn.Module.compile): the modules and their state-dict names stay. Per block, as torchtitan
+            # does, wherever the blocks matter (see _compiles_whole).
+            for module in [model] if self._compiles_whole(model) else model_blocks(model, default=[model]):
+                module.compile()
         # From here on each replica and pipeline stage draws its own dropout masks; a replica's TP ranks the same
         # ones, but in the TP regions each its own (torch_handle.parallel.tensor.random)
         ckpt.seed_everything(p.run.seed + 1000 * ctx.dp_rank + 100_003 * ctx.pp_rank, ctx.tp_rank)
@@ -163,6 +163,19 @@ class Trainer:
         ctx.barrier()  # the other ranks wait (idle) while rank 0 measures the peak, which needs the cores
         self.report = StepReport(ctx, self.strategy, [self.share] if self.share else [], self.events,
                                  self.run_dir, self.model_info["flops_per_token"], self.peak_flops)
+
+    def _compiles_whole(self, model: torch.nn.Module) -> bool:
+        """Whether ``training.compile`` compiles the whole model (one graph for embedding, blocks, final norm and
+        output layer: 1.05x the per-block step on presets/llama.toml in bf16, docs/performance.md) rather than each
+        block: only for one process (strategy ``single``), no parallel share, no activation checkpointing, no
+        mixture of experts, every parameter trained. Elsewhere per block: FSDP shards and checkpoints per block,
+        DDP overlaps each block's gradient all-reduce with the backward of the blocks below it (one compiled
+        backward would hand it every gradient at the end), and the MoE and LoRA blocks are the ones
+        tests/unit/test_compile_blocks.py checks."""
+        o = self.preset.model.options
+        return (self.preset.strategy.name == "single" and self.share is None
+                and not getattr(o, "activation_checkpointing", False) and not getattr(o, "n_experts", 0)
+                and all(p.requires_grad for p in model.parameters()))
 
     def _peak(self) -> float | None:
         """The matmul peak behind MFU (:func:`torch_handle.observe.peak.peak_for_mfu`), reported as a log event."""
