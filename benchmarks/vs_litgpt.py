@@ -21,7 +21,8 @@ bf16; compiled or eager):
   each iteration.
 
 Both drop the first ``--skip`` steps (compilation and warm-up) and report the median tokens/s (global: micro-batch
-× seq_len × processes ÷ step time) over the rest. One round runs every case's handle then litgpt (A B A B ...);
+× seq_len × processes ÷ step time) over the rest, and its upper quartile (the faster steps' speed, less moved by
+other work on a shared machine). One round runs every case's handle then litgpt (A B A B ...);
 the table gives the median over ``--rounds`` rounds with the range, and the ratio of the medians. litgpt is never a
 dependency of handle or of its tests.
 """
@@ -44,8 +45,15 @@ CASES = [(procs, precision, mode) for mode in ("compiled", "eager") for procs in
          for precision in ("fp32", "bf16")]
 
 
-def handle_tokens_per_s(directory: Path, procs: int, precision: str, mode: str, steps: int, skip: int) -> float:
-    """Median global tokens/s of one ``handle run`` over its steps after ``skip`` (rank 0's step events)."""
+def rates_of(rates: list[float]) -> tuple[float, float]:
+    """(median, upper quartile) of per-step tokens/s: the upper quartile is the speed of the run's faster steps,
+    less moved by other work on a shared machine than the median."""
+    return statistics.median(rates), statistics.quantiles(rates, n=4)[2]
+
+
+def handle_tokens_per_s(directory: Path, procs: int, precision: str, mode: str, steps: int, skip: int
+                        ) -> tuple[float, float]:
+    """Global tokens/s of one ``handle run`` over its steps after ``skip`` (rank 0's step events): ``rates_of``."""
     overrides = [f"training.steps={steps}", f"training.compile={str(mode == 'compiled').lower()}",
                  f"training.precision={precision}", f"launch.nproc_per_node={procs}",
                  f"strategy.name={'ddp' if procs > 1 else 'single'}", "model.dropout=0", "training.eval_every=0",
@@ -56,12 +64,12 @@ def handle_tokens_per_s(directory: Path, procs: int, precision: str, mode: str, 
     tokens = {e["step"]: e["tokens"] for e in steps_ev}
     times = {e["step"]: e["time"] for e in steps_ev}
     rates = [tokens[s] / (times[s] - times[s - 1]) for s in range(skip + 1, steps + 1) if times[s] > times[s - 1]]
-    return statistics.median(rates)
+    return rates_of(rates)
 
 
 def litgpt_tokens_per_s(litgpt_python: str, directory: Path, procs: int, precision: str, mode: str, steps: int,
-                        skip: int) -> float:
-    """Median global tokens/s of ``litgpt_train.py`` under torchrun over its iterations after ``skip``."""
+                        skip: int) -> tuple[float, float]:
+    """Global tokens/s of ``litgpt_train.py`` under torchrun over its iterations after ``skip``: ``rates_of``."""
     out = directory / "litgpt.json"
     cmd = [litgpt_python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={procs}",
            str(Path(__file__).with_name("litgpt_train.py")), f"--devices={procs}", f"--steps={steps}",
@@ -73,7 +81,7 @@ def litgpt_tokens_per_s(litgpt_python: str, directory: Path, procs: int, precisi
     if proc.returncode != 0:
         raise SystemExit(f"litgpt run failed (exit {proc.returncode}): {' '.join(cmd)}\n{proc.stderr[-3000:]}")
     result = json.loads(out.read_text())
-    return statistics.median(result["tokens_per_step"] / t for t in result["step_time_s"][skip:])
+    return rates_of([result["tokens_per_step"] / t for t in result["step_time_s"][skip:]])
 
 
 def main() -> None:
@@ -87,7 +95,8 @@ def main() -> None:
     ap.add_argument("--json", action="store_true", help="one JSON object per case instead of the table")
     a = ap.parse_args()
     cases = CASES if a.cases == "all" else [(int(p), pr, m) for p, pr, m in (c.split("-") for c in a.cases.split(","))]
-    figures: dict[tuple[int, str, str], dict[str, list[float]]] = {c: {"handle": [], "litgpt": []} for c in cases}
+    figures: dict[tuple[int, str, str], dict[str, list[tuple[float, float]]]] = {
+        c: {"handle": [], "litgpt": []} for c in cases}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(a.rounds):
             for case in cases:
@@ -97,27 +106,30 @@ def main() -> None:
                 lg = litgpt_tokens_per_s(a.litgpt_python, directory, *case, a.steps, a.skip)
                 figures[case]["handle"].append(h)
                 figures[case]["litgpt"].append(lg)
-                print(f"round {r + 1} {case}: handle {h:,.0f} litgpt {lg:,.0f} tokens/s ({h / lg:.2f}x)",
-                      file=sys.stderr, flush=True)
+                print(f"round {r + 1} {case}: handle {h[0]:,.0f} litgpt {lg[0]:,.0f} tokens/s ({h[0] / lg[0]:.2f}x; "
+                      f"upper quartile {h[1] / lg[1]:.2f}x)", file=sys.stderr, flush=True)
     rows = []
     for (procs, precision, mode), f in figures.items():
-        h, lg = statistics.median(f["handle"]), statistics.median(f["litgpt"])
+        hr, lr = [x[0] for x in f["handle"]], [x[0] for x in f["litgpt"]]
+        h, lg = statistics.median(hr), statistics.median(lr)
+        hq, lq = statistics.median(x[1] for x in f["handle"]), statistics.median(x[1] for x in f["litgpt"])
         rows.append({"procs": procs, "precision": precision, "mode": mode, "handle_tokens_per_s": h,
-                     "litgpt_tokens_per_s": lg, "ratio": h / lg, "handle_runs": f["handle"], "litgpt_runs": f["litgpt"],
-                     "round_ratios": [x / y for x, y in zip(f["handle"], f["litgpt"])]})
+                     "litgpt_tokens_per_s": lg, "ratio": h / lg, "handle_runs": hr, "litgpt_runs": lr,
+                     "round_ratios": [x / y for x, y in zip(hr, lr)], "upper_quartile_ratio": hq / lq})
     if a.json:
         for row in rows:
             print(json.dumps(row))
         return
-    print(f"| processes | precision | mode | handle tokens/s (range) | litgpt tokens/s (range) | handle ÷ litgpt "
-          f"(per round) |\n| ---: | --- | --- | ---: | ---: | ---: |")
+    print("| processes | precision | mode | handle tokens/s (range) | litgpt tokens/s (range) | handle ÷ litgpt "
+          "(per round) | upper quartiles' ratio |\n| ---: | --- | --- | ---: | ---: | ---: | ---: |")
     for row in rows:
         hr, lr = row["handle_runs"], row["litgpt_runs"]
+        ratios = ", ".join(f"{x:.2f}" for x in row["round_ratios"])
         print(f"| {row['procs']} | {row['precision']} | {row['mode']} | {row['handle_tokens_per_s']:,.0f} "
-              f"({min(hr):,.0f}–{max(hr):,.0f}) | {row['litgpt_tokens_per_s']:,.0f} ({min(lr):,.0f}–{max(lr):,.0f}) | "
-              f"**{row['ratio']:.2f}×** ({', '.join(f'{x:.2f}' for x in row['round_ratios'])}) |")
-    print(f"\n{a.rounds} rounds of {a.steps} steps, the first {a.skip} left out; micro-batch {MICRO_BATCH} per process, "
-          f"seq_len {SEQ_LEN}, vocabulary {VOCAB}; OMP_NUM_THREADS=1 per process.")
+              f"({min(hr):,.0f}–{max(hr):,.0f}) | {row['litgpt_tokens_per_s']:,.0f} ({min(lr):,.0f}–{max(lr):,.0f}) "
+              f"| **{row['ratio']:.2f}×** ({ratios}) | {row['upper_quartile_ratio']:.2f}× |")
+    print(f"\n{a.rounds} rounds of {a.steps} steps, the first {a.skip} left out; micro-batch {MICRO_BATCH} per "
+          f"process, seq_len {SEQ_LEN}, vocabulary {VOCAB}; OMP_NUM_THREADS=1 per process.")
 
 
 if __name__ == "__main__":
