@@ -125,8 +125,8 @@ def main() -> None:
     for row in rows:
         hr, lr = row["handle_runs"], row["litgpt_runs"]
         ratios = ", ".join(f"{x:.2f}" for x in row["round_ratios"])
-        print(f"| {row['procs']} | {row['precision']} | {row['mode']} | {row['handle_tokens_per_s']:,.0f} "
-              f"({min(hr):,.0f}–{max(hr):,.0f}) | {row['litgpt_tokens_per_s']:,.0f} ({min(lr):,.0f}–{max(lr):,.0f}) "
+        handle, litgpt = (f"{statistics.median(x):,.0f} ({min(x):,.0f}–{max(x):,.0f})" for x in (hr, lr))
+        print(f"| {row['procs']} | {row['precision']} | {row['mode']} | {handle} | {litgpt} "
               f"| **{row['ratio']:.2f}×** ({ratios}) | {row['upper_quartile_ratio']:.2f}× |")
     print(f"\n{a.rounds} rounds of {a.steps} steps, the first {a.skip} left out; micro-batch {MICRO_BATCH} per "
           f"process, seq_len {SEQ_LEN}, vocabulary {VOCAB}; OMP_NUM_THREADS=1 per process.")
