@@ -408,7 +408,8 @@ def llama_rows(plan: Plan, runner: Runner, overrides: list[str], fit: dict[str, 
     attempts: list[dict[str, Any]] = []  # on CUDA out of memory again at 3/4 (SwiGLU keeps more than GELU)
     rows[0].update(confirm(run, fit["micro_batch_size"], attempts))
     if not plan.compile:
-        rows[1].update(status="skipped", message="no compile in the CPU smoke version (inductor on a CPU takes minutes)")
+        rows[1].update(status="skipped", message="no compile in the CPU smoke version (inductor on a CPU takes "
+                                                 "minutes)")
     elif rows[0]["status"] != "ok":
         rows[1].update(status="skipped", message="the eager run failed")
     else:
