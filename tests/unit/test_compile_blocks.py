@@ -120,3 +120,22 @@ def test_the_compiled_loss_is_the_chunked_loss(dtype, monkeypatch):
                                    atol=1e-7 if dtype == torch.float32 else 1e-4)
     assert not counters["graph_break"]
     assert counters["stats"]["unique_graphs"] == 2  # one per label smoothing, none more
+
+
+def test_training_compile_takes_the_whole_model_on_one_process_only():
+    """``Trainer._compiles_whole``: the whole model on one process (``single``) with nothing that needs the blocks;
+    per block under DDP or FSDP (their overlap and units), a parallel share, activation checkpointing, an MoE model
+    or frozen parameters (LoRA)."""
+    from types import SimpleNamespace as NS
+
+    from torch_handle.train.trainer import Trainer
+
+    def whole(model, strategy="single", share=None, **options):
+        options = {"activation_checkpointing": False, "n_experts": 0, **options}
+        me = NS(preset=NS(strategy=NS(name=strategy), model=NS(options=NS(**options))), share=share)
+        return Trainer._compiles_whole(me, model)
+
+    dense = _model("dense")
+    assert whole(dense)
+    assert not any([whole(dense, "ddp"), whole(dense, "fsdp"), whole(dense, share=object()),
+                    whole(dense, activation_checkpointing=True), whole(dense, n_experts=4), whole(_model("lora"))])
