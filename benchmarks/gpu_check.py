@@ -42,15 +42,16 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # for a module loaded by its path (the tests)
-from _rows import consistency, datasheet_peak  # noqa: E402
+from _rows import PARTS, binary, compare, consistency, datasheet_peak, table  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = ("tests", "demo", "gpt2", "multi")
-PARTS = ("data", "forward", "backward", "sync", "optimizer")
 MEMORY_FRACTION = 0.85
 """Share of the GPU's memory the micro-batch search lets ``handle estimate``'s device bytes fill: the estimate leaves
 out the allocator's caching, backward temporaries (the logits' gradient among them) and the CUDA context."""
 MAX_ATTEMPTS = 4
+LLAMA = ["model.norm=rmsnorm", "model.position=rope", "model.mlp=swiglu", "model.bias=false",
+         "model.scale_embeddings=false"]
 TINY = ["model.d_model=64", "model.n_heads=4", "model.n_layers=2", "model.d_ff=128", "data.vocab_size=512"]
 
 
@@ -384,7 +385,36 @@ def step_gpt2(plan: Plan, runner: Runner, out: Path) -> list[dict[str, Any]]:
         mb = attempts[-1]["micro_batch_size"]
         on = [*overrides, f"training.micro_batch_size={mb}", "training.compile=true"]
         rows.append({**compiled, **runner.train(f"gpt2-compile-mb{mb}", "presets/gpt2-small.toml", on, plan.gpt2_skip)})
-    return [*rows, attention_row(plan, out)]
+    return [*rows, *llama_rows(plan, runner, overrides, attempts[-1] if eager["status"] == "ok" else None),
+            attention_row(plan, out)]
+
+
+def llama_rows(plan: Plan, runner: Runner, overrides: list[str], fit: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """The modern decoder at GPT-2 small's width and depth (issue 40): RMSNorm, RoPE, SwiGLU (d_ff 2,304), GQA (4
+    key/value heads for 12 query heads), no biases, ~121 M parameters; eager and compiled at the micro-batch the
+    GPT-2 run fitted."""
+    title = f"Llama-shaped {'tiny stand-in' if plan.smoke else '~121 M'}, 1 {'CPU process' if plan.smoke else 'GPU'}"
+    rows = [{"id": "llama-eager", "step": 3, "title": f"{title}, eager"},
+            {"id": "llama-compile", "step": 3, "title": f"{title}, training.compile"}]
+    if fit is None:
+        return [{**r, "status": "skipped", "message": "the GPT-2 eager run failed"} for r in rows]
+    shape = ["model.d_ff=128", "model.n_kv_heads=2"] if plan.smoke else ["model.d_ff=2304", "model.n_kv_heads=4"]
+
+    def run(mb: int, *more: str) -> dict[str, Any]:
+        name = f"llama-{'compile' if more else 'eager'}-mb{mb}"
+        return runner.train(name, "presets/gpt2-small.toml",
+                            [*overrides, f"training.micro_batch_size={mb}", *shape, *LLAMA, *more], plan.gpt2_skip)
+
+    attempts: list[dict[str, Any]] = []  # on CUDA out of memory again at 3/4 (SwiGLU keeps more than GELU)
+    rows[0].update(confirm(run, fit["micro_batch_size"], attempts))
+    if not plan.compile:
+        rows[1].update(status="skipped", message="no compile in the CPU smoke version (inductor on a CPU takes "
+                                                 "minutes)")
+    elif rows[0]["status"] != "ok":
+        rows[1].update(status="skipped", message="the eager run failed")
+    else:
+        rows[1].update(run(attempts[-1]["micro_batch_size"], "training.compile=true"))
+    return rows
 
 
 def attention_row(plan: Plan, out: Path) -> dict[str, Any]:
@@ -449,62 +479,6 @@ def step_multi(plan: Plan, runner: Runner, out: Path, micro_batch_size: int | No
 # ---------------------------------------------------------------------------------------------------------------
 # the report
 # ---------------------------------------------------------------------------------------------------------------
-
-
-def binary(n: int) -> str:
-    """``2048`` -> ``"2 KiB"``, ``3 << 29`` -> ``"1.5 GiB"``."""
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= scale:
-            return f"{n / scale:.3g} {unit}"
-    return f"{n} B"
-
-
-def _outcome(attempt: dict[str, Any]) -> str:
-    return "ok" if attempt["status"] == "ok" else "OOM" if attempt["oom"] else "failed"
-
-
-def compare(rows: list[dict[str, Any]]) -> None:
-    """Notes relating runs to the 1-GPU eager GPT-2 run: compile's speed-up, the 2-rank runs' tokens/s per device."""
-    eager = next((r for r in rows if r["id"] == "gpt2-eager" and r["status"] == "ok"), None)
-    if eager is None or not eager.get("tokens_per_s"):
-        return
-    for r in rows:
-        if r["status"] != "ok" or not r.get("tokens_per_s") or r["id"] not in ("gpt2-compile", "zero2-2", "fsdp-2"):
-            continue
-        r["vs_eager"] = r["tokens_per_s"] / (eager["tokens_per_s"] * (r.get("world_size") or 1))
-        r["note"] = (f"{r['vs_eager']:.2f} x eager" if r["id"] == "gpt2-compile"
-                     else f"per device {r['vs_eager']:.2f} x the 1-device eager run")
-
-
-def _cell(value: Any, fmt: str) -> str:
-    return "-" if value is None else format(value, fmt)
-
-
-def table(rows: list[dict[str, Any]]) -> list[str]:
-    """The rows as a markdown table (what docs/gpu.md's Results section shows)."""
-    head = ["step", "check", "status", "world", "micro-batch", "seq len", "vocab", "tokens/step", "ms/step", "tokens/s",
-            "GFLOP/token", "peak TFLOP/s", "data / fwd / bwd / sync / opt ms", "MFU (measured peak)", "MFU (datasheet)",
-            "CUDA max alloc", "note"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in rows:
-        parts = r.get("breakdown_ms") or {}
-        split = " / ".join(f"{parts[p]:.1f}" for p in PARTS if p in parts) or "-"
-        mem = r.get("cuda_max_allocated_bytes")
-        note = r.get("note") or r.get("message") or ""
-        if r.get("estimate"):
-            e = r["estimate"]
-            tried = ", ".join(f"{a['micro_batch_size']} {_outcome(a)}" for a in e["attempts"])
-            note = f"estimate: {e['micro_batch_size']} fit; ran {tried}" + (f"; {note}" if note else "")
-        flops, peak = r.get("flops_per_token"), r.get("peak_flops")
-        cells = [str(r["step"]), r["title"], r["status"], _cell(r.get("world_size"), "d"),
-                 _cell(r.get("micro_batch_size"), "d"), _cell(r.get("seq_len"), ",d"), _cell(r.get("vocab_size"), ",d"),
-                 _cell(r.get("tokens_per_step"), ",.0f"), _cell(r.get("step_ms"), ".1f"),
-                 _cell(r.get("tokens_per_s"), ",.0f"), _cell(None if flops is None else flops / 1e9, ".3f"),
-                 _cell(None if peak is None else peak / 1e12, ".3g"), split, _cell(r.get("mfu"), ".1%"),
-                 _cell(r.get("mfu_datasheet"), ".1%"),
-                 "-" if mem is None else binary(mem), " ".join(str(note).split()).replace("|", "/")]
-        lines.append("| " + " | ".join(cells) + " |")
-    return lines
 
 
 def header(report: dict[str, Any]) -> list[str]:

@@ -45,8 +45,8 @@ def test_the_smoke_version_runs_every_step_through_the_cli(tmp_path):
     assert (report["mode"], report["ok"], report["device"]["backend"]) == ("cpu-smoke", True, "gloo")
     assert report["peak"]["measured_bf16_flops"] > 0 and report["peak"]["datasheet"] is None
     rows = {r["id"]: r for r in report["rows"]}
-    assert list(rows) == ["tests", "demo", "gpt2-eager", "gpt2-compile", "attention", "bench-comm", "zero2-2",
-                          "fsdp-2"]
+    assert list(rows) == ["tests", "demo", "gpt2-eager", "gpt2-compile", "llama-eager", "llama-compile", "attention",
+                          "bench-comm", "zero2-2", "fsdp-2"]
 
     tests = rows["tests"]  # the marker selects tests/test_cuda.py's tests, and each skips without CUDA
     assert (tests["status"], tests["passed"], tests["failed"]) == ("skipped", 0, 0) and tests["skipped"] >= 5, tests
@@ -73,7 +73,10 @@ def test_the_smoke_version_runs_every_step_through_the_cli(tmp_path):
     assert eager["tokens_per_step"] == fits * 64 and (out / "corpus.txt").stat().st_size >= 96 << 10
     # what the run built (run.json), and the row's figures multiplied back together (benchmarks/_rows.py)
     assert (eager["seq_len"], eager["vocab_size"], eager["preset_vocab_size"]) == (64, 512, 512)
-    for r in (demo, eager, rows["fsdp-2"]):
+    llama = rows["llama-eager"]  # the modern decoder at the GPT-2 run's micro-batch: RMSNorm, RoPE, SwiGLU, GQA
+    assert (llama["status"], llama["micro_batch_size"], llama["seq_len"]) == ("ok", fits, 64), llama
+    assert llama["params"] != eager["params"] and rows["llama-compile"]["status"] == "skipped"
+    for r in (demo, eager, llama, rows["fsdp-2"]):
         assert r["flops_per_token"] > 0 and r["peak_flops"] > 0, r
         assert [(c["name"], c["ok"]) for c in r["checks"]] == [("tokens_per_step", True), ("tokens_per_s", True),
                                                                ("mfu", True)], r["checks"]

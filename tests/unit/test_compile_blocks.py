@@ -118,3 +118,50 @@ def test_a_compiled_moe_blocks_balancing_losses_get_the_loops_scale():
     assert not counters["graph_break"], dict(counters["graph_break"])
     for got, want in zip(compiled, grads(False)):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_compiled_loss_is_the_chunked_loss(dtype, monkeypatch):
+    """``training.compile`` also compiles the loss's cross-entropy (``loss_fn(compiled=True)``: ``F.cross_entropy``
+    on fp32 under ``torch.compile``): one graph, no break, no recompile over steps and label smoothing kept apart,
+    and the loss and the logits' gradient of the eager ``ChunkedCrossEntropy`` (the ``aot_eager`` backend: Dynamo and
+    AOTAutograd's joint graph, without Inductor's code generation)."""
+    from torch_handle.model import kernels
+    from torch_handle.train.loss import loss_fn
+
+    monkeypatch.setattr(kernels, "_compiled_cross_entropy",
+                        torch.compile(kernels._fp32_cross_entropy, backend="aot_eager"))
+    gen = torch.Generator().manual_seed(2)
+    labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
+    labels[0, :3] = -100  # ignored positions leave the mean
+    for eps in (0.0, 0.0, 0.1):
+        logits = torch.randn(BATCH, SEQ, VOCAB, generator=gen).to(dtype).requires_grad_()
+        reference = logits.detach().clone().requires_grad_()
+        loss, n = loss_fn(logits, labels, eps, compiled=True)
+        want, want_n = loss_fn(reference, labels, eps)
+        loss.backward()
+        want.backward()
+        assert loss.dtype == torch.float32 and int(n) == int(want_n) == BATCH * SEQ - 3
+        assert loss.item() == pytest.approx(want.item(), rel=1e-5)
+        torch.testing.assert_close(logits.grad, reference.grad, rtol=1e-5 if dtype == torch.float32 else 1e-2,
+                                   atol=1e-7 if dtype == torch.float32 else 1e-4)
+    assert not counters["graph_break"]
+    assert counters["stats"]["unique_graphs"] == 2  # one per label smoothing, none more
+
+
+def test_training_compile_takes_the_whole_model_on_one_process_only():
+    """``compiles_whole``: the whole model on one process (``single``) with nothing that needs the blocks; per block
+    under DDP or FSDP (their overlap and units), a parallel share, activation checkpointing, an MoE model or frozen
+    parameters (LoRA)."""
+    from types import SimpleNamespace as NS
+
+    from torch_handle.train.compiled import compiles_whole
+
+    def whole(model, strategy="single", share=None, **options):
+        options = {"activation_checkpointing": False, "n_experts": 0, **options}
+        return compiles_whole(model, NS(strategy=NS(name=strategy), model=NS(options=NS(**options))), share)
+
+    dense = _model("dense")
+    assert whole(dense)
+    assert not any([whole(dense, "ddp"), whole(dense, "fsdp"), whole(dense, share=object()),
+                    whole(dense, activation_checkpointing=True), whole(dense, n_experts=4), whole(_model("lora"))])

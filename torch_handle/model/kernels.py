@@ -118,8 +118,15 @@ CE_CHUNK_ELEMENTS = 1 << 18
 """Logit elements per chunk of ``ChunkedCrossEntropy`` (1 MiB of fp32: 64 rows of a 4096 vocabulary)."""
 
 
-def cross_entropy(logits: Tensor, labels: Tensor, label_smoothing: float = 0.0, ignore_index: int = -100
-                  ) -> Tensor:
+def _fp32_cross_entropy(logits: Tensor, labels: Tensor, label_smoothing: float, ignore_index: int) -> Tensor:
+    return F.cross_entropy(logits.float(), labels, ignore_index=ignore_index, label_smoothing=label_smoothing)
+
+
+_compiled_cross_entropy = None
+
+
+def cross_entropy(logits: Tensor, labels: Tensor, label_smoothing: float = 0.0, ignore_index: int = -100, *,
+                  compiled: bool = False) -> Tensor:
     """Token-mean cross-entropy in fp32, exactly ``F.cross_entropy(logits.float(), labels, ignore_index=...,
     label_smoothing=...)``.
 
@@ -129,11 +136,20 @@ def cross_entropy(logits: Tensor, labels: Tensor, label_smoothing: float = 0.0, 
         label_smoothing: eps in [0, 1): the target puts 1 - eps on the label and eps spread evenly over the
             vocabulary (Szegedy et al. 2016; Vaswani et al. 2017, eps = 0.1); 0 is plain cross-entropy.
 
+        compiled: ``F.cross_entropy`` under ``torch.compile`` (``training.compile``): Inductor fuses the upcast,
+            log-softmax and gather into one pass forward and one backward, which beats ``ChunkedCrossEntropy``
+            eagerly (``benchmarks/vs_litgpt.py``; docs/performance.md).
+
     Returns:
         Scalar fp32; NaN when every label is ignored. On CPU computed by ``ChunkedCrossEntropy`` (the same values,
-        chunk by chunk in cache).
+        chunk by chunk in cache) unless ``compiled``.
     """
+    global _compiled_cross_entropy
+    if compiled:
+        if _compiled_cross_entropy is None:
+            _compiled_cross_entropy = torch.compile(_fp32_cross_entropy)
+        return _compiled_cross_entropy(logits, labels, float(label_smoothing), ignore_index)
     if logits.device.type == "cpu":
         rows = max(1, CE_CHUNK_ELEMENTS // logits.shape[-1])
         return ChunkedCrossEntropy.apply(logits, labels, rows, float(label_smoothing), ignore_index)
-    return F.cross_entropy(logits.float(), labels, ignore_index=ignore_index, label_smoothing=float(label_smoothing))
+    return _fp32_cross_entropy(logits, labels, float(label_smoothing), ignore_index)

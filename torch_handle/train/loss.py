@@ -11,7 +11,7 @@ from torch_handle.data.datasets import IGNORE_INDEX
 from torch_handle.model.kernels import cross_entropy
 
 
-def loss_fn(logits: torch.Tensor, labels: torch.Tensor, label_smoothing: float = 0.0
+def loss_fn(logits: torch.Tensor, labels: torch.Tensor, label_smoothing: float = 0.0, *, compiled: bool = False
             ) -> tuple[torch.Tensor, torch.Tensor]:
     """Token-mean cross-entropy in fp32. logits (B, T, V), labels (B, T) -> (scalar loss, tokens counted as a
     scalar tensor on the same device: counting must not force a host sync).
@@ -21,11 +21,12 @@ def loss_fn(logits: torch.Tensor, labels: torch.Tensor, label_smoothing: float =
     ``label_smoothing``; 0 is plain cross-entropy. The trainer passes ``training.label_smoothing`` for training
     steps only: validation loss stays plain cross-entropy.
 
-    Computed by ``torch_handle.model.kernels.cross_entropy`` (chunk by chunk in cache on CPU). The trainer passes
-    the loss through :meth:`AuxLossScale.probe` before backward."""
+    Computed by ``torch_handle.model.kernels.cross_entropy`` (chunk by chunk in cache on CPU; ``compiled``: under
+    ``torch.compile``, as ``training.compile`` asks). The trainer passes the loss through
+    :meth:`AuxLossScale.probe` before backward."""
     n_tokens = (labels != IGNORE_INDEX).sum()
     flat, targets = logits.flatten(0, 1), labels.flatten()  # (B·T, V), (B·T,)
-    return cross_entropy(flat, targets, label_smoothing, IGNORE_INDEX), n_tokens
+    return cross_entropy(flat, targets, label_smoothing, IGNORE_INDEX, compiled=compiled), n_tokens
 
 
 class _Probe(torch.autograd.Function):

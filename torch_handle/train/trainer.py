@@ -29,7 +29,6 @@ from torch_handle.finetune.build import nf4_digest, prepare_model
 from torch_handle.finetune.nf4 import nf4_storage
 from torch_handle.launch import data_identity
 from torch_handle.data.datasets import DataBundle, DataContext, GlobalBatchSampler, ResumableDistributedSampler
-from torch_handle.model.parallelize import model_blocks
 from torch_handle.parallel.tensor.random import get_rng_tracker
 from torch_handle.registry import PluginRegistry
 from torch_handle.rundir import STOP_FILE, update_run_info
@@ -41,6 +40,7 @@ from torch_handle.observe.telemetry import EVENTS_FILE, EventWriter, NullEventWr
 from torch_handle.train.loop import GradientAccumulation, MicroBatchLoop, plain
 from torch_handle.train.loss import AuxLossScale, loss_fn
 from torch_handle.train.phases import PhaseTimer
+from torch_handle.train.compiled import compile_for_training
 from torch_handle.train.compose import build_shares
 from torch_handle.train.resume import resume
 from torch_handle.train.share import Checkpointer, ParallelShare
@@ -129,10 +129,7 @@ class Trainer:
         if self.share is not None:
             model = self.share.parallelize(model)  # TP split, the pipeline's stages, the experts split over "ep"
         if self.training.compile:
-            # Per block and in place (nn.Module.compile), as torchtitan does: the blocks stay the modules that
-            # blocks() returns, so fsdp's fully_shard per block and activation checkpointing see them unchanged.
-            for block in model_blocks(model, default=[model]):
-                block.compile()
+            log.info("training.compile: %s", compile_for_training(model, p, self.share))
         # From here on each replica and pipeline stage draws its own dropout masks; a replica's TP ranks the same
         # ones, but in the TP regions each its own (torch_handle.parallel.tensor.random)
         ckpt.seed_everything(p.run.seed + 1000 * ctx.dp_rank + 100_003 * ctx.pp_rank, ctx.tp_rank)
@@ -232,7 +229,10 @@ class Trainer:
         with self.strategy.autocast():
             logits = self.strategy.model(**batch)
         eps = self.training.label_smoothing if train else 0.0
-        loss, n = loss_fn(logits, labels, eps) if self.share is None else self.share.loss(logits, labels, eps)
+        if self.share is not None:
+            loss, n = self.share.loss(logits, labels, eps)
+        else:
+            loss, n = loss_fn(logits, labels, eps, compiled=self.training.compile)
         return self.aux_loss_scale.probe(loss), n
 
     def micro_batch(self):
