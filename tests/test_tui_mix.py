@@ -8,13 +8,12 @@ tests/helpers.py's tiny preset, 24 steps of 8 samples x 32 tokens) wrote; /tmp p
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 
 from handle_cli.tui.app import HandleDashboard
-from tests.tui_helpers import async_test, header, loaded, screen_text
+from tests.tui_helpers import async_test, copy_runs, header, loaded, screen_text
 from torch_handle.observe.state import RunState
 from torch_handle.observe.tail import EventReader
 
@@ -23,9 +22,7 @@ RECORDED = Path(__file__).parent / "fixtures" / "recorded-mix"
 
 @pytest.fixture
 def runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    shutil.copytree(RECORDED, tmp_path / "runs")
-    monkeypatch.chdir(tmp_path)
-    return Path("runs")
+    return copy_runs(RECORDED, tmp_path, monkeypatch)
 
 
 def _totals(run: Path) -> dict[str, int]:

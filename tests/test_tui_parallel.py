@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 from pathlib import Path
 
 import pytest
@@ -23,7 +22,7 @@ from handle_cli.tui.memory_panel import MemoryBars, short_bytes
 from handle_cli.tui.pipeline_panel import PipelinePanel
 from handle_cli.tui.screens import HELP, HelpScreen
 from handle_cli.tui.time_panel import TimePanel
-from tests.tui_helpers import async_test, header, loaded, screen_text, step_event
+from tests.tui_helpers import async_test, copy_runs, header, loaded, screen_text, step_event
 from torch_handle.common.run_layout import RunLayout
 from torch_handle.observe.comm import comm_fields
 from torch_handle.observe.state import RunState
@@ -33,13 +32,6 @@ FIXTURES = Path(__file__).parent / "fixtures"
 PIPELINE_FIXTURES = FIXTURES / "recorded-pipeline"
 TP_FIXTURES = FIXTURES / "recorded-tp"
 RECORDED_3D = FIXTURES / "recorded-3d"
-
-
-def copy_runs(source: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """A copy of ``source``'s runs at ./runs (relative, so what the screens show does not depend on tmp_path)."""
-    shutil.copytree(source, tmp_path / "runs")
-    monkeypatch.chdir(tmp_path)
-    return Path("runs")
 
 
 @pytest.fixture

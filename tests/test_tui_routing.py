@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 from pathlib import Path
 
 import pytest
@@ -19,7 +18,7 @@ import pytest
 from handle_cli.tui.app import HandleDashboard
 from handle_cli.tui.routing_panel import RoutingMap, RoutingMarks
 from handle_cli.tui.screens import HELP, HelpScreen
-from tests.tui_helpers import async_test, loaded, screen_text
+from tests.tui_helpers import async_test, copy_runs, loaded, screen_text
 from torch_handle.observe.routing_view import HOT_RATIO, layer_loads, routing_steps
 
 RECORDED_MOE = Path(__file__).parent / "fixtures" / "recorded-moe"
@@ -28,9 +27,7 @@ RECORDED_MOE = Path(__file__).parent / "fixtures" / "recorded-moe"
 @pytest.fixture
 def runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A copy of the recorded run at ./runs (relative, so what the screens show does not depend on tmp_path)."""
-    shutil.copytree(RECORDED_MOE, tmp_path / "runs")
-    monkeypatch.chdir(tmp_path)
-    return Path("runs")
+    return copy_runs(RECORDED_MOE, tmp_path, monkeypatch)
 
 
 def events_of(run: Path) -> list[dict]:
@@ -126,9 +123,8 @@ async def test_64_experts_wrap_at_80x24_scroll_and_name_the_dead(wide_runs: Path
 
 @async_test
 async def test_a_dense_run_has_no_routing_panel_nor_key(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    shutil.copytree(Path(__file__).parent / "fixtures" / "recorded-3d", tmp_path / "runs")
-    monkeypatch.chdir(tmp_path)
-    app = HandleDashboard(Path("runs/3d-running"), Path("runs"))
+    runs = copy_runs(Path(__file__).parent / "fixtures" / "recorded-3d", tmp_path, monkeypatch)
+    app = HandleDashboard(runs / "3d-running", runs)
     async with app.run_test(size=(80, 24)) as pilot:
         await loaded(pilot)
         assert not app.screen.has_class("-moe") and not app.query_one("#routing-panel").display

@@ -6,7 +6,9 @@ from __future__ import annotations
 import asyncio
 import functools
 import io
+import shutil
 import time
+from pathlib import Path
 
 from rich.console import Console
 
@@ -58,3 +60,11 @@ def step_event(step: int) -> dict:
     """A step event of a run of 100 steps at 0.5 s a step (tests that fabricate a live run)."""
     return {"seq": step, "time": 1767700001.0 + step * 0.5, "kind": "step", "step": step, "loss": 9.0 - step * 0.01,
             "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 4000.0, "step_time_s": 0.5, "tokens": 2048}
+
+
+def copy_runs(source: Path, tmp_path: Path, monkeypatch) -> Path:
+    """A copy of ``source``'s recorded runs at ./runs, the working directory moved to ``tmp_path`` (relative, so
+    what the screens show does not depend on tmp_path); returns ``Path("runs")``."""
+    shutil.copytree(source, tmp_path / "runs")
+    monkeypatch.chdir(tmp_path)
+    return Path("runs")

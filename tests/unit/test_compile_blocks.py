@@ -129,8 +129,8 @@ def test_the_compiled_loss_is_the_chunked_loss(dtype, monkeypatch):
     from torch_handle.model import kernels
     from torch_handle.train.loss import loss_fn
 
-    monkeypatch.setattr(kernels, "_compiled_cross_entropy",
-                        torch.compile(kernels._fp32_cross_entropy, backend="aot_eager"))
+    compiled = torch.compile(kernels._fp32_cross_entropy, backend="aot_eager")
+    monkeypatch.setattr(kernels, "_compiled_cross_entropy", lambda: compiled)
     gen = torch.Generator().manual_seed(2)
     labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
     labels[0, :3] = -100  # ignored positions leave the mean

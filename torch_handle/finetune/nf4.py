@@ -336,7 +336,7 @@ _FIELDS = ("packed", "absmax", "absmax_codes", "absmax_scale", "absmax_mean")
 
 
 def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
-    return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return math.prod(shape) * dtype.itemsize
 
 
 def _stored_shapes(n: int, block_size: int, double_quant: bool) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:

@@ -10,6 +10,8 @@ How much they save is measured in the performance docs, with the command, not he
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -122,7 +124,11 @@ def _fp32_cross_entropy(logits: Tensor, labels: Tensor, label_smoothing: float, 
     return F.cross_entropy(logits.float(), labels, ignore_index=ignore_index, label_smoothing=label_smoothing)
 
 
-_compiled_cross_entropy = None
+@functools.cache
+def _compiled_cross_entropy():
+    """:func:`_fp32_cross_entropy` under ``torch.compile``, built on first use (not at import: ``torch.compile``
+    imports Dynamo)."""
+    return torch.compile(_fp32_cross_entropy)
 
 
 def cross_entropy(logits: Tensor, labels: Tensor, label_smoothing: float = 0.0, ignore_index: int = -100, *,
@@ -144,11 +150,8 @@ def cross_entropy(logits: Tensor, labels: Tensor, label_smoothing: float = 0.0, 
         Scalar fp32; NaN when every label is ignored. On CPU computed by ``ChunkedCrossEntropy`` (the same values,
         chunk by chunk in cache) unless ``compiled``.
     """
-    global _compiled_cross_entropy
     if compiled:
-        if _compiled_cross_entropy is None:
-            _compiled_cross_entropy = torch.compile(_fp32_cross_entropy)
-        return _compiled_cross_entropy(logits, labels, float(label_smoothing), ignore_index)
+        return _compiled_cross_entropy()(logits, labels, float(label_smoothing), ignore_index)
     if logits.device.type == "cpu":
         rows = max(1, CE_CHUNK_ELEMENTS // logits.shape[-1])
         return ChunkedCrossEntropy.apply(logits, labels, rows, float(label_smoothing), ignore_index)
