@@ -217,3 +217,54 @@ def test_the_sinusoidal_table_of_an_odd_width():
 
     pe = SinusoidalPositionalEncoding(d_model=7, max_len=4)
     assert pe.pe[3, 6].item() == pytest.approx(math.sin(3 / 10000 ** (6 / 7)), abs=1e-6)
+
+
+@pytest.mark.parametrize("n_kv_heads", [4, 2, 1])
+def test_the_explicit_causal_attention_is_flash_attentions_arithmetic(n_kv_heads):
+    """``kernels.causal_attention`` (what ``sdpa`` takes for short bf16 sequences on CPU) against torch's flash kernel
+    and an fp64 reference: outputs and q/k/v gradients in bf16 as close to fp64 as flash's (both keep scores and
+    softmax in fp32), fp32 equal to flash to 1e-5; under autocast the scores stay fp32 (the same bits)."""
+    from torch_handle.model.kernels import causal_attention
+
+    B, H, T, d = 3, 4, 24, 16
+    q0, k0, v0 = (torch.randn(B, h, T, d) * 2 for h in (H, n_kv_heads, n_kv_heads))
+    grad = torch.randn(B, H, T, d)
+    gqa = n_kv_heads != H
+
+    def run(kernel, dtype):
+        q, k, v = (t.to(dtype, copy=True).requires_grad_() for t in (q0, k0, v0))
+        out = kernel(q, k, v)
+        out.backward(grad.to(dtype))
+        return [t.double() for t in (out, q.grad, k.grad, v.grad)]
+
+    def flash(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+
+    exact = run(flash, torch.float64)
+    for got, want in zip(run(causal_attention, torch.float32), run(flash, torch.float32)):
+        torch.testing.assert_close(got, want, rtol=0, atol=ATOL)
+    for got, theirs, want in zip(run(causal_attention, torch.bfloat16), run(flash, torch.bfloat16), exact):
+        assert (got - want).abs().max() <= 1.25 * (theirs - want).abs().max() + 1e-3
+    q, k, v = (t.bfloat16() for t in (q0, k0, v0))
+    outside = causal_attention(q, k, v)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(causal_attention(q, k, v), outside)
+    torch.testing.assert_close(causal_attention(q, k, v), flash(q, k, v), rtol=0, atol=0.05)
+
+
+def test_sdpa_takes_the_explicit_kernel_for_short_bf16_causal_attention_on_cpu(monkeypatch):
+    """Only where it was measured faster: bf16, CPU, causal, no mask tensor, no dropout, T <= the crossover."""
+    from torch_handle.model import attention, kernels
+
+    taken = []
+    monkeypatch.setattr(attention, "causal_attention", lambda q, k, v: taken.append(q.shape[2]) or q)
+    T = kernels.EXPLICIT_ATTENTION_MAX_LEN
+    q, long = torch.randn(1, 2, T, 8).bfloat16(), torch.randn(1, 2, T + 1, 8).bfloat16()
+    attention.sdpa(q, q, q, is_causal=True)
+    assert taken == [T]
+    attention.sdpa(long, long, long, is_causal=True)  # past the crossover
+    attention.sdpa(q.float(), q.float(), q.float(), is_causal=True)  # fp32: flash is as fast
+    attention.sdpa(q, q, q, torch.ones(T, T, dtype=torch.bool).tril())  # a mask tensor
+    attention.sdpa(q, q, q, dropout_p=0.1, is_causal=True)
+    attention.sdpa(q, q, q)  # not causal
+    assert taken == [T]

@@ -176,8 +176,8 @@ def test_rope_rotates_each_token_by_its_position_in_its_document(monkeypatch) ->
     assert not torch.allclose(out[0, :, 3:], rope(x[0:1], 0)[0, :, 3:])
     seen = []
     real = RotaryEmbedding.forward
-    monkeypatch.setattr(RotaryEmbedding, "forward", lambda self, x, offset=0, positions=None:
-                        seen.append(positions) or real(self, x, offset, positions))
+    monkeypatch.setattr(RotaryEmbedding, "forward", lambda self, x, offset=0, positions=None, table=None:
+                        seen.append(positions) or real(self, x, offset, positions, table))
     ids, positions, _ = packed_documents(2, T)
     _model("llama").eval()(ids, position_ids=positions)
     assert len(seen) == 4 and all(p is positions for p in seen)  # q and k of both layers

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from torch_handle.model.args import ATTENTION_IMPLS, AttentionImpl, check_choice
-from torch_handle.model.kernels import dropout
+from torch_handle.model.kernels import causal_attention, dropout, sdpa_fast_path_cpu
 from torch_handle.model.kv_cache import AttentionCache
 from torch_handle.model.norms import RMSNorm
 from torch_handle.model.rope import RotaryEmbedding
@@ -117,7 +117,12 @@ def _attention_mask(
 def sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, dropout_p: float = 0.0,
          is_causal: bool = False) -> Tensor:
     """``F.scaled_dot_product_attention`` with the reference's signature and its grouped-query handling: k and v
-    may have H_kv heads (``enable_gqa``: no copies of K and V are made). q (B, H, T, d_k) -> (B, H, T, d_v)."""
+    may have H_kv heads (``enable_gqa``: no copies of K and V are made). q (B, H, T, d_k) -> (B, H, T, d_v).
+
+    Causal bf16 self-attention on CPU up to ``kernels.EXPLICIT_ATTENTION_MAX_LEN`` tokens takes
+    ``kernels.causal_attention`` instead (the same arithmetic; torch's CPU flash backward is the slower there)."""
+    if sdpa_fast_path_cpu(q, k, is_causal, mask is not None, dropout_p):
+        return causal_attention(q, k, v)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal,
                                           enable_gqa=k.shape[1] != q.shape[1])
 
@@ -314,24 +319,30 @@ class MultiHeadAttention(nn.Module):
         # (B, L, heads·d_k) -> (B, heads, L, d_k); under tensor parallelism this rank's share of the heads
         return x.view(B, L, -1, self.d_k).transpose(1, 2)
 
-    def _position(self, x: Tensor, norm: RMSNorm | None, offset: int, positions: Tensor | None = None) -> Tensor:
+    def _position(self, x: Tensor, norm: RMSNorm | None, offset: int, positions: Tensor | None = None,
+                  table: tuple[Tensor, Tensor] | None = None) -> Tensor:
         """q or k (B, heads, L, d_k) of positions offset .. offset + L - 1 (or ``positions`` (B, L)): RMS-normalised
-        per head (``qk_norm``), then rotated (RoPE); as it is without either."""
+        per head (``qk_norm``), then rotated (RoPE, from the model's ``table`` when given); as it is without
+        either."""
         if norm is not None:
             x = norm(x)
-        return x if self.rope is None else self.rope(x, offset, positions)
+        return x if self.rope is None else self.rope(x, offset, positions, table)
 
     def _heads(self, query: Tensor, key: Tensor, value: Tensor, cache: AttentionCache | None,
-               positions: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+               positions: Tensor | None = None, table: tuple[Tensor, Tensor] | None = None
+               ) -> tuple[Tensor, Tensor, Tensor]:
         """q (B, H, T, d_k); k, v (B, H_kv, S, d_k): the projections of key/value, or with a ``cache`` the cached
         ones (a static cache that is ready: projected once) or the cached followed by the new (self-attention).
         Cached keys are stored normalised and rotated: a key's rotation depends on its own position only.
-        ``positions`` (B, T): each token's position for RoPE (packed documents), instead of 0 .. T - 1."""
+        ``positions`` (B, T): each token's position for RoPE (packed documents), instead of 0 .. T - 1; ``table``:
+        the model's RoPE (cos, sin) rows (``rope.rope_table``)."""
         offset = 0 if cache is None or cache.static else cache.length  # positions before these queries
         if cache is not None and cache.ready:
-            return self._position(self._split_heads(self._project_q(query)), self.q_norm, offset), cache.k, cache.v
+            q = self._position(self._split_heads(self._project_q(query)), self.q_norm, offset, table=table)
+            return q, cache.k, cache.v
         q, k, v = (self._split_heads(t) for t in self._project_qkv(query, key, value))
-        q, k = self._position(q, self.q_norm, offset, positions), self._position(k, self.k_norm, offset, positions)
+        q = self._position(q, self.q_norm, offset, positions, table)
+        k = self._position(k, self.k_norm, offset, positions, table)
         if cache is not None:
             k, v = cache.update(k, v)
         return q, k, v
@@ -371,6 +382,7 @@ class MultiHeadAttention(nn.Module):
         cache: AttentionCache | None = None,
         attn_mask: Tensor | None = None,
         position_ids: Tensor | None = None,
+        rope_table: tuple[Tensor, Tensor] | None = None,
     ) -> Tensor:
         """Attend from ``query`` to ``key``/``value`` with the kernel ``self.attention``.
 
@@ -390,6 +402,8 @@ class MultiHeadAttention(nn.Module):
                 mask (``causal`` is then ignored) and forces a mask tensor into the kernel.
             position_ids: optional LongTensor (B, T): each query's and key's position for RoPE (self-attention;
                 restarting at 0 at each packed document) instead of 0 .. T - 1.
+            rope_table: the model's RoPE (cos, sin), each float32 (max_len, d_k) (``rope.rope_table``): the rows of
+                these positions are sliced from it; None computes the angles here (a module used on its own).
 
         Returns:
             (B, T, C) in query's dtype. A query row whose keys are all masked yields the output
@@ -402,7 +416,7 @@ class MultiHeadAttention(nn.Module):
         key = query if key is None else key
         value = key if value is None else value
         # (B, H, T, d_k), (B, H_kv, S, d_k), (B, H_kv, S, d_k)
-        q, k, v = self._heads(query, key, value, cache, position_ids)
+        q, k, v = self._heads(query, key, value, cache, position_ids, rope_table)
         # from q, not query: under sequence parallelism query is this rank's 1/tp of the sequence, q all of it
         B, T, S = q.shape[0], q.shape[2], k.shape[2]
         if key_padding_mask is not None and (key_padding_mask.dtype != torch.bool or key_padding_mask.shape != (B, S)):

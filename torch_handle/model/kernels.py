@@ -156,3 +156,43 @@ def cross_entropy(logits: Tensor, labels: Tensor, label_smoothing: float = 0.0, 
         rows = max(1, CE_CHUNK_ELEMENTS // logits.shape[-1])
         return ChunkedCrossEntropy.apply(logits, labels, rows, float(label_smoothing), ignore_index)
     return _fp32_cross_entropy(logits, labels, float(label_smoothing), ignore_index)
+
+
+EXPLICIT_ATTENTION_MAX_LEN = 128
+"""The longest sequence for which :func:`sdpa_fast_path_cpu` takes :func:`causal_attention` over torch's CPU flash
+kernel (bf16): ``benchmarks/attention_cpu.py`` measured it 1.29-1.76x faster (forward + backward) at T = 128 and
+0.64-1.05x at T = 256 (1,024 tokens a batch; docs/performance.md)."""
+
+
+def causal_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """Causal softmax(Q Kᵀ / √d_k) V composed of two matmuls and one softmax, with FlashAttention's arithmetic:
+    scores and softmax in fp32, the weights rounded to v's dtype for the product with V (Dao et al. 2022; torch's
+    CPU flash kernel does the same), so its outputs and gradients match ``F.scaled_dot_product_attention(q, k, v,
+    is_causal=True, enable_gqa=...)`` to the kernel's own rounding (tests/unit/test_decoder_pieces.py).
+
+    Why: torch's CPU flash kernel runs its bf16 backward at about a quarter of its forward's speed at short
+    sequences (10.6 against 2.5 ms a layer for presets/llama.toml's shape), where these few large matmuls and one
+    fused softmax take less; it materialises B·H·T² fp32 scores, and from T = 256 on flash is the faster, so only
+    sequences up to ``EXPLICIT_ATTENTION_MAX_LEN`` take it (docs/performance.md).
+
+    Args:
+        q: (B, H, T, d_k); k, v: (B, H_kv, T, d_k) and (B, H_kv, T, d_v), H_kv dividing H (grouped-query
+            attention: each group of H / H_kv query heads reads its K/V head, nothing copied).
+
+    Returns:
+        (B, H, T, d_v) in v's dtype; autocast is off inside (the fp32 scores must stay fp32).
+    """
+    B, H, T, d_k = q.shape
+    with torch.autocast(q.device.type, enabled=False):
+        q = q.unflatten(1, (k.shape[1], H // k.shape[1]))  # (B, H_kv, H / H_kv, T, d_k)
+        scores = q.float() @ k.float()[:, :, None].transpose(-2, -1) * d_k**-0.5  # (B, H_kv, H / H_kv, T, T)
+        causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()  # (T, T): key s <= query t
+        weights = scores.masked_fill(~causal, float("-inf")).softmax(dim=-1).to(v.dtype)
+        return (weights @ v[:, :, None]).flatten(1, 2)  # (B, H, T, d_v)
+
+
+def sdpa_fast_path_cpu(q: Tensor, k: Tensor, is_causal: bool, has_mask: bool, dropout_p: float) -> bool:
+    """Whether ``attention.sdpa`` should take :func:`causal_attention` instead of torch's kernel: bf16 on CPU, causal
+    self-attention with no mask tensor and no dropout, T <= ``EXPLICIT_ATTENTION_MAX_LEN``."""
+    return (q.device.type == "cpu" and q.dtype == torch.bfloat16 and is_causal and not has_mask
+            and dropout_p == 0.0 and q.shape[2] == k.shape[2] <= EXPLICIT_ATTENTION_MAX_LEN)

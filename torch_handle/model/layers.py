@@ -94,7 +94,7 @@ class EncoderLayer(_ResidualLayer):
         feed_forward: builds the FFN in place of ``build_feed_forward`` (an MoE layer: ``MoEFeedForward``).
 
     Shape:
-        forward(x (B, T, C), key_padding_mask bool (B, T) True = pad) -> (B, T, C).
+        forward(x (B, T, C), key_padding_mask bool (B, T) True = pad, rope_table (cos, sin) | None) -> (B, T, C).
     """
 
     def __init__(self, d_model: int, n_heads: int, d_ff: int, dropout: float = 0.0, mlp: MLP = "relu",
@@ -109,9 +109,10 @@ class EncoderLayer(_ResidualLayer):
         self.ff_norm = self._make_norm()
         self.dropout = Dropout(dropout)
 
-    def forward(self, x: Tensor, *, key_padding_mask: Tensor | None = None) -> Tensor:
+    def forward(self, x: Tensor, *, key_padding_mask: Tensor | None = None,
+                rope_table: tuple[Tensor, Tensor] | None = None) -> Tensor:
         x = self._residual(x, self.self_attn_norm, "attention",
-                           lambda h: self.self_attn(h, h, h, key_padding_mask=key_padding_mask))
+                           lambda h: self.self_attn(h, h, h, key_padding_mask=key_padding_mask, rope_table=rope_table))
         return self._residual(x, self.ff_norm, "feed_forward", self.ff)  # (B, T, C)
 
 
@@ -157,7 +158,8 @@ class DecoderLayer(_ResidualLayer):
 
     def forward(self, x: Tensor, memory: Tensor | None = None, *, key_padding_mask: Tensor | None = None,
                 memory_key_padding_mask: Tensor | None = None, causal: bool = True, cache: LayerCache | None = None,
-                attn_mask: Tensor | None = None, position_ids: Tensor | None = None) -> Tensor:
+                attn_mask: Tensor | None = None, position_ids: Tensor | None = None,
+                rope_table: tuple[Tensor, Tensor] | None = None) -> Tensor:
         """
         Args:
             x: (B, T, C) target-side hidden states.
@@ -171,6 +173,8 @@ class DecoderLayer(_ResidualLayer):
                 per batch by the model outside the blocks (``transformer.document_mask_of``); replaces the causal
                 mask of the self-attention.
             position_ids: LongTensor (B, T), each token's position in its document (the self-attention's RoPE).
+            rope_table: the model's RoPE (cos, sin) of every position (``rope.rope_table``), for the
+                self-attention; None: the attention computes its angles.
 
         Returns:
             (B, T, C).
@@ -184,7 +188,7 @@ class DecoderLayer(_ResidualLayer):
         x = self._residual(x, self.self_attn_norm, "attention",
                            lambda h: self.self_attn(h, h, h, key_padding_mask=key_padding_mask, causal=causal,
                                                     cache=self_cache, attn_mask=attn_mask,
-                                                    position_ids=position_ids))
+                                                    position_ids=position_ids, rope_table=rope_table))
         if self.cross_attn is not None:
             x = self._residual(x, self.cross_attn_norm, "cross_attention",
                                lambda h: self.cross_attn(h, memory, memory, key_padding_mask=memory_key_padding_mask,

@@ -137,17 +137,22 @@ class DecoderStage(nn.Module):
         self.layers = nn.ModuleDict({str(i): shard.layers[str(i)] for i in layers})
         if last:
             self.final_norm, self.lm_head = shard.final_norm, shard.lm_head
+        for name in ("rope_cos", "rope_sin"):  # the model's RoPE table (a view of the shard's, not saved)
+            if hasattr(shard, name):
+                self.register_buffer(name, getattr(shard, name), persistent=False)
 
     _embed = _TransformerModel._embed
     _padding_mask = _TransformerModel._padding_mask
     _run_block = _TransformerModel._run_block
+    _rope = _TransformerModel._rope
 
     def forward(self, h: Tensor | None = None, *, input_ids: Tensor, position_ids: Tensor | None = None) -> Tensor:
         padding_mask = self._padding_mask(input_ids)  # (B, T) or None
         documents = documents_of(input_ids, position_ids)  # attn_mask (B, 1, T, T), position_ids (B, T), or none
         x = self._embed(input_ids, 0, documents.get("position_ids")) if self.first else h  # (B, T, C)
         for i, layer in self.layers.items():
-            x = self._run_block(f"decoder.layer{i}", layer, x, key_padding_mask=padding_mask, **documents)
+            x = self._run_block(f"decoder.layer{i}", layer, x, key_padding_mask=padding_mask, **documents,
+                                **self._rope())
         return self.lm_head(self.final_norm(x)) if self.last else x
 
 

@@ -36,12 +36,29 @@ def rotate_half(x: Tensor) -> Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+def rope_table(max_len: int, d_k: int, theta: float = 10000.0, device: torch.device | str | None = None
+               ) -> tuple[Tensor, Tensor]:
+    """cos and sin of the angles of positions 0 .. max_len - 1: each float32 (max_len, d_k), the d_k/2 angles
+    repeated for both halves (channel j and j + d_k/2 share an angle).
+
+    A model computes it once (``_TransformerModel``'s ``rope_cos`` / ``rope_sin`` buffers) and hands it to every
+    attention, which slices its positions' rows, as litgpt (``GPT.rope_cache``) and torchtitan (``freqs_cis``) do.
+    Computed inside the attention instead, the angles are a pointwise chain of ``arange``, ``pow``, ``cos`` and
+    ``sin`` that Inductor fuses into every (B, H, T, d_k) rotation and recomputes in backward: B·H times the
+    transcendental work, 11 of 330 ms a step for presets/llama.toml compiled (docs/performance.md)."""
+    positions = torch.arange(max_len, device=device, dtype=torch.float32)  # (max_len,)
+    angles = positions[:, None] * rope_frequencies(d_k, theta, device)  # (max_len, d_k/2)
+    angles = torch.cat((angles, angles), dim=-1)  # (max_len, d_k)
+    return angles.cos(), angles.sin()
+
+
 class RotaryEmbedding(nn.Module):
     """Rotate queries or keys by their positions (rotate-half pairing; see the module docstring).
 
-    Holds no parameters and no buffers: the angles of positions offset .. offset + T - 1 are computed in float32
-    at every call (T·d_k/2 multiplications, nothing beside the projections) and never cast with the model, so a
-    bf16 model rotates with fp32-accurate angles, as ``transformers`` does, and any length works.
+    Holds no parameters and no buffers. The angles come from the model's table (:func:`rope_table`, handed to
+    ``forward`` as ``table``: rows sliced, nothing computed) or, without one, are computed in float32 at the call
+    (T·d_k/2 multiplications: a layer used on its own). Either way they are fp32-accurate angles cast to x's dtype
+    at the use, as ``transformers`` does, so a bf16 model rotates as an fp32 one would round.
 
     Args:
         d_k: channels per head; must be even (channels rotate in pairs).
@@ -64,22 +81,30 @@ class RotaryEmbedding(nn.Module):
         self.d_k, self.theta = d_k, theta
 
     def cos_sin(self, T: int, offset: int, device: torch.device, dtype: torch.dtype,
-                positions: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """cos and sin of the angles of positions offset .. offset + T - 1: each (T, d_k) in ``dtype``, the d_k/2
-        angles repeated for both halves; with ``positions`` (B, T) (integer), of those positions: each
-        (B, 1, T, d_k), broadcast over the heads."""
-        if positions is None:
-            positions = torch.arange(offset, offset + T, device=device, dtype=torch.float32)  # (T,)
-        angles = positions.float()[..., None] * rope_frequencies(self.d_k, self.theta, device)  # (..., T, d_k/2)
-        angles = torch.cat((angles, angles), dim=-1)  # (..., T, d_k): channel j and j + d_k/2 share an angle
-        if angles.dim() == 3:
-            angles = angles[:, None]  # (B, 1, T, d_k)
-        return angles.cos().to(dtype), angles.sin().to(dtype)
+                positions: Tensor | None = None, table: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
+        """cos and sin of the angles of positions offset .. offset + T - 1: each (T, d_k) in ``dtype``; with
+        ``positions`` (B, T) (integer), of those positions: each (B, 1, T, d_k), broadcast over the heads. From
+        ``table`` (:func:`rope_table`, at least offset + T rows) when given, else computed here."""
+        if table is None:
+            if positions is None:
+                positions = torch.arange(offset, offset + T, device=device, dtype=torch.float32)  # (T,)
+            angles = positions.float()[..., None] * rope_frequencies(self.d_k, self.theta, device)  # (..., T, d_k/2)
+            angles = torch.cat((angles, angles), dim=-1)  # (..., T, d_k)
+            cos, sin = angles.cos(), angles.sin()
+        elif positions is None:
+            cos, sin = (t[offset:offset + T] for t in table)  # (T, d_k)
+        else:
+            cos, sin = (t[positions] for t in table)  # (B, T, d_k)
+        if cos.dim() == 3:
+            cos, sin = cos[:, None], sin[:, None]  # (B, 1, T, d_k)
+        return cos.to(dtype), sin.to(dtype)
 
-    def forward(self, x: Tensor, offset: int = 0, positions: Tensor | None = None) -> Tensor:
+    def forward(self, x: Tensor, offset: int = 0, positions: Tensor | None = None,
+                table: tuple[Tensor, Tensor] | None = None) -> Tensor:
         """x (B, H, T, d_k), the vectors of positions offset .. offset + T - 1 (``offset``: the positions a key/value
-        cache holds), or of ``positions`` (B, T) when given -> x rotated, (B, H, T, d_k)."""
-        cos, sin = self.cos_sin(x.shape[-2], offset, x.device, x.dtype, positions)  # broadcast over B, H
+        cache holds), or of ``positions`` (B, T) when given -> x rotated, (B, H, T, d_k). ``table``: the model's
+        (cos, sin) of every position (:func:`rope_table`)."""
+        cos, sin = self.cos_sin(x.shape[-2], offset, x.device, x.dtype, positions, table)  # broadcast over B, H
         return x * cos + rotate_half(x) * sin
 
     def extra_repr(self) -> str:

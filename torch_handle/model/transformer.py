@@ -31,6 +31,7 @@ from torch_handle.model.layers import DecoderLayer, EncoderLayer
 from torch_handle.model.moe import MoEFeedForward
 from torch_handle.model.norms import build_norm
 from torch_handle.model.profiling import record_range
+from torch_handle.model.rope import rope_table
 from torch_handle.parallel.tensor.random import checkpoint_rng_contexts
 
 
@@ -120,6 +121,15 @@ class _TransformerModel(nn.Module):
         self.pos_encoding = (SinusoidalPositionalEncoding(args.d_model, args.max_len) if args.position == "sinusoidal"
                              else PositionsInAttention(args.max_len))
         self.embed_dropout = Dropout(args.dropout)
+        if args.position == "rope":
+            # cos and sin of every position once, fp32, handed to every block (rope.rope_table: why not per call);
+            # not persistent: derived from the arguments, so neither in checkpoints nor in the HF export
+            for name, table in zip(("rope_cos", "rope_sin"), rope_table(args.max_len, args.d_k, args.rope_theta)):
+                self.register_buffer(name, table, persistent=False)  # (max_len, d_k)
+
+    def _rope(self) -> dict[str, tuple[Tensor, Tensor]]:
+        """The keyword argument that hands every block the RoPE table (``rope_table``); none without RoPE."""
+        return {"rope_table": (self.rope_cos, self.rope_sin)} if hasattr(self, "rope_cos") else {}
 
     def _layer_kwargs(self) -> dict:
         """The ``TransformerArgs`` every ``EncoderLayer`` / ``DecoderLayer`` takes."""
@@ -315,7 +325,7 @@ class DecoderLM(_TransformerModel):
         x, padding_mask = self._decoder_input(input_ids, cache, documents.get("position_ids"))  # (B, T, C), ...
         for i, layer in enumerate(self.layers):
             x = self._run_block(f"decoder.layer{i}", layer, x, key_padding_mask=padding_mask,
-                                **_layer_cache(cache, i), **documents)
+                                **_layer_cache(cache, i), **documents, **self._rope())
         x = self.final_norm(x)
         # (B, T, V). No .float(): under autocast the head's output is already rounded to bf16, so an fp32 copy
         # would add no precision, only a pass over B·T·V elements; the loss upcasts per chunk.
@@ -363,7 +373,7 @@ class EncoderDecoder(_TransformerModel):
         src_padding_mask = self._padding_mask(src_ids)  # (B, S) or None
         x = self._embed(src_ids)  # (B, S, C)
         for i, layer in enumerate(self.encoder_layers):
-            x = self._run_block(f"encoder.layer{i}", layer, x, key_padding_mask=src_padding_mask)
+            x = self._run_block(f"encoder.layer{i}", layer, x, key_padding_mask=src_padding_mask, **self._rope())
         return self.encoder_norm(x), src_padding_mask
 
     def decode(self, tgt_ids: Tensor, memory: Tensor, src_padding_mask: Tensor | None = None, *,
@@ -376,7 +386,7 @@ class EncoderDecoder(_TransformerModel):
         x, tgt_padding_mask = self._decoder_input(tgt_ids, cache)  # (B, T, C), (B, P + T) or None
         for i, layer in enumerate(self.decoder_layers):
             x = self._run_block(f"decoder.layer{i}", layer, x, memory, key_padding_mask=tgt_padding_mask,
-                                memory_key_padding_mask=src_padding_mask, **_layer_cache(cache, i))
+                                memory_key_padding_mask=src_padding_mask, **_layer_cache(cache, i), **self._rope())
         x = self.decoder_norm(x)
         return self.lm_head(x)  # (B, T, V)
 
