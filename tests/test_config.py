@@ -313,7 +313,8 @@ def test_unknown_key_lists_valid_keys_of_the_selected_plugin(tmp_path):
     path = write(tmp_path / "p.toml", "[strategy]\nname = 'ddp'\nzero_stage = 2\n")
     message = str(err(path))
     assert "strategy.zero_stage: unknown key" in message
-    assert "valid: bucket_cap_mb, find_unused_parameters, gradient_as_bucket_view, name" in message
+    assert ("valid: broadcast_buffers, bucket_cap_mb, find_unused_parameters, gradient_as_bucket_view, name"
+            in message)
 
 
 def test_missing_preset_file_and_directory(tmp_path, monkeypatch):

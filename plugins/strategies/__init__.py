@@ -42,6 +42,11 @@ class DDPConfig:
     """Let gradients be views into the buckets (saves one copy of the gradients)."""
     find_unused_parameters: bool = False
     """Traverse the graph each step to find parameters without gradients (slower; rarely needed)."""
+    broadcast_buffers: bool = False
+    """Broadcast the model's buffers from rank 0 before every forward (torch's default is on). handle's models hold
+    constant buffers (the sinusoidal table, RoPE's cos/sin, LoRA's base hash) or ones every rank updates alike (the
+    MoE expert biases, from all-reduced loads): off saves a collective a step. On for a model whose buffers drift
+    apart per rank (BatchNorm's running statistics)."""
 
 
 @dataclass

@@ -34,7 +34,8 @@ class DDPStrategy(SingleStrategy):
         if self.ep_share is not None:  # each rank's experts are its own: reduced over "edp" by the EP share
             DDP._set_params_and_buffers_to_ignore_for_model(module, self.ep_share.expert_names(module))
         return DDP(module, device_ids=device_ids, process_group=group, bucket_cap_mb=o.bucket_cap_mb,
-                   gradient_as_bucket_view=o.gradient_as_bucket_view, find_unused_parameters=o.find_unused_parameters)
+                   gradient_as_bucket_view=o.gradient_as_bucket_view, find_unused_parameters=o.find_unused_parameters,
+                   broadcast_buffers=o.broadcast_buffers)
 
     def accumulating(self, sync: bool) -> ContextManager:
         # Skip the all-reduce on all but the last micro-batch: gradients accumulate locally for free.

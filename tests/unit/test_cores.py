@@ -83,3 +83,25 @@ def test_handle_run_prints_one_warning_line_before_the_workers_start(tmp_path, m
     monkeypatch.setattr(cores, "usable_cores", lambda: 4)
     again = CliRunner().invoke(cli, ["run", str(path), "--set", "launch.backend=gloo"])
     assert "a run was launched" in str(again.exception) and "warning:" not in again.stderr
+
+
+def test_cpu_workers_get_the_malloc_settings_unless_the_environment_chose(tmp_path, monkeypatch):
+    """``cores.allocator_env``: the launcher hands CPU workers glibc's ``MALLOC_MMAP_THRESHOLD_`` and
+    ``MALLOC_TRIM_THRESHOLD_`` (a step's buffers reused instead of faulted in anew every step), never over the
+    environment's own settings or a preloaded allocator, and not to GPU workers."""
+    from torch_handle.launch import supervisor
+
+    for name in (*cores.MALLOC_ENV, "LD_PRELOAD"):
+        monkeypatch.delenv(name, raising=False)
+    assert cores.allocator_env({}) == {"MALLOC_MMAP_THRESHOLD_": "33554432", "MALLOC_TRIM_THRESHOLD_": "1073741824"}
+    assert cores.allocator_env({"MALLOC_TRIM_THRESHOLD_": "0"}) == {}
+    assert cores.allocator_env({"LD_PRELOAD": "/usr/lib/libjemalloc.so.2"}) == {}
+    path, preset = _tiny(tmp_path, 2)
+    monkeypatch.setattr(supervisor, "target_device", lambda p: "cpu")
+    env = supervisor.Launch(preset, tmp_path / "run").env
+    assert {k: env[k] for k in cores.MALLOC_ENV} == cores.MALLOC_ENV
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
+    assert "MALLOC_TRIM_THRESHOLD_" not in supervisor.Launch(preset, tmp_path / "run").env
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_")
+    monkeypatch.setattr(supervisor, "target_device", lambda p: "cuda")
+    assert "MALLOC_MMAP_THRESHOLD_" not in supervisor.Launch(preset, tmp_path / "run").env

@@ -208,3 +208,19 @@ def test_parse_test_delay():
     assert parse_test_delay("1:0.05", 1) == 0.05
     assert parse_test_delay("1:0.05", 0) == 0.0
     assert parse_test_delay("", 0) == parse_test_delay("x:y", 0) == parse_test_delay("0:-1", 0) == 0.0
+
+
+@pytest.mark.parametrize("broadcast", [False, True])
+def test_ddp_broadcasts_buffers_only_when_asked(process_group, broadcast):
+    """``strategy.broadcast_buffers`` (off by default: handle's buffers are constants or updated alike on every rank,
+    so torch's default broadcast before every forward is a collective for nothing) reaches the DDP wrapper."""
+    from handle_plugins.strategies import DDPConfig
+    from handle_plugins.strategies.ddp import DDPStrategy
+    from torch_handle.config.schema import TrainingConfig
+
+    model = torch.nn.Linear(4, 4)
+    model.register_buffer("table", torch.ones(4))
+    strategy = DDPStrategy(DDPConfig(broadcast_buffers=broadcast), TrainingConfig(precision="fp32"), process_group,
+                           model)
+    assert strategy.model.broadcast_buffers is broadcast
+    assert strategy.model.will_sync_module_buffers() is broadcast

@@ -30,8 +30,9 @@ import psutil
 
 from torch_handle.common.procs import die_with_parent  # noqa: F401 - the workers import it from here
 from torch_handle.config.loader import Preset
-from torch_handle.launch.cores import threads_per_rank, usable_cores
+from torch_handle.launch.cores import allocator_env, threads_per_rank, usable_cores
 from torch_handle.launch.hang import HangWatchdog, Stall, flight_recorder_env, hang_message, trigger_flight_recorder
+from torch_handle.launch.precision import target_device
 from torch_handle.observe.fields import Kind, Status
 from torch_handle.observe.heartbeat import RankBeat, read_heartbeats
 from torch_handle.observe.stacks import take_stacks
@@ -103,6 +104,8 @@ class Launch:
         self.env.setdefault("OMP_NUM_THREADS", str(threads_per_rank(preset.launch.nproc_per_node, usable_cores(),
                                                                     None)))
         self.env.setdefault("PYTHONUNBUFFERED", "1")
+        if target_device(preset) == "cpu":  # a step's buffers reused, not faulted in anew (cores.allocator_env)
+            self.env.update(allocator_env(self.env))
         if preset.launch.backend != "gloo":  # NCCL's flight recorder (read by ProcessGroupNCCL only)
             self.env.update(flight_recorder_env(self.run_dir, self.env))
         self.proc: subprocess.Popen | None = None
