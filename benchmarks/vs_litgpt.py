@@ -23,6 +23,8 @@ bf16; compiled or eager):
 Both drop the first ``--skip`` steps (compilation and warm-up) and report the median tokens/s (global: micro-batch
 × seq_len × processes ÷ step time) over the rest, and its upper quartile (the faster steps' speed, less moved by
 other work on a shared machine). One round runs every case's handle then litgpt (A B A B ...);
+``--litgpt-malloc`` adds litgpt with the glibc malloc settings handle's launcher gives its CPU workers
+(``torch_handle.launch.cores.MALLOC_ENV``: any PyTorch CPU program gains from them, so the table shows both);
 the table gives the median over ``--rounds`` rounds with the range, and the ratio of the medians. litgpt is never a
 dependency of handle or of its tests.
 """
@@ -39,6 +41,7 @@ import tempfile
 from pathlib import Path
 
 from _common import ROOT, handle_run, read_events
+from torch_handle.launch.cores import MALLOC_ENV
 
 SEQ_LEN, MICRO_BATCH, VOCAB = 128, 8, 4096
 CASES = [(procs, precision, mode) for mode in ("compiled", "eager") for procs in (1, 2)
@@ -68,16 +71,17 @@ def handle_tokens_per_s(directory: Path, procs: int, precision: str, mode: str, 
 
 
 def litgpt_tokens_per_s(litgpt_python: str, directory: Path, procs: int, precision: str, mode: str, steps: int,
-                        skip: int) -> tuple[float, float]:
-    """Global tokens/s of ``litgpt_train.py`` under torchrun over its iterations after ``skip``: ``rates_of``."""
+                        skip: int, malloc: bool = False) -> tuple[float, float]:
+    """Global tokens/s of ``litgpt_train.py`` under torchrun over its iterations after ``skip``: ``rates_of``.
+    ``malloc``: with the glibc settings handle's launcher gives its CPU workers (``cores.MALLOC_ENV``)."""
     out = directory / "litgpt.json"
     cmd = [litgpt_python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={procs}",
            str(Path(__file__).with_name("litgpt_train.py")), f"--devices={procs}", f"--steps={steps}",
            f"--precision={'32-true' if precision == 'fp32' else 'bf16-mixed'}", f"--out={out}",
            f"--micro-batch-size={MICRO_BATCH}", f"--seq-len={SEQ_LEN}", f"--vocab-size={VOCAB}",
            *(["--eager"] if mode == "eager" else [])]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                          check=False)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(MALLOC_ENV if malloc else {})}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
     if proc.returncode != 0:
         raise SystemExit(f"litgpt run failed (exit {proc.returncode}): {' '.join(cmd)}\n{proc.stderr[-3000:]}")
     result = json.loads(out.read_text())
@@ -92,11 +96,13 @@ def main() -> None:
     ap.add_argument("--skip", type=int, default=5, help="leave out the first steps (compilation, warm-up)")
     ap.add_argument("--cases", default="all",
                     help="comma-separated PROCS-PRECISION-MODE, e.g. 1-fp32-compiled,2-bf16-eager (default: all 8)")
+    ap.add_argument("--litgpt-malloc", action="store_true",
+                    help="also run litgpt with the glibc malloc settings handle's launcher gives its CPU workers")
     ap.add_argument("--json", action="store_true", help="one JSON object per case instead of the table")
     a = ap.parse_args()
     cases = CASES if a.cases == "all" else [(int(p), pr, m) for p, pr, m in (c.split("-") for c in a.cases.split(","))]
     figures: dict[tuple[int, str, str], dict[str, list[tuple[float, float]]]] = {
-        c: {"handle": [], "litgpt": []} for c in cases}
+        c: {"handle": [], "litgpt": [], "litgpt_malloc": []} for c in cases}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(a.rounds):
             for case in cases:
@@ -106,6 +112,11 @@ def main() -> None:
                 lg = litgpt_tokens_per_s(a.litgpt_python, directory, *case, a.steps, a.skip)
                 figures[case]["handle"].append(h)
                 figures[case]["litgpt"].append(lg)
+                if a.litgpt_malloc:
+                    lm = litgpt_tokens_per_s(a.litgpt_python, directory, *case, a.steps, a.skip, malloc=True)
+                    figures[case]["litgpt_malloc"].append(lm)
+                    print(f"  litgpt with handle's malloc settings {lm[0]:,.0f} tokens/s ({h[0] / lm[0]:.2f}x)",
+                          file=sys.stderr, flush=True)
                 print(f"round {r + 1} {case}: handle {h[0]:,.0f} litgpt {lg[0]:,.0f} tokens/s ({h[0] / lg[0]:.2f}x; "
                       f"upper quartile {h[1] / lg[1]:.2f}x)", file=sys.stderr, flush=True)
     rows = []
@@ -116,18 +127,30 @@ def main() -> None:
         rows.append({"procs": procs, "precision": precision, "mode": mode, "handle_tokens_per_s": h,
                      "litgpt_tokens_per_s": lg, "ratio": h / lg, "handle_runs": hr, "litgpt_runs": lr,
                      "round_ratios": [x / y for x, y in zip(hr, lr)], "upper_quartile_ratio": hq / lq})
+        if f["litgpt_malloc"]:
+            lm = [x[0] for x in f["litgpt_malloc"]]
+            rows[-1].update(litgpt_malloc_tokens_per_s=statistics.median(lm), litgpt_malloc_runs=lm,
+                            ratio_to_litgpt_malloc=h / statistics.median(lm))
     if a.json:
         for row in rows:
             print(json.dumps(row))
         return
+    extra = a.litgpt_malloc
     print("| processes | precision | mode | handle tokens/s (range) | litgpt tokens/s (range) | handle ÷ litgpt "
-          "(per round) | upper quartiles' ratio |\n| ---: | --- | --- | ---: | ---: | ---: | ---: |")
+          "(per round) | upper quartiles' ratio |" + (" litgpt + malloc settings tokens/s | handle ÷ that |" if extra
+                                                     else "") +
+          "\n| ---: | --- | --- | ---: | ---: | ---: | ---: |" + (" ---: | ---: |" if extra else ""))
     for row in rows:
         hr, lr = row["handle_runs"], row["litgpt_runs"]
         ratios = ", ".join(f"{x:.2f}" for x in row["round_ratios"])
         handle, litgpt = (f"{statistics.median(x):,.0f} ({min(x):,.0f}–{max(x):,.0f})" for x in (hr, lr))
+        tail = ""
+        if extra:
+            lm = row["litgpt_malloc_runs"]
+            tail = (f" {statistics.median(lm):,.0f} ({min(lm):,.0f}–{max(lm):,.0f}) | "
+                    f"{row['ratio_to_litgpt_malloc']:.2f}× |")
         print(f"| {row['procs']} | {row['precision']} | {row['mode']} | {handle} | {litgpt} "
-              f"| **{row['ratio']:.2f}×** ({ratios}) | {row['upper_quartile_ratio']:.2f}× |")
+              f"| **{row['ratio']:.2f}×** ({ratios}) | {row['upper_quartile_ratio']:.2f}× |{tail}")
     print(f"\n{a.rounds} rounds of {a.steps} steps, the first {a.skip} left out; micro-batch {MICRO_BATCH} per "
           f"process, seq_len {SEQ_LEN}, vocabulary {VOCAB}; OMP_NUM_THREADS=1 per process.")
 
