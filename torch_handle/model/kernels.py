@@ -182,7 +182,7 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     Returns:
         (B, H, T, d_v) in v's dtype; autocast is off inside (the fp32 scores must stay fp32).
     """
-    B, H, T, d_k = q.shape
+    H, T, d_k = q.shape[1:]
     with torch.autocast(q.device.type, enabled=False):
         q = q.unflatten(1, (k.shape[1], H // k.shape[1]))  # (B, H_kv, H / H_kv, T, d_k)
         scores = q.float() @ k.float()[:, :, None].transpose(-2, -1) * d_k**-0.5  # (B, H_kv, H / H_kv, T, T)
