@@ -36,20 +36,24 @@ def rotate_half(x: Tensor) -> Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+def rope_cos_sin(positions: Tensor, d_k: int, theta: float = 10000.0) -> tuple[Tensor, Tensor]:
+    """cos and sin of the angles of ``positions`` (any shape (...), integer or float): each float32 (..., d_k), the
+    d_k/2 angles position · θ_i repeated for both halves (channel j and j + d_k/2 share an angle)."""
+    angles = positions.float()[..., None] * rope_frequencies(d_k, theta, positions.device)  # (..., d_k/2)
+    angles = torch.cat((angles, angles), dim=-1)  # (..., d_k)
+    return angles.cos(), angles.sin()
+
+
 def rope_table(max_len: int, d_k: int, theta: float = 10000.0, device: torch.device | str | None = None
                ) -> tuple[Tensor, Tensor]:
-    """cos and sin of the angles of positions 0 .. max_len - 1: each float32 (max_len, d_k), the d_k/2 angles
-    repeated for both halves (channel j and j + d_k/2 share an angle).
+    """cos and sin of the angles of positions 0 .. max_len - 1 (:func:`rope_cos_sin`): each float32 (max_len, d_k).
 
     A model computes it once (``_TransformerModel``'s ``rope_cos`` / ``rope_sin`` buffers) and hands it to every
     attention, which slices its positions' rows, as litgpt (``GPT.rope_cache``) and torchtitan (``freqs_cis``) do.
     Computed inside the attention instead, the angles are a pointwise chain of ``arange``, ``pow``, ``cos`` and
     ``sin`` that Inductor fuses into every (B, H, T, d_k) rotation and recomputes in backward: B·H times the
     transcendental work, 11 of 330 ms a step for presets/llama.toml compiled (docs/performance.md)."""
-    positions = torch.arange(max_len, device=device, dtype=torch.float32)  # (max_len,)
-    angles = positions[:, None] * rope_frequencies(d_k, theta, device)  # (max_len, d_k/2)
-    angles = torch.cat((angles, angles), dim=-1)  # (max_len, d_k)
-    return angles.cos(), angles.sin()
+    return rope_cos_sin(torch.arange(max_len, device=device, dtype=torch.float32), d_k, theta)
 
 
 class RotaryEmbedding(nn.Module):
@@ -88,9 +92,7 @@ class RotaryEmbedding(nn.Module):
         if table is None:
             if positions is None:
                 positions = torch.arange(offset, offset + T, device=device, dtype=torch.float32)  # (T,)
-            angles = positions.float()[..., None] * rope_frequencies(self.d_k, self.theta, device)  # (..., T, d_k/2)
-            angles = torch.cat((angles, angles), dim=-1)  # (..., T, d_k)
-            cos, sin = angles.cos(), angles.sin()
+            cos, sin = rope_cos_sin(positions, self.d_k, self.theta)  # (..., T, d_k)
         elif positions is None:
             cos, sin = (t[offset:offset + T] for t in table)  # (T, d_k)
         else:
