@@ -1,21 +1,30 @@
 """The parallel-share contract (torch_handle/train/share.py): the TP, pipeline and expert-parallel shares each
 implement every call of ``ParallelShare`` with its parameters, the run's one share is resolved in the stated order
-(the pipeline's, which composes the others), and an expert-parallel run imports no tensor parallelism."""
+(the pipeline's, which composes the others), and an expert-parallel run imports no tensor parallelism. The
+contract is checked against the calls the trainer's modules make (read from their source), the order against what
+``build_shares(...).run`` resolves for every layout."""
 
 from __future__ import annotations
 
+import ast
+import importlib
 import inspect
+import itertools
 import subprocess
 import sys
+from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
+import torch
 
-from torch_handle.train.compose import Shares
+from torch_handle.train import compose
+from torch_handle.train import trainer as trainer_module
 from torch_handle.train.expert_parallel import ExpertParallel
 from torch_handle.train.pipeline_parallel import PipelineParallel
 from torch_handle.train.share import COMPOSITION, Checkpointer, ParallelShare
-from torch_handle.train.strategy import Strategy
+from torch_handle.train.strategy import DistContext, Strategy
 from torch_handle.train.tensor_parallel import TensorParallel
 
 
@@ -25,16 +34,70 @@ def _calls(protocol: type) -> list[str]:
             for name, value in vars(klass).items() if inspect.isfunction(value) and name[0] != "_"]
 
 
+def _members(protocol: type) -> set[str]:
+    """Its calls and the attributes it declares (``ParallelShare.strategy``), its bases' included."""
+    return set(_calls(protocol)) | {name for klass in protocol.__mro__ if klass in (Checkpointer, ParallelShare)
+                                    for name in inspect.get_annotations(klass)}
+
+
 CONTRACT = _calls(ParallelShare)
+HOLDERS = {"share": ParallelShare, "checkpointer": Checkpointer}
+"""What the trainer's modules call the run's share (``self.share``, a ``share`` argument or loop variable) and its
+checkpointer (``self.checkpointer``, ``trainer.checkpointer``): the strategy, or the share bound to it."""
+TRAIN = Path(inspect.getsourcefile(trainer_module)).parent
 
 
-def test_the_contract_names_every_call_the_trainer_makes() -> None:
-    assert sorted(CONTRACT) == sorted([
-        "parallelize", "bind", "begin_step", "micro_batch", "loss", "before_step", "step_stats", "checkpoint_layout",
-        "loads_natively", "save", "load", "load_portable", "full_state_dict", "parameter_names"])
-    assert COMPOSITION == ("pipeline", "tensor", "expert")
-    assert sorted(_calls(Checkpointer)) == sorted(["checkpoint_layout", "loads_natively", "save", "load",
-                                                   "load_portable", "parameter_names"])
+def _trainer_sources() -> dict[str, str]:
+    """The trainer's modules (torch_handle/train/*.py: the trainer and what it hands the share to), by name."""
+    return {path.name: path.read_text(encoding="utf-8") for path in sorted(TRAIN.glob("*.py"))}
+
+
+def _uses(sources: dict[str, str]) -> dict[str, set[str]]:
+    """The attributes the ``sources`` use on each of :data:`HOLDERS` (``self.share.loss(...)``: ``loss`` of share)."""
+    used: dict[str, set[str]] = {holder: set() for holder in HOLDERS}
+    for name, text in sources.items():
+        for node in ast.walk(ast.parse(text, name)):
+            if isinstance(node, ast.Attribute):
+                held = node.value
+                holder = held.id if isinstance(held, ast.Name) else getattr(held, "attr", None)
+                if holder in used:
+                    used[holder].add(node.attr)
+    return used
+
+
+def _contract_problems(used: dict[str, set[str]]) -> list[str]:
+    """What the protocols and the trainer's uses disagree on: a use the protocol lacks, or a protocol call no
+    module makes (every ParallelShare call through the share or the checkpointer; every Checkpointer call through
+    the checkpointer, which is the strategy when there is no share)."""
+    problems = []
+    for holder, protocol in HOLDERS.items():
+        problems += [f"{holder}.{name} is not in {protocol.__name__}"
+                     for name in sorted(used[holder] - _members(protocol))]
+    problems += [f"ParallelShare.{name} is never used" for name in CONTRACT
+                 if name not in used["share"] | used["checkpointer"]]
+    problems += [f"Checkpointer.{name} is not used through the checkpointer" for name in _calls(Checkpointer)
+                 if name not in used["checkpointer"]]
+    return problems
+
+
+def test_the_contract_names_every_call_the_trainer_makes_and_no_other() -> None:
+    assert _contract_problems(_uses(_trainer_sources())) == []
+
+
+def test_the_contract_check_sees_a_call_added_or_dropped() -> None:
+    """The check reads the modules' text: a call the trainer adds, or one it stops making, is reported."""
+    sources = _trainer_sources()
+
+    def new_problems(trainer: str) -> list[str]:
+        before = _contract_problems(_uses(sources))
+        return [p for p in _contract_problems(_uses({**sources, "trainer.py": trainer})) if p not in before]
+
+    assert new_problems(sources["trainer.py"] + (
+        "\n\ndef _added(self, trainer):\n    self.share.rebalance()\n    trainer.checkpointer.compact()\n")) == [
+        "share.rebalance is not in ParallelShare", "checkpointer.compact is not in Checkpointer"]
+    assert ".before_step(" in sources["trainer.py"]
+    assert new_problems(sources["trainer.py"].replace(".before_step(", ".step_before(")) == [
+        "share.step_before is not in ParallelShare", "ParallelShare.before_step is never used"]
 
 
 def test_the_strategy_is_a_checkpointer() -> None:
@@ -59,21 +122,47 @@ def test_every_share_implements_the_contract(share: type) -> None:
             assert inspect.signature(method).parameters[p.name].default == p.default, (share.__name__, name, p)
 
 
-def test_the_run_has_one_share_the_pipeline_composing_the_others() -> None:
-    tp, pp, ep = SimpleNamespace(name="tp"), SimpleNamespace(name="pp"), SimpleNamespace(name="ep")
-    assert Shares(None).run is None
-    assert Shares(None, tp=tp).run is tp and Shares(None, ep=ep).run is ep
-    assert Shares(None, tp=tp, pp=pp).run is pp  # tp x pp and dp x tp x pp (presets/3d.toml): the stages joined
-    assert Shares(None, pp=pp, ep=ep).run is pp
+def test_the_run_has_one_share_the_first_of_composition_composing_the_others(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """For every layout (tp, pp, ep each 1 or 2), ``build_shares(...).run`` is the share present first in
+    :data:`COMPOSITION` (each name that of its module: ``tensor`` -> torch_handle/train/tensor_parallel.py), and that
+    share, where it is COMPOSITION's first (the pipeline's), holds the other present ones in COMPOSITION's order."""
+    built: list[Any] = []
+
+    def stub(kind: str) -> type:
+        def init(self: Any, *args: Any) -> None:
+            self.kind, self.args = kind, args
+            built.append(self)
+        return type(f"Stub{kind.title()}", (), {"__init__": init})
+
+    for kind in COMPOSITION:  # built as compose builds them: imported from their modules when needed
+        monkeypatch.setattr(importlib.import_module(f"torch_handle.train.{kind}_parallel"), f"{kind.title()}Parallel",
+                            stub(kind))
+    monkeypatch.setattr(compose, "attach_layout", lambda ctx, parallel: ctx)  # no mesh: a collective
+    monkeypatch.setattr(compose, "pipeline_microbatches", lambda preset: 2)
+    ctx = DistContext(rank=0, local_rank=0, world_size=8, device=torch.device("cpu"), backend="gloo")
+    seen: set[str] = set()
+    for tp, pp, ep in itertools.product((1, 2), repeat=3):
+        built.clear()
+        preset = SimpleNamespace(parallel=SimpleNamespace(tp=tp, pp=pp, ep=ep, ep_impl="native"),
+                                 training=SimpleNamespace(label_smoothing=0.0))
+        run = compose.build_shares(preset, ctx).run
+        present = [share.kind for share in built]
+        seen.update(present)
+        first = next((kind for kind in COMPOSITION if kind in present), None)
+        assert (run and run.kind) == first, (tp, pp, ep)
+        if first == COMPOSITION[0]:
+            held = [arg.kind for arg in run.args if any(arg is share for share in built)]
+            assert held == [kind for kind in COMPOSITION[1:] if kind in present], (tp, pp, ep)
+    assert seen == set(COMPOSITION)  # every name of COMPOSITION is a share some layout builds
 
 
 def test_an_expert_parallel_run_imports_no_tensor_parallelism() -> None:
     """What an EP-only run's trainer imports (the shares' modules only when their degree is above 1) leaves the
     tensor-parallel share out; the check sees it once the trainer does import it."""
+    probe = "print('torch_handle.train.tensor_parallel' in sys.modules)"
     code = ("import sys; import torch_handle.train.trainer, torch_handle.train.compose, torch_handle.parallel.mesh, "
-            "torch_handle.train.expert_parallel, torch_handle.train.pipeline_parallel; "
-            "print('torch_handle.train.tensor_parallel' in sys.modules)")
+            f"torch_handle.train.expert_parallel, torch_handle.train.pipeline_parallel; {probe}; "
+            f"import torch_handle.train.tensor_parallel; {probe}")  # one interpreter: a fresh torch import is seconds
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "False"
-    seen = code.replace("torch_handle.parallel.mesh,", "torch_handle.parallel.mesh, torch_handle.train.tensor_parallel,")
-    assert subprocess.run([sys.executable, "-c", seen], capture_output=True, text=True).stdout.strip() == "True"
+    assert out.split() == ["False", "True"]
