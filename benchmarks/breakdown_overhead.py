@@ -49,6 +49,7 @@ def main() -> None:
     from torch_handle.rundir import create_run_dir
     from torch_handle.train.strategy import DistContext
     from torch_handle.train.trainer import Trainer
+    from torch_handle.launch.run import prepare_data
 
     torch.set_num_threads(args.threads)
     tmp = Path(tempfile.mkdtemp(prefix="breakdown-"))
@@ -58,6 +59,7 @@ def main() -> None:
     dist.init_process_group("gloo", init_method=f"file://{tmp / 'store'}", rank=0, world_size=1)
     ctx = DistContext(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), backend="gloo")
     run_dir = create_run_dir(tmp / "runs", "bench", dump_preset(preset), {"status": "starting"})
+    prepare_data(preset)  # what the launcher does before the workers start
     trainer = Trainer(preset, run_dir, ctx, get_registry())
     trainer._peak = lambda: None  # mfu is not compared here: skip measuring the device peak
     trainer.build()

@@ -4,8 +4,10 @@ imported when a command runs."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
+from typing import Any, Callable, Iterator
 
 import click
 
@@ -86,17 +88,7 @@ def prepare(sources: tuple[str, ...], out: Path, tokenizer: str | None, vocab_si
     if as_json:
         click.echo(json.dumps(run_prepare(list(sources), out, **kwargs)))
         return
-    from rich.progress import (BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn,
-                               TimeRemainingColumn)
-
-    with Progress(TextColumn("preparing"), BarColumn(), TaskProgressColumn(), TextColumn("{task.fields[what]}"),
-                  TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), transient=True) as bar:
-        task = bar.add_task("prepare", total=None, what="reading")
-
-        def show(p) -> None:
-            bar.update(task, total=p.total_bytes, completed=p.bytes,
-                       what=f"{p.documents:,} docs, {p.tokens:,} tokens, {p.mb_per_s:.1f} MB/s")
-
+    with progress_bar() as show:
         result = run_prepare(list(sources), out, progress=show, **kwargs)
     s = result["splits"]
     click.echo(f"prepared {result['directory']}: train {s['train']['tokens']:,} tokens in "
@@ -104,6 +96,31 @@ def prepare(sources: tuple[str, ...], out: Path, tokenizer: str | None, vocab_si
                f"{s['valid']['documents']:,} ({result['valid_method']}); {result['dtype']}, vocabulary "
                f"{result['vocab_size']:,}; {result['bytes'] / 1e6:.1f} MB in {result['seconds']:.1f} s "
                f"({result['mb_per_s']:.2f} MB/s, {result['workers']} workers)")
+
+
+@contextlib.contextmanager
+def progress_bar(label: str = "preparing") -> Iterator[Callable[[Any], None]]:
+    """A transient rich progress bar, shown from the first call of the callback it yields: the ``progress`` of
+    :func:`torch_handle.data.prepare.prepare` (``handle data prepare``, and ``handle run`` preparing its data)."""
+    from rich.progress import (BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn,
+                               TimeRemainingColumn)
+
+    shown: list[Any] = []
+
+    def show(p: Any) -> None:
+        if not shown:
+            bar = Progress(TextColumn(label), BarColumn(), TaskProgressColumn(), TextColumn("{task.fields[what]}"),
+                           TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), transient=True)
+            bar.start()
+            shown.extend([bar, bar.add_task("prepare", total=None, what="reading")])
+        shown[0].update(shown[1], total=p.total_bytes, completed=p.bytes,
+                        what=f"{p.documents:,} docs, {p.tokens:,} tokens, {p.mb_per_s:.1f} MB/s")
+
+    try:
+        yield show
+    finally:
+        if shown:
+            shown[0].stop()
 
 
 @data.command()

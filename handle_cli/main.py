@@ -162,8 +162,11 @@ def run(preset: str | None, overrides: tuple[str, ...], run_dir: Path | None, re
         if isinstance(nnodes, int) and nnodes > 1:  # the detached launcher reads the run's preset (node 0's)
             fail(f"--tui runs one node; with launch.nnodes = {nnodes} start each node's handle run without "
                  f"--tui and watch with: handle tui RUN_DIR")
-    loaded, directory = prepare_run(preset, overrides, run_dir, resume_dir,
-                                    note=lambda line: click.echo(f"note: {line}"))
+    from handle_cli.data_cmd import progress_bar
+
+    with progress_bar("preparing data") as show:  # text and pydoc: prepared here, before any worker starts
+        loaded, directory = prepare_run(preset, overrides, run_dir, resume_dir,
+                                        note=lambda line: click.echo(f"note: {line}"), progress=show)
     if tui:
         from handle_cli.runner import spawn_detached
 

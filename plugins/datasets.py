@@ -7,8 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
-from torch_handle.api import (DataError, InvalidValue, hookimpl, param, pydoc_corpus, read_parallel,
-                              split_documents, text_files)
+from torch_handle.api import DataError, InvalidValue, hookimpl, param, pydoc_corpus, read_parallel
 
 
 @dataclass
@@ -79,10 +78,12 @@ class ParallelConfig:
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Pre-flight checks: run by `handle run` before anything starts (no torch import). They find missing paths,
-# misaligned files and bytes that are not UTF-8 in what they read, with the same one-line messages as the
-# loaders (torch_handle.data.datasets). Files are read in full up to PREFLIGHT_BYTES in all; beyond that only the first
-# bytes of each file are checked and the loaders report what is left when the run starts.
+# Pre-flight checks: run by `handle run` and `handle validate` before anything starts (no torch import). They read
+# the files a run reads, selected by the same function (torch_handle.data.sources.resolve_sources: directories
+# recursively) and split as a prepare splits them (torch_handle.data.prepare.holdout_of), and find missing paths,
+# misaligned files and bytes that are not UTF-8, with the same one-line messages as the readers. Files are read in
+# full up to PREFLIGHT_BYTES in all; beyond that only the first bytes of each file are checked, and the prepare
+# that `handle run` does next (still before any worker starts) reports what is left.
 # --------------------------------------------------------------------------------------------------------------
 
 PREFLIGHT_BYTES = 64 << 20
@@ -114,33 +115,38 @@ def _preflight_read(path: Path, budget: _Budget) -> str | None:
     return text if whole else None
 
 
+def text_sources(options: TextConfig) -> tuple[list, list]:
+    """``(train, valid)`` sources of ``text``: the files ``path`` (and ``valid_path``) select, read as plain text.
+
+    Raises:
+        DataError: nothing matches, an empty file, a JSON Lines or Parquet file (``handle data prepare`` reads it).
+    """
+    from torch_handle.api import resolve_sources
+
+    return (resolve_sources([options.path], fmt="text"),
+            resolve_sources([options.valid_path], fmt="text") if options.valid_path else [])
+
+
 def preflight_text(options: TextConfig) -> None:
-    """``text``: every file that path (and valid_path) selects exists, is UTF-8, and the corpus is not empty."""
-    from torch_handle.api import not_text_problem, tokenizer_path
+    """``text``: every file that path (and valid_path) selects exists, is UTF-8, and each split can fill a sample."""
+    from torch_handle.api import tokenizer_path
+    from torch_handle.data.prepare import holdout_of, split_bytes
 
     if options.tokenizer:
         try:
             tokenizer_path(options.tokenizer)
         except DataError as e:
             raise DataError(f"data.tokenizer: {e}") from None
-    files = text_files(options.path) + (text_files(options.valid_path) if options.valid_path else [])
-    if problem := next(filter(None, map(not_text_problem, files)), None):
-        raise DataError(problem)
+    train, valid = text_sources(options)
     budget = _Budget()
-    texts = [_preflight_read(f, budget) for f in text_files(options.path)]
-    if all(t is not None for t in texts) and not "".join(texts).strip():
+    texts = [_preflight_read(s.path, budget) for s in [*train, *valid]]
+    if all(t is not None for t in texts[:len(train)]) and not "".join(texts[:len(train)]).strip():
         raise DataError(f"{options.path}: empty corpus")
-    valid = [_preflight_read(f, budget) for f in text_files(options.valid_path)] if options.valid_path else None
-    if any(t is None for t in [*texts, *(valid or [])]):
-        return  # too large to read here in full: the loaders check the rest
-    if valid is None:
-        texts, valid = split_documents(texts, options.valid_fraction)
     # Byte-level BPE gives at most one token per byte, so fewer bytes than seq_len + 1 can never fill a sample.
-    for split, parts in (("train", texts), ("validation", valid)):
-        n_bytes = sum(len(t.encode("utf-8")) for t in parts)
+    for split, n_bytes in split_bytes(holdout_of(train, valid, options.valid_fraction)).items():
         if n_bytes < options.seq_len + 1:
-            raise DataError(f"{options.path} ({split} split): {n_bytes} bytes is too small for one sample of "
-                            f"seq_len={options.seq_len} (lower seq_len or add text)")
+            raise DataError(f"{options.path} ({'validation' if split == 'valid' else split} split): {n_bytes} bytes "
+                            f"is too small for one sample of seq_len={options.seq_len} (lower seq_len or add text)")
 
 
 def preflight_parallel(options: ParallelConfig) -> None:
@@ -165,81 +171,59 @@ def preflight_parallel(options: ParallelConfig) -> None:
             raise DataError(f"{src_path}: empty corpus")
 
 
-_LARGE = 16 << 20
-"""Corpora from this many bytes are encoded by a pool of processes (below, in the rank that prepares)."""
+# --------------------------------------------------------------------------------------------------------------
+# text and pydoc: prepared by the launcher (torch_handle.data.cache), opened by the ranks
+# --------------------------------------------------------------------------------------------------------------
 
 
-def _cache_key(sources, valid, options) -> str:
-    """What the prepared shards depend on: each source's content hash, the tokenizer (a given file's hash, or
-    the vocabulary to train) and the validation share."""
-    import hashlib
+def _corpus(options: PydocConfig):
+    """What a ``text`` or ``pydoc`` run reads (torch_handle.data.cache.Corpus)."""
+    from torch_handle.api import Corpus, memory_source, tokenizer_path
 
-    from torch_handle.api import tokenizer_path
-    from torch_handle.data.shards import VERSION, file_sha256
-
-    tok = getattr(options, "tokenizer", "")
-    parts = [f"v{VERSION}", *(s.sha256() for s in sources), "valid", *(s.sha256() for s in valid),
-             f"tokenizer={file_sha256(tokenizer_path(tok)) if tok else options.vocab_size}",
-             f"valid_fraction={options.valid_fraction if not valid else 0}"]
-    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+    if isinstance(options, TextConfig):
+        train, valid = text_sources(options)
+    else:
+        train, valid = [memory_source("pydoc_data.topics", pydoc_corpus())], []
+    return Corpus(train, valid, tokenizer_path(options.tokenizer) if options.tokenizer else None,
+                  options.vocab_size, options.valid_fraction)
 
 
-def _progress_logger(name: str):
-    import logging
-    import time
-
-    log, last = logging.getLogger("torch_handle"), [0.0]
-
-    def show(p) -> None:
-        if time.monotonic() - last[0] >= 2.0 or p.bytes >= p.total_bytes:
-            last[0] = time.monotonic()
-            log.info("data %s: preparing, %.1f of %.1f MB read, %s tokens, %.2f MB/s", name, p.bytes / 1e6,
-                     p.total_bytes / 1e6, f"{p.tokens:,}", p.mb_per_s)
-
-    return show
+def _name(options: PydocConfig) -> str:
+    return options.path if isinstance(options, TextConfig) else "pydoc_data.topics"
 
 
-def _lm_bundle(sources, valid, options, ctx, name):
-    """Prepare ``sources`` once into ``ctx.cache_dir/tokens-KEY`` (one rank builds while the others wait at the
-    barrier) and read it by memory map: a later start of the same data encodes nothing."""
-    import logging
+def prepare_lm(options: PydocConfig, cache: Path, progress=None):
+    """In the launcher: the corpus prepared into the cache unless it is there, each split checked to fill one
+    sample, the vocabulary to fit ``vocab_size``. Returns the data's identity.
 
-    from torch_handle.api import DataBundle, TokenWindows, open_prepared, prepare
+    Raises:
+        DataError: bad input found while preparing, a split too short, a given tokenizer too big."""
+    from torch_handle.api import ensure_prepared, open_prepared
 
-    out = Path(ctx.cache_dir) / f"tokens-{_cache_key(sources, valid, options)}"
-    if ctx.is_main and not (out / "meta.json").is_file():
-        logging.getLogger("torch_handle").info("data %s: preparing into %s", name, out)
-        size = sum(s.bytes for s in [*sources, *valid])
-        prepare(sources, out, valid=valid, tokenizer=getattr(options, "tokenizer", "") or None,
-                vocab_size=options.vocab_size, valid_fraction=options.valid_fraction, force=True,
-                workers=None if size >= _LARGE else 0, progress=_progress_logger(name))
-    ctx.barrier()
-    data = open_prepared(out)
-    if getattr(options, "tokenizer", "") and data.vocab_size > options.vocab_size:
+    data = open_prepared(ensure_prepared(_corpus(options), cache, progress))
+    for split in ("train", "valid"):
+        if getattr(data, split).n_tokens < options.seq_len + 1:
+            raise DataError(f"{_name(options)} ({'validation' if split == 'valid' else split} split): "
+                            f"{getattr(data, split).n_tokens} tokens is too small for one sample of "
+                            f"seq_len={options.seq_len} (lower seq_len or add text)")
+    if options.tokenizer and data.vocab_size > options.vocab_size:
         raise DataError(f"{options.tokenizer}: {data.vocab_size} tokens, more than data.vocab_size = "
                         f"{options.vocab_size}")
-    mask = options.document_mask
-    train = TokenWindows(data.train, options.seq_len, document_mask=mask, name=f"{name} (train split)")
-    valid_set = TokenWindows(data.valid, options.seq_len, document_mask=mask, name=f"{name} (validation split)")
-    return DataBundle(train=train, valid=valid_set, vocab_size=data.vocab_size, max_len=options.seq_len,
-                      tokenizer_path=data.tokenizer_path, description=name)
+    return data.identity()
 
 
-def build_pydoc(options: PydocConfig, ctx):
-    from torch_handle.api import memory_source
+def build_lm(options: PydocConfig, ctx):
+    """In each rank: the directory the launcher prepared, opened (nothing is prepared or hashed here)."""
+    from torch_handle.api import find_prepared, open_prepared, prepared_bundle
 
-    return _lm_bundle([memory_source("pydoc_data.topics", pydoc_corpus())], [], options, ctx, "pydoc_data.topics")
-
-
-def build_text(options: TextConfig, ctx):
-    from torch_handle.api import resolve_sources
-
-    valid = resolve_sources([options.valid_path], fmt="text") if options.valid_path else []
-    return _lm_bundle(resolve_sources([options.path], fmt="text"), valid, options, ctx, options.path)
+    name = _name(options)
+    data = open_prepared(find_prepared(_corpus(options), ctx.cache_dir, name))
+    return prepared_bundle([(name, data, 1.0)], options.seq_len, document_mask=options.document_mask,
+                           description=name)
 
 
 def build_parallel(options: ParallelConfig, ctx):
-    from torch_handle.api import DataBundle, TranslationDataset, load_or_train_tokenizer, pad_collate
+    from torch_handle.api import SPECIAL_TOKENS, DataBundle, TranslationDataset, load_or_train_tokenizer, pad_collate
 
     root = Path(options.path)
     if not root.is_dir():
@@ -257,13 +241,15 @@ def build_parallel(options: ParallelConfig, ctx):
     train = TranslationDataset(ids(src), ids(tgt), options.seq_len)
     valid = TranslationDataset(ids(vsrc), ids(vtgt), options.seq_len)
     return DataBundle(train=train, valid=valid, vocab_size=tok.get_vocab_size(), max_len=options.seq_len + 1,
-                      tokenizer_path=tok_path, collate_fn=pad_collate, description=str(root))
+                      tokenizer_path=tok_path, collate_fn=pad_collate,
+                      pad_id=SPECIAL_TOKENS.index("<pad>"), description=str(root))
 
 
 @hookimpl
 def handle_register_datasets(register):
-    register("pydoc", PydocConfig, build_pydoc, "CPython documentation topics (embedded; no download)")
-    register("text", TextConfig, build_text, "language modelling on local UTF-8 text files",
-             preflight=preflight_text)
+    register("pydoc", PydocConfig, build_lm, "CPython documentation topics (embedded; no download)",
+             prepare=prepare_lm)
+    register("text", TextConfig, build_lm, "language modelling on local UTF-8 text files",
+             preflight=preflight_text, prepare=prepare_lm)
     register("parallel", ParallelConfig, build_parallel, "translation on aligned <split>.<lang> files",
              preflight=preflight_parallel)

@@ -69,10 +69,6 @@ class TokensConfig:
         if dup:
             yield InvalidValue("sources", f"two sources are named {dup[0]!r}: give each a distinct name = \"...\"")
 
-    def identity(self) -> dict[str, str] | None:
-        """What a resume compares with the checkpoint's record (:mod:`torch_handle.launch.data_identity`)."""
-        return identity(self)
-
     def source_list(self) -> list[tuple[str, str, float]]:
         """``(name, path, weight)`` of each source (``path`` alone: one source of weight 1)."""
         if self.path:
@@ -88,7 +84,7 @@ class TokensConfig:
 
 def _open(path: str) -> Any:
     """The prepared directory ``path`` opened (meta.json, shard sizes and document offsets checked)."""
-    from torch_handle.data.shards import open_prepared
+    from torch_handle.api import open_prepared
 
     return open_prepared(Path(path).expanduser())
 
@@ -96,6 +92,8 @@ def _open(path: str) -> Any:
 def source_problems(options: TokensConfig) -> tuple[list[str], list[Any]]:
     """``(problems, prepared)``: one line per problem of the sources, and each source's opened directory (None
     where it has a problem)."""
+    from torch_handle.api import mixture_problems
+
     problems: list[str] = []
     prepared: list[Any] = []
     for name, path, _ in options.source_list():
@@ -104,15 +102,9 @@ def source_problems(options: TokensConfig) -> tuple[list[str], list[Any]]:
         except DataError as e:
             problems.append(f"data.{'path' if options.path else 'sources'}: {e}")
             prepared.append(None)
-    opened = [(name, p) for (name, _, _), p in zip(options.source_list(), prepared) if p is not None]
+    opened = [p for p in prepared if p is not None]
     if opened:
-        first_name, first = opened[0]
-        sha = first.meta["tokenizer"].get("sha256")
-        for name, p in opened[1:]:
-            if p.meta["tokenizer"].get("sha256") != sha:
-                problems.append(f"data.sources: {p.directory} was prepared with another tokenizer than "
-                                f"{first.directory} (every source of a mixture needs the same one: prepare it "
-                                f"again with --tokenizer {first.tokenizer_path})")
+        problems += mixture_problems(opened)
     for (name, path, _), p in zip(options.source_list(), prepared):
         for split, tokens in ((s, getattr(p, s).n_tokens) for s in ("train", "valid")) if p is not None else ():
             if tokens < options.seq_len + 1:
@@ -159,62 +151,34 @@ def check_vocabulary(options: TokensConfig, preset: Any) -> Iterator[InvalidValu
 
 
 def build(options: TokensConfig, ctx: Any):
-    import logging
-
-    from tokenizers import Tokenizer
-
-    from torch_handle.api import DataBundle
-    from torch_handle.data.datasets import TokenWindows
-    from torch_handle.data.mixture import MixedWindows
+    from torch_handle.api import prepared_bundle
 
     problems, prepared = source_problems(options)
     if problems:
         raise DataError("\n".join(problems))
     sources = options.source_list()
-    first = prepared[0]
-    splits = {}
-    for split in ("train", "valid"):
-        windows = [TokenWindows(getattr(p, split), options.seq_len, document_mask=options.document_mask,
-                                name=f"{path} ({split} split)") for (_, path, _), p in zip(sources, prepared)]
-        splits[split] = windows[0] if not options.sources else \
-            MixedWindows(windows, [w for _, _, w in sources], [n for n, _, _ in sources])
-    if options.sources:
-        mix = splits["train"]
-        for j in mix.blend.upsampled():
-            draws, length = int(mix.blend.draws()[j]), mix.blend.lengths[j]
-            logging.getLogger("torch_handle").warning(
-                "data source %s: its share of the mixture (%d samples an epoch) is more than its %d samples: it "
-                "is upsampled (repeats %.2f times an epoch)", mix.names[j], draws, length, draws / length)
-    tok = Tokenizer.from_file(str(first.tokenizer_path))
     shares = ", ".join(f"{n} {w / sum(w for *_, w in sources):.0%}" for n, _, w in sources)
     description = str(options.path) if options.path else f"mixture of {len(sources)} ({shares})"
-    return DataBundle(train=splits["train"], valid=splits["valid"], vocab_size=first.vocab_size,
-                      max_len=options.seq_len, tokenizer_path=first.tokenizer_path, pad_id=tok.token_to_id("<pad>"),
-                      description=description, fingerprint=data_fingerprint(prepared))
+    return prepared_bundle([(name, p, weight) for (name, _, weight), p in zip(sources, prepared)], options.seq_len,
+                           document_mask=options.document_mask, description=description,
+                           mixture=bool(options.sources))
 
 
-def data_fingerprint(prepared: list[Any]) -> str:
-    """One hash of every source's :attr:`~torch_handle.data.shards.Prepared.fingerprint` (a single source: its
-    own)."""
-    if len(prepared) == 1:
-        return prepared[0].fingerprint
-    import hashlib
+def identity(options: TokensConfig, cache: Any = None, progress: Any = None):
+    """The launcher's ``prepare`` (nothing to prepare: ``handle data prepare`` did): the sources' identity, which a
+    resume compares with its checkpoint's (:mod:`torch_handle.launch.data_identity`).
 
-    return hashlib.sha256(",".join(p.fingerprint for p in prepared).encode()).hexdigest()[:16]
+    Raises:
+        DataError: every problem of :func:`source_problems`, one line each."""
+    from torch_handle.api import mixture_identity
 
-
-def identity(options: TokensConfig) -> dict[str, str] | None:
-    """What a resume compares with the checkpoint's record (no torch): ``{"data_fingerprint",
-    "tokenizer_sha256"}``, or None when a source cannot be opened (the pre-flight says why)."""
     problems, prepared = source_problems(options)
     if problems:
-        return None
-    from torch_handle.data.shards import file_sha256
-
-    return {"data_fingerprint": data_fingerprint(prepared), "tokenizer_sha256": file_sha256(prepared[0].tokenizer_path)}
+        raise DataError("\n".join(problems))
+    return mixture_identity(prepared)
 
 
 @hookimpl
 def handle_register_datasets(register):
     register("tokens", TokensConfig, build, "prepared token shards (handle data prepare), memory-mapped; mixtures",
-             check_vocabulary, preflight=preflight)
+             check_vocabulary, preflight=preflight, prepare=identity)

@@ -1,15 +1,14 @@
-"""Prepared token directories for the tests of the ``tokens`` dataset, written with the format's own writer
-(:class:`torch_handle.data.shards.ShardWriter`, :func:`~torch_handle.data.shards.write_meta`) from real text
-(../shared/data) and a real byte-level BPE trained on it (``train_tokenizer``)."""
+"""Prepared token directories for the tests of the ``tokens`` dataset, written by ``handle data prepare``'s own
+function (:func:`torch_handle.data.prepare.prepare`: the meta.json the tests read is the one a user gets) from real
+text (../shared/data) and a real byte-level BPE trained on it (``train_tokenizer``)."""
 
 from __future__ import annotations
 
 import re
-import shutil
 from pathlib import Path
 
-from torch_handle.data.datasets import EOS_ID, train_tokenizer
-from torch_handle.data.shards import TOKENIZER_FILE, ShardWriter, file_sha256, token_dtype, write_meta
+from torch_handle.common.names import TOKENIZER_FILE
+from torch_handle.data.datasets import train_tokenizer
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
@@ -39,25 +38,16 @@ def tokenizer_file(path: Path, texts: list[str], vocab_size: int = 512) -> Path:
     return path
 
 
-def prepare(out: Path, docs: list[str], tokenizer: Path, *, valid_every: int = 20,
-            shard_tokens: int = 1 << 28) -> Path:
-    """Write ``docs`` as a prepared directory at ``out``: every ``valid_every``-th document to the validation
-    split, the rest to train; ``tokenizer`` copied in. Returns ``out``."""
-    from tokenizers import Tokenizer
+def prepare(out: Path, docs: list[str], tokenizer: Path, *, valid_every: int = 20) -> Path:
+    """``docs`` prepared at ``out`` with ``tokenizer``: every ``valid_every``-th document is a validation source of
+    its own (meta.json's valid method ``source``), the rest the training source. Returns ``out``."""
+    from torch_handle.data.prepare import prepare as run_prepare
+    from torch_handle.data.sources import memory_source
 
-    out.mkdir(parents=True)
-    shutil.copyfile(tokenizer, out / TOKENIZER_FILE)
-    tok = Tokenizer.from_file(str(tokenizer))
-    dtype = token_dtype(tok.get_vocab_size())
-    writers = {s: ShardWriter(out, s, dtype, EOS_ID, shard_tokens=shard_tokens) for s in ("train", "valid")}
-    for i, enc in enumerate(tok.encode_batch(docs)):
-        writers["valid" if i % valid_every == valid_every - 1 else "train"].add(enc.ids)
-    splits = {s: w.close() for s, w in writers.items()}
-    write_meta(out, {"dtype": dtype.name, "splits": splits,
-                     "tokenizer": {"file": TOKENIZER_FILE, "sha256": file_sha256(out / TOKENIZER_FILE),
-                                   "vocab_size": tok.get_vocab_size(), "eos_id": EOS_ID},
-                     "sources": [{"path": str(out), "format": "text", "documents": len(docs), "split": "both"}],
-                     "valid": {"method": "documents", "fraction": 1 / valid_every}, "part": None})
+    valid = [d for i, d in enumerate(docs) if i % valid_every == valid_every - 1]
+    train = [d for i, d in enumerate(docs) if i % valid_every != valid_every - 1]
+    run_prepare([memory_source(f"{out.name}-train", train)], out, valid=[memory_source(f"{out.name}-valid", valid)],
+                tokenizer=tokenizer, workers=0)
     return out
 
 

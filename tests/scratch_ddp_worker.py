@@ -249,6 +249,7 @@ def check_resume(rank: int, root: Path) -> dict[str, Any]:
     from torch_handle.registry import get_registry
     from torch_handle.rundir import STOP_FILE, create_run_dir
     from torch_handle.train.trainer import Trainer
+    from torch_handle.launch.run import prepare_data
 
     if rank == 0:
         (root / "corpus.txt").write_text("\n\n".join(pydoc_corpus())[:60_000], encoding="utf-8")
@@ -266,6 +267,7 @@ def check_resume(rank: int, root: Path) -> dict[str, Any]:
     hooks_after_close = []
 
     def train(run_dir: Path) -> str:
+        prepare_data(preset)  # what the launcher does before the workers start
         trainer = Trainer(preset, run_dir, ctx, get_registry())
         trainer.build()
         trainer.maybe_resume()

@@ -22,6 +22,7 @@ from torch_handle.registry import get_registry
 from torch_handle.rundir import create_run_dir
 from torch_handle.train.strategy import DistContext
 from torch_handle.train.trainer import Trainer
+from torch_handle.launch.run import prepare_data
 
 from tests.helpers import parallel_corpus
 
@@ -81,6 +82,7 @@ def runs(tmp_path_factory) -> dict[str, Path]:
             path.write_text(_preset_text(tmp, kind), encoding="utf-8")
             preset = load_preset(path)
             run_dir = create_run_dir(tmp / "runs", kind, dump_preset(preset), {"status": "starting"})
+            prepare_data(preset)  # what the launcher does before the workers start
             trainer = Trainer(preset, run_dir, ctx, get_registry())
             trainer.build()
             status = trainer.train()

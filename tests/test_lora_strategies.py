@@ -90,12 +90,14 @@ def _single(path: Path, root: Path) -> Path:
     from torch_handle.rundir import create_run_dir
     from torch_handle.train.strategy import DistContext
     from torch_handle.train.trainer import Trainer
+    from torch_handle.launch.run import prepare_data
 
     preset = load_preset(path, overrides=["strategy.name=single", "launch.nproc_per_node=1",
                                           "training.grad_accum=2", "run.name=single"])
     run_dir = create_run_dir(root / "runs", "single", dump_preset(preset), {"status": "starting"})
     dist.init_process_group("gloo", init_method=f"file://{root / 'store'}", rank=0, world_size=1)
     try:
+        prepare_data(preset)  # what the launcher does before the workers start
         trainer = Trainer(preset, run_dir, DistContext(0, 0, 1, torch.device("cpu"), "gloo"), get_registry())
         trainer.build()
         status = trainer.train()

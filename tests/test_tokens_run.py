@@ -110,7 +110,7 @@ def test_eval_on_another_tokenizer_or_no_directory_is_refused_in_one_line(mix_ru
     docs = shakespeare_docs()[:300]
     other = prepare(tmp_path / "other", docs, tokenizer_file(tmp_path / "tok.json", docs, 300))
     (line,) = _refused("eval", str(full), "--data", str(other))
-    assert f"{other}: prepared with another tokenizer than the run's" in line
+    assert f"{other} was prepared with another tokenizer than the run's" in line
     (line,) = _refused("eval", str(full), "--data", str(tmp_path / "nope"))
     assert f"{tmp_path / 'nope'}: no such directory" in line
 

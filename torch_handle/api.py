@@ -28,8 +28,11 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and editors only (name
     from torch_handle.data.corpus import pydoc_corpus, read_parallel, read_text, split_documents, text_files
     from torch_handle.data.datasets import (IGNORE_INDEX, SPECIAL_TOKENS, DataBundle, DataContext, LMDataset, TranslationDataset,
                                    TokenWindows, encode_stream, load_or_train_tokenizer, pad_collate)
-    from torch_handle.data.prepare import prepare, tokenizer_path
-    from torch_handle.data.shards import open_prepared
+    from torch_handle.data.bundle import prepared_bundle
+    from torch_handle.data.cache import Corpus, cache_root, ensure_prepared, find_prepared
+    from torch_handle.data.prepare import prepare
+    from torch_handle.data.shards import DataIdentity, mixture_identity, mixture_problems, open_prepared
+    from torch_handle.data.tokenizer_file import tokenizer_path
     from torch_handle.data.sources import memory_source, not_text_problem, resolve_sources
     from torch_handle.config.loader import deep_merge
     from torch_handle.observe.fields import Kind, Status
@@ -56,8 +59,16 @@ _LAZY: dict[str, str] = {
     "TokenWindows": "torch_handle.data.datasets",
     # prepared token shards (numpy, tokenizers; no torch)
     "prepare": "torch_handle.data.prepare",
-    "tokenizer_path": "torch_handle.data.prepare",
+    "tokenizer_path": "torch_handle.data.tokenizer_file",
     "open_prepared": "torch_handle.data.shards",
+    "DataIdentity": "torch_handle.data.shards",
+    "mixture_identity": "torch_handle.data.shards",
+    "mixture_problems": "torch_handle.data.shards",
+    "Corpus": "torch_handle.data.cache",
+    "ensure_prepared": "torch_handle.data.cache",
+    "find_prepared": "torch_handle.data.cache",
+    "cache_root": "torch_handle.data.cache",
+    "prepared_bundle": "torch_handle.data.bundle",
     "memory_source": "torch_handle.data.sources",
     "resolve_sources": "torch_handle.data.sources",
     "not_text_problem": "torch_handle.data.sources",

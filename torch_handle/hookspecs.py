@@ -41,6 +41,10 @@ def handle_register_datasets(register):
 
     ``register(..., preflight=fn)`` (datasets only): ``fn(options)`` checks the input cheaply in the ``handle``
     process before ``handle run`` / ``handle validate`` go further, raising ``DataError``.
+
+    ``register(..., prepare=fn)`` (datasets only): ``fn(options, cache, progress) -> DataIdentity | None`` readies
+    the data in the launcher, before any worker starts (no torch; ``DataError`` for bad input), so that the
+    factory only opens it: no rank waits at a collective while another prepares.
     """
 
 

@@ -62,6 +62,11 @@ class Registration:
     """Optional pre-flight check run by ``handle run`` / ``handle validate`` in the ``handle`` process before
     anything starts: a dataset's ``preflight(options)`` (paths exist, text decodes: ``DataError``), a model's
     ``preflight(options, preset)`` (files it initialises from: ``CheckpointError``; not on a resume)."""
+    prepare: Callable[..., Any] | None = None
+    """Optional, datasets only: ``prepare(options, cache: Path, progress) -> DataIdentity | None``, run by the
+    launcher (no torch) after the pre-flight and before any worker starts: it readies what the workers will only
+    open (``text``, ``pydoc``: the prepared token shards) and returns the data's identity, which a resume compares
+    with its checkpoint's (``progress``: called with :class:`torch_handle.data.prepare.Progress` while preparing)."""
 
 
 @dataclass
@@ -150,7 +155,8 @@ class PluginRegistry:
     def _register_fn(self, kind: str, info: PluginInfo) -> Callable[..., None]:
         def register(name: str, config_cls: type, factory: Callable[..., Any], description: str = "",
                      check_preset: Any = None,
-                     preflight: Callable[..., None] | None = None) -> None:
+                     preflight: Callable[..., None] | None = None,
+                     prepare: Callable[..., Any] | None = None) -> None:
             if not isinstance(name, str) or not name:
                 raise TypeError(f"{kind} name must be a non-empty string, got {name!r}")
             self.lost[(kind, name)] = info.name  # until the plugin is done: if it fails, the name points at it
@@ -165,13 +171,16 @@ class PluginRegistry:
             if isinstance(check_preset, list):
                 check_preset = tuple(check_preset)
             checks = check_preset if isinstance(check_preset, tuple) else (check_preset,)
-            for hook_name, hook in (*(("check_preset", c) for c in checks), ("preflight", preflight)):
+            for hook_name, hook in (*(("check_preset", c) for c in checks), ("preflight", preflight),
+                                    ("prepare", prepare)):
                 if hook is not None and not callable(hook):
                     raise TypeError(f"{kind} {name!r}: {hook_name} must be callable, got {hook!r}")
             if preflight is not None and kind not in ("dataset", "model"):
                 raise TypeError(f"{kind} {name!r}: preflight is only run for datasets and models")
+            if prepare is not None and kind != "dataset":
+                raise TypeError(f"{kind} {name!r}: prepare is only run for datasets")
             self.registrations[kind][name] = Registration(kind, name, config_cls, factory, description,
-                                                          check_preset, info.name, preflight)
+                                                          check_preset, info.name, preflight, prepare)
             info.registered.setdefault(kind, []).append(name)
 
         return register

@@ -16,7 +16,7 @@ from torch_handle.registry import PluginInfo, PluginRegistry
 from tests.doc_pages import DOCS
 
 PAGE = DOCS / "plugins.md"
-ONLY_FOR = {"preflight": {"handle_register_datasets", "handle_register_models"}}
+ONLY_FOR = {"preflight": {"handle_register_datasets", "handle_register_models"}, "prepare": {"handle_register_datasets"}}
 """Parameters the registry's callback accepts for every kind but honours for some hooks only."""
 
 

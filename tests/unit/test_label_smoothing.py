@@ -23,6 +23,7 @@ from torch_handle.train.strategy import DistContext
 from torch_handle.model.kernels import CE_CHUNK_ELEMENTS
 from torch_handle.train.loss import loss_fn
 from torch_handle.train.trainer import Trainer
+from torch_handle.launch.run import prepare_data
 
 
 def _logits_labels(seed: int = 0, vocab: int = 300):
@@ -122,6 +123,7 @@ def test_training_loss_is_smoothed_and_validation_loss_is_not(tmp_path, process_
     preset = _preset(tmp_path)
     assert preset.training.label_smoothing == 0.1
     run_dir = create_run_dir(tmp_path / "runs", "ls", dump_preset(preset), {"status": "starting"})
+    prepare_data(preset)  # what the launcher does before the workers start
     trainer = Trainer(preset, run_dir, process_group, get_registry())
     trainer.build()
     try:

@@ -17,6 +17,7 @@ from torch_handle.registry import get_registry
 from torch_handle.rundir import create_run_dir
 from torch_handle.train.routing import routing_stats
 from torch_handle.train.trainer import Trainer
+from torch_handle.launch.run import prepare_data
 
 STEPS, ACCUM, BATCH, SEQ = 3, 2, 4, 16  # as _preset writes them
 MOE = {"n_layers": 2, "norm_first": "true", "mlp": '"swiglu"', "n_experts": 4, "top_k": 2, "moe_every": 2,
@@ -27,6 +28,7 @@ def _train(tmp_path, process_group, **options):
     _preset(tmp_path, steps=STEPS)  # test_trainer_step's tiny decoder, 2 micro-batches of 4 x 16 tokens a step
     preset = load_preset(tmp_path / "p.toml", [f"model.{k}={v}" for k, v in {**MOE, **options}.items()])
     run_dir = create_run_dir(tmp_path / "runs", "moe", dump_preset(preset), {"status": "starting"})
+    prepare_data(preset)  # what the launcher does before the workers start
     trainer = Trainer(preset, run_dir, process_group, get_registry())
     trainer.build()
     status = trainer.train()

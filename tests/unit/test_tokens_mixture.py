@@ -73,41 +73,46 @@ def test_a_short_source_wraps_around_and_a_long_one_is_strided_over_its_whole_le
 
 
 def test_each_step_has_the_same_samples_on_1_2_and_4_ranks(dirs, tmp_path) -> None:
-    """The global batch of every step, gathered from every rank's micro-batches, is the same tokens whatever the
-    world size (micro_batch_size x grad_accum x world size = 8), and the telemetry's counts are its sources'."""
+    """The global batch of every step, gathered from every rank's micro-batches as the trainer consumes them
+    (iterate, then ``advance`` once a step), is the same tokens whatever the world size (micro_batch_size x
+    grad_accum x world size = 8); and the telemetry's per-source counts equal those of the samples the ranks
+    consumed, each sample's source found by its tokens among every source's own windows."""
     train = _bundle(dirs, tmp_path).train
+    owner = {}  # every window's input_ids of every source -> the source
+    for j, w in enumerate(train.sources):
+        stream = w.split.window(0, len(w) * 32)
+        owner.update({row.tobytes(): j for row in stream.reshape(-1, 32)})
 
-    def steps(world_size: int, grad_accum: int, n_steps: int = 4) -> list[torch.Tensor]:
-        per_rank = []
-        for rank in range(world_size):
-            sampler = GlobalBatchSampler(len(train), micro_batch_size=2, grad_accum=grad_accum,
-                                         world_size=world_size, rank=rank, seed=3)
-            sampler.set_epoch(1)
-            batches = iter(sampler)
-            per_rank.append([[next(batches) for _ in range(grad_accum)] for _ in range(n_steps)])
-        out = []
-        for k in range(n_steps):
-            ids = [i for rank in range(world_size) for micro in per_rank[rank][k] for i in micro]
+    def steps(world_size: int, grad_accum: int, n_steps: int = 4) -> tuple[list[torch.Tensor], list[dict]]:
+        samplers = [GlobalBatchSampler(len(train), micro_batch_size=2, grad_accum=grad_accum,
+                                       world_size=world_size, rank=rank, seed=3) for rank in range(world_size)]
+        for sampler in samplers:
+            sampler.load_state_dict({"epoch": 1, "samples_in_epoch": 0})
+        draws = [iter(sampler) for sampler in samplers]
+        out, telemetry = [], []
+        for _ in range(n_steps):
+            ids = [i for draw in draws for _ in range(grad_accum) for i in next(draw)]
             out.append(torch.stack([train[i]["input_ids"] for i in ids]))
-        return out
+            telemetry.append(step_source_tokens(train, samplers[0].advance())["source_tokens"])
+            for sampler in samplers[1:]:
+                sampler.advance()
+        return out, telemetry
 
-    one, two, four = steps(1, 4), steps(2, 2), steps(4, 1)
+    (one, counts), (two, _), (four, _) = steps(1, 4), steps(2, 2), steps(4, 1)
     for a, b, c in zip(one, two, four):
         assert torch.equal(a, b) and torch.equal(a, c)
-    sampler = GlobalBatchSampler(len(train), micro_batch_size=2, grad_accum=4, seed=3)
-    order = sampler.order(1)
-    for k in range(4):
-        counts = step_source_tokens(train, sampler, 1, (k + 1) * 8)["source_tokens"]
-        want = np.bincount(train.source_of(order[k * 8:(k + 1) * 8]), minlength=3) * 32
-        assert list(counts.values()) == want.tolist() and sum(counts.values()) == 8 * 32
-        assert list(counts) == list(WEIGHTS)
+    for batch, reported in zip(one, counts):
+        consumed = np.bincount([owner[row.numpy().tobytes()] for row in batch], minlength=3) * 32  # label tokens
+        assert list(reported) == list(WEIGHTS) and list(reported.values()) == consumed.tolist()
+        assert sum(reported.values()) == 8 * 32
 
 
 def test_a_single_directory_has_no_mixture_telemetry_and_masks_documents(dirs, tmp_path) -> None:
     opts = TokensConfig(path=str(dirs["wiki"]), seq_len=32, document_mask=True)
     bundle = build(opts, DataContext(cache_dir=tmp_path, is_main=True, barrier=lambda: None))
     sampler = GlobalBatchSampler(len(bundle.train), micro_batch_size=4, seed=0)
-    assert step_source_tokens(bundle.train, sampler, 0, 4) == {}
-    assert bundle.vocab_size == 512 and bundle.tokenizer_path.parent == dirs["wiki"] and bundle.fingerprint
+    assert step_source_tokens(bundle.train, sampler.advance()) == {}
+    assert bundle.vocab_size == 512 and bundle.tokenizer_path.parent == dirs["wiki"]
+    assert bundle.identity.data_fingerprint and bundle.pad_id == 0  # the trained BPE's <pad>, from meta.json
     item = bundle.train[0]
     assert set(item) == {"input_ids", "labels", "position_ids"} and item["position_ids"][0] == 0

@@ -105,20 +105,19 @@ def test_a_resume_on_changed_data_or_tokenizer_is_refused_in_one_line(dirs, tmp_
     ckpt.mkdir(parents=True)
     (tmp_path / "p.toml").write_text(HEAD.format(out=tmp_path / "out") + f'path = "{data}"\n')
     options = load_preset(tmp_path / "p.toml").data.options
-    from handle_plugins.tokens import _open, data_fingerprint
+    from handle_plugins.tokens import identity  # the launcher's prepare hook of tokens
 
-    now = record(data / "tokenizer.json", data_fingerprint([_open(str(data))]))
-    (ckpt / "layout.json").write_text(json.dumps({"format": "torch", **now}))
-    check_resume(run, options)  # unchanged: accepted
+    (ckpt / "layout.json").write_text(json.dumps({"format": "torch", **record(identity(options))}))
+    check_resume(run, identity(options))  # unchanged: accepted
     shutil.rmtree(data)
     _copy(dirs["good2"], data)  # prepared again from other documents, same tokenizer
     with pytest.raises(CheckpointError) as e:
-        check_resume(run, options)
+        check_resume(run, identity(options))
     assert str(e.value).count("\n") == 0 and "the prepared data" in str(e.value) and str(ckpt) in str(e.value)
     shutil.rmtree(data)
     _copy(dirs["other"], data)  # same documents, another tokenizer: both differ
     with pytest.raises(CheckpointError) as e:
-        check_resume(run, options)
+        check_resume(run, identity(options))
     assert len(str(e.value).splitlines()) == 2 and "the tokenizer changed" in str(e.value)
 
 

@@ -19,6 +19,7 @@ from torch_handle.registry import get_registry
 from torch_handle.rundir import STOP_FILE, create_run_dir, read_run_info
 from torch_handle.train.strategy import DistContext
 from torch_handle.train.trainer import Trainer
+from torch_handle.launch.run import prepare_data
 
 VOCAB = 300
 
@@ -71,6 +72,7 @@ def _events(run_dir: Path) -> list[dict]:
 
 
 def _train(preset, run_dir: Path, ctx: DistContext) -> str:
+    prepare_data(preset)  # what the launcher does before the workers start
     trainer = Trainer(preset, run_dir, ctx, get_registry())
     trainer.build()
     trainer.maybe_resume()

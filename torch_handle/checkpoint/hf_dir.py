@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from torch_handle.common.names import TOKENIZER_FILE
 from torch_handle.checkpoint.resume import flat_keys
 from torch_handle.common.fsio import read_json_object, replace_problem, replacing_dir
 from torch_handle.errors import CheckpointError
@@ -35,7 +36,6 @@ from torch_handle.model.hf_names import Inexpressible, from_hf_config, to_hf_con
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
-TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 """``config.json``'s ``torch_dtype`` names of the dtypes an export may write."""

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -38,6 +37,7 @@ from torch_handle.errors import PresetError, RunDirError
 from torch_handle.observe.fields import Status
 from torch_handle.registry import get_registry
 from torch_handle.common.fsio import write_text_atomic
+from torch_handle.common.names import step_of
 from torch_handle.common.run_layout import LAYOUT_KEY, RunLayout
 from torch_handle.rundir import PRESET_FILE, modify_run_info
 
@@ -150,15 +150,12 @@ def frozen_changes(run_dir: Path, old: Preset, changes: dict[str, list[Any]], pl
     return refused
 
 
-_STEP_DIR = re.compile(r"^step-(\d+)$")
-
-
 def newest_checkpoint_step(run_dir: Path) -> int | None:
     """The step of the newest complete checkpoint of ``run_dir`` (``checkpoints/step-N`` with its manifest; read by
     name, not verified: :func:`torch_handle.checkpoint.store.newest_valid` is the workers'), or None."""
     root = Path(run_dir) / "checkpoints"
-    steps = [int(m.group(1)) for p in (root.iterdir() if root.is_dir() else ())
-             if (m := _STEP_DIR.match(p.name)) and (p / "manifest.json").is_file()]
+    steps = [step for p in (root.iterdir() if root.is_dir() else ())
+             if (step := step_of(p.name)) is not None and (p / "manifest.json").is_file()]
     return max(steps, default=None)
 
 

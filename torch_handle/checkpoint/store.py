@@ -25,11 +25,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from torch_handle.common.names import step_of
 from torch_handle.errors import CheckpointError
 from torch_handle.parallel.tensor.random import get_rng_tracker, seed_tensor_parallel_rng
 
 MANIFEST = "manifest.json"
-_STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
 def step_dir_name(step: int) -> str:
@@ -78,7 +78,7 @@ def list_checkpoints(root: Path) -> list[Path]:
     root = Path(root)
     if not root.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir()]
+    found = [(step, p) for p in root.iterdir() if (step := step_of(p.name)) is not None and p.is_dir()]
     return [p for _, p in sorted(found)]
 
 

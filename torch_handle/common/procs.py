@@ -1,5 +1,5 @@
 """Process helpers the launcher and the data preparation share: the usable cores, a child that dies with its
-parent. Standard library only."""
+parent, whether a pid is alive. Standard library only."""
 
 from __future__ import annotations
 
@@ -27,3 +27,14 @@ def die_with_parent(sig: int = signal.SIGTERM) -> None:
         return
     if os.getppid() == 1:  # orphaned before the call: no signal will come
         os._exit(1)
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists on this host (one of another user's counts as alive)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -171,7 +171,8 @@ class TranslationDataset(Dataset):
 
 
 def pad_collate(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Right-pad every key to the longest item: ids with ``<pad>``, labels with ``IGNORE_INDEX``. (B, L_max)."""
+    """Right-pad every key to the longest item: ids with ``<pad>`` (``PAD_ID`` of the tokenizers trained here),
+    labels with ``IGNORE_INDEX``. (B, L_max)."""
     out = {}
     for key in items[0]:
         fill = IGNORE_INDEX if key == "labels" else PAD_ID
@@ -193,13 +194,15 @@ class DataBundle:
     """A ``tokenizers`` JSON file, copied into the run directory as ``tokenizer.json``."""
     collate_fn: Callable[[list[dict[str, torch.Tensor]]], dict[str, torch.Tensor]] | None = None
     """Batches the samples (None: default stacking; ``pad_collate`` for variable lengths)."""
-    pad_id: int = PAD_ID
-    """Token id of padding (the model's attention mask and ``pad_collate`` use it)."""
+    pad_id: int | None = None
+    """Token id of padding, which the model hides from attention (``pad_collate`` pads with it); None: no id is
+    padding (a bundle of prepared data: the ``pad_id`` its meta.json records)."""
     description: str = ""
     """Where the data came from, for the rank logs (``data <description>: N train / M validation samples``)."""
-    fingerprint: str | None = None
-    """A hash of the data's content when the plugin knows one (``tokens``: its meta.json files): checkpoints record
-    it, and a resume on other data is refused (:mod:`torch_handle.launch.data_identity`)."""
+    identity: Any = None
+    """The data's :class:`~torch_handle.data.shards.DataIdentity` when the plugin knows it (prepared data:
+    :func:`torch_handle.data.bundle.prepared_bundle`): checkpoints record it, and a resume on other data is refused
+    (:mod:`torch_handle.launch.data_identity`). None: the tokenizer file's hash alone is recorded."""
 
 
 @dataclass
@@ -236,19 +239,23 @@ class ResumableDistributedSampler(DistributedSampler):
 
 
 class GlobalBatchSampler(Sampler[list[int]]):
-    """Batch sampler for one rank whose global batches do not depend on the world size.
+    """Batch sampler for one rank whose global batches do not depend on the world size, and the keeper of the data
+    position.
 
     Every epoch ``e`` has one order of the whole dataset, ``torch.randperm(num_samples)`` drawn from a generator
     seeded with ``seed + e`` (the same permutation ``DistributedSampler`` draws; ``shuffle=False``: 0, 1, 2, ...).
     Global batch ``k`` of the epoch is the next ``G = micro_batch_size * grad_accum * world_size`` samples of that
-    order, ``order[start + k*G : start + (k+1)*G]`` (``start``: see :meth:`skip`); within it, micro-batch ``i`` of
-    rank ``r`` is the slice at offset ``(r * grad_accum + i) * micro_batch_size``. So the samples of optimizer step
-    ``s`` are a function of the seed and ``s`` only, however they are spread over ranks and micro-batches: 2 ranks
-    x micro-batch 8 and 1 rank x micro-batch 8 x grad_accum 2 see the same 16 samples at every step. The
-    remainder of an epoch shorter than ``G`` is dropped.
+    order; within it, micro-batch ``i`` of rank ``r`` is the slice at offset ``(r * grad_accum + i) *
+    micro_batch_size``. So the samples of optimizer step ``s`` are a function of the seed and ``s`` only, however
+    they are spread over ranks and micro-batches: 2 ranks x micro-batch 8 and 1 rank x micro-batch 8 x grad_accum 2
+    see the same 16 samples at every step. The remainder of an epoch shorter than ``G`` is dropped.
 
-    Yields lists of ``micro_batch_size`` dataset indices, ``grad_accum`` per global batch, for a ``DataLoader``'s
-    ``batch_sampler``. ``set_epoch(e)`` must be called every epoch.
+    The position is ``(epoch, samples_in_epoch)``: the samples of the epoch's order that all ranks together have
+    consumed. Iterating yields lists of ``micro_batch_size`` dataset indices, ``grad_accum`` per global batch, from
+    the position to the epoch's end (a ``DataLoader``'s ``batch_sampler``); the consumer calls :meth:`advance` once a
+    global batch is consumed (a ``DataLoader`` with workers draws ahead of what the step used, so drawing is not
+    consuming). :meth:`state_dict` and :meth:`load_state_dict` carry the position through a checkpoint, for any
+    world size and micro-batching.
 
     Raises:
         ValueError: arguments that are not positive, ``rank`` outside ``[0, world_size)``, or fewer samples than
@@ -272,28 +279,51 @@ class GlobalBatchSampler(Sampler[list[int]]):
                              f"(micro_batch_size={micro_batch_size} x grad_accum={grad_accum} x world size "
                              f"{world_size})")
         self.epoch = 0
-        self._skip = 0
+        self.samples_in_epoch = 0
+        self._order: tuple[int, np.ndarray] | None = None
 
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
+    # -- the position ------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, int]:
+        """``{"epoch", "samples_in_epoch"}``: where the next global batch starts."""
+        return {"epoch": self.epoch, "samples_in_epoch": self.samples_in_epoch}
 
-    def skip(self, samples: int) -> None:
-        """Start the current epoch after its first ``samples`` samples (of all ranks together, in the epoch's
-        order): the data position of a checkpoint, any multiple of any global batch. For one epoch only."""
-        self._skip = max(0, int(samples))
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Continue at ``state`` (of :meth:`state_dict`, any multiple of any global batch); a position with no whole
+        global batch left in its epoch is the next epoch's start."""
+        self.epoch, self.samples_in_epoch = int(state["epoch"]), max(0, int(state["samples_in_epoch"]))
+        self._roll_over()
 
+    def advance(self) -> np.ndarray:
+        """One global batch consumed: the position moves past it. Returns its indices, int64 (global_batch,), in
+        the epoch's order (all ranks' micro-batches, rank 0's first): what the step trained on."""
+        start = self.samples_in_epoch
+        indices = self.order_array(self.epoch)[start: start + self.global_batch]
+        self.samples_in_epoch += self.global_batch
+        self._roll_over()
+        return indices
+
+    def _roll_over(self) -> None:
+        if self.steps_in_epoch(self.samples_in_epoch) == 0:
+            self.epoch, self.samples_in_epoch = self.epoch + 1, 0
+
+    # -- the order ---------------------------------------------------------------------------------------------
     def order(self, epoch: int) -> list[int]:
         """The order of the dataset in ``epoch``, the same on every rank and for every world size."""
         return self.order_array(epoch).tolist()
 
     def order_array(self, epoch: int) -> np.ndarray:
         """:meth:`order` as int64 (num_samples,): 8 bytes a sample where a list of Python ints takes about 36 (a
-        1 GB corpus has millions of samples)."""
+        1 GB corpus has millions of samples). Drawn once an epoch."""
+        if self._order is not None and self._order[0] == epoch:
+            return self._order[1]
         if not self.shuffle:
-            return np.arange(self.num_samples, dtype=np.int64)
-        g = torch.Generator()
-        g.manual_seed(self.seed + epoch)
-        return torch.randperm(self.num_samples, generator=g).numpy()
+            order = np.arange(self.num_samples, dtype=np.int64)
+        else:
+            g = torch.Generator()
+            g.manual_seed(self.seed + epoch)
+            order = torch.randperm(self.num_samples, generator=g).numpy()
+        self._order = (epoch, order)
+        return order
 
     def steps_in_epoch(self, start: int = 0) -> int:
         """Global batches left in an epoch after its first ``start`` samples."""
@@ -304,8 +334,9 @@ class GlobalBatchSampler(Sampler[list[int]]):
         return self.steps_in_epoch() * self.grad_accum
 
     def __iter__(self) -> Iterator[list[int]]:
-        start, self._skip = self._skip, 0
-        order = self.order_array(self.epoch)
+        """This rank's micro-batches from the position to the end of its epoch."""
+        epoch, start = self.epoch, self.samples_in_epoch
+        order = self.order_array(epoch)
         mb, ga = self.micro_batch_size, self.grad_accum
         for k in range(self.steps_in_epoch(start)):
             base = start + k * self.global_batch

@@ -40,7 +40,7 @@ import os
 import shutil
 import time
 from collections import deque
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass
 from multiprocessing import get_context
 from pathlib import Path
@@ -49,16 +49,16 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 
 from torch_handle.common.fsio import replace_problem, replacing_dir
-from torch_handle.data.shards import (META_FILE, TOKENIZER_FILE, ShardWriter, file_sha256, part_dir_name,
-                                      token_dtype, write_meta)
+from torch_handle.common.names import TOKENIZER_FILE
+from torch_handle.data.shards import META_FILE, ShardWriter, file_sha256, part_dir_name, token_dtype, write_meta
 from torch_handle.data.sources import Source, read_source, resolve_sources
+from torch_handle.data.tokenizer_file import eos_id, pad_id_of, tokenizer_path, vocab_size_of
 from torch_handle.errors import DataError
 
 MIN_VALID_DOCUMENTS = 20
 """Fewer expected validation documents than this and the ``tail`` method holds out a byte tail instead."""
 TOKENIZER_SAMPLE_BYTES = 64 << 20
 BATCH_CHARS = 1 << 20
-_EOS_NAMES = ("<eos>", "</s>", "<|endoftext|>", "<|end_of_text|>", "<|im_end|>")
 
 
 @dataclass
@@ -86,54 +86,13 @@ class Progress:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def tokenizer_path(path: str | Path) -> Path:
-    """The tokenizer.json that ``path`` names (the file, or ``path/tokenizer.json``).
-
-    Raises:
-        DataError: neither exists.
-    """
-    p = Path(path).expanduser()
-    if p.is_file():
-        return p
-    if (p / TOKENIZER_FILE).is_file():
-        return p / TOKENIZER_FILE
-    raise DataError(f"{path}: no such tokenizer (give a tokenizer.json, or a directory holding one such as a "
-                    f"`handle export` or a Hugging Face model directory)")
-
-
-def vocab_size_of(tok: Any) -> int:
-    """Rows an embedding needs for ``tok``'s ids: its largest id + 1 (added tokens included)."""
-    return max(max(tok.get_vocab(with_added_tokens=True).values()) + 1, tok.get_vocab_size())
-
-
-def eos_id(tok: Any, path: Path) -> int:
-    """The id that ends a document: the ``eos_token`` of a ``tokenizer_config.json`` beside ``path``, else the
-    first of ``<eos>``, ``</s>``, ``<|endoftext|>``, ``<|end_of_text|>``, ``<|im_end|>`` in the vocabulary.
-
-    Raises:
-        DataError: none of them is in the vocabulary.
-    """
-    import json
-
-    names = list(_EOS_NAMES)
-    try:
-        cfg = json.loads((path.parent / "tokenizer_config.json").read_text(encoding="utf-8")).get("eos_token")
-        names.insert(0, cfg["content"] if isinstance(cfg, dict) else cfg)
-    except (OSError, ValueError, AttributeError, KeyError, TypeError):
-        pass
-    for name in names:
-        if isinstance(name, str) and (i := tok.token_to_id(name)) is not None:
-            return int(i)
-    raise DataError(f"{path}: no end-of-document token (none of {', '.join(_EOS_NAMES)} in its vocabulary)")
-
-
 def _train(train_pieces: Iterator[str], vocab_size: int, sample_bytes: int):
     from torch_handle.data.datasets import train_tokenizer  # imports torch: only when training
 
     sample, size = [], 0
     for piece in train_pieces:
         sample.append(piece)
-        size += len(piece)
+        size += len(piece.encode("utf-8", "surrogatepass"))
         if size >= sample_bytes:
             break
     return train_tokenizer(sample, vocab_size)
@@ -161,12 +120,32 @@ def _init_worker(tokenizer_json: str) -> None:
     _TOKENIZER = Tokenizer.from_str(tokenizer_json)
 
 
-def _encode(pieces: list[str]) -> tuple[np.ndarray, np.ndarray]:
-    """Ids of ``pieces`` concatenated (uint32) and each piece's count (int64)."""
-    encs = _TOKENIZER.encode_batch(pieces, add_special_tokens=False)
+def _encode(pieces: list[str], tok: Any = None) -> tuple[np.ndarray, np.ndarray]:
+    """Ids of ``pieces`` concatenated (uint32) and each piece's count (int64), by ``tok`` (default: this encoding
+    process's)."""
+    encs = (tok or _TOKENIZER).encode_batch(pieces, add_special_tokens=False)
     lengths = np.fromiter((len(e.ids) for e in encs), dtype=np.int64, count=len(encs))
     ids = np.fromiter((i for e in encs for i in e.ids), dtype=np.uint32, count=int(lengths.sum()))
     return ids, lengths
+
+
+class _InProcess:
+    """The pool's ``submit`` for ``workers=0``: each batch encoded at once in this process (HF ``tokenizers``
+    parallelises a batch over its own threads), without the seconds that spawning encoders costs."""
+
+    def __init__(self, tok: Any):
+        self.tok = tok
+
+    def submit(self, fn: Callable[..., Any], batch: list[str]) -> Future:
+        done: Future = Future()
+        done.set_result(fn(batch, self.tok))
+        return done
+
+    def __enter__(self) -> _InProcess:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -233,7 +212,13 @@ def _count(counts: dict[int, dict[str, int]] | None, source: int, split: str) ->
         counts[source][split] += 1
 
 
-def _holdout(train: list[Source], valid: list[Source], fraction: float) -> _Holdout:
+def holdout_of(train: list[Source], valid: list[Source], fraction: float) -> _Holdout:
+    """How the validation split of ``train`` (and ``valid`` sources) is taken (the module docstring's methods):
+    what a prepare does, and what the pre-flight of the ``text`` dataset checks.
+
+    Raises:
+        DataError: a fraction outside [0, 1).
+    """
     if valid:
         return _Holdout(train, valid, "source", 0.0)
     if fraction <= 0:
@@ -245,6 +230,22 @@ def _holdout(train: list[Source], valid: list[Source], fraction: float) -> _Hold
     if countable and n_docs * fraction < MIN_VALID_DOCUMENTS:
         return _Holdout(train, [], "tail", fraction, cut=int(sum(s.bytes for s in train) * (1 - fraction)))
     return _Holdout(train, [], "documents", fraction)
+
+
+def split_bytes(holdout: _Holdout) -> dict[str, int]:
+    """Source bytes of each split before a prepare (``{"train", "valid"}``), for a pre-flight: exact for the
+    ``source`` and ``none`` methods and for plain-text files held out whole (``documents``: one document a file);
+    ``tail`` is cut at a line boundary when prepared, so its figures are the byte cut's; sources of several
+    documents a file count as train."""
+    train = sum(s.bytes for s in holdout.train)
+    if holdout.method == "source":
+        return {"train": train, "valid": sum(s.bytes for s in holdout.valid)}
+    if holdout.method == "tail":
+        return {"train": holdout.cut, "valid": train - holdout.cut}
+    if holdout.method == "documents":
+        valid = sum(s.bytes for s in holdout.train if s.format == "text" and _held_out(s.key, 0, holdout.fraction))
+        return {"train": train - valid, "valid": valid}
+    return {"train": train, "valid": 0}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -261,13 +262,12 @@ def _sources(specs: Sequence[str | Source], **kw: str) -> list[Source]:
 
 def _remove_stale(target: Path) -> None:
     """Temporary directories of killed prepares of ``target`` on this host (``.NAME.<pid>.tmp``, pid gone)."""
+    from torch_handle.common.procs import pid_alive
+
     for tmp in target.parent.glob(f".{target.name}.*.tmp") if target.parent.is_dir() else []:
-        try:
-            os.kill(int(tmp.name.rsplit(".", 2)[-2]), 0)
-        except ProcessLookupError:
+        pid = tmp.name.rsplit(".", 2)[-2]
+        if pid.isdigit() and not pid_alive(int(pid)):
             shutil.rmtree(tmp, ignore_errors=True)
-        except (ValueError, PermissionError):
-            pass
 
 
 def prepare(sources: Sequence[str | Source], out: str | Path, *, valid: Sequence[str | Source] = (),
@@ -281,6 +281,9 @@ def prepare(sources: Sequence[str | Source], out: str | Path, *, valid: Sequence
     Returns the summary: ``{"directory", "splits": {split: {"tokens", "documents"}}, "bytes", "seconds",
     "mb_per_s", "workers", "tokenizer", "vocab_size", "dtype", "valid_method", "part"}``.
 
+    ``workers``: encoding processes (None: one per usable core); 0 encodes in this process, which suits corpora of
+    a few MB (spawning each encoder costs about a second).
+
     Raises:
         DataError: bad input (see :mod:`torch_handle.data.sources`), a missing tokenizer, a vocabulary that does not
             fit ``dtype``, ``out`` not empty without ``force``, a part without a given tokenizer; one line each,
@@ -292,7 +295,9 @@ def prepare(sources: Sequence[str | Source], out: str | Path, *, valid: Sequence
 
     t0 = time.perf_counter()
     out = Path(out)
-    workers = workers or usable_cores()
+    workers = usable_cores() if workers is None else workers
+    if workers < 0:
+        raise DataError(f"workers {workers}: valid are 0 (encode in this process) or more")
     if part is not None:
         i, n = part
         if not 0 <= i < n:
@@ -305,7 +310,7 @@ def prepare(sources: Sequence[str | Source], out: str | Path, *, valid: Sequence
     if dtype not in ("auto", "uint16", "uint32"):
         raise DataError(f"dtype {dtype!r}: valid are auto, uint16, uint32")
     kw = {"fmt": fmt, "field": field, "column": column}
-    holdout = _holdout(_sources(sources, **kw), _sources(valid, **kw), valid_fraction)
+    holdout = holdout_of(_sources(sources, **kw), _sources(valid, **kw), valid_fraction)
     if tokenizer is not None:
         tok_path = tokenizer_path(tokenizer)
         tok = Tokenizer.from_file(str(tok_path))
@@ -324,13 +329,15 @@ def prepare(sources: Sequence[str | Source], out: str | Path, *, valid: Sequence
             _check_dtype(vocab_size_of(tok), dtype, tok_path)
         else:
             shutil.copyfile(tok_path, tmp / TOKENIZER_FILE)
-        vocab = vocab_size_of(tok)
+        vocab, pad_id = vocab_size_of(tok), pad_id_of(tok, tok_path, eos)
         np_dtype = token_dtype(vocab) if dtype == "auto" else np.dtype(dtype).newbyteorder("<")
         writers = {split: ShardWriter(tmp, split, np_dtype, eos) for split in ("train", "valid")}
         state = Progress(0, total, 0, 0, 0.0)
-        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # inherited by the spawned encoders
-        with ProcessPoolExecutor(workers, mp_context=get_context("spawn"), initializer=_init_worker,
-                                 initargs=(tok.to_str(),)) as pool:
+        if workers:
+            os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # inherited by the spawned encoders
+        pool = ProcessPoolExecutor(workers, mp_context=get_context("spawn"), initializer=_init_worker,
+                                   initargs=(tok.to_str(),)) if workers else _InProcess(tok)
+        with pool:
             inflight: deque = deque()
 
             def drain_one() -> None:
@@ -353,7 +360,7 @@ def prepare(sources: Sequence[str | Source], out: str | Path, *, valid: Sequence
                 if chars >= BATCH_CHARS or len(batch) >= 4096:
                     inflight.append((pool.submit(_encode, batch), marks, done))
                     batch, marks, chars = [], [], 0
-                    if len(inflight) > 2 * workers + 1:
+                    if len(inflight) > 2 * max(workers, 1) + 1:
                         drain_one()
             if batch:
                 inflight.append((pool.submit(_encode, batch), marks, total))
@@ -365,7 +372,7 @@ def prepare(sources: Sequence[str | Source], out: str | Path, *, valid: Sequence
         if part is None and holdout.method == "documents" and not splits["valid"]["documents"]:
             raise DataError(f"{_names(holdout.train)}: no document held out for validation among "
                             f"{splits['train']['documents']:,} (give --valid SRC or a larger --valid-fraction)")
-        write_meta(tmp, _meta(holdout, part, hashes, counts, tok_path if tokenizer else None, tmp, vocab, eos,
+        write_meta(tmp, _meta(holdout, part, hashes, counts, tok_path if tokenizer else None, tmp, vocab, (eos, pad_id),
                               np_dtype, splits, vocab_size, tokenizer_sample_bytes))
     seconds = time.perf_counter() - t0
     return {"directory": str(target), "splits": {k: {"tokens": v["tokens"], "documents": v["documents"]}
@@ -385,7 +392,8 @@ def _check_dtype(vocab: int, dtype: str, path: Path) -> None:
                         f"{np.iinfo(np.dtype(dtype)).max:,}); give dtype uint32 or auto")
 
 
-def _meta(holdout: _Holdout, part, hashes, counts, given: Path | None, tmp: Path, vocab: int, eos: int, np_dtype,
+def _meta(holdout: _Holdout, part, hashes, counts, given: Path | None, tmp: Path, vocab: int,
+          specials: tuple[int, int | None], np_dtype,
           splits, vocab_size: int, sample_bytes: int) -> dict[str, Any]:
     sources = []
     for s, (src, sha) in enumerate(zip([*holdout.train, *holdout.valid], hashes)):
@@ -393,8 +401,9 @@ def _meta(holdout: _Holdout, part, hashes, counts, given: Path | None, tmp: Path
         split = "valid" if s >= len(holdout.train) else ("both" if len(c) == 2 else next(iter(c), "train"))
         sources.append({"path": str(src.path), "format": src.format, "sha256": sha, "bytes": src.bytes,
                         "documents": sum(c.values()), "split": split})
+    eos, pad_id = specials
     tokenizer = {"file": TOKENIZER_FILE, "sha256": file_sha256(tmp / TOKENIZER_FILE), "vocab_size": vocab,
-                 "eos_id": eos}
+                 "eos_id": eos, "pad_id": pad_id}
     tokenizer.update({"given": str(given)} if given else {"trained": {"vocab_size": vocab_size,
                                                                        "sample_bytes": sample_bytes}})
     return {"dtype": np_dtype.name, "tokenizer": tokenizer, "splits": splits, "sources": sources,

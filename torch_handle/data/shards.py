@@ -21,7 +21,7 @@ A corpus prepared in parts (``handle data prepare --part I/N``, one Slurm array 
 ``meta.json``::
 
     {"format": "handle-tokens", "version": 1, "dtype": "uint16",
-     "tokenizer": {"file": "tokenizer.json", "sha256": HEX, "vocab_size": 4096, "eos_id": 2},
+     "tokenizer": {"file": "tokenizer.json", "sha256": HEX, "vocab_size": 4096, "eos_id": 2, "pad_id": 0},
      "splits": {"train": {"tokens": N, "documents": D, "shards": [{"bin": ..., "idx": ..., "tokens": n,
                                                                    "documents": d}, ...]},
                 "valid": {...}},
@@ -29,6 +29,10 @@ A corpus prepared in parts (``handle data prepare --part I/N``, one Slurm array 
                   "documents": d, "split": "train" | "valid" | "both"}, ...],
      "valid": {"method": "documents" | "source" | "tail", "fraction": f},
      "part": null | {"index": i, "count": n}}
+
+``pad_id`` is the tokenizer's padding token, or null when it has none (then no id is padding: id 0 is ``!`` in
+GPT-2's, Llama 3's and Qwen's vocabularies); directories prepared before it was recorded get it from the tokenizer
+file (:func:`pad_id_of`). What a run and a resume compare of a prepared directory is its :class:`DataIdentity`.
 
 No torch import: the CLI's checks read it too.
 """
@@ -43,10 +47,11 @@ from typing import Any, Iterable
 
 import numpy as np
 
+from torch_handle.common.names import TOKENIZER_FILE
 from torch_handle.errors import DataError
 
 FORMAT, VERSION = "handle-tokens", 1
-META_FILE, TOKENIZER_FILE = "meta.json", "tokenizer.json"
+META_FILE = "meta.json"
 SPLITS = ("train", "valid")
 SHARD_TOKENS = 1 << 28
 """A shard is closed at the first document end past this many tokens (512 MiB of uint16): few files, each well
@@ -289,12 +294,43 @@ def prepared_parts(directory: Path) -> list[tuple[Path, dict[str, Any]]]:
              for i in range(count)]
     first = metas[0][1]
     for path, meta in metas[1:]:
-        if meta["tokenizer"].get("sha256") != first["tokenizer"].get("sha256"):
-            raise DataError(f"{path}: another tokenizer than {metas[0][0].name} (prepare every part with one "
-                            f"--tokenizer)")
+        if problem := tokenizer_problem(f"{path} was prepared with", meta["tokenizer"].get("sha256"),
+                                        first["tokenizer"].get("sha256"), metas[0][0].name,
+                                        "prepare every part with one --tokenizer"):
+            raise DataError(problem)
         if meta["dtype"] != first["dtype"]:
             raise DataError(f"{path}: dtype {meta['dtype']}, {metas[0][0].name} has {first['dtype']}")
     return metas
+
+
+@dataclass(frozen=True)
+class DataIdentity:
+    """What a run's ids mean and where they came from: what a checkpoint records, a resume compares, and a mixture,
+    a ``model.init_from`` base and ``handle eval --data`` check (:func:`tokenizer_problem`)."""
+
+    tokenizer_sha256: str
+    """SHA-256 of the tokenizer file's bytes."""
+    vocab_size: int
+    eos_id: int
+    pad_id: int | None
+    """None: no id is padding."""
+    data_fingerprint: str | None = None
+    """Hash of the prepared data (every part's meta.json); None for data that is not prepared."""
+
+    def record(self) -> dict[str, str]:
+        """The keys a checkpoint's ``layout.json`` keeps (:mod:`torch_handle.launch.data_identity`)."""
+        return {k: v for k, v in (("tokenizer_sha256", self.tokenizer_sha256),
+                                  ("data_fingerprint", self.data_fingerprint)) if v}
+
+
+def tokenizer_problem(what: str, sha256: str | None, want_sha256: str | None, want: str, fix: str) -> str | None:
+    """The one tokenizer identity check: ``what`` (a prepared directory, a tokenizer file) was made with the
+    tokenizer whose file hashes to ``sha256``; its ids must mean what ``want``'s (hash ``want_sha256``) mean. The
+    problem as one line, ``"<what> another tokenizer than <want>: <fix>"`` (``what``: "DIR was prepared with",
+    "data.tokenizer: FILE is"), or None when they are the same file (or either is unknown)."""
+    if not sha256 or not want_sha256 or sha256 == want_sha256:
+        return None
+    return f"{what} another tokenizer than {want}: {fix}"
 
 
 @dataclass
@@ -320,6 +356,23 @@ class Prepared:
         return int(self.meta["tokenizer"]["vocab_size"])
 
     @property
+    def eos_id(self) -> int:
+        return int(self.meta["tokenizer"]["eos_id"])
+
+    @property
+    def pad_id(self) -> int | None:
+        """meta.json's ``pad_id``; for a directory prepared before it was recorded, the tokenizer file's
+        (:func:`torch_handle.data.tokenizer_file.pad_id_of`)."""
+        tok = self.meta["tokenizer"]
+        if "pad_id" in tok:
+            return None if tok["pad_id"] is None else int(tok["pad_id"])
+        from tokenizers import Tokenizer
+
+        from torch_handle.data.tokenizer_file import pad_id_of
+
+        return pad_id_of(Tokenizer.from_file(str(self.tokenizer_path)), self.tokenizer_path, self.eos_id)
+
+    @property
     def fingerprint(self) -> str:
         """Hash of every part's meta.json: changes when any shard, source or the tokenizer changes."""
         h = hashlib.sha256()
@@ -327,13 +380,62 @@ class Prepared:
             h.update((directory / META_FILE).read_bytes())
         return h.hexdigest()[:16]
 
+    def identity(self) -> DataIdentity:
+        """From meta.json alone (the tokenizer's hash was taken when it was prepared)."""
+        return DataIdentity(self.meta["tokenizer"]["sha256"], self.vocab_size, self.eos_id, self.pad_id,
+                            self.fingerprint)
+
+
+def mixture_identity(prepared: list[Prepared]) -> DataIdentity:
+    """The identity of one prepared directory, or of a mixture of several (one fingerprint of theirs; the first's
+    tokenizer, which every source shares: :func:`mixture_problems`)."""
+    first = prepared[0].identity()
+    if len(prepared) == 1:
+        return first
+    fingerprint = hashlib.sha256(",".join(p.fingerprint for p in prepared).encode()).hexdigest()[:16]
+    return DataIdentity(first.tokenizer_sha256, first.vocab_size, first.eos_id, first.pad_id, fingerprint)
+
+
+def mixture_problems(prepared: list[Prepared], key: str = "data.sources") -> list[str]:
+    """One line per source prepared with another tokenizer than the first."""
+    first = prepared[0]
+    return [problem for p in prepared[1:] if (problem := tokenizer_problem(
+        f"{key}: {p.directory} was prepared with", p.identity().tokenizer_sha256, first.identity().tokenizer_sha256,
+        str(first.directory), f"every source of a mixture needs the same one: prepare it again with --tokenizer "
+                              f"{first.tokenizer_path}"))]
+
+
+_OPENED: dict[tuple, Prepared] = {}
+"""What :func:`open_prepared` opened in this process, by directory and the state of its meta.json files."""
+
+
+def _opened_key(directory: Path) -> tuple:
+    metas = [directory / META_FILE] if (directory / META_FILE).is_file() else \
+        sorted(directory.glob(f"part-*-of-*/{META_FILE}")) if directory.is_dir() else []
+    stats = [(str(m), st.st_ino, st.st_size, st.st_mtime_ns) for m in metas for st in [m.stat()]]
+    return (str(directory.resolve()), *stats)
+
 
 def open_prepared(directory: Path) -> Prepared:
-    """Open a prepared directory (or a directory of parts) for reading.
+    """Open a prepared directory (or a directory of parts) for reading: once per process while its meta.json files
+    stay the same (the launcher's checks, its pre-flight and a resume's identity share one opening; each rank
+    opens it once).
 
     Raises:
         DataError: see :func:`prepared_parts` and :class:`TokenSplit`; a split with no tokens.
     """
+    directory = Path(directory)
+    key = _opened_key(directory)
+    if len(key) > 1 and key in _OPENED:
+        return _OPENED[key]
+    prepared = _open_prepared(directory)
+    if len(_OPENED) >= 8:
+        _OPENED.pop(next(iter(_OPENED)))
+    _OPENED[key] = prepared
+    return prepared
+
+
+def _open_prepared(directory: Path) -> Prepared:
     metas = prepared_parts(Path(directory))
     splits = {}
     for split in SPLITS:

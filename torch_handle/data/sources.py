@@ -20,6 +20,7 @@ import gzip
 import hashlib
 import json
 from dataclasses import dataclass, field
+from dataclasses import field as dataclass_field
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
@@ -50,7 +51,15 @@ class Source:
     field: str = "text"
     """JSON Lines: the key holding the document; Parquet and hf: the column."""
 
+    _sha256: str | None = dataclass_field(default=None, init=False, repr=False, compare=False)
+
     def sha256(self) -> str:
+        """Hex SHA-256 of the content (a directory: of its files' names and hashes), computed once per object."""
+        if self._sha256 is None:
+            self._sha256 = self._hash()
+        return self._sha256
+
+    def _hash(self) -> str:
         if self.format == "memory":
             h = hashlib.sha256()
             for t in self.texts or ():

@@ -10,11 +10,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from torch_handle.common.names import TOKENIZER_FILE
 from torch_handle.data.datasets import TokenWindows
-from torch_handle.data.shards import file_sha256, open_prepared
+from torch_handle.data.shards import file_sha256, open_prepared, tokenizer_problem
 from torch_handle.errors import DataError
-
-TOKENIZER_FILE = "tokenizer.json"
 
 
 def prepared_split(run_dir: Path, preset: Any, max_len: int, directory: Path, split: str) -> TokenWindows:
@@ -27,9 +26,10 @@ def prepared_split(run_dir: Path, preset: Any, max_len: int, directory: Path, sp
     """
     prepared = open_prepared(Path(directory))
     ours = Path(run_dir) / TOKENIZER_FILE
-    if file_sha256(prepared.tokenizer_path) != file_sha256(ours):
-        raise DataError(f"{directory}: prepared with another tokenizer than the run's ({ours}); its ids mean other "
-                        f"tokens (prepare it with: handle data prepare ... --tokenizer {run_dir})")
+    if problem := tokenizer_problem(f"{directory} was prepared with", prepared.identity().tokenizer_sha256,
+                                    file_sha256(ours), f"the run's ({ours})",
+                                    f"prepare it with: handle data prepare ... --tokenizer {run_dir}"):
+        raise DataError(problem)
     options = preset.data.options
     seq_len = min(int(getattr(options, "seq_len", max_len) or max_len), max_len)
     return TokenWindows(getattr(prepared, split), seq_len, document_mask=bool(getattr(options, "document_mask", False)),

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from torch_handle.common.names import TOKENIZER_FILE
 from torch_handle.checkpoint.hf_dir import load_into
 from torch_handle.checkpoint.store import list_checkpoints, safe_load, verify
 from torch_handle.finetune.build import prepare_model
@@ -38,7 +39,6 @@ from torch_handle.model.transformer import DecoderLM, EncoderDecoder
 from torch_handle.rundir import PRESET_FILE, read_run_info
 
 WEIGHTS_FILE = "model.safetensors"
-TOKENIZER_FILE = "tokenizer.json"
 _OTHER_FORMATS = {"ds": "DeepSpeed checkpoint (ds/): use the run's model.safetensors"}
 
 

@@ -13,31 +13,21 @@ Tokenizers are compared by the SHA-256 of their JSON file. No torch import.
 from __future__ import annotations
 
 import copy
-import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from torch_handle.data.shards import META_FILE, file_sha256
+from torch_handle.data.shards import META_FILE, file_sha256, open_prepared, tokenizer_problem
+from torch_handle.data.tokenizer_file import find_tokenizer
 from torch_handle.errors import DataError
 
 if TYPE_CHECKING:
     from torch_handle.config.loader import Preset
 
-TOKENIZER_FILE = "tokenizer.json"
-
-
-def tokenizer_file(path: str | Path) -> Path | None:
-    """``path`` itself when it is a file, else ``path/tokenizer.json`` when that exists, else None."""
-    p = Path(path).expanduser()
-    if p.is_file():
-        return p
-    return p / TOKENIZER_FILE if (p / TOKENIZER_FILE).is_file() else None
-
 
 def base_tokenizer(preset: Preset) -> Path | None:
     """The ``tokenizer.json`` of the preset's ``model.init_from`` directory, or None (no init_from, or none in it)."""
     init_from = getattr(preset.model.options, "init_from", None)
-    return tokenizer_file(init_from) if init_from and Path(init_from).is_dir() else None
+    return find_tokenizer(init_from) if init_from and Path(init_from).is_dir() else None
 
 
 def _prepared_dirs(options: Any) -> list[Path]:
@@ -53,16 +43,6 @@ def _prepared_dirs(options: Any) -> list[Path]:
     return out
 
 
-def _prepared_tokenizer_sha(directory: Path) -> str | None:
-    meta = directory / META_FILE
-    if not meta.is_file():
-        meta = next(iter(sorted(directory.glob(f"part-*-of-*/{META_FILE}"))), None)
-    try:
-        return json.loads(meta.read_text(encoding="utf-8"))["tokenizer"]["sha256"] if meta else None
-    except (OSError, ValueError, KeyError, TypeError):
-        return None  # the dataset's own checks report an unreadable meta.json
-
-
 def tokenizer_conflicts(preset: Preset) -> list[str]:
     """One line per tokenizer the dataset names that is not ``model.init_from``'s (empty without a base
     tokenizer)."""
@@ -71,16 +51,19 @@ def tokenizer_conflicts(preset: Preset) -> list[str]:
         return []
     want, options, problems = file_sha256(base), preset.data.options, []
     named = getattr(options, "tokenizer", "")
-    if named:
-        theirs = tokenizer_file(named)
-        if theirs is not None and file_sha256(theirs) != want:
-            problems.append(f"data.tokenizer: {named} is not model.init_from's tokenizer ({base}): the base's "
-                            f"embeddings index its ids (leave data.tokenizer empty to use the base's)")
+    theirs = find_tokenizer(named) if named else None
+    if theirs is not None and (problem := tokenizer_problem(
+            f"data.tokenizer: {named} is", file_sha256(theirs), want, f"model.init_from's ({base})",
+            "the base's embeddings index its ids (leave data.tokenizer empty to use the base's)")):
+        problems.append(problem)
     for d in _prepared_dirs(options):
-        sha = _prepared_tokenizer_sha(d)
-        if sha is not None and sha != want:
-            problems.append(f"{d}: prepared with another tokenizer than model.init_from's ({base}); prepare it "
-                            f"again with: handle data prepare ... --tokenizer {base.parent}")
+        try:
+            sha = open_prepared(d).identity().tokenizer_sha256
+        except DataError:
+            continue  # the dataset's own checks report an unreadable directory
+        if problem := tokenizer_problem(f"{d} was prepared with", sha, want, f"model.init_from's ({base})",
+                                        f"prepare it again with: handle data prepare ... --tokenizer {base.parent}"):
+            problems.append(problem)
     return problems
 
 

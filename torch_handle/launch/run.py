@@ -65,8 +65,25 @@ def check_inputs(preset: Preset, *, resume: bool = False) -> None:
         preflight(preset.model.options, preset)
 
 
+def prepare_data(preset: Preset, progress: Callable[[Any], None] | None = None) -> Any:
+    """Ready the run's data before any worker starts, through the dataset's launcher ``prepare`` hook (``text`` and
+    ``pydoc``: their token shards, prepared once into the cache, :mod:`torch_handle.data.cache`; the workers only
+    open them, so no rank waits at a collective while another prepares). ``progress`` receives
+    :class:`torch_handle.data.prepare.Progress` while it prepares. Returns the data's
+    :class:`~torch_handle.data.shards.DataIdentity`, or None (no hook, or not known before the workers build it).
+
+    Raises:
+        DataError: bad input found while preparing (one line; nothing prepared is kept).
+    """
+    from torch_handle.data.cache import cache_root
+
+    hook = get_registry().get("dataset", preset.data.name).prepare
+    return hook(preset.data.options, cache_root(preset.run.output_dir), progress) if hook is not None else None
+
+
 def prepare_run(preset: str | None, overrides: tuple[str, ...], run_dir: Path | None,
-                resume_dir: Path | None, note: Callable[[str], None] | None = None) -> tuple[Preset, Path]:
+                resume_dir: Path | None, note: Callable[[str], None] | None = None,
+                progress: Callable[[Any], None] | None = None) -> tuple[Preset, Path]:
     """Validate everything, then create (or reopen) the run directory: ``(preset, run directory)``. Nothing is
     written on bad input.
 
@@ -86,13 +103,14 @@ def prepare_run(preset: str | None, overrides: tuple[str, ...], run_dir: Path | 
     (:func:`torch_handle.launch.base_tokenizer.resolve_base_tokenizer`; said through ``note``). A node
     joining a multi-node run's shared directory takes the precision of its ``preset.toml``. A
     ``parallel.tp_impl = "auto"`` was resolved when the preset loaded (:mod:`torch_handle.config.tp_impl`):
-    ``preset.toml`` holds the implementation and run.json its reason, ``tp_impl_reason``.
+    ``preset.toml`` holds the implementation and run.json its reason, ``tp_impl_reason``. The data is prepared
+    (:func:`prepare_data`, with ``progress``) after every check and before the run directory is written.
 
     Raises:
         PresetError, DataError, RunDirError: one line each (``handle run``: exit code 2).
     """
     if resume_dir is not None:
-        return prepare_resume(Path(resume_dir), overrides, note)
+        return prepare_resume(Path(resume_dir), overrides, note, progress)
     assert preset is not None
     from torch_handle.launch.base_tokenizer import resolve_base_tokenizer
 
@@ -101,6 +119,7 @@ def prepare_run(preset: str | None, overrides: tuple[str, ...], run_dir: Path | 
     loaded, tokenizer_note = resolve_base_tokenizer(loaded)
     if tokenizer_note and note is not None:
         note(tokenizer_note)
+    prepare_data(loaded, progress)
     join = Path(run_dir) if loaded.launch.nnodes > 1 and run_dir is not None else None
     loaded, precision = resolve_for_run(loaded, join)
     info = {"status": Status.STARTING, "name": loaded.run.name, "preset": str(loaded.source),
@@ -122,8 +141,8 @@ def prepare_run(preset: str | None, overrides: tuple[str, ...], run_dir: Path | 
     return loaded, directory
 
 
-def prepare_resume(resume_dir: Path, overrides: tuple[str, ...], note: Callable[[str], None] | None = None
-                   ) -> tuple[Preset, Path]:
+def prepare_resume(resume_dir: Path, overrides: tuple[str, ...], note: Callable[[str], None] | None = None,
+                   progress: Callable[[Any], None] | None = None) -> tuple[Preset, Path]:
     """Check a ``--resume`` (with its ``--set`` overrides) against the run, then mark it resuming.
 
     Every check comes first. Reported together, one line each: every setting that may not change on a resume
@@ -131,7 +150,8 @@ def prepare_resume(resume_dir: Path, overrides: tuple[str, ...], note: Callable[
     train nothing (:func:`torch_handle.checkpoint.resume.finished_problem`); then a live launcher, then missing data.
     Any of them raises with the run directory untouched. A change of layout first resets the ``[parallel]``
     settings that only made sense for the old one, and names the run's settings it puts into effect
-    (:func:`torch_handle.checkpoint.resume.layout_adjustments`; each said through ``note``). Then accepted changes
+    (:func:`torch_handle.checkpoint.resume.layout_adjustments`; each said through ``note``). The data is prepared
+    (:func:`prepare_data`) and its identity compared with the newest checkpoint's. Then accepted changes
     go to ``preset.resume.toml``, not ``preset.toml`` (a stale one is removed), and run.json gets status
     ``running``, ``resumed`` + 1 and ``resume_pending`` (see :mod:`torch_handle.checkpoint.resume`). On a
     multi-node run only the node that owns the shared directory writes; the others validate.
@@ -173,7 +193,7 @@ def prepare_resume(resume_dir: Path, overrides: tuple[str, ...], note: Callable[
     stored = with_node_rank(loaded, 0) if nodes else loaded  # a multi-node run's preset.toml holds node_rank 0
     changes = diff(current, stored)
     check_inputs(loaded, resume=True)
-    check_resume_data(resume_dir, loaded.data.options)  # the checkpoint's data and tokenizer are still these
+    check_resume_data(resume_dir, prepare_data(loaded, progress))  # the checkpoint's data and tokenizer still
     for line in notes if note is not None else ():
         note(line)
     if not owner:

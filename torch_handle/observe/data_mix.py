@@ -1,8 +1,8 @@
 """Telemetry of a data mixture: how many tokens each source gave, per step and over the run.
 
 The samples of a step are a function of the seed and the step alone (:class:`~torch_handle.data.datasets
-.GlobalBatchSampler`), so rank 0 knows the whole global batch without a collective: it is the ``global_batch``
-samples of the epoch's order that end at the data position. A dataset that is a mixture answers
+.GlobalBatchSampler`), so rank 0 knows the whole global batch without a collective: its sampler hands out every
+rank's share of it and returns the whole when the step consumed it. A dataset that is a mixture answers
 ``tokens_per_source(indices)`` (:class:`~torch_handle.data.mixture.MixedWindows`); the step event carries
 ``source_tokens`` (``{name: tokens}``), which :class:`~torch_handle.observe.state.RunState` adds up over the run
 (the summary and the dashboard's ``data`` line show the shares). Nothing is added to the batches the model sees.
@@ -10,25 +10,19 @@ samples of the epoch's order that end at the data position. A dataset that is a 
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 SOURCE_TOKENS = "source_tokens"
 """Step events: ``{source name: label tokens of the step's global batch}`` (mixtures only)."""
 
 
-@functools.lru_cache(maxsize=2)
-def _order(sampler: Any, epoch: int):
-    return sampler.order_array(epoch)  # once an epoch (the sampler draws it once too)
-
-
-def step_source_tokens(dataset: Any, sampler: Any, epoch: int, samples_in_epoch: int) -> dict[str, Any]:
-    """``{"source_tokens": {name: tokens}}`` for the global batch that ends at ``samples_in_epoch`` of ``epoch``
-    (the trainer's data position after the step), or ``{}`` when ``dataset`` is not a mixture."""
+def step_source_tokens(dataset: Any, indices: Any) -> dict[str, Any]:
+    """``{"source_tokens": {name: tokens}}`` of the samples ``indices`` (a step's global batch, as the sampler
+    handed it to the ranks: :meth:`~torch_handle.data.datasets.GlobalBatchSampler.advance`), or ``{}`` when
+    ``dataset`` is not a mixture or no batch was drawn."""
     count = getattr(dataset, "tokens_per_source", None)
-    if count is None or samples_in_epoch < sampler.global_batch:
+    if count is None or indices is None or not len(indices):
         return {}
-    indices = _order(sampler, epoch)[samples_in_epoch - sampler.global_batch: samples_in_epoch]
     return {SOURCE_TOKENS: count(indices)}
 
 

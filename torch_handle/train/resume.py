@@ -48,7 +48,7 @@ def resume(trainer: Any) -> Position | None:
     path = Path(path)
     layout = ckpt.read_layout(path)
     # the data and tokenizer it was trained on (handle run --resume checks the same before anything starts)
-    now = data_identity.record(trainer.data.tokenizer_path, trainer.data.fingerprint)
+    now = data_identity.record(trainer.data.identity, trainer.data.tokenizer_path)
     data_identity.check_layout(layout, now, path)
     how = load_state(trainer, path, layout)
     trainer.strategy.apply_schedule()  # a resume may change training.lr: the checkpoint holds the old peak

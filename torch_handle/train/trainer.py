@@ -28,6 +28,7 @@ from torch_handle.config.loader import Preset
 from torch_handle.finetune.build import nf4_digest, prepare_model
 from torch_handle.finetune.nf4 import nf4_storage
 from torch_handle.launch import data_identity
+from torch_handle.data.cache import cache_root
 from torch_handle.data.datasets import DataBundle, DataContext, GlobalBatchSampler, ResumableDistributedSampler
 from torch_handle.parallel.tensor.random import get_rng_tracker
 from torch_handle.registry import PluginRegistry
@@ -67,9 +68,8 @@ class Trainer:
         checkpoints and export go through it; None: the strategy holds the whole model."""
         self.pipeline: Any = None  # the PipelineParallel share when parallel.pp > 1: also the loop and the evaluation
         self.loop: MicroBatchLoop = GradientAccumulation()
-        self.epoch = 0
-        self.samples_in_epoch = 0
-        """The data position: samples of this epoch's global order consumed by all ranks (GlobalBatchSampler)."""
+        self.step_indices: Any = None
+        """The dataset indices of the latest step's global batch (all ranks'), as the sampler handed them out."""
         self.restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         self.timer = PhaseTimer(ctx.device)
         """Step breakdown (``timer.enabled = False`` turns it off; benchmarks/breakdown_overhead.py compares)."""
@@ -96,11 +96,11 @@ class Trainer:
         ctx = self.ctx
         ckpt.seed_everything(p.run.seed)
         data_plugin = self.registry.get("dataset", p.data.name)
-        cache_dir = Path(p.run.output_dir) / ".cache"
+        cache_dir = cache_root(p.run.output_dir)  # the launcher prepared text and pydoc here (data.cache)
         # one filesystem for all nodes, or one each? (for the run directory and the tokenizer cache separately)
         self.dir_leaders, cache_leaders = shared_dirs.directory_leaders([self.run_dir, cache_dir], ctx.rank,
                                                                       ctx.local_rank, self.gather)
-        beat("data", busy=ctx.local_rank == 0)  # the tokenizer may be built here while the other ranks wait
+        beat("data", busy=ctx.local_rank == 0)  # parallel's tokenizer may be trained here while the others wait
         t0 = time.perf_counter()
         self.data: DataBundle = data_plugin.factory(
             p.data.options, DataContext(cache_dir=cache_dir, is_main=cache_leaders[ctx.rank] == ctx.rank,
@@ -193,7 +193,8 @@ class Trainer:
         .resume`)."""
         position = resume(self)
         if position is not None:
-            self.step, self.epoch, self.samples_in_epoch = position.step, position.epoch, position.samples_in_epoch
+            self.step = position.step
+            self.train_sampler.load_state_dict({"epoch": position.epoch, "samples_in_epoch": position.samples_in_epoch})
 
     def checkpoint_layout(self) -> dict[str, Any]:
         """This run's ``layout.json`` (see :data:`torch_handle.checkpoint.store.LAYOUT`)."""
@@ -201,7 +202,7 @@ class Trainer:
         return {**self.checkpointer.checkpoint_layout(), "world_size": self.ctx.world_size,
                 "micro_batch_size": t.micro_batch_size, "grad_accum": t.grad_accum,
                 "global_batch": self.train_sampler.global_batch, "precision": t.precision,
-                **data_identity.record(self.data.tokenizer_path, self.data.fingerprint)}  # a resume on other data
+                **data_identity.record(self.data.identity, self.data.tokenizer_path)}  # a resume on other data
 
     def note(self, level: str, message: str) -> None:
         """A rank-0 log event (and a line in this rank's log)."""
@@ -210,17 +211,13 @@ class Trainer:
 
     # -- loop ----------------------------------------------------------------------------------------------------
     def batches(self) -> Iterator[dict[str, torch.Tensor]]:
-        """Micro-batches forever, epoch after epoch, starting at the saved position."""
-        accum, global_batch = self.training.grad_accum, self.train_sampler.global_batch
+        """Micro-batches forever, epoch after epoch, from the sampler's position (which it keeps)."""
+        accum = self.training.grad_accum
         while True:
-            self.train_sampler.set_epoch(self.epoch)
-            self.train_sampler.skip(self.samples_in_epoch)
-            for i, batch in enumerate(self.train_loader):
+            for i, batch in enumerate(self.train_loader):  # to the end of the sampler's epoch
                 if i % accum == accum - 1:  # the step's last micro-batch: its global batch is consumed
-                    self.samples_in_epoch += global_batch
+                    self.step_indices = self.train_sampler.advance()
                 yield {k: v.to(self.ctx.device, non_blocking=True) for k, v in batch.items()}
-            self.epoch += 1
-            self.samples_in_epoch = 0
 
     def forward_loss(self, batch: dict[str, torch.Tensor], *, train: bool = True) -> tuple[torch.Tensor, int]:
         """(loss, tokens) of one micro-batch; training steps use ``training.label_smoothing``, evaluation
@@ -267,7 +264,7 @@ class Trainer:
             grad_bytes = self.strategy.grad_bytes() if log_memory else 0
         record: dict[str, Any] = {"step": self.step + 1, "loss": float(stats[0] / stats[1]), "tokens": int(stats[1])}
         if self.ctx.is_main:  # a mixture's tokens by source, from the step's samples (observe.data_mix)
-            record.update(step_source_tokens(self.data.train, self.train_sampler, self.epoch, self.samples_in_epoch))
+            record.update(step_source_tokens(self.data.train, self.step_indices))
         with timer.phase("optimizer"):
             grad_norm = self._optimizer_step(record)
         if self.ctx.device.type == "cuda":
@@ -337,9 +334,10 @@ class Trainer:
             self.checkpointer.save(tmp)
             if self.ctx.is_main:
                 ckpt.save_layout(tmp, self.checkpoint_layout())
-            steps_done = self.samples_in_epoch // self.train_sampler.global_batch
+            position = self.train_sampler.state_dict()
+            steps_done = position["samples_in_epoch"] // self.train_sampler.global_batch
             ckpt.save_trainer_state(tmp, self.ctx.rank, ckpt.TrainerState(
-                self.step, self.epoch, steps_done * self.training.grad_accum, self.samples_in_epoch))
+                self.step, position["epoch"], steps_done * self.training.grad_accum, position["samples_in_epoch"]))
             ckpt.inject_fault(self.step, tmp)  # test hook: HANDLE_TEST_CHECKPOINT_ENOSPC
             self.ctx.barrier()
             # separate run directories: each gets the files that rank 0 alone wrote (a no-op on a shared one)

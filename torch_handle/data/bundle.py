@@ -1,0 +1,49 @@
+"""The one constructor of a :class:`~torch_handle.data.datasets.DataBundle` from prepared token directories: what
+the ``tokens``, ``text`` and ``pydoc`` datasets give a rank. Vocabulary, padding and end-of-document ids, the
+tokenizer file and the data's identity all come from the directories' ``meta.json``
+(:meth:`~torch_handle.data.shards.Prepared.identity`), nowhere else.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Sequence
+
+from torch_handle.data.datasets import DataBundle, TokenWindows
+from torch_handle.data.shards import Prepared, mixture_identity, mixture_problems
+from torch_handle.errors import DataError
+
+log = logging.getLogger("torch_handle")
+
+
+def prepared_bundle(sources: Sequence[tuple[str, Prepared, float]], seq_len: int, *, document_mask: bool = False,
+                    description: str = "", mixture: bool = False) -> DataBundle:
+    """A bundle of ``seq_len`` windows (:class:`~torch_handle.data.datasets.TokenWindows`) over ``sources``
+    (``(name, prepared directory, weight)``): the one directory's windows, or with ``mixture`` their weighted blend
+    (:class:`~torch_handle.data.mixture.MixedWindows`; a source shorter than its share is upsampled, said in the
+    log).
+
+    Raises:
+        DataError: sources with different tokenizers; a split too short for one window.
+    """
+    from torch_handle.data.mixture import MixedWindows
+
+    prepared = [p for _, p, _ in sources]
+    if problems := mixture_problems(prepared):
+        raise DataError("\n".join(problems))
+    splits = {}
+    for split in ("train", "valid"):
+        windows = [TokenWindows(getattr(p, split), seq_len, document_mask=document_mask,
+                                name=f"{p.directory} ({split} split)") for _, p, _ in sources]
+        splits[split] = MixedWindows(windows, [w for *_, w in sources], [n for n, *_ in sources]) if mixture \
+            else windows[0]
+    if mixture:
+        mix = splits["train"]
+        for j in mix.blend.upsampled():
+            draws, length = int(mix.blend.draws()[j]), mix.blend.lengths[j]
+            log.warning("data source %s: its share of the mixture (%d samples an epoch) is more than its %d samples: "
+                        "it is upsampled (repeats %.2f times an epoch)", mix.names[j], draws, length, draws / length)
+    identity = mixture_identity(prepared)
+    return DataBundle(train=splits["train"], valid=splits["valid"], vocab_size=identity.vocab_size, max_len=seq_len,
+                      tokenizer_path=prepared[0].tokenizer_path, pad_id=identity.pad_id, description=description,
+                      identity=identity)
