@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from torch_handle.config.loss_impl import chunked_loss_problem
 from torch_handle.config.schema import PLUGIN_TABLES, PP_V_SHAPED, Preset
 from torch_handle.config.tp_impl import native_tp_problem
 from torch_handle.errors import PresetError
@@ -166,9 +167,17 @@ def _finetune(preset: Preset, registry: Any) -> Iterator[PresetError]:
                           "finetune.method = 'lora' is split)", key="parallel.tp")
 
 
+def _loss_impl(preset: Preset, registry: Any) -> Iterator[PresetError]:
+    """``training.loss_impl = "chunked"`` where the layout cannot run it (:mod:`torch_handle.config.loss_impl`)."""
+    if preset.training.loss_impl == "chunked":
+        problem = chunked_loss_problem(preset)
+        if problem:
+            yield PresetError(f"\"chunked\" {problem}; use \"auto\" or \"full\"", key="training.loss_impl")
+
+
 LAYOUT_CHECKS: tuple[Callable[[Preset, Any], Iterator[PresetError]], ...] = (
     _world_size, _plugin_supports("model"), _plugin_supports("strategy"), _native_tp, _tied_v_shape,
-    _pipeline_precision, _microbatches, _expert_parallel, _finetune)
+    _pipeline_precision, _microbatches, _expert_parallel, _finetune, _loss_impl)
 """The ``[parallel]`` checks, structure first; each ``check(preset, registry)`` yields its problems."""
 
 

@@ -138,6 +138,14 @@ class TrainingConfig:
     it: single, ddp, fsdp, scratch-ddp; on one process (``single``, no activation checkpointing, no MoE, nothing
     frozen) the whole model instead. The loss's cross-entropy is compiled too and, on CPU, AdamW fused.
     docs/performance.md compares it with eager and with litgpt."""
+    loss_impl: Literal["auto", "chunked", "full"] = "auto"
+    """How the output layer and the loss are computed. full: the model returns the (B, T, V) logits and the loss
+    reads them. chunked: the model returns its last hidden states and the loss projects them to the vocabulary a
+    chunk of tokens at a time, the gradients computed chunk by chunk, so no (tokens x vocabulary) tensor exists
+    (Liger Kernel's FusedLinearCrossEntropy): the same loss and gradients with far less memory at large
+    vocabularies; the from-scratch decoder on an unsplit model whose strategy holds whole parameters. auto:
+    chunked where it runs and a micro-batch's fp32 logits would reach 256 MiB, else full (docs/performance.md).
+    May change on --resume."""
 
 
 @dataclass

@@ -11,6 +11,10 @@ Both models declare their repeated layers with ``blocks()`` (the ``BlockModel`` 
 checkpointed on its own (``activation_checkpointing``) and is the unit a sharding wrapper such as FSDP2 gathers
 and frees. ``model.attention = "reference"`` switches the kernel of every attention module at once.
 
+Data-dependent checks (is a batch padded? does it cross a document boundary?) read values back to the host, which
+``torch.compile`` cannot trace: a caller that compiles the model hands the forward what ``checked_inputs`` decided
+once per batch (the trainer does), and the forward reads nothing back.
+
 Shape letters: B batch, T target length, S source length, C = d_model channels, V vocabulary size.
 """
 
@@ -34,6 +38,11 @@ from torch_handle.model.profiling import record_range
 from torch_handle.model.rope import rope_table
 from torch_handle.parallel.tensor.random import checkpoint_rng_contexts
 
+CHECK = "check"
+"""The default of the forward's mask arguments: the model decides itself from the ids (a host read per forward, and
+under ``torch.compile`` the mask is built whatever it holds, with no read); a tensor or None: the caller decided
+(``checked_inputs``)."""
+
 
 def padding_mask_of(ids: Tensor, pad_id: int | None) -> Tensor | None:
     """The key-padding mask of ``ids`` (B, T): bool (B, T), True where ``ids == pad_id``; None when ``pad_id`` is
@@ -53,7 +62,11 @@ def padding_mask_of(ids: Tensor, pad_id: int | None) -> Tensor | None:
     tensors: ``handle estimate`` runs the model on them, with ids drawn above the special tokens) count as
     unpadded, as a language-model batch is.
     """
-    if pad_id is None or ids.device.type == "meta" or is_fake(ids):
+    if pad_id is None:
+        return None
+    if torch.compiler.is_compiling():  # reading the mask back would break the graph: keep it, whatever it holds
+        return ids == pad_id  # (B, T)
+    if ids.device.type == "meta" or is_fake(ids):
         return None
     mask = ids == pad_id  # (B, T)
     return mask if bool(mask.any()) else None
@@ -80,7 +93,8 @@ def document_mask_of(position_ids: Tensor | None) -> Tensor | None:
     if position_ids is None:
         return None
     T = position_ids.shape[1]
-    readable = position_ids.device.type != "meta" and not is_fake(position_ids)
+    readable = (not torch.compiler.is_compiling() and position_ids.device.type != "meta"
+                and not is_fake(position_ids))
     if readable and bool((position_ids == torch.arange(T, device=position_ids.device)).all()):
         return None
     segment = (position_ids == 0).cumsum(dim=1)  # (B, T): the document of each token
@@ -89,19 +103,23 @@ def document_mask_of(position_ids: Tensor | None) -> Tensor | None:
     return (same & causal)[:, None]  # (B, 1, T, T)
 
 
-def documents_of(input_ids: Tensor, position_ids: Tensor | None) -> dict[str, Tensor]:
+def documents_of(input_ids: Tensor, position_ids: Tensor | None, document_mask: Tensor | None | str = CHECK
+                 ) -> dict[str, Tensor]:
     """The keyword arguments that hand a decoder block its packed documents: ``attn_mask`` (B, 1, T, T) and
-    ``position_ids`` (B, T) (``document_mask_of``); none when ``position_ids`` is None or crosses no document
-    boundary, so the blocks are called as without documents.
+    ``position_ids`` (B, T) (``document_mask_of``, or ``document_mask`` when the caller built it: None then means
+    no boundary); none when ``position_ids`` is None or crosses no document boundary, so the blocks are called as
+    without documents.
 
     Raises:
-        ValueError: ``position_ids`` not of ``input_ids``' shape (B, T)."""
+        ValueError: ``position_ids`` not of ``input_ids``' shape (B, T); a ``document_mask`` without them."""
     if position_ids is None:
+        if isinstance(document_mask, Tensor):
+            raise ValueError("a document_mask needs the position_ids it was built from")
         return {}
     if position_ids.shape != input_ids.shape:
         raise ValueError(f"position_ids must have input_ids' shape {tuple(input_ids.shape)}, got "
                          f"{tuple(position_ids.shape)}")
-    mask = document_mask_of(position_ids)
+    mask = document_mask_of(position_ids) if isinstance(document_mask, str) else document_mask
     return {} if mask is None else {"attn_mask": mask, "position_ids": position_ids}
 
 
@@ -211,16 +229,17 @@ class _TransformerModel(nn.Module):
         pos = {} if position_ids is None else {"position_ids": position_ids}
         return self.embed_dropout(self.pos_encoding(x, offset, **pos))
 
-    def _padding_mask(self, ids: Tensor) -> Tensor | None:
-        """bool (B, T), True where ids == pad_id; None when nothing is padded (``padding_mask_of``)."""
-        return padding_mask_of(ids, self.args.pad_id)
+    def _padding_mask(self, ids: Tensor, given: Tensor | None | str = CHECK) -> Tensor | None:
+        """bool (B, T), True where ids == pad_id; None when nothing is padded (``padding_mask_of``); ``given``
+        when the caller decided (``checked_inputs``)."""
+        return padding_mask_of(ids, self.args.pad_id) if isinstance(given, str) else given
 
-    def _decoder_input(self, ids: Tensor, cache: KVCache | None, position_ids: Tensor | None = None
-                       ) -> tuple[Tensor, Tensor | None]:
+    def _decoder_input(self, ids: Tensor, cache: KVCache | None, position_ids: Tensor | None = None,
+                       padding_mask: Tensor | None | str = CHECK) -> tuple[Tensor, Tensor | None]:
         """The decoder stack's input: ids (B, T) embedded from position ``cache.length`` (or at ``position_ids``
         (B, T)) (B, T, C), and the padding mask of every key, the P cached positions' first (B, P + T), or None
-        while none of them is padded. Advances ``cache``."""
-        mask = self._padding_mask(ids)  # (B, T) or None
+        while none of them is padded (``padding_mask``: the caller's decision for ids). Advances ``cache``."""
+        mask = self._padding_mask(ids, padding_mask)  # (B, T) or None
         x = self._embed(ids, 0 if cache is None else cache.length, position_ids)  # (B, T, C)
         if cache is not None:
             mask = cache.extend_padding(mask, ids.shape[1])  # (B, P + T) or None
@@ -296,8 +315,26 @@ class DecoderLM(_TransformerModel):
     def blocks(self) -> list[nn.Module]:
         return list(self.layers)
 
-    def forward(self, input_ids: Tensor, *, position_ids: Tensor | None = None, cache: KVCache | None = None
-                ) -> Tensor:
+    def checked_inputs(self, input_ids: Tensor, position_ids: Tensor | None = None) -> dict[str, Tensor | None]:
+        """The forward's keyword arguments for a batch with its data-dependent checks done here, once, in eager
+        mode: ``padding_mask`` (``padding_mask_of``) and, with ``position_ids``, ``document_mask``
+        (``document_mask_of``; ``position_ids`` are dropped when the batch crosses no document boundary). A model
+        compiled whole then runs them with no graph break and no host read (the trainer calls this outside the
+        compiled region: a whole-model compile broke at every forward on the padding check, issue 49).
+
+        Raises:
+            ValueError: ``position_ids`` not of ``input_ids``' shape."""
+        kwargs: dict[str, Tensor | None] = {"input_ids": input_ids,
+                                            "padding_mask": padding_mask_of(input_ids, self.args.pad_id)}
+        documents = documents_of(input_ids, position_ids)
+        if position_ids is not None:
+            kwargs.update(document_mask=documents.get("attn_mask"), **({"position_ids": position_ids}
+                                                                        if documents else {}))
+        return kwargs
+
+    def forward(self, input_ids: Tensor, *, position_ids: Tensor | None = None, cache: KVCache | None = None,
+                padding_mask: Tensor | None | str = CHECK, document_mask: Tensor | None | str = CHECK,
+                return_hidden: bool = False) -> Tensor:
         """
         Args:
             input_ids: LongTensor (B, T) with T <= max_len (with ``cache``: cache.length + T <= max_len).
@@ -310,10 +347,16 @@ class DecoderLM(_TransformerModel):
             cache: incremental decoding (eval): ``KVCache.for_model(model)``, then the same object on every
                 call, each feeding only the tokens after those already seen (positions continue from
                 ``cache.length``). None (training): the whole sequence, as always.
+            padding_mask, document_mask: ``CHECK`` (default): the model decides from the ids and positions (a host
+                read each); else bool (B, T) / (B, 1, T, T) or None as ``checked_inputs`` decided them.
+            return_hidden: return the final normalised hidden states (B, T, C) instead of the logits, for a loss
+                that applies the output layer itself chunk by chunk (``training.loss_impl``,
+                ``torch_handle.train.loss.chunked_loss_fn`` with ``lm_head.weight``).
 
         Returns:
             logits: (B, T, V) in the head's compute dtype (float32, or bf16/fp16 under autocast or a 16-bit
-                model: the loss upcasts them chunk by chunk); position t predicts token t + 1.
+                model: the loss upcasts them chunk by chunk); position t predicts token t + 1. With
+                ``return_hidden``: (B, T, C).
 
         Raises:
             ValueError: ``position_ids`` with a ``cache`` (packed documents are for training and evaluation), or
@@ -321,12 +364,16 @@ class DecoderLM(_TransformerModel):
         """
         if position_ids is not None and cache is not None:
             raise ValueError("position_ids (packed documents) cannot be combined with a key/value cache")
-        documents = documents_of(input_ids, position_ids)  # attn_mask (B, 1, T, T), position_ids (B, T), or none
-        x, padding_mask = self._decoder_input(input_ids, cache, documents.get("position_ids"))  # (B, T, C), ...
+        # attn_mask (B, 1, T, T), position_ids (B, T), or none
+        documents = documents_of(input_ids, position_ids, document_mask)
+        x, padding_mask = self._decoder_input(input_ids, cache, documents.get("position_ids"),  # (B, T, C), ...
+                                              padding_mask)
         for i, layer in enumerate(self.layers):
             x = self._run_block(f"decoder.layer{i}", layer, x, key_padding_mask=padding_mask,
                                 **_layer_cache(cache, i), **documents, **self._rope())
         x = self.final_norm(x)
+        if return_hidden:
+            return x  # (B, T, C)
         # (B, T, V). No .float(): under autocast the head's output is already rounded to bf16, so an fp32 copy
         # would add no precision, only a pass over B·T·V elements; the loss upcasts per chunk.
         return self.lm_head(x)
@@ -368,40 +415,50 @@ class EncoderDecoder(_TransformerModel):
     def blocks(self) -> list[nn.Module]:
         return [*self.encoder_layers, *self.decoder_layers]
 
-    def encode(self, src_ids: Tensor) -> tuple[Tensor, Tensor | None]:
-        """src_ids LongTensor (B, S) -> (memory (B, S, C), source padding mask bool (B, S) or None)."""
-        src_padding_mask = self._padding_mask(src_ids)  # (B, S) or None
+    def checked_inputs(self, src_ids: Tensor, tgt_ids: Tensor) -> dict[str, Tensor | None]:
+        """The forward's keyword arguments with both padding masks decided here, once per batch, in eager mode
+        (``padding_mask_of``; see ``DecoderLM.checked_inputs``)."""
+        pad = self.args.pad_id
+        return {"src_ids": src_ids, "tgt_ids": tgt_ids, "src_padding_mask": padding_mask_of(src_ids, pad),
+                "tgt_padding_mask": padding_mask_of(tgt_ids, pad)}
+
+    def encode(self, src_ids: Tensor, padding_mask: Tensor | None | str = CHECK) -> tuple[Tensor, Tensor | None]:
+        """src_ids LongTensor (B, S) -> (memory (B, S, C), source padding mask bool (B, S) or None; ``padding_mask``
+        as in ``DecoderLM.forward``)."""
+        src_padding_mask = self._padding_mask(src_ids, padding_mask)  # (B, S) or None
         x = self._embed(src_ids)  # (B, S, C)
         for i, layer in enumerate(self.encoder_layers):
             x = self._run_block(f"encoder.layer{i}", layer, x, key_padding_mask=src_padding_mask, **self._rope())
         return self.encoder_norm(x), src_padding_mask
 
     def decode(self, tgt_ids: Tensor, memory: Tensor, src_padding_mask: Tensor | None = None, *,
-               cache: KVCache | None = None) -> Tensor:
+               cache: KVCache | None = None, tgt_padding_mask: Tensor | None | str = CHECK) -> Tensor:
         """tgt_ids LongTensor (B, T), memory (B, S, C) -> logits (B, T, V) in the head's compute dtype (as in
         ``DecoderLM.forward``).
 
         ``cache`` (eval): incremental decoding as in ``DecoderLM.forward``; the cross-attention keys/values
         of ``memory`` are projected on the first call and reused (after ``cache.reorder`` too)."""
-        x, tgt_padding_mask = self._decoder_input(tgt_ids, cache)  # (B, T, C), (B, P + T) or None
+        x, tgt_padding_mask = self._decoder_input(tgt_ids, cache, None, tgt_padding_mask)  # (B, T, C), (B, P+T)
         for i, layer in enumerate(self.decoder_layers):
             x = self._run_block(f"decoder.layer{i}", layer, x, memory, key_padding_mask=tgt_padding_mask,
                                 memory_key_padding_mask=src_padding_mask, **_layer_cache(cache, i), **self._rope())
         x = self.decoder_norm(x)
         return self.lm_head(x)  # (B, T, V)
 
-    def forward(self, src_ids: Tensor, tgt_ids: Tensor) -> Tensor:
+    def forward(self, src_ids: Tensor, tgt_ids: Tensor, *, src_padding_mask: Tensor | None | str = CHECK,
+                tgt_padding_mask: Tensor | None | str = CHECK) -> Tensor:
         """
         Args:
             src_ids: LongTensor (B, S), S <= max_len.
             tgt_ids: LongTensor (B, T), T <= max_len (teacher-forced decoder input).
+            src_padding_mask, tgt_padding_mask: ``CHECK`` or ``checked_inputs``' decision (``DecoderLM.forward``).
 
         Returns:
             logits: (B, T, V) in the head's compute dtype (as in ``DecoderLM.forward``); position t predicts
                 target token t + 1.
         """
-        memory, src_padding_mask = self.encode(src_ids)  # (B, S, C)
-        return self.decode(tgt_ids, memory, src_padding_mask)
+        memory, src_padding_mask = self.encode(src_ids, src_padding_mask)  # (B, S, C)
+        return self.decode(tgt_ids, memory, src_padding_mask, tgt_padding_mask=tgt_padding_mask)
 
 
 def _layer_cache(cache: KVCache | None, i: int) -> dict[str, LayerCache]:

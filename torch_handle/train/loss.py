@@ -1,14 +1,23 @@
-"""The training loss: token-mean cross-entropy over the whole vocabulary (the tensor-parallel loss over a split
-vocabulary is :func:`torch_handle.parallel.tensor.cross_entropy.vocab_parallel_cross_entropy`), and the scale
-a model's auxiliary losses get in backward (:class:`AuxLossScale`)."""
+"""The training loss: token-mean cross-entropy over the whole vocabulary, from the logits (:func:`loss_fn`) or from
+the last hidden states and the output weight a chunk of tokens at a time (:func:`chunked_loss_fn`; which one:
+``training.loss_impl``, :func:`pick_loss_impl`); the tensor-parallel loss over a split vocabulary is
+:func:`torch_handle.parallel.tensor.cross_entropy.vocab_parallel_cross_entropy`. And the scale a model's auxiliary
+losses get in backward (:class:`AuxLossScale`)."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from torch_handle.data.datasets import IGNORE_INDEX
 from torch_handle.model.kernels import cross_entropy
+from torch_handle.model.linear_cross_entropy import linear_cross_entropy
+
+AUTO_CHUNKED_LOGITS_BYTES = 256 << 20
+"""``training.loss_impl = "auto"`` takes the chunked loss where a micro-batch's fp32 logits (B·T·V·4 bytes) would
+reach this (256 MiB: Llama 3's vocabulary from 512 tokens a micro-batch; the quick start's 32 MiB stays full)."""
 
 
 def loss_fn(logits: torch.Tensor, labels: torch.Tensor, label_smoothing: float = 0.0, *, compiled: bool = False
@@ -27,6 +36,69 @@ def loss_fn(logits: torch.Tensor, labels: torch.Tensor, label_smoothing: float =
     n_tokens = (labels != IGNORE_INDEX).sum()
     flat, targets = logits.flatten(0, 1), labels.flatten()  # (B·T, V), (B·T,)
     return cross_entropy(flat, targets, label_smoothing, IGNORE_INDEX, compiled=compiled), n_tokens
+
+
+def chunked_loss_fn(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, label_smoothing: float = 0.0
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`loss_fn` of the logits ``hidden @ weight.T`` without them: hidden (B, T, C) (the model's final
+    normalised hidden states, ``DecoderLM.forward(return_hidden=True)``), weight (V, C) (its output layer's, a tied
+    embedding's table, frozen or not), labels (B, T) -> (scalar fp32 loss, tokens counted as a scalar tensor).
+
+    The same loss and gradients as ``loss_fn(model(ids), labels, eps)`` (fp32: to rounding order; under bf16
+    autocast the logits are rounded to bf16 as the output layer rounds them), the logits projected and reduced a
+    chunk of tokens at a time (:func:`torch_handle.model.linear_cross_entropy.linear_cross_entropy`: Liger Kernel's
+    ``FusedLinearCrossEntropy``; Wijmans et al. 2024, Cut Cross-Entropy; torchtune's chunked cross-entropy)."""
+    n_tokens = (labels != IGNORE_INDEX).sum()
+    return linear_cross_entropy(hidden, weight, labels, label_smoothing, IGNORE_INDEX), n_tokens
+
+
+def pick_loss_impl(loss_impl: str, tokens: int, vocab_size: int, problem: str | None = None) -> str:
+    """``"chunked"`` or ``"full"``: what ``training.loss_impl`` runs for micro-batches of ``tokens`` (B·T) tokens
+    over ``vocab_size``. ``"auto"``: chunked where the fp32 logits would reach ``AUTO_CHUNKED_LOGITS_BYTES`` and
+    nothing rules it out (``problem``: why the run cannot take it, from
+    :func:`torch_handle.config.loss_impl.chunked_loss_problem`, or None).
+
+    Raises:
+        ValueError: ``"chunked"`` with a ``problem`` (``handle validate`` reports it first), or an unknown name."""
+    if loss_impl == "full":
+        return "full"
+    if loss_impl == "chunked":
+        if problem:
+            raise ValueError(f"training.loss_impl = \"chunked\": {problem}")
+        return "chunked"
+    if loss_impl != "auto":
+        raise ValueError(f"unknown training.loss_impl {loss_impl!r} (valid: auto, chunked, full)")
+    return "chunked" if problem is None and tokens * vocab_size * 4 >= AUTO_CHUNKED_LOGITS_BYTES else "full"
+
+
+def micro_batch_loss(strategy: Any, batch: dict[str, torch.Tensor], labels: torch.Tensor, loss_impl: str,
+                     label_smoothing: float = 0.0, *, share: Any = None, compiled: bool = False
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token-mean loss, tokens) of one micro-batch: the forward of ``strategy.model`` under ``strategy.autocast()``
+    and the loss ``loss_impl`` names (``pick_loss_impl``), as the trainer computes it.
+
+    The model's data-dependent checks (padding, packed documents) are made here, once per batch, in eager mode,
+    when the model offers them (``checked_inputs`` of ``strategy.unwrapped()``): a model compiled whole then runs
+    without a graph break or a host read. ``"chunked"``: the model returns its hidden states (B, T, C)
+    (``return_hidden=True``) and :func:`chunked_loss_fn` applies its output layer (``lm_head.weight``), under the
+    autocast, as the output layer would run; ``"full"``: :func:`loss_fn` of the logits (B, T, V), or
+    ``share.loss`` for a split model.
+
+    Args:
+        strategy: ``model`` (the module to call), ``unwrapped()`` (the model itself) and ``autocast()``.
+        batch: the model's inputs (``input_ids``, ``position_ids``, ...); labels (B, T).
+        compiled: ``training.compile`` (the full loss's cross-entropy compiled)."""
+    model = strategy.unwrapped()
+    checked = getattr(model, "checked_inputs", None)
+    inputs = batch if checked is None else checked(**batch)
+    with strategy.autocast():
+        if loss_impl == "chunked":  # the output layer inside the loss, chunk by chunk: no logits
+            hidden = strategy.model(**inputs, return_hidden=True)  # (B, T, C)
+            return chunked_loss_fn(hidden, model.lm_head.weight, labels, label_smoothing)
+        logits = strategy.model(**inputs)  # (B, T, V)
+    if share is not None:
+        return share.loss(logits, labels, label_smoothing)
+    return loss_fn(logits, labels, label_smoothing, compiled=compiled)
 
 
 class _Probe(torch.autograd.Function):

@@ -39,7 +39,8 @@ from torch_handle.observe.data_mix import step_source_tokens
 from torch_handle.observe.heartbeat import beat, busy
 from torch_handle.observe.telemetry import EVENTS_FILE, EventWriter, NullEventWriter
 from torch_handle.train.loop import GradientAccumulation, MicroBatchLoop, plain
-from torch_handle.train.loss import AuxLossScale, loss_fn
+from torch_handle.config.loss_impl import chunked_loss_problem
+from torch_handle.train.loss import AuxLossScale, micro_batch_loss, pick_loss_impl
 from torch_handle.train.phases import PhaseTimer
 from torch_handle.train.compiled import compile_for_training
 from torch_handle.train.compose import build_shares
@@ -124,6 +125,9 @@ class Trainer:
         self.model_info = {"params": sum(t.numel() for t in model.parameters()) - stored,
                            "flops_per_token": float(flops(self.data.max_len)) if flops is not None else None}
         self.routing = RoutingTelemetry(model, ctx.tp_rank, ctx.dp_size)  # every MoE layer, before a pipeline split
+        self.loss_impl = pick_loss_impl(self.training.loss_impl, self.training.micro_batch_size * self.data.max_len,
+                                        self.data.vocab_size, chunked_loss_problem(p))
+        log.info("training.loss_impl: %s (%s)", self.loss_impl, self.training.loss_impl)
         model.to(ctx.device)
         self.aux_loss_scale = AuxLossScale(model)  # what the MoE layers' attached losses get in backward
         if self.share is not None:
@@ -223,13 +227,9 @@ class Trainer:
         """(loss, tokens) of one micro-batch; training steps use ``training.label_smoothing``, evaluation
         (``train=False``) plain cross-entropy, so validation losses stay comparable across settings."""
         labels = batch.pop("labels")
-        with self.strategy.autocast():
-            logits = self.strategy.model(**batch)
         eps = self.training.label_smoothing if train else 0.0
-        if self.share is not None:
-            loss, n = self.share.loss(logits, labels, eps)
-        else:
-            loss, n = loss_fn(logits, labels, eps, compiled=self.training.compile)
+        loss, n = micro_batch_loss(self.strategy, batch, labels, self.loss_impl, eps, share=self.share,
+                                   compiled=self.training.compile)
         return self.aux_loss_scale.probe(loss), n
 
     def micro_batch(self):

@@ -1,0 +1,190 @@
+"""``training.loss_impl = "chunked"`` (issue 49): the output layer and the cross-entropy a chunk of tokens at a time
+compute what the whole logits' loss computes -- the loss and every gradient (hidden states, the output weight, a
+tied embedding, LoRA adapters under a frozen output weight), with label smoothing and ignored labels, in fp32 to
+1e-6 and under bf16 autocast to bf16's rounding -- through the trainer's own micro-batch loss; no (tokens x
+vocabulary) tensor is ever made; the per-sequence log-probabilities; what ``auto`` picks and what ``handle
+validate`` refuses."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from types import SimpleNamespace as NS
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from torch_handle.config.loader import preset_problems
+from torch_handle.finetune.lora import apply_lora
+from torch_handle.model import linear_cross_entropy as lce
+from torch_handle.model.args import TransformerArgs
+from torch_handle.model.transformer import DecoderLM
+from torch_handle.train.loss import AUTO_CHUNKED_LOGITS_BYTES, micro_batch_loss, pick_loss_impl
+
+VOCAB, BATCH, SEQ = 97, 2, 12
+LLAMA = dict(d_model=32, n_heads=4, n_layers=1, d_ff=48, dropout=0.0, max_len=SEQ, norm="rmsnorm", position="rope",
+             mlp="swiglu", norm_first=True, bias=False, scale_embeddings=False, n_kv_heads=2)
+
+
+@pytest.fixture(autouse=True)
+def _small_chunks(monkeypatch):
+    """Five tokens a chunk: 24 tokens are five chunks, the last one short."""
+    monkeypatch.setattr(lce, "CHUNK_ELEMENTS", {"cpu": 5 * VOCAB, "cuda": 5 * VOCAB})
+    monkeypatch.setattr(lce, "MIN_CHUNK_ROWS", 1)
+
+
+def _batch(seed: int = 0) -> dict[str, torch.Tensor]:
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(seed))
+    labels = ids[:, 1:].clone()
+    labels[0, :4] = -100  # a prompt's labels: left out of the mean
+    labels[1, -1] = -100
+    return {"input_ids": ids[:, :-1], "labels": labels}
+
+
+def _step(model, loss_impl: str, eps: float, dtype: torch.dtype | None = None):
+    """The trainer's micro-batch loss and its backward; (loss, tokens, {name: grad})."""
+    autocast = (lambda: torch.autocast("cpu", dtype=dtype)) if dtype else (lambda: torch.autocast("cpu",
+                                                                                                enabled=False))
+    strategy = NS(model=model, unwrapped=lambda: model, autocast=autocast)
+    batch = _batch()
+    loss, n = micro_batch_loss(strategy, batch, batch.pop("labels"), loss_impl, eps)
+    loss.backward()
+    return loss, n, {k: p.grad for k, p in model.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize("variant", ["tied", "untied", "lora"])
+@pytest.mark.parametrize("eps", [0.0, 0.1])
+def test_chunked_equals_full_in_loss_and_every_gradient_in_fp32(variant, eps):
+    torch.manual_seed(0)
+    model = DecoderLM(TransformerArgs(VOCAB, **LLAMA, tie_embeddings=variant == "tied"))
+    if variant == "lora":  # the output weight (and everything but the adapters) frozen
+        apply_lora(model, rank=4, alpha=8.0, dropout=0.0, target_modules=["all"])
+        for p in model.parameters():
+            p.data.add_(torch.randn_like(p) * 0.05 if p.requires_grad else 0)  # B != 0: a gradient everywhere
+    full_loss, full_n, full = _step(copy.deepcopy(model), "full", eps)
+    loss, n, grads = _step(model, "chunked", eps)
+    assert int(n) == int(full_n) == BATCH * SEQ - 5
+    assert loss.dtype == torch.float32
+    torch.testing.assert_close(loss, full_loss, rtol=0, atol=1e-6)
+    assert grads.keys() == full.keys() and ("lm_head.weight" in grads) == (variant == "untied")
+    assert ("embed.weight" in grads) == (variant != "lora")  # tied: the output layer's gradient lands here too
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, full[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_chunked_equals_full_under_bf16_autocast():
+    """The chunk's logits rounded to bf16 as the output layer rounds them, the gradients back through bf16: the
+    values of the whole logits' loss to bf16's rounding (the output weight's gradient is summed over chunks in
+    fp32 where the full path sums over all tokens in one bf16 matmul)."""
+    torch.manual_seed(0)
+    model = DecoderLM(TransformerArgs(VOCAB, **LLAMA, tie_embeddings=True))
+    full_loss, _, full = _step(copy.deepcopy(model), "full", 0.1, torch.bfloat16)
+    loss, _, grads = _step(model, "chunked", 0.1, torch.bfloat16)
+    torch.testing.assert_close(loss, full_loss, rtol=1e-3, atol=1e-3)
+    for name, grad in grads.items():
+        scale = full[name].abs().max()
+        torch.testing.assert_close(grad, full[name], rtol=0, atol=2e-2 * scale, msg=name)
+
+
+class _LargestOutput(TorchDispatchMode):
+    """The most elements any op returns while active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+@pytest.mark.parametrize("loss_impl", ["chunked", "full"])
+def test_no_tensor_of_every_token_by_the_vocabulary(loss_impl):
+    """Forward and backward of the loss path: the largest tensor chunked makes is one chunk of logits (5 tokens x V)
+    or the output weight's gradient (V x C); full makes the (B·T, V) logits."""
+    torch.manual_seed(0)
+    hidden = torch.randn(BATCH, SEQ, 8, requires_grad=True)
+    weight = torch.randn(VOCAB, 8, requires_grad=True)
+    labels = _batch()["labels"]
+    with _LargestOutput() as mode:
+        if loss_impl == "chunked":
+            loss = lce.linear_cross_entropy(hidden, weight, labels)
+        else:
+            loss = F.cross_entropy((hidden @ weight.T).flatten(0, 1), labels.flatten())
+        loss.backward()
+    tokens_by_vocab = BATCH * SEQ * VOCAB
+    if loss_impl == "chunked":
+        assert mode.largest == max(5 * VOCAB, weight.numel()) < tokens_by_vocab
+    else:
+        assert mode.largest == tokens_by_vocab
+
+
+def test_evaluation_computes_no_gradient_and_a_second_backward_is_refused():
+    torch.manual_seed(0)
+    hidden = torch.randn(BATCH, SEQ, 8, requires_grad=True)
+    weight = torch.randn(VOCAB, 8, requires_grad=True)
+    labels = _batch()["labels"]
+    with torch.no_grad():
+        evaluated = lce.linear_cross_entropy(hidden, weight, labels)
+    loss = lce.linear_cross_entropy(hidden, weight, labels)
+    assert torch.equal(evaluated, loss.detach()) and not evaluated.requires_grad
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backward through it twice"):
+        loss.backward()
+    with pytest.raises(ValueError, match="do not fit"):
+        lce.linear_cross_entropy(hidden, weight, labels[:, 1:])
+
+
+def test_sequence_logps_are_the_summed_log_probabilities_and_their_gradients():
+    """Per-sequence Σ log p(label) (preference losses' ``logps``), recomputed chunk by chunk in backward; a sequence
+    with no counted token sums to 0."""
+    torch.manual_seed(0)
+    hidden = torch.randn(3, SEQ, 8, requires_grad=True)
+    weight = torch.randn(VOCAB, 8, requires_grad=True)
+    labels = torch.randint(0, VOCAB, (3, SEQ))
+    labels[0, :5] = -100
+    labels[2] = -100
+    upstream = torch.tensor([1.0, -2.0, 0.5])  # a preference loss weighs each sequence its own way
+    got = lce.sequence_logps(hidden, weight, labels)
+    (got * upstream).sum().backward()
+    got_grads = hidden.grad, weight.grad
+    hidden.grad = weight.grad = None
+    log_p = torch.log_softmax(hidden @ weight.T, dim=-1)  # (B, T, V)
+    want = (log_p.gather(-1, labels.clamp(min=0)[..., None])[..., 0] * (labels != -100)).sum(1)
+    (want * upstream).sum().backward()
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-5)
+    assert got[2] == 0
+    for g, w in zip(got_grads, (hidden.grad, weight.grad)):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+
+
+def test_auto_takes_the_chunked_loss_for_large_logits_where_it_runs():
+    big = AUTO_CHUNKED_LOGITS_BYTES // 4 // 128_256 + 1  # tokens whose fp32 logits reach the threshold
+    assert pick_loss_impl("auto", big, 128_256) == "chunked"
+    assert pick_loss_impl("auto", big - 2, 128_256) == "full"
+    assert pick_loss_impl("auto", big, 128_256, problem="a split model") == "full"
+    assert pick_loss_impl("full", big, 128_256) == "full"
+    with pytest.raises(ValueError, match='training.loss_impl = "chunked": a split model'):
+        pick_loss_impl("chunked", 8, 97, problem="a split model")
+
+
+@pytest.mark.parametrize(("overrides", "why"), [
+    (["parallel.tp=2"], "runs on unsplit models only, not with parallel.tp = 2"),
+    (["strategy.name=fsdp"], "needs whole parameters after the forward pass; strategy 'fsdp'"),
+    (["strategy.name=deepspeed", "strategy.zero_stage=3"], "strategy 'deepspeed' holds the output weight"),
+    ([], None),
+])
+def test_validate_refuses_chunked_where_it_cannot_run(tmp_path, overrides, why):
+    path = Path(__file__).resolve().parents[2] / "presets" / "llama.toml"
+    sets = ["training.loss_impl=chunked", "launch.nproc_per_node=2", *overrides]
+    preset, problems = preset_problems(path, sets)
+    found = [str(p) for p in problems if "training.loss_impl" in str(p)]
+    if why is None:
+        assert preset is not None and not problems, [str(p) for p in problems]
+    else:
+        assert len(found) == 1 and why in found[0] and 'use "auto" or "full"' in found[0], found

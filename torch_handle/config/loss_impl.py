@@ -1,0 +1,43 @@
+"""``training.loss_impl``: where the chunked loss (the output layer and the cross-entropy a chunk of tokens at a
+time, :func:`torch_handle.train.loss.chunked_loss_fn`) can run.
+
+It takes the model's last hidden states and its output weight *outside* the model's forward, so it needs
+
+* the from-scratch decoder (``model.name = "transformer"``, ``kind = "decoder"``: ``DecoderLM.forward`` returns
+  its hidden states on request; a plugin's model or the encoder-decoder returns logits only);
+* no parallel share (``parallel.tp``, ``pp`` and ``ep`` = 1): tensor parallelism's loss is vocabulary-parallel over
+  the split logits and a pipeline's loss runs inside its last stage, both from the logits;
+* a strategy that holds whole parameters after the forward pass: not ``fsdp``, ``scratch-fsdp`` or ``deepspeed``
+  with ``zero_stage = 3`` (their output weight is a shard outside the forward).
+
+``"auto"`` (the default) takes the chunked loss where it can run and the logits would be large
+(:func:`torch_handle.train.loss.pick_loss_impl`); ``"chunked"`` where it cannot is refused before anything starts
+(:func:`torch_handle.config.layout.check_parallel`), naming why.
+
+Standard library only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+SHARDING_STRATEGIES = ("fsdp", "scratch-fsdp")
+"""Strategies whose parameters are shards outside the forward pass (plus ``deepspeed`` at ZeRO-3)."""
+
+
+def chunked_loss_problem(preset: Any) -> str | None:
+    """Why ``preset``'s run cannot take the chunked loss (one clause, no key), or None when it can."""
+    model, par, strategy = preset.model, preset.parallel, preset.strategy
+    if model.name != "transformer" or getattr(model.options, "kind", "decoder") != "decoder":
+        return (f"needs the from-scratch decoder (model.name = 'transformer', kind = 'decoder'), not "
+                f"{model.name!r} of kind {getattr(model.options, 'kind', '?')!r}")
+    split = [f"parallel.{name} = {degree}" for name, degree in (("tp", par.tp), ("pp", par.pp), ("ep", par.ep))
+             if degree > 1]
+    if split:
+        return (f"runs on unsplit models only, not with {' and '.join(split)} (the split model's loss is computed "
+                f"from its logits)")
+    if strategy.name in SHARDING_STRATEGIES or (strategy.name == "deepspeed"
+                                                 and getattr(strategy.options, "zero_stage", 0) == 3):
+        return (f"needs whole parameters after the forward pass; strategy {strategy.name!r} holds the output weight "
+                f"as a shard there (valid: single, ddp, scratch-ddp, deepspeed with zero_stage <= 2)")
+    return None

@@ -1,0 +1,232 @@
+"""The output layer and the loss in one, a chunk of tokens at a time: no (tokens x vocabulary) tensor exists at once.
+
+* ``linear_cross_entropy`` -- token-mean cross-entropy of ``hidden @ weight.T`` (with label smoothing and an ignore
+  index), computed by ``ChunkedLinearCrossEntropy``: each chunk's logits are projected, reduced to the loss and
+  turned into the chunk's gradients in the forward pass, then dropped (Liger Kernel's ``FusedLinearCrossEntropy``,
+  ``liger_kernel/ops/fused_linear_cross_entropy.py``; the same arithmetic as the whole logits' loss, so the
+  same FLOPs: one projection forward, two matmuls for the gradients).
+* ``sequence_logps`` -- per-sequence summed log-probabilities of the labels (what preference losses such as DPO
+  need), computed by ``ChunkedSequenceLogProbs``: forward keeps only the inputs and one log-sum-exp per token,
+  backward recomputes each chunk's logits (torchtune's chunked cross-entropy recomputes the same way; Apple's Cut
+  Cross-Entropy, Wijmans et al. 2024, "Cut Your Losses in Large-Vocabulary Language Models", keeps them on chip).
+
+Why: at Llama 3's vocabulary (128,256) and 2,048 tokens the fp32 logits alone are 1.05 GB a sequence, again for
+their gradient, plus the 16-bit copy the output layer writes under autocast. Here the working set is one chunk's
+logits (``chunk_rows`` rows: 128 MiB of fp32 on CUDA) plus the output weight's fp32 gradient, which the full path
+also writes in backward. Measured in docs/performance.md (``benchmarks/loss_memory.py``).
+
+Precision: the chunk's logits are computed in the compute dtype (autocast's, else the hidden states'), exactly as
+``nn.Linear`` under autocast rounds them, then upcast to fp32 for the log-sum-exp; the gradients go back through the
+same dtype; the output weight's gradient is accumulated over the chunks in fp32. In fp32 the values equal the
+whole-logits loss (``torch_handle.model.kernels.cross_entropy``) to rounding order (tests/unit/test_chunked_loss.py).
+
+Shape letters: N tokens (B·T flattened), C = d_model, V vocabulary, B batch, T sequence length. Only ``torch``
+is imported.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+CHUNK_ELEMENTS = {"cuda": 1 << 25, "cpu": 1 << 21}
+"""Logit elements per chunk by device type (``chunk_rows``): 128 MiB of fp32 on CUDA (512 rows of a 65,536
+vocabulary: enough rows that each chunk's three matmuls are compute bound on an H100), 8 MiB on CPU; other devices
+take CUDA's."""
+MIN_CHUNK_ROWS = 16
+"""No chunk is smaller than this (unless the input is): every chunk reads the whole weight three times."""
+
+
+def chunk_rows(n_rows: int, vocab: int, device: torch.device | str = "cpu") -> int:
+    """Rows (tokens) per chunk: ``CHUNK_ELEMENTS`` of the device over ``vocab``, at least ``MIN_CHUNK_ROWS``, at
+    most ``n_rows`` (and at least 1)."""
+    kind = torch.device(device).type
+    budget = CHUNK_ELEMENTS[kind if kind in CHUNK_ELEMENTS else "cuda"]
+    return max(1, min(n_rows, max(MIN_CHUNK_ROWS, budget // max(1, vocab))))
+
+
+def compute_dtype(hidden: Tensor) -> torch.dtype:
+    """The dtype ``nn.Linear`` would compute ``hidden``'s logits in: autocast's where it is on for ``hidden``'s
+    device, else ``hidden``'s own."""
+    device = hidden.device.type
+    if torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return hidden.dtype
+
+
+class ChunkedLinearCrossEntropy(torch.autograd.Function):
+    """Token-mean cross-entropy of the logits ``hidden @ weight.T``, ``rows`` tokens at a time, with the gradients
+    computed in the forward pass chunk by chunk (Liger Kernel's ``FusedLinearCrossEntropy``).
+
+    Per chunk: z = h_c · Wᵀ (rows, V) in ``dtype``; in fp32 lse = log Σ exp z; the row's loss (1 - eps)(lse - z_y) +
+    eps(lse - mean_j z_j) (label smoothing as ``F.cross_entropy(label_smoothing=eps)``); then the gradient of the
+    token-mean loss with respect to z, (softmax(z) - q) · valid / n (q the smoothed target, n the counted tokens),
+    rounded to ``dtype``, gives the chunk's d h = g · W and adds gᵀ · h_c to d W (fp32). Backward only scales them
+    by the incoming gradient (in place: backward runs once; a second backward through it raises RuntimeError).
+
+    forward(hidden (N, C), weight (V, C), labels (N,) long, eps float in [0, 1), ignore_index int, rows int, dtype
+    torch.dtype, need_hidden bool, need_weight bool) -> scalar fp32 mean over labels != ignore_index (NaN when
+    none, like ``F.cross_entropy``). ``need_*`` False: that gradient is not computed (a frozen output weight under
+    LoRA/QLoRA; evaluation under ``no_grad``, where neither is).
+    """
+
+    @staticmethod
+    def forward(ctx, hidden: Tensor, weight: Tensor, labels: Tensor, eps: float, ignore_index: int, rows: int,
+                dtype: torch.dtype, need_hidden: bool, need_weight: bool) -> Tensor:
+        h, w = hidden.to(dtype), weight.to(dtype)  # (N, C), (V, C): one cast of each, as autocast's linear makes
+        n_rows, vocab = h.shape[0], w.shape[0]
+        valid = labels != ignore_index  # (N,)
+        safe = torch.where(valid, labels, 0)[:, None]  # (N, 1): ignored rows point at class 0, then weigh 0
+        n = valid.sum()
+        row_weight = valid / n  # (N,) fp32: d loss / d row loss
+        total = torch.zeros((), dtype=torch.float32, device=h.device)
+        grad_h = torch.empty_like(hidden) if need_hidden else None  # (N, C)
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=w.device) if need_weight else None  # (V, C)
+        for s in range(0, n_rows, rows):
+            h_c, idx = h[s:s + rows], safe[s:s + rows]
+            z = (h_c @ w.T).float()  # (r, V): rounded to dtype as nn.Linear rounds, then fp32
+            lse = torch.logsumexp(z, dim=-1)  # (r,)
+            row = lse - z.gather(1, idx).squeeze(1)  # (r,): -log p_label
+            if eps:
+                row = row.mul_(1.0 - eps).add_(lse - z.mean(dim=-1), alpha=eps)
+            total += row.masked_fill_(~valid[s:s + rows], 0.0).sum()
+            if grad_h is None and grad_w is None:
+                continue
+            p = z.sub_(lse[:, None]).exp_()  # (r, V) fp32 softmax, in place of the logits
+            if eps:
+                p.sub_(eps / vocab)
+            p.scatter_add_(1, idx, torch.full_like(idx, eps - 1.0, dtype=p.dtype))
+            g = p.mul_(row_weight[s:s + rows, None]).to(dtype)  # (r, V): d loss / d z, in the compute dtype
+            del z, p
+            if grad_h is not None:
+                grad_h[s:s + rows] = g @ w  # (r, C)
+            if grad_w is not None:
+                if dtype == torch.float32:
+                    grad_w.addmm_(g.T, h_c)  # (V, C)
+                else:
+                    grad_w += (g.T @ h_c).float()
+        ctx.grads = [grad_h, grad_w]
+        ctx.weight_dtype = weight.dtype
+        return total / n
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        if ctx.grads is None:
+            raise RuntimeError("ChunkedLinearCrossEntropy: backward through it twice (its gradients were computed "
+                               "in forward and handed over once)")
+        grad_h, grad_w = ctx.grads
+        ctx.grads = None
+        if grad_h is not None:
+            grad_h = grad_h.mul_(grad.to(grad_h.dtype))
+        if grad_w is not None:
+            grad_w = grad_w.mul_(grad).to(ctx.weight_dtype)
+        return grad_h, grad_w, None, None, None, None, None, None, None
+
+
+def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, label_smoothing: float = 0.0,
+                         ignore_index: int = -100, *, rows: int | None = None) -> Tensor:
+    """Token-mean cross-entropy in fp32 of the logits ``hidden @ weight.T``, exactly ``F.cross_entropy(
+    (hidden @ weight.T).float(), labels, ignore_index=..., label_smoothing=...)`` (the matmul in autocast's dtype
+    where autocast is on) without the (N, V) logits: ``ChunkedLinearCrossEntropy``.
+
+    Args:
+        hidden: (..., C) float, the final (normalised) hidden states; flattened to (N, C).
+        weight: (V, C) float, the output layer's weight (a tied embedding's table); frozen or not.
+        labels: (...,) long, ``hidden``'s leading shape; ``ignore_index`` entries are left out of the mean.
+        label_smoothing: eps in [0, 1) (Szegedy et al. 2016; Vaswani et al. 2017, eps = 0.1).
+        rows: tokens per chunk (default ``chunk_rows``).
+
+    Returns:
+        Scalar fp32; NaN when every label is ignored.
+
+    Raises:
+        ValueError: ``labels``' shape is not ``hidden``'s leading shape, or the widths of ``hidden`` and ``weight``
+            differ.
+    """
+    if labels.shape != hidden.shape[:-1] or weight.shape[-1] != hidden.shape[-1]:
+        raise ValueError(f"linear_cross_entropy: hidden {tuple(hidden.shape)}, weight {tuple(weight.shape)} and "
+                         f"labels {tuple(labels.shape)} do not fit ((..., C), (V, C), (...))")
+    flat, targets = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)  # (N, C), (N,)
+    grad = torch.is_grad_enabled()
+    rows = rows or chunk_rows(flat.shape[0], weight.shape[0], flat.device)
+    return ChunkedLinearCrossEntropy.apply(flat, weight, targets, float(label_smoothing), ignore_index, rows,
+                                           compute_dtype(hidden), grad and flat.requires_grad,
+                                           grad and weight.requires_grad)
+
+
+class ChunkedSequenceLogProbs(torch.autograd.Function):
+    """Summed log p(label) of each row's labelled tokens, ``rows`` tokens at a time; backward recomputes each
+    chunk's logits from the saved hidden states and per-token log-sum-exp (torchtune's chunked cross-entropy; Cut
+    Cross-Entropy, Wijmans et al. 2024), so only (N,) numbers outlive the forward pass besides the inputs.
+
+    forward(hidden (N, C), weight (V, C), labels (N,) long, sequence (N,) long row -> its sequence in [0, B),
+    n_sequences int B, ignore_index int, rows int, dtype torch.dtype) -> (B,) fp32. Backward: d z = (onehot(y) -
+    softmax(z)) · g[sequence] · valid, then d h = d z · W and d W = Σ d zᵀ · h_c (fp32), as in
+    ``ChunkedLinearCrossEntropy``.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden: Tensor, weight: Tensor, labels: Tensor, sequence: Tensor, n_sequences: int,
+                ignore_index: int, rows: int, dtype: torch.dtype) -> Tensor:
+        h, w = hidden.to(dtype), weight.to(dtype)
+        valid = labels != ignore_index
+        safe = torch.where(valid, labels, 0)[:, None]  # (N, 1)
+        lse = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)  # (N,)
+        logp = torch.empty_like(lse)  # (N,)
+        for s in range(0, h.shape[0], rows):
+            z = (h[s:s + rows] @ w.T).float()  # (r, V)
+            lse[s:s + rows] = torch.logsumexp(z, dim=-1)
+            logp[s:s + rows] = z.gather(1, safe[s:s + rows]).squeeze(1) - lse[s:s + rows]
+        logp.masked_fill_(~valid, 0.0)
+        out = torch.zeros(n_sequences, dtype=torch.float32, device=h.device).index_add_(0, sequence, logp)  # (B,)
+        ctx.save_for_backward(hidden, weight, safe, valid, sequence, lse)
+        ctx.rows, ctx.dtype = rows, dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        hidden, weight, safe, valid, sequence, lse = ctx.saved_tensors
+        need_h, need_w = ctx.needs_input_grad[:2]
+        dtype, rows = ctx.dtype, ctx.rows
+        h, w = hidden.to(dtype), weight.to(dtype)
+        row_weight = grad.float()[sequence] * valid  # (N,): d out[b] / d log p of each counted token
+        grad_h = torch.empty_like(hidden) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=w.device) if need_w else None
+        for s in range(0, h.shape[0], rows):
+            h_c, idx = h[s:s + rows], safe[s:s + rows]
+            p = (h_c @ w.T).float().sub_(lse[s:s + rows, None]).exp_()  # (r, V) softmax
+            p.scatter_add_(1, idx, torch.full_like(idx, -1.0, dtype=p.dtype))  # softmax - onehot
+            g = p.mul_(-row_weight[s:s + rows, None]).to(dtype)  # (r, V): d out / d z
+            del p
+            if grad_h is not None:
+                grad_h[s:s + rows] = g @ w
+            if grad_w is not None:
+                grad_w += (g.T @ h_c).float()
+        return (grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None, None, None, None)
+
+
+def sequence_logps(hidden: Tensor, weight: Tensor, labels: Tensor, ignore_index: int = -100, *,
+                   rows: int | None = None) -> Tensor:
+    """Per-sequence summed log-probabilities Σ_t log softmax(h_t · Wᵀ)[y_t] over the tokens whose label is not
+    ``ignore_index``, without the (B, T, V) logits (``ChunkedSequenceLogProbs``): the policy and reference
+    log-likelihoods preference losses compare (DPO, Rafailov et al. 2023; TRL's ``logps/chosen``).
+
+    Args:
+        hidden: (B, T, C) float; weight: (V, C); labels: (B, T) long.
+        rows: tokens per chunk (default ``chunk_rows``).
+
+    Returns:
+        (B,) fp32, differentiable in ``hidden`` and ``weight``; 0 for a sequence with no counted token.
+
+    Raises:
+        ValueError: shapes that do not fit.
+    """
+    if hidden.dim() != 3 or labels.shape != hidden.shape[:2] or weight.shape[-1] != hidden.shape[-1]:
+        raise ValueError(f"sequence_logps: hidden {tuple(hidden.shape)}, weight {tuple(weight.shape)} and labels "
+                         f"{tuple(labels.shape)} do not fit ((B, T, C), (V, C), (B, T))")
+    B, T = labels.shape
+    flat = hidden.reshape(B * T, -1)  # (N, C)
+    sequence = torch.arange(B, device=labels.device).repeat_interleave(T)  # (N,)
+    rows = rows or chunk_rows(flat.shape[0], weight.shape[0], flat.device)
+    return ChunkedSequenceLogProbs.apply(flat, weight, labels.reshape(-1), sequence, B, ignore_index, rows,
+                                         compute_dtype(hidden))
