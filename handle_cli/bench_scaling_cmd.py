@@ -20,6 +20,7 @@ from handle_cli.common import EXIT_FAILED, EXIT_STOPPED, fail
 from torch_handle.common.fsio import write_json_atomic
 from torch_handle.common.run_layout import RunLayout
 from torch_handle.common.units import fmt_bytes
+from torch_handle.common.procs import usable_cores
 from torch_handle.launch import cores as cores_math
 from torch_handle.plan import bench_scaling as scaling_math
 
@@ -403,7 +404,7 @@ def _header(plan: ScalingPlan, as_json: bool) -> dict[str, Any]:
     """Print what will be measured and how (on stderr with ``--json``); the results' metadata, to be filled."""
     nprocs, n_skip, directory = plan.nprocs, plan.skip, plan.directory
     mode = "weak" if plan.weak else "strong"
-    cores = cores_math.usable_cores()
+    cores = usable_cores()
     if plan.threads is not None:  # the launcher passes our environment on to every run's workers
         os.environ["OMP_NUM_THREADS"] = str(plan.threads)
     omp = os.environ.get("OMP_NUM_THREADS")

@@ -127,7 +127,8 @@ def _plan(preset: str, user: list[str], n: int, k: int, memory: int | None, peak
     from torch_handle.config.loader import load_preset
     from torch_handle.errors import USER_ERRORS
     from torch_handle.plan import plan_cost
-    from torch_handle.launch.cores import threads_per_rank, usable_cores
+    from torch_handle.common.procs import usable_cores
+    from torch_handle.launch.cores import threads_per_rank
     from torch_handle.plan.planner import plan_layouts
     from torch_handle.registry import get_registry
 
@@ -212,7 +213,8 @@ def _measure(preset: str, user: list[str], made, top: int, steps: int, parent: P
     """The first ``top`` layouts, each a ``steps``-step run through handle run's launcher:
     ``(records, stopped by Ctrl-C)``."""
     from handle_cli.bench_scaling_cmd import _run_one
-    from torch_handle.launch.cores import oversubscribed, usable_cores
+    from torch_handle.common.procs import usable_cores
+    from torch_handle.launch.cores import oversubscribed
     from torch_handle.plan.plan_measured import measured_record
 
     directory = new_dir(parent, "plan") if parent is not None else Path(tempfile.mkdtemp(prefix="handle-plan-"))

@@ -15,7 +15,11 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 def pytest_configure(config) -> None:
     """Tests (and every process they start) use a copy of the user's peak and precision-probe cache
     (``HANDLE_PEAK_CACHE``): what they measure is not written into the real one, and what it holds spares them
-    the measuring."""
+    the measuring. And one data cache (``HANDLE_DATA_CACHE``) for all their runs: a corpus is prepared once."""
+    from torch_handle.data.cache import CACHE_ENV
+
+    if not os.environ.get(CACHE_ENV):  # one data cache for every run of the suite: pydoc is prepared once
+        os.environ[CACHE_ENV] = config._handle_data_cache = tempfile.mkdtemp(prefix="handle-test-data-")
     if os.environ.get("HANDLE_PEAK_CACHE"):
         return
     from torch_handle.observe.peak import cache_path
@@ -28,6 +32,10 @@ def pytest_configure(config) -> None:
 
 
 def pytest_unconfigure(config) -> None:
+    data_cache = getattr(config, "_handle_data_cache", None)
+    if data_cache is not None:
+        shutil.rmtree(data_cache, ignore_errors=True)
+        os.environ.pop("HANDLE_DATA_CACHE", None)
     directory = getattr(config, "_handle_cache_dir", None)
     if directory is not None:
         shutil.rmtree(directory, ignore_errors=True)

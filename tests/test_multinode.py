@@ -163,6 +163,7 @@ def test_separate_run_directories_a_killed_worker_restarts_both_nodes_and_resume
     directory, and the run finishes with the 1 node x 2 processes losses; node 1's launcher reports it finished."""
     preset, reference = base
     env, tag = tagged_env(HANDLE_TEST_DELAY_RANK=SLOW)
+    env.pop("HANDLE_DATA_CACHE", None)  # each node's launcher prepares into its own output_dir's cache
     dirs = [tmp_path / f"node{n}" / "run" for n in (0, 1)]
     port = free_port()
     nodes = Nodes(tmp_path, env).start([[str(preset), "--run-dir", str(dirs[n]),

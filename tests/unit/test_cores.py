@@ -5,20 +5,21 @@ from __future__ import annotations
 
 import pytest
 
+from torch_handle.common import procs
 from torch_handle.launch import cores
 from tests.helpers import tiny_preset
 
 
 def test_the_usable_cores_are_the_affinity_masks(monkeypatch):
-    monkeypatch.setattr(cores.os, "sched_getaffinity", lambda pid: {0, 3, 5}, raising=False)
-    assert cores.usable_cores() == 3
+    monkeypatch.setattr(procs.os, "sched_getaffinity", lambda pid: {0, 3, 5}, raising=False)
+    assert procs.usable_cores() == 3
 
     def unsupported(pid):
         raise OSError("no affinity here")
 
-    monkeypatch.setattr(cores.os, "sched_getaffinity", unsupported, raising=False)
-    monkeypatch.setattr(cores.os, "cpu_count", lambda: 6)
-    assert cores.usable_cores() == 6
+    monkeypatch.setattr(procs.os, "sched_getaffinity", unsupported, raising=False)
+    monkeypatch.setattr(procs.os, "cpu_count", lambda: 6)
+    assert procs.usable_cores() == 6
 
 
 @pytest.mark.parametrize("nproc, n_cores, omp, expected", [

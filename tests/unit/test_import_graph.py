@@ -15,7 +15,7 @@ From the bottom:
            < launch < train < plan < infer;   api (the plugins' facade) on top
 
 ``launch`` sits below ``train``: the launcher starts workers by module name (``-m torch_handle.train.worker``) and
-never imports them, while a worker uses the launcher's process helpers (``die_with_parent``).
+never imports them; both use the process helpers of ``common.procs`` (``die_with_parent``).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from torch_handle.common.procs import usable_cores  # noqa: F401 - where the launcher's callers find it
+from torch_handle.common.procs import usable_cores
 
 
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}

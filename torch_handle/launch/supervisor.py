@@ -28,9 +28,9 @@ from typing import Any
 
 import psutil
 
-from torch_handle.common.procs import die_with_parent  # noqa: F401 - the workers import it from here
+from torch_handle.common.procs import die_with_parent, usable_cores
 from torch_handle.config.loader import Preset
-from torch_handle.launch.cores import allocator_env, threads_per_rank, usable_cores
+from torch_handle.launch.cores import allocator_env, threads_per_rank
 from torch_handle.launch.hang import HangWatchdog, Stall, flight_recorder_env, hang_message, trigger_flight_recorder
 from torch_handle.launch.precision import target_device
 from torch_handle.observe.fields import Kind, Status

@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     run_dir = Path(argv[0])
     rank = int(os.environ["RANK"])
-    from torch_handle.launch.supervisor import die_with_parent
+    from torch_handle.common.procs import die_with_parent
 
     die_with_parent(signal.SIGKILL)  # torchrun's agent dies -> this worker dies, even when the agent is SIGKILLed
     _redirect_output(run_dir / "logs" / f"rank{rank}.log")
