@@ -54,6 +54,17 @@ def compute_dtype(hidden: Tensor) -> torch.dtype:
     return hidden.dtype
 
 
+def accumulate_weight_grad(grad_w: Tensor, g: Tensor, h: Tensor, rows: int) -> None:
+    """grad_w (V, C) fp32 += gᵀ · h for g (r, V) and h (r, C) in the compute dtype, ``rows`` rows of grad_w at a time:
+    each block's product (rows, C) is the only temporary (one (V, C) product in bf16 would be half the fp32
+    gradient again, and on CPU its upcast for the add another whole copy)."""
+    if g.dtype == grad_w.dtype:
+        grad_w.addmm_(g.T, h)
+        return
+    for s in range(0, grad_w.shape[0], rows):
+        grad_w[s:s + rows].add_(g[:, s:s + rows].T @ h)  # (rows, C)
+
+
 class ChunkedLinearCrossEntropy(torch.autograd.Function):
     """Token-mean cross-entropy of the logits ``hidden @ weight.T``, ``rows`` tokens at a time, with the gradients
     computed in the forward pass chunk by chunk (Liger Kernel's ``FusedLinearCrossEntropy``).
@@ -82,6 +93,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         grad_h = torch.empty_like(hidden) if need_hidden else None  # (N, C)
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=w.device) if need_weight else None  # (V, C)
+        w_rows = chunk_rows(vocab, w.shape[1], w.device)
         for s in range(0, n_rows, rows):
             h_c, idx = h[s:s + rows], safe[s:s + rows]
             z = (h_c @ w.T).float()  # (r, V): rounded to dtype as nn.Linear rounds, then fp32
@@ -101,10 +113,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             if grad_h is not None:
                 grad_h[s:s + rows] = g @ w  # (r, C)
             if grad_w is not None:
-                if dtype == torch.float32:
-                    grad_w.addmm_(g.T, h_c)  # (V, C)
-                else:
-                    grad_w += (g.T @ h_c).float()
+                accumulate_weight_grad(grad_w, g, h_c, w_rows)
         ctx.grads = [grad_h, grad_w]
         ctx.weight_dtype = weight.dtype
         return total / n
@@ -192,6 +201,7 @@ class ChunkedSequenceLogProbs(torch.autograd.Function):
         row_weight = grad.float()[sequence] * valid  # (N,): d out[b] / d log p of each counted token
         grad_h = torch.empty_like(hidden) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=w.device) if need_w else None
+        w_rows = chunk_rows(w.shape[0], w.shape[1], w.device)
         for s in range(0, h.shape[0], rows):
             h_c, idx = h[s:s + rows], safe[s:s + rows]
             p = (h_c @ w.T).float().sub_(lse[s:s + rows, None]).exp_()  # (r, V) softmax
@@ -201,7 +211,7 @@ class ChunkedSequenceLogProbs(torch.autograd.Function):
             if grad_h is not None:
                 grad_h[s:s + rows] = g @ w
             if grad_w is not None:
-                grad_w += (g.T @ h_c).float()
+                accumulate_weight_grad(grad_w, g, h_c, w_rows)
         return (grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None, None, None, None)
 
 
