@@ -10,7 +10,9 @@ weights, as the trainer runs it: ``full`` is ``F.linear`` then ``train.loss.loss
 ``chunked`` is ``train.loss.chunked_loss_fn`` (``model.linear_cross_entropy``).
 
 Peak memory: the most bytes allocated during the loss path beyond what existed before it (the hidden states, the
-weight), including the output weight's fp32 gradient (V x C, which both paths write). On CUDA
+weight), including the output weight's fp32 gradient (V x C, which both paths write); transient: that peak less the
+bytes still allocated after backward (the gradients of the hidden states and the weight, which the step keeps
+either way). On CUDA
 ``torch.cuda.max_memory_allocated`` (the caching allocator's own count of live tensor bytes); on CPU the
 profiler's allocation events (``profile_memory=True``: every allocation and free of torch's CPU allocator, summed
 in order; the run that is profiled is not timed). Time: the median of ``--rounds`` forward + backward passes,
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -55,15 +58,16 @@ def _clear(*tensors: torch.Tensor) -> None:
         t.grad = None
 
 
-def peak_bytes(impl: str, hidden, weight, labels, dtype) -> int:
-    """Bytes allocated at the loss path's peak beyond those live before it (see the module)."""
+def peak_bytes(impl: str, hidden, weight, labels, dtype) -> tuple[int, int]:
+    """(bytes allocated at the loss path's peak, bytes still allocated after it: the gradients), both beyond those
+    live before it (see the module)."""
     if hidden.device.type == "cuda":
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
         loss_path(impl, hidden, weight, labels, dtype)
         torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated() - base
+        return torch.cuda.max_memory_allocated() - base, torch.cuda.memory_allocated() - base
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
@@ -78,22 +82,25 @@ def peak_bytes(impl: str, hidden, weight, labels, dtype) -> int:
         if e["args"].get("Device Type", 0) == 0:  # CPU
             live += e["args"]["Bytes"]
             peak = max(peak, live)
-    return peak
+    return peak, live
 
 
-def seconds(impl: str, hidden, weight, labels, dtype, rounds: int) -> float:
-    times = []
-    for r in range(rounds + 1):  # the first: warm-up
-        _clear(hidden, weight)
-        if hidden.device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        loss_path(impl, hidden, weight, labels, dtype)
-        if hidden.device.type == "cuda":
-            torch.cuda.synchronize()
-        if r:
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+def seconds(hidden, weight, labels, dtype, rounds: int) -> dict[str, float]:
+    """Median seconds of each implementation's loss path, the two interleaved round by round (a busy machine slows
+    both alike), after one warm-up round."""
+    times: dict[str, list[float]] = {"full": [], "chunked": []}
+    for r in range(rounds + 1):
+        for impl, spent in times.items():
+            _clear(hidden, weight)
+            if hidden.device.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            loss_path(impl, hidden, weight, labels, dtype)
+            if hidden.device.type == "cuda":
+                torch.cuda.synchronize()
+            if r:
+                spent.append(time.perf_counter() - t0)
+    return {impl: statistics.median(spent) for impl, spent in times.items()}
 
 
 def main() -> None:
@@ -103,7 +110,7 @@ def main() -> None:
     ap.add_argument("--micro-batches", default="1,4")
     ap.add_argument("--d-model", type=int, default=2048)
     ap.add_argument("--precision", choices=("bf16", "fp32"), default="bf16")
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=5, help="timed rounds (0: memory only)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads on CPU (0: torch's default)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--json", action="store_true")
@@ -114,8 +121,9 @@ def main() -> None:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
     print(f"loss path (output layer + cross-entropy, forward + backward), d_model {a.d_model}, seq_len {a.seq_len}, "
           f"{a.precision} autocast, fp32 weights; {name}; torch {torch.__version__}")
-    print("| V | B | logits fp32 MiB | full peak MiB | chunked peak MiB | chunked ÷ full | full ms | chunked ms | "
-          "chunked ÷ full |\n| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| V | B | logits fp32 MiB | full peak MiB | chunked peak MiB | chunked ÷ full | full transient MiB | "
+          "chunked transient MiB | chunked ÷ full | full ms | chunked ms | chunked ÷ full |\n"
+          "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     rows = []
     for vocab in map(int, a.vocabs.split(",")):
         gen = torch.Generator(device="cpu").manual_seed(0)
@@ -128,18 +136,26 @@ def main() -> None:
                    "logits_fp32_bytes": batch * a.seq_len * vocab * 4}
             for impl in ("full", "chunked"):
                 _clear(hidden, weight)
-                row[f"{impl}_peak_bytes"] = peak_bytes(impl, hidden, weight, labels, dtype)
-                row[f"{impl}_s"] = seconds(impl, hidden, weight, labels, dtype, a.rounds)
+                peak, after = peak_bytes(impl, hidden, weight, labels, dtype)
+                row[f"{impl}_peak_bytes"], row[f"{impl}_transient_bytes"] = peak, peak - after
+            timed = seconds(hidden, weight, labels, dtype, a.rounds) if a.rounds else {"full": math.nan,
+                                                                                       "chunked": math.nan}
+            row.update({f"{impl}_s": s for impl, s in timed.items()})
             _clear(hidden, weight)
             row["peak_ratio"] = row["chunked_peak_bytes"] / row["full_peak_bytes"]
+            row["transient_ratio"] = row["chunked_transient_bytes"] / row["full_transient_bytes"]
             row["time_ratio"] = row["chunked_s"] / row["full_s"]
             rows.append(row)
             print(f"| {vocab:,} | {batch} | {row['logits_fp32_bytes'] / MiB:,.0f} | {row['full_peak_bytes'] / MiB:,.0f} "
-                  f"| {row['chunked_peak_bytes'] / MiB:,.0f} | {row['peak_ratio']:.3f} | {row['full_s'] * 1e3:,.1f} "
+                  f"| {row['chunked_peak_bytes'] / MiB:,.0f} | {row['peak_ratio']:.3f} "
+                  f"| {row['full_transient_bytes'] / MiB:,.0f} | {row['chunked_transient_bytes'] / MiB:,.0f} "
+                  f"| {row['transient_ratio']:.3f} | {row['full_s'] * 1e3:,.1f} "
                   f"| {row['chunked_s'] * 1e3:,.1f} | {row['time_ratio']:.3f} |", flush=True)
             del hidden, labels
+    how = "max_memory_allocated" if device.type == "cuda" else "the profiler's allocation events"
     print(f"(peak: bytes allocated beyond the hidden states and the weight, the weight's fp32 gradient "
-          f"(V x {a.d_model} x 4) included in both; {'max_memory_allocated' if device.type == 'cuda' else 'the profiler allocation events'})")
+          f"(V x {a.d_model} x 4) included in both; transient: the peak less what is still allocated after "
+          f"backward, i.e. less the two gradients the step keeps; {how})")
     if a.json:
         for row in rows:
             print(json.dumps(row))

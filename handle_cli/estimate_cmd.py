@@ -16,10 +16,21 @@ from torch_handle.config.tp_impl import KEY as TP_KEY
 from torch_handle.common.units import fmt_bytes, parse_bytes
 
 DEFAULT_NPROC = "1,2,4,8"
-NOTE = ("activations: one micro-batch's tensors saved for backward (+ the fp32 logits, + one recomputed block with "
+NOTE = ("activations: one micro-batch's tensors saved for backward (+ the fp32 logits, or with training.loss_impl "
+        "chunked one chunk's logits and the hidden states' gradient, + one recomputed block with "
         "activation checkpointing), measured on fake tensors; not included: allocator fragmentation and caching, "
         "communication buffers (DDP/ZeRO buckets, FSDP's gathered block, TP collectives), backward temporaries, "
         "CUDA context; with tp > 1, every figure is one TP rank's")
+
+
+def loss_line(rows: list, loss_impl: str) -> str:
+    """Which loss path the rows price (``training.loss_impl`` resolved per row: ``estimate_activations.loss_impl_of``)
+    and its bytes: the fp32 logits, or one chunk's logits and the hidden states' gradient."""
+    paths = sorted({r.activation.loss_impl for r in rows})
+    size = " / ".join(fmt_bytes(b) for b in sorted({r.activation.logits for r in rows}))
+    what = {"full": "the fp32 logits", "chunked": "one chunk's logits + the hidden states' gradient"}
+    return (f"loss path: {' and '.join(paths)} (training.loss_impl = {loss_impl}): "
+            f"{'; '.join(what[p] for p in paths)}, {size} per micro-batch")
 
 
 def parse_nproc(text: str) -> list[int]:
@@ -304,6 +315,7 @@ def estimate(preset: str, overrides: tuple[str, ...], nproc: str, nnodes: int | 
                    f"stages' model states, activations of the micro-batches in flight per stage at the peak")
     if left_out:
         click.echo(f"left out: {', '.join(left_out)} (no parallel.{'pp' if pp > 1 else 'tp'} > 1)")
+    click.echo(loss_line(rows, t.loss_impl))
     click.echo("bytes per rank (the rank that holds the most; with pp > 1 every pipeline rank); host = offloaded to "
                "CPU memory")
     click.echo("")

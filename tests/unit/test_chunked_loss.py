@@ -28,6 +28,10 @@ LLAMA = dict(d_model=32, n_heads=4, n_layers=1, d_ff=48, dropout=0.0, max_len=SE
              mlp="swiglu", norm_first=True, bias=False, scale_embeddings=False, n_kv_heads=2)
 
 
+SHIPPED = dict(lce.CHUNK_ELEMENTS), lce.MIN_CHUNK_ROWS
+"""The chunk sizes as they ship (the fixture below shrinks them)."""
+
+
 @pytest.fixture(autouse=True)
 def _small_chunks(monkeypatch):
     """Five tokens a chunk: 24 tokens are five chunks, the last one short."""
@@ -188,3 +192,28 @@ def test_validate_refuses_chunked_where_it_cannot_run(tmp_path, overrides, why):
         assert preset is not None and not problems, [str(p) for p in problems]
     else:
         assert len(found) == 1 and why in found[0] and 'use "auto" or "full"' in found[0], found
+
+
+def test_the_estimate_prices_the_loss_path_the_run_takes(monkeypatch):
+    """``handle estimate``'s activations: the fp32 logits for ``full``; for ``chunked`` one GPU chunk's logits and
+    their gradient plus the hidden states' gradient, and none of the (B, T, V) tensors the full loss saves; a
+    ``--compare`` row whose strategy shards the output weight (ZeRO-3) priced ``full``."""
+    from torch_handle.config.loader import load_preset
+    from torch_handle.plan.estimate_activations import activation_bytes, loss_impl_of
+    from torch_handle.registry import get_registry
+
+    monkeypatch.setattr(lce, "CHUNK_ELEMENTS", SHIPPED[0])  # a GPU's chunk: a few, not thousands, on fake tensors
+    monkeypatch.setattr(lce, "MIN_CHUNK_ROWS", SHIPPED[1])
+    path = Path(__file__).resolve().parents[2] / "presets" / "llama.toml"
+    sets = ["model.d_model=32", "model.n_heads=2", "model.n_kv_heads=1", "model.n_layers=1", "model.d_ff=64",
+            "data.vocab_size=8192", "data.seq_len=256", "training.micro_batch_size=32", "training.precision=fp32"]
+    preset, registry = load_preset(path, sets), get_registry()
+    tokens, vocab = 32 * 256, 8192
+    assert loss_impl_of(preset, registry) == "chunked"  # 256 MiB of fp32 logits
+    assert loss_impl_of(preset, registry, "deepspeed", zero_stage=3) == "full"
+    full, chunked = (activation_bytes(preset, registry, loss_impl=impl) for impl in ("full", "chunked"))
+    assert (full.loss_impl, chunked.loss_impl) == ("full", "chunked")
+    assert full.logits == tokens * vocab * 4
+    rows = lce.chunk_rows(tokens, vocab, "cuda")
+    assert chunked.logits == rows * vocab * (4 + 4) + tokens * 32 * 4
+    assert full.saved - chunked.saved >= tokens * vocab * 4  # the log-probabilities the full loss keeps

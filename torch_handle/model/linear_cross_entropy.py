@@ -12,7 +12,7 @@
 
 Why: at Llama 3's vocabulary (128,256) and 2,048 tokens the fp32 logits alone are 1.05 GB a sequence, again for
 their gradient, plus the 16-bit copy the output layer writes under autocast. Here the working set is one chunk's
-logits (``chunk_rows`` rows: 128 MiB of fp32 on CUDA) plus the output weight's fp32 gradient, which the full path
+logits (``chunk_rows`` rows: 256 MiB of fp32 on CUDA) plus the output weight's fp32 gradient, which the full path
 also writes in backward. Measured in docs/performance.md (``benchmarks/loss_memory.py``).
 
 Precision: the chunk's logits are computed in the compute dtype (autocast's, else the hidden states'), exactly as
@@ -29,12 +29,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-CHUNK_ELEMENTS = {"cuda": 1 << 25, "cpu": 1 << 21}
-"""Logit elements per chunk by device type (``chunk_rows``): 128 MiB of fp32 on CUDA (512 rows of a 65,536
-vocabulary: enough rows that each chunk's three matmuls are compute bound on an H100), 8 MiB on CPU; other devices
-take CUDA's."""
-MIN_CHUNK_ROWS = 16
-"""No chunk is smaller than this (unless the input is): every chunk reads the whole weight three times."""
+CHUNK_ELEMENTS = {"cuda": 1 << 26, "cpu": 1 << 24}
+"""Logit elements per chunk by device type (``chunk_rows``): 256 MiB of fp32 on CUDA (523 rows of Llama 3's 128,256
+vocabulary), 64 MiB on CPU; other devices take CUDA's. Every chunk reads the whole weight three times and the fp32
+weight gradient twice (14 bytes per weight element in bf16), so fewer, larger chunks keep the matmuls compute
+bound: at 16 rows a chunk the CPU loss path took 3.1x the full one's time (``benchmarks/loss_memory.py``)."""
+MIN_CHUNK_ROWS = 128
+"""No chunk is smaller than this (unless the input is), whatever the vocabulary."""
 
 
 def chunk_rows(n_rows: int, vocab: int, device: torch.device | str = "cpu") -> int:
@@ -65,6 +66,14 @@ def accumulate_weight_grad(grad_w: Tensor, g: Tensor, h: Tensor, rows: int) -> N
         grad_w[s:s + rows].add_(g[:, s:s + rows].T @ h)  # (rows, C)
 
 
+def _softmax_(z: Tensor) -> tuple[Tensor, Tensor]:
+    """softmax(z) along the last dimension written into z (fp32 (r, V)), and the log-sum-exp (r,): max, exp in
+    place, sum (``torch.logsumexp`` and ``torch.softmax`` would each allocate another (r, V))."""
+    top = z.amax(dim=-1, keepdim=True)  # (r, 1)
+    total = z.sub_(top).exp_().sum(dim=-1, keepdim=True)  # (r, 1)
+    return z.div_(total), (top + total.log()).squeeze(1)
+
+
 class ChunkedLinearCrossEntropy(torch.autograd.Function):
     """Token-mean cross-entropy of the logits ``hidden @ weight.T``, ``rows`` tokens at a time, with the gradients
     computed in the forward pass chunk by chunk (Liger Kernel's ``FusedLinearCrossEntropy``).
@@ -93,18 +102,18 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         grad_h = torch.empty_like(hidden) if need_hidden else None  # (N, C)
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=w.device) if need_weight else None  # (V, C)
-        w_rows = chunk_rows(vocab, w.shape[1], w.device)
+        w_rows = chunk_rows(vocab, 4 * w.shape[1], w.device)  # blocks of the weight gradient: a quarter chunk
         for s in range(0, n_rows, rows):
             h_c, idx = h[s:s + rows], safe[s:s + rows]
             z = (h_c @ w.T).float()  # (r, V): rounded to dtype as nn.Linear rounds, then fp32
-            lse = torch.logsumexp(z, dim=-1)  # (r,)
-            row = lse - z.gather(1, idx).squeeze(1)  # (r,): -log p_label
+            z_label, z_mean = z.gather(1, idx).squeeze(1), z.mean(dim=-1) if eps else None  # (r,), (r,)
+            p, lse = _softmax_(z)  # (r, V) in place of the logits, (r,): no second (r, V) buffer
+            row = lse - z_label  # (r,): -log p_label
             if eps:
-                row = row.mul_(1.0 - eps).add_(lse - z.mean(dim=-1), alpha=eps)
+                row = row.mul_(1.0 - eps).add_(lse - z_mean, alpha=eps)
             total += row.masked_fill_(~valid[s:s + rows], 0.0).sum()
             if grad_h is None and grad_w is None:
                 continue
-            p = z.sub_(lse[:, None]).exp_()  # (r, V) fp32 softmax, in place of the logits
             if eps:
                 p.sub_(eps / vocab)
             p.scatter_add_(1, idx, torch.full_like(idx, eps - 1.0, dtype=p.dtype))
@@ -184,8 +193,9 @@ class ChunkedSequenceLogProbs(torch.autograd.Function):
         logp = torch.empty_like(lse)  # (N,)
         for s in range(0, h.shape[0], rows):
             z = (h[s:s + rows] @ w.T).float()  # (r, V)
-            lse[s:s + rows] = torch.logsumexp(z, dim=-1)
-            logp[s:s + rows] = z.gather(1, safe[s:s + rows]).squeeze(1) - lse[s:s + rows]
+            z_label = z.gather(1, safe[s:s + rows]).squeeze(1)
+            lse[s:s + rows] = _softmax_(z)[1]
+            logp[s:s + rows] = z_label - lse[s:s + rows]
         logp.masked_fill_(~valid, 0.0)
         out = torch.zeros(n_sequences, dtype=torch.float32, device=h.device).index_add_(0, sequence, logp)  # (B,)
         ctx.save_for_backward(hidden, weight, safe, valid, sequence, lse)
@@ -201,7 +211,7 @@ class ChunkedSequenceLogProbs(torch.autograd.Function):
         row_weight = grad.float()[sequence] * valid  # (N,): d out[b] / d log p of each counted token
         grad_h = torch.empty_like(hidden) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=w.device) if need_w else None
-        w_rows = chunk_rows(w.shape[0], w.shape[1], w.device)
+        w_rows = chunk_rows(w.shape[0], 4 * w.shape[1], w.device)
         for s in range(0, h.shape[0], rows):
             h_c, idx = h[s:s + rows], safe[s:s + rows]
             p = (h_c @ w.T).float().sub_(lse[s:s + rows, None]).exp_()  # (r, V) softmax

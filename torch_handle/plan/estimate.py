@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
-from torch_handle.plan.estimate_activations import ActivationBytes, activation_bytes, compute_mode
+from torch_handle.plan.estimate_activations import ActivationBytes, activation_bytes, compute_mode, loss_impl_of
 from torch_handle.plan.estimate_layout import estimate_layout, with_layout
 from torch_handle.plan.estimate_model import model_shape
 from torch_handle.plan.estimate_moe import MoEShape, expert_param_bytes, moe_step, preset_moe, rank_state_bytes
@@ -67,7 +67,8 @@ class Estimate:
     optimizer_bytes: int
     activation: ActivationBytes
     """In ``as_dict``: ``activation_bytes`` (the total) and its parts, ``activation_saved_bytes`` (what the memory
-    telemetry reports), ``activation_logits_bytes``, ``activation_recompute_bytes``."""
+    telemetry reports), ``activation_logits_bytes``, ``activation_recompute_bytes``, and ``loss_impl`` (the loss
+    path priced: the logits part is the fp32 logits for ``"full"``, one chunk for ``"chunked"``)."""
     device_bytes: int
     """Everything above that is not in host memory: what must fit on the accelerator."""
     host_bytes: int
@@ -143,6 +144,7 @@ class Estimate:
             value = getattr(self, f.name)
             if isinstance(value, ActivationBytes):
                 out.update(value.as_fields())
+                out["loss_impl"] = value.loss_impl
             elif f.name == "moe":
                 if value is not None:
                     out.update({k: v for k, v in value.as_dict().items() if k not in ("d_model", "params")})
@@ -212,13 +214,14 @@ def estimate_preset(preset: Preset, registry: PluginRegistry, world_sizes: Seque
     ep, moe = preset.parallel.ep, preset_moe(preset, registry)
     extra = moe_step(moe, preset) if moe is not None else {}
     finetune = _finetune_info(preset, registry, whole)
-    acts: dict[str, ActivationBytes] = {}
+    acts: dict[tuple[str, str], ActivationBytes] = {}
     rows = []
     for v in variants:
         mode = compute_mode(v.strategy, precision)
-        if mode not in acts:
-            acts[mode] = activation_bytes(preset, registry, v.strategy)
-        act = acts[mode]
+        loss_impl = loss_impl_of(preset, registry, v.strategy, v.zero_stage)
+        if (mode, loss_impl) not in acts:
+            acts[mode, loss_impl] = activation_bytes(preset, registry, v.strategy, loss_impl)
+        act = acts[mode, loss_impl]
         for world in world_sizes:
             dp = world // tp
             if world % tp or (v.strategy == "single" and dp != 1) or dp % ep:

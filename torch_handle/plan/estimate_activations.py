@@ -77,6 +77,11 @@ class ActivationBytes:
     beside the saved log-probabilities."""
     recompute: int
     """With activation checkpointing: the largest block's saved tensors, rebuilt in backward; else 0."""
+    loss_impl: str = "full"
+    """The loss path priced (``training.loss_impl`` as the run resolves it): ``"full"``, ``logits`` is one fp32
+    (B, T, V) buffer; ``"chunked"``, one chunk's fp32 logits and their gradient in the compute dtype
+    (``model.linear_cross_entropy.chunk_rows`` rows, at a GPU's chunk) plus the hidden states' gradient, which the
+    chunked loss computes in forward and holds until backward."""
 
     @property
     def total(self) -> int:
@@ -238,13 +243,16 @@ def _cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> None:
 
 
 def fake_activations(build: ModelBuild, batch: int, seq_len: int, precision: str, mode: str, checkpointing: bool,
-                     parts: PartSaved | None = None, backward: bool = True) -> ActivationBytes:
+                     parts: PartSaved | None = None, backward: bool = True, loss_impl: str = "full"
+                     ) -> ActivationBytes:
     """:class:`ActivationBytes` of ``build``'s model (one TP rank's split model when ``build.tp`` > 1) for one
     micro-batch of ``batch`` x ``seq_len`` tokens, computed in ``mode`` (:func:`compute_mode`), on fake tensors.
 
     ``parts`` (a decoder's only): filled with which parts of the model save each storage (:class:`PartSaved`).
     ``backward=False``: forward and loss only; what is saved is counted when the forward saves it, so only the
-    time differs (checkpointed blocks' recomputation in backward saves through the checkpoint's own hooks)."""
+    time differs (checkpointed blocks' recomputation in backward saves through the checkpoint's own hooks).
+    ``loss_impl = "chunked"`` (a decoder on one TP rank): the model returns its hidden states and the chunked
+    loss applies the output layer (:func:`torch_handle.train.loss.chunked_loss_fn`), as the trainer runs it."""
     import contextlib
 
     import torch
@@ -256,7 +264,9 @@ def fake_activations(build: ModelBuild, batch: int, seq_len: int, precision: str
     from torch_handle.parallel.tensor.cross_entropy import vocab_parallel_cross_entropy
     from torch_handle.plan.shape_tp_group import ShapeTPGroup
 
+    from torch_handle.model.linear_cross_entropy import chunk_rows
     from torch_handle.plan.estimate_moe import dropless, fake_grouped_matmuls
+    from torch_handle.train.loss import chunked_loss_fn
 
     build = dropless(build)  # a capacity's cut depends on the routing: measured at its most, dropless
     dtype = torch_dtype(precision)
@@ -275,6 +285,7 @@ def fake_activations(build: ModelBuild, batch: int, seq_len: int, precision: str
         exclude = [*model.parameters(), *model.buffers()]
         per_block: list[int] = []
         vocab_local: list[int] = []
+        loss_path: list[int] = []  # bytes of the loss path beside the saved tensors (the ActivationBytes' logits)
 
         def step(counter: SavedTensorCounter, blocks: list[Any]) -> None:
             before: list[int] = []
@@ -283,9 +294,20 @@ def fake_activations(build: ModelBuild, batch: int, seq_len: int, precision: str
                         for b in blocks]
             try:
                 with counter:
+                    if loss_impl == "chunked":
+                        with autocast:
+                            hidden = model(**inputs, return_hidden=True)  # (B, T, C)
+                            loss, _ = chunked_loss_fn(hidden, model.lm_head.weight, labels)
+                        vocab = model.lm_head.weight.shape[0]
+                        rows = chunk_rows(batch * seq_len, vocab, "cuda")  # a GPU's chunk, where memory is scarce
+                        loss_path.append(rows * vocab * (4 + dtype.itemsize) + hidden.numel() * hidden.element_size())
+                        if backward:
+                            loss.backward()
+                        return
                     with autocast:
                         logits = model(**inputs)
                     vocab_local.append(logits.shape[-1])
+                    loss_path.append(batch * seq_len * logits.shape[-1] * 4)
                     if group is None:
                         loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100)
                     else:
@@ -305,13 +327,15 @@ def fake_activations(build: ModelBuild, batch: int, seq_len: int, precision: str
             set_activation_checkpointing(model, False)
             step(SavedTensorCounter(exclude), model_blocks(model))
             recompute = max(per_block, default=0)
-        return ActivationBytes(counter.bytes, batch * seq_len * vocab_local[0] * 4, recompute)
+        return ActivationBytes(counter.bytes, loss_path[0], recompute, loss_impl)
 
 
-def activation_bytes(preset: Preset, registry: PluginRegistry, strategy: str | None = None) -> ActivationBytes:
+def activation_bytes(preset: Preset, registry: PluginRegistry, strategy: str | None = None,
+                     loss_impl: str | None = None) -> ActivationBytes:
     """Activation bytes of one micro-batch (``training.micro_batch_size`` x ``data.seq_len``) of ``preset``'s
     model under ``strategy``'s way of computing (default: the preset's), on one rank, measured on fake tensors;
-    with ``[parallel] tp > 1``, of one TP rank (with or without sequence parallelism, as the preset says).
+    with ``[parallel] tp > 1``, of one TP rank (with or without sequence parallelism, as the preset says). The loss
+    path is ``loss_impl`` (default: what the preset's run takes, :func:`loss_impl_of`).
 
     Encoder-decoder models take source and target of ``seq_len`` tokens each (an upper bound: batches are
     padded to their longest sentence).
@@ -324,4 +348,24 @@ def activation_bytes(preset: Preset, registry: PluginRegistry, strategy: str | N
     mode = compute_mode(strategy or preset.strategy.name, preset.training.precision)
     seq = preset.data.options.seq_len
     return fake_activations(build, preset.training.micro_batch_size, seq, preset.training.precision, mode,
-                            bool(getattr(preset.model.options, "activation_checkpointing", False)))
+                            bool(getattr(preset.model.options, "activation_checkpointing", False)),
+                            loss_impl=loss_impl or loss_impl_of(preset, registry))
+
+
+def loss_impl_of(preset: Preset, registry: PluginRegistry, strategy: str | None = None, zero_stage: int = 0) -> str:
+    """The loss path (``"full"`` or ``"chunked"``) a run of ``preset`` takes (``training.loss_impl`` resolved by
+    :func:`torch_handle.train.loss.pick_loss_impl`), under ``strategy`` at ``zero_stage`` when given (a
+    ``--compare`` row's) instead of the preset's own; a row where ``"chunked"`` cannot run is priced ``"full"``."""
+    from types import SimpleNamespace
+
+    from torch_handle.config.loss_impl import chunked_loss_problem
+    from torch_handle.train.loss import pick_loss_impl
+
+    t = preset.training
+    tokens, vocab = t.micro_batch_size * preset.data.options.seq_len, model_build(preset, registry).vocab_size
+    layout: Any = preset
+    if strategy is not None:
+        layout = SimpleNamespace(model=preset.model, parallel=preset.parallel, strategy=SimpleNamespace(
+            name=strategy, options=SimpleNamespace(zero_stage=zero_stage)))
+    problem = chunked_loss_problem(layout)
+    return pick_loss_impl("auto" if t.loss_impl == "chunked" and problem else t.loss_impl, tokens, vocab, problem)
