@@ -1,6 +1,7 @@
 """Data at scale: set-up time before step 1 and peak worker RSS for 10 MB, 100 MB and 1 GB corpora: ``handle data
-prepare`` once, then ``tokens`` memory-maps it; the ``text`` dataset's first start (it prepares into the run's
-cache) and second start (it memory-maps the cache); prepare's throughput from 1 worker to the usable cores against
+prepare`` once, then ``tokens`` memory-maps it; the ``text`` dataset's first start (the launcher prepares into the
+run's cache before the workers start: in ``run_wall_s``, not in the workers' ``data_setup_s``) and second start
+(it memory-maps the cache); prepare's throughput from 1 worker to the usable cores against
 the plain ``tokenizers`` ``encode_batch`` ceiling (one process, one thread); the loader's delivered tokens/s.
 
     python benchmarks/data_scale.py                       # 10 MB and 100 MB (minutes)

@@ -45,7 +45,7 @@ def _part(value: str | None) -> tuple[int, int] | None:
 @click.option("--vocab-size", type=click.IntRange(min=260), default=4096, show_default=True,
               help="Vocabulary of the byte-level BPE trained when no --tokenizer is given.")
 @click.option("--tokenizer-sample-bytes", type=click.IntRange(min=1), default=64 << 20, show_default=True,
-              help="Train the BPE on the first this many characters of the training documents.")
+              help="Train the BPE on the first this many bytes of the training documents.")
 @click.option("--format", "fmt", type=click.Choice(["auto", "text", "jsonl", "parquet", "hf"]), default="auto",
               show_default=True, help="How to read SRC: auto by suffix (.jsonl/.jsonl.gz, .parquet, a "
                                       "datasets.save_to_disk directory, else plain text).")
@@ -62,9 +62,24 @@ def _part(value: str | None) -> tuple[int, int] | None:
               help="Token dtype (auto: uint16 when the vocabulary fits).")
 @click.option("--force", is_flag=True, help="Replace OUT when it is a prepared directory already.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as one JSON object (no progress bar).")
+@click.option("--chat", is_flag=True, help="SRC holds conversations (JSON Lines or Parquet rows of messages, "
+                                           "prompt/completion or instruction/input/output): render each with a chat "
+                                           "template and store which tokens are trained (needs --tokenizer).")
+@click.option("--template", metavar="chatml|FILE.jinja", help="--chat: the template [default: the tokenizer's own, "
+                                                              "chat_template.jinja or tokenizer_config.json's].")
+@click.option("--train-on", type=click.Choice(["assistant", "last", "all"]), default="assistant", show_default=True,
+              help="--chat: train every assistant turn, the last one, or every turn but the system's.")
+@click.option("--max-len", type=click.IntRange(min=2), default=2048, show_default=True,
+              help="--chat: longest conversation in tokens (as data.seq_len); longer ones per --max-len-policy.")
+@click.option("--max-len-policy", type=click.Choice(["truncate", "drop"]), default="truncate", show_default=True,
+              help="--chat: cut a longer conversation's earliest tokens, or leave it out (counted in meta.json).")
+@click.option("--messages-field", default="messages", show_default=True, help="--chat: the key holding messages.")
+@click.option("--column-map", multiple=True, metavar="OLD=NEW", help="--chat: rename a row's key first "
+                                                                     "(repeatable), e.g. conversation=messages.")
 def prepare(sources: tuple[str, ...], out: Path, tokenizer: str | None, vocab_size: int, tokenizer_sample_bytes: int,
             fmt: str, field: str, column: str, valid_fraction: float, valid: tuple[str, ...], workers: int | None,
-            part: str | None, dtype: str, force: bool, as_json: bool) -> None:
+            part: str | None, dtype: str, force: bool, as_json: bool, chat: bool, template: str | None, train_on: str,
+            max_len: int, max_len_policy: str, messages_field: str, column_map: tuple[str, ...]) -> None:
     """Encode SRC (files, directories, globs) into token shards in OUT, once; train on them with
     [data] name = "tokens", path = "OUT".
 
@@ -77,9 +92,14 @@ def prepare(sources: tuple[str, ...], out: Path, tokenizer: str | None, vocab_si
       handle data prepare notes/ books/*.txt --out data/books --vocab-size 8192
       handle data prepare web.jsonl.gz --field text --tokenizer exported/llama --out data/web --json
       handle data prepare shards/*.parquet --column content --tokenizer tok.json --out data/big --part 0/8
+      handle data prepare chats.jsonl --chat --tokenizer runs/llama-export --template chatml --out data/chat
 
     Exit code 2 with one line on stderr, and nothing written, for bad input.
     """
+    if chat:
+        _prepare_chat(sources, out, tokenizer, template, train_on, valid, valid_fraction, max_len, max_len_policy,
+                      messages_field, column_map, force, as_json)
+        return
     from torch_handle.data.prepare import prepare as run_prepare
 
     kwargs = dict(valid=valid, tokenizer=tokenizer, vocab_size=vocab_size,
@@ -96,6 +116,67 @@ def prepare(sources: tuple[str, ...], out: Path, tokenizer: str | None, vocab_si
                f"{s['valid']['documents']:,} ({result['valid_method']}); {result['dtype']}, vocabulary "
                f"{result['vocab_size']:,}; {result['bytes'] / 1e6:.1f} MB in {result['seconds']:.1f} s "
                f"({result['mb_per_s']:.2f} MB/s, {result['workers']} workers)")
+
+
+def _prepare_chat(sources, out, tokenizer, template, train_on, valid, valid_fraction, max_len, max_len_policy,
+                  messages_field, column_map, force, as_json) -> None:
+    from torch_handle.data.chat.prepare import prepare_chat
+
+    if not tokenizer:
+        fail("--chat needs --tokenizer (the base's tokenizer.json, or a directory holding one)")
+    mapping = {}
+    for item in column_map:
+        old, sep, new = item.partition("=")
+        if not sep or not old or not new:
+            fail(f"--column-map {item}: give OLD=NEW, e.g. conversation=messages")
+        mapping[old] = new
+    with contextlib.nullcontext(None) if as_json else progress_bar() as show:
+        result = prepare_chat(list(sources), out, tokenizer=tokenizer, template=template, train_on=train_on,
+                              valid=list(valid), valid_fraction=valid_fraction, max_len=max_len,
+                              max_len_policy=max_len_policy, messages_field=messages_field, column_map=mapping,
+                              force=force, progress=show)
+    if as_json:
+        click.echo(json.dumps(result))
+        return
+    s = result["splits"]
+    click.echo(f"prepared {result['directory']}: {result['conversations']:,} conversations (template "
+               f"{result['template']}, train on {result['train_on']}); train {s['train']['tokens']:,} tokens, "
+               f"{s['train']['trained_tokens']:,} trained; valid {s['valid']['tokens']:,} tokens; "
+               f"{result['truncated']} truncated, {result['dropped']} dropped")
+
+
+@data.command()
+@click.argument("directory", type=click.Path(path_type=Path))
+@click.option("--split", type=click.Choice(["train", "valid"]), default="train", show_default=True)
+@click.option("--index", type=click.IntRange(min=0), default=0, show_default=True, help="Which conversation.")
+@click.option("--json", "as_json", is_flag=True, help='Print {"ids": [...], "trained": [...]}.')
+def inspect(directory: Path, split: str, index: int, as_json: bool) -> None:
+    """Show conversation INDEX of a --chat prepared DIRECTORY: its tokens, the trained ones highlighted (loss is
+    taken on them), the trained share and whether each end-of-turn token is trained.
+
+    \b
+    Examples:
+      handle data inspect data/chat --index 3
+      handle data inspect data/chat --split valid --index 0 --json
+    """
+    from torch_handle.data.chat.prepare import conversation_view
+
+    view = conversation_view(directory, split, index)
+    if as_json:
+        click.echo(json.dumps({"ids": view["ids"], "trained": view["trained"]}))
+        return
+    from rich.console import Console
+    from rich.text import Text
+
+    text = Text()
+    for token, trained in zip(view["tokens"], view["trained"]):
+        text.append(token, style="bold green" if trained else "dim")
+    console = Console(highlight=False)
+    console.print(text)
+    ends = view["end_of_turn_trained"]
+    console.print(f"{split} conversation {index}: {len(view['ids'])} tokens, {sum(view['trained'])} trained "
+                  f"({view['trained_share']:.0%} of the labels; green); end-of-turn tokens trained: "
+                  f"{sum(ends)} of {len(ends)}")
 
 
 @contextlib.contextmanager

@@ -145,6 +145,22 @@ def check_vocabulary(options: TokensConfig, preset: Any) -> Iterator[InvalidValu
                                f"({config}): prepare with the base's tokenizer")
 
 
+def check_objective(options: TokensConfig, preset: Any) -> Iterator[InvalidValue]:
+    """``finetune.objective = "sft"`` reads conversations: a directory prepared with ``--chat`` (trained-token
+    masks)."""
+    if getattr(preset.finetune, "objective", "lm") != "sft":
+        return
+    for _, path, _ in options.source_list():
+        try:
+            prepared = _open(path)
+        except DataError:
+            continue  # the pre-flight reports it
+        if not prepared.train.has_masks:
+            yield InvalidValue("path" if options.path else "sources",
+                               f"{path}: not prepared from conversations (finetune.objective = 'sft' trains on the "
+                               f"trained tokens of `handle data prepare --chat`)")
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Build (in every rank)
 # ---------------------------------------------------------------------------------------------------------------
@@ -161,7 +177,7 @@ def build(options: TokensConfig, ctx: Any):
     description = str(options.path) if options.path else f"mixture of {len(sources)} ({shares})"
     return prepared_bundle([(name, p, weight) for (name, _, weight), p in zip(sources, prepared)], options.seq_len,
                            document_mask=options.document_mask, description=description,
-                           mixture=bool(options.sources))
+                           mixture=bool(options.sources), objective=getattr(ctx, "objective", "lm"))
 
 
 def identity(options: TokensConfig, cache: Any = None, progress: Any = None):
@@ -181,4 +197,4 @@ def identity(options: TokensConfig, cache: Any = None, progress: Any = None):
 @hookimpl
 def handle_register_datasets(register):
     register("tokens", TokensConfig, build, "prepared token shards (handle data prepare), memory-mapped; mixtures",
-             check_vocabulary, preflight=preflight, prepare=identity)
+             (check_vocabulary, check_objective), preflight=preflight, prepare=identity)

@@ -167,6 +167,20 @@ def _finetune(preset: Preset, registry: Any) -> Iterator[PresetError]:
                           "finetune.method = 'lora' is split)", key="parallel.tp")
 
 
+def _objective(preset: Preset, registry: Any) -> Iterator[PresetError]:
+    """``finetune.objective = "sft"``: conversations prepared with ``handle data prepare --chat`` (the ``tokens``
+    dataset), on the layouts whose loss takes the global batch's mean over trained tokens (dp, with any strategy)."""
+    if preset.finetune.objective != "sft":
+        return
+    if preset.data.name != "tokens":
+        yield PresetError(f"finetune.objective = 'sft' trains on conversations prepared with `handle data prepare "
+                          f"--chat` (data.name = 'tokens'), not data.name = {preset.data.name!r}", key="data.name")
+    for dim in ("tp", "pp"):
+        if getattr(preset.parallel, dim) > 1:
+            yield PresetError(f"finetune.objective = 'sft' runs with data parallelism (any strategy); parallel.{dim} "
+                              f"> 1 is not supported yet (valid: 1)", key=f"parallel.{dim}")
+
+
 def _loss_impl(preset: Preset, registry: Any) -> Iterator[PresetError]:
     """``training.loss_impl = "chunked"`` where the layout cannot run it (:mod:`torch_handle.config.loss_impl`)."""
     if preset.training.loss_impl == "chunked":
@@ -177,7 +191,7 @@ def _loss_impl(preset: Preset, registry: Any) -> Iterator[PresetError]:
 
 LAYOUT_CHECKS: tuple[Callable[[Preset, Any], Iterator[PresetError]], ...] = (
     _world_size, _plugin_supports("model"), _plugin_supports("strategy"), _native_tp, _tied_v_shape,
-    _pipeline_precision, _microbatches, _expert_parallel, _finetune, _loss_impl)
+    _pipeline_precision, _microbatches, _expert_parallel, _finetune, _objective, _loss_impl)
 """The ``[parallel]`` checks, structure first; each ``check(preset, registry)`` yields its problems."""
 
 

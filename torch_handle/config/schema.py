@@ -302,6 +302,9 @@ class FinetuneConfig:
     target_modules: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"])
     """The linears that get adapters: q_proj, k_proj, v_proj, out_proj (o_proj), gate_proj, up_proj, down_proj
     (linear1, linear2 for the paper's FFN), or the groups attention, mlp, all. Default: W_q and W_v, as Hu et al."""
+    objective: Literal["lm", "sft"] = "lm"
+    """lm: every token is a label (text); sft: conversations prepared with ``handle data prepare --chat``, packed,
+    the loss the mean over their trained tokens only (the answers; docs/fine-tuning.md). Any method."""
 
     def check(self) -> Iterator[InvalidValue]:
         for target in self.target_modules:

@@ -17,20 +17,24 @@ log = logging.getLogger("torch_handle")
 
 
 def prepared_bundle(sources: Sequence[tuple[str, Prepared, float]], seq_len: int, *, document_mask: bool = False,
-                    description: str = "", mixture: bool = False) -> DataBundle:
+                    description: str = "", mixture: bool = False, objective: str = "lm") -> DataBundle:
     """A bundle of ``seq_len`` windows (:class:`~torch_handle.data.datasets.TokenWindows`) over ``sources``
     (``(name, prepared directory, weight)``): the one directory's windows, or with ``mixture`` their weighted blend
     (:class:`~torch_handle.data.mixture.MixedWindows`; a source shorter than its share is upsampled, said in the
-    log).
+    log). ``objective`` ``"sft"``: the one directory's conversations packed, labels on their trained tokens only
+    (:class:`~torch_handle.data.chat.packing.PackedConversations`).
 
     Raises:
-        DataError: sources with different tokenizers; a split too short for one window.
+        DataError: sources with different tokenizers; a split too short for one window; ``sft`` on a mixture or on
+            data without trained-token masks.
     """
     from torch_handle.data.mixture import MixedWindows
 
     prepared = [p for _, p, _ in sources]
     if problems := mixture_problems(prepared):
         raise DataError("\n".join(problems))
+    if objective == "sft":
+        return _conversation_bundle(prepared, seq_len, description, mixture)
     splits = {}
     for split in ("train", "valid"):
         windows = [TokenWindows(getattr(p, split), seq_len, document_mask=document_mask,
@@ -46,4 +50,20 @@ def prepared_bundle(sources: Sequence[tuple[str, Prepared, float]], seq_len: int
     identity = mixture_identity(prepared)
     return DataBundle(train=splits["train"], valid=splits["valid"], vocab_size=identity.vocab_size, max_len=seq_len,
                       tokenizer_path=prepared[0].tokenizer_path, pad_id=identity.pad_id, description=description,
+                      identity=identity)
+
+
+def _conversation_bundle(prepared: Sequence[Prepared], seq_len: int, description: str, mixture: bool) -> DataBundle:
+    from torch_handle.data.chat.packing import PackedConversations
+
+    if mixture:
+        raise DataError("data.sources: objective sft reads one prepared directory of conversations (data.path), not "
+                        "a mixture")
+    data, identity = prepared[0], mixture_identity(list(prepared))
+    splits = {split: PackedConversations(getattr(data, split), seq_len, fill_id=identity.eos_id,
+                                         name=f"{data.directory} ({split} split)") for split in ("train", "valid")}
+    log.info("data %s: %d conversations packed into %d samples of %d positions (%.1f%% of them filled)",
+             data.directory, data.train.n_documents, len(splits["train"]), seq_len, 100 * splits["train"].efficiency)
+    return DataBundle(train=splits["train"], valid=splits["valid"], vocab_size=identity.vocab_size, max_len=seq_len,
+                      tokenizer_path=data.tokenizer_path, pad_id=identity.pad_id, description=description,
                       identity=identity)

@@ -216,6 +216,8 @@ class DataContext:
     shared filesystem; each node's first rank when the nodes do not share ``cache_dir``)."""
     barrier: Callable[[], None]
     """Every rank calls it once the builders are done (a collective over all ranks)."""
+    objective: str = "lm"
+    """``[finetune] objective``: ``lm`` (every token a label) or ``sft`` (conversations, the trained tokens only)."""
 
 
 class ResumableDistributedSampler(DistributedSampler):
@@ -301,6 +303,10 @@ class GlobalBatchSampler(Sampler[list[int]]):
         self.samples_in_epoch += self.global_batch
         self._roll_over()
         return indices
+
+    def peek(self) -> np.ndarray:
+        """The indices :meth:`advance` will return next (the global batch at the position), int64 (global_batch,)."""
+        return self.order_array(self.epoch)[self.samples_in_epoch: self.samples_in_epoch + self.global_batch]
 
     def _roll_over(self) -> None:
         if self.steps_in_epoch(self.samples_in_epoch) == 0:

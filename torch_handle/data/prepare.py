@@ -153,7 +153,8 @@ class _InProcess:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _held_out(key: str, number: int, fraction: float) -> bool:
+def held_out(key: str, number: int, fraction: float) -> bool:
+    """Whether document ``number`` of the source ``key`` is held out for validation (``documents`` method)."""
     digest = hashlib.sha256(f"{key}\0{number}".encode()).digest()
     return int.from_bytes(digest[:8], "little") < fraction * 2 ** 64
 
@@ -185,7 +186,7 @@ def _stream(holdout: _Holdout, part: tuple[int, int] | None, counts: dict[int, d
             mine = part is None or number % part[1] == part[0]
             if split is None:
                 split = ("valid" if is_valid_source or in_tail or
-                         (holdout.method == "documents" and _held_out(src.key, doc_no, holdout.fraction)) else "train")
+                         (holdout.method == "documents" and held_out(src.key, doc_no, holdout.fraction)) else "train")
             if holdout.method == "tail" and not in_tail and not is_valid_source:
                 size = len(piece.encode("utf-8", "surrogatepass"))
                 if pos + size >= holdout.cut:
@@ -243,7 +244,7 @@ def split_bytes(holdout: _Holdout) -> dict[str, int]:
     if holdout.method == "tail":
         return {"train": holdout.cut, "valid": train - holdout.cut}
     if holdout.method == "documents":
-        valid = sum(s.bytes for s in holdout.train if s.format == "text" and _held_out(s.key, 0, holdout.fraction))
+        valid = sum(s.bytes for s in holdout.train if s.format == "text" and held_out(s.key, 0, holdout.fraction))
         return {"train": train - valid, "valid": valid}
     return {"train": train, "valid": 0}
 

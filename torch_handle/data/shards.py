@@ -94,19 +94,21 @@ class ShardWriter:
         DataError: an id that does not fit ``dtype`` (a tokenizer bigger than the vocabulary it was sized for).
     """
 
-    def __init__(self, directory: Path, split: str, dtype: np.dtype, eos_id: int, *,
-                 shard_tokens: int = SHARD_TOKENS):
+    def __init__(self, directory: Path, split: str, dtype: np.dtype, eos_id: int | None, *,
+                 shard_tokens: int = SHARD_TOKENS, masks: bool = False):
         self.directory, self.split, self.dtype, self.eos_id = Path(directory), split, np.dtype(dtype), eos_id
-        self.shard_tokens = shard_tokens
+        self.shard_tokens, self.masks = shard_tokens, masks
         self.shards: list[dict[str, Any]] = []
-        self._bin = self._ends = None
+        self._bin = self._ends = self._mask = None
         self._tokens = 0
 
     def _open(self) -> None:
         k = len(self.shards)
         name = f"{self.split}-{k:05d}"
-        self.shards.append({"bin": f"{name}.bin", "idx": f"{name}.idx", "tokens": 0, "documents": 0})
+        self.shards.append({"bin": f"{name}.bin", "idx": f"{name}.idx", "tokens": 0, "documents": 0,
+                            **({"mask": f"{name}.mask"} if self.masks else {})})
         self._bin = open(self.directory / f"{name}.bin", "wb")
+        self._mask = open(self.directory / f"{name}.mask", "wb") if self.masks else None
         self._ends: list[int] = [0]
         self._tokens = 0
 
@@ -114,23 +116,31 @@ class ShardWriter:
         if self._bin is None:
             return
         self._bin.close()
+        if self._mask is not None:
+            self._mask.close()
         np.asarray(self._ends, dtype=IDX_DTYPE).tofile(self.directory / self.shards[-1]["idx"])
         self.shards[-1].update(tokens=self._tokens, documents=len(self._ends) - 1)
         self._bin = None
 
-    def add(self, ids: Iterable[int] | np.ndarray, *, end: bool = True) -> None:
+    def add(self, ids: Iterable[int] | np.ndarray, *, end: bool = True, mask: Iterable[bool] | None = None) -> None:
         """Append one document (its ids without ``<eos>``), or with ``end=False`` the first pieces of one (no
         ``<eos>`` yet; the document ends with the next ``add`` whose ``end`` is true). A shard is closed only at a
-        document's end."""
+        document's end. A writer without ``eos_id`` (conversations, which end with their end-of-turn) appends
+        none; one with ``masks`` takes each token's ``mask`` (trained or not; the ``<eos>`` is not trained)."""
         arr = np.asarray(ids)
         if arr.size and (int(arr.max()) > np.iinfo(self.dtype).max or int(arr.min()) < 0):
             raise DataError(f"token id {int(arr.max())} does not fit {self.dtype.name} (vocabulary too big)")
         if self._bin is None:
             self._open()
-        doc = np.empty(arr.size + end, dtype=self.dtype)
+        eos = end and self.eos_id is not None
+        doc = np.empty(arr.size + eos, dtype=self.dtype)
         doc[:arr.size] = arr
-        if end:
+        if eos:
             doc[-1] = self.eos_id
+        if self._mask is not None:
+            trained = np.zeros(doc.size, dtype=np.uint8)
+            trained[:arr.size] = np.asarray(list(mask) if mask is not None else [], dtype=bool)
+            self._mask.write(trained.tobytes())
         self._bin.write(doc.tobytes())
         self._tokens += doc.size
         if end:
@@ -181,11 +191,16 @@ class TokenSplit:
         self.shards: list[_Shard] = []
         starts: list[np.ndarray] = []
         total = 0
+        self.has_masks = all("mask" in e for _, meta in metas for e in meta["splits"][split]["shards"])
+        """Each token carries whether it is trained (conversations: ``handle data prepare --chat``)."""
         for directory, meta in metas:
             for entry in meta["splits"][split]["shards"]:
                 bin_path, idx_path = directory / entry["bin"], directory / entry["idx"]
                 n, d = int(entry["tokens"]), int(entry["documents"])
-                for path, want in ((bin_path, n * self.dtype.itemsize), (idx_path, (d + 1) * IDX_DTYPE.itemsize)):
+                files = [(bin_path, n * self.dtype.itemsize), (idx_path, (d + 1) * IDX_DTYPE.itemsize)]
+                if self.has_masks:
+                    files.append((directory / entry["mask"], n))
+                for path, want in files:
                     if not path.is_file():
                         raise DataError(f"{path}: missing (listed in {directory / META_FILE}; prepare again)")
                     if path.stat().st_size != want:
@@ -212,6 +227,9 @@ class TokenSplit:
         Raises:
             IndexError: a range outside ``[0, n_tokens]``.
         """
+        return self._read(start, stop, lambda shard: shard.bin, self.dtype)
+
+    def _read(self, start: int, stop: int, path_of: Any, dtype: np.dtype) -> np.ndarray:
         if not 0 <= start <= stop <= self.n_tokens:
             raise IndexError(f"tokens [{start}, {stop}) outside [0, {self.n_tokens}) of the {self.split} split")
         out = np.empty(stop - start, dtype=np.int64)
@@ -221,13 +239,23 @@ class TokenSplit:
             shard = self.shards[k]
             lo, hi = pos - shard.start, min(stop, shard.start + shard.tokens) - shard.start
             if hi > lo:
-                mm = np.memmap(shard.bin, dtype=self.dtype, mode="r", offset=lo * self.dtype.itemsize,
-                               shape=(hi - lo,))
+                mm = np.memmap(path_of(shard), dtype=dtype, mode="r", offset=lo * dtype.itemsize, shape=(hi - lo,))
                 out[pos - start: pos - start + hi - lo] = mm
                 del mm
                 pos += hi - lo
             k += 1
         return out
+
+    def mask(self, start: int, stop: int) -> np.ndarray:
+        """Whether each token of ``[start, stop)`` is trained, bool (stop - start,), read as :meth:`window` reads.
+
+        Raises:
+            IndexError: a range outside ``[0, n_tokens]``.
+            DataError: the split has no masks (not conversations).
+        """
+        if not self.has_masks:
+            raise DataError(f"the {self.split} split has no trained-token masks (prepare conversations with --chat)")
+        return self._read(start, stop, lambda shard: shard.bin.with_suffix(".mask"), np.dtype(np.uint8)).astype(bool)
 
     def positions(self, start: int, stop: int) -> np.ndarray:
         """Each token's position in its document for the window ``[start, stop)``, int64 (stop - start,): 0 at the

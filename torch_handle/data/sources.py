@@ -95,7 +95,7 @@ def _is_hf_dir(path: Path) -> bool:
     return path.is_dir() and any((path / m).is_file() for m in _HF_MARKERS)
 
 
-def _expand(spec: str) -> list[tuple[Path, str]]:
+def expand(spec: str) -> list[tuple[Path, str]]:
     """Files (and hf directories) that one argument selects, with their keys, in a fixed order."""
     p = Path(spec).expanduser()
     if _is_hf_dir(p):
@@ -122,7 +122,7 @@ def resolve_sources(specs: Sequence[str], *, fmt: str = "auto", field: str = "te
         raise DataError(f"format {fmt!r}: valid are auto, {', '.join(FORMATS)}")
     out: list[Source] = []
     for spec in specs:
-        found = _expand(str(spec))
+        found = expand(str(spec))
         if not found:
             raise DataError(f"{spec}: no such file, or no files match")
         for path, key in found:
@@ -212,8 +212,13 @@ def _text_of(value: Any, where: str, name: str, what: str) -> str | None:
     raise DataError(f"{where}: {what} {name!r} is {type(value).__name__}, not text")
 
 
-def read_jsonl(path: Path, key: str) -> Iterator[tuple[str, bool, int]]:
-    """One document per line: the line's ``key`` field (blank lines are skipped)."""
+def jsonl_rows(path: Path) -> Iterator[tuple[int, Any, int]]:
+    """``(line number, value, bytes read)`` of each non-blank line of a JSON Lines file (``.gz``: gzip), in order:
+    what ``read_jsonl`` and the conversations' reader (:mod:`torch_handle.data.chat.rows`) read.
+
+    Raises:
+        DataError: a line that is not UTF-8 or not JSON, an unreadable or truncated file; one line naming it.
+    """
     raw = open(path, "rb")
     try:
         stream = gzip.open(raw) if path.name.lower().endswith(".gz") else raw
@@ -223,26 +228,30 @@ def read_jsonl(path: Path, key: str) -> Iterator[tuple[str, bool, int]]:
                 text = line.decode("utf-8")
             except UnicodeDecodeError as e:
                 raise DataError(f"{path}:{lineno}: not UTF-8 (undecodable byte at offset {offset + e.start})") from None
-            except (OSError, EOFError) as e:
-                raise DataError(f"{path}: unreadable ({e})") from None
             offset += len(line)
             if not text.strip():
                 continue
             try:
-                obj = json.loads(text)
+                value = json.loads(text)
             except ValueError as e:
                 raise DataError(f"{path}:{lineno}: not JSON ({e.args[0] if e.args else e}); each line must be one "
                                 f"JSON object") from None
-            if not isinstance(obj, dict) or key not in obj:
-                keys = ", ".join(map(str, list(obj)[:8])) if isinstance(obj, dict) else type(obj).__name__
-                raise DataError(f"{path}:{lineno}: no {key!r} field (it has: {keys}; give --field NAME)")
-            doc = _text_of(obj[key], f"{path}:{lineno}", key, "field")
-            if doc:
-                yield from _document(doc, raw.tell())
+            yield lineno, value, raw.tell()
     except (OSError, EOFError, gzip.BadGzipFile) as e:
         raise DataError(f"{path}: unreadable ({e})") from None
     finally:
         raw.close()
+
+
+def read_jsonl(path: Path, key: str) -> Iterator[tuple[str, bool, int]]:
+    """One document per line: the line's ``key`` field (blank lines are skipped)."""
+    for lineno, obj, done in jsonl_rows(path):
+        if not isinstance(obj, dict) or key not in obj:
+            keys = ", ".join(map(str, list(obj)[:8])) if isinstance(obj, dict) else type(obj).__name__
+            raise DataError(f"{path}:{lineno}: no {key!r} field (it has: {keys}; give --field NAME)")
+        doc = _text_of(obj[key], f"{path}:{lineno}", key, "field")
+        if doc:
+            yield from _document(doc, done)
 
 
 def _parquet_column_check(src: Source) -> None:

@@ -69,4 +69,5 @@ class GradientAccumulation:
                     stats[0] += plain(loss).detach().double() * n * once
                     stats[1] += n * once
                 with timer.phase("backward"):
-                    strategy.backward(loss)
+                    weight = getattr(trainer, "loss_weight", None)  # the global batch's mean (Trainer._loss_weight)
+                    strategy.backward(loss if weight is None else loss * (n * weight))

@@ -71,6 +71,10 @@ class Trainer:
         self.loop: MicroBatchLoop = GradientAccumulation()
         self.step_indices: Any = None
         """The dataset indices of the latest step's global batch (all ranks'), as the sampler handed them out."""
+        self.loss_weight: float | None = None
+        """This step's factor from a micro-batch's mean loss to its share of the global batch's mean, per label:
+        grad_accum x dp / the global batch's labels (None: every sample has as many labels, so the mean of the
+        micro-batches' means is the global mean)."""
         self.restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         self.timer = PhaseTimer(ctx.device)
         """Step breakdown (``timer.enabled = False`` turns it off; benchmarks/breakdown_overhead.py compares)."""
@@ -105,7 +109,7 @@ class Trainer:
         t0 = time.perf_counter()
         self.data: DataBundle = data_plugin.factory(
             p.data.options, DataContext(cache_dir=cache_dir, is_main=cache_leaders[ctx.rank] == ctx.rank,
-                                             barrier=ctx.barrier))
+                                             barrier=ctx.barrier, objective=p.finetune.objective))
         beat("build")
         if self.is_dir_main and self.data.tokenizer_path is not None:
             shutil.copyfile(self.data.tokenizer_path, self.run_dir / "tokenizer.json")
@@ -247,6 +251,7 @@ class Trainer:
         timer.begin()
         if self.share is not None:
             self.share.begin_step()
+        self.loss_weight = self._loss_weight()
         # [loss * tokens, tokens, stop] stays on the device until the one sync below (nccl needs it there too)
         stats = torch.zeros(3, dtype=torch.float64, device=self.ctx.device)
         self.loop.run(self, batches, stats)  # the micro-batches
@@ -275,6 +280,16 @@ class Trainer:
                            routing=self.routing.fields(stats))
         record["stop"] = bool(stats[2] > 0)
         return record
+
+    def _loss_weight(self) -> float | None:
+        """:attr:`loss_weight` of the step about to run: every rank knows the global batch's samples (the sampler's
+        next indices), so each finds its label count without a collective (the gradient-accumulation normalisation
+        that transformers fixed in 4.46: a micro-batch's mean is not its share of the global mean when micro-batches
+        hold different numbers of labels, as packed conversations do)."""
+        count = getattr(self.data.train, "label_counts", None)
+        if count is None:
+            return None
+        return self.training.grad_accum * self.ctx.dp_size / max(1, count(self.train_sampler.peek()))
 
     def _optimizer_step(self, record: dict[str, Any]) -> float:
         """The optimizer step after the sync, or a skipped one (``record["skipped"]``) for a non-finite loss under

@@ -1,0 +1,152 @@
+"""Supervised fine-tuning on conversations (``[finetune] objective = "sft"``, issue 46) in this process: a
+Llama-shaped base written by transformers, conversations from ../shared/data prepared with ``--chat``, packed
+best-fit-decreasing with document masks. The step-0 validation loss equals transformers' own computation (the mean
+cross-entropy over the trained tokens of the same conversations, each run alone, unpacked); the training losses
+are the global batch's mean over trained tokens whatever the micro-batching (grad_accum 1 and 4)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers", reason="needs the hf extra: pip install -e '.[dev,hf]'")
+
+from tests.unit.test_chat_template import _conversations  # noqa: E402
+from tests.unit.test_trainer_step import _events, _train, fake_peak, process_group  # noqa: E402,F401
+from torch_handle.config.loader import dump_preset, load_preset  # noqa: E402
+from torch_handle.data.chat.packing import PackedConversations, best_fit_decreasing  # noqa: E402
+from torch_handle.data.chat.prepare import prepare_chat  # noqa: E402
+from torch_handle.data.datasets import train_tokenizer  # noqa: E402
+from torch_handle.data.shards import open_prepared  # noqa: E402
+from torch_handle.launch.run import check_inputs  # noqa: E402
+from torch_handle.errors import PresetError  # noqa: E402
+from torch_handle.rundir import create_run_dir  # noqa: E402
+
+DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
+SEQ = 48
+
+
+@pytest.fixture(scope="module")
+def chat(tmp_path_factory) -> tuple[Path, Path]:
+    """``(base, data)``: a random LlamaForCausalLM saved by transformers with a ChatML tokenizer, and 80
+    conversations prepared with its template."""
+    root = tmp_path_factory.mktemp("sft")
+    base = root / "base"
+    base.mkdir()
+    tok = train_tokenizer([(DATA / "tinyshakespeare" / "input.txt").read_text(encoding="utf-8")[:100_000]], 500)
+    tok.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    tok.save(str(base / "tokenizer.json"))
+    (base / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>", "pad_token": "<pad>",
+                                                            "tokenizer_class": "PreTrainedTokenizerFast"}))
+    config = transformers.LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=32, intermediate_size=48,
+                                      num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+                                      max_position_embeddings=64, rope_theta=10000.0, rms_norm_eps=1e-5,
+                                      tie_word_embeddings=True)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(base)
+    rows = root / "chat.jsonl"
+    rows.write_text("".join(json.dumps({"messages": m}) + "\n" for m in _conversations()), encoding="utf-8")
+    prepare_chat([str(rows)], root / "data", tokenizer=base, template="chatml", valid_fraction=0.25, max_len=SEQ)
+    return base, root / "data"
+
+
+def _preset(tmp_path: Path, chat, *, micro_batch_size: int, grad_accum: int, steps: int, eval_steps: int = 100):
+    base, data = chat
+    text = f"""
+[run]
+output_dir = "{tmp_path / 'runs'}"
+[model]
+norm = "rmsnorm"
+position = "rope"
+mlp = "swiglu"
+norm_first = true
+scale_embeddings = false
+bias = false
+d_model = 32
+n_heads = 2
+n_layers = 1
+d_ff = 48
+dropout = 0.0
+init_from = "{base}"
+[data]
+name = "tokens"
+path = "{data}"
+seq_len = {SEQ}
+[training]
+steps = {steps}
+micro_batch_size = {micro_batch_size}
+grad_accum = {grad_accum}
+precision = "fp32"
+eval_every = {steps}
+eval_steps = {eval_steps}
+log_every = 1
+warmup_steps = 0
+lr = 0.003
+[finetune]
+objective = "sft"
+"""
+    path = tmp_path / f"p{micro_batch_size}x{grad_accum}.toml"
+    path.write_text(text, encoding="utf-8")
+    return load_preset(path)
+
+
+def test_packing_is_best_fit_decreasing_and_never_splits():
+    lengths = np.array([30, 5, 20, 18, 10, 7, 40])
+    bins = best_fit_decreasing(lengths, 48)
+    assert sorted(i for b in bins for i in b) == list(range(7)) and all(lengths[b].sum() <= 48 for b in bins)
+    # 40 (room 8), 30 (18), 20 (28); 18 fills 30's exactly; 10 -> 20's (18 left); 7 -> 40's (8: the least room
+    # that holds it); 5 -> 20's (40's has 1 left)
+    assert bins == [[6, 5], [0, 3], [2, 4, 1]]
+
+
+def test_step_0_validation_loss_is_transformers_on_the_trained_tokens(chat, tmp_path, process_group):
+    base, data = chat
+    preset = _preset(tmp_path, chat, micro_batch_size=2, grad_accum=1, steps=1)
+    run_dir = create_run_dir(tmp_path / "runs", "sft", dump_preset(preset), {"status": "starting"})
+    assert _train(preset, run_dir, process_group) == "finished"
+    step0 = next(e for e in _events(run_dir) if e["kind"] == "eval")["val_loss"]
+
+    prepared = open_prepared(data)
+    valid = PackedConversations(prepared.valid, SEQ, fill_id=prepared.eos_id)
+    assert valid.efficiency > 0.7 and len(valid) >= 2
+    evaluated = [d for i in range(len(valid) // 2 * 2) for d in valid.samples[i]]  # micro-batches of 2, remainder dropped
+    model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    total, count = 0.0, 0
+    for d in evaluated:  # each conversation alone: no packing, no document mask
+        start, stop = int(valid.starts[d]), int(valid.starts[d]) + int(valid.positions[d]) + 1
+        ids, trained = prepared.valid.window(start, stop), prepared.valid.mask(start, stop)
+        with torch.no_grad():
+            logits = model(torch.from_numpy(ids)[None]).logits[0, :-1].double()
+        labels = torch.from_numpy(ids[1:])
+        keep = torch.from_numpy(trained[1:])
+        total += float(torch.nn.functional.cross_entropy(logits[keep], labels[keep], reduction="sum"))
+        count += int(keep.sum())
+    assert count > 0 and step0 == pytest.approx(total / count, abs=1e-5)
+
+
+def test_the_loss_is_the_global_mean_over_trained_tokens_for_any_accumulation(chat, tmp_path, process_group):
+    losses = {}
+    for mb, ga in ((4, 1), (1, 4)):
+        preset = _preset(tmp_path, chat, micro_batch_size=mb, grad_accum=ga, steps=3, eval_steps=1)
+        run_dir = create_run_dir(tmp_path / "runs", f"sft{mb}x{ga}", dump_preset(preset), {"status": "starting"})
+        assert _train(preset, run_dir, process_group) == "finished"
+        losses[(mb, ga)] = [e["loss"] for e in _events(run_dir) if e["kind"] == "step"]
+    assert len(losses[(4, 1)]) == 3
+    assert losses[(4, 1)] == pytest.approx(losses[(1, 4)], abs=1e-6)
+    assert losses[(4, 1)][0] != pytest.approx(losses[(4, 1)][2], abs=1e-3)  # it trains
+
+
+def test_sft_needs_conversations_and_data_parallelism(chat, tmp_path):
+    preset = _preset(tmp_path, chat, micro_batch_size=2, grad_accum=1, steps=1)
+    text = (tmp_path / "p2x1.toml").read_text()
+    (tmp_path / "bad.toml").write_text(text.replace('name = "tokens"', 'name = "pydoc"').replace(
+        f'path = "{chat[1]}"\n', ""))
+    with pytest.raises(PresetError, match="objective = 'sft' trains on conversations prepared with"):
+        load_preset(tmp_path / "bad.toml")
+    with pytest.raises(PresetError, match="parallel.tp > 1 is not supported yet"):
+        load_preset(tmp_path / "p2x1.toml", ("parallel.tp=2", "launch.nproc_per_node=2"))
+    check_inputs(preset)

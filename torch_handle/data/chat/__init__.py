@@ -1,0 +1,1 @@
+"""Conversations: chat templates, trained-token masks, packing (issue 46)."""

@@ -1,0 +1,181 @@
+"""``handle data prepare --chat``: conversations, rendered by a chat template, into token shards with a per-token
+trained mask (:mod:`torch_handle.data.shards`: ``<split>-NNNNN.mask`` beside each ``.bin``, one byte a token).
+
+Each conversation is one document: its rendering's ids (:func:`torch_handle.data.chat.template.encode_conversation`,
+no ``<eos>`` appended: it ends with its own end-of-turn) and whether each is trained. The validation split holds
+whole conversations out by a hash of their source and number, as a plain-text prepare does. A conversation longer
+than ``max_len + 1`` tokens is truncated from the left (its earliest tokens: the system turn and the first
+prompts) or dropped (``max_len_policy``); one left with no trained token is refused. ``meta.json`` gains
+``"chat"``: the template (its name and SHA-256; the template itself is written as ``chat_template.jinja``),
+``train_on``, and the counts of conversations, truncated and dropped ones. No torch import.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from torch_handle.common.fsio import replace_problem, replacing_dir
+from torch_handle.common.names import TOKENIZER_FILE
+from torch_handle.data.chat.rows import conversations, read_rows
+from torch_handle.data.chat.template import TRAIN_ON, encode_conversation, load_template
+from torch_handle.data.shards import META_FILE, ShardWriter, file_sha256, token_dtype, write_meta
+from torch_handle.data.prepare import held_out
+from torch_handle.data.tokenizer_file import eos_id, pad_id_of, tokenizer_path, vocab_size_of
+from torch_handle.errors import DataError
+
+TEMPLATE_FILE = "chat_template.jinja"
+MAX_LEN_POLICIES = ("truncate", "drop")
+
+
+def prepare_chat(sources: Sequence[str], out: str | Path, *, tokenizer: str | Path, template: str | None = None,
+                 train_on: str = "assistant", valid: Sequence[str] = (), valid_fraction: float = 0.05,
+                 max_len: int = 2048, max_len_policy: str = "truncate", messages_field: str = "messages",
+                 column_map: dict[str, str] | None = None, force: bool = False,
+                 progress: Callable[[Any], None] | None = None) -> dict[str, Any]:
+    """Prepare the conversations of ``sources`` (JSON Lines or Parquet files, directories, globs) into ``out``.
+
+    Returns the summary: ``{"directory", "splits": {split: {"tokens", "documents", "trained_tokens"}},
+    "conversations", "truncated", "dropped", "template", "train_on", "seconds"}``.
+
+    Raises:
+        DataError: bad input, one line naming the file, row and field (see :mod:`torch_handle.data.chat.rows` and
+            :mod:`torch_handle.data.chat.template`); nothing written.
+    """
+    from tokenizers import Tokenizer
+
+    from torch_handle.data.prepare import Progress
+
+    t0 = time.perf_counter()
+    out = Path(out)
+    if train_on not in TRAIN_ON:
+        raise DataError(f"--train-on {train_on!r}: valid are {', '.join(TRAIN_ON)}")
+    if max_len_policy not in MAX_LEN_POLICIES:
+        raise DataError(f"--max-len-policy {max_len_policy!r}: valid are {', '.join(MAX_LEN_POLICIES)}")
+    if max_len < 2:
+        raise DataError(f"--max-len {max_len}: valid are 2 or more tokens")
+    if problem := replace_problem(out, force, marker=META_FILE, kind="a prepared", what="the token shards"):
+        raise DataError(problem)
+    tok_path = tokenizer_path(tokenizer)
+    try:
+        tok = Tokenizer.from_file(str(tok_path))
+    except Exception as e:  # noqa: BLE001 - tokenizers raises a bare Exception for JSON that is not a tokenizer
+        raise DataError(f"{tok_path}: not a tokenizer file ({' '.join(str(e).split())[:200]})") from None
+    chat = load_template(template, tok_path)
+    eos = eos_id(tok, tok_path)
+    vocab = vocab_size_of(tok)
+    dtype = token_dtype(vocab)
+    train_files = _files(sources)
+    valid_files = _files(valid) if valid else []
+    total = sum(f.stat().st_size for f in [*train_files, *valid_files])
+    counts = {"conversations": 0, "truncated": 0, "dropped": 0}
+    with replacing_dir(out) as tmp:
+        shutil.copyfile(tok_path, tmp / TOKENIZER_FILE)
+        (tmp / TEMPLATE_FILE).write_text(chat.source, encoding="utf-8")
+        writers = {s: ShardWriter(tmp, s, dtype, None, masks=True) for s in ("train", "valid")}
+        trained = {"train": 0, "valid": 0}
+        state = Progress(0, total, 0, 0, 0.0)
+        for is_valid, files in ((False, train_files), (True, valid_files)):
+            for path in files:
+                number = 0
+                for where, row in read_rows(path):
+                    for messages in conversations(row, where, messages_field=messages_field, column_map=column_map):
+                        split = "valid" if is_valid or (not valid_files and held_out(str(path.name), number,
+                                                                                      valid_fraction)) else "train"
+                        number += 1
+                        ids, mask = encode_conversation(tok, chat, messages, train_on)
+                        if len(ids) > max_len + 1:
+                            if max_len_policy == "drop":
+                                counts["dropped"] += 1
+                                continue
+                            ids, mask = ids[-(max_len + 1):], mask[-(max_len + 1):]
+                            counts["truncated"] += 1
+                        if not any(mask[1:]):  # the first token is never a label
+                            raise DataError(f"{where}: a conversation with no trained token"
+                                            f"{' after truncation to --max-len ' + str(max_len) if len(ids) > max_len else ''}"
+                                            f" (train_on {train_on})")
+                        writers[split].add(ids, mask=mask)
+                        trained[split] += int(sum(mask[1:]))
+                        counts["conversations"] += 1
+                        state.documents += 1
+                        state.tokens += len(ids)
+                state.bytes += path.stat().st_size
+                state.seconds = time.perf_counter() - t0
+                if progress is not None:
+                    progress(state)
+        splits = {split: w.close() for split, w in writers.items()}
+        for split in ("train", "valid"):
+            if not splits[split]["documents"]:
+                raise DataError(f"{', '.join(map(str, [*train_files, *valid_files][:3]))}: no {split} conversations "
+                                f"({'lower --valid-fraction' if split == 'train' else 'give --valid SRC or a larger --valid-fraction'})")
+        meta = {"dtype": dtype.name, "splits": splits,
+                "tokenizer": {"file": TOKENIZER_FILE, "sha256": file_sha256(tmp / TOKENIZER_FILE), "vocab_size": vocab,
+                              "eos_id": eos, "pad_id": pad_id_of(tok, tok_path, eos), "given": str(tok_path)},
+                "sources": [{"path": str(f), "format": "chat", "sha256": file_sha256(f), "bytes": f.stat().st_size,
+                             "split": "valid" if f in valid_files else "both"} for f in [*train_files, *valid_files]],
+                "valid": {"method": "source" if valid_files else "documents",
+                          "fraction": 0.0 if valid_files else valid_fraction},
+                "part": None,
+                "chat": {"template": chat.name, "template_sha256": chat.sha256, "template_file": TEMPLATE_FILE,
+                         "train_on": train_on, "max_len": max_len, "max_len_policy": max_len_policy,
+                         "trained_tokens": trained, **counts}}
+        write_meta(tmp, meta)
+    return {"directory": str(out), "splits": {s: {"tokens": v["tokens"], "documents": v["documents"],
+                                                  "trained_tokens": trained[s]} for s, v in splits.items()},
+            **counts, "template": chat.name, "train_on": train_on, "seconds": round(time.perf_counter() - t0, 3)}
+
+
+def _files(specs: Sequence[str]) -> list[Path]:
+    """The JSON Lines and Parquet files ``specs`` select (directories recursively, in a fixed order)."""
+    from torch_handle.data.sources import expand
+
+    out: list[Path] = []
+    for spec in specs:
+        found = [p for p, _ in expand(str(spec)) if p.is_file()]
+        if not found:
+            raise DataError(f"{spec}: no such file, or no files match")
+        for path in found:
+            if not path.name.lower().endswith((".jsonl", ".jsonl.gz", ".parquet")):
+                raise DataError(f"{path}: conversations are read from .jsonl, .jsonl.gz or .parquet files")
+            out.append(path)
+    return out
+
+
+def conversation_view(directory: Path, split: str, index: int) -> dict[str, Any]:
+    """Conversation ``index`` of ``split`` of a prepared chat directory: ``{"ids", "trained", "tokens"}`` (each
+    token's text too), for ``handle data inspect``.
+
+    Raises:
+        DataError: not a chat directory, an index out of range.
+    """
+    from tokenizers import Tokenizer
+
+    from torch_handle.data.shards import open_prepared
+
+    data = open_prepared(directory)
+    part = getattr(data, split)
+    if not part.has_masks:
+        raise DataError(f"{directory}: not prepared from conversations (no trained-token masks; prepare with --chat)")
+    if not 0 <= index < part.n_documents:
+        raise DataError(f"--index {index}: the {split} split has conversations 0 .. {part.n_documents - 1}")
+    start = int(part.doc_starts[index])
+    stop = int(part.doc_starts[index + 1]) if index + 1 < part.n_documents else part.n_tokens
+    ids = part.window(start, stop)
+    trained = part.mask(start, stop)
+    tok = Tokenizer.from_file(str(data.tokenizer_path))
+    return {"ids": ids.tolist(), "trained": [bool(t) for t in trained],
+            "tokens": [tok.decode([int(i)], skip_special_tokens=False) for i in ids],
+            "trained_share": float(np.mean(trained[1:])) if len(ids) > 1 else 0.0,
+            "end_of_turn_trained": _end_of_turn_trained(tok, ids, trained)}
+
+
+def _end_of_turn_trained(tok: Any, ids: np.ndarray, trained: np.ndarray) -> list[bool]:
+    """For each end-of-turn token (``<|im_end|>``, ``<|eot_id|>``, ``</s>``, ``<|end|>``) in ``ids``: is it
+    trained."""
+    ends = {i for name in ("<|im_end|>", "<|eot_id|>", "</s>", "<|end|>", "<eos>") if (i := tok.token_to_id(name))
+            is not None}
+    return [bool(t) for i, t in zip(ids.tolist(), trained) if i in ends]
