@@ -181,17 +181,24 @@ def inspect(directory: Path, split: str, index: int, as_json: bool) -> None:
 
 @contextlib.contextmanager
 def progress_bar(label: str = "preparing") -> Iterator[Callable[[Any], None]]:
-    """A transient rich progress bar, shown from the first call of the callback it yields: the ``progress`` of
-    :func:`torch_handle.data.prepare.prepare` (``handle data prepare``, and ``handle run`` preparing its data)."""
+    """A transient rich progress bar on stderr when it is a terminal, shown from the first call of the callback it
+    yields: the ``progress`` of :func:`torch_handle.data.prepare.prepare` (``handle data prepare``, and ``handle
+    run`` preparing its data). Elsewhere (a pipe, a log) the callback does nothing: no partial lines."""
+    import sys
+
+    from rich.console import Console
     from rich.progress import (BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn,
                                TimeRemainingColumn)
 
     shown: list[Any] = []
 
     def show(p: Any) -> None:
+        if not sys.stderr.isatty():
+            return
         if not shown:
             bar = Progress(TextColumn(label), BarColumn(), TaskProgressColumn(), TextColumn("{task.fields[what]}"),
-                           TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), transient=True)
+                           TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), transient=True,
+                           console=Console(stderr=True))
             bar.start()
             shown.extend([bar, bar.add_task("prepare", total=None, what="reading")])
         shown[0].update(shown[1], total=p.total_bytes, completed=p.bytes,

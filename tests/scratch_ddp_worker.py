@@ -66,7 +66,7 @@ def ctx_of(rank: int):
 
 
 def loss_of(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    from torch_handle.train.trainer import loss_fn
+    from torch_handle.train.loss import loss_fn
 
     return loss_fn(model(input_ids=batch[0]), batch[1])[0]
 

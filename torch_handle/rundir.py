@@ -238,6 +238,22 @@ def utc_stamp() -> str:
     return datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
 
 
+def output_dir_problem(output_dir: Path) -> str | None:
+    """Why runs cannot be created under ``output_dir`` (a file; under a file; an existing ancestor that is not
+    writable), found without creating anything; None when they can."""
+    output_dir = Path(output_dir)
+    if output_dir.exists():
+        if not output_dir.is_dir():
+            return f"{output_dir}: output directory is a file, not a directory (set [run] output_dir)"
+        return None if os.access(output_dir, os.W_OK | os.X_OK) else f"{output_dir}: output directory is not writable"
+    ancestor = next(a for a in output_dir.absolute().parents if a.exists())
+    if not ancestor.is_dir():
+        return f"{output_dir}: cannot create output directory (Not a directory)"
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        return f"{output_dir}: cannot create output directory (Permission denied)"
+    return None
+
+
 def create_run_dir(output_dir: Path, name: str, preset_toml: str, info: dict[str, Any],
                    run_dir: Path | None = None) -> Path:
     """Create a run directory with ``preset.toml`` and ``run.json`` in one step.
@@ -249,8 +265,8 @@ def create_run_dir(output_dir: Path, name: str, preset_toml: str, info: dict[str
         RunDirError: when the output directory cannot be written or ``run_dir`` exists already.
     """
     output_dir = Path(output_dir)
-    if output_dir.exists() and not output_dir.is_dir():
-        raise RunDirError(f"{output_dir}: output directory is a file, not a directory (set [run] output_dir)")
+    if problem := output_dir_problem(output_dir):
+        raise RunDirError(problem)
     try:
         output_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:

@@ -400,8 +400,8 @@ def evaluate_loss(model: DecoderLM | EncoderDecoder, dataset, collate_fn: Callab
 
 
 def validation_split(loaded: LoadedRun):
-    """The run's validation dataset exactly as its dataset plugin builds it (tokenizer cache: ``.cache`` beside
-    the run directory, trained again if it is gone). Returns (dataset, collate_fn).
+    """The run's validation dataset exactly as its dataset plugin builds it (the cache beside the run directory,
+    :func:`torch_handle.data.cache.cache_root`; prepared again if it is gone). Returns (dataset, collate_fn).
 
     Raises:
         DataError: the data is gone or changed (its tokenizer differs from the run's tokenizer.json).
@@ -410,9 +410,14 @@ def validation_split(loaded: LoadedRun):
 
     from torch_handle.registry import get_registry
 
+    from torch_handle.data.cache import cache_root
+
     p = loaded.preset
-    ctx = DataContext(cache_dir=loaded.run_dir.parent / ".cache", is_main=True, barrier=lambda: None)
-    bundle = get_registry().get("dataset", p.data.name).factory(p.data.options, ctx)
+    plugin, cache = get_registry().get("dataset", p.data.name), cache_root(loaded.run_dir.parent)
+    if plugin.prepare is not None:  # what the launcher did before the run (text, pydoc: their shards)
+        plugin.prepare(p.data.options, cache, None)
+    ctx = DataContext(cache_dir=cache, is_main=True, barrier=lambda: None, objective=p.finetune.objective)
+    bundle = plugin.factory(p.data.options, ctx)
     if bundle.tokenizer_path is not None:
         built = Tokenizer.from_file(str(bundle.tokenizer_path)).get_vocab()
         if built != loaded.tokenizer.get_vocab():

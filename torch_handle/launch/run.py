@@ -38,8 +38,8 @@ from torch_handle.observe.state import FINETUNE_KEY, RunState
 from torch_handle.observe.tail import EventReader
 from torch_handle.observe.telemetry import EVENTS_FILE
 from torch_handle.registry import get_registry
-from torch_handle.rundir import (ACTIVE, PRESET_FILE, create_run_dir, launcher_alive, launcher_record, read_run_info,
-                                 modify_run_info)
+from torch_handle.rundir import (ACTIVE, PRESET_FILE, create_run_dir, launcher_alive, launcher_record,
+                                 modify_run_info, output_dir_problem, read_run_info)
 
 
 def check_inputs(preset: Preset, *, resume: bool = False) -> None:
@@ -119,6 +119,8 @@ def prepare_run(preset: str | None, overrides: tuple[str, ...], run_dir: Path | 
     loaded, tokenizer_note = resolve_base_tokenizer(loaded)
     if tokenizer_note and note is not None:
         note(tokenizer_note)
+    if problem := output_dir_problem(Path(loaded.run.output_dir)):  # before the data is prepared
+        raise RunDirError(problem)
     prepare_data(loaded, progress)
     join = Path(run_dir) if loaded.launch.nnodes > 1 and run_dir is not None else None
     loaded, precision = resolve_for_run(loaded, join)
