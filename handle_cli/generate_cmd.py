@@ -40,13 +40,22 @@ def _load(run_dir: Path, checkpoint: int | None, kind: str, command: str):
 @click.option("--top-k", type=click.IntRange(min=0), default=50, show_default=True,
               help="Sample among the K most likely tokens (0 = all).")
 @click.option("--seed", type=int, default=None, help="Seed of the sampler (default: random).")
+@click.option("--chat", "message", metavar="MESSAGE", help="A run fine-tuned on conversations: answer MESSAGE as the "
+                                                           "assistant (its chat template), stopping at the end of turn.")
+@click.option("--system", metavar="TEXT", help="--chat: a system turn first.")
 @_CHECKPOINT
 def generate(run_dir: Path, prompt: str, max_new_tokens: int, temperature: float, top_k: int, seed: int | None,
-             checkpoint: int | None) -> None:
+             message: str | None, system: str | None, checkpoint: int | None) -> None:
     """Continue PROMPT with a decoder (language-model) run, printing tokens as they are produced.
 
     Exactly --max-new-tokens tokens are generated; <eos> (a paragraph boundary in training) prints as a blank
-    line. Decoding is cached (keys/values of earlier positions are kept), one forward pass per token.
+    line. Decoding is cached (keys/values of earlier positions are kept), one forward pass per token. With
+    --chat, the run's chat template renders the message and generation stops at the end of the turn.
+
+    \b
+    Examples:
+      handle generate runs/llama-20260101-120000 "The module"
+      handle generate runs/sft-20260101-120000 --chat "Name three fruits." --temperature 0
     """
     import torch
 
@@ -54,6 +63,10 @@ def generate(run_dir: Path, prompt: str, max_new_tokens: int, temperature: float
 
     loaded = _load(run_dir, checkpoint, "decoder", "generate")
     generator = torch.Generator().manual_seed(seed if seed is not None else int(time.time_ns() % 2**63))
+    if message is not None:
+        _answer(loaded, [*_system(system), {"role": "user", "content": message}], max_new_tokens, temperature,
+                top_k, generator)
+        return
     prompt_ids = loaded.tokenizer.encode(prompt).ids if prompt else []
     stream = StreamDecoder(loaded.tokenizer)
     out = sys.stdout
@@ -67,6 +80,73 @@ def generate(run_dir: Path, prompt: str, max_new_tokens: int, temperature: float
             out.flush()
     out.write(stream.flush() + "\n")
     out.flush()
+
+
+def _system(system: str | None) -> list[dict[str, str]]:
+    return [{"role": "system", "content": system}] if system else []
+
+
+def _answer(loaded, messages: list[dict[str, str]], max_new_tokens: int, temperature: float, top_k: int,
+            generator) -> str:
+    """Stream the assistant's reply to ``messages`` to stdout; returns its text."""
+    from torch_handle.infer.chat import reply, run_template
+    from torch_handle.infer.generate import StreamDecoder
+
+    template = run_template(loaded.run_dir)
+    stream, text = StreamDecoder(loaded.tokenizer), []
+    for token in reply(loaded.model, loaded.tokenizer, template, messages, max_new_tokens=max_new_tokens,
+                       temperature=temperature, top_k=top_k, generator=generator):
+        if piece := stream.push(token):
+            text.append(piece)
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+    text.append(stream.flush())
+    sys.stdout.write(text[-1] + "\n")
+    sys.stdout.flush()
+    return "".join(text)
+
+
+@click.command()
+@_RUN
+@click.option("--system", metavar="TEXT", help="A system turn first.")
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=256, show_default=True,
+              help="Longest reply (it ends earlier at the end of turn).")
+@click.option("--temperature", type=click.FloatRange(min=0.0), default=0.0, show_default=True,
+              help="Softmax temperature; 0 = greedy.")
+@click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True, help="Sample among the K most "
+                                                                                          "likely tokens (0 = all).")
+@click.option("--seed", type=int, default=None, help="Seed of the sampler (default: random).")
+@_CHECKPOINT
+def chat(run_dir: Path, system: str | None, max_new_tokens: int, temperature: float, top_k: int, seed: int | None,
+         checkpoint: int | None) -> None:
+    """Talk to RUN, a run fine-tuned on conversations: each line you type is a user turn, the reply streams as it
+    is generated and the conversation keeps its history (rendered by the run's chat template, as in training). An
+    empty line or end of input (Ctrl-D) ends it.
+
+    \b
+    Examples:
+      handle chat runs/sft-20260101-120000
+      handle chat runs/sft-20260101-120000 --system "Answer in German." --temperature 0.7
+    """
+    import torch
+
+    from torch_handle.infer.chat import run_template
+
+    loaded = _load(run_dir, checkpoint, "decoder", "chat")
+    run_template(loaded.run_dir)  # a run with no template: one line, before the first prompt
+    generator = torch.Generator().manual_seed(seed if seed is not None else int(time.time_ns() % 2**63))
+    messages = _system(system)
+    while True:
+        try:
+            line = click.prompt("you", default="", show_default=False, prompt_suffix="> ")
+        except click.exceptions.Abort:  # end of input
+            return
+        if not line.strip():
+            return
+        messages.append({"role": "user", "content": line})
+        sys.stdout.write("assistant> ")
+        messages.append({"role": "assistant", "content": _answer(loaded, messages, max_new_tokens, temperature,
+                                                                 top_k, generator)})
 
 
 @click.command()

@@ -200,7 +200,7 @@ from handle_cli.data_cmd import data  # noqa: E402
 from handle_cli.env_cmd import env  # noqa: E402
 from handle_cli.estimate_cmd import estimate  # noqa: E402
 from handle_cli.export_cmd import export  # noqa: E402
-from handle_cli.generate_cmd import eval_cmd, generate, translate  # noqa: E402
+from handle_cli.generate_cmd import chat, eval_cmd, generate, translate  # noqa: E402
 from handle_cli.plan_cmd import plan  # noqa: E402
 from handle_cli.plugins_cmd import plugins  # noqa: E402
 from handle_cli.presets_cmd import presets, presets_list, presets_new, presets_show, validate  # noqa: E402,F401
@@ -221,6 +221,7 @@ cli.add_command(estimate)
 cli.add_command(plan)
 cli.add_command(profile)
 cli.add_command(generate)
+cli.add_command(chat)
 cli.add_command(translate)
 cli.add_command(eval_cmd)
 cli.add_command(export)

@@ -127,6 +127,32 @@ def test_step_0_validation_loss_is_transformers_on_the_trained_tokens(chat, tmp_
         count += int(keep.sum())
     assert count > 0 and step0 == pytest.approx(total / count, abs=1e-5)
 
+    # the trained run answers as transformers' greedy generate on its export (same prompt, same tokens)
+    from click.testing import CliRunner
+
+    from handle_cli.main import cli
+    from torch_handle.infer.hf_export import export_hf
+
+    assert (run_dir / "chat_template.jinja").read_text() == (data / "chat_template.jinja").read_text()
+    export_hf(run_dir, tmp_path / "export")
+    trained = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export", dtype=torch.float32).eval()
+    hf_tok = transformers.AutoTokenizer.from_pretrained(base)
+    im_end = hf_tok.convert_tokens_to_ids("<|im_end|>")
+    for message in ("Translate: Two dogs run.", "Name a color."):
+        messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": message}]
+        prompt = hf_tok.apply_chat_template(messages, chat_template=(data / "chat_template.jinja").read_text(),
+                                            add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+        with torch.no_grad():
+            out = trained.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=12,
+                                   eos_token_id=im_end, pad_token_id=im_end)[0, len(prompt):].tolist()
+        want = hf_tok.decode(out[:out.index(im_end)] if im_end in out else out)
+        res = CliRunner().invoke(cli, ["generate", str(run_dir), "--chat", message, "--system", "Be brief.",
+                                       "--temperature", "0", "--max-new-tokens", "12"])
+        assert res.exit_code == 0 and res.output == want + "\n", (res.output, want)
+    res = CliRunner().invoke(cli, ["chat", str(run_dir), "--system", "Be brief.", "--max-new-tokens", "12"],
+                             input="Name a color.\n\n")
+    assert res.exit_code == 0 and want in res.output, res.output
+
 
 def test_the_loss_is_the_global_mean_over_trained_tokens_for_any_accumulation(chat, tmp_path, process_group):
     losses = {}

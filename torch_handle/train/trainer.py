@@ -29,6 +29,7 @@ from torch_handle.finetune.build import nf4_digest, prepare_model
 from torch_handle.finetune.nf4 import nf4_storage
 from torch_handle.launch import data_identity
 from torch_handle.data.cache import cache_root
+from torch_handle.data.chat.template import CHAT_FILES
 from torch_handle.data.datasets import DataBundle, DataContext, GlobalBatchSampler, ResumableDistributedSampler
 from torch_handle.parallel.tensor.random import get_rng_tracker
 from torch_handle.registry import PluginRegistry
@@ -113,6 +114,9 @@ class Trainer:
         beat("build")
         if self.is_dir_main and self.data.tokenizer_path is not None:
             shutil.copyfile(self.data.tokenizer_path, self.run_dir / "tokenizer.json")
+            for name in CHAT_FILES:  # conversations: the template and the special tokens it reads (handle chat)
+                if (self.data.tokenizer_path.parent / name).is_file():
+                    shutil.copyfile(self.data.tokenizer_path.parent / name, self.run_dir / name)
         log.info("data %s: %d train / %d validation samples, vocabulary %d, max_len %d (data set-up %.2f s)",
                  self.data.description or p.data.name, len(self.data.train), len(self.data.valid),
                  self.data.vocab_size, self.data.max_len, time.perf_counter() - t0)

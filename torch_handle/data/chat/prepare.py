@@ -22,13 +22,12 @@ import numpy as np
 from torch_handle.common.fsio import replace_problem, replacing_dir
 from torch_handle.common.names import TOKENIZER_FILE
 from torch_handle.data.chat.rows import conversations, read_rows
-from torch_handle.data.chat.template import TRAIN_ON, encode_conversation, load_template
+from torch_handle.data.chat.template import TEMPLATE_FILE, TRAIN_ON, encode_conversation, load_template
 from torch_handle.data.shards import META_FILE, ShardWriter, file_sha256, token_dtype, write_meta
 from torch_handle.data.prepare import held_out
 from torch_handle.data.tokenizer_file import eos_id, pad_id_of, tokenizer_path, vocab_size_of
 from torch_handle.errors import DataError
 
-TEMPLATE_FILE = "chat_template.jinja"
 MAX_LEN_POLICIES = ("truncate", "drop")
 
 
@@ -76,6 +75,8 @@ def prepare_chat(sources: Sequence[str], out: str | Path, *, tokenizer: str | Pa
     with replacing_dir(out) as tmp:
         shutil.copyfile(tok_path, tmp / TOKENIZER_FILE)
         (tmp / TEMPLATE_FILE).write_text(chat.source, encoding="utf-8")
+        if (tok_path.parent / "tokenizer_config.json").is_file():  # the special tokens the template reads
+            shutil.copyfile(tok_path.parent / "tokenizer_config.json", tmp / "tokenizer_config.json")
         writers = {s: ShardWriter(tmp, s, dtype, None, masks=True) for s in ("train", "valid")}
         trained = {"train": 0, "valid": 0}
         state = Progress(0, total, 0, 0, 0.0)

@@ -37,6 +37,12 @@ CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n
 CHATML_TOKENS = ("<|im_start|>", "<|im_end|>")
 """The special tokens ChatML needs; tokenizers that handle trains reserve them."""
 BUILT_IN = {"chatml": CHATML}
+TEMPLATE_FILE = "chat_template.jinja"
+CHAT_FILES = (TEMPLATE_FILE, "tokenizer_config.json")
+"""What a prepared directory of conversations, and a run trained on one, keep beside ``tokenizer.json``: the
+template (as transformers saves it) and the special tokens it reads."""
+END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<|endoftext|>", "</s>", "<eos>")
+"""Tokens that end an assistant's turn in the common templates; generation stops at any in the vocabulary."""
 TRAIN_ON = ("assistant", "last", "all")
 
 
