@@ -26,7 +26,7 @@ from torch_handle.launch.run import check_inputs  # noqa: E402
 from torch_handle.errors import PresetError  # noqa: E402
 from torch_handle.rundir import create_run_dir  # noqa: E402
 
-DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 SEQ = 48
 
 
