@@ -1,7 +1,8 @@
 """The loss path's memory and time, the whole logits against the chunked loss (``training.loss_impl``, issue 49).
 
     python benchmarks/loss_memory.py [--vocabs 32000,128256,151936] [--seq-len 2048] [--micro-batches 1,4]
-                                     [--d-model 2048] [--precision bf16] [--rounds 5] [--threads N] [--json]
+                                     [--d-model 2048] [--precision bf16] [--rounds 5] [--threads N] [--as-cuda]
+                                     [--json]
 
 The loss path is what runs after the model's final norm: hidden states (B, T, C) -> output layer (V, C) ->
 token-mean cross-entropy, forward and backward (the gradients of the hidden states and of the output weight), on a
@@ -16,7 +17,9 @@ either way). On CUDA
 ``torch.cuda.max_memory_allocated`` (the caching allocator's own count of live tensor bytes); on CPU the
 profiler's allocation events (``profile_memory=True``: every allocation and free of torch's CPU allocator, summed
 in order; the run that is profiled is not timed). Time: the median of ``--rounds`` forward + backward passes,
-unprofiled, after one warm-up. For a CPU, smaller shapes: ``--seq-len 256 --d-model 256``.
+unprofiled, after one warm-up (``--rounds 0``: memory only). For a CPU, smaller shapes: ``--seq-len 512 --d-model
+256``; ``--as-cuda`` runs on a CPU the paths as CUDA runs them (the full loss ``F.cross_entropy`` on the fp32 logits
+instead of the CPU's in-cache ``ChunkedCrossEntropy``, CUDA's chunk size), whose allocations a GPU makes too.
 
 Prints a table (the figures side by side, chunked ÷ full) and with ``--json`` one JSON line per row.
 """
@@ -38,6 +41,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from torch_handle.model import kernels, linear_cross_entropy  # noqa: E402
+from torch_handle.train import loss as loss_module  # noqa: E402
 from torch_handle.train.loss import chunked_loss_fn, loss_fn  # noqa: E402
 
 MiB = 1 << 20
@@ -113,14 +118,22 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5, help="timed rounds (0: memory only)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads on CPU (0: torch's default)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--as-cuda", action="store_true",
+                    help="on CPU, the paths as they run on CUDA: the full loss F.cross_entropy on the fp32 logits "
+                         "(not the CPU's in-cache ChunkedCrossEntropy), CUDA's chunk size")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
+    if a.as_cuda:
+        loss_module.cross_entropy = lambda logits, labels, eps=0.0, ignore=-100, **_: kernels._fp32_cross_entropy(
+            logits, labels, eps, ignore)
+        linear_cross_entropy.CHUNK_ELEMENTS["cpu"] = linear_cross_entropy.CHUNK_ELEMENTS["cuda"]
     if a.threads:
         torch.set_num_threads(a.threads)
     device, dtype = torch.device(a.device), torch.bfloat16 if a.precision == "bf16" else torch.float32
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
     print(f"loss path (output layer + cross-entropy, forward + backward), d_model {a.d_model}, seq_len {a.seq_len}, "
-          f"{a.precision} autocast, fp32 weights; {name}; torch {torch.__version__}")
+          f"{a.precision} autocast, fp32 weights; {name}{' (as on CUDA)' if a.as_cuda else ''}; "
+          f"torch {torch.__version__}")
     print("| V | B | logits fp32 MiB | full peak MiB | chunked peak MiB | chunked ÷ full | full transient MiB | "
           "chunked transient MiB | chunked ÷ full | full ms | chunked ms | chunked ÷ full |\n"
           "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
