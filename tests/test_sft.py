@@ -134,17 +134,18 @@ def test_step_0_validation_loss_is_transformers_on_the_trained_tokens(chat, tmp_
     from torch_handle.infer.hf_export import export_hf
 
     assert (run_dir / "chat_template.jinja").read_text() == (data / "chat_template.jinja").read_text()
-    export_hf(run_dir, tmp_path / "export")
+    export_hf(run_dir, tmp_path / "export")  # with the template and a generation_config.json
     trained = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export", dtype=torch.float32).eval()
-    hf_tok = transformers.AutoTokenizer.from_pretrained(base)
+    hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "export")
     im_end = hf_tok.convert_tokens_to_ids("<|im_end|>")
+    assert im_end in trained.generation_config.eos_token_id
     for message in ("Translate: Two dogs run.", "Name a color."):
         messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": message}]
-        prompt = hf_tok.apply_chat_template(messages, chat_template=(data / "chat_template.jinja").read_text(),
-                                            add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+        prompt = hf_tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                            return_dict=True)["input_ids"]
         with torch.no_grad():
             out = trained.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=12,
-                                   eos_token_id=im_end, pad_token_id=im_end)[0, len(prompt):].tolist()
+                                   pad_token_id=im_end)[0, len(prompt):].tolist()
         want = hf_tok.decode(out[:out.index(im_end)] if im_end in out else out)
         res = CliRunner().invoke(cli, ["generate", str(run_dir), "--chat", message, "--system", "Be brief.",
                                        "--temperature", "0", "--max-new-tokens", "12"])

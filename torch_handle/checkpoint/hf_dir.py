@@ -200,14 +200,15 @@ def special_tokens(tokenizer_path: Path, names: Mapping[str, str]) -> dict[str, 
 
 def write(out: Path | str, config: Mapping[str, Any], state: Mapping[str, Tensor], tokenizer_path: Path | None,
           specials: Mapping[str, tuple[str, int]], *, dtype: str, metadata: Mapping[str, str],
-          force: bool = False) -> list[str]:
+          force: bool = False, extra_files: Mapping[str, str] | None = None) -> list[str]:
     """Write a Hugging Face directory at ``out``: ``config`` (``to_hf_config``'s, completed here with the dtype,
     the special tokens' ids and a top-level ``rope_theta`` for transformers < 5), ``state`` (Hugging Face names)
     in ``dtype``, and the tokenizer. Everything is written into a temporary directory beside ``out`` and renamed
     into place, so ``out`` is either untouched or complete. Returns the files written.
 
     ``out`` may be missing or empty; a non-empty one is replaced only with ``force`` and only when it is a
-    Hugging Face directory itself (it has a config.json): nothing else is ever deleted.
+    Hugging Face directory itself (it has a config.json): nothing else is ever deleted. ``extra_files`` (name ->
+    text: a chat template, a generation config) are written beside them, in the same temporary directory.
 
     Raises:
         CheckpointError: ``out`` is a file, or non-empty without ``force``, or non-empty and not a model
@@ -231,6 +232,8 @@ def write(out: Path | str, config: Mapping[str, Any], state: Mapping[str, Tensor
             (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
             if tokenizer_path is not None:
                 write_tokenizer(tmp, tokenizer_path, specials, config.get("max_position_embeddings"))
+            for name, text in (extra_files or {}).items():
+                (tmp / name).write_text(text, encoding="utf-8")
             written = sorted(p.name for p in tmp.iterdir())
     except OSError as e:
         raise CheckpointError(f"{out}: cannot write the export ({type(e).__name__}: {e})") from None

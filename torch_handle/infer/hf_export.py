@@ -13,6 +13,8 @@ validate --target hf`` also runs before training).
 
 from __future__ import annotations
 
+import json
+
 from pathlib import Path
 from typing import Any
 
@@ -98,6 +100,20 @@ def _step(weights: Path, checkpoint: int | None) -> int | None:
     return int(step) if step and step.isdigit() else None
 
 
+def chat_files(run_dir: Path, tokenizer: Any) -> dict[str, str]:
+    """A run fine-tuned on conversations: its ``chat_template.jinja`` (which transformers' ``apply_chat_template``
+    reads from a model directory) and a ``generation_config.json`` whose ``eos_token_id`` lists every end-of-turn id,
+    so that ``generate`` stops where ``handle generate --chat`` stops. Empty for other runs."""
+    from torch_handle.data.chat.template import TEMPLATE_FILE
+    from torch_handle.infer.chat import end_of_turn_ids, run_template
+
+    if not (run_dir / TEMPLATE_FILE).is_file():
+        return {}
+    template = run_template(run_dir)
+    generation = {"eos_token_id": sorted(end_of_turn_ids(tokenizer, template))}
+    return {TEMPLATE_FILE: template.source, "generation_config.json": json.dumps(generation, indent=2) + "\n"}
+
+
 def export_hf(run_dir: Path | str, out: Path | str, *, checkpoint: int | None = None, dtype: str = "float32",
               force: bool = False, merge: bool = False) -> dict[str, Any]:
     """Write run ``run_dir``'s decoder as a Hugging Face model directory ``out``.
@@ -136,7 +152,8 @@ def export_hf(run_dir: Path | str, out: Path | str, *, checkpoint: int | None = 
     step = _step(loaded.weights, checkpoint)
     weights = str(loaded.weights.relative_to(run_dir))
     files = hf_dir.write(out, config, state, run_dir / TOKENIZER_FILE, specials, dtype=dtype, force=force,
-                         metadata={"source": str(run_dir.resolve()), "weights": weights, "step": str(step)})
+                         metadata={"source": str(run_dir.resolve()), "weights": weights, "step": str(step)},
+                         extra_files=chat_files(run_dir, loaded.tokenizer))
     return {"directory": str(out), "format": "hf", "architecture": config["architectures"][0],
             "model_type": config["model_type"], "params": loaded.model.num_params(), "dtype": dtype,
             "weights": weights, "step": step, "files": files}
