@@ -42,7 +42,8 @@ def pytest_unconfigure(config) -> None:
         os.environ.pop("HANDLE_PEAK_CACHE", None)
 
 
-SLOWEST_FIRST = ("test_learn_doc", "test_distributed", "test_lora_strategies", "test_multinode", "test_estimate",
+SLOWEST_FIRST = ("test_learn_doc", "test_distributed", "test_lora_strategies", "test_multinode", "test_sft_strategies",
+                 "test_estimate",
                  "test_nd_parallel", "test_cross_resume", "test_tensor_parallel", "test_pipeline_parallel", "test_estimate_layout",
                  "test_pipeline_checkpoint", "test_resume_safety", "test_hang", "test_gpu_check", "test_env",
                  "test_lost_runs", "test_run_info_stress", "test_tp_encoder_decoder", "test_slurm", "test_hf_export", "test_hf")

@@ -30,13 +30,10 @@ DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 SEQ = 48
 
 
-@pytest.fixture(scope="module")
-def chat(tmp_path_factory) -> tuple[Path, Path]:
-    """``(base, data)``: a random LlamaForCausalLM saved by transformers with a ChatML tokenizer, and 80
-    conversations prepared with its template."""
-    root = tmp_path_factory.mktemp("sft")
-    base = root / "base"
-    base.mkdir()
+def write_base(base: Path) -> Path:
+    """A random LlamaForCausalLM saved by transformers at ``base`` with a ChatML tokenizer (a byte-level BPE trained
+    on Tiny Shakespeare, plus <|im_start|> and <|im_end|>)."""
+    base.mkdir(parents=True)
     tok = train_tokenizer([(DATA / "tinyshakespeare" / "input.txt").read_text(encoding="utf-8")[:100_000]], 500)
     tok.add_special_tokens(["<|im_start|>", "<|im_end|>"])
     tok.save(str(base / "tokenizer.json"))
@@ -48,10 +45,24 @@ def chat(tmp_path_factory) -> tuple[Path, Path]:
                                       tie_word_embeddings=True)
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(config).save_pretrained(base)
+    return base
+
+
+def write_conversations(root: Path, base: Path) -> Path:
+    """The 80 conversations of tests/unit/test_chat_template.py prepared with ``--template chatml`` at
+    ``root/data`` (a quarter held out)."""
     rows = root / "chat.jsonl"
     rows.write_text("".join(json.dumps({"messages": m}) + "\n" for m in _conversations()), encoding="utf-8")
     prepare_chat([str(rows)], root / "data", tokenizer=base, template="chatml", valid_fraction=0.25, max_len=SEQ)
-    return base, root / "data"
+    return root / "data"
+
+
+@pytest.fixture(scope="module")
+def chat(tmp_path_factory) -> tuple[Path, Path]:
+    """``(base, data)``: a base written by transformers and 80 conversations prepared with its tokenizer."""
+    root = tmp_path_factory.mktemp("sft")
+    base = write_base(root / "base")
+    return base, write_conversations(root, base)
 
 
 def _preset(tmp_path: Path, chat, *, micro_batch_size: int, grad_accum: int, steps: int, eval_steps: int = 100):
