@@ -12,8 +12,8 @@
 
 Why: at Llama 3's vocabulary (128,256) and 2,048 tokens the fp32 logits alone are 1.05 GB a sequence, again for
 their gradient, plus the 16-bit copy the output layer writes under autocast. Here the working set is one chunk's
-logits (``chunk_rows`` rows: 256 MiB of fp32 on CUDA) plus the output weight's fp32 gradient, which the full path
-also writes in backward. Measured in docs/performance.md (``benchmarks/loss_memory.py``).
+logits (``chunk_rows`` rows: 256 MiB of fp32 on CUDA) plus the output weight's fp32 gradient and its copy in the
+compute dtype, both of which the full path also makes. Measured in docs/performance.md (``benchmarks/loss_memory.py``).
 
 Precision: the chunk's logits are computed in the compute dtype (autocast's, else the hidden states'), exactly as
 ``nn.Linear`` under autocast rounds them, then upcast to fp32 for the log-sum-exp; the gradients go back through the
@@ -31,9 +31,10 @@ from torch import Tensor
 
 CHUNK_ELEMENTS = {"cuda": 1 << 26, "cpu": 1 << 24}
 """Logit elements per chunk by device type (``chunk_rows``): 256 MiB of fp32 on CUDA (523 rows of Llama 3's 128,256
-vocabulary), 64 MiB on CPU; other devices take CUDA's. Every chunk reads the whole weight three times and the fp32
-weight gradient twice (14 bytes per weight element in bf16), so fewer, larger chunks keep the matmuls compute
-bound: at 16 rows a chunk the CPU loss path took 3.1x the full one's time (``benchmarks/loss_memory.py``)."""
+vocabulary), 64 MiB on CPU; other devices take CUDA's. Every chunk reads the whole weight twice and reads and
+writes its fp32 gradient (about 14 bytes per weight element in bf16), so fewer, larger chunks keep the matmuls
+compute bound: at 16 rows a chunk the CPU loss path took 3.1x the full one's time (``benchmarks/loss_memory.py``,
+on a shared machine)."""
 MIN_CHUNK_ROWS = 128
 """No chunk is smaller than this (unless the input is), whatever the vocabulary."""
 
