@@ -184,6 +184,7 @@ def _bad_inputs(root: Path, tokenizer: Path) -> dict[str, tuple[list[str], str]]
         "vocab over dtype": (["lines.jsonl", "--tokenizer", "far.json", "--dtype", "uint16"],
                              "far.json: a vocabulary of 70,001 tokens does not fit uint16"),
         "part without tokenizer": (["lines.jsonl", "--part", "0/2"], "a part needs a given tokenizer"),
+        "JSON, not a tokenizer": (["lines.jsonl", "--tokenizer", "lines.jsonl"], "lines.jsonl: not a tokenizer file"),
     }
 
 

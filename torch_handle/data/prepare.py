@@ -52,7 +52,7 @@ from torch_handle.common.fsio import replace_problem, replacing_dir
 from torch_handle.common.names import TOKENIZER_FILE
 from torch_handle.data.shards import META_FILE, ShardWriter, file_sha256, part_dir_name, token_dtype, write_meta
 from torch_handle.data.sources import Source, read_source, resolve_sources
-from torch_handle.data.tokenizer_file import eos_id, pad_id_of, tokenizer_path, vocab_size_of
+from torch_handle.data.tokenizer_file import eos_id, load_tokenizer, pad_id_of, tokenizer_path, vocab_size_of
 from torch_handle.errors import DataError
 
 MIN_VALID_DOCUMENTS = 20
@@ -290,8 +290,6 @@ def prepare(sources: Sequence[str | Source], out: str | Path, *, valid: Sequence
             fit ``dtype``, ``out`` not empty without ``force``, a part without a given tokenizer; one line each,
             and nothing written.
     """
-    from tokenizers import Tokenizer
-
     from torch_handle.common.procs import usable_cores
 
     t0 = time.perf_counter()
@@ -314,7 +312,7 @@ def prepare(sources: Sequence[str | Source], out: str | Path, *, valid: Sequence
     holdout = holdout_of(_sources(sources, **kw), _sources(valid, **kw), valid_fraction)
     if tokenizer is not None:
         tok_path = tokenizer_path(tokenizer)
-        tok = Tokenizer.from_file(str(tok_path))
+        tok = load_tokenizer(tok_path)
         eos = eos_id(tok, tok_path)
         _check_dtype(vocab_size_of(tok), dtype, tok_path)
     hashes = [s.sha256() for s in [*holdout.train, *holdout.valid]]

@@ -44,6 +44,20 @@ def tokenizer_path(path: str | Path) -> Path:
     return found
 
 
+def load_tokenizer(path: Path) -> Any:
+    """The ``tokenizers.Tokenizer`` in the file ``path``.
+
+    Raises:
+        DataError: a file that is not a tokenizer (JSON of another kind, or not JSON), one line naming it.
+    """
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:  # noqa: BLE001 - tokenizers raises a bare Exception for a file it cannot read
+        raise DataError(f"{path}: not a tokenizer file ({' '.join(str(e).split())[:200]})") from None
+
+
 def vocab_size_of(tok: Any) -> int:
     """Rows an embedding needs for ``tok``'s ids: its largest id + 1 (added tokens included)."""
     return max(max(tok.get_vocab(with_added_tokens=True).values()) + 1, tok.get_vocab_size())

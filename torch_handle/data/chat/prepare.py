@@ -25,7 +25,7 @@ from torch_handle.data.chat.rows import conversations, read_rows
 from torch_handle.data.chat.template import TEMPLATE_FILE, TRAIN_ON, encode_conversation, load_template
 from torch_handle.data.shards import META_FILE, ShardWriter, file_sha256, token_dtype, write_meta
 from torch_handle.data.prepare import held_out
-from torch_handle.data.tokenizer_file import eos_id, pad_id_of, tokenizer_path, vocab_size_of
+from torch_handle.data.tokenizer_file import eos_id, load_tokenizer, pad_id_of, tokenizer_path, vocab_size_of
 from torch_handle.errors import DataError
 
 MAX_LEN_POLICIES = ("truncate", "drop")
@@ -45,8 +45,6 @@ def prepare_chat(sources: Sequence[str], out: str | Path, *, tokenizer: str | Pa
         DataError: bad input, one line naming the file, row and field (see :mod:`torch_handle.data.chat.rows` and
             :mod:`torch_handle.data.chat.template`); nothing written.
     """
-    from tokenizers import Tokenizer
-
     from torch_handle.data.prepare import Progress
 
     t0 = time.perf_counter()
@@ -60,10 +58,7 @@ def prepare_chat(sources: Sequence[str], out: str | Path, *, tokenizer: str | Pa
     if problem := replace_problem(out, force, marker=META_FILE, kind="a prepared", what="the token shards"):
         raise DataError(problem)
     tok_path = tokenizer_path(tokenizer)
-    try:
-        tok = Tokenizer.from_file(str(tok_path))
-    except Exception as e:  # noqa: BLE001 - tokenizers raises a bare Exception for JSON that is not a tokenizer
-        raise DataError(f"{tok_path}: not a tokenizer file ({' '.join(str(e).split())[:200]})") from None
+    tok = load_tokenizer(tok_path)
     chat = load_template(template, tok_path)
     eos = eos_id(tok, tok_path)
     vocab = vocab_size_of(tok)
