@@ -22,6 +22,7 @@ from torch_handle.model import linear_cross_entropy as lce
 from torch_handle.model.args import TransformerArgs
 from torch_handle.model.transformer import DecoderLM
 from torch_handle.train.loss import AUTO_CHUNKED_LOGITS_BYTES, micro_batch_loss, pick_loss_impl
+from tests.unit.test_trainer_step import process_group  # noqa: F401 (a fixture: one gloo process)
 
 VOCAB, BATCH, SEQ = 97, 2, 12
 LLAMA = dict(d_model=32, n_heads=4, n_layers=1, d_ff=48, dropout=0.0, max_len=SEQ, norm="rmsnorm", position="rope",
@@ -217,3 +218,19 @@ def test_the_estimate_prices_the_loss_path_the_run_takes(monkeypatch):
     rows = lce.chunk_rows(tokens, vocab, "cuda")
     assert chunked.logits == rows * vocab * (4 + 4) + tokens * 32 * 4
     assert full.saved - chunked.saved >= tokens * vocab * 4  # the log-probabilities the full loss keeps
+
+
+def test_a_run_with_the_chunked_loss_trains_as_the_full_one(tmp_path, process_group):
+    """The trainer end to end (``single``, fp32, label smoothing, evaluation): the same losses step by step."""
+    from tests.unit.test_trainer_step import _events, _preset, _train
+    from torch_handle.config.loader import dump_preset, load_preset
+    from torch_handle.rundir import create_run_dir
+
+    _preset(tmp_path, steps=2)  # writes p.toml
+    losses = {}
+    for impl in ("full", "chunked"):
+        preset = load_preset(tmp_path / "p.toml", [f"training.loss_impl={impl}", "training.label_smoothing=0.1"])
+        run_dir = create_run_dir(tmp_path / "runs", impl, dump_preset(preset), {"status": "starting"})
+        assert _train(preset, run_dir, process_group) == "finished"
+        losses[impl] = [e.get("loss", e.get("val_loss")) for e in _events(run_dir) if e["kind"] in ("step", "eval")]
+    assert len(losses["full"]) == 4 and losses["chunked"] == pytest.approx(losses["full"], rel=1e-5)
