@@ -78,8 +78,8 @@ def micro_batch_loss(strategy: Any, batch: dict[str, torch.Tensor], labels: torc
     and the loss ``loss_impl`` names (``pick_loss_impl``), as the trainer computes it.
 
     The model's data-dependent checks (padding, packed documents) are made here, once per batch, in eager mode,
-    when the model offers them (``checked_inputs`` of ``strategy.unwrapped()``): a model compiled whole then runs
-    without a graph break or a host read. ``"chunked"``: the model returns its hidden states (B, T, C)
+    when the model offers them (``checked_inputs`` of ``strategy.unwrapped()``) and is not split by a ``share``: a
+    model compiled whole then runs without a graph break or a host read. ``"chunked"``: the model returns its hidden states (B, T, C)
     (``return_hidden=True``) and :func:`chunked_loss_fn` applies its output layer (``lm_head.weight``), under the
     autocast, as the output layer would run; ``"full"``: :func:`loss_fn` of the logits (B, T, V), or
     ``share.loss`` for a split model.
@@ -89,7 +89,9 @@ def micro_batch_loss(strategy: Any, batch: dict[str, torch.Tensor], labels: torc
         batch: the model's inputs (``input_ids``, ``position_ids``, ...); labels (B, T).
         compiled: ``training.compile`` (the full loss's cross-entropy compiled)."""
     model = strategy.unwrapped()
-    checked = getattr(model, "checked_inputs", None)
+    # a split model (tp, pp, ep) decides its masks itself: a share may reshape the batch first (sequence
+    # parallelism pads T to a multiple of tp), so masks decided here would not fit
+    checked = getattr(model, "checked_inputs", None) if share is None else None
     inputs = batch if checked is None else checked(**batch)
     with strategy.autocast():
         if loss_impl == "chunked":  # the output layer inside the loss, chunk by chunk: no logits
