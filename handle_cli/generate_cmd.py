@@ -40,8 +40,9 @@ def _load(run_dir: Path, checkpoint: int | None, kind: str, command: str):
 @click.option("--top-k", type=click.IntRange(min=0), default=50, show_default=True,
               help="Sample among the K most likely tokens (0 = all).")
 @click.option("--seed", type=int, default=None, help="Seed of the sampler (default: random).")
-@click.option("--chat", "message", metavar="MESSAGE", help="A run fine-tuned on conversations: answer MESSAGE as the "
-                                                           "assistant (its chat template), stopping at the end of turn.")
+@click.option("--chat", "message", metavar="MESSAGE",
+              help="A run fine-tuned on conversations: answer MESSAGE as the assistant (its chat template), stopping "
+                   "at the end of turn.")
 @click.option("--system", metavar="TEXT", help="--chat: a system turn first.")
 @_CHECKPOINT
 def generate(run_dir: Path, prompt: str, max_new_tokens: int, temperature: float, top_k: int, seed: int | None,

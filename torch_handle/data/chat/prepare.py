@@ -91,9 +91,8 @@ def prepare_chat(sources: Sequence[str], out: str | Path, *, tokenizer: str | Pa
                             ids, mask = ids[-(max_len + 1):], mask[-(max_len + 1):]
                             counts["truncated"] += 1
                         if not any(mask[1:]):  # the first token is never a label
-                            raise DataError(f"{where}: a conversation with no trained token"
-                                            f"{' after truncation to --max-len ' + str(max_len) if len(ids) > max_len else ''}"
-                                            f" (train_on {train_on})")
+                            cut = f" after truncation to --max-len {max_len}" if len(ids) > max_len else ""
+                            raise DataError(f"{where}: a conversation with no trained token{cut} (train_on {train_on})")
                         writers[split].add(ids, mask=mask)
                         trained[split] += int(sum(mask[1:]))
                         counts["conversations"] += 1
@@ -106,8 +105,9 @@ def prepare_chat(sources: Sequence[str], out: str | Path, *, tokenizer: str | Pa
         splits = {split: w.close() for split, w in writers.items()}
         for split in ("train", "valid"):
             if not splits[split]["documents"]:
+                fix = "lower --valid-fraction" if split == "train" else "give --valid SRC or a larger --valid-fraction"
                 raise DataError(f"{', '.join(map(str, [*train_files, *valid_files][:3]))}: no {split} conversations "
-                                f"({'lower --valid-fraction' if split == 'train' else 'give --valid SRC or a larger --valid-fraction'})")
+                                f"({fix})")
         meta = {"dtype": dtype.name, "splits": splits,
                 "tokenizer": {"file": TOKENIZER_FILE, "sha256": file_sha256(tmp / TOKENIZER_FILE), "vocab_size": vocab,
                               "eos_id": eos, "pad_id": pad_id_of(tok, tok_path, eos), "given": str(tok_path)},
