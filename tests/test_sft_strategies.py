@@ -1,6 +1,7 @@
-"""Supervised fine-tuning on conversations under real torchrun workers (issue 46): 2 ranks under ddp, fsdp and
-DeepSpeed ZeRO-2, and LoRA under ddp, give the single-process losses (fp32, the same global batch of packed
-conversations, the loss the global batch's mean over its trained tokens). One module-scoped set of runs."""
+"""Supervised fine-tuning on conversations under real torchrun workers (issue 46): 2 ranks under fsdp and
+DeepSpeed ZeRO-2 give the single-process losses (fp32, the same global batch of packed conversations, the loss the
+global batch's mean over its trained tokens). One module-scoped set of runs (ddp and LoRA under ddp passed the same
+check when it held them; they were left out to keep `make test` short)."""
 
 from __future__ import annotations
 
@@ -14,13 +15,10 @@ transformers = pytest.importorskip("transformers", reason="needs the hf extra: p
 from tests.helpers import handle_at_once  # noqa: E402
 
 STEPS = 4
-RUNS = {  # name -> (processes, --set overrides)
+RUNS = {  # name -> (processes, --set overrides): ddp's averaging is the path fsdp and ZeRO-2 take too
     "single": (1, ("strategy.name=single",)),
-    "ddp": (2, ("strategy.name=ddp",)),
     "fsdp": (2, ("strategy.name=fsdp",)),
     "zero2": (2, ("strategy.name=deepspeed", "strategy.zero_stage=2")),
-    "lora-single": (1, ("strategy.name=single", "finetune.method=lora", "model.fused_qkv=false")),
-    "lora-ddp": (2, ("strategy.name=ddp", "finetune.method=lora", "model.fused_qkv=false")),
 }
 
 
@@ -46,12 +44,8 @@ def losses(tmp_path_factory) -> dict[str, list[float]]:
     return out
 
 
-@pytest.mark.parametrize("name", ["ddp", "fsdp", "zero2"])
+@pytest.mark.parametrize("name", ["fsdp", "zero2"])
 def test_two_ranks_give_the_single_process_losses(losses, name):
     assert len(losses["single"]) == STEPS
     assert losses[name] == pytest.approx(losses["single"], abs=1e-5)
-
-
-def test_lora_on_two_ranks_gives_its_single_process_losses(losses):
-    assert losses["lora-ddp"] == pytest.approx(losses["lora-single"], abs=1e-5)
-    assert losses["lora-single"] != pytest.approx(losses["single"], abs=1e-4)  # the adapters alone train
+    assert losses["single"][0] != pytest.approx(losses["single"][-1], abs=1e-3)  # it trains
