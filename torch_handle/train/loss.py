@@ -71,6 +71,16 @@ def pick_loss_impl(loss_impl: str, tokens: int, vocab_size: int, problem: str | 
     return "chunked" if problem is None and tokens * vocab_size * 4 >= AUTO_CHUNKED_LOGITS_BYTES else "full"
 
 
+def global_mean_weight(dataset: Any, indices: Any, grad_accum: int, dp_size: int) -> float | None:
+    """The factor from a micro-batch's mean loss to its share of the global batch's mean per label:
+    ``grad_accum * dp_size / labels of the global batch`` (its sample ``indices``, which every rank knows: the
+    sampler's order depends on the seed and step only, so no collective). None when ``dataset`` has no
+    ``label_counts`` (every sample as many labels: the mean of the micro-batches' means is the global mean). The
+    gradient-accumulation normalisation transformers fixed in 4.46, for packed conversations."""
+    count = getattr(dataset, "label_counts", None)
+    return None if count is None else grad_accum * dp_size / max(1, count(indices))
+
+
 def micro_batch_loss(strategy: Any, batch: dict[str, torch.Tensor], labels: torch.Tensor, loss_impl: str,
                      label_smoothing: float = 0.0, *, share: Any = None, compiled: bool = False
                      ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -29,7 +29,7 @@ from torch_handle.finetune.build import nf4_digest, prepare_model
 from torch_handle.finetune.nf4 import nf4_storage
 from torch_handle.launch import data_identity
 from torch_handle.data.cache import cache_root
-from torch_handle.data.chat.template import CHAT_FILES
+from torch_handle.data.chat.template import copy_chat_files
 from torch_handle.data.datasets import DataBundle, DataContext, GlobalBatchSampler, ResumableDistributedSampler
 from torch_handle.parallel.tensor.random import get_rng_tracker
 from torch_handle.registry import PluginRegistry
@@ -41,7 +41,7 @@ from torch_handle.observe.heartbeat import beat, busy
 from torch_handle.observe.telemetry import EVENTS_FILE, EventWriter, NullEventWriter
 from torch_handle.train.loop import GradientAccumulation, MicroBatchLoop, plain
 from torch_handle.config.loss_impl import chunked_loss_problem
-from torch_handle.train.loss import AuxLossScale, micro_batch_loss, pick_loss_impl
+from torch_handle.train.loss import AuxLossScale, global_mean_weight, micro_batch_loss, pick_loss_impl
 from torch_handle.train.phases import PhaseTimer
 from torch_handle.train.compiled import compile_for_training
 from torch_handle.train.compose import build_shares
@@ -73,9 +73,7 @@ class Trainer:
         self.step_indices: Any = None
         """The dataset indices of the latest step's global batch (all ranks'), as the sampler handed them out."""
         self.loss_weight: float | None = None
-        """This step's factor from a micro-batch's mean loss to its share of the global batch's mean, per label:
-        grad_accum x dp / the global batch's labels (None: every sample has as many labels, so the mean of the
-        micro-batches' means is the global mean)."""
+        """This step's :func:`~torch_handle.train.loss.global_mean_weight` (the loop's backward applies it)."""
         self.restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         self.timer = PhaseTimer(ctx.device)
         """Step breakdown (``timer.enabled = False`` turns it off; benchmarks/breakdown_overhead.py compares)."""
@@ -114,9 +112,7 @@ class Trainer:
         beat("build")
         if self.is_dir_main and self.data.tokenizer_path is not None:
             shutil.copyfile(self.data.tokenizer_path, self.run_dir / "tokenizer.json")
-            for name in CHAT_FILES:  # conversations: the template and the special tokens it reads (handle chat)
-                if (self.data.tokenizer_path.parent / name).is_file():
-                    shutil.copyfile(self.data.tokenizer_path.parent / name, self.run_dir / name)
+            copy_chat_files(self.data.tokenizer_path.parent, self.run_dir)  # conversations: for handle chat
         log.info("data %s: %d train / %d validation samples, vocabulary %d, max_len %d (data set-up %.2f s)",
                  self.data.description or p.data.name, len(self.data.train), len(self.data.valid),
                  self.data.vocab_size, self.data.max_len, time.perf_counter() - t0)
@@ -255,7 +251,8 @@ class Trainer:
         timer.begin()
         if self.share is not None:
             self.share.begin_step()
-        self.loss_weight = self._loss_weight()
+        self.loss_weight = global_mean_weight(self.data.train, self.train_sampler.peek(), t.grad_accum,
+                                              self.ctx.dp_size)
         # [loss * tokens, tokens, stop] stays on the device until the one sync below (nccl needs it there too)
         stats = torch.zeros(3, dtype=torch.float64, device=self.ctx.device)
         self.loop.run(self, batches, stats)  # the micro-batches
@@ -284,16 +281,6 @@ class Trainer:
                            routing=self.routing.fields(stats))
         record["stop"] = bool(stats[2] > 0)
         return record
-
-    def _loss_weight(self) -> float | None:
-        """:attr:`loss_weight` of the step about to run: every rank knows the global batch's samples (the sampler's
-        next indices), so each finds its label count without a collective (the gradient-accumulation normalisation
-        that transformers fixed in 4.46: a micro-batch's mean is not its share of the global mean when micro-batches
-        hold different numbers of labels, as packed conversations do)."""
-        count = getattr(self.data.train, "label_counts", None)
-        if count is None:
-            return None
-        return self.training.grad_accum * self.ctx.dp_size / max(1, count(self.train_sampler.peek()))
 
     def _optimizer_step(self, record: dict[str, Any]) -> float:
         """The optimizer step after the sync, or a skipped one (``record["skipped"]``) for a non-finite loss under

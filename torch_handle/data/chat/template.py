@@ -41,6 +41,15 @@ TEMPLATE_FILE = "chat_template.jinja"
 CHAT_FILES = (TEMPLATE_FILE, "tokenizer_config.json")
 """What a prepared directory of conversations, and a run trained on one, keep beside ``tokenizer.json``: the
 template (as transformers saves it) and the special tokens it reads."""
+def copy_chat_files(source: Path, run_dir: Path) -> None:
+    """The :data:`CHAT_FILES` that ``source`` (a prepared directory of conversations) has, copied into ``run_dir``."""
+    import shutil
+
+    for name in CHAT_FILES:
+        if (Path(source) / name).is_file():
+            shutil.copyfile(Path(source) / name, Path(run_dir) / name)
+
+
 END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<|endoftext|>", "</s>", "<eos>")
 """Tokens that end an assistant's turn in the common templates; generation stops at any in the vocabulary."""
 TRAIN_ON = ("assistant", "last", "all")
