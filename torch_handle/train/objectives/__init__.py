@@ -1,0 +1,1 @@
+"""Training objectives: what a micro-batch's loss is (language modelling, conversations, preference pairs)."""
