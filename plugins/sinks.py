@@ -10,11 +10,12 @@ from pathlib import Path
 from typing import Any
 
 from torch_handle.api import Kind, Sink, hookimpl
-from torch_handle.observe.fields import BREAKDOWN, COMM_S
+from torch_handle.observe.fields import BREAKDOWN, COMM_S, TRAINED_SHARE, TRAINED_TOKENS_PER_S
 
-TRAIN_SCALARS = ("loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", COMM_S, "mfu")
+TRAIN_SCALARS = ("loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", COMM_S, "mfu", TRAINED_TOKENS_PER_S,
+                 TRAINED_SHARE)
 """Fields of ``step`` events written as ``train/<field>`` (when the event has them: ``comm_s`` only from
-strategies that report it, ``mfu`` when the peak is known)."""
+strategies that report it, ``mfu`` when the peak is known, the trained tokens/s and share from an SFT run)."""
 TIME_SCALARS = BREAKDOWN
 """The step breakdown, written as ``time/<field>`` (seconds) so TensorBoard groups the parts in one section."""
 

@@ -167,13 +167,19 @@ def test_step_0_validation_loss_is_transformers_on_the_trained_tokens(chat, tmp_
 
 
 def test_the_loss_is_the_global_mean_over_trained_tokens_for_any_accumulation(chat, tmp_path, process_group):
-    losses = {}
+    losses, trained = {}, {}
     for mb, ga in ((4, 1), (1, 4)):
         preset = _preset(tmp_path, chat, micro_batch_size=mb, grad_accum=ga, steps=3, eval_steps=1)
         run_dir = create_run_dir(tmp_path / "runs", f"sft{mb}x{ga}", dump_preset(preset), {"status": "starting"})
         assert _train(preset, run_dir, process_group) == "finished"
-        losses[(mb, ga)] = [e["loss"] for e in _events(run_dir) if e["kind"] == "step"]
-    assert len(losses[(4, 1)]) == 3
+        steps = [e for e in _events(run_dir) if e["kind"] == "step"]
+        losses[(mb, ga)] = [e["loss"] for e in steps]
+        trained[(mb, ga)] = [e["trained_tokens"] for e in steps]
+        # the step events: the positions computed (4 samples of SEQ), the trained ones among them
+        assert all(e["tokens"] == 4 * SEQ and 0 < e["trained_tokens"] < e["tokens"] for e in steps)
+        assert all(e["trained_share"] == e["trained_tokens"] / e["tokens"] for e in steps)
+        assert all(e["trained_tokens_per_s"] == pytest.approx(e["trained_tokens"] / e["step_time_s"]) for e in steps)
+    assert len(losses[(4, 1)]) == 3 and trained[(4, 1)] == trained[(1, 4)]
     assert losses[(4, 1)] == pytest.approx(losses[(1, 4)], abs=1e-6)
     assert losses[(4, 1)][0] != pytest.approx(losses[(4, 1)][2], abs=1e-3)  # it trains
 

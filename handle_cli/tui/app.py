@@ -289,6 +289,7 @@ class HandleDashboard(App[None]):
         ])
         self.charts["throughput"].set_series([
             Series("tokens/s", s.steps, s.tokens_per_s, "green"),
+            *([Series("trained/s", s.steps, s.trained_tokens_per_s, "cyan")] if s.trained_share is not None else []),
             Series("s/step", s.steps, s.step_time_s, "magenta", yside="right"),
         ])
         self.charts["lr"].set_series([Series("lr", s.steps, s.lr, "yellow")])

@@ -103,6 +103,11 @@ class StatusHeader(Widget):
         p2.append((1, _piece("  val ", (fmt_float(state.last_val_loss), "bold"))))
         tps = state.last(state.tokens_per_s)
         p2.append((2, _piece(f"  {tps:,.0f} tok/s" if tps is not None else "  - tok/s")))
+        if state.trained_share is not None:  # SFT: the trained tokens among those computed (absent otherwise)
+            trained = state.last(state.trained_tokens_per_s)
+            rate = f" {trained:,.0f}/s" if trained is not None else ""
+            p2.append([(5, _piece("  trained ", (f"{state.trained_share:.0%}", "bold"), rate)),
+                       (1, _piece("  trained ", (f"{state.trained_share:.0%}", "bold")))])
         st = state.last(state.step_time_s)
         p2.append((5, _piece(f"  {st:.3f} s/step" if st is not None else "  - s/step")))  # the chart has it
         comm = state.last(state.comm_s)

@@ -115,8 +115,9 @@ HELP = """\
  here: ↑↓ scroll, [b]Esc[/b] or any other key closes
 Header: status, layout dp × tp × pp, world size, step, ETA,
 elapsed since the launch (as handle run's summary); loss, val,
-tok/s, s/step, mfu, lr, grad norm. Charts: loss (train, val),
-throughput (tok/s, s/step), lr.
+tok/s (SFT: trained share, trained/s), s/step, mfu, lr, grad
+norm. Charts: loss (train, val), throughput (tok/s, trained/s,
+s/step), lr.
 Memory per rank: params | grads | optim stacked, RSS; on GPU
 CUDA allocated, reserved, peak │. Above 2 ranks: min / median /
 max over the ranks and the rank with the most, then one line per

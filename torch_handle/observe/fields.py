@@ -61,6 +61,12 @@ COMM_S = "comm_s"  # gradient communication not hidden behind backward (a strate
 TP_COMM_S = "tp_comm_s"  # rank 0's seconds in the step's tensor-parallel collectives (tp_impl = "scratch")
 COMM = "comm"  # {"dp": s, "tp": s, "pp": s}: communication per dimension of the layout (observe.comm)
 
+# step events of a run whose labels are a part of the positions it computes (SFT's packed conversations):
+# ``tokens`` counts the positions, these the labels (train.step_report)
+TRAINED_TOKENS = "trained_tokens"  # labels of the step's global batch: the tokens the loss is the mean over
+TRAINED_SHARE = "trained_share"  # trained_tokens / tokens, 0..1
+TRAINED_TOKENS_PER_S = "trained_tokens_per_s"  # trained_tokens / step_time_s
+
 STEP_PHASES = {"data": DATA_S, "forward": FORWARD_S, "backward": BACKWARD_S, "sync": SYNC_S,
                "optimizer": OPTIMIZER_S}
 """The trainer's step phases in the order a step runs them (torch_handle.train.phases) -> the field of their

@@ -16,7 +16,7 @@ from torch_handle.common.text import clean, finetune_label, strategy_label
 from torch_handle.observe.comm import read_comm
 from torch_handle.observe.data_mix import SOURCE_TOKENS, add_source_tokens
 from torch_handle.observe.fields import (ACTIVATION_BYTES, ACTIVATION_SAVED_BYTES, BREAKDOWN, COMM, DATA_S, MEMORY,
-                                         WAIT_S, Kind, Level, Status)
+                                         TRAINED_SHARE, TRAINED_TOKENS_PER_S, WAIT_S, Kind, Level, Status)
 from torch_handle.observe.tail import BadLine, integer, number
 
 FINETUNE_KEY = "finetune"
@@ -108,6 +108,11 @@ class RunState:
     it)."""
     mfu: float | None = None
     """The newest model FLOPs utilisation (0..1)."""
+    trained_share: float | None = None
+    """An SFT run's newest trained share of the positions computed (0..1, ``trained_share`` of step events); None
+    for a run whose every position is a label."""
+    trained_tokens_per_s: list[float | None] = field(default_factory=list)
+    """An SFT run's trained tokens/s per step (``trained_tokens_per_s`` of step events; None where absent)."""
     layout_degrees: dict[str, Any] | None = None
     """The newest step event's ``layout`` as it carries it (``{"dp": 2, "tp": 2}``), or None; :attr:`run_layout`
     is how it reads."""
@@ -234,6 +239,7 @@ class RunState:
                 self.tokens_per_s_sum += tokens_per_s
                 self.tokens_per_s_count += 1
         self.step_time_s.append(number(event.get("step_time_s")))
+        self.trained_tokens_per_s.append(number(event.get(TRAINED_TOKENS_PER_S)))
         mix = event.get(SOURCE_TOKENS)
         self.source_tokens.append(mix if isinstance(mix, dict) else None)
         for key in BREAKDOWN:
@@ -241,6 +247,8 @@ class RunState:
         self.breakdown_seen = self.breakdown_seen or self.forward_s[-1] is not None
         if (mfu := number(event.get("mfu"))) is not None:
             self.mfu = mfu
+        if (share := number(event.get(TRAINED_SHARE))) is not None:
+            self.trained_share = share
         self.layout_degrees = event.get("layout") if isinstance(event.get("layout"), dict) else None
         self.comm = read_comm(event.get(COMM))
         ranks = event.get("ranks")
@@ -298,7 +306,7 @@ class RunState:
         while keep < len(self.steps) and self.steps[keep] < step:
             keep += 1
         for series in (self.steps, self.loss, self.lr, self.tokens_per_s, self.step_time_s, self.source_tokens,
-                       *(getattr(self, key) for key in BREAKDOWN)):
+                       self.trained_tokens_per_s, *(getattr(self, key) for key in BREAKDOWN)):
             del series[keep:]
         while self.val_steps and self.val_steps[-1] >= step:
             self.val_steps.pop()

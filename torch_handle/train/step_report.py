@@ -21,11 +21,21 @@ import torch.distributed as dist
 from torch_handle.observe.comm import comm_fields
 from torch_handle.observe.fields import (ACTIVATION_SAVED_BYTES, BACKWARD_S, COMM_S, CUDA_ALLOCATED_BYTES,
                                          CUDA_MAX_ALLOCATED_BYTES, CUDA_RESERVED_BYTES, DATA_S, GRAD_BYTES,
-                                         OPTIMIZER_BYTES, RSS_BYTES, STEP_PHASES, WAIT_S, Kind, Level)
+                                         OPTIMIZER_BYTES, RSS_BYTES, STEP_PHASES, TRAINED_SHARE,
+                                         TRAINED_TOKENS, TRAINED_TOKENS_PER_S, WAIT_S, Kind, Level)
 from torch_handle.observe.state import SLOW_RANK_LOGS, SLOW_RANK_RATIO, slowest_rank
 from torch_handle.rundir import HEARTBEAT_S, touch_heartbeat
 
 log = logging.getLogger("torch_handle")
+
+
+def window_tokens(dataset: Any, global_batch: int) -> int | None:
+    """Positions (tokens) a step of ``global_batch`` samples of ``dataset`` computes, for a dataset whose labels
+    are a part of its positions and that says how many positions a sample has (``sample_positions``: packed
+    conversations, :class:`~torch_handle.data.chat.packing.PackedConversations`); None for any other (every
+    position a label, so ``tokens`` already counts them)."""
+    positions = getattr(dataset, "sample_positions", None)
+    return None if positions is None else global_batch * int(positions)
 
 
 class StepReport:
@@ -39,12 +49,14 @@ class StepReport:
         run_dir: the run directory (rank 0 touches its heartbeat).
         flops_per_token: the model's FLOPs per token (None: no ``tflops``/``mfu``).
         peak_flops: this rank's device peak FLOP/s behind ``mfu`` (rank 0; None: no ``mfu``).
+        window_tokens: the positions a step computes when only some of them are labels (:func:`window_tokens`:
+            packed conversations), else None (every position a label).
     """
 
     def __init__(self, ctx: Any, strategy: Any, shares: list[Any], events: Any, run_dir: Path,
-                 flops_per_token: float | None, peak_flops: float | None) -> None:
+                 flops_per_token: float | None, peak_flops: float | None, window_tokens: int | None = None) -> None:
         self.ctx, self.strategy, self.shares, self.events, self.run_dir = ctx, strategy, shares, events, Path(run_dir)
-        self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
+        self.flops_per_token, self.peak_flops, self.window_tokens = flops_per_token, peak_flops, window_tokens
         self._slow_streak: tuple[int | None, int] = (None, 0)
         self._pending_logs: list[dict[str, Any]] = []
         self._last_beat = 0.0
@@ -52,11 +64,17 @@ class StepReport:
     def record(self, record: dict[str, Any], *, grad_norm: float, seconds: float, log_memory: bool, grad_bytes: int,
                timer: Any, activation_saved_bytes: int | None, routing: dict[str, Any]) -> dict[str, Any]:
         """Complete the step's ``record`` (``step``, ``loss``, ``tokens`` and maybe ``skipped`` already set) after
-        the optimizer step: lr, ``grad_norm``, ``step_time_s`` (``seconds``), tokens/s, the strategy's and the
+        the optimizer step: lr, ``grad_norm``, ``step_time_s`` (``seconds``), tokens/s (with ``window_tokens``:
+        ``tokens`` becomes the positions computed, and ``trained_tokens`` (the labels counted),
+        ``trained_share`` (0..1 of ``tokens``) and ``trained_tokens_per_s`` join), the strategy's and the
         share's figures, ``routing`` (an MoE's), the phase breakdown from ``timer``, TFLOP/s and MFU, and on
         ``log_memory`` steps every rank's memory (``grad_bytes``: gradient bytes before the step;
         ``activation_saved_bytes``: the loop's measurement) and timing. Collective: every rank calls it."""
         dt = seconds
+        if self.window_tokens:  # SFT: the trainer counted the labels, the trained part of the windows computed
+            trained = record["tokens"]
+            record.update({"tokens": self.window_tokens, TRAINED_TOKENS: trained, TRAINED_TOKENS_PER_S: trained / dt,
+                           TRAINED_SHARE: trained / self.window_tokens})
         record.update(lr=self.strategy.lr, grad_norm=grad_norm, step_time_s=dt, tokens_per_s=record["tokens"] / dt)
         stats_of_strategy = self.strategy.step_stats()  # e.g. comm_s, allreduce_calls, allreduce_bytes (scratch-ddp)
         record.update(stats_of_strategy)

@@ -48,7 +48,7 @@ from torch_handle.train.compose import build_shares
 from torch_handle.train.resume import resume
 from torch_handle.train.share import Checkpointer, ParallelShare
 from torch_handle.train.routing import RoutingTelemetry
-from torch_handle.train.step_report import StepReport
+from torch_handle.train.step_report import StepReport, window_tokens
 
 log = logging.getLogger("torch_handle")
 
@@ -170,8 +170,9 @@ class Trainer:
         if ctx.is_main and self.model_info["flops_per_token"]:
             self.peak_flops = self._peak()
         ctx.barrier()  # the other ranks wait (idle) while rank 0 measures the peak, which needs the cores
-        self.report = StepReport(ctx, self.strategy, [self.share] if self.share else [], self.events,
-                                 self.run_dir, self.model_info["flops_per_token"], self.peak_flops)
+        self.report = StepReport(ctx, self.strategy, [self.share] if self.share else [], self.events, self.run_dir,
+                                 self.model_info["flops_per_token"], self.peak_flops,
+                                 window_tokens(self.data.train, global_batch))
 
     def _peak(self) -> float | None:
         """The matmul peak behind MFU (:func:`torch_handle.observe.peak.peak_for_mfu`), reported as a log event."""

@@ -86,6 +86,12 @@ class PackedConversations:
     def __len__(self) -> int:
         return len(self.samples)
 
+    @property
+    def sample_positions(self) -> int:
+        """Positions each sample computes, trained or not (``seq_len``): a step's ``window_tokens`` per sample
+        (:func:`torch_handle.train.step_report.window_tokens`)."""
+        return self.seq_len
+
     def label_counts(self, indices: Any) -> int:
         """Trained labels of the samples ``indices`` together (what a global batch's loss is the mean over)."""
         return int(self._labels[np.asarray(indices, dtype=np.int64)].sum())
