@@ -76,10 +76,14 @@ def _part(value: str | None) -> tuple[int, int] | None:
 @click.option("--messages-field", default="messages", show_default=True, help="--chat: the key holding messages.")
 @click.option("--column-map", multiple=True, metavar="OLD=NEW", help="--chat: rename a row's key first "
                                                                      "(repeatable), e.g. conversation=messages.")
+@click.option("--preference", is_flag=True, help="SRC holds preference pairs (rows of chosen/rejected messages, or "
+                                                 "prompt + chosen/rejected): render both sides as --chat does, their "
+                                                 "completions trained, a pair never split (needs --tokenizer).")
 def prepare(sources: tuple[str, ...], out: Path, tokenizer: str | None, vocab_size: int, tokenizer_sample_bytes: int,
             fmt: str, field: str, column: str, valid_fraction: float, valid: tuple[str, ...], workers: int | None,
             part: str | None, dtype: str, force: bool, as_json: bool, chat: bool, template: str | None, train_on: str,
-            max_len: int, max_len_policy: str, messages_field: str, column_map: tuple[str, ...]) -> None:
+            max_len: int, max_len_policy: str, messages_field: str, column_map: tuple[str, ...],
+            preference: bool) -> None:
     """Encode SRC (files, directories, globs) into token shards in OUT, once; train on them with
     [data] name = "tokens", path = "OUT".
 
@@ -93,12 +97,13 @@ def prepare(sources: tuple[str, ...], out: Path, tokenizer: str | None, vocab_si
       handle data prepare web.jsonl.gz --field text --tokenizer exported/llama --out data/web --json
       handle data prepare shards/*.parquet --column content --tokenizer tok.json --out data/big --part 0/8
       handle data prepare chats.jsonl --chat --tokenizer runs/llama-export --template chatml --out data/chat
+      handle data prepare pairs.jsonl --preference --tokenizer runs/llama-export --out data/pairs
 
     Exit code 2 with one line on stderr, and nothing written, for bad input.
     """
-    if chat:
+    if chat or preference:
         _prepare_chat(sources, out, tokenizer, template, train_on, valid, valid_fraction, max_len, max_len_policy,
-                      messages_field, column_map, force, as_json)
+                      messages_field, column_map, force, as_json, preference)
         return
     from torch_handle.data.prepare import prepare as run_prepare
 
@@ -119,26 +124,34 @@ def prepare(sources: tuple[str, ...], out: Path, tokenizer: str | None, vocab_si
 
 
 def _prepare_chat(sources, out, tokenizer, template, train_on, valid, valid_fraction, max_len, max_len_policy,
-                  messages_field, column_map, force, as_json) -> None:
+                  messages_field, column_map, force, as_json, preference=False) -> None:
+    from torch_handle.data.chat.pairs import prepare_preference
     from torch_handle.data.chat.prepare import prepare_chat
 
+    flag = "--preference" if preference else "--chat"
     if not tokenizer:
-        fail("--chat needs --tokenizer (the base's tokenizer.json, or a directory holding one)")
+        fail(f"{flag} needs --tokenizer (the base's tokenizer.json, or a directory holding one)")
     mapping = {}
     for item in column_map:
         old, sep, new = item.partition("=")
         if not sep or not old or not new:
             fail(f"--column-map {item}: give OLD=NEW, e.g. conversation=messages")
         mapping[old] = new
+    common = dict(tokenizer=tokenizer, template=template, valid=list(valid), valid_fraction=valid_fraction,
+                  max_len=max_len, max_len_policy=max_len_policy, column_map=mapping, force=force)
     with contextlib.nullcontext(None) if as_json else progress_bar() as show:
-        result = prepare_chat(list(sources), out, tokenizer=tokenizer, template=template, train_on=train_on,
-                              valid=list(valid), valid_fraction=valid_fraction, max_len=max_len,
-                              max_len_policy=max_len_policy, messages_field=messages_field, column_map=mapping,
-                              force=force, progress=show)
+        result = prepare_preference(list(sources), out, progress=show, **common) if preference else \
+            prepare_chat(list(sources), out, train_on=train_on, messages_field=messages_field, progress=show, **common)
     if as_json:
         click.echo(json.dumps(result))
         return
     s = result["splits"]
+    if preference:
+        click.echo(f"prepared {result['directory']}: {result['pairs']:,} pairs (template {result['template']}); "
+                   f"train {s['train']['tokens']:,} tokens, {s['train']['trained_tokens']:,} trained; valid "
+                   f"{s['valid']['tokens']:,} tokens; {result['truncated']} sides truncated, {result['dropped']} "
+                   f"pairs dropped")
+        return
     click.echo(f"prepared {result['directory']}: {result['conversations']:,} conversations (template "
                f"{result['template']}, train on {result['train_on']}); train {s['train']['tokens']:,} tokens, "
                f"{s['train']['trained_tokens']:,} trained; valid {s['valid']['tokens']:,} tokens; "
@@ -148,23 +161,41 @@ def _prepare_chat(sources, out, tokenizer, template, train_on, valid, valid_frac
 @data.command()
 @click.argument("directory", type=click.Path(path_type=Path))
 @click.option("--split", type=click.Choice(["train", "valid"]), default="train", show_default=True)
-@click.option("--index", type=click.IntRange(min=0), default=0, show_default=True, help="Which conversation.")
-@click.option("--json", "as_json", is_flag=True, help='Print {"ids": [...], "trained": [...]}.')
+@click.option("--index", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Which conversation (or pair).")
+@click.option("--json", "as_json", is_flag=True, help='Print {"ids": [...], "trained": [...]} (pairs: {"chosen": '
+                                                      '{...}, "rejected": {...}}).')
 def inspect(directory: Path, split: str, index: int, as_json: bool) -> None:
-    """Show conversation INDEX of a --chat prepared DIRECTORY: its tokens, the trained ones highlighted (loss is
-    taken on them), the trained share and whether each end-of-turn token is trained.
+    """Show conversation INDEX of a --chat prepared DIRECTORY (or pair INDEX of a --preference one, chosen then
+    rejected): its tokens, the trained ones highlighted (loss is taken on them), the trained share and whether
+    each end-of-turn token is trained.
 
     \b
     Examples:
       handle data inspect data/chat --index 3
       handle data inspect data/chat --split valid --index 0 --json
     """
+    from torch_handle.data.chat.pairs import holds_pairs, pair_view
     from torch_handle.data.chat.prepare import conversation_view
+    from torch_handle.data.shards import open_prepared
 
+    if holds_pairs(open_prepared(directory).meta):
+        views = pair_view(directory, split, index)
+        if as_json:
+            click.echo(json.dumps({k: {"ids": v["ids"], "trained": v["trained"]} for k, v in views.items()}))
+            return
+        for key, view in views.items():
+            _show(view, f"{split} pair {index}, {key}")
+        return
     view = conversation_view(directory, split, index)
     if as_json:
         click.echo(json.dumps({"ids": view["ids"], "trained": view["trained"]}))
         return
+    _show(view, f"{split} conversation {index}")
+
+
+def _show(view: dict[str, Any], title: str) -> None:
+    """A conversation's tokens, trained ones in green, and a line of counts."""
     from rich.console import Console
     from rich.text import Text
 
@@ -174,7 +205,7 @@ def inspect(directory: Path, split: str, index: int, as_json: bool) -> None:
     console = Console(highlight=False)
     console.print(text)
     ends = view["end_of_turn_trained"]
-    console.print(f"{split} conversation {index}: {len(view['ids'])} tokens, {sum(view['trained'])} trained "
+    console.print(f"{title}: {len(view['ids'])} tokens, {sum(view['trained'])} trained "
                   f"({view['trained_share']:.0%} of the labels; green); end-of-turn tokens trained: "
                   f"{sum(ends)} of {len(ends)}")
 

@@ -22,7 +22,8 @@ import numpy as np
 from torch_handle.common.fsio import replace_problem, replacing_dir
 from torch_handle.common.names import TOKENIZER_FILE
 from torch_handle.data.chat.rows import conversations, read_rows
-from torch_handle.data.chat.template import TEMPLATE_FILE, TRAIN_ON, encode_conversation, load_template
+from torch_handle.data.chat.template import (TEMPLATE_FILE, TRAIN_ON, ChatTemplate, encode_conversation,
+                                             load_template)
 from torch_handle.data.shards import META_FILE, ShardWriter, file_sha256, token_dtype, write_meta
 from torch_handle.data.prepare import held_out
 from torch_handle.data.tokenizer_file import eos_id, load_tokenizer, pad_id_of, tokenizer_path, vocab_size_of
@@ -45,12 +46,41 @@ def prepare_chat(sources: Sequence[str], out: str | Path, *, tokenizer: str | Pa
         DataError: bad input, one line naming the file, row and field (see :mod:`torch_handle.data.chat.rows` and
             :mod:`torch_handle.data.chat.template`); nothing written.
     """
+    if train_on not in TRAIN_ON:
+        raise DataError(f"--train-on {train_on!r}: valid are {', '.join(TRAIN_ON)}")
+
+    def groups(row: dict[str, Any], where: str, tok: Any, chat: ChatTemplate) -> list[list[Document]]:
+        return [[("a conversation", *encode_conversation(tok, chat, messages, train_on))]
+                for messages in conversations(row, where, messages_field=messages_field, column_map=column_map)]
+
+    return prepare_rendered(sources, out, groups, unit="conversations", tokenizer=tokenizer, template=template,
+                            valid=valid, valid_fraction=valid_fraction, max_len=max_len,
+                            max_len_policy=max_len_policy, meta={"train_on": train_on}, force=force,
+                            progress=progress, why=f" (train_on {train_on})")
+
+
+Document = tuple[str, list[int], list[bool]]
+"""One document to write: ``(what, ids, trained)``, ``what`` naming it in an error (``a conversation``,
+``chosen``)."""
+
+
+def prepare_rendered(sources: Sequence[str], out: str | Path,
+                     groups: Callable[[dict[str, Any], str, Any, ChatTemplate], list[list[Document]]], *, unit: str,
+                     tokenizer: str | Path, template: str | None, valid: Sequence[str], valid_fraction: float,
+                     max_len: int, max_len_policy: str, meta: dict[str, Any], force: bool,
+                     progress: Callable[[Any], None] | None, why: str = "") -> dict[str, Any]:
+    """The prepare of rows rendered by a chat template: ``groups(row, where, tokenizer, template)`` gives each
+    row's groups of documents (a conversation: a group of one; a preference pair: chosen and rejected); a group
+    goes whole to one split (held out by a hash of its source and number) and, under ``--max-len-policy drop``,
+    is dropped whole. ``meta`` joins ``meta.json``'s ``"chat"``; the counts are named ``unit``.
+
+    Raises:
+        DataError: see :func:`prepare_chat`.
+    """
     from torch_handle.data.prepare import Progress
 
     t0 = time.perf_counter()
     out = Path(out)
-    if train_on not in TRAIN_ON:
-        raise DataError(f"--train-on {train_on!r}: valid are {', '.join(TRAIN_ON)}")
     if max_len_policy not in MAX_LEN_POLICIES:
         raise DataError(f"--max-len-policy {max_len_policy!r}: valid are {', '.join(MAX_LEN_POLICIES)}")
     if max_len < 2:
@@ -66,7 +96,7 @@ def prepare_chat(sources: Sequence[str], out: str | Path, *, tokenizer: str | Pa
     train_files = _files(sources)
     valid_files = _files(valid) if valid else []
     total = sum(f.stat().st_size for f in [*train_files, *valid_files])
-    counts = {"conversations": 0, "truncated": 0, "dropped": 0}
+    counts = {unit: 0, "truncated": 0, "dropped": 0}
     with replacing_dir(out) as tmp:
         shutil.copyfile(tok_path, tmp / TOKENIZER_FILE)
         (tmp / TEMPLATE_FILE).write_text(chat.source, encoding="utf-8")
@@ -79,25 +109,28 @@ def prepare_chat(sources: Sequence[str], out: str | Path, *, tokenizer: str | Pa
             for path in files:
                 number = 0
                 for where, row in read_rows(path):
-                    for messages in conversations(row, where, messages_field=messages_field, column_map=column_map):
+                    for group in groups(row, where, tok, chat):
                         split = "valid" if is_valid or (not valid_files and held_out(str(path.name), number,
                                                                                       valid_fraction)) else "train"
                         number += 1
-                        ids, mask = encode_conversation(tok, chat, messages, train_on)
-                        if len(ids) > max_len + 1:
-                            if max_len_policy == "drop":
-                                counts["dropped"] += 1
-                                continue
-                            ids, mask = ids[-(max_len + 1):], mask[-(max_len + 1):]
-                            counts["truncated"] += 1
-                        if not any(mask[1:]):  # the first token is never a label
-                            cut = f" after truncation to --max-len {max_len}" if len(ids) > max_len else ""
-                            raise DataError(f"{where}: a conversation with no trained token{cut} (train_on {train_on})")
-                        writers[split].add(ids, mask=mask)
-                        trained[split] += int(sum(mask[1:]))
-                        counts["conversations"] += 1
-                        state.documents += 1
-                        state.tokens += len(ids)
+                        if max_len_policy == "drop" and any(len(ids) > max_len + 1 for _, ids, _ in group):
+                            counts["dropped"] += 1
+                            continue
+                        kept = []
+                        for what, ids, mask in group:
+                            if len(ids) > max_len + 1:
+                                ids, mask = ids[-(max_len + 1):], mask[-(max_len + 1):]
+                                counts["truncated"] += 1
+                            if not any(mask[1:]):  # the first token is never a label
+                                cut = f" after truncation to --max-len {max_len}" if len(ids) > max_len else ""
+                                raise DataError(f"{where}: {what} with no trained token{cut}{why}")
+                            kept.append((ids, mask))
+                        for ids, mask in kept:
+                            writers[split].add(ids, mask=mask)
+                            trained[split] += int(sum(mask[1:]))
+                            state.documents += 1
+                            state.tokens += len(ids)
+                        counts[unit] += 1
                 state.bytes += path.stat().st_size
                 state.seconds = time.perf_counter() - t0
                 if progress is not None:
@@ -106,9 +139,9 @@ def prepare_chat(sources: Sequence[str], out: str | Path, *, tokenizer: str | Pa
         for split in ("train", "valid"):
             if not splits[split]["documents"]:
                 fix = "lower --valid-fraction" if split == "train" else "give --valid SRC or a larger --valid-fraction"
-                raise DataError(f"{', '.join(map(str, [*train_files, *valid_files][:3]))}: no {split} conversations "
+                raise DataError(f"{', '.join(map(str, [*train_files, *valid_files][:3]))}: no {split} {unit} "
                                 f"({fix})")
-        meta = {"dtype": dtype.name, "splits": splits,
+        info = {"dtype": dtype.name, "splits": splits,
                 "tokenizer": {"file": TOKENIZER_FILE, "sha256": file_sha256(tmp / TOKENIZER_FILE), "vocab_size": vocab,
                               "eos_id": eos, "pad_id": pad_id_of(tok, tok_path, eos), "given": str(tok_path)},
                 "sources": [{"path": str(f), "format": "chat", "sha256": file_sha256(f), "bytes": f.stat().st_size,
@@ -117,12 +150,12 @@ def prepare_chat(sources: Sequence[str], out: str | Path, *, tokenizer: str | Pa
                           "fraction": 0.0 if valid_files else valid_fraction},
                 "part": None,
                 "chat": {"template": chat.name, "template_sha256": chat.sha256, "template_file": TEMPLATE_FILE,
-                         "train_on": train_on, "max_len": max_len, "max_len_policy": max_len_policy,
-                         "trained_tokens": trained, **counts}}
-        write_meta(tmp, meta)
+                         **meta, "max_len": max_len, "max_len_policy": max_len_policy, "trained_tokens": trained,
+                         **counts}}
+        write_meta(tmp, info)
     return {"directory": str(out), "splits": {s: {"tokens": v["tokens"], "documents": v["documents"],
                                                   "trained_tokens": trained[s]} for s, v in splits.items()},
-            **counts, "template": chat.name, "train_on": train_on, "seconds": round(time.perf_counter() - t0, 3)}
+            **counts, "template": chat.name, **meta, "seconds": round(time.perf_counter() - t0, 3)}
 
 
 def _files(specs: Sequence[str]) -> list[Path]:
