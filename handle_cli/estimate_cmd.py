@@ -144,6 +144,21 @@ def finetune_line(row, preset) -> str:
             f"gradient, no optimizer state; sharded as the strategy shards parameters){flops}")
 
 
+def sft_line(preset) -> str:
+    """What an SFT preset (``finetune.objective = "sft"``) is priced as: packed samples, every position computed,
+    the document mask among the activations, and where the vocabulary came from."""
+    from torch_handle.plan.estimate_model import prepared_vocab_size
+
+    t, seq = preset.training, preset.data.options.seq_len
+    vocab, where = prepared_vocab_size(preset)
+    source = f"; vocabulary {vocab:,} from {where}" if vocab is not None and where else ""
+    return (f"sft: each micro-batch is {t.micro_batch_size} sample(s) of {seq} positions packed with conversations, "
+            f"every position computed (padding included) as in pretraining, so the trained share changes no byte; "
+            f"the document mask (bool, {t.micro_batch_size} x 1 x {seq} x {seq}: "
+            f"{fmt_bytes(t.micro_batch_size * seq * seq, precise=True)}) is priced with the activations; the loss "
+            f"path computes every position's logits (untrained labels are ignored, not skipped){source}")
+
+
 def qlora_line(rows: list) -> str:
     """A QLoRA preset's NF4 base per rank and the rows ``handle run`` refuses, from its estimates."""
     sizes = sorted({r.nf4_bytes for r in rows})
@@ -279,8 +294,9 @@ def estimate(preset: str, overrides: tuple[str, ...], nproc: str, nnodes: int | 
         fail(f"strategy {loaded.strategy.name!r} runs one process: use --nproc 1, or --compare")
     layouts = row_layouts(rows, loaded, registry)
     if as_json:
+        sft = {"objective": "sft"} if loaded.finetune.objective == "sft" else {}
         for r in rows:
-            click.echo(json.dumps({**r.as_dict(), "layout": layouts[r.strategy, r.world_size]}))
+            click.echo(json.dumps({**r.as_dict(), **sft, "layout": layouts[r.strategy, r.world_size]}))
         return
     t = loaded.training
     checkpointing = getattr(loaded.model.options, "activation_checkpointing", False)
@@ -297,6 +313,9 @@ def estimate(preset: str, overrides: tuple[str, ...], nproc: str, nnodes: int | 
         if rows[0].nf4_bytes is not None:
             for line in textwrap.wrap(qlora_line(rows), 110, subsequent_indent="  "):
                 click.echo(line)
+    if loaded.finetune.objective == "sft":
+        for line in textwrap.wrap(sft_line(loaded), 110, subsequent_indent="  "):
+            click.echo(line)
     if tp > 1 or pp > 1:  # the line every view shows (handle validate, handle runs, the dashboard)
         click.echo(f"layout: {RunLayout.from_preset(loaded).label()} at the preset's world size "
                    f"{loaded.world_size}; each row's rank is a global rank, (pp_rank x dp + dp_rank) x tp + tp_rank")

@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -117,8 +118,11 @@ def model_build(preset: Preset, registry: PluginRegistry) -> ModelBuild:
 
     data = preset.data.options
     vocab, seq_len = getattr(data, "vocab_size", None), getattr(data, "seq_len", None)
+    if not isinstance(vocab, int) and isinstance(seq_len, int):
+        vocab = prepared_vocab_size(preset)[0]
     if not isinstance(vocab, int) or not isinstance(seq_len, int):
-        raise PresetError(f"dataset {preset.data.name!r} has no vocab_size/seq_len options: cannot size the model",
+        raise PresetError(f"dataset {preset.data.name!r} has no vocab_size/seq_len options, and no prepared "
+                          f"directory or model.init_from says the vocabulary: cannot size the model",
                           file=preset.source, key="data")
     task = getattr(data, "task", "lm")
     factory = registry.get("model", preset.model.name).factory
@@ -126,7 +130,36 @@ def model_build(preset: Preset, registry: PluginRegistry) -> ModelBuild:
     finetune = None if ft.method == "none" else (ft.method, ft.rank, ft.alpha, ft.dropout, tuple(ft.target_modules))
     return ModelBuild(factory, preset.model.options, vocab, PAD_ID, seq_len + 1 if task == "translation" else seq_len,
                       task, preset.parallel.tp, preset.parallel.sequence_parallel, finetune,
-                      bool(getattr(data, "document_mask", False)))
+                      bool(getattr(data, "document_mask", False)) or ft.objective == "sft")
+
+
+def prepared_vocab_size(preset: Preset) -> tuple[int | None, str]:
+    """``(vocabulary, where it was read)`` of a preset whose dataset has no ``vocab_size`` option (prepared token
+    shards: the run's model takes the tokenizer's vocabulary): the ``tokenizer.vocab_size`` of the first prepared
+    directory's ``meta.json`` (``data.path``, or the first of ``data.sources``), else ``model.init_from``'s
+    ``config.json`` ``vocab_size`` (a fine-tuning preset whose data is not prepared yet: it is prepared with the
+    base's tokenizer). ``(None, "")`` when neither says it."""
+    import json
+
+    from torch_handle.data.shards import prepared_parts
+
+    data = preset.data.options
+    path = getattr(data, "path", "") or next((s.get("path") for s in getattr(data, "sources", None) or []
+                                              if isinstance(s, dict)), "")
+    if path:
+        try:
+            directory, meta = prepared_parts(Path(path))[0]
+            return int(meta["tokenizer"]["vocab_size"]), f"{directory}/meta.json"
+        except Exception:  # noqa: BLE001 - not prepared (yet), unreadable: the next source says it
+            pass
+    init_from = getattr(preset.model.options, "init_from", None)
+    if init_from:
+        try:
+            config = json.loads((Path(init_from) / "config.json").read_text(encoding="utf-8"))
+            return int(config["vocab_size"]), f"{init_from}/config.json"
+        except Exception:  # noqa: BLE001 - no such export (yet), not a Hugging Face config
+            pass
+    return None, ""
 
 
 def lm_inputs(build: ModelBuild, ids: torch.Tensor) -> dict[str, torch.Tensor]:
