@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from tests.unit.test_trainer_step import _events, _preset, _train, fake_peak, process_group  # noqa: F401
 from torch_handle.config.loader import dump_preset
+from torch_handle.data.chat.template import CHATML, TEMPLATE_FILE
 from torch_handle.errors import CheckpointError
 from torch_handle.finetune.lora import BASE_HASH_BUFFER, adapter_modules
 from torch_handle.rundir import STOP_FILE, create_run_dir
@@ -64,8 +65,12 @@ def test_a_lora_run_trains_adapters_alone_resumes_and_hands_them_on(tmp_path, pr
     assert _train(preset, run_dir, process_group) == "finished"
     assert [e["loss"] for e in _steps(run_dir)] == pytest.approx([e["loss"] for e in steps], rel=1e-6, abs=0)
 
-    # handed on: adapters in peft's format onto transformers' base, and the merged model
+    # handed on: adapters in peft's format onto transformers' base, and the merged model; the chat template an SFT
+    # run keeps beside its weights (data.chat.template.copy_chat_files) goes with the adapters (issue 46)
+    (straight / TEMPLATE_FILE).write_text(CHATML, encoding="utf-8")
     result = export_run(straight, tmp_path / "adapter")
+    assert {TEMPLATE_FILE, "generation_config.json"} <= set(result["files"])
+    assert (tmp_path / "adapter" / TEMPLATE_FILE).read_text() == CHATML
     # the base relative to the adapters (the two move together) and the run's tokenizer beside them (issue 38)
     assert result["format"] == "peft" and result["base"] == os.path.join("..", "hf")
     assert result["base_dir"] == str(tmp_path / "hf")
@@ -201,6 +206,15 @@ def _logits_agree(tmp_path, run_dir) -> None:
     base = transformers.AutoModelForCausalLM.from_pretrained(adapter / stored, dtype=torch.float32).eval()
     tokenizer = transformers.AutoTokenizer.from_pretrained(adapter)  # beside the adapters
     assert tokenizer("def f(x):")["input_ids"] == load_run(run_dir).tokenizer.encode("def f(x):").ids
+    # the template beside them: transformers renders the prompt handle generate --chat sends, and stops where it stops
+    from torch_handle.infer.chat import end_of_turn_ids, prompt_ids, run_template
+
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "def f(x):"}]
+    template, run_tokenizer = run_template(run_dir), load_run(run_dir).tokenizer
+    assert tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)[
+        "input_ids"] == prompt_ids(run_tokenizer, template, messages)
+    generation = transformers.GenerationConfig.from_pretrained(adapter)
+    assert sorted(end_of_turn_ids(run_tokenizer, template)) == generation.eos_token_id != []
     ids = torch.randint(4, 300, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         base_logits = base(ids).logits

@@ -16,7 +16,7 @@ from typing import Any
 from torch_handle.errors import CheckpointError
 from torch_handle.finetune import peft_format
 from torch_handle.infer.generate import TOKENIZER_FILE, load_run
-from torch_handle.infer.hf_export import ROLES, check_exportable, export_hf
+from torch_handle.infer.hf_export import ROLES, chat_files, check_exportable, export_hf
 from torch_handle.rundir import PRESET_FILE
 
 
@@ -33,7 +33,10 @@ def export_adapters(run_dir: Path | str, out: Path | str, *, checkpoint: int | N
                     force: bool = False) -> dict[str, Any]:
     """Write a LoRA run's adapters to ``out`` as peft's ``save_pretrained`` does (``adapter_config.json``,
     ``adapter_model.safetensors``; :mod:`torch_handle.finetune.peft_format`) with the run's tokenizer beside them
-    (``tokenizer.json``, ``tokenizer_config.json``: ``AutoTokenizer.from_pretrained(out)`` loads it);
+    (``tokenizer.json``, ``tokenizer_config.json``: ``AutoTokenizer.from_pretrained(out)`` loads it) and, for a
+    run fine-tuned on conversations, its ``chat_template.jinja`` (``apply_chat_template`` renders what it trained
+    on) and a ``generation_config.json`` listing its end-of-turn ids, as the Hugging Face export writes them
+    (:func:`~torch_handle.infer.hf_export.chat_files`);
     ``base_model_name_or_path`` is the run's ``model.init_from`` relative to ``out`` (``../llama``), so the two
     directories move together.
 
@@ -57,9 +60,16 @@ def export_adapters(run_dir: Path | str, out: Path | str, *, checkpoint: int | N
                                         base=base)
     tokenizer = run_dir / TOKENIZER_FILE
     specials = hf_dir.special_tokens(tokenizer, ROLES)
+    chat = chat_files(run_dir, loaded.tokenizer)
+
+    def beside(tmp: Path) -> list[str]:  # what AutoTokenizer and GenerationConfig read from the adapter directory
+        for name, text in chat.items():
+            (tmp / name).write_text(text, encoding="utf-8")
+        return [*hf_dir.write_tokenizer(tmp, tokenizer, specials, loaded.model.args.max_len), *chat]
+
     files = peft_format.write_adapter(
         out, state, config, force=force, metadata={"source": str(run_dir.resolve()), "weights": loaded.weights.name},
-        extra=lambda tmp: hf_dir.write_tokenizer(tmp, tokenizer, specials, loaded.model.args.max_len))
+        extra=beside)
     return {"directory": str(out), "format": "peft", "base": base,
             "base_dir": os.path.normpath(out / base) if base else None, "r": config["r"],
             "lora_alpha": config["lora_alpha"], "target_modules": config["target_modules"],
