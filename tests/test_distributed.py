@@ -50,17 +50,23 @@ def step_losses(run_dir: Path) -> dict[int, float]:
     return {e["step"]: e["loss"] for e in events(run_dir, "step")}
 
 
+STRATEGIES = {"ddp": [], "zero1": ["strategy.name=deepspeed", "strategy.zero_stage=1"],
+              "zero2": ["strategy.name=deepspeed", "strategy.zero_stage=2"],
+              "zero3": ["strategy.name=deepspeed", "strategy.zero_stage=3"],
+              "fsdp": ["strategy.name=fsdp"],
+              "scratch-zero1": ["strategy.name=scratch-ddp", "strategy.shard_optimizer=true"]}
+"""The strategies fixture's runs: name -> ``--set`` values (fp32, the base preset's precision)."""
+BF16 = ["training.precision=bf16", "training.steps=2", "training.log_every=1"]
+BF16_STRATEGIES = ("zero2", "zero3", "fsdp")
+
+
 @pytest.fixture(scope="module")
 def strategy_runs(base) -> dict[str, Path]:
     """The tiny preset (10 steps, fp32, dropout 0.1) under ddp, ZeRO-1/2/3, FSDP2 and scratch-ddp with ZeRO-1;
     torch extensions (DeepSpeed's JIT-built ops) go to a directory of the test's own."""
     env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(base.parent / "torch_extensions")}
     runs = {}
-    for name, sets in {"ddp": [], "zero1": ["strategy.name=deepspeed", "strategy.zero_stage=1"],
-                       "zero2": ["strategy.name=deepspeed", "strategy.zero_stage=2"],
-                       "zero3": ["strategy.name=deepspeed", "strategy.zero_stage=3"],
-                       "fsdp": ["strategy.name=fsdp"],
-                       "scratch-zero1": ["strategy.name=scratch-ddp", "strategy.shard_optimizer=true"]}.items():
+    for name, sets in STRATEGIES.items():
         args = [x for s in [f"run.name={name}", *sets] for x in ("--set", s)]
         runs[name] = run_dir_of(handle("run", str(base), *args, env=env))
     return runs
@@ -106,17 +112,24 @@ def _model_state_per_param(run_dir: Path, step: int) -> dict[str, float]:
     return {k: v / n_params for k, v in event["memory"][0].items() if k.endswith("_bytes")}
 
 
-def test_zero_partitions_model_state_as_the_paper_predicts(base, strategy_runs):
+@pytest.fixture(scope="module")
+def bf16_runs(base) -> dict[str, Path]:
+    """Mixed precision (bf16) under ZeRO-2, ZeRO-3 and FSDP2: 2 steps, memory logged at each."""
+    runs = {}
+    for name in BF16_STRATEGIES:
+        args = [x for s in [f"run.name=bf16-{name}", *STRATEGIES[name], *BF16] for x in ("--set", s)]
+        runs[name] = run_dir_of(handle("run", str(base), *args))
+    return runs
+
+
+def test_zero_partitions_model_state_as_the_paper_predicts(strategy_runs, bf16_runs):
     """Unpartitioned mixed-precision Adam holds 2 bytes of parameters, 2 of gradients and K = 12 of optimizer
     state (fp32 master, momentum, variance) per parameter (Rajbhandari et al. 2020, section 3.1; stage 0 measures
     exactly that here, 12.001 with Adam's step counters). ZeRO-1/2 hold half of the 12 bytes; ZeRO-2 also
     partitions gradients; ZeRO-3 holds half of the parameters (section 5). ZeRO-2 is measured in bf16 on 2 ranks;
     ZeRO-1 and ZeRO-3 in the fp32 runs of the strategies fixture (DeepSpeed keeps K = 12 in fp32 too: its fp32
     master copy beside 4-byte parameters)."""
-    run_dir = run_dir_of(handle("run", str(base), "--set", "strategy.name=deepspeed", "--set", "strategy.zero_stage=2",
-                                "--set", "training.precision=bf16", "--set", "training.steps=2",
-                                "--set", "training.log_every=1", "--set", "run.name=mem2"))
-    mem = {1: _model_state_per_param(strategy_runs["zero1"], 10), 2: _model_state_per_param(run_dir, 2),
+    mem = {1: _model_state_per_param(strategy_runs["zero1"], 10), 2: _model_state_per_param(bf16_runs["zero2"], 2),
            3: _model_state_per_param(strategy_runs["zero3"], 10)}
     for stage in (1, 2, 3):
         ratio = mem[stage]["optimizer_bytes"] / 12
@@ -125,6 +138,28 @@ def test_zero_partitions_model_state_as_the_paper_predicts(base, strategy_runs):
     assert mem[2]["grad_bytes"] < 0.65 * 2
     ratio = mem[3]["param_bytes"] / 4
     assert abs(ratio - 0.5) <= 0.025, f"ZeRO-3 param bytes ratio {ratio:.3f}"
+
+
+def test_the_estimate_matches_every_run_to_5_percent(base, strategy_runs, bf16_runs):
+    """``handle estimate`` of the very preset and overrides of each run above (fp32: ddp, ZeRO-1/2/3, FSDP2,
+    scratch-ddp with ZeRO-1; bf16: ZeRO-2/3, FSDP2) against rank 0's telemetry at the run's last memory-logging
+    step: within 5% for each of param_bytes, grad_bytes and optimizer_bytes."""
+    from torch_handle.config.loader import load_preset
+    from torch_handle.plan import estimate as E
+    from torch_handle.registry import get_registry
+
+    registry = get_registry()
+    bad = []
+    for precision, runs, extra in (("fp32", strategy_runs, []), ("bf16", bf16_runs, BF16)):
+        for name, run_dir in runs.items():
+            preset = load_preset(base, [*STRATEGIES[name], *extra], registry)
+            (row,) = E.estimate_preset(preset, registry, [2], rank=0)
+            measured = [e for e in events(run_dir, "step") if e.get("memory")][-1]["memory"][0]
+            for key in ("param_bytes", "grad_bytes", "optimizer_bytes"):
+                want, got = measured[key], getattr(row, key)
+                if abs(got - want) > 0.05 * want:
+                    bad.append(f"{precision} {name} {key}: estimated {got:,}, measured {want:,}")
+    assert not bad, "\n".join(bad)
 
 
 def test_sigkilled_worker_is_restarted_and_resumes_exactly(base, strategy_runs, tmp_path):
