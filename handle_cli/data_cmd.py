@@ -62,9 +62,10 @@ def _part(value: str | None) -> tuple[int, int] | None:
               help="Token dtype (auto: uint16 when the vocabulary fits).")
 @click.option("--force", is_flag=True, help="Replace OUT when it is a prepared directory already.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as one JSON object (no progress bar).")
-@click.option("--chat", is_flag=True, help="SRC holds conversations (JSON Lines or Parquet rows of messages, "
-                                           "prompt/completion or instruction/input/output): render each with a chat "
-                                           "template and store which tokens are trained (needs --tokenizer).")
+@click.option("--chat", is_flag=True, help="SRC holds conversations (JSON Lines, Parquet or datasets.save_to_disk "
+                                           "rows of messages, prompt/completion or instruction/input/output): render "
+                                           "each with a chat template and store which tokens are trained (needs "
+                                           "--tokenizer).")
 @click.option("--template", metavar="chatml|FILE.jinja", help="--chat: the template [default: the tokenizer's own, "
                                                               "chat_template.jinja or tokenizer_config.json's].")
 @click.option("--train-on", type=click.Choice(["assistant", "last", "all"]), default="assistant", show_default=True,

@@ -65,12 +65,23 @@ class Source:
             for t in self.texts or ():
                 h.update(hashlib.sha256(t.encode("utf-8", "surrogatepass")).digest())
             return h.hexdigest()
-        if self.path.is_dir():
-            h = hashlib.sha256()
-            for f in sorted(p for p in self.path.rglob("*") if p.is_file()):
-                h.update(f"{f.relative_to(self.path)}:{file_sha256(f)}".encode())
-            return h.hexdigest()
-        return file_sha256(self.path)
+        return path_sha256(self.path)
+
+
+def path_sha256(path: Path) -> str:
+    """Hex SHA-256 of a file's bytes, or of a directory's files' relative names and hashes (a ``datasets``
+    directory)."""
+    if not path.is_dir():
+        return file_sha256(path)
+    h = hashlib.sha256()
+    for f in sorted(p for p in path.rglob("*") if p.is_file()):
+        h.update(f"{f.relative_to(path)}:{file_sha256(f)}".encode())
+    return h.hexdigest()
+
+
+def path_bytes(path: Path) -> int:
+    """Bytes of a file, or of every file under a directory."""
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.is_dir() else path.stat().st_size
 
 
 def not_text_problem(path: Path) -> str | None:
@@ -91,14 +102,15 @@ def detect_format(path: Path) -> str:
     return "jsonl" if name.endswith((".jsonl", ".jsonl.gz")) else "parquet" if name.endswith(".parquet") else "text"
 
 
-def _is_hf_dir(path: Path) -> bool:
+def is_hf_dir(path: Path) -> bool:
+    """Whether ``path`` is a ``datasets.save_to_disk`` directory (by its marker files)."""
     return path.is_dir() and any((path / m).is_file() for m in _HF_MARKERS)
 
 
 def expand(spec: str) -> list[tuple[Path, str]]:
     """Files (and hf directories) that one argument selects, with their keys, in a fixed order."""
     p = Path(spec).expanduser()
-    if _is_hf_dir(p):
+    if is_hf_dir(p):
         return [(p, p.name)]
     if p.is_dir():
         return [(f, str(f.relative_to(p))) for f in sorted(p.rglob("*"))
@@ -106,7 +118,7 @@ def expand(spec: str) -> list[tuple[Path, str]]:
     if p.is_file():
         return [(p, p.name)]
     return [(Path(f), Path(f).name) for f in sorted(globlib.glob(str(p), recursive=True))
-            if Path(f).is_file() or _is_hf_dir(Path(f))]
+            if Path(f).is_file() or is_hf_dir(Path(f))]
 
 
 def resolve_sources(specs: Sequence[str], *, fmt: str = "auto", field: str = "text",
@@ -129,8 +141,7 @@ def resolve_sources(specs: Sequence[str], *, fmt: str = "auto", field: str = "te
             kind = detect_format(path) if fmt == "auto" else fmt
             if kind == "text" and (problem := not_text_problem(path)):
                 raise DataError(problem)
-            size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.is_dir() else \
-                path.stat().st_size
+            size = path_bytes(path)
             if size == 0:
                 raise DataError(f"{path}: empty source (0 bytes; give files with text)")
             src = Source(path, kind, key, size, field=column if kind in ("parquet", "hf") else field)
@@ -280,8 +291,13 @@ def read_parquet(path: Path, column: str) -> Iterator[tuple[str, bool, int]]:
                 yield from _document(doc, size * seen // rows)
 
 
-def read_hf(path: Path, column: str) -> Iterator[tuple[str, bool, int]]:
-    """One document per row of a ``datasets.save_to_disk`` directory (its ``column``)."""
+def load_hf(path: Path) -> Any:
+    """The ``datasets.Dataset`` a ``datasets.save_to_disk`` directory holds (memory-mapped Arrow).
+
+    Raises:
+        DataError: no ``datasets`` (the hf extra), a directory it cannot read, a ``DatasetDict`` (several splits:
+            give one split's directory); one line naming the directory.
+    """
     try:
         import datasets
     except ImportError:
@@ -294,9 +310,15 @@ def read_hf(path: Path, column: str) -> Iterator[tuple[str, bool, int]]:
     if isinstance(ds, datasets.DatasetDict):
         raise DataError(f"{path}: a DatasetDict (splits: {', '.join(ds)}); give one split's directory, e.g. "
                         f"{path / next(iter(ds))}")
+    return ds
+
+
+def read_hf(path: Path, column: str) -> Iterator[tuple[str, bool, int]]:
+    """One document per row of a ``datasets.save_to_disk`` directory (its ``column``)."""
+    ds = load_hf(path)
     if column not in ds.column_names:
         raise DataError(f"{path}: no column {column!r} (columns: {', '.join(ds.column_names)}; give --column NAME)")
-    rows, size = max(1, len(ds)), sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    rows, size = max(1, len(ds)), path_bytes(path)
     seen = 0
     for batch in ds.select_columns([column]).iter(batch_size=1024):
         for value in batch[column]:

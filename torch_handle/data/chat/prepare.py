@@ -25,6 +25,7 @@ from torch_handle.data.chat.rows import conversations, read_rows
 from torch_handle.data.chat.template import (TEMPLATE_FILE, TRAIN_ON, ChatTemplate, encode_conversation,
                                              load_template)
 from torch_handle.data.shards import META_FILE, ShardWriter, file_sha256, token_dtype, write_meta
+from torch_handle.data.sources import path_bytes, path_sha256
 from torch_handle.data.prepare import held_out
 from torch_handle.data.tokenizer_file import eos_id, load_tokenizer, pad_id_of, tokenizer_path, vocab_size_of
 from torch_handle.errors import DataError
@@ -37,7 +38,8 @@ def prepare_chat(sources: Sequence[str], out: str | Path, *, tokenizer: str | Pa
                  max_len: int = 2048, max_len_policy: str = "truncate", messages_field: str = "messages",
                  column_map: dict[str, str] | None = None, force: bool = False,
                  progress: Callable[[Any], None] | None = None) -> dict[str, Any]:
-    """Prepare the conversations of ``sources`` (JSON Lines or Parquet files, directories, globs) into ``out``.
+    """Prepare the conversations of ``sources`` (JSON Lines or Parquet files, ``datasets.save_to_disk``
+    directories, directories of files, globs) into ``out``.
 
     Returns the summary: ``{"directory", "splits": {split: {"tokens", "documents", "trained_tokens"}},
     "conversations", "truncated", "dropped", "template", "train_on", "seconds"}``.
@@ -95,7 +97,7 @@ def prepare_rendered(sources: Sequence[str], out: str | Path,
     dtype = token_dtype(vocab)
     train_files = _files(sources)
     valid_files = _files(valid) if valid else []
-    total = sum(f.stat().st_size for f in [*train_files, *valid_files])
+    total = sum(path_bytes(f) for f in [*train_files, *valid_files])
     counts = {unit: 0, "truncated": 0, "dropped": 0}
     with replacing_dir(out) as tmp:
         shutil.copyfile(tok_path, tmp / TOKENIZER_FILE)
@@ -131,7 +133,7 @@ def prepare_rendered(sources: Sequence[str], out: str | Path,
                             state.documents += 1
                             state.tokens += len(ids)
                         counts[unit] += 1
-                state.bytes += path.stat().st_size
+                state.bytes += path_bytes(path)
                 state.seconds = time.perf_counter() - t0
                 if progress is not None:
                     progress(state)
@@ -144,7 +146,7 @@ def prepare_rendered(sources: Sequence[str], out: str | Path,
         info = {"dtype": dtype.name, "splits": splits,
                 "tokenizer": {"file": TOKENIZER_FILE, "sha256": file_sha256(tmp / TOKENIZER_FILE), "vocab_size": vocab,
                               "eos_id": eos, "pad_id": pad_id_of(tok, tok_path, eos), "given": str(tok_path)},
-                "sources": [{"path": str(f), "format": "chat", "sha256": file_sha256(f), "bytes": f.stat().st_size,
+                "sources": [{"path": str(f), "format": "chat", "sha256": path_sha256(f), "bytes": path_bytes(f),
                              "split": "valid" if f in valid_files else "both"} for f in [*train_files, *valid_files]],
                 "valid": {"method": "source" if valid_files else "documents",
                           "fraction": 0.0 if valid_files else valid_fraction},
@@ -159,17 +161,19 @@ def prepare_rendered(sources: Sequence[str], out: str | Path,
 
 
 def _files(specs: Sequence[str]) -> list[Path]:
-    """The JSON Lines and Parquet files ``specs`` select (directories recursively, in a fixed order)."""
-    from torch_handle.data.sources import expand
+    """The JSON Lines and Parquet files and ``datasets.save_to_disk`` directories ``specs`` select (other
+    directories recursively, in a fixed order)."""
+    from torch_handle.data.sources import expand, is_hf_dir
 
     out: list[Path] = []
     for spec in specs:
-        found = [p for p, _ in expand(str(spec)) if p.is_file()]
+        found = [p for p, _ in expand(str(spec)) if p.is_file() or is_hf_dir(p)]
         if not found:
             raise DataError(f"{spec}: no such file, or no files match")
         for path in found:
-            if not path.name.lower().endswith((".jsonl", ".jsonl.gz", ".parquet")):
-                raise DataError(f"{path}: conversations are read from .jsonl, .jsonl.gz or .parquet files")
+            if not (is_hf_dir(path) or path.name.lower().endswith((".jsonl", ".jsonl.gz", ".parquet"))):
+                raise DataError(f"{path}: conversations are read from .jsonl, .jsonl.gz or .parquet files or "
+                                f"datasets.save_to_disk directories")
             out.append(path)
     return out
 

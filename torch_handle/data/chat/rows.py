@@ -9,7 +9,8 @@
   tasks): one conversation per instance.
 
 A column map (``--column-map old=new``) renames a row's keys first. Rows come from JSON Lines (``.jsonl``,
-``.jsonl.gz``) or Parquet files, read in order. Every error is one line naming the file, row and field. No torch.
+``.jsonl.gz``) or Parquet files or ``datasets.save_to_disk`` directories (the ``hf`` extra), read in order. Every
+error is one line naming the file, row and field. No torch.
 """
 
 from __future__ import annotations
@@ -25,11 +26,24 @@ LAYOUTS = "messages; prompt and completion; instruction, input and output (or in
 
 
 def read_rows(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
-    """``(where, row)`` of each row of a JSON Lines or Parquet file (``where``: ``FILE:LINE`` or ``FILE: row N``).
+    """``(where, row)`` of each row of a JSON Lines or Parquet file or of a ``datasets.save_to_disk`` directory
+    (``where``: ``FILE:LINE``, ``FILE: row N`` or ``DIR: row N``). In Parquet and ``datasets`` rows a null
+    column is an absent key, and a message's null ``train`` an absent one (Arrow fills what a row lacks with
+    null).
 
     Raises:
-        DataError: a line that is not one JSON object, bytes that are not UTF-8, an unreadable file.
+        DataError: a line that is not one JSON object, bytes that are not UTF-8, an unreadable file; a directory
+            ``datasets`` cannot read or that holds several splits (:func:`~torch_handle.data.sources.load_hf`).
     """
+    if path.is_dir():
+        from torch_handle.data.sources import load_hf
+
+        row = 0
+        for batch in load_hf(path).iter(batch_size=1024):  # columns of lists: rows rebuilt from them
+            for values in zip(*batch.values()):
+                yield f"{path}: row {row}", {k: v for k, v in zip(batch, values) if v is not None}
+                row += 1
+        return
     name = path.name.lower()
     if name.endswith(".parquet"):
         import pyarrow.parquet as pq
@@ -40,8 +54,8 @@ def read_rows(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
             raise DataError(f"{path}: not a Parquet file ({' '.join(str(e).split())[:200]})") from None
         row = 0
         for batch in pf.iter_batches(batch_size=1024):
-            for obj in batch.to_pylist():
-                yield f"{path}: row {row}", obj
+            for obj in batch.to_pylist():  # a column a row has no value in is null: absent, as in JSON Lines
+                yield f"{path}: row {row}", {k: v for k, v in obj.items() if v is not None}
                 row += 1
         return
     for lineno, obj, _ in jsonl_rows(path):
@@ -62,7 +76,7 @@ def _messages(value: Any, where: str, key: str) -> list[dict[str, Any]]:
             raise DataError(f"{where}: {key}[{k}].role {role!r}: valid are {', '.join(ROLES)}")
         if not isinstance(content, str):
             raise DataError(f"{where}: {key}[{k}].content must be text, not {type(content).__name__}")
-        train = m.get("train", True)
+        train = True if m.get("train") is None else m["train"]  # Arrow rows give null where a message has none
         if not isinstance(train, bool):
             raise DataError(f"{where}: {key}[{k}].train must be true or false, not {train!r}")
         out.append({"role": role, "content": content, **({"train": False} if m.get("train") is False else {})})
