@@ -147,18 +147,28 @@ def check_vocabulary(options: TokensConfig, preset: Any) -> Iterator[InvalidValu
 
 def check_objective(options: TokensConfig, preset: Any) -> Iterator[InvalidValue]:
     """``finetune.objective = "sft"`` reads conversations: a directory prepared with ``--chat`` (trained-token
-    masks)."""
-    if getattr(preset.finetune, "objective", "lm") != "sft":
+    masks); ``"dpo"`` reads preference pairs (``--preference``), which ``sft`` does not."""
+    from torch_handle.api import holds_pairs
+
+    objective = getattr(preset.finetune, "objective", "lm")
+    if objective not in ("sft", "dpo"):
         return
     for _, path, _ in options.source_list():
         try:
             prepared = _open(path)
         except DataError:
             continue  # the pre-flight reports it
+        key = "path" if options.path else "sources"
         if not prepared.train.has_masks:
-            yield InvalidValue("path" if options.path else "sources",
-                               f"{path}: not prepared from conversations (finetune.objective = 'sft' trains on the "
-                               f"trained tokens of `handle data prepare --chat`)")
+            yield InvalidValue(key, f"{path}: not prepared from conversations (finetune.objective = {objective!r} "
+                                    f"trains on the trained tokens of `handle data prepare "
+                                    f"{'--chat' if objective == 'sft' else '--preference'}`)")
+        elif objective == "dpo" and not holds_pairs(prepared.meta):
+            yield InvalidValue(key, f"{path}: holds no preference pairs (finetune.objective = 'dpo' trains on "
+                                    f"`handle data prepare --preference`)")
+        elif objective == "sft" and holds_pairs(prepared.meta):
+            yield InvalidValue(key, f"{path}: holds preference pairs (train on them with finetune.objective = "
+                                    f"'dpo'; sft trains on `handle data prepare --chat`)")
 
 
 # ---------------------------------------------------------------------------------------------------------------

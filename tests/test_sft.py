@@ -66,6 +66,13 @@ def chat(tmp_path_factory) -> tuple[Path, Path]:
 
 
 def _preset(tmp_path: Path, chat, *, micro_batch_size: int, grad_accum: int, steps: int, eval_steps: int = 100):
+    return load_preset(preset_file(tmp_path, chat, micro_batch_size=micro_batch_size, grad_accum=grad_accum,
+                                   steps=steps, eval_steps=eval_steps))
+
+
+def preset_file(tmp_path: Path, chat, *, micro_batch_size: int, grad_accum: int, steps: int, eval_steps: int = 100
+                ) -> Path:
+    """The SFT preset on ``chat`` (base, data), written at ``tmp_path`` (tests/test_dpo.py makes it a DPO one)."""
     base, data = chat
     text = f"""
 [run]
@@ -102,7 +109,7 @@ objective = "sft"
 """
     path = tmp_path / f"p{micro_batch_size}x{grad_accum}.toml"
     path.write_text(text, encoding="utf-8")
-    return load_preset(path)
+    return path
 
 
 def test_packing_is_best_fit_decreasing_and_never_splits():

@@ -29,6 +29,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and editors only (name
     from torch_handle.data.datasets import (IGNORE_INDEX, SPECIAL_TOKENS, DataBundle, DataContext, LMDataset, TranslationDataset,
                                    TokenWindows, encode_stream, load_or_train_tokenizer, pad_collate)
     from torch_handle.data.bundle import prepared_bundle
+    from torch_handle.data.chat.pairs import holds_pairs
     from torch_handle.data.cache import Corpus, cache_root, ensure_prepared, find_prepared
     from torch_handle.data.prepare import prepare
     from torch_handle.data.shards import DataIdentity, mixture_identity, mixture_problems, open_prepared
@@ -69,6 +70,7 @@ _LAZY: dict[str, str] = {
     "find_prepared": "torch_handle.data.cache",
     "cache_root": "torch_handle.data.cache",
     "prepared_bundle": "torch_handle.data.bundle",
+    "holds_pairs": "torch_handle.data.chat.pairs",
     "memory_source": "torch_handle.data.sources",
     "resolve_sources": "torch_handle.data.sources",
     "not_text_problem": "torch_handle.data.sources",

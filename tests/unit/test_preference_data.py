@@ -130,3 +130,50 @@ def test_bad_pairs_are_one_line_exit_2_and_nothing_written(base, tmp_path, row, 
     lines = res.output.strip().splitlines()
     assert len(lines) == 1 and f"{rows}:2: " in lines[0] and message in lines[0], lines
     assert not (tmp_path / "out").exists()
+
+
+def _validate(tmp_path: Path, data: Path, *overrides: str):
+    (tmp_path / "p.toml").write_text(f"""
+[data]
+name = "tokens"
+path = "{data}"
+seq_len = 64
+[finetune]
+method = "lora"
+objective = "dpo"
+""", encoding="utf-8")
+    return CliRunner().invoke(cli, ["validate", str(tmp_path / "p.toml"), *[a for o in overrides
+                                                                          for a in ("--set", o)]])
+
+
+def test_a_dpo_preset_on_pairs_is_valid(pairs, tmp_path):
+    res = _validate(tmp_path, pairs[0])
+    assert res.exit_code == 0 and "ok" in res.output, res.output
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (("finetune.preference.beta=0",), "finetune.preference.beta: 0.0 must be > 0"),
+    (("finetune.preference.beta=-0.1",), "finetune.preference.beta: -0.1 must be > 0"),
+    (("finetune.preference.reference=none",), "finetune.preference.reference: 'none': loss 'sigmoid' compares "
+                                              "with a reference model"),
+    (("finetune.preference.loss=orpo", "finetune.preference.reference=adapters_off"), "is reference-free"),
+    (("finetune.method=none",), "finetune.preference.loss: 'sigmoid' needs a reference model"),
+    (("parallel.tp=2", "launch.nproc_per_node=2"), "parallel.tp > 1 is not supported yet"),
+    (("parallel.pp=2", "launch.nproc_per_node=2", "training.grad_accum=2"), "parallel.pp > 1 is not supported yet"),
+    (("finetune.objective=sft",), "holds preference pairs"),
+], ids=["beta-0", "beta-negative", "reference-none", "free-with-reference", "full-fine-tune", "tp", "pp", "sft"])
+def test_bad_dpo_presets_are_one_line_exit_2(pairs, tmp_path, overrides, message):
+    res = _validate(tmp_path, pairs[0], *overrides)
+    assert res.exit_code == 2, res.output
+    lines = [ln for ln in res.output.strip().splitlines() if ln.startswith("error")]
+    assert len(lines) == 1 and message in lines[0], res.output
+
+
+def test_dpo_on_shards_without_pairs_is_one_line(base, tmp_path):  # noqa: F811
+    from torch_handle.data.chat.prepare import prepare_chat
+
+    rows = _write(tmp_path / "chat.jsonl", [{"prompt": r["prompt"], "completion": r["chosen"]} for r in ROWS])
+    prepare_chat([str(rows)], tmp_path / "chat", tokenizer=base, template="chatml", valid_fraction=0.2)
+    res = _validate(tmp_path, tmp_path / "chat")
+    assert res.exit_code == 2 and "holds no preference pairs (finetune.objective = 'dpo'" in res.output, res.output
+    assert len(res.output.strip().splitlines()) == 1

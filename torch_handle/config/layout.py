@@ -168,17 +168,23 @@ def _finetune(preset: Preset, registry: Any) -> Iterator[PresetError]:
 
 
 def _objective(preset: Preset, registry: Any) -> Iterator[PresetError]:
-    """``finetune.objective = "sft"``: conversations prepared with ``handle data prepare --chat`` (the ``tokens``
-    dataset), on the layouts whose loss takes the global batch's mean over trained tokens (dp, with any strategy)."""
-    if preset.finetune.objective != "sft":
+    """``finetune.objective = "sft"`` or ``"dpo"``: conversations prepared with ``handle data prepare --chat`` or
+    pairs prepared with ``--preference`` (the ``tokens`` dataset), on the layouts whose loss takes the global
+    batch's mean (dp, with any strategy), for a decoder (dpo)."""
+    objective = preset.finetune.objective
+    if objective not in ("sft", "dpo"):
         return
+    flag = "--chat" if objective == "sft" else "--preference"
     if preset.data.name != "tokens":
-        yield PresetError(f"finetune.objective = 'sft' trains on conversations prepared with `handle data prepare "
-                          f"--chat` (data.name = 'tokens'), not data.name = {preset.data.name!r}", key="data.name")
+        yield PresetError(f"finetune.objective = {objective!r} trains on data prepared with `handle data prepare "
+                          f"{flag}` (data.name = 'tokens'), not data.name = {preset.data.name!r}", key="data.name")
     for dim in ("tp", "pp"):
         if getattr(preset.parallel, dim) > 1:
-            yield PresetError(f"finetune.objective = 'sft' runs with data parallelism (any strategy); parallel.{dim} "
-                              f"> 1 is not supported yet (valid: 1)", key=f"parallel.{dim}")
+            yield PresetError(f"finetune.objective = {objective!r} runs with data parallelism (any strategy); "
+                              f"parallel.{dim} > 1 is not supported yet (valid: 1)", key=f"parallel.{dim}")
+    if objective == "dpo" and getattr(preset.model.options, "kind", "decoder") != "decoder":
+        yield PresetError("finetune.objective = 'dpo' tunes a decoder-only model (valid: model.kind = 'decoder')",
+                          key="model.kind")
 
 
 def _loss_impl(preset: Preset, registry: Any) -> Iterator[PresetError]:

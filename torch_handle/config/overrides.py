@@ -71,6 +71,9 @@ def _takes_string(tp: Any) -> bool:
 
 def _field_type(data: dict[str, Any], keys: list[str], registry: PluginRegistry) -> Any:
     """The annotation of the field ``keys`` sets (``table.key``), or None when it is not known (yet)."""
+    if len(keys) == 3 and keys[0] in CORE_TABLES:  # a nested table's key: [finetune.preference] beta
+        outer = get_type_hints(CORE_TABLES[keys[0]]).get(keys[1])
+        return get_type_hints(outer).get(keys[2]) if dataclasses.is_dataclass(outer) else None
     if len(keys) != 2:
         return None
     table, key = keys

@@ -275,6 +275,15 @@ def _section(cls: type, table: str, values: dict[str, Any], allowed_extra: tuple
             problems.append(PresetError(f"unknown key{_suggest(key, valid)} (valid: {', '.join(valid)})",
                                         key=f"{table}.{key}"))
             continue
+        if dataclasses.is_dataclass(hints[key]):  # a nested table, [table.key]
+            if not isinstance(value, dict):
+                problems.append(PresetError(f"expected a table [{table}.{key}], got {value!r}", key=f"{table}.{key}"))
+                continue
+            nested, found = _section(hints[key], f"{table}.{key}", value)
+            problems += found
+            if not found:
+                kwargs[key] = nested
+            continue
         try:
             coerced = _coerce(value, hints[key])
             _check_range(key, coerced, fields[key].metadata)

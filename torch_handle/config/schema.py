@@ -283,6 +283,45 @@ FINETUNE_TARGETS = ("attention", "mlp", "all", "q_proj", "k_proj", "v_proj", "ou
 (``torch_handle/finetune/lora.py`` resolves them)."""
 
 
+PREFERENCE_LOSSES = ("sigmoid", "ipo", "hinge", "simpo", "orpo")
+REFERENCE_FREE_LOSSES = ("simpo", "orpo")
+"""The preference losses (``torch_handle/train/objectives/preference.py``) that keep no reference model."""
+
+
+@dataclass
+class PreferenceConfig:
+    """``[finetune.preference]``: the loss of ``objective = "dpo"`` on preference pairs (``handle data prepare
+    --preference``; docs/fine-tuning.md#preference-tuning)."""
+
+    loss: Literal["sigmoid", "ipo", "hinge", "simpo", "orpo"] = "sigmoid"
+    """sigmoid: DPO (Rafailov et al. 2023); ipo (Azar et al. 2023); hinge (SLiC, Zhao et al. 2023); simpo (Meng et
+    al. 2024, reference-free); orpo (Hong et al. 2024, reference-free, an SFT term plus an odds-ratio term)."""
+    beta: float = 0.1
+    """β > 0: the strength of the pull towards the reference (sigmoid, hinge), IPO's τ, SimPO's reward scale (2.0
+    in its paper), ORPO's λ."""
+    label_smoothing: float = param(0.0, ge=0.0, lt=0.5)
+    """ε: the chance a pair's labels are flipped (conservative DPO; sigmoid and simpo)."""
+    gamma: float = 0.0
+    """SimPO's target reward margin γ (0.5 to 1.5 in its paper)."""
+    reference: Literal["auto", "adapters_off", "none"] = "auto"
+    """The reference model's log-probabilities: adapters_off (LoRA/QLoRA: the same model with its adapters switched
+    off, no second copy), none (a reference-free loss), auto (adapters_off for a reference-based loss, else
+    none)."""
+
+    def check(self) -> Iterator[InvalidValue]:
+        if self.beta <= 0:
+            yield InvalidValue("beta", f"{self.beta!r} must be > 0 (beta scales the log-ratios; at 0 the loss stays "
+                                       f"at ln 2 and nothing is learned)")
+        free = self.loss in REFERENCE_FREE_LOSSES
+        if self.reference == "none" and not free:
+            yield InvalidValue("reference", f"'none': loss {self.loss!r} compares with a reference model (valid: "
+                                            f"adapters_off, auto; or a reference-free loss: "
+                                            f"{', '.join(REFERENCE_FREE_LOSSES)})")
+        if self.reference == "adapters_off" and free:
+            yield InvalidValue("reference", f"'adapters_off': loss {self.loss!r} is reference-free (valid: none, "
+                                            f"auto)")
+
+
 @dataclass
 class FinetuneConfig:
     """``[finetune]``: train low-rank adapters on a frozen base instead of every weight (LoRA, Hu et al. 2021;
@@ -302,11 +341,21 @@ class FinetuneConfig:
     target_modules: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"])
     """The linears that get adapters: q_proj, k_proj, v_proj, out_proj (o_proj), gate_proj, up_proj, down_proj
     (linear1, linear2 for the paper's FFN), or the groups attention, mlp, all. Default: W_q and W_v, as Hu et al."""
-    objective: Literal["lm", "sft"] = "lm"
+    objective: Literal["lm", "sft", "dpo"] = "lm"
     """lm: every token is a label (text); sft: conversations prepared with ``handle data prepare --chat``, packed,
-    the loss the mean over their trained tokens only (the answers; docs/fine-tuning.md). Any method."""
+    the loss the mean over their trained tokens only (the answers; docs/fine-tuning.md); dpo: preference pairs
+    prepared with ``--preference``, the loss ``[finetune.preference]`` names. Any method (dpo with a reference:
+    lora or qlora)."""
+    preference: PreferenceConfig = field(default_factory=PreferenceConfig)
+    """``[finetune.preference]``: the preference loss of ``objective = "dpo"``."""
 
     def check(self) -> Iterator[InvalidValue]:
+        p = self.preference
+        if self.objective == "dpo" and self.method == "none" and p.loss not in REFERENCE_FREE_LOSSES:
+            yield InvalidValue("preference.loss", f"{p.loss!r} needs a reference model, which a full fine-tune "
+                                                  f"(method = 'none') does not keep yet: use method = 'lora' or "
+                                                  f"'qlora' (the reference: adapters off), or a reference-free loss "
+                                                  f"({', '.join(REFERENCE_FREE_LOSSES)})")
         for target in self.target_modules:
             if target not in FINETUNE_TARGETS:
                 yield InvalidValue("target_modules", f"{target!r} is not a linear of the Transformer (valid: "

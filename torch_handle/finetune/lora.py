@@ -23,10 +23,11 @@ Shapes: x (..., in_features) -> (..., out_features); A·x (..., r).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -94,6 +95,8 @@ class LoRALinear(nn.Module):
         self.rank, self.alpha, self.scaling = rank, alpha, alpha / rank
         self.part_features: tuple[int, ...] = tuple(getattr(base, "part_features", None) or (base.out_features,))
         self.parts = dict(parts) if parts else {DEFAULT_ADAPTER: 0}
+        self.adapters_off = False
+        """True: the layer is its base alone (:func:`adapters_disabled`: a preference loss's reference model)."""
         self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         self.lora_A = nn.ModuleDict({name: nn.Linear(self.in_features, rank, bias=False) for name in self.parts})
         self.lora_B = nn.ModuleDict({name: nn.Linear(rank, self._rows(i), bias=False)
@@ -128,6 +131,8 @@ class LoRALinear(nn.Module):
     def forward(self, x: Tensor, parts: slice | None = None) -> Tensor:
         """(..., in_features) -> (..., out_features), or a stacked base's rows of ``parts`` (cross-attention)."""
         out = self.base(x) if parts is None else self.base(x, parts=parts)
+        if self.adapters_off:
+            return out
         return out + self.delta(x, parts, out.shape[-1]).to(out.dtype)
 
     def tensor_parallel_plan(self, style: Any) -> dict[str, Any]:
@@ -298,6 +303,21 @@ def _frozen_not_missing(module: nn.Module, incompatible: Any, *, frozen: set[str
 def adapter_modules(model: nn.Module) -> dict[str, LoRALinear]:
     """Module name -> :class:`LoRALinear`, every adapted linear of ``model``."""
     return {name: m for name, m in model.named_modules() if isinstance(m, LoRALinear)}
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[None]:
+    """Every :class:`LoRALinear` of ``model`` computes its base alone inside the block: the frozen base as a
+    reference model without a second copy (peft's ``disable_adapter``; TRL's and torchtune's DPO reference under
+    PEFT). Not reentrant-safe across threads; the flags are restored on exit, also after an error."""
+    layers = list(adapter_modules(model).values())
+    for layer in layers:
+        layer.adapters_off = True
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.adapters_off = False
 
 
 def lora_flops_per_token(model: nn.Module, full: Any, seq_len: int) -> float:

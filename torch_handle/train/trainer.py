@@ -41,7 +41,8 @@ from torch_handle.observe.heartbeat import beat, busy
 from torch_handle.observe.telemetry import EVENTS_FILE, EventWriter, NullEventWriter
 from torch_handle.train.loop import GradientAccumulation, MicroBatchLoop, plain
 from torch_handle.config.loss_impl import chunked_loss_problem
-from torch_handle.train.loss import AuxLossScale, global_mean_weight, micro_batch_loss, pick_loss_impl
+from torch_handle.train.loss import AuxLossScale, global_mean_weight, pick_loss_impl
+from torch_handle.train.objectives import objective_for
 from torch_handle.train.phases import PhaseTimer
 from torch_handle.train.compiled import compile_for_training
 from torch_handle.train.compose import build_shares
@@ -134,6 +135,7 @@ class Trainer:
         log.info("training.loss_impl: %s (%s)", self.loss_impl, self.training.loss_impl)
         model.to(ctx.device)
         self.aux_loss_scale = AuxLossScale(model)  # what the MoE layers' attached losses get in backward
+        self.objective, self.eval_fields = objective_for(p), {}  # lm, sft, dpo: the loss and its metrics
         if self.share is not None:
             model = self.share.parallelize(model)  # TP split, the pipeline's stages, the experts split over "ep"
         if self.training.compile:
@@ -228,14 +230,9 @@ class Trainer:
                     self.step_indices = self.train_sampler.advance()
                 yield {k: v.to(self.ctx.device, non_blocking=True) for k, v in batch.items()}
 
-    def forward_loss(self, batch: dict[str, torch.Tensor], *, train: bool = True) -> tuple[torch.Tensor, int]:
-        """(loss, tokens) of one micro-batch; training steps use ``training.label_smoothing``, evaluation
-        (``train=False``) plain cross-entropy, so validation losses stay comparable across settings."""
-        labels = batch.pop("labels")
-        eps = self.training.label_smoothing if train else 0.0
-        loss, n = micro_batch_loss(self.strategy, batch, labels, self.loss_impl, eps, share=self.share,
-                                   compiled=self.training.compile)
-        return self.aux_loss_scale.probe(loss), n
+    def forward_loss(self, batch: dict[str, torch.Tensor], *, train: bool = True) -> tuple[torch.Tensor, Any]:
+        """(mean loss, tokens or pairs it is the mean over) of one micro-batch: the objective's (objectives/)."""
+        return self.objective.forward_loss(self, batch, train=train)
 
     def micro_batch(self):
         """Context of one micro-batch's forward, loss and backward (``loss_parallel()`` for native TP)."""
@@ -262,14 +259,16 @@ class Trainer:
             # One small all-reduce carries the global loss, token count, the stop request (rank 0 reads the STOP
             # file) and an MoE model's routing counts, so every rank agrees on them without another collective.
             stats[2] = float(self.is_dir_main and (self.run_dir / STOP_FILE).exists())  # any node's launcher
-            stats = self.routing.attach(stats, self.strategy.unwrapped())
+            stats = self.objective.attach(self.routing.attach(stats, self.strategy.unwrapped()))
             if self.ctx.distributed:
                 if self.test_hang and self.test_hang[0] == self.step + 1:
                     time.sleep(self.test_hang[1])  # HANDLE_TEST_HANG_RANK: this rank hangs, its peers wait below
                 dist.all_reduce(stats)
             stats = stats.cpu()
             grad_bytes = self.strategy.grad_bytes() if log_memory else 0
-        record: dict[str, Any] = {"step": self.step + 1, "loss": float(stats[0] / stats[1]), "tokens": int(stats[1])}
+        fields, stats = self.objective.fields(stats)  # a preference loss's rewards and log-probs
+        record: dict[str, Any] = {"step": self.step + 1, "loss": float(stats[0] / stats[1]), "tokens": int(stats[1]),
+                                  **fields}
         if self.ctx.is_main:  # a mixture's tokens by source, from the step's samples (observe.data_mix)
             record.update(step_source_tokens(self.data.train, self.step_indices))
         with timer.phase("optimizer"):
@@ -320,9 +319,10 @@ class Trainer:
             once = float(self.ctx.tp_rank == 0)
             total[0] += plain(loss).double() * n * once
             total[1] += n * once
+        total = self.objective.attach(total)
         if self.ctx.distributed:
             dist.all_reduce(total)
-        total = total.cpu()
+        self.eval_fields, total = self.objective.fields(total.cpu())
         self.strategy.train(True)
         return float(total[0] / total[1]) if total[1] > 0 else float("nan")
 
@@ -398,7 +398,7 @@ class Trainer:
         self.strategy.train(True)
         if self.step == 0:
             # the untrained baseline, so the first eval shows where learning started
-            self.events.emit(Kind.EVAL, step=0, val_loss=self.evaluate())
+            self.events.emit(Kind.EVAL, step=0, val_loss=self.evaluate(), **self.eval_fields)
         with self.profiler:
             while self.step < t.steps:
                 record = self.train_step(batches)
@@ -408,7 +408,7 @@ class Trainer:
                 last = self.step == t.steps
                 if last or (t.eval_every and self.step % t.eval_every == 0):
                     val = self.evaluate()
-                    self.events.emit(Kind.EVAL, step=self.step, val_loss=val)
+                    self.events.emit(Kind.EVAL, step=self.step, val_loss=val, **self.eval_fields)
                 if last or stop or (t.checkpoint_every and self.step % t.checkpoint_every == 0):
                     self.save_checkpoint()
                 if stop and not last:

@@ -54,6 +54,12 @@ class PreferencePairs:
     def __len__(self) -> int:
         return len(self.pairs)
 
+    @property
+    def sample_positions(self) -> int:
+        """Positions each sample computes (both rows, ``2 * seq_len``; :func:`torch_handle.train.step_report
+        .window_tokens`)."""
+        return 2 * self.seq_len
+
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         if not 0 <= i < len(self.pairs):
             raise IndexError(f"pair {i} outside [0, {len(self.pairs)})")

@@ -1,0 +1,120 @@
+"""Preference tuning (``[finetune] objective = "dpo"``, issue 47) in this process: LoRA on a Llama-shaped base
+written by transformers, pairs from ../shared/data's Self-Instruct seed tasks (benchmarks/preference_pairs.py)
+prepared with ``--preference``. At step 0 the policy is its reference (LoRA's B starts at zero): DPO's validation
+loss is ln 2 with zero rewards. The final validation metrics equal a transformers + peft computation on the run's
+exported adapters (the reference: the same model with its adapter disabled) and TRL's loss of those
+log-probabilities."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers", reason="needs the hf extra: pip install -e '.[dev,hf]'")
+
+from benchmarks.preference_pairs import seed_task_pairs  # noqa: E402
+from tests.test_sft import DATA, write_base  # noqa: E402
+from tests.unit.test_trainer_step import _events, _train, fake_peak, process_group  # noqa: E402,F401
+from torch_handle.config.loader import dump_preset, load_preset  # noqa: E402
+from torch_handle.data.chat.pairs import prepare_preference  # noqa: E402
+from torch_handle.rundir import create_run_dir  # noqa: E402
+
+SEQ = 96
+METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+           "logps/rejected")
+
+
+def write_pairs(root: Path, base: Path) -> Path:
+    """The short pairs of the seed tasks (prompt and longer side under 200 characters: 34 of 175) prepared with
+    ``--template chatml`` at ``root/pairs`` (a quarter held out)."""
+    rows = [r for r in seed_task_pairs(DATA / "self-instruct" / "seed_tasks.jsonl")
+            if len(r["prompt"]) + max(len(r["chosen"]), len(r["rejected"])) < 200]
+    path = root / "pairs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    prepare_preference([str(path)], root / "pairs", tokenizer=base, template="chatml", valid_fraction=0.25,
+                       max_len=SEQ)
+    return root / "pairs"
+
+
+DPO = ("finetune.objective=dpo", "finetune.method=lora", "finetune.rank=4", "finetune.alpha=8.0",
+       'finetune.target_modules=["all"]', "finetune.preference.beta=0.5", f"data.seq_len={SEQ}", "training.lr=0.01")
+"""The overrides that make tests/test_sft.py's preset a LoRA DPO one (sigmoid, beta 0.5)."""
+
+
+def dpo_preset(root: Path, base: Path, data: Path, *, steps: int) -> Path:
+    """tests/test_sft.py's preset (the base's shape, micro-batches of 2, grad_accum 2, fp32) on ``data``, written
+    at ``root``; load it with :data:`DPO`."""
+    from tests.test_sft import preset_file
+
+    return preset_file(root, (base, data), micro_batch_size=2, grad_accum=2, steps=steps, eval_steps=2)
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("dpo")
+    base = write_base(root / "base")
+    return base, write_pairs(root, base)
+
+
+def test_step_0_is_ln2_and_the_final_metrics_are_peft_and_trl(pairs, tmp_path, process_group):
+    base, data = pairs
+    preset = load_preset(dpo_preset(tmp_path, base, data, steps=4), DPO)
+    run_dir = create_run_dir(tmp_path / "runs", "dpo", dump_preset(preset), {"status": "starting"})
+    assert _train(preset, run_dir, process_group) == "finished"
+    events = _events(run_dir)
+    evals = [e for e in events if e["kind"] == "eval"]
+    steps = [e for e in events if e["kind"] == "step"]
+    assert evals[0]["val_loss"] == pytest.approx(math.log(2), abs=1e-6)
+    assert evals[0]["rewards/margins"] == 0.0 and evals[0]["rewards/chosen"] == 0.0
+    assert steps[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
+    assert all(set(METRICS) <= set(e) for e in steps + evals)
+    assert steps[-1]["rewards/margins"] > 0, "chosen pulled above rejected"
+    print({k: evals[-1][k] for k in ("val_loss", *METRICS)})
+    _metrics_are_peft(tmp_path, run_dir, data, evals[-1], beta=0.5, pairs_evaluated=4)
+
+
+def _metrics_are_peft(tmp_path: Path, run_dir: Path, data: Path, final: dict, *, beta: float,
+                      pairs_evaluated: int) -> None:
+    """The final validation metrics from transformers + peft on the run's exported adapters: the policy with the
+    adapter, the reference with it disabled, each pair's rows run alone (no batch, no padding mask needed: the
+    padding follows the tokens), log-probabilities summed over the completion's tokens."""
+    import peft
+    import torch.nn.functional as F
+
+    from torch_handle.data.chat.pair_samples import PreferencePairs
+    from torch_handle.data.shards import open_prepared
+    from torch_handle.infer.adapter_export import export_run
+
+    export_run(run_dir, tmp_path / "adapter")
+    stored = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["base_model_name_or_path"]
+    base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "adapter" / stored, dtype=torch.float32)
+    model = peft.PeftModel.from_pretrained(base.eval(), str(tmp_path / "adapter")).eval()
+    prepared = open_prepared(data)
+    valid = PreferencePairs(prepared.valid, SEQ, fill_id=prepared.eos_id)
+    assert len(valid) >= pairs_evaluated
+
+    def logps(ids, labels):  # (2, T) -> (2,)
+        logits = model(input_ids=ids).logits.float()
+        return -F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100,
+                                reduction="none").view_as(labels).sum(1)
+
+    policy, reference = [], []
+    with torch.no_grad():
+        for i in range(pairs_evaluated):
+            item = valid[i]
+            policy.append(logps(item["input_ids"], item["labels"]))
+            with model.disable_adapter():
+                reference.append(logps(item["input_ids"], item["labels"]))
+    policy, reference = torch.stack(policy), torch.stack(reference)  # (pairs, 2): chosen, rejected
+    rewards = beta * (policy - reference)
+    margins = rewards[:, 0] - rewards[:, 1]
+    expected = {"val_loss": float(-F.logsigmoid(margins).mean()), "rewards/chosen": float(rewards[:, 0].mean()),
+                "rewards/rejected": float(rewards[:, 1].mean()),
+                "rewards/accuracies": float((margins > 0).float().mean()), "rewards/margins": float(margins.mean()),
+                "logps/chosen": float(policy[:, 0].mean()), "logps/rejected": float(policy[:, 1].mean())}
+    for key, value in expected.items():
+        assert final[key] == pytest.approx(value, abs=1e-4), key
