@@ -118,3 +118,50 @@ def _metrics_are_peft(tmp_path: Path, run_dir: Path, data: Path, final: dict, *,
                 "logps/chosen": float(policy[:, 0].mean()), "logps/rejected": float(policy[:, 1].mean())}
     for key, value in expected.items():
         assert final[key] == pytest.approx(value, abs=1e-4), key
+
+
+STEPS = 6
+
+
+@pytest.fixture(scope="module")
+def run_losses(pairs, tmp_path_factory) -> dict[str, list[dict]]:
+    """``handle run`` of the LoRA DPO preset on 1 process and under ddp on 2 (the same global batch: 2 pairs x
+    grad_accum 2, and 2 pairs x 1 on each rank), and of QLoRA on 1: name -> its step events."""
+    from tests.helpers import handle_at_once
+
+    base, data = pairs
+    root = tmp_path_factory.mktemp("dpo-runs")
+    preset = dpo_preset(root, base, data, steps=STEPS)
+    runs = {"single": (1, "single", "lora"), "ddp": (2, "ddp", "lora"), "qlora": (1, "single", "qlora")}
+    commands = {name: ("run", str(preset), *[a for o in DPO for a in ("--set", o)], "--set", f"run.name={name}",
+                       "--set", f"launch.nproc_per_node={n}", "--set", f"training.grad_accum={2 // n}",
+                       "--set", f"strategy.name={strategy}", "--set", f"finetune.method={method}",
+                       "--set", "training.eval_every=0")
+                for name, (n, strategy, method) in runs.items()}
+    out = {}
+    for name, (code, text) in handle_at_once(commands, at_once=2).items():
+        assert code == 0, f"{name}:\n{text[-3000:]}"
+        run_dir = Path(next(ln for ln in text.splitlines() if ln.startswith("run directory: ")).split(": ", 1)[1])
+        events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+        out[name] = [e for e in events if e["kind"] == "step"]
+    return out
+
+
+def test_ddp_gives_the_single_process_losses_and_metrics(run_losses):
+    single, ddp = run_losses["single"], run_losses["ddp"]
+    assert len(single) == len(ddp) == STEPS
+    assert [e["loss"] for e in ddp] == pytest.approx([e["loss"] for e in single], abs=1e-5)
+    for key in METRICS:  # pair means over both ranks (all-reduced), as over the one process's micro-batches
+        assert [e[key] for e in ddp] == pytest.approx([e[key] for e in single], abs=1e-4), key
+    assert single[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
+    assert len({round(e["loss"], 4) for e in single}) == STEPS, "it trains"
+    assert single[0]["trained_tokens"] == ddp[0]["trained_tokens"] > 0
+    assert single[0]["tokens"] == 4 * 2 * SEQ, "positions computed: 4 pairs of 2 rows"
+
+
+def test_qlora_dpo_starts_at_ln2_and_trains(run_losses):
+    """QLoRA: the reference is the NF4 base with the adapters off (its losses are not LoRA's: the base is
+    quantised)."""
+    losses = [e["loss"] for e in run_losses["qlora"]]
+    assert len(losses) == STEPS and losses[0] == pytest.approx(math.log(2), abs=1e-6)
+    assert losses != pytest.approx([e["loss"] for e in run_losses["single"]], abs=1e-5)
