@@ -73,8 +73,31 @@ def test_step_0_is_ln2_and_the_final_metrics_are_peft_and_trl(pairs, tmp_path, p
     assert steps[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
     assert all(set(METRICS) <= set(e) for e in steps + evals)
     assert steps[-1]["rewards/margins"] > 0, "chosen pulled above rejected"
-    print({k: evals[-1][k] for k in ("val_loss", *METRICS)})
     _metrics_are_peft(tmp_path, run_dir, data, evals[-1], beta=0.5, pairs_evaluated=4)
+
+    # the reference precomputed before step 1 (the run directory keeps it): the adapters-off run's losses
+    preset = load_preset(dpo_preset(tmp_path, base, data, steps=4),
+                         [*DPO, "finetune.preference.reference=precomputed"])
+    run_dir = create_run_dir(tmp_path / "runs", "precomputed", dump_preset(preset), {"status": "starting"})
+    assert _train(preset, run_dir, process_group) == "finished"
+    again = [e for e in _events(run_dir) if e["kind"] in ("step", "eval")]
+    assert [e.get("loss", e.get("val_loss")) for e in again] == pytest.approx(
+        [e.get("loss", e.get("val_loss")) for e in events if e["kind"] in ("step", "eval")], abs=1e-6)
+    table = torch.load(run_dir / "reference_logps.pt", weights_only=True)
+    assert table["train"].shape[1] == 2 and (table["train"] < 0).all()
+
+
+def test_a_full_fine_tune_takes_a_precomputed_reference(pairs, tmp_path, process_group):
+    """method = "none": every weight trains, the reference (auto: precomputed) is the base's log-probabilities
+    from before step 1, no second model."""
+    base, data = pairs
+    preset = load_preset(dpo_preset(tmp_path, base, data, steps=2), [*DPO, "finetune.method=none",
+                                                                      "training.lr=0.001"])
+    run_dir = create_run_dir(tmp_path / "runs", "full", dump_preset(preset), {"status": "starting"})
+    assert _train(preset, run_dir, process_group) == "finished"
+    steps = [e for e in _events(run_dir) if e["kind"] == "step"]
+    assert steps[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
+    assert abs(steps[1]["rewards/margins"]) > 0 and (run_dir / "reference_logps.pt").exists()
 
 
 def _metrics_are_peft(tmp_path: Path, run_dir: Path, data: Path, final: dict, *, beta: float,

@@ -157,7 +157,8 @@ def test_a_dpo_preset_on_pairs_is_valid(pairs, tmp_path):
     (("finetune.preference.reference=none",), "finetune.preference.reference: 'none': loss 'sigmoid' compares "
                                               "with a reference model"),
     (("finetune.preference.loss=orpo", "finetune.preference.reference=adapters_off"), "is reference-free"),
-    (("finetune.method=none",), "finetune.preference.loss: 'sigmoid' needs a reference model"),
+    (("finetune.method=none", "finetune.preference.reference=adapters_off"),
+     "finetune.preference.reference: 'adapters_off' needs adapters"),
     (("parallel.tp=2", "launch.nproc_per_node=2"), "parallel.tp > 1 is not supported yet"),
     (("parallel.pp=2", "launch.nproc_per_node=2", "training.grad_accum=2"), "parallel.pp > 1 is not supported yet"),
     (("finetune.objective=sft",), "holds preference pairs"),

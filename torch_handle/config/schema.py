@@ -303,10 +303,11 @@ class PreferenceConfig:
     """ε: the chance a pair's labels are flipped (conservative DPO; sigmoid and simpo)."""
     gamma: float = 0.0
     """SimPO's target reward margin γ (0.5 to 1.5 in its paper)."""
-    reference: Literal["auto", "adapters_off", "none"] = "auto"
+    reference: Literal["auto", "adapters_off", "precomputed", "none"] = "auto"
     """The reference model's log-probabilities: adapters_off (LoRA/QLoRA: the same model with its adapters switched
-    off, no second copy), none (a reference-free loss), auto (adapters_off for a reference-based loss, else
-    none)."""
+    off, no second copy), precomputed (once, from the model as built, before step 1; kept in the run directory, no
+    reference model), none (a reference-free loss), auto (adapters_off with LoRA/QLoRA, precomputed for a full
+    fine-tune, none for a reference-free loss)."""
 
     def check(self) -> Iterator[InvalidValue]:
         if self.beta <= 0:
@@ -317,8 +318,8 @@ class PreferenceConfig:
             yield InvalidValue("reference", f"'none': loss {self.loss!r} compares with a reference model (valid: "
                                             f"adapters_off, auto; or a reference-free loss: "
                                             f"{', '.join(REFERENCE_FREE_LOSSES)})")
-        if self.reference == "adapters_off" and free:
-            yield InvalidValue("reference", f"'adapters_off': loss {self.loss!r} is reference-free (valid: none, "
+        if self.reference in ("adapters_off", "precomputed") and free:
+            yield InvalidValue("reference", f"{self.reference!r}: loss {self.loss!r} is reference-free (valid: none, "
                                             f"auto)")
 
 
@@ -344,18 +345,14 @@ class FinetuneConfig:
     objective: Literal["lm", "sft", "dpo"] = "lm"
     """lm: every token is a label (text); sft: conversations prepared with ``handle data prepare --chat``, packed,
     the loss the mean over their trained tokens only (the answers; docs/fine-tuning.md); dpo: preference pairs
-    prepared with ``--preference``, the loss ``[finetune.preference]`` names. Any method (dpo with a reference:
-    lora or qlora)."""
+    prepared with ``--preference``, the loss ``[finetune.preference]`` names. Any method."""
     preference: PreferenceConfig = field(default_factory=PreferenceConfig)
     """``[finetune.preference]``: the preference loss of ``objective = "dpo"``."""
 
     def check(self) -> Iterator[InvalidValue]:
-        p = self.preference
-        if self.objective == "dpo" and self.method == "none" and p.loss not in REFERENCE_FREE_LOSSES:
-            yield InvalidValue("preference.loss", f"{p.loss!r} needs a reference model, which a full fine-tune "
-                                                  f"(method = 'none') does not keep yet: use method = 'lora' or "
-                                                  f"'qlora' (the reference: adapters off), or a reference-free loss "
-                                                  f"({', '.join(REFERENCE_FREE_LOSSES)})")
+        if self.objective == "dpo" and self.method == "none" and self.preference.reference == "adapters_off":
+            yield InvalidValue("preference.reference", "'adapters_off' needs adapters (method = 'lora' or 'qlora'); "
+                                                       "a full fine-tune takes 'precomputed' (or auto)")
         for target in self.target_modules:
             if target not in FINETUNE_TARGETS:
                 yield InvalidValue("target_modules", f"{target!r} is not a linear of the Transformer (valid: "

@@ -27,7 +27,8 @@ class PreferencePairs:
     """The pairs of a prepared split (documents 2i and 2i + 1: chosen and rejected, :mod:`torch_handle.data.chat
     .pairs`).
 
-    Item: ``{"input_ids", "labels"}``, each (2, seq_len) int64: row 0 the chosen side, row 1 the rejected. A batch
+    Item: ``{"input_ids", "labels"}``, each (2, seq_len) int64: row 0 the chosen side, row 1 the rejected, and
+    ``"pair"``, the item's index (a 0-d int64: where a precomputed reference keeps its log-probabilities). A batch
     of B items is (B, 2, seq_len); the DPO objective runs it as one (2B, seq_len) forward, the B chosen rows first.
 
     Raises:
@@ -72,4 +73,5 @@ class PreferencePairs:
             n = stop - start - 1
             ids[side, :n + 1] = tokens
             labels[side, :n] = np.where(trained[1:], tokens[1:], IGNORE_INDEX)
-        return {"input_ids": torch.from_numpy(ids[:, :-1]), "labels": torch.from_numpy(labels)}
+        return {"input_ids": torch.from_numpy(ids[:, :-1]), "labels": torch.from_numpy(labels),
+                "pair": torch.tensor(i, dtype=torch.int64)}

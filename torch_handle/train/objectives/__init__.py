@@ -50,7 +50,7 @@ def objective_for(preset: Any) -> Objective:
     if finetune.objective == "dpo":
         from torch_handle.train.objectives.pairs import DirectPreference
 
-        return DirectPreference(finetune.preference)
+        return DirectPreference(finetune.preference, finetune.method)
     from torch_handle.train.objectives.tokens import TokenLoss
 
     return TokenLoss(finetune.objective, preset.training.label_smoothing)

@@ -6,7 +6,9 @@ rows first, then the B rejected (torchtune's and TRL's ``concatenated_forward``)
 of its trained tokens (the completion's) is the policy's ``s``. The reference model's, for a reference-based loss,
 is the same model with its LoRA adapters switched off (:func:`~torch_handle.finetune.lora.adapters_disabled`, no
 second copy; peft's ``disable_adapter`` as TRL and torchtune use it), in evaluation mode (no dropout), under
-``no_grad``. The loss is the mean over pairs; a step's and an evaluation's metrics are the means over the pairs of
+``no_grad``; or ``precomputed`` (:func:`precompute_reference`): computed once for every pair, from the model as
+built, before step 1 (TRL's ``precompute_ref_log_probs``; no reference model kept, so a full fine-tune has one
+too), and kept in the run directory (:data:`REFERENCE_FILE`) for a resume. The loss is the mean over pairs; a step's and an evaluation's metrics are the means over the pairs of
 every data-parallel rank (their sums ride on the trainer's one all-reduce: :meth:`DirectPreference.attach`).
 """
 
@@ -23,6 +25,9 @@ from torch_handle.finetune.lora import adapters_disabled
 from torch_handle.model.linear_cross_entropy import sequence_logps as chunked_sequence_logps
 from torch_handle.train.objectives.preference import METRICS, PairLogps, PreferenceLoss, preference_loss
 
+REFERENCE_FILE = "reference_logps.pt"
+"""In the run directory: the precomputed reference's ``{"train": (N, 2), "valid": (M, 2)}`` float64 sums (chosen,
+rejected per pair, in the splits' order)."""
 TRAINED_TOKENS = "tokens"
 """The step record's key for the labels a step counted (the trainer's ``tokens``; the step report adds the
 positions computed beside them)."""
@@ -60,17 +65,54 @@ def reference_model(model: torch.nn.Module) -> Iterator[None]:
         model.train(training)
 
 
+def precompute_reference(trainer: Any) -> dict[str, torch.Tensor]:
+    """The reference's summed log-probabilities of every pair of the training and validation splits, ``{"train":
+    (N, 2), "valid": (M, 2)}`` float64 (chosen, rejected), from the model as it is now (:func:`reference_model`:
+    adapters off, evaluation mode, no gradients), micro-batch by micro-batch. Each data-parallel rank computes every
+    ``dp_size``-th pair and one all-reduce joins them; every rank runs as many forwards (the last ones repeated), as
+    a sharded model's collectives need. Collective."""
+    from torch_handle.observe.heartbeat import beat
+
+    strategy, ctx, B = trainer.strategy, trainer.ctx, trainer.training.micro_batch_size
+    out = {}
+    for split, dataset in (("train", trainer.data.train), ("valid", trainer.data.valid)):
+        table = torch.zeros(len(dataset), 2, dtype=torch.float64, device=ctx.device)
+        share = -(-len(dataset) // ctx.dp_size)  # pairs per rank, rounded up
+        mine = [min(ctx.dp_rank + ctx.dp_size * k, len(dataset) - 1) for k in range(share)]
+        for start in range(0, share, B):
+            beat("reference", trainer.step)
+            index = mine[start:start + B]
+            items = [dataset[i] for i in index]
+            ids, labels = (torch.stack([it[k] for it in items]).to(ctx.device) for k in ("input_ids", "labels"))
+            with reference_model(strategy.unwrapped()):
+                logps = sequence_logps(strategy, ids.transpose(0, 1).reshape(2 * len(index), -1),
+                                       labels.transpose(0, 1).reshape(2 * len(index), -1), trainer.loss_impl)
+            owned = [k for k, i in enumerate(index) if ctx.dp_rank + ctx.dp_size * (start + k) < len(dataset)]
+            rows = logps.view(2, len(index)).T.double()  # (pairs, 2)
+            table[[index[k] for k in owned]] = rows[owned]
+        if ctx.distributed:
+            import torch.distributed as dist
+
+            dist.all_reduce(table)
+        out[split] = table
+    return out
+
+
 class DirectPreference:
     """``dpo``: the preference loss of ``options`` (a :class:`~torch_handle.config.schema.PreferenceConfig`) on
-    pairs. ``reference``: ``adapters_off`` or ``none`` (``auto``: none for a reference-free loss)."""
+    pairs, for a model fine-tuned by ``method``. ``reference``: ``adapters_off``, ``precomputed`` or ``none``
+    (``auto``: none for a reference-free loss, adapters_off under lora and qlora, else precomputed)."""
 
     name = "dpo"
 
-    def __init__(self, options: Any) -> None:
+    def __init__(self, options: Any, method: str = "lora") -> None:
         self.loss: PreferenceLoss = preference_loss(options.loss, options.beta, options.label_smoothing,
                                                     options.gamma)
-        auto = "none" if self.loss.reference_free else "adapters_off"
+        auto = "none" if self.loss.reference_free else "adapters_off" if method in ("lora", "qlora") else \
+            "precomputed"
         self.reference = auto if options.reference == "auto" else options.reference
+        self.table: dict[str, torch.Tensor] | None = None
+        """The precomputed reference (:func:`precompute_reference`), once read or computed."""
         self.sums: torch.Tensor | None = None
         """Σ over pairs of each of :data:`METRICS`, then the trained tokens, since the last :meth:`attach`."""
 
@@ -78,7 +120,7 @@ class DirectPreference:
                      ) -> tuple[torch.Tensor, torch.Tensor]:
         """(the mean of the micro-batch's per-pair losses, its pairs B) of ``batch`` (``input_ids``, ``labels``:
         (B, 2, T))."""
-        ids, labels = batch.pop("input_ids"), batch.pop("labels")
+        ids, labels, index = batch.pop("input_ids"), batch.pop("labels"), batch.pop("pair", None)
         B = ids.shape[0]
         ids, labels = (x.transpose(0, 1).reshape(2 * B, -1) for x in (ids, labels))  # (2B, T): chosen, rejected
         strategy = trainer.strategy
@@ -89,12 +131,36 @@ class DirectPreference:
             with reference_model(strategy.unwrapped()):
                 logps = sequence_logps(strategy, ids, labels, trainer.loss_impl)
             ref = (logps[:B], logps[B:])
+        elif self.reference == "precomputed":
+            rows = self.reference_table(trainer)["train" if train else "valid"][index].to(policy.dtype)  # (B, 2)
+            ref = (rows[:, 0], rows[:, 1])
         lengths = counts.to(policy.dtype)
         losses, metrics = self.loss(PairLogps(policy[:B], policy[B:], lengths[:B], lengths[B:], *ref))
         once = float(trainer.ctx.tp_rank == 0)
         sums = torch.stack([*(metrics[k].sum() for k in METRICS), counts.sum().float()]).double() * once
         self.sums = sums if self.sums is None else self.sums + sums
         return trainer.aux_loss_scale.probe(losses.mean()), torch.tensor(B, device=losses.device)
+
+    def reference_table(self, trainer: Any) -> dict[str, torch.Tensor]:
+        """The precomputed reference: read from the run directory (a resume), else computed now (before step 1:
+        the first call is the step-0 evaluation's) and written there. Collective the first time.
+
+        Raises:
+            RuntimeError: a run past step 0 without the file, or a file for other data (other pair counts)."""
+        if self.table is None:
+            path = trainer.run_dir / REFERENCE_FILE
+            sizes = {"train": len(trainer.data.train), "valid": len(trainer.data.valid)}
+            if path.exists():
+                self.table = {k: v.to(trainer.ctx.device) for k, v in torch.load(path, weights_only=True).items()}
+                if {k: len(v) for k, v in self.table.items()} != sizes:
+                    raise RuntimeError(f"{path}: the precomputed reference of other data ({sizes} pairs now)")
+            elif trainer.step > 0:
+                raise RuntimeError(f"{path}: missing, and the model is past step 0 (no longer the reference)")
+            else:
+                self.table = precompute_reference(trainer)
+                if trainer.is_dir_main:
+                    torch.save({k: v.cpu() for k, v in self.table.items()}, path)
+        return self.table
 
     def attach(self, vector: torch.Tensor) -> torch.Tensor:
         sums = self.sums if self.sums is not None else vector.new_zeros(len(METRICS) + 1)
