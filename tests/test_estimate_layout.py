@@ -4,8 +4,8 @@
   its replication (TP-replicated norms and biases, dp replicas, a tied head's copy), tp = 2 halves a split linear,
   the first and last stages carry the embedding and the head, FSDP shards over dp, the largest rank is named;
   hundreds of layouts estimate in seconds.
-- Measured (``dist``): real ``handle run`` of the layouts that run today against the estimate, per rank, within
-  5% (parameters, gradients, optimizer state) and 10% (activations). ``MEASURED`` takes one line per layout.
+- Measured: every rank's telemetry of real composed runs against the estimate, per rank, within 5% (parameters,
+  gradients, optimizer state) and 10% (activations), on tests/test_nd_parallel.py's runs.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import json
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -232,79 +231,3 @@ def test_the_command_lists_every_pipeline_rank_of_a_mesh(preset_path):
     assert [r["layout"] for r in rows] == ["dp 1 × tp 2 × pp 2 (tp scratch; pp 1F1B native)"] * 2 + [
         "dp 2 × tp 2 × pp 2 (fsdp; tp scratch; pp 1F1B native)"] * 2
     assert [r["largest"] for r in rows].count(True) == 2
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# measured
-# ---------------------------------------------------------------------------------------------------------------
-
-MEASURED = {
-    "pp2": ["strategy.name=single", "parallel.pp=2", "launch.nproc_per_node=2"],
-    "dp2xtp2-fsdp": ["strategy.name=fsdp", "parallel.tp=2", "launch.nproc_per_node=4"],
-    "dp2xpp2": ["strategy.name=fsdp", "parallel.pp=2", "launch.nproc_per_node=4"],
-    "tp2xpp2": ["strategy.name=single", "parallel.tp=2", "parallel.tp_impl=scratch", "parallel.pp=2",
-                "launch.nproc_per_node=4"],
-}
-"""Layouts measured by real runs, one line each: --set overrides of the tiny preset (fp32, 2 steps, 4
-micro-batches of 4 samples, dropout 0)."""
-
-
-def _loss(r: L.RankMemory, pp: int) -> int:
-    """A pipeline's telemetry counts its stages' forwards, not the loss on the last one (an estimate counts it)."""
-    return r.activation_loss_bytes if pp > 1 else 0
-
-
-def _telemetry_saved(r: L.RankMemory, pp: int) -> int:
-    """What the telemetry's ``activation_saved_bytes`` counts: one micro-batch of the rank's (only) stage."""
-    return r.microbatch_saved_bytes[0] - _loss(r, pp)
-
-
-def _close(got: int, want: int, tolerance: float) -> bool:
-    return abs(got - want) <= tolerance * want
-
-
-def _step_event(preset: Path, sets: list[str]) -> dict:
-    """The last step event with every rank's ``memory`` of ``handle run PRESET --set ...``."""
-    proc = subprocess.run([*HANDLE, "run", str(preset), *(x for s in sets for x in ("--set", s))],
-                          capture_output=True, text=True, cwd=ROOT, timeout=300, check=False)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    run_dir = Path(next(ln for ln in proc.stdout.splitlines() if ln.startswith("run directory: ")).split(": ", 1)[1])
-    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
-    return [e for e in events if e["kind"] == "step" and e.get("memory")][-1]
-
-
-def _disagreements(est: L.LayoutEstimate, step: dict) -> list[str]:
-    bad = []
-    assert len(step["memory"]) == est.world_size and (est.pp == 1 or "pipeline" in step)
-    for mem in step["memory"]:
-        r = est.ranks[mem["rank"]]
-        pairs = {"param_bytes": (r.params_bytes, 0.05), "grad_bytes": (r.grads_bytes, 0.05),
-                 "optimizer_bytes": (r.optimizer_bytes, 0.05),
-                 "activation_saved_bytes": (_telemetry_saved(r, est.pp) + r.activation_gathered_bytes, 0.10)}
-        bad += [f"{est.label()} rank {r.rank} {key}: estimated {got:,}, measured {mem[key]:,}"
-                for key, (got, tol) in pairs.items() if not _close(got, mem[key], tol)]
-    for pp_rank, row in enumerate(step.get("pipeline", {}).get("ranks", [])):
-        r = next(x for x in est.ranks if x.pp_rank == pp_rank)
-        got = r.activation_saved_bytes + r.in_flight[0] * (r.activation_gathered_bytes - _loss(r, est.pp))
-        if not _close(got, row["activation_peak_bytes"], 0.10):
-            bad.append(f"{est.label()} pp_rank {pp_rank} peak: estimated {got:,}, measured "
-                       f"{row['activation_peak_bytes']:,}")
-    return bad
-
-
-@pytest.mark.dist
-def test_the_estimate_matches_real_runs_on_every_rank(preset_path):
-    """Every rank's ``memory`` telemetry of each run in :data:`MEASURED` (two at a time) against the estimate of
-    the same preset: states within 5%; activations within 10%: the telemetry's ``activation_saved_bytes`` (one
-    micro-batch of the rank's first stage, with the weights FSDP gathers) and, with a pipeline, each rank's peak
-    of saved bytes alive (``pipeline.ranks[i].activation_peak_bytes``)."""
-    cases = [[*sets, "training.grad_accum=4", "model.dropout=0"] for sets in MEASURED.values()]
-    start = time.perf_counter()
-    with ThreadPoolExecutor(2) as pool:
-        steps = list(pool.map(lambda sets: _step_event(preset_path, sets), cases))
-    bad = []
-    for sets, step in zip(cases, steps):
-        est = L.estimate_layout(load_preset(preset_path, sets, get_registry()), get_registry(), every_rank=True)
-        bad += _disagreements(est, step)
-    assert not bad, "\n".join(bad)
-    print(f"{len(cases)} layouts measured in {time.perf_counter() - start:.0f} s")

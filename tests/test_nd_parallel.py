@@ -8,7 +8,7 @@ dp 2 × pp 2 (torch DDP per stage in torch's 1F1B; FSDP2 per stage and the hand-
 1F1B), tp 2 × pp 2 (hand-written TP with sequence parallelism inside torch's 1F1B) and dp 2 × tp 2 (FSDP2 over
 DTensor TP) each give the one-process losses within 1e-5 at every step. The dp 2 × tp 2 run's step-5 checkpoint then resumes as
 pp 2 on 2 ranks and as `single` on 1 rank (grad_accum 4 keeps the global batch of 8), continuing its losses
-within 1e-4.
+within 1e-4. The same runs check `handle estimate`'s every-rank memory against every rank's telemetry.
 """
 
 from __future__ import annotations
@@ -18,11 +18,15 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from tests.helpers import handle_runs
 from tests.whole_weights import assert_whole_weights
+
+if TYPE_CHECKING:
+    from torch_handle.plan import estimate_layout as L
 
 pytestmark = pytest.mark.dist
 
@@ -132,3 +136,53 @@ def test_every_layout_hands_on_its_whole_model(runs, name: str) -> None:
     """model.safetensors has the one-process model's every tensor (tp x pp: every stage, gathered over TP), handle
     generate loads it, and it equals the last checkpoint's consolidated state (tests/whole_weights.py)."""
     assert_whole_weights(runs[name])
+
+
+@pytest.mark.parametrize("name", [*LAYOUTS, "as-pp2"])
+def test_the_estimate_matches_every_ranks_memory(runs, name: str) -> None:
+    """``handle estimate``'s every-rank figures (:func:`torch_handle.plan.estimate_layout.estimate_layout`) of the
+    preset each run recorded (its ``preset.toml``, overrides included) against every rank's ``memory`` telemetry of
+    its last memory-logging step: model states within 5%, saved activations within 10%, and with a pipeline each
+    stage's peak of saved bytes alive."""
+    from torch_handle.config.loader import load_preset
+    from torch_handle.plan import estimate_layout as L
+    from torch_handle.registry import get_registry
+
+    registry = get_registry()
+    preset = load_preset(runs[name] / "preset.toml", [], registry)
+    step = [e for e in _events(runs[name], "step") if e.get("memory")][-1]
+    bad = _disagreements(L.estimate_layout(preset, registry, every_rank=True), step)
+    assert not bad, "\n".join(bad)
+
+
+def _loss(r: L.RankMemory, pp: int) -> int:
+    """A pipeline's telemetry counts its stages' forwards, not the loss on the last one (an estimate counts it)."""
+    return r.activation_loss_bytes if pp > 1 else 0
+
+
+def _telemetry_saved(r: L.RankMemory, pp: int) -> int:
+    """What the telemetry's ``activation_saved_bytes`` counts: one micro-batch of the rank's (only) stage."""
+    return r.microbatch_saved_bytes[0] - _loss(r, pp)
+
+
+def _close(got: int, want: int, tolerance: float) -> bool:
+    return abs(got - want) <= tolerance * want
+
+
+def _disagreements(est: L.LayoutEstimate, step: dict) -> list[str]:
+    bad = []
+    assert len(step["memory"]) == est.world_size and (est.pp == 1 or "pipeline" in step)
+    for mem in step["memory"]:
+        r = est.ranks[mem["rank"]]
+        pairs = {"param_bytes": (r.params_bytes, 0.05), "grad_bytes": (r.grads_bytes, 0.05),
+                 "optimizer_bytes": (r.optimizer_bytes, 0.05),
+                 "activation_saved_bytes": (_telemetry_saved(r, est.pp) + r.activation_gathered_bytes, 0.10)}
+        bad += [f"{est.label()} rank {r.rank} {key}: estimated {got:,}, measured {mem[key]:,}"
+                for key, (got, tol) in pairs.items() if not _close(got, mem[key], tol)]
+    for pp_rank, row in enumerate(step.get("pipeline", {}).get("ranks", [])):
+        r = next(x for x in est.ranks if x.pp_rank == pp_rank)
+        got = r.activation_saved_bytes + r.in_flight[0] * (r.activation_gathered_bytes - _loss(r, est.pp))
+        if not _close(got, row["activation_peak_bytes"], 0.10):
+            bad.append(f"{est.label()} pp_rank {pp_rank} peak: estimated {got:,}, measured "
+                       f"{row['activation_peak_bytes']:,}")
+    return bad
