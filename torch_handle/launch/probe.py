@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from torch_handle.common.procs import TORCHRUN_MONITOR_S
 from torch_handle.common.text import one_line
 
 if TYPE_CHECKING:
@@ -117,7 +118,7 @@ def torchrun_command(module: str, nproc: int, args: Sequence[str], *, nnodes: in
     else:
         where = ["--standalone"]
     return [sys.executable, "-m", "torch.distributed.run", *where, f"--nproc_per_node={nproc}",
-            "--monitor_interval=0.5", "-m", module, *args]
+            f"--monitor_interval={TORCHRUN_MONITOR_S}", "-m", module, *args]
 
 
 @dataclass

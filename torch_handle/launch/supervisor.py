@@ -28,7 +28,7 @@ from typing import Any
 
 import psutil
 
-from torch_handle.common.procs import die_with_parent, usable_cores
+from torch_handle.common.procs import TORCHRUN_MONITOR_S, die_with_parent, usable_cores
 from torch_handle.config.loader import Preset
 from torch_handle.launch.cores import allocator_env, threads_per_rank
 from torch_handle.launch.hang import HangWatchdog, Stall, flight_recorder_env, hang_message, trigger_flight_recorder
@@ -63,7 +63,7 @@ def torchrun_command(preset: Preset, run_dir: Path, python: str = sys.executable
         cmd += ["--rdzv_backend=c10d", f"--rdzv_endpoint={launch.rdzv_endpoint}", f"--rdzv_id={preset.run.name}"]
     else:
         cmd += ["--rdzv_backend=static", f"--rdzv_endpoint={launch.rdzv_endpoint}", f"--rdzv_id={preset.run.name}"]
-    cmd += ["--monitor_interval=0.5", "-m", "torch_handle.train.worker", str(run_dir)]
+    cmd += [f"--monitor_interval={TORCHRUN_MONITOR_S}", "-m", "torch_handle.train.worker", str(run_dir)]
     return cmd
 
 
