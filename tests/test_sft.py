@@ -196,7 +196,7 @@ def test_sft_needs_conversations_and_data_parallelism(chat, tmp_path):
     text = (tmp_path / "p2x1.toml").read_text()
     (tmp_path / "bad.toml").write_text(text.replace('name = "tokens"', 'name = "pydoc"').replace(
         f'path = "{chat[1]}"\n', ""))
-    with pytest.raises(PresetError, match="objective = 'sft' trains on conversations prepared with"):
+    with pytest.raises(PresetError, match="objective = 'sft' trains on .*prepared with .handle data prepare --chat."):
         load_preset(tmp_path / "bad.toml")
     with pytest.raises(PresetError, match="parallel.tp > 1 is not supported yet"):
         load_preset(tmp_path / "p2x1.toml", ("parallel.tp=2", "launch.nproc_per_node=2"))

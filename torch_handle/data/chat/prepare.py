@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -22,8 +23,8 @@ import numpy as np
 from torch_handle.common.fsio import replace_problem, replacing_dir
 from torch_handle.common.names import TOKENIZER_FILE
 from torch_handle.data.chat.rows import conversations, read_rows
-from torch_handle.data.chat.template import (TEMPLATE_FILE, TRAIN_ON, ChatTemplate, encode_conversation,
-                                             load_template)
+from torch_handle.data.chat.template import (TEMPLATE_FILE, TRAIN_ON, ChatTemplate, load_template, trained_of,
+                                             turn_spans)
 from torch_handle.data.shards import META_FILE, ShardWriter, file_sha256, token_dtype, write_meta
 from torch_handle.data.sources import path_bytes, path_sha256
 from torch_handle.data.prepare import held_out
@@ -52,7 +53,7 @@ def prepare_chat(sources: Sequence[str], out: str | Path, *, tokenizer: str | Pa
         raise DataError(f"--train-on {train_on!r}: valid are {', '.join(TRAIN_ON)}")
 
     def groups(row: dict[str, Any], where: str, tok: Any, chat: ChatTemplate) -> list[list[Document]]:
-        return [[("a conversation", *encode_conversation(tok, chat, messages, train_on))]
+        return [[("a conversation", Rendered(*turn_spans(chat, messages, train_on)), None)]
                 for messages in conversations(row, where, messages_field=messages_field, column_map=column_map)]
 
     return prepare_rendered(sources, out, groups, unit="conversations", tokenizer=tokenizer, template=template,
@@ -61,9 +62,22 @@ def prepare_chat(sources: Sequence[str], out: str | Path, *, tokenizer: str | Pa
                             progress=progress, why=f" (train_on {train_on})")
 
 
-Document = tuple[str, list[int], list[bool]]
+@dataclass(frozen=True)
+class Rendered:
+    """A document rendered and not yet tokenized: its ``text`` and the character ``spans`` of its trained turns
+    (:func:`~torch_handle.data.chat.template.turn_spans`). :func:`prepare_rendered` tokenizes the rendered
+    documents of :data:`ENCODE_BATCH` rows at once (``encode_batch``: the tokenizer's threads) and takes the
+    trained tokens from the offsets (:func:`~torch_handle.data.chat.template.trained_of`)."""
+
+    text: str
+    spans: list[tuple[int, int]]
+
+
+ENCODE_BATCH = 512
+"""Rows whose rendered documents are tokenized together."""
+Document = tuple[str, "list[int] | Rendered", "list[bool] | None"]
 """One document to write: ``(what, ids, trained)``, ``what`` naming it in an error (``a conversation``,
-``chosen``)."""
+``chosen``); or ``(what, Rendered, None)``, tokenized by :func:`prepare_rendered`."""
 
 
 def prepare_rendered(sources: Sequence[str], out: str | Path,
@@ -107,6 +121,36 @@ def prepare_rendered(sources: Sequence[str], out: str | Path,
         writers = {s: ShardWriter(tmp, s, dtype, None, masks=True) for s in ("train", "valid")}
         trained = {"train": 0, "valid": 0}
         state = Progress(0, total, 0, 0, 0.0)
+        pending: list[tuple[str, str, list[Document]]] = []  # (split, where, group): rows not yet written
+
+        def write(split: str, where: str, group: list[Document]) -> None:
+            if max_len_policy == "drop" and any(len(ids) > max_len + 1 for _, ids, _ in group):
+                counts["dropped"] += 1
+                return
+            kept = []
+            for what, ids, mask in group:
+                if len(ids) > max_len + 1:
+                    ids, mask = ids[-(max_len + 1):], mask[-(max_len + 1):]
+                    counts["truncated"] += 1
+                if not any(mask[1:]):  # the first token is never a label
+                    cut = f" after truncation to --max-len {max_len}" if len(ids) > max_len else ""
+                    raise DataError(f"{where}: {what} with no trained token{cut}{why}")
+                kept.append((ids, mask))
+            for ids, mask in kept:
+                writers[split].add(ids, mask=mask)
+                trained[split] += int(sum(mask[1:]))
+                state.documents += 1
+                state.tokens += len(ids)
+            counts[unit] += 1
+
+        def flush() -> None:
+            texts = [ids.text for _, _, group in pending for _, ids, _ in group if isinstance(ids, Rendered)]
+            encoded = iter(tok.encode_batch(texts, add_special_tokens=False) if texts else ())
+            for split, where, group in pending:
+                write(split, where, [(what, *trained_of(next(encoded), ids.spans)) if isinstance(ids, Rendered)
+                                     else (what, ids, mask) for what, ids, mask in group])
+            pending.clear()
+
         for is_valid, files in ((False, train_files), (True, valid_files)):
             for path in files:
                 number = 0
@@ -115,24 +159,10 @@ def prepare_rendered(sources: Sequence[str], out: str | Path,
                         split = "valid" if is_valid or (not valid_files and held_out(str(path.name), number,
                                                                                       valid_fraction)) else "train"
                         number += 1
-                        if max_len_policy == "drop" and any(len(ids) > max_len + 1 for _, ids, _ in group):
-                            counts["dropped"] += 1
-                            continue
-                        kept = []
-                        for what, ids, mask in group:
-                            if len(ids) > max_len + 1:
-                                ids, mask = ids[-(max_len + 1):], mask[-(max_len + 1):]
-                                counts["truncated"] += 1
-                            if not any(mask[1:]):  # the first token is never a label
-                                cut = f" after truncation to --max-len {max_len}" if len(ids) > max_len else ""
-                                raise DataError(f"{where}: {what} with no trained token{cut}{why}")
-                            kept.append((ids, mask))
-                        for ids, mask in kept:
-                            writers[split].add(ids, mask=mask)
-                            trained[split] += int(sum(mask[1:]))
-                            state.documents += 1
-                            state.tokens += len(ids)
-                        counts[unit] += 1
+                        pending.append((split, where, group))
+                    if len(pending) >= ENCODE_BATCH:
+                        flush()
+                flush()
                 state.bytes += path_bytes(path)
                 state.seconds = time.perf_counter() - t0
                 if progress is not None:

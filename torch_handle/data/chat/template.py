@@ -68,23 +68,33 @@ class ChatTemplate:
     def sha256(self) -> str:
         return hashlib.sha256(self.source.encode("utf-8")).hexdigest()
 
-    @property
+    @functools.cached_property
     def has_generation_markers(self) -> bool:
         import re
 
         return re.search(r"\{%-?\s*generation\s*-?%\}", self.source) is not None
 
+    @functools.cached_property
+    def _variables(self) -> dict[str, Any]:
+        """The compiled template's globals and the special tokens: what every rendering sees besides the
+        conversation, merged once."""
+        return {**_compiled(self.source).globals, **dict(self.special_tokens)}
+
     def render(self, messages: Sequence[dict[str, Any]], *, add_generation_prompt: bool = False) -> str:
-        """The conversation's text.
+        """The conversation's text: what jinja's ``Template.render(messages=..., add_generation_prompt=...,
+        **special_tokens)`` returns, with the globals merged into the variables once (:attr:`_variables`, a
+        context over them), not at every call (a prepare renders each conversation twice or more).
 
         Raises:
             DataError: the template raised (``raise_exception``, a role it does not know) or is not valid Jinja.
         """
         import jinja2
 
+        compiled = _compiled(self.source)
         try:
-            return _compiled(self.source).render(messages=list(messages), add_generation_prompt=add_generation_prompt,
-                                                 **dict(self.special_tokens))
+            context = compiled.new_context({**self._variables, "messages": list(messages),
+                                            "add_generation_prompt": add_generation_prompt}, shared=True)
+            return compiled.environment.concat(compiled.root_render_func(context))
         except jinja2.TemplateError as e:
             raise DataError(f"chat template {self.name}: {' '.join(str(e).split())}") from None
 
@@ -264,7 +274,7 @@ def turn_spans(template: ChatTemplate, messages: Sequence[dict[str, Any]], train
         if not wanted:
             continue
         before = template.render(messages[:i], add_generation_prompt=role == "assistant")
-        through = template.render(messages[:i + 1])
+        through = whole if i + 1 == len(messages) else template.render(messages[:i + 1])  # the last: the whole
         if not through.startswith(before) or not whole.startswith(through):
             raise DataError(f"chat template {template.name}: the rendering of a conversation's first {i} turns is not "
                             f"a prefix of its rendering through turn {i + 1} (its turns cannot be told apart)")
@@ -278,11 +288,29 @@ def turn_spans(template: ChatTemplate, messages: Sequence[dict[str, Any]], train
     return whole, spans
 
 
+def trained_of(encoding: Any, spans: Sequence[tuple[int, int]]) -> tuple[list[int], list[bool]]:
+    """``(ids, trained)`` of a rendering's ``encoding`` (HF ``tokenizers``' ``Encoding``, with character
+    offsets): each token trained when it starts inside one of the character ``spans`` (:func:`turn_spans`).
+
+    The tokens of a span are found from its ends (``char_to_token``, ``token_to_chars``: two look-ups a span,
+    not the offsets of every token); a span whose ends no token covers reads every token's offsets."""
+    ids = encoding.ids
+    trained = [False] * len(ids)
+    for s, e in spans:
+        first, last = encoding.char_to_token(s), encoding.char_to_token(e - 1) if e > s else None
+        if first is None or last is None:  # not covered (a normalizer dropped them): every token's start
+            for k, (start, _) in enumerate(encoding.offsets):
+                trained[k] = trained[k] or s <= start < e
+            continue
+        if encoding.token_to_chars(first)[0] < s:  # the token holding s starts before the span
+            first += 1
+        trained[first:last + 1] = [True] * max(0, last + 1 - first)
+    return list(ids), trained
+
+
 def encode_conversation(tokenizer: Any, template: ChatTemplate, messages: Sequence[dict[str, Any]],
                         train_on: str = "assistant") -> tuple[list[int], list[bool]]:
     """``(ids, trained)`` of one conversation: the rendering's token ids (``add_special_tokens=False``, as
     ``apply_chat_template(tokenize=True)``) and, for each, whether it starts inside a trained span."""
     text, spans = turn_spans(template, messages, train_on)
-    enc = tokenizer.encode(text, add_special_tokens=False)
-    trained = [any(s <= start < e for s, e in spans) for start, _ in enc.offsets]
-    return list(enc.ids), trained
+    return trained_of(tokenizer.encode(text, add_special_tokens=False), spans)
