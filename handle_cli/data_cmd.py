@@ -66,8 +66,10 @@ def _part(value: str | None) -> tuple[int, int] | None:
                                            "rows of messages, prompt/completion or instruction/input/output): render "
                                            "each with a chat template and store which tokens are trained (needs "
                                            "--tokenizer).")
-@click.option("--template", metavar="chatml|FILE.jinja", help="--chat: the template [default: the tokenizer's own, "
-                                                              "chat_template.jinja or tokenizer_config.json's].")
+@click.option("--template", metavar="chatml|zephyr|FILE.jinja",
+              help="--chat: the template [default: the tokenizer's own, chat_template.jinja or "
+                   "tokenizer_config.json's]; zephyr ends each turn with the tokenizer's eos_token (a vocabulary "
+                   "without ChatML's tokens).")
 @click.option("--train-on", type=click.Choice(["assistant", "last", "all"]), default="assistant", show_default=True,
               help="--chat: train every assistant turn, the last one, or every turn but the system's.")
 @click.option("--max-len", type=click.IntRange(min=2), default=2048, show_default=True,

@@ -17,7 +17,7 @@ from tokenizers import Tokenizer
 from handle_cli.main import cli
 from torch_handle.data.chat.prepare import conversation_view, prepare_chat
 from torch_handle.data.chat.rows import conversations, read_rows
-from torch_handle.data.chat.template import CHATML, ChatTemplate, encode_conversation, load_template
+from torch_handle.data.chat.template import BUILT_IN, CHATML, ChatTemplate, encode_conversation, load_template
 from torch_handle.data.datasets import train_tokenizer
 from torch_handle.errors import DataError
 
@@ -56,13 +56,13 @@ def base(tmp_path_factory) -> Path:
     return d
 
 
-@pytest.mark.parametrize("spec", [None, "chatml"], ids=["base-template", "chatml"])
+@pytest.mark.parametrize("spec", [None, "chatml", "zephyr"], ids=["base-template", "chatml", "zephyr"])
 def test_ids_are_transformers_and_masks_are_the_definition(base, spec):
     from transformers import AutoTokenizer
 
     hf = AutoTokenizer.from_pretrained(str(base))
     template = load_template(spec, base / "tokenizer.json")
-    source = MARKED if spec is None else CHATML
+    source = MARKED if spec is None else BUILT_IN[spec]  # zephyr ends every turn with eos_token: <|im_end|> here
     assert template.source == source and template.has_generation_markers == (spec is None)
     tok = Tokenizer.from_file(str(base / "tokenizer.json"))
     convs = _conversations()

@@ -36,7 +36,15 @@ CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n
 """ChatML (OpenAI; Qwen's templates are its descendants): what ``--template chatml`` renders."""
 CHATML_TOKENS = ("<|im_start|>", "<|im_end|>")
 """The special tokens ChatML needs; tokenizers that handle trains reserve them."""
-BUILT_IN = {"chatml": CHATML}
+ZEPHYR = ("{% for message in messages %}\n{% if message['role'] == 'user' %}\n{{ '<|user|>\\n' + "
+          "message['content'] + eos_token }}\n{% elif message['role'] == 'system' %}\n{{ '<|system|>\\n' + "
+          "message['content'] + eos_token }}\n"
+          "{% elif message['role'] == 'assistant' %}\n{{ '<|assistant|>\\n'  + message['content'] + eos_token }}\n"
+          "{% endif %}\n{% if loop.last and add_generation_prompt %}\n{{ '<|assistant|>' }}\n{% endif %}\n{% endfor %}")
+"""Zephyr's (HuggingFaceH4/zephyr-7b-beta): every turn ends with the tokenizer's ``eos_token``, so a vocabulary
+without ChatML's tokens (the byte-level BPE handle trains, whose ``<eos>`` is special) still ends each answer with
+one token that is trained and stops generation. What ``--template zephyr`` renders."""
+BUILT_IN = {"chatml": CHATML, "zephyr": ZEPHYR}
 TEMPLATE_FILE = "chat_template.jinja"
 CHAT_FILES = (TEMPLATE_FILE, "tokenizer_config.json")
 """What a prepared directory of conversations, and a run trained on one, keep beside ``tokenizer.json``: the
@@ -232,7 +240,7 @@ def load_template(spec: str | None, tokenizer_file: Path) -> ChatTemplate:
         else:
             path = Path(spec).expanduser()
             if not path.is_file():
-                raise DataError(f"--template {spec}: no such file (give chatml or a .jinja file)")
+                raise DataError(f"--template {spec}: no such file (give chatml, zephyr or a .jinja file)")
             template = ChatTemplate(path.read_text(encoding="utf-8"), str(path), specials)
     elif (directory / "chat_template.jinja").is_file():
         template = ChatTemplate((directory / "chat_template.jinja").read_text(encoding="utf-8"),
@@ -248,7 +256,7 @@ def load_template(spec: str | None, tokenizer_file: Path) -> ChatTemplate:
                           None)
         if not isinstance(source, str):
             raise DataError(f"{directory}: no chat template (no chat_template.jinja, none in tokenizer_config.json): "
-                            f"give --template chatml or a .jinja file")
+                            f"give --template chatml, zephyr or a .jinja file")
         template = ChatTemplate(source, str(directory / "tokenizer_config.json"), specials)
     _compiled(template.source)  # not valid Jinja: refused now
     return template
