@@ -200,9 +200,22 @@ def translate(run_dir: Path, text: str | None, input_file: Path | None, beam: in
               help="GNMT length-penalty exponent.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @_CHECKPOINT
+@click.option("--tasks", metavar="T1,T2", help="lm-evaluation-harness tasks instead of the loss (the eval extra; "
+              "offline: local tasks with --include-path), e.g. --tasks hellaswag,arc_easy; results go to RUN/evals/.")
+@click.option("--num-fewshot", type=int, metavar="K", help="--tasks: K examples before each question (default: "
+                                                           "the task's own).")
+@click.option("--limit", type=int, metavar="N", help="--tasks: the first N documents of each task.")
+@click.option("--batch-size", type=int, metavar="B", help="--tasks: requests per forward (default 16).")
+@click.option("--include-path", "include_paths", multiple=True, type=click.Path(path_type=Path), metavar="DIR",
+              help="--tasks: a directory of task YAMLs (dataset_path: json; relative data_files are read beside "
+                   "the YAML); repeatable.")
+@click.option("--log-samples", is_flag=True, help="--tasks: also write every request and response "
+                                                  "(RUN/evals/...-samples.jsonl).")
 def eval_cmd(run_dir: Path, split: str, data_dir: Path | None, beam: int, alpha: float, as_json: bool,
-             checkpoint: int | None) -> None:
-    """Loss and perplexity of a run on a split; for translation runs also BLEU and chrF (sacrebleu, detokenized).
+             checkpoint: int | None, tasks: str | None, num_fewshot: int | None, limit: int | None,
+             batch_size: int | None, include_paths: tuple[Path, ...], log_samples: bool) -> None:
+    """Loss and perplexity of a run on a split; for translation runs also BLEU and chrF (sacrebleu, detokenized);
+    with --tasks, downstream tasks of EleutherAI's lm-evaluation-harness (docs/evaluation.md).
 
     Language-model runs have the validation split, or with --data DIR either split of any directory prepared with
     the run's tokenizer. Translation runs: the loss on the split's pairs, and BLEU/chrF of the beam-search
@@ -213,7 +226,16 @@ def eval_cmd(run_dir: Path, split: str, data_dir: Path | None, beam: int, alpha:
       handle eval runs/llama-20250101-120000
       handle eval runs/llama-20250101-120000 --data data/wiki-tokens --json
       handle eval runs/llama-20250101-120000 --data data/wiki-tokens --split train
+      handle eval runs/llama-20250101-120000 --tasks handle_wikitext_cloze,handle_seed_answers \\
+          --include-path tests/fixtures/eval_tasks --limit 50 --checkpoint 200 --json
     """
+    from handle_cli.eval_tasks import check_task_options, run_tasks
+
+    check_task_options(tasks, {"num_fewshot": num_fewshot, "limit": limit, "batch_size": batch_size,
+                               "include_paths": include_paths, "log_samples": log_samples})
+    if tasks is not None:
+        run_tasks(run_dir, checkpoint, tasks, num_fewshot, limit, batch_size, include_paths, log_samples, as_json)
+        return
     from torch_handle.infer import generate as g
     from torch_handle.data.corpus import read_pairs
     from torch_handle.data.datasets import pad_collate

@@ -19,12 +19,14 @@ def run_summary(run_dir: Path, now: float | None = None) -> dict[str, Any]:
     the strategy alone for an older run; dp, tp and pp null when not known), ``step``, ``steps``, ``loss``,
     ``val_loss``, ``tokens_per_s`` (the newest, global), ``start_time`` (unix s), ``age_s`` (s since the start),
     ``message``, ``hang`` (the message of the newest ``hang`` event, also after the run moved on or ended; null without
-    one). Reads run.json and the end of events.jsonl only."""
+    one), ``evals`` (the newest ``handle eval --tasks`` results: ``file``, ``step``, ``scores`` task -> metric ->
+    value; null without one). Reads run.json, the end of events.jsonl and the newest evals/*.json only."""
     from torch_handle.observe.fields import Status
     from torch_handle.observe.state import RunState
     from torch_handle.observe.tail import tail_events
     from torch_handle.rundir import RunDirError, read_run_status
     from torch_handle.observe.telemetry import EVENTS_FILE
+    from torch_handle.infer.downstream import latest_results
 
     now = time.time() if now is None else now
     try:
@@ -39,7 +41,8 @@ def run_summary(run_dir: Path, now: float | None = None) -> dict[str, Any]:
             "steps": state.steps_total,
             "loss": state.last_loss, "val_loss": state.last_val_loss, "tokens_per_s": state.last(state.tokens_per_s),
             "start_time": start, "age_s": None if start is None else max(0.0, now - start),
-            "message": state.message, "hang": state.hang["message"] if state.hang else None}
+            "message": state.message, "hang": state.hang["message"] if state.hang else None,
+            "evals": latest_results(run_dir)}
 
 
 def _age(seconds: float | None) -> str:
@@ -55,13 +58,27 @@ def _num(x: Any, fmt: str) -> str:
     return format(x, fmt) if isinstance(x, (int, float)) else "-"
 
 
+def _eval_cell(evals: dict[str, Any] | None) -> str:
+    """The newest task scores, short: the first task's first metric, ``+N`` more tasks, the step."""
+    from torch_handle.common.text import clean
+
+    if not evals or not evals["scores"]:
+        return "-"
+    task, metrics = next(iter(evals["scores"].items()))
+    metric, value = next(iter(metrics.items()))
+    more = f" +{len(evals['scores']) - 1}" if len(evals["scores"]) > 1 else ""
+    at = f" @{evals['step']}" if evals.get("step") is not None else ""
+    return clean(f"{task} {metric} {value:.3f}{more}{at}", 60)
+
+
 @click.command("runs")
 @click.argument("directory", required=False, type=click.Path(path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="A JSON list of objects (the same fields, raw numbers).")
 def runs(directory: Path | None, as_json: bool) -> None:
     """The runs under DIRECTORY (default ./runs), newest first, one line each: name, status, layout (dp × tp × pp,
     their implementations and the strategy: `dp 2 × tp 2 (ddp; tp scratch)`), world size, step/total, last train
-    and val loss, tokens/s, start time (local) and age.
+    and val loss, tokens/s, start time (local) and age; and where a run has `handle eval --tasks` results, the
+    newest one's first score (EVAL; `--json`: `evals`).
 
     A run whose run.json still says running but whose launcher is gone (kill -9, a reboot) and whose heartbeat
     is older than 10 s shows as `lost`; continue it with `handle run --resume RUN_DIR`. A live run whose
@@ -87,14 +104,16 @@ def runs(directory: Path | None, as_json: bool) -> None:
     if not rows:
         click.echo(f"{directory}: no runs yet (start one with: handle run presets/zero2.toml)")
         return
-    table = [("NAME", "STATUS", "LAYOUT", "WS", "STEP", "LOSS", "VAL", "TOK/S", "STARTED", "AGE")]
+    evals = any(r["evals"] for r in rows)  # the EVAL column only where some run has task scores
+    table = [("NAME", "STATUS", "LAYOUT", "WS", "STEP", "LOSS", "VAL", "TOK/S", "STARTED", "AGE") + (("EVAL",) * evals)]
     for r in rows:
         started = (datetime.fromtimestamp(r["start_time"]).strftime("%Y-%m-%d %H:%M")
                    if isinstance(r["start_time"], (int, float)) else "?")
         layout = r["layout"]["label"] if r["layout"]["dp"] is not None else r["strategy"]  # unknown: the strategy
         table.append((clean(r["name"], 60), clean(r["status"], 12), clean(layout or "?", 80),
                       str(r["world_size"] or "?"), f"{r['step']}/{r['steps'] or '?'}", _num(r["loss"], ".4f"),
-                      _num(r["val_loss"], ".4f"), _num(r["tokens_per_s"], ",.0f"), started, _age(r["age_s"])))
+                      _num(r["val_loss"], ".4f"), _num(r["tokens_per_s"], ",.0f"), started, _age(r["age_s"]))
+                     + ((_eval_cell(r["evals"]),) * evals))
     widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
     for row in table:
         click.echo("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())

@@ -1,0 +1,227 @@
+"""EleutherAI's lm-evaluation-harness over handle's own model: :class:`HandleLM`, an ``lm_eval.api.model.LM``.
+
+The harness turns every task into requests of three kinds and asks the model for their answers; this module
+answers them with a ``DecoderLM`` and the run's ``tokenizers.Tokenizer`` exactly as the harness's ``hf`` model
+(``lm_eval/models/huggingface.py``, ``HFLM``) answers them with the run's Hugging Face export, so that the scores
+mean the same (``tests/test_lm_eval.py`` holds them equal):
+
+- ``loglikelihood(context, continuation)`` -> (log P(continuation | context) in nats, whether greedy decoding
+  would have produced the continuation). The pair is tokenized as ``TemplateLM._encode_pair`` does (the
+  context's trailing spaces move to the continuation; the whole string is encoded and split at the context's
+  length), an empty context is replaced by ``<bos>`` (``prefix_token_id``), and the input is left-truncated to
+  ``max_length + 1`` tokens. Requests are sorted by length (longest first) and batched, right-padded (causal
+  attention: padding after a token cannot change it); requests that differ only in a one-token continuation share
+  one forward (the harness's ``Collator`` with ``group_by="contexts"``, as ``HFLM`` with its default
+  ``logits_cache``).
+- ``loglikelihood_rolling(text)`` -> the log-likelihood of the whole text (perplexity tasks): disjoint windows of
+  ``max_length`` tokens, each scored given the tokens before it (``lm_eval.utils.get_rolling_token_windows``,
+  the first predicted from ``<bos>``).
+- ``generate_until(context, gen_kwargs)`` -> the continuation, greedy (``temperature`` 0 or ``do_sample`` false;
+  a positive temperature samples), stopped at ``<eos>``, at the first stop sequence of ``until`` (cut off
+  before it) or after ``max_gen_toks`` tokens (default 256). Decoding is cached (``KVCache``): one forward of the
+  prompt, then one token per step; requests with the same gen_kwargs and the same prompt length share a batch.
+
+Shapes: B requests in a batch, T tokens, V the vocabulary. The model runs in its own dtype on its device, fp32
+for ``load_run``'s models; log-softmax is computed in fp32.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from lm_eval.api.model import TemplateLM
+from lm_eval.models.utils import Collator, handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
+from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+from torch_handle.data.datasets import BOS_ID, EOS_ID, PAD_ID
+from torch_handle.infer.generate import next_token
+from torch_handle.model.kv_cache import KVCache
+from torch_handle.model.transformer import DecoderLM
+
+BOS_TEXT = "<bos>"
+DEFAULT_MAX_GEN_TOKS = 256
+"""``HFLM.max_gen_toks``: the longest generation when a task gives no ``max_gen_toks``."""
+
+
+class HandleLM(TemplateLM):
+    """An ``lm_eval.api.model.LM`` answering the harness's requests with a handle decoder.
+
+    Args:
+        model: a ``DecoderLM`` (eval mode; MoE, LoRA/QLoRA adapters applied unmerged: whatever ``load_run``
+            built). Its ``args.max_len`` is the harness's ``max_length``.
+        tokenizer: the run's ``tokenizers.Tokenizer`` (``tokenizer.json``; ``<bos>`` id 2... as
+            ``torch_handle.data.datasets`` numbers the special tokens).
+        batch_size: requests per forward (loglikelihood windows, generation rows).
+        seed: of the sampler when a task asks for sampling (``do_sample``).
+    """
+
+    backend = "causal"
+
+    def __init__(self, model: DecoderLM, tokenizer: Any, batch_size: int = 16, seed: int = 1234) -> None:
+        super().__init__()
+        if not isinstance(model, DecoderLM):
+            raise TypeError(f"HandleLM needs a DecoderLM, got {type(model).__name__}")
+        self.model, self.tokenizer = model, tokenizer
+        self.batch_size = max(1, int(batch_size))
+        self._device = next(model.parameters()).device
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.counts: dict[str, int] = {}
+        """Requests answered, by type (``loglikelihood``, ``loglikelihood_rolling``, ``generate_until``)."""
+
+    def _count(self, kind: str, requests: list[Any]) -> None:
+        self.counts[kind] = self.counts.get(kind, 0) + len(requests)
+
+    @property
+    def device(self) -> torch.device:
+        """Where the model's parameters are."""
+        return self._device
+
+    # -------------------------------------------------------------------------------------------------- tokens
+    @property
+    def eot_token_id(self) -> int:
+        """``<eos>``: the end of a generation (``HFLM``: the tokenizer's eos_token_id)."""
+        return EOS_ID
+
+    @property
+    def prefix_token_id(self) -> int:
+        """``<bos>``: the context of a continuation scored without one (``HFLM``: the tokenizer's bos_token_id)."""
+        return BOS_ID
+
+    @property
+    def max_length(self) -> int:
+        """Tokens the model reads at once: its ``max_len`` (the export's ``max_position_embeddings``)."""
+        return int(self.model.args.max_len)
+
+    @property
+    def tokenizer_name(self) -> str:
+        return "handle"
+
+    def tok_encode(self, string: str, add_special_tokens: bool | None = None, left_truncate_len: int | None = None,
+                   **kwargs: Any) -> list[int]:
+        """Token ids of ``string``: the tokenizer's own post-processing unless ``add_special_tokens`` is False or
+        the string starts with ``<bos>`` (``HFLM.tok_encode``)."""
+        special = add_special_tokens if add_special_tokens is not None else not string.startswith(BOS_TEXT)
+        ids = self.tokenizer.encode(string, add_special_tokens=special).ids
+        return ids[-left_truncate_len:] if left_truncate_len else ids
+
+    def tok_decode(self, tokens: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(list(tokens), skip_special_tokens=skip_special_tokens)
+
+    # ------------------------------------------------------------------------------------------ log-likelihood
+    @torch.no_grad()
+    def _log_probs(self, rows: list[list[int]]) -> torch.Tensor:
+        """Right-padded rows (B, T) through the model -> log-softmax (B, T, V) in fp32. No padding mask: under
+        causal attention a position never sees the padding after it (``HFLM`` calls its model the same way)."""
+        width = max(map(len, rows))
+        ids = torch.tensor([r + [PAD_ID] * (width - len(r)) for r in rows], device=self.device)
+        return F.log_softmax(self.model(ids, padding_mask=None).float(), dim=-1)
+
+    def loglikelihood(self, requests: list[Any], disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        """Each request's ``(context, continuation)`` -> (log P(continuation | context) in nats, is greedy)."""
+        self._count("loglikelihood", requests)
+        return super().loglikelihood(requests, disable_tqdm=True)
+
+    def _loglikelihood_tokens(self, requests: list[tuple[tuple[str, str], list[int], list[int]]],
+                              disable_tqdm: bool = False, **kwargs: Any) -> list[tuple[float, bool]]:
+        """(request, context ids, continuation ids) -> (sum of the continuation's log-probabilities in nats, every
+        continuation token the argmax), in the order of ``requests``."""
+        def by_length(req):
+            toks = req[1] + req[2]
+            return -len(toks), tuple(toks)
+
+        order = Collator(requests, sort_fn=by_length, group_by="contexts", group_fn=lambda req: req[-2] + req[-1][:-1])
+        out: list[tuple[float, bool]] = []
+        for chunk in order.get_batched(n=self.batch_size):
+            rows = [(ctx + cont)[-(self.max_length + 1):][:-1] for _, ctx, cont in chunk]
+            log_probs = self._log_probs(rows)  # (B, T, V)
+            for (request, ctx, cont), row, lp in zip(chunk, rows, log_probs):
+                lp = lp[len(row) - len(cont):len(row)].unsqueeze(0)  # (1, len(cont), V)
+                greedy = lp.argmax(-1)  # (1, len(cont))
+                for request, cont, lp_ in order.get_cache(req_str=request, cxt_toks=ctx, cont_toks=cont, logits=lp):
+                    target = torch.tensor(cont, device=self.device).unsqueeze(0)  # (1, n)
+                    is_greedy = bool((greedy[:, -target.shape[1]:] == target).all())
+                    picked = torch.gather(lp_, 2, target.unsqueeze(-1)).squeeze(-1)  # (1, n)
+                    out.append((float(picked.sum()), is_greedy))
+        return order.get_original(out)
+
+    def loglikelihood_rolling(self, requests: list[Any], disable_tqdm: bool = False) -> list[float]:
+        """Each request's ``(text,)`` -> log P(text) in nats, summed over disjoint windows of ``max_length``."""
+        self._count("loglikelihood_rolling", requests)
+        windows, counts = [], []
+        for (text,) in (req.args for req in requests):
+            mine = [make_disjoint_window(w) for w in get_rolling_token_windows(
+                token_list=self.tok_encode(text), prefix_token=self.prefix_token_id, max_seq_len=self.max_length,
+                context_len=1)]
+            windows += [(None, ctx, cont) for ctx, cont in mine]
+            counts.append(len(mine))
+        scores = self._loglikelihood_tokens(windows)
+        out, at = [], 0
+        for n in counts:
+            out.append(sum(s for s, _ in scores[at:at + n]))
+            at += n
+        return out
+
+    # ------------------------------------------------------------------------------------------------ generation
+    def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
+        """Each request's ``(context, gen_kwargs)`` -> the generated text up to its first stop sequence."""
+        self._count("generate_until", requests)
+        encoded = {}
+
+        def by_length(req):
+            if req[0] not in encoded:
+                encoded[req[0]] = self.tok_encode(req[0])
+            return -len(encoded[req[0]]), req[0]
+
+        order = Collator([req.args for req in requests], sort_fn=by_length, group_by="gen_kwargs",
+                         group_fn=lambda req: req[1])
+        eos = self.tok_decode([self.eot_token_id], skip_special_tokens=False)
+        out: list[str] = []
+        for chunk in order.get_batched(n=0):  # one gen_kwargs group at a time, longest prompts first
+            kwargs = normalize_gen_kwargs(chunk[0][1], DEFAULT_MAX_GEN_TOKS)
+            until = handle_stop_sequences(kwargs.pop("until", None), eos=eos)
+            max_new = int(kwargs.pop("max_gen_toks"))
+            if max_new >= self.max_length:
+                raise ValueError(f"max_gen_toks {max_new} must be below the model's length {self.max_length}")
+            temperature = float(kwargs.get("temperature", 0.0)) if kwargs.get("do_sample") else 0.0
+            prompts = [self.tok_encode(context, left_truncate_len=self.max_length - max_new) for context, _ in chunk]
+            start = 0
+            while start < len(prompts):  # batches of equal prompt length (no padding, no position shift)
+                end = start + 1
+                while (end < len(prompts) and end - start < self.batch_size
+                       and len(prompts[end]) == len(prompts[start])):
+                    end += 1
+                for ids in self._generate(prompts[start:end], max_new, until, temperature):
+                    out.append(postprocess_generated_text(self.tok_decode(ids), until, None))
+                start = end
+        return order.get_original(out)
+
+    @torch.no_grad()
+    def _generate(self, prompts: list[list[int]], max_new: int, until: list[str],
+                  temperature: float) -> list[list[int]]:
+        """Prompts of one length (B, T) -> the generated ids of each (stopped at ``<eos>``, left out, or once
+        its text holds a stop sequence)."""
+        cache = KVCache.for_model(self.model)
+        logits = self.model(torch.tensor(prompts, device=self.device), cache=cache, padding_mask=None)[:, -1]
+        out: list[list[int]] = [[] for _ in prompts]
+        rows = list(range(len(prompts)))  # which prompt each live row is
+        stops = [s for s in until if s]
+        for _ in range(max_new):
+            tokens = next_token(logits.float(), temperature, 0, self.generator)  # (B',)
+            keep = []
+            for j, (row, token) in enumerate(zip(rows, tokens.tolist())):
+                if token == EOS_ID:
+                    continue
+                out[row].append(token)
+                if not any(s in self.tok_decode(out[row][-64:], skip_special_tokens=False) for s in stops):
+                    keep.append(j)
+            if not keep or cache.length >= self.max_length:
+                break
+            if len(keep) < len(rows):
+                index = torch.tensor(keep, device=self.device)
+                cache.reorder(index)
+                tokens = tokens[index]
+                rows = [rows[j] for j in keep]
+            logits = self.model(tokens[:, None], cache=cache, padding_mask=None)[:, -1]  # (B', V)
+        return out
