@@ -36,6 +36,7 @@ from lm_eval.models.utils import Collator, handle_stop_sequences, normalize_gen_
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from torch_handle.data.datasets import BOS_ID, EOS_ID, PAD_ID
+from torch_handle.errors import DataError
 from torch_handle.infer.generate import next_token
 from torch_handle.model.kv_cache import KVCache
 from torch_handle.model.transformer import DecoderLM
@@ -134,6 +135,10 @@ class HandleLM(TemplateLM):
         order = Collator(requests, sort_fn=by_length, group_by="contexts", group_fn=lambda req: req[-2] + req[-1][:-1])
         out: list[tuple[float, bool]] = []
         for chunk in order.get_batched(n=self.batch_size):
+            for _, _, cont in chunk:
+                if len(cont) > self.max_length:  # HFLM asserts the same
+                    raise DataError(f"a continuation of {len(cont)} tokens does not fit the model's "
+                                    f"{self.max_length} positions (a task for a longer model)")
             rows = [(ctx + cont)[-(self.max_length + 1):][:-1] for _, ctx, cont in chunk]
             log_probs = self._log_probs(rows)  # (B, T, V)
             for (request, ctx, cont), row, lp in zip(chunk, rows, log_probs):
@@ -183,7 +188,8 @@ class HandleLM(TemplateLM):
             until = handle_stop_sequences(kwargs.pop("until", None), eos=eos)
             max_new = int(kwargs.pop("max_gen_toks"))
             if max_new >= self.max_length:
-                raise ValueError(f"max_gen_toks {max_new} must be below the model's length {self.max_length}")
+                raise DataError(f"max_gen_toks {max_new} leaves no room for a prompt in the model's "
+                                f"{self.max_length} positions (a task for a longer model)")
             temperature = float(kwargs.get("temperature", 0.0)) if kwargs.get("do_sample") else 0.0
             prompts = [self.tok_encode(context, left_truncate_len=self.max_length - max_new) for context, _ in chunk]
             start = 0
