@@ -35,6 +35,8 @@ LLAMA = ('norm = "rmsnorm"\nposition = "rope"\nmlp = "swiglu"\nnorm_first = true
 
 
 def _preset(root: Path, name: str, model: str, extra: str = "", data: str = ""):
+    """One process (single strategy, the defaults), on ``data`` (default: 60,000 characters of the pydoc text), 128
+    positions (a generation task's prompt + 16 tokens), a checkpoint at step 2, fp32."""
     corpus = root / "corpus.txt"
     if not corpus.exists():
         corpus.write_text("\n\n".join(pydoc_corpus())[:60_000], encoding="utf-8")
@@ -44,10 +46,10 @@ def _preset(root: Path, name: str, model: str, extra: str = "", data: str = ""):
 [run]
 output_dir = "{root / 'runs'}"
 [model]
-d_model = 32
-n_heads = 2
 n_layers = 1
+d_model = 32
 d_ff = 64
+n_heads = 2
 dropout = 0.0
 {model}
 [data]
