@@ -245,6 +245,9 @@ def eval_cmd(run_dir: Path, split: str, data_dir: Path | None, beam: int, alpha:
     if data_dir is None and split == "train":
         fail("--split train scores a prepared directory's train split: give --data DIR")
     loaded = _load(run_dir, checkpoint, "decoder" if data_dir is not None else "", "eval")
+    if data_dir is None and loaded.preset.finetune.objective == "dpo":  # its validation split holds pairs
+        fail(f"{run_dir}: a preference (dpo) run's validation loss and rewards are its eval events (handle tui, "
+             f"events.jsonl); give --data DIR (text prepared with its tokenizer) or --tasks")
     started = time.perf_counter()
     opts = loaded.preset.data.options
     batch_size = loaded.preset.training.micro_batch_size

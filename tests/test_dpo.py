@@ -16,7 +16,10 @@ import torch
 
 transformers = pytest.importorskip("transformers", reason="needs the hf extra: pip install -e '.[dev,hf]'")
 
+from click.testing import CliRunner  # noqa: E402
+
 from benchmarks.preference_pairs import seed_task_pairs  # noqa: E402
+from handle_cli.main import cli  # noqa: E402
 from tests.test_sft import DATA, write_base  # noqa: E402
 from tests.unit.test_trainer_step import _events, _train, fake_peak, process_group  # noqa: E402,F401
 from torch_handle.config.loader import dump_preset, load_preset  # noqa: E402
@@ -74,6 +77,9 @@ def test_step_0_is_ln2_and_the_final_metrics_are_peft_and_trl(pairs, tmp_path, p
     assert all(set(METRICS) <= set(e) for e in steps + evals)
     assert steps[-1]["rewards/margins"] > 0, "chosen pulled above rejected"
     _metrics_are_peft(tmp_path, run_dir, data, evals[-1], beta=0.5, pairs_evaluated=4)
+    refused = CliRunner().invoke(cli, ["eval", str(run_dir)])  # its validation split holds pairs: not a text loss
+    assert refused.exit_code == 2 and len(refused.output.strip().splitlines()) == 1, refused.output
+    assert "its eval events" in refused.output
 
     # the reference precomputed before step 1 (the run directory keeps it): the adapters-off run's losses
     preset = load_preset(dpo_preset(tmp_path, base, data, steps=4),
