@@ -21,6 +21,7 @@ from tests.helpers import parallel_corpus
 from tests.unit.test_trainer_step import _train
 from torch_handle.config.loader import dump_preset, load_preset
 from torch_handle.data.corpus import pydoc_corpus
+from torch_handle.data.datasets import EOS_ID
 from torch_handle.rundir import create_run_dir
 from torch_handle.train.strategy import DistContext
 
@@ -72,7 +73,8 @@ lr = 0.02
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
     """``llama`` (a run) and its HF export ``hf``; ``lora`` (rank 4 on every linear of that export, 2 steps) and
-    its merged export ``lora_merged``; ``translate``, an encoder-decoder run (2 steps)."""
+    its merged export ``lora_merged``; ``classic``, the default (2017) decoder; ``translate``, an encoder-decoder
+    run (2 steps each)."""
     from torch_handle.infer.adapter_export import export_run
 
     root = tmp_path_factory.mktemp("lm_eval")
@@ -91,6 +93,9 @@ def runs(tmp_path_factory) -> dict[str, Path]:
         assert _train(lora, found["lora"], ctx) == "finished"
         export_run(found["lora"], root / "lora_merged", merge=True)
         found["lora_merged"] = root / "lora_merged"
+        classic = _preset(root, "classic", "")  # the 2017 decoder: post-LN, sinusoidal, ReLU; no HF class
+        found["classic"] = create_run_dir(root / "runs", "classic", dump_preset(classic), {"status": "starting"})
+        assert _train(classic, found["classic"], ctx) == "finished"
         pairs = parallel_corpus(root / "pairs")
         translate = _preset(root, "translate", 'kind = "encoder-decoder"',
                             data=f'name = "parallel"\npath = "{pairs}"\nsrc_lang = "en"\ntgt_lang = "de"')
@@ -151,13 +156,44 @@ def test_handle_eval_equals_lm_eval_hf_on_the_export(runs):
     assert any(g.strip() for g in generated), generated  # the model says something: the comparison is not ""
     listed = json.loads(CliRunner().invoke(cli, ["runs", str(runs["llama"].parent), "--json"]).output)
     row = next(r for r in listed if r["name"] == runs["llama"].name)
-    assert row["evals"]["step"] == 2 and row["evals"]["scores"][TASKS[0]]["acc"] == ours["results"][TASKS[0]]["acc,none"]
+    assert row["evals"]["step"] == 2
+    assert row["evals"]["scores"][TASKS[0]]["acc"] == ours["results"][TASKS[0]]["acc,none"]
 
 
 def test_lora_adapters_unmerged_equal_the_merged_export(runs):
     ours, samples = _handle_eval(runs["lora"])
     # W x + (α/r) B A x against (W + (α/r) B A) x: rounding differs, 3e-5 of -280 (1e-7 relative) measured
     _assert_same(ours, samples, _hf_eval(runs["lora_merged"]), rel=1e-6)
+
+
+def test_a_2017_decoder_scores_as_its_own_forward_and_greedy_generate(runs):
+    """No Hugging Face class computes it: each log-likelihood is held to the run's model on the request alone
+    (unbatched, unpadded) and each generation to ``handle generate``'s greedy ``sample`` (this 2-step model
+    repeats one token: the cache itself is held by the Llama run's varied text against transformers')."""
+    from torch_handle.infer.generate import load_run, sample
+
+    ours, samples = _handle_eval(runs["classic"])
+    loaded = load_run(runs["classic"])
+    model, tok = loaded.model.requires_grad_(False), loaded.tokenizer
+    scored = 0
+    for s in samples:
+        if s["task"] == TASKS[0]:
+            for (context, continuation), ((log_p, greedy),) in zip(s["arguments"], s["resps"]):
+                whole = tok.encode(context + continuation).ids
+                cont, ids = whole[len(tok.encode(context).ids):], whole[-(model.args.max_len + 1):]
+                with torch.no_grad():
+                    lp = torch.log_softmax(model(torch.tensor([ids[:-1]])), -1)[0, -len(cont):]  # (n, V)
+                expected = float(lp.gather(1, torch.tensor(cont)[:, None]).sum())
+                assert log_p == pytest.approx(expected, abs=1e-5, rel=1e-6)  # batched, padded: 1e-7 relative
+                assert greedy == (lp.argmax(-1).tolist() == cont)
+                scored += 1
+        else:
+            (context, _), = s["arguments"]
+            prompt = tok.encode(context).ids[-(model.args.max_len - 16):]
+            tokens = list(sample(model, prompt, 16, temperature=0))
+            tokens = tokens[:tokens.index(EOS_ID)] if EOS_ID in tokens else tokens
+            assert s["filtered_resps"][0] == tok.decode(tokens).split("\n")[0].strip()
+    assert scored == 4 * LIMIT
 
 
 @pytest.mark.parametrize("run, args, message", [
