@@ -159,8 +159,8 @@ def main() -> None:
     print(f"attention work per rank, max ÷ mean (seq_len {args.balance_len}, causal)")
     print(f"{'cp':>3} {'mask':<21} {'documents':>9} {'contiguous':>10} {'head-tail whole':>15} {'per document':>12}")
     for r in balance:
-        print(f"{r['cp']:>3} {r['mask']:<21} {r['documents']:>9} {r['contiguous']:>10.3f} {r['head_tail_whole']:>15.3f} "
-              f"{r['head_tail_per_document']:>12.3f}")
+        print(f"{r['cp']:>3} {r['mask']:<21} {r['documents']:>9} {r['contiguous']:>10.3f} "
+              f"{r['head_tail_whole']:>15.3f} {r['head_tail_per_document']:>12.3f}")
     speed = speed_rows(args.seq_lens, args.ranks, args.iters)
     print(f"\nforward + backward ms, slowest of {args.ranks} ranks (gloo, 1 thread each), H {N_HEADS}, H_kv "
           f"{N_KV_HEADS}, D {HEAD_DIM}, fp32, causal")

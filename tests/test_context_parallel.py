@@ -1,8 +1,9 @@
 """Context parallelism's algorithms (torch_handle/parallel/context) against one process's attention:
 
 * sharding: the head-tail permutation, per document and row by row (a document's first n mod 2·cp tokens pooled and
-  dealt head-tail), shard and unshard as inverses, labels shifted before sharding, the per-rank work counted exactly (the mask's own count) and
-  balanced (imbalance 1.0 with head-tail, 1.75 contiguous at cp 4; ≤ 1.1 for documents of random lengths);
+  dealt head-tail), shard and unshard as inverses, labels shifted before sharding, the per-rank work counted exactly
+  (the mask's own count) and balanced (imbalance 1.0 with head-tail, 1.75 contiguous at cp 4; ≤ 1.1 for documents of
+  random lengths);
 * ring, all-gather and Ulysses attention, forward and backward (dq, dk, dv), equal the model's reference attention
   (``scaled_dot_product_attention_reference`` with ``document_mask_of``'s mask) on the whole sequence in float64
   within 1e-10, on real gloo groups of 1, 2, 3 and 4 processes: causal, packed documents (shorter than a shard,

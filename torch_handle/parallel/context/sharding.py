@@ -4,8 +4,9 @@
 shards gives rank r about (2r + 1)/cp² of the T²/2 query-key pairs: the last rank does (2cp - 1)/cp times the
 mean (1.75 at cp 4, toward 2 as cp grows) and every other rank waits for it. Cut instead into 2·cp chunks and let
 rank r hold chunks r and 2cp - 1 - r (a head chunk and the mirrored tail chunk): chunk c costs about 2c + 1 units
-of the triangle, so rank r gets (2r + 1) + (4cp - 2r - 1) = 4cp units, the same for all (Megatron-LM's context parallelism with Transformer Engine;
-ring-flash-attention's ``zigzag_ring_flash_attn``; torchtitan's ``_HeadTailLoadBalancer``; Llama 3 §3.3.2).
+of the triangle, so rank r gets (2r + 1) + (4cp - 2r - 1) = 4cp units, the same for all (Megatron-LM's context
+parallelism with Transformer Engine; ring-flash-attention's ``zigzag_ring_flash_attn``; torchtitan's
+``_HeadTailLoadBalancer``; Llama 3 §3.3.2).
 
 **Packed documents.** With a document mask the triangle is one per document, and head-tail on the whole sequence
 no longer balances (random documents of mean T/16 at cp 4: 1.45 × the mean, worse than contiguous shards). So each
