@@ -145,6 +145,10 @@ def _prepare_chat(sources, out, tokenizer, template, train_on, valid, valid_frac
     with contextlib.nullcontext(None) if as_json else progress_bar() as show:
         result = prepare_preference(list(sources), out, progress=show, **common) if preference else \
             prepare_chat(list(sources), out, train_on=train_on, messages_field=messages_field, progress=show, **common)
+    if not result["end_of_turn_trained"]:  # a model trained on it never stops (trl #1623)
+        click.echo(f"warning: {result['directory']}: no trained token ends a turn (template {result['template']} ends "
+                   f"its turns with text, not a token of this vocabulary): a model trained on it never learns to "
+                   f"stop; give --template zephyr, or a base whose vocabulary has the template's tokens", err=True)
     if as_json:
         click.echo(json.dumps(result))
         return

@@ -14,7 +14,7 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from torch_handle.common.names import TOKENIZER_FILE
-from torch_handle.data.chat.template import END_OF_TURN, TEMPLATE_FILE, ChatTemplate, load_template
+from torch_handle.data.chat.template import TEMPLATE_FILE, ChatTemplate, end_of_turn_ids, load_template
 from torch_handle.errors import RunDirError
 from torch_handle.infer.generate import sample
 
@@ -30,12 +30,6 @@ def run_template(run_dir: Path) -> ChatTemplate:
                           f"`handle data prepare --chat` and train with finetune.objective = \"sft\")")
     return load_template(None, Path(run_dir) / TOKENIZER_FILE)
 
-
-def end_of_turn_ids(tokenizer: Any, template: ChatTemplate) -> set[int]:
-    """The ids that end an assistant turn: the template's ``eos_token`` and the common end-of-turn tokens, where
-    the vocabulary has them."""
-    names = [dict(template.special_tokens).get("eos_token"), *END_OF_TURN]
-    return {i for name in names if isinstance(name, str) and (i := tokenizer.token_to_id(name)) is not None}
 
 
 def prompt_ids(tokenizer: Any, template: ChatTemplate, messages: Sequence[dict[str, Any]]) -> list[int]:

@@ -23,8 +23,8 @@ import numpy as np
 from torch_handle.common.fsio import replace_problem, replacing_dir
 from torch_handle.common.names import TOKENIZER_FILE
 from torch_handle.data.chat.rows import conversations, read_rows
-from torch_handle.data.chat.template import (TEMPLATE_FILE, TRAIN_ON, ChatTemplate, load_template, trained_of,
-                                             turn_spans)
+from torch_handle.data.chat.template import (TEMPLATE_FILE, TRAIN_ON, ChatTemplate, end_of_turn_ids, load_template,
+                                             trained_of, turn_spans)
 from torch_handle.data.shards import META_FILE, ShardWriter, file_sha256, token_dtype, write_meta
 from torch_handle.data.sources import path_bytes, path_sha256
 from torch_handle.data.prepare import held_out
@@ -173,6 +173,7 @@ def prepare_rendered(sources: Sequence[str], out: str | Path,
                 fix = "lower --valid-fraction" if split == "train" else "give --valid SRC or a larger --valid-fraction"
                 raise DataError(f"{', '.join(map(str, [*train_files, *valid_files][:3]))}: no {split} {unit} "
                                 f"({fix})")
+        ends = trained_ends(tmp, splits["train"], dtype, end_of_turn_ids(tok, chat))
         info = {"dtype": dtype.name, "splits": splits,
                 "tokenizer": {"file": TOKENIZER_FILE, "sha256": file_sha256(tmp / TOKENIZER_FILE), "vocab_size": vocab,
                               "eos_id": eos, "pad_id": pad_id_of(tok, tok_path, eos), "given": str(tok_path)},
@@ -183,11 +184,25 @@ def prepare_rendered(sources: Sequence[str], out: str | Path,
                 "part": None,
                 "chat": {"template": chat.name, "template_sha256": chat.sha256, "template_file": TEMPLATE_FILE,
                          **meta, "max_len": max_len, "max_len_policy": max_len_policy, "trained_tokens": trained,
-                         **counts}}
+                         "end_of_turn_trained": ends, **counts}}
         write_meta(tmp, info)
     return {"directory": str(out), "splits": {s: {"tokens": v["tokens"], "documents": v["documents"],
                                                   "trained_tokens": trained[s]} for s, v in splits.items()},
-            **counts, "template": chat.name, **meta, "seconds": round(time.perf_counter() - t0, 3)}
+            **counts, "template": chat.name, **meta, "end_of_turn_trained": ends,
+            "seconds": round(time.perf_counter() - t0, 3)}
+
+
+def trained_ends(directory: Path, split: dict[str, Any], dtype: Any, ends: set[int]) -> int:
+    """How many trained tokens of a written split (``split``: its ``meta.json`` entry, shards in ``directory``) are
+    end-of-turn tokens (``ends``: :func:`~torch_handle.data.chat.template.end_of_turn_ids`). 0 means a model trained
+    on it never learns to stop (trl #1623, axolotl #3754): the template ends its turns with text, not a token of the
+    vocabulary that generation stops at."""
+    count = 0
+    for shard in split["shards"]:
+        ids = np.fromfile(directory / shard["bin"], dtype=dtype)
+        mask = np.fromfile(directory / shard["mask"], dtype=np.uint8).astype(bool)
+        count += int(np.isin(ids[mask], np.fromiter(ends, dtype=np.int64, count=len(ends))).sum())
+    return count
 
 
 def _files(specs: Sequence[str]) -> list[Path]:

@@ -63,6 +63,14 @@ END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<|endoftext|>", "</s>", "
 TRAIN_ON = ("assistant", "last", "all")
 
 
+def end_of_turn_ids(tokenizer: Any, template: ChatTemplate) -> set[int]:
+    """The ids that end an assistant turn: the template's ``eos_token`` and the common end-of-turn tokens
+    (:data:`END_OF_TURN`), where the vocabulary has them: where ``handle chat`` stops, and what a prepare checks is
+    trained."""
+    names = [dict(template.special_tokens).get("eos_token"), *END_OF_TURN]
+    return {i for name in names if isinstance(name, str) and (i := tokenizer.token_to_id(name)) is not None}
+
+
 @dataclass(frozen=True)
 class ChatTemplate:
     """A template's source and where it came from (``name``: ``chatml``, a file, or ``<base>/tokenizer_config.json``),
