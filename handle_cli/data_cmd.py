@@ -100,6 +100,7 @@ def prepare(sources: tuple[str, ...], out: Path, tokenizer: str | None, vocab_si
       handle data prepare web.jsonl.gz --field text --tokenizer exported/llama --out data/web --json
       handle data prepare shards/*.parquet --column content --tokenizer tok.json --out data/big --part 0/8
       handle data prepare chats.jsonl --chat --tokenizer runs/llama-export --template chatml --out data/chat
+      handle data prepare seed_tasks.jsonl --chat --tokenizer exported/llama --template zephyr --out data/sft
       handle data prepare pairs.jsonl --preference --tokenizer runs/llama-export --out data/pairs
 
     Exit code 2 with one line on stderr, and nothing written, for bad input.
