@@ -76,6 +76,7 @@ def test_step_0_is_ln2_and_the_final_metrics_are_peft_and_trl(pairs, tmp_path, p
     assert steps[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
     assert all(set(METRICS) <= set(e) for e in steps + evals)
     assert steps[-1]["rewards/margins"] > 0, "chosen pulled above rejected"
+    assert not [e for e in events if "policy still equals" in e.get("message", "")], "it trains: no warning"
     _metrics_are_peft(tmp_path, run_dir, data, evals[-1], beta=0.5, pairs_evaluated=4)
     refused = CliRunner().invoke(cli, ["eval", str(run_dir)])  # its validation split holds pairs: not a text loss
     assert refused.exit_code == 2 and len(refused.output.strip().splitlines()) == 1, refused.output
@@ -194,3 +195,18 @@ def test_qlora_dpo_starts_at_ln2_and_trains(run_losses):
     losses = [e["loss"] for e in run_losses["qlora"]]
     assert len(losses) == STEPS and losses[0] == pytest.approx(math.log(2), abs=1e-6)
     assert losses != pytest.approx([e["loss"] for e in run_losses["single"]], abs=1e-5)
+
+
+def test_a_loss_stuck_at_ln2_says_why(pairs, tmp_path, process_group):
+    """A learning rate too small to move the adapters: the margins stay 0 and the loss ln 2, and the run says so
+    once, 3 steps past the warm-up (trl #1311, #1627)."""
+    base, data = pairs
+    preset = load_preset(dpo_preset(tmp_path, base, data, steps=5), [*DPO, "training.lr=1e-12",
+                                                                      "training.eval_every=0"])
+    run_dir = create_run_dir(tmp_path / "runs", "stuck", dump_preset(preset), {"status": "starting"})
+    assert _train(preset, run_dir, process_group) == "finished"
+    events = _events(run_dir)
+    assert all(e["loss"] == pytest.approx(math.log(2), abs=1e-6) for e in events if e["kind"] == "step")
+    warnings = [e["message"] for e in events if e["kind"] == "log" and "policy still equals its reference" in
+                e.get("message", "")]
+    assert len(warnings) == 1 and "training.lr = 1e-12" in warnings[0], warnings

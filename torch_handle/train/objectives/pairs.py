@@ -25,6 +25,8 @@ from torch_handle.finetune.lora import adapters_disabled
 from torch_handle.model.linear_cross_entropy import sequence_logps as chunked_sequence_logps
 from torch_handle.train.objectives.preference import METRICS, PairLogps, PreferenceLoss, preference_loss
 
+STUCK_STEPS = 3
+"""Steps past the warm-up after which a loss still at ln 2 with zero margins is reported (trl #1311, #1627)."""
 REFERENCE_FILE = "reference_logps.pt"
 """In the run directory: the precomputed reference's ``{"train": (N, 2), "valid": (M, 2)}`` float64 sums (chosen,
 rejected per pair, in the splits' order)."""
@@ -115,11 +117,18 @@ class DirectPreference:
         """The precomputed reference (:func:`precompute_reference`), once read or computed."""
         self.sums: torch.Tensor | None = None
         """Σ over pairs of each of :data:`METRICS`, then the trained tokens, since the last :meth:`attach`."""
+        self.training = False
+        """Whether the sums are a training step's (else an evaluation's)."""
+        self.margins: list[float] | None = []
+        """The training steps' ``rewards/margins`` until the check of :meth:`check_stuck` (None after it)."""
 
     def forward_loss(self, trainer: Any, batch: dict[str, torch.Tensor], *, train: bool = True
                      ) -> tuple[torch.Tensor, torch.Tensor]:
         """(the mean of the micro-batch's per-pair losses, its pairs B) of ``batch`` (``input_ids``, ``labels``:
         (B, 2, T))."""
+        if train:
+            self.check_stuck(trainer)
+        self.training = train
         ids, labels, index = batch.pop("input_ids"), batch.pop("labels"), batch.pop("pair", None)
         B = ids.shape[0]
         ids, labels = (x.transpose(0, 1).reshape(2 * B, -1) for x in (ids, labels))  # (2B, T): chosen, rejected
@@ -140,6 +149,21 @@ class DirectPreference:
         sums = torch.stack([*(metrics[k].sum() for k in METRICS), counts.sum().float()]).double() * once
         self.sums = sums if self.sums is None else self.sums + sums
         return trainer.aux_loss_scale.probe(losses.mean()), torch.tensor(B, device=losses.device)
+
+    def check_stuck(self, trainer: Any) -> None:
+        """Once, :data:`STUCK_STEPS` steps past the warm-up: a warning when every step's reward margin was zero (the
+        loss at ln 2): the policy still equals its reference."""
+        margins = self.margins
+        if margins is None or len(margins) < trainer.training.warmup_steps + STUCK_STEPS:
+            return
+        self.margins = None
+        if max(abs(m) for m in margins) < 1e-6:
+            from torch_handle.observe.fields import Level
+
+            trainer.note(Level.WARNING, f"finetune.objective = 'dpo': the reward margins were 0 and the loss ln 2 for "
+                                        f"all of the first {len(margins)} steps: the policy still equals its "
+                                        f"reference (does anything train? finetune.target_modules; training.lr = "
+                                        f"{trainer.training.lr:g}; finetune.preference.beta = {self.loss.beta:g})")
 
     def reference_table(self, trainer: Any) -> dict[str, torch.Tensor]:
         """The precomputed reference: read from the run directory (a resume), else computed now (before step 1:
@@ -174,4 +198,6 @@ class DirectPreference:
         tail, pairs = reduced[-k:].tolist(), max(float(reduced[1]), 1.0)
         out: dict[str, Any] = {name: tail[i] / pairs for i, name in enumerate(METRICS)}
         out[TRAINED_TOKENS] = int(tail[-1])
+        if self.training and self.margins is not None:
+            self.margins.append(out["rewards/margins"])
         return out, reduced[:-k]
