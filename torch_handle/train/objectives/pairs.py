@@ -1,15 +1,16 @@
 """The objective ``dpo``: preference pairs (:class:`~torch_handle.data.chat.pair_samples.PreferencePairs`) and a
 preference loss (:mod:`torch_handle.train.objectives.preference`, ``[finetune.preference]``).
 
-A micro-batch of B pairs, ``input_ids`` and ``labels`` (B, 2, T), runs as ONE forward of 2B rows, the B chosen
-rows first, then the B rejected (torchtune's and TRL's ``concatenated_forward``); each row's summed log-probability
-of its trained tokens (the completion's) is the policy's ``s``. The reference model's, for a reference-based loss,
-is the same model with its LoRA adapters switched off (:func:`~torch_handle.finetune.lora.adapters_disabled`, no
-second copy; peft's ``disable_adapter`` as TRL and torchtune use it), in evaluation mode (no dropout), under
-``no_grad``; or ``precomputed`` (:func:`precompute_reference`): computed once for every pair, from the model as
-built, before step 1 (TRL's ``precompute_ref_log_probs``; no reference model kept, so a full fine-tune has one
-too), and kept in the run directory (:data:`REFERENCE_FILE`) for a resume. The loss is the mean over pairs; a step's and an evaluation's metrics are the means over the pairs of
-every data-parallel rank (their sums ride on the trainer's one all-reduce: :meth:`DirectPreference.attach`).
+A micro-batch of B pairs, ``input_ids`` and ``labels`` (B, 2, T), runs as ONE forward of 2B rows, the B chosen rows
+first, then the B rejected (torchtune's and TRL's ``concatenated_forward``); each row's summed log-probability of
+its trained tokens (the completion's) is the policy's ``s``. The reference model's, for a reference-based loss, is
+the same model with its LoRA adapters switched off (:func:`~torch_handle.finetune.lora.adapters_disabled`, no second
+copy; peft's ``disable_adapter`` as TRL and torchtune use it), in evaluation mode (no dropout), under ``no_grad``;
+or ``precomputed`` (:func:`precompute_reference`): computed once for every pair, from the model as built, before
+step 1 (TRL's ``precompute_ref_log_probs``; no reference model kept, so a full fine-tune has one too), and kept in
+the run directory (:data:`REFERENCE_FILE`) for a resume. The loss is the mean over pairs; a step's and an
+evaluation's metrics are the means over the pairs of every data-parallel rank (their sums ride on the trainer's one
+all-reduce: :meth:`DirectPreference.attach`).
 """
 
 from __future__ import annotations

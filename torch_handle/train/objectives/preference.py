@@ -16,7 +16,8 @@ sigmoid    ``-(1 - ε) log σ(β Δ) - ε log σ(-β Δ)``                      
 ipo        ``(r_w / n_w - r_l / n_l - 1 / (2 β))²``                        Azar et al. 2023 (IPO), eq. 17, length-
                                                                            normalised as TRL does (with its authors)
 hinge      ``max(0, 1 - β Δ)``                                             Zhao et al. 2023 (SLiC-HF), eq. 1
-simpo      ``-(1 - ε) log σ(β (m_w - m_l) - γ) - ε log σ(-β (m_w - m_l) + γ)``  Meng et al. 2024 (SimPO), eq. 6
+simpo      ``-(1 - ε) log σ(z) - ε log σ(-z)``,                            Meng et al. 2024 (SimPO), eq. 6
+           ``z = β (m_w - m_l) - γ``
 orpo       ``-m_w - β log σ(log odds(m_w) - log odds(m_l))``,              Hong et al. 2024 (ORPO), eqs. 2, 4, 7
            ``odds(m) = e^m / (1 - e^m)``
 =========  ==============================================================  =========================================
