@@ -19,7 +19,8 @@ mean the same (``tests/test_lm_eval.py`` holds them equal):
 - ``generate_until(context, gen_kwargs)`` -> the continuation, greedy (``temperature`` 0 or ``do_sample`` false;
   a positive temperature samples), stopped at ``<eos>``, at the first stop sequence of ``until`` (cut off
   before it) or after ``max_gen_toks`` tokens (default 256). Decoding is cached (``KVCache``): one forward of the
-  prompt, then one token per step; requests with the same gen_kwargs and the same prompt length share a batch.
+  prompt, then one token per step; requests with the same gen_kwargs share a batch, left-padded under RoPE (a
+  shift of every position changes no attention score), of one prompt length under absolute positions.
 
 Shapes: B requests in a batch, T tokens, V the vocabulary. The model runs in its own dtype on its device, fp32
 for ``load_run``'s models; log-softmax is computed in fp32.
@@ -68,6 +69,8 @@ class HandleLM(TemplateLM):
         self.batch_size = max(1, int(batch_size))
         self._device = next(model.parameters()).device
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.relative = getattr(model.args, "position", None) == "rope"
+        """Positions enter attention only as differences (RoPE): generation may batch left-padded prompts."""
         self.counts: dict[str, int] = {}
         """Requests answered, by type (``loglikelihood``, ``loglikelihood_rolling``, ``generate_until``)."""
 
@@ -112,12 +115,17 @@ class HandleLM(TemplateLM):
 
     # ------------------------------------------------------------------------------------------ log-likelihood
     @torch.no_grad()
-    def _log_probs(self, rows: list[list[int]]) -> torch.Tensor:
-        """Right-padded rows (B, T) through the model -> log-softmax (B, T, V) in fp32. No padding mask: under
-        causal attention a position never sees the padding after it (``HFLM`` calls its model the same way)."""
+    def _log_probs(self, rows: list[list[int]], spans: list[int]) -> list[torch.Tensor]:
+        """Right-padded rows (B, T) through the model -> for each row the log-softmax (fp32) at its last ``spans[i]``
+        positions, (spans[i], V). No padding mask: under causal attention a position never sees the padding after
+        it (``HFLM`` calls its model the same way). The output layer and the softmax run on those positions alone
+        (``return_hidden``): the context's logits are never needed."""
         width = max(map(len, rows))
         ids = torch.tensor([r + [PAD_ID] * (width - len(r)) for r in rows], device=self.device)
-        return F.log_softmax(self.model(ids, padding_mask=None).float(), dim=-1)
+        hidden = self.model(ids, padding_mask=None, return_hidden=True)  # (B, T, C)
+        picked = torch.cat([hidden[i, len(r) - n:len(r)] for i, (r, n) in enumerate(zip(rows, spans))])  # (ΣN, C)
+        log_probs = F.log_softmax(self.model.lm_head(picked).float(), dim=-1)  # (ΣN, V)
+        return list(log_probs.split(spans))
 
     def loglikelihood(self, requests: list[Any], disable_tqdm: bool = False) -> list[tuple[float, bool]]:
         """Each request's ``(context, continuation)`` -> (log P(continuation | context) in nats, is greedy)."""
@@ -140,9 +148,8 @@ class HandleLM(TemplateLM):
                     raise DataError(f"a continuation of {len(cont)} tokens does not fit the model's "
                                     f"{self.max_length} positions (a task for a longer model)")
             rows = [(ctx + cont)[-(self.max_length + 1):][:-1] for _, ctx, cont in chunk]
-            log_probs = self._log_probs(rows)  # (B, T, V)
-            for (request, ctx, cont), row, lp in zip(chunk, rows, log_probs):
-                lp = lp[len(row) - len(cont):len(row)].unsqueeze(0)  # (1, len(cont), V)
+            for (request, ctx, cont), lp in zip(chunk, self._log_probs(rows, [len(c) for _, _, c in chunk])):
+                lp = lp.unsqueeze(0)  # (1, len(cont), V)
                 greedy = lp.argmax(-1)  # (1, len(cont))
                 for request, cont, lp_ in order.get_cache(req_str=request, cxt_toks=ctx, cont_toks=cont, logits=lp):
                     target = torch.tensor(cont, device=self.device).unsqueeze(0)  # (1, n)
@@ -193,10 +200,10 @@ class HandleLM(TemplateLM):
             temperature = float(kwargs.get("temperature", 0.0)) if kwargs.get("do_sample") else 0.0
             prompts = [self.tok_encode(context, left_truncate_len=self.max_length - max_new) for context, _ in chunk]
             start = 0
-            while start < len(prompts):  # batches of equal prompt length (no padding, no position shift)
+            while start < len(prompts):  # longest first; RoPE: any lengths, left-padded; else one length a batch
                 end = start + 1
                 while (end < len(prompts) and end - start < self.batch_size
-                       and len(prompts[end]) == len(prompts[start])):
+                       and (self.relative or len(prompts[end]) == len(prompts[start]))):
                     end += 1
                 for ids in self._generate(prompts[start:end], max_new, until, temperature):
                     out.append(postprocess_generated_text(self.tok_decode(ids), until, None))
@@ -206,10 +213,17 @@ class HandleLM(TemplateLM):
     @torch.no_grad()
     def _generate(self, prompts: list[list[int]], max_new: int, until: list[str],
                   temperature: float) -> list[list[int]]:
-        """Prompts of one length (B, T) -> the generated ids of each (stopped at ``<eos>``, left out, or once
-        its text holds a stop sequence)."""
+        """Prompts (B of them, T tokens the longest) -> the generated ids of each (stopped at ``<eos>``, left out,
+        or once its text holds a stop sequence). Shorter prompts are left-padded, the padding masked: their tokens
+        sit at positions shifted by the padding, which RoPE does not see (attention scores depend on positions'
+        differences alone); the caller batches prompts of one length for absolute positions."""
         cache = KVCache.for_model(self.model)
-        logits = self.model(torch.tensor(prompts, device=self.device), cache=cache, padding_mask=None)[:, -1]
+        width = max(map(len, prompts))
+        ids = torch.tensor([[PAD_ID] * (width - len(p)) + p for p in prompts], device=self.device)  # (B, T)
+        pads = torch.tensor([[True] * (width - len(p)) + [False] * len(p) for p in prompts], device=self.device)
+        hidden = self.model(ids, cache=cache, padding_mask=pads if bool(pads.any()) else None,
+                            return_hidden=True)  # (B, T, C): the output layer on the last position alone
+        logits = self.model.lm_head(hidden[:, -1])  # (B, V)
         out: list[list[int]] = [[] for _ in prompts]
         rows = list(range(len(prompts)))  # which prompt each live row is
         stops = [s for s in until if s]
