@@ -98,13 +98,26 @@ def test_a_full_fine_tune_takes_a_precomputed_reference(pairs, tmp_path, process
     """method = "none": every weight trains, the reference (auto: precomputed) is the base's log-probabilities
     from before step 1, no second model."""
     base, data = pairs
-    preset = load_preset(dpo_preset(tmp_path, base, data, steps=2), [*DPO, "finetune.method=none",
-                                                                      "training.lr=0.001"])
+    full = [*DPO, "finetune.method=none", "training.lr=0.001", "training.schedule=constant"]
+    preset = load_preset(dpo_preset(tmp_path, base, data, steps=2), full)
     run_dir = create_run_dir(tmp_path / "runs", "full", dump_preset(preset), {"status": "starting"})
     assert _train(preset, run_dir, process_group) == "finished"
     steps = [e for e in _events(run_dir) if e["kind"] == "step"]
     assert steps[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
     assert abs(steps[1]["rewards/margins"]) > 0 and (run_dir / "reference_logps.pt").exists()
+
+    # a resume reads the reference the run directory keeps (the model is no longer the reference): step 3 of the
+    # resumed run is step 3 of an uninterrupted one
+    longer = load_preset(dpo_preset(tmp_path, base, data, steps=3), full)
+    assert _train(longer, run_dir, process_group) == "finished"
+    straight = create_run_dir(tmp_path / "runs", "straight", dump_preset(longer), {"status": "starting"})
+    assert _train(longer, straight, process_group) == "finished"
+    resumed, uninterrupted = ([e["loss"] for e in _events(d) if e["kind"] == "step"] for d in (run_dir, straight))
+    assert resumed[-1] == pytest.approx(uninterrupted[-1], abs=1e-6) and len(uninterrupted) == 3
+    (run_dir / "reference_logps.pt").unlink()
+    further = load_preset(dpo_preset(tmp_path, base, data, steps=4), full)
+    with pytest.raises(RuntimeError, match="reference_logps.pt: missing, and the model is past step 0"):
+        _train(further, run_dir, process_group)
 
 
 def _metrics_are_peft(tmp_path: Path, run_dir: Path, data: Path, final: dict, *, beta: float,
