@@ -227,3 +227,18 @@ def test_a_loss_stuck_at_ln2_says_why(pairs, tmp_path, process_group):
     warnings = [e["message"] for e in events if e["kind"] == "log" and "policy still equals its reference" in
                 e.get("message", "")]
     assert len(warnings) == 1 and "training.lr = 1e-12" in warnings[0], warnings
+
+
+def test_the_chunked_loss_path_gives_the_full_one(pairs, tmp_path, process_group):
+    """``training.loss_impl = "chunked"``: the sequences' log-probabilities from the hidden states a chunk of tokens
+    at a time (linear_cross_entropy.sequence_logps), the same DPO losses and metrics as from the logits."""
+    base, data = pairs
+    found = {}
+    for impl in ("full", "chunked"):
+        preset = load_preset(dpo_preset(tmp_path, base, data, steps=2), [*DPO, f"training.loss_impl={impl}"])
+        run_dir = create_run_dir(tmp_path / "runs", impl, dump_preset(preset), {"status": "starting"})
+        assert _train(preset, run_dir, process_group) == "finished"
+        found[impl] = [e for e in _events(run_dir) if e["kind"] in ("step", "eval")]
+    for key in ("loss", "val_loss", *METRICS):
+        assert [e.get(key) for e in found["chunked"]] == pytest.approx([e.get(key) for e in found["full"]], rel=1e-6,
+                                                                       abs=1e-5), key
