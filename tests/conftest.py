@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -11,13 +12,24 @@ import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
+THREADS = 1
+"""Intra-op threads of the suite's processes (``OMP_NUM_THREADS``, unless the environment sets it): this one, the
+in-process tests of each xdist worker, and every `handle run` it starts (the launcher honours the variable). `make
+test` runs two workers on two cores, each about a core: torch's default pool of one thread per core had them
+oversubscribed, its threads spinning for each other's cores (tests/unit: 105 CPU seconds with the default pool, 57
+with one thread, measured side by side under load)."""
+
 
 def pytest_configure(config) -> None:
     """Tests (and every process they start) use a copy of the user's peak and precision-probe cache
     (``HANDLE_PEAK_CACHE``): what they measure is not written into the real one, and what it holds spares them
-    the measuring. And one data cache (``HANDLE_DATA_CACHE``) for all their runs: a corpus is prepared once."""
+    the measuring. And one data cache (``HANDLE_DATA_CACHE``) for all their runs: a corpus is prepared once. And
+    :data:`THREADS` intra-op threads for every process of the suite."""
     from torch_handle.data.cache import CACHE_ENV
 
+    os.environ.setdefault("OMP_NUM_THREADS", str(THREADS))
+    if "torch" in sys.modules:  # imported before this hook (a plugin): its pool is sized already
+        sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     if not os.environ.get(CACHE_ENV):  # one data cache for every run of the suite: pydoc is prepared once
         os.environ[CACHE_ENV] = config._handle_data_cache = tempfile.mkdtemp(prefix="handle-test-data-")
     if os.environ.get("HANDLE_PEAK_CACHE"):
