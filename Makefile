@@ -39,6 +39,8 @@ demo: install
 # Everything: real torchrun workers, DeepSpeed, the dashboard (minutes). Two pytest workers, each test file on one
 # of them (--dist loadfile keeps a file's shared runs together), the slowest files first (tests/conftest.py): a
 # distributed test spends much of its time starting processes and waiting on them, which the other worker fills.
+# Every process of the suite computes with one intra-op thread (OMP_NUM_THREADS=1, tests/conftest.py): two workers
+# on two cores, each about a core.
 # TEST_WORKERS=0 runs the suite in one process.
 TEST_WORKERS ?= 2
 test: install-dev
