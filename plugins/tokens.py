@@ -153,6 +153,10 @@ def check_objective(options: TokensConfig, preset: Any) -> Iterator[InvalidValue
     objective = getattr(preset.finetune, "objective", "lm")
     if objective not in ("sft", "dpo"):
         return
+    if options.sources:
+        yield InvalidValue("sources", f"finetune.objective = {objective!r} reads one prepared directory (data.path), "
+                                      f"not a mixture")
+        return
     for _, path, _ in options.source_list():
         try:
             prepared = _open(path)

@@ -162,9 +162,12 @@ def test_a_dpo_preset_on_pairs_is_valid(pairs, tmp_path):
     (("parallel.tp=2", "launch.nproc_per_node=2"), "parallel.tp > 1 is not supported yet"),
     (("parallel.pp=2", "launch.nproc_per_node=2", "training.grad_accum=2"), "parallel.pp > 1 is not supported yet"),
     (("finetune.objective=sft",), "holds preference pairs"),
-], ids=["beta-0", "beta-negative", "reference-none", "free-with-reference", "full-fine-tune", "tp", "pp", "sft"])
+    (("data.path=", "data.sources=[{path=\"DIR\"}]"), "data.sources: finetune.objective = 'dpo' reads one prepared "
+                                                       "directory"),
+], ids=["beta-0", "beta-negative", "reference-none", "free-with-reference", "full-fine-tune", "tp", "pp", "sft",
+        "mixture"])
 def test_bad_dpo_presets_are_one_line_exit_2(pairs, tmp_path, overrides, message):
-    res = _validate(tmp_path, pairs[0], *overrides)
+    res = _validate(tmp_path, pairs[0], *(o.replace("DIR", str(pairs[0])) for o in overrides))
     assert res.exit_code == 2, res.output
     lines = [ln for ln in res.output.strip().splitlines() if ln.startswith("error")]
     assert len(lines) == 1 and message in lines[0], res.output
