@@ -10,19 +10,25 @@ from pathlib import Path
 from typing import Any
 
 from torch_handle.api import Kind, Sink, hookimpl
-from torch_handle.observe.fields import BREAKDOWN, COMM_S, TRAINED_SHARE, TRAINED_TOKENS_PER_S
+from torch_handle.observe.fields import (BREAKDOWN, COMM_S, PREFERENCE_METRICS, TRAINED_SHARE,
+                                        TRAINED_TOKENS_PER_S)
 
 TRAIN_SCALARS = ("loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", COMM_S, "mfu", TRAINED_TOKENS_PER_S,
-                 TRAINED_SHARE)
+                 TRAINED_SHARE, *PREFERENCE_METRICS)
 """Fields of ``step`` events written as ``train/<field>`` (when the event has them: ``comm_s`` only from
-strategies that report it, ``mfu`` when the peak is known, the trained tokens/s and share from an SFT run)."""
+strategies that report it, ``mfu`` when the peak is known, the trained tokens/s and share from an SFT run, a DPO
+run's rewards and log-probs as ``train/rewards/chosen`` etc., nats, accuracies 0..1)."""
+VALID_SCALARS = PREFERENCE_METRICS
+"""Fields of ``eval`` events written as ``valid/<field>`` beside ``valid/loss`` (a DPO run's validation rewards
+and log-probs, ``objectives.preference.METRICS``)."""
 TIME_SCALARS = BREAKDOWN
 """The step breakdown, written as ``time/<field>`` (seconds) so TensorBoard groups the parts in one section."""
 
 
 class TensorBoardSink(Sink):
-    """``train/<field>`` and ``time/<part>`` for every step, ``valid/loss`` for every eval after step 0 (the
-    untrained baseline at step 0 is in events.jsonl only); x axis: the step, wall time: the event's time."""
+    """``train/<field>`` and ``time/<part>`` for every step, ``valid/loss`` (and a DPO run's ``valid/rewards/*``,
+    ``valid/logps/*``) for every eval after step 0 (the untrained baseline at step 0 is in events.jsonl only);
+    x axis: the step, wall time: the event's time."""
 
     def __init__(self, writer: Any):
         self.writer = writer
@@ -41,6 +47,10 @@ class TensorBoardSink(Sink):
         elif kind == Kind.EVAL and step:
             value = event.get("val_loss")
             self.writer.add_scalar("valid/loss", math.nan if value is None else value, step, walltime=t)
+            for key in VALID_SCALARS:
+                if key in event:
+                    value = event[key]
+                    self.writer.add_scalar(f"valid/{key}", math.nan if value is None else value, step, walltime=t)
 
     def close(self) -> None:
         self.writer.close()
@@ -55,4 +65,4 @@ def build_tensorboard(run_dir: Path, preset: Any) -> TensorBoardSink:
 @hookimpl
 def handle_register_sinks(register):
     register("tensorboard", build_tensorboard,
-             "TensorBoard scalars (train/*, time/*, valid/loss) in <run_dir>/tensorboard")
+             "TensorBoard scalars (train/*, time/*, valid/*) in <run_dir>/tensorboard")

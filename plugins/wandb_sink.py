@@ -14,10 +14,10 @@ unset, empty, ``0``, ``false``, ``off``  no W&B run (the sink does nothing)
 
 Offline runs are written to ``<run_dir>/wandb/offline-run-*`` and uploaded later with ``wandb sync DIR``; the
 W&B run id is derived from the run directory, so a resumed run continues the same W&B run. Logged: the
-TensorBoard sink's scalars (``train/*`` and ``time/*`` for every step, ``valid/loss`` for every evaluation
-after step 0), the resolved preset as the run's config, and the status: ``summary.status`` (running, finished,
-failed, stopped), ``summary.step``, and the exit code ``handle run`` gives (0 finished, 1 failed, 130 stopped)
-as ``finish(exit_code)``. The project is ``WANDB_PROJECT`` or ``torch-handle``.
+TensorBoard sink's scalars (``train/*`` and ``time/*`` for every step, ``valid/loss`` and a DPO run's
+``valid/rewards/*``, ``valid/logps/*`` for every evaluation after step 0), the resolved preset as the run's
+config, and the status: ``summary.status`` (running, finished, failed, stopped), ``summary.step``, and the exit
+code ``handle run`` gives (0 finished, 1 failed, 130 stopped) as ``finish(exit_code)``. The project is ``WANDB_PROJECT`` or ``torch-handle``.
 
 ``wandb`` is the optional extra ``torch-handle[wandb]``; it is imported by the factory only. Asked for without
 it, the sink is disabled with one warning naming the extra, and the run goes on; so it does when W&B fails at
@@ -34,7 +34,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from handle_plugins.sinks import TIME_SCALARS, TRAIN_SCALARS
+from handle_plugins.sinks import TIME_SCALARS, TRAIN_SCALARS, VALID_SCALARS
 
 from torch_handle.api import Kind, Sink, Status, hookimpl
 
@@ -118,7 +118,9 @@ class WandbSink(Sink):
             data.update({f"time/{k}": _finite(event[k]) for k in TIME_SCALARS if k in event})
             self.run.log(data, step=step)
         elif kind == Kind.EVAL and step:
-            self.run.log({"valid/loss": _finite(event.get("val_loss"))}, step=step)
+            data = {"valid/loss": _finite(event.get("val_loss"))}
+            data.update({f"valid/{k}": _finite(event[k]) for k in VALID_SCALARS if k in event})
+            self.run.log(data, step=step)
         elif kind == Kind.STATUS:
             self.status = event.get("status")
             fields = {k: event[k] for k in ("status", "step", "message", "world_size", "strategy", "zero_stage",

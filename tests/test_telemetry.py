@@ -191,3 +191,25 @@ def test_a_sink_that_raises_on_every_event_changes_neither_losses_nor_exit_code(
         assert [s for s, _ in scalars["train/loss"]] == [1, 2, 3, 4]
         assert [v for _, v in scalars["train/loss"]] == pytest.approx([losses[name][s] for s in (1, 2, 3, 4)])
         assert [s for s, _ in scalars["valid/loss"]] == [2, 4]  # the step-0 baseline is in events.jsonl only
+
+
+def test_tensorboard_sink_writes_a_dpo_runs_rewards_and_logps(tmp_path):
+    """In-process: the six preference metrics (objectives.preference.METRICS) of step events as ``train/<name>``,
+    of eval events after step 0 as ``valid/<name>``; the step-0 baseline, as for ``valid/loss``, is not written."""
+    pytest.importorskip("tensorboard")
+    from handle_plugins.sinks import build_tensorboard
+    from torch_handle.train.objectives.preference import METRICS
+
+    metrics = {name: 0.25 * (i + 1) for i, name in enumerate(METRICS)}
+    sink = build_tensorboard(tmp_path, None)
+    sink.emit({"kind": "eval", "step": 0, "time": 1.0, "val_loss": 0.7, **metrics})
+    for n in (1, 2):
+        sink.emit({"kind": "step", "step": n, "time": 1.0 + n, "loss": 0.69, **{k: v * n for k, v in metrics.items()}})
+    sink.emit({"kind": "eval", "step": 2, "time": 4.0, "val_loss": 0.6, **{k: -v for k, v in metrics.items()}})
+    sink.close()
+    scalars = tensorboard_scalars(tmp_path)
+    for k, v in metrics.items():
+        assert scalars[f"train/{k}"] == [(1, pytest.approx(v)), (2, pytest.approx(2 * v))]
+        assert scalars[f"valid/{k}"] == [(2, pytest.approx(-v))]
+    assert sorted(scalars) == sorted(["train/loss", "valid/loss", *(f"{p}/{k}" for p in ("train", "valid")
+                                                                    for k in METRICS)])

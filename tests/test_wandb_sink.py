@@ -278,3 +278,21 @@ def test_a_real_run_logs_offline(offline, tmp_path):
                                                    e["step"] == 3)
     assert run["summary"]["status"] == "finished" and run["exit_code"] == 0
     assert run["config"]["data"]["seq_len"] == 16
+
+
+def test_a_dpo_run_logs_its_rewards_and_logps_under_train_and_valid(offline, tmp_path):
+    """The six preference metrics (names from objectives.preference.METRICS) of step events as ``train/<name>``
+    and of eval events as ``valid/<name>``; an LM run's events have none and log none."""
+    from torch_handle.train.objectives.preference import METRICS
+
+    run_dir = tmp_path / "dpo-20260101-000000"
+    run_dir.mkdir()
+    metrics = {name: 0.25 * (i + 1) for i, name in enumerate(METRICS)}
+    name, fields = step(1, 0.69)
+    replay(run_dir, [("eval", {"step": 0, "val_loss": 0.7, **metrics}), (name, {**fields, **metrics}),
+                     ("eval", {"step": 1, "val_loss": 0.6, **{k: -v for k, v in metrics.items()}}),
+                     ("status", {"status": "finished", "step": 1})])
+    history = offline_run(run_dir)["history"]
+    assert {k: history[1][f"train/{k}"] for k in METRICS} == metrics
+    assert {k: history[1][f"valid/{k}"] for k in METRICS} == {k: -v for k, v in metrics.items()}
+    assert history[1]["valid/loss"] == 0.6

@@ -66,6 +66,12 @@ COMM = "comm"  # {"dp": s, "tp": s, "pp": s}: communication per dimension of the
 TRAINED_TOKENS = "trained_tokens"  # labels of the step's global batch: the tokens the loss is the mean over
 TRAINED_SHARE = "trained_share"  # trained_tokens / tokens, 0..1
 TRAINED_TOKENS_PER_S = "trained_tokens_per_s"  # trained_tokens / step_time_s
+PREFERENCE_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+                      "logps/rejected")
+"""A preference (DPO) run's step and eval fields, TRL's names: pair means of the implicit rewards (nats, β·log-ratio),
+the share of pairs whose chosen reward is higher (0..1), their margin (nats), and the completions' log-probabilities
+(nats). Defined here, standard library only, so the sinks and the dashboard read them without torch;
+:data:`torch_handle.train.objectives.preference.METRICS` is this tuple."""
 
 STEP_PHASES = {"data": DATA_S, "forward": FORWARD_S, "backward": BACKWARD_S, "sync": SYNC_S,
                "optimizer": OPTIMIZER_S}

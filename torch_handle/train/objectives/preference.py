@@ -43,9 +43,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
-           "logps/rejected")
-"""The per-pair metrics every loss returns, in this order (TRL's names)."""
+from torch_handle.observe.fields import PREFERENCE_METRICS
+
+METRICS = PREFERENCE_METRICS
+"""The per-pair metrics every loss returns, in this order (TRL's names; defined in observe.fields for the sinks and
+the dashboard, which do not import torch)."""
 
 
 @dataclass
