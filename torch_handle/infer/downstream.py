@@ -108,8 +108,8 @@ def resolve_tasks(names: list[str], include_paths: list[Path] = ()) -> tuple[lis
         unknown = [n for n in others if n not in builtin]
         if unknown:
             close = difflib.get_close_matches(unknown[0], sorted(known | builtin), n=5, cutoff=0.6)
-            hint = f" (close: {', '.join(close)})" if close else " (handle eval --tasks list names them; local " \
-                                                                 "tasks need --include-path DIR)"
+            hint = (f" (close: {', '.join(close)})" if close
+                    else " (lm_eval --tasks list names the harness's; local tasks need --include-path DIR)")
             raise DataError(f"unknown task {unknown[0]!r}{hint}")
         manager = TaskManager(include_path=[str(p) for p in paths] or None)
     else:
