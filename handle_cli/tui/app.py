@@ -27,6 +27,7 @@ from torch_handle.common.text import clean
 
 from handle_cli.tui.model import Batch, RunTailer
 from handle_cli.tui.pipeline_panel import PipelinePanel, PipelineTracker
+from handle_cli.tui.preference_panel import PreferencePanel
 from handle_cli.tui.routing_panel import RoutingMap, RoutingMarks, RoutingTracker, routing_subtitle, routing_title
 from handle_cli.tui.screens import HelpScreen, RunPicker
 from handle_cli.tui.charts import Chart, Series
@@ -87,6 +88,10 @@ class HandleDashboard(App[None]):
     Screen.-moe #routing-panel { display: block; }
     Screen.-memory #routing-panel { display: none; }
     Screen.-routing #top-row, Screen.-routing #memory-panel, Screen.-routing #time-row { display: none; }
+    #preference { display: none; border: round $primary 50%; border-title-color: $text; border-title-style: bold; }
+    Screen.-preference #lr { display: none; }
+    Screen.-preference #preference { display: block; }
+    Screen.-memory #preference, Screen.-routing #preference { display: none; }
     """
     BINDINGS = [
         Binding("q", "quit", "Quit"),
@@ -134,6 +139,7 @@ class HandleDashboard(App[None]):
                 yield Chart("throughput", id="throughput")
             with Horizontal(classes="row"):
                 yield Chart("learning rate", id="lr")
+                yield PreferencePanel(id="preference")  # in the lr chart's place once a step carries rewards/*
                 with Vertical(id="routing-panel"):  # in the lr chart's place once a step event carries ``moe``
                     yield RoutingMarks(id="routing-marks")  # the hot and dead experts: stay in view
                     with VerticalScroll(id="routing-scroll") as scroll:  # Tab focuses it; e expands the panel
@@ -160,6 +166,7 @@ class HandleDashboard(App[None]):
         self.memory_summary = self.query_one(MemorySummary)
         self.query_one("#memory-panel").border_title = "memory per rank"
         self.time_panel = self.query_one(TimePanel)
+        self.preference_panel = self.query_one(PreferencePanel)
         self.pipeline_panel = self.query_one(PipelinePanel)
         self.routing_marks, self.routing_map = self.query_one(RoutingMarks), self.query_one(RoutingMap)
         self.state.info = _read_info(self.run_dir)  # the header is right from the first frame
@@ -293,6 +300,10 @@ class HandleDashboard(App[None]):
             Series("s/step", s.steps, s.step_time_s, "magenta", yside="right"),
         ])
         self.charts["lr"].set_series([Series("lr", s.steps, s.lr, "yellow")])
+        preference = bool(s.preference_steps)  # a DPO run: its rewards in the lr chart's place
+        self.header_widget.screen.set_class(preference, "-preference")
+        if preference:
+            self.preference_panel.set_state(s)
         layout = s.run_layout
         self.memory_bars.set_memory(s.memory, layout)
         self.memory_summary.set_memory(s.memory, layout)

@@ -140,6 +140,9 @@ Routing (an MoE run, in place of the lr chart): per MoE layer
 token), white on red hot (≥ 1.5×); many experts: one character
 a cell, ▁..▇ up to hot █. Above, the hot and dead experts by
 name; below, the steps, mean aux loss and drop rate.
+Preference (a DPO run, in place of the lr chart): rewards of the
+chosen and rejected completions, their margin and the accuracy:
+newest, a sparkline over every step, the newest eval (val@N).
 Ranks are global, as handle estimate names them: rank 4 (dp0 tp0
 pp1). Logs: rank 0 and any rank that logged an error. Elapsed
 and ETA come from event times. While paused, events wait on

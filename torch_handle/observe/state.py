@@ -16,7 +16,8 @@ from torch_handle.common.text import clean, finetune_label, strategy_label
 from torch_handle.observe.comm import read_comm
 from torch_handle.observe.data_mix import SOURCE_TOKENS, add_source_tokens
 from torch_handle.observe.fields import (ACTIVATION_BYTES, ACTIVATION_SAVED_BYTES, BREAKDOWN, COMM, DATA_S, MEMORY,
-                                         TRAINED_SHARE, TRAINED_TOKENS_PER_S, WAIT_S, Kind, Level, Status)
+                                         PREFERENCE_METRICS, TRAINED_SHARE, TRAINED_TOKENS_PER_S, WAIT_S, Kind,
+                                         Level, Status)
 from torch_handle.observe.tail import BadLine, integer, number
 
 FINETUNE_KEY = "finetune"
@@ -113,6 +114,13 @@ class RunState:
     for a run whose every position is a label."""
     trained_tokens_per_s: list[float | None] = field(default_factory=list)
     """An SFT run's trained tokens/s per step (``trained_tokens_per_s`` of step events; None where absent)."""
+    preference_steps: list[int] = field(default_factory=list)
+    """The steps whose events carry a preference (DPO) run's metrics (:data:`PREFERENCE_METRICS`)."""
+    preference: dict[str, list[float | None]] = field(default_factory=dict)
+    """metric -> its value at each of :attr:`preference_steps` (rewards and log-probs in nats, accuracies 0..1);
+    empty for a run without them (the dashboard's preference panel shows only when it is not)."""
+    val_preference: list[dict[str, float | None] | None] = field(default_factory=list)
+    """Each evaluation's preference metrics (one per :attr:`val_steps`; None for an eval without them)."""
     layout_degrees: dict[str, Any] | None = None
     """The newest step event's ``layout`` as it carries it (``{"dp": 2, "tp": 2}``), or None; :attr:`run_layout`
     is how it reads."""
@@ -205,8 +213,11 @@ class RunState:
             while self.val_steps and self.val_steps[-1] >= step:
                 self.val_steps.pop()
                 self.val_loss.pop()
+                self.val_preference.pop()
             self.val_steps.append(step)
             self.val_loss.append(number(event.get("val_loss")))
+            self.val_preference.append({k: number(event.get(k)) for k in PREFERENCE_METRICS}
+                                       if any(k in event for k in PREFERENCE_METRICS) else None)
         elif kind == Kind.STATUS:
             self._apply_status(event, notices)
         elif kind == Kind.LOG:
@@ -249,6 +260,10 @@ class RunState:
             self.mfu = mfu
         if (share := number(event.get(TRAINED_SHARE))) is not None:
             self.trained_share = share
+        if any(k in event for k in PREFERENCE_METRICS):
+            self.preference_steps.append(step)
+            for k in PREFERENCE_METRICS:
+                self.preference.setdefault(k, []).append(number(event.get(k)))
         self.layout_degrees = event.get("layout") if isinstance(event.get("layout"), dict) else None
         self.comm = read_comm(event.get(COMM))
         ranks = event.get("ranks")
@@ -308,9 +323,14 @@ class RunState:
         for series in (self.steps, self.loss, self.lr, self.tokens_per_s, self.step_time_s, self.source_tokens,
                        self.trained_tokens_per_s, *(getattr(self, key) for key in BREAKDOWN)):
             del series[keep:]
+        while self.preference_steps and self.preference_steps[-1] >= step:
+            self.preference_steps.pop()
+            for series in self.preference.values():
+                series.pop()
         while self.val_steps and self.val_steps[-1] >= step:
             self.val_steps.pop()
             self.val_loss.pop()
+            self.val_preference.pop()
 
     # -- derived ---------------------------------------------------------------------------------------------
 
