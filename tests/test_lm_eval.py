@@ -3,8 +3,9 @@ Llama-shaped run trained in this process (gloo, world size 1, fp32, 2 steps, a c
 ``handle export --format hf``; on the local multiple-choice and generation tasks of tests/fixtures/eval_tasks,
 ``handle eval --checkpoint 2`` and ``lm_eval.simple_evaluate(model="hf", pretrained=EXPORT)`` give the same acc,
 acc_norm and exact_match, every log-likelihood within 1e-5, the same greedy flags and the same generated text; a
-LoRA run on that export scored with its adapters unmerged equals its ``--merge`` export under ``hf``; and bad input
-is one line, exit 2, with nothing written."""
+LoRA run on that export scored with its adapters unmerged equals its ``--merge`` export under ``hf``, an MoE run its
+Mixtral export, a 2017 decoder (no HF class) its own forward and ``handle generate``; and bad input is one line,
+exit 2, with nothing written."""
 
 from __future__ import annotations
 
@@ -73,8 +74,8 @@ lr = 0.02
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
     """``llama`` (a run) and its HF export ``hf``; ``lora`` (rank 4 on every linear of that export, 2 steps) and
-    its merged export ``lora_merged``; ``classic``, the default (2017) decoder; ``translate``, an encoder-decoder
-    run (2 steps each)."""
+    its merged export ``lora_merged``; ``moe`` (4 experts, top-2, every layer: Mixtral-shaped) and its export
+    ``moe_hf``; ``classic``, the default (2017) decoder; ``translate``, an encoder-decoder run (2 steps each)."""
     from torch_handle.infer.adapter_export import export_run
 
     root = tmp_path_factory.mktemp("lm_eval")
@@ -93,6 +94,11 @@ def runs(tmp_path_factory) -> dict[str, Path]:
         assert _train(lora, found["lora"], ctx) == "finished"
         export_run(found["lora"], root / "lora_merged", merge=True)
         found["lora_merged"] = root / "lora_merged"
+        moe = _preset(root, "moe", LLAMA + "bias = false\nn_experts = 4\ntop_k = 2\nd_ff_expert = 48\n")  # Mixtral
+        found["moe"] = create_run_dir(root / "runs", "moe", dump_preset(moe), {"status": "starting"})
+        assert _train(moe, found["moe"], ctx) == "finished"
+        export_run(found["moe"], root / "moe_hf")
+        found["moe_hf"] = root / "moe_hf"
         classic = _preset(root, "classic", "")  # the 2017 decoder: post-LN, sinusoidal, ReLU; no HF class
         found["classic"] = create_run_dir(root / "runs", "classic", dump_preset(classic), {"status": "starting"})
         assert _train(classic, found["classic"], ctx) == "finished"
@@ -164,6 +170,12 @@ def test_lora_adapters_unmerged_equal_the_merged_export(runs):
     ours, samples = _handle_eval(runs["lora"])
     # W x + (α/r) B A x against (W + (α/r) B A) x: rounding differs, 3e-5 of -280 (1e-7 relative) measured
     _assert_same(ours, samples, _hf_eval(runs["lora_merged"]), rel=1e-6)
+
+
+def test_an_moe_run_equals_its_mixtral_export(runs):
+    ours, samples = _handle_eval(runs["moe"])
+    assert json.loads((runs["moe_hf"] / "config.json").read_text())["architectures"] == ["MixtralForCausalLM"]
+    _assert_same(ours, samples, _hf_eval(runs["moe_hf"]), rel=1e-6)
 
 
 def test_a_2017_decoder_scores_as_its_own_forward_and_greedy_generate(runs):
