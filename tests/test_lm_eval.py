@@ -214,13 +214,19 @@ def test_a_2017_decoder_scores_as_its_own_forward_and_greedy_generate(runs):
     ("llama", ["--tasks", TASKS[0], "--include-path", str(TASKS_DIR), "--limit", "0"],
      "error: --limit 0: must be at least 1 (documents per task)"),
     ("llama", ["--limit", "5"], "error: --limit needs --tasks"),
+    ("llama", ["--tasks", "gone", "--include-path", "{gone}"],
+     "error: task gone: data file gone.jsonl not found (relative to {gone} or the working directory"),
     ("translate", ["--tasks", TASKS[0], "--include-path", str(TASKS_DIR)],
      "error: {run}: --tasks scores decoder (language-model) runs, this is an encoder-decoder run"),
 ])
-def test_bad_input_is_one_line_exit_2_nothing_written(runs, run, args, message):
+def test_bad_input_is_one_line_exit_2_nothing_written(runs, run, args, message, tmp_path):
+    gone = tmp_path / "tasks"  # a local task whose data file is not there
+    gone.mkdir()
+    task = (TASKS_DIR / "handle_wikitext_cloze.yaml").read_text()
+    (gone / "gone.yaml").write_text(task.replace("handle_wikitext_cloze", "gone").replace("wikitext_cloze", "gone"))
     evals = runs[run] / "evals"
     before = sorted(evals.iterdir()) if evals.exists() else None
-    result = CliRunner().invoke(cli, ["eval", str(runs[run]), *args])
-    assert result.exit_code == 2 and result.output.startswith(message.format(run=runs[run])), result.output
+    result = CliRunner().invoke(cli, ["eval", str(runs[run]), *[a.format(gone=gone) for a in args]])
+    assert result.exit_code == 2 and result.output.startswith(message.format(run=runs[run], gone=gone)), result.output
     assert len(result.output.strip().splitlines()) == 1
     assert (sorted(evals.iterdir()) if evals.exists() else None) == before
