@@ -30,7 +30,7 @@ lm_eval = pytest.importorskip("lm_eval", reason="needs the eval extra: pip insta
 pytest.importorskip("transformers", reason="needs the hf extra: pip install -e '.[hf]'")
 
 TASKS_DIR = Path(__file__).parent / "fixtures" / "eval_tasks"
-TASKS = ["handle_wikitext_cloze", "handle_seed_answers"]
+TASKS = ["handle_wikitext_cloze", "handle_seed_answers", "handle_wikitext_ppl"]
 LIMIT = 4
 LLAMA = ('norm = "rmsnorm"\nposition = "rope"\nmlp = "swiglu"\nnorm_first = true\nscale_embeddings = false\n'
          'n_kv_heads = 1\ntie_embeddings = false\nfused_qkv = false\n')
@@ -140,13 +140,18 @@ def _assert_same(ours: dict, our_samples: list[dict], theirs: dict, rel: float |
         for key in ("acc,none", "acc_norm,none", "exact_match,strip"):
             if key in theirs["results"][task]:
                 assert ours["results"][task][key] == theirs["results"][task][key], (task, key)
+        for key in ("word_perplexity,none", "byte_perplexity,none", "bits_per_byte,none"):
+            if key in theirs["results"][task]:  # exp / ratios of summed log-likelihoods
+                assert ours["results"][task][key] == pytest.approx(theirs["results"][task][key], rel=1e-6), key
         mine = sorted((s for s in our_samples if s["task"] == task), key=lambda s: s["doc_id"])
         other = sorted(theirs["samples"][task], key=lambda s: s["doc_id"])
         assert len(mine) == len(other) == LIMIT
         for a, b in zip(mine, other):
             assert a["doc_id"] == b["doc_id"] and a["target"] == b["target"]
             for (ra,), (rb,) in zip(a["resps"], b["resps"]):
-                if isinstance(rb, str):
+                if isinstance(rb, float):  # loglikelihood_rolling: log P of the whole text
+                    assert ra == pytest.approx(rb, abs=1e-5, rel=rel or 1e-7)
+                elif isinstance(rb, str):
                     assert ra == rb  # the generated text, greedy
                 else:
                     assert ra[0] == pytest.approx(rb[0], abs=1e-5, rel=rel) and ra[1] == rb[1]  # log P, is greedy
@@ -155,7 +160,8 @@ def _assert_same(ours: dict, our_samples: list[dict], theirs: dict, rel: float |
 def test_handle_eval_equals_lm_eval_hf_on_the_export(runs):
     ours, samples = _handle_eval(runs["llama"], "--checkpoint", "2")
     assert ours["handle"]["step"] == 2 and ours["handle"]["weights"].endswith("step-2/model.pt")
-    assert ours["handle"]["requests"] == {"loglikelihood": 4 * LIMIT, "generate_until": LIMIT}
+    assert ours["handle"]["requests"] == {"loglikelihood": 4 * LIMIT, "generate_until": LIMIT,
+                                          "loglikelihood_rolling": LIMIT}
     theirs = _hf_eval(runs["hf"])
     _assert_same(ours, samples, theirs)
     generated = [s["resps"][0][0] for s in samples if s["task"] == TASKS[1]]
@@ -199,7 +205,7 @@ def test_a_2017_decoder_scores_as_its_own_forward_and_greedy_generate(runs):
                 assert log_p == pytest.approx(expected, abs=1e-5, rel=1e-6)  # batched, padded: 1e-7 relative
                 assert greedy == (lp.argmax(-1).tolist() == cont)
                 scored += 1
-        else:
+        elif s["task"] == TASKS[1]:
             (context, _), = s["arguments"]
             prompt = tok.encode(context).ids[-(model.args.max_len - 16):]
             tokens = list(sample(model, prompt, 16, temperature=0))
