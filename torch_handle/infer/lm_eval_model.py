@@ -53,8 +53,8 @@ class HandleLM(TemplateLM):
     Args:
         model: a ``DecoderLM`` (eval mode; MoE, LoRA/QLoRA adapters applied unmerged: whatever ``load_run``
             built). Its ``args.max_len`` is the harness's ``max_length``.
-        tokenizer: the run's ``tokenizers.Tokenizer`` (``tokenizer.json``; ``<bos>`` id 2... as
-            ``torch_handle.data.datasets`` numbers the special tokens).
+        tokenizer: the run's ``tokenizers.Tokenizer`` (``tokenizer.json``), whose special tokens are numbered as
+            ``torch_handle.data.datasets`` numbers them: ``<pad>`` 0, ``<bos>`` 1, ``<eos>`` 2, ``<unk>`` 3.
         batch_size: requests per forward (loglikelihood windows, generation rows).
         seed: of the sampler when a task asks for sampling (``do_sample``).
     """
