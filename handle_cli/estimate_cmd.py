@@ -159,6 +159,21 @@ def sft_line(preset) -> str:
             f"path computes every position's logits (untrained labels are ignored, not skipped){source}")
 
 
+def dpo_line(preset) -> str:
+    """What a DPO preset (``finetune.objective = "dpo"``) is priced as: each micro-batch's pairs as one forward of
+    twice the rows, and what its reference adds (no activation bytes:
+    :func:`torch_handle.plan.estimate_model.rows_per_sample`)."""
+    from torch_handle.train.objectives import objective_for
+
+    b, seq = preset.training.micro_batch_size, preset.data.options.seq_len
+    reference = objective_for(preset).reference
+    adds = {"adapters_off": "runs after the policy's under no_grad: no saved activation, its logits freed with it",
+            "precomputed": "is read from a float64 table on the device (16 bytes a pair of both splits), no forward",
+            "none": "is not computed (a reference-free loss)"}[reference]
+    return (f"dpo: each micro-batch is {b} pair(s), one forward of {2 * b} rows of {seq} positions (chosen and "
+            f"rejected, each padded to seq_len), priced as {2 * b} samples; the reference ({reference}) {adds}")
+
+
 def qlora_line(rows: list) -> str:
     """A QLoRA preset's NF4 base per rank and the rows ``handle run`` refuses, from its estimates."""
     sizes = sorted({r.nf4_bytes for r in rows})
@@ -294,7 +309,7 @@ def estimate(preset: str, overrides: tuple[str, ...], nproc: str, nnodes: int | 
         fail(f"strategy {loaded.strategy.name!r} runs one process: use --nproc 1, or --compare")
     layouts = row_layouts(rows, loaded, registry)
     if as_json:
-        sft = {"objective": "sft"} if loaded.finetune.objective == "sft" else {}
+        sft = {"objective": loaded.finetune.objective} if loaded.finetune.objective in ("sft", "dpo") else {}
         for r in rows:
             click.echo(json.dumps({**r.as_dict(), **sft, "layout": layouts[r.strategy, r.world_size]}))
         return
@@ -315,6 +330,9 @@ def estimate(preset: str, overrides: tuple[str, ...], nproc: str, nnodes: int | 
                 click.echo(line)
     if loaded.finetune.objective == "sft":
         for line in textwrap.wrap(sft_line(loaded), 110, subsequent_indent="  "):
+            click.echo(line)
+    if loaded.finetune.objective == "dpo":
+        for line in textwrap.wrap(dpo_line(loaded), 110, subsequent_indent="  "):
             click.echo(line)
     if tp > 1 or pp > 1:  # the line every view shows (handle validate, handle runs, the dashboard)
         click.echo(f"layout: {RunLayout.from_preset(loaded).label()} at the preset's world size "

@@ -48,13 +48,20 @@ objective = "sft"
 """
 
 
-@pytest.fixture(scope="module")
-def prepared(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("sft-estimate")
+def translations(root: Path) -> tuple[list[str], list[str]]:
+    """24 Multi30k sentences in English and in German, and a 300-token BPE with ChatML's tokens trained on them in
+    ``root/tokenizer.json`` (also the DPO estimate's, tests/unit/test_estimate_dpo.py)."""
     en, de = ((DATA / f"valid.{x}").read_text(encoding="utf-8").splitlines()[:24] for x in ("en", "de"))
     tok = train_tokenizer([" ".join(en + de)], 300)
     tok.add_special_tokens(["<|im_start|>", "<|im_end|>"])
     tok.save(str(root / "tokenizer.json"))
+    return en, de
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("sft-estimate")
+    en, de = translations(root)
     rows = root / "chat.jsonl"
     rows.write_text("".join(json.dumps({"prompt": f"Translate to German: {e}", "completion": d}) + "\n"
                             for e, d in zip(en, de)), encoding="utf-8")

@@ -31,7 +31,7 @@ from torch_handle.common.precision import torch_dtype
 from torch_handle.observe.activations import SavedTensorCounter, _storage
 from torch_handle.observe.fields import (ACTIVATION_BYTES, ACTIVATION_LOGITS_BYTES, ACTIVATION_RECOMPUTE_BYTES,
                                          ACTIVATION_SAVED_BYTES)
-from torch_handle.plan.estimate_model import ModelBuild, build_model, lm_inputs, model_build
+from torch_handle.plan.estimate_model import ModelBuild, build_model, lm_inputs, model_build, rows_per_sample
 
 if TYPE_CHECKING:
     import torch
@@ -332,7 +332,8 @@ def fake_activations(build: ModelBuild, batch: int, seq_len: int, precision: str
 
 def activation_bytes(preset: Preset, registry: PluginRegistry, strategy: str | None = None,
                      loss_impl: str | None = None) -> ActivationBytes:
-    """Activation bytes of one micro-batch (``training.micro_batch_size`` x ``data.seq_len``) of ``preset``'s
+    """Activation bytes of one micro-batch (``training.micro_batch_size`` x ``data.seq_len``, twice the rows for
+    DPO pairs: :func:`~torch_handle.plan.estimate_model.rows_per_sample`) of ``preset``'s
     model under ``strategy``'s way of computing (default: the preset's), on one rank, measured on fake tensors;
     with ``[parallel] tp > 1``, of one TP rank (with or without sequence parallelism, as the preset says). The loss
     path is ``loss_impl`` (default: what the preset's run takes, :func:`loss_impl_of`).
@@ -346,8 +347,8 @@ def activation_bytes(preset: Preset, registry: PluginRegistry, strategy: str | N
     """
     build = model_build(preset, registry)
     mode = compute_mode(strategy or preset.strategy.name, preset.training.precision)
-    seq = preset.data.options.seq_len
-    return fake_activations(build, preset.training.micro_batch_size, seq, preset.training.precision, mode,
+    seq, rows = preset.data.options.seq_len, preset.training.micro_batch_size * rows_per_sample(preset)
+    return fake_activations(build, rows, seq, preset.training.precision, mode,
                             bool(getattr(preset.model.options, "activation_checkpointing", False)),
                             loss_impl=loss_impl or loss_impl_of(preset, registry))
 
@@ -362,7 +363,8 @@ def loss_impl_of(preset: Preset, registry: PluginRegistry, strategy: str | None 
     from torch_handle.train.loss import pick_loss_impl
 
     t = preset.training
-    tokens, vocab = t.micro_batch_size * preset.data.options.seq_len, model_build(preset, registry).vocab_size
+    tokens = t.micro_batch_size * rows_per_sample(preset) * preset.data.options.seq_len
+    vocab = model_build(preset, registry).vocab_size
     layout: Any = preset
     if strategy is not None:
         layout = SimpleNamespace(model=preset.model, parallel=preset.parallel, strategy=SimpleNamespace(

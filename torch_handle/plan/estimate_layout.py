@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch_handle.config.layout import microbatch_problem, pipeline_microbatches
 from torch_handle.plan.estimate_activations import ActivationBytes, PartSaved, compute_mode, fake_activations
-from torch_handle.plan.estimate_model import ModelBuild, ModelShape, model_build
+from torch_handle.plan.estimate_model import ModelBuild, ModelShape, model_build, rows_per_sample
 from torch_handle.plan.estimate_moe import rank_state_bytes
 from torch_handle.plan.model_states import BUILTIN, States, Variant, preset_variant
 
@@ -412,7 +412,9 @@ def estimate_layout(preset: Preset, registry: PluginRegistry, *, every_rank: boo
     mode = compute_mode(variant.strategy, t.precision)
     key = _cached_build(model_build(preset, registry))
     params = _params(key)
-    acts = _activations(key, batch, preset.data.options.seq_len, t.precision, mode, checkpointing)
+    # a DPO pair: its chosen and rejected rows in one forward
+    acts = _activations(key, batch * rows_per_sample(preset), preset.data.options.seq_len, t.precision, mode,
+                        checkpointing)
     whole_params = _params(_cached_build(dataclasses.replace(_BUILDS[key], tp=1, sequence_parallel=False)))
 
     if pp == 1:

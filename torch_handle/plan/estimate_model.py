@@ -133,6 +133,15 @@ def model_build(preset: Preset, registry: PluginRegistry) -> ModelBuild:
                       bool(getattr(data, "document_mask", False)) or ft.objective == "sft")
 
 
+def rows_per_sample(preset: Preset) -> int:
+    """Rows each sample puts through the model: 2 for ``finetune.objective = "dpo"`` (a pair's chosen and rejected
+    completions, each of ``seq_len`` positions, in one forward of 2 x ``micro_batch_size`` rows), else 1. The
+    reference's forward (``reference = "adapters_off"``) runs after the policy's under ``no_grad``: it saves
+    nothing, and its logits buffer is freed with it, no larger than the policy's; ``"precomputed"`` and ``"none"``
+    run none."""
+    return 2 if preset.finetune.objective == "dpo" else 1
+
+
 def prepared_vocab_size(preset: Preset) -> tuple[int | None, str]:
     """``(vocabulary, where it was read)`` of a preset whose dataset has no ``vocab_size`` option (prepared token
     shards: the run's model takes the tokenizer's vocabulary): the ``tokenizer.vocab_size`` of the first prepared

@@ -37,7 +37,8 @@ from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 from torch_handle.plan.estimate_activations import ActivationBytes, fake_activations
-from torch_handle.plan.estimate_model import ModelBuild, ModelShape, build_model, lm_inputs, model_build
+from torch_handle.plan.estimate_model import (ModelBuild, ModelShape, build_model, lm_inputs, model_build,
+                                              rows_per_sample)
 
 if TYPE_CHECKING:
     from torch_handle.config.schema import Preset
@@ -181,7 +182,7 @@ def pipeline_ranks(preset: Preset, registry: PluginRegistry, mode: str) -> list[
         model = build_model(build)
     ranges = _ranges(build, model, pp * v, preset)
     owner = stage_ranks(pp, v, par.pp_schedule)
-    seq, batch = preset.data.options.seq_len, t.micro_batch_size * t.grad_accum // m
+    seq, batch = preset.data.options.seq_len, t.micro_batch_size * t.grad_accum // m * rows_per_sample(preset)
     checkpointing = bool(getattr(preset.model.options, "activation_checkpointing", False))
     whole = fake_activations(build, batch, seq, t.precision, mode, checkpointing)  # logits and recompute
     saved = stage_saved_bytes(build, ranges, batch, seq, mode, t.precision)
