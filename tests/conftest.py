@@ -54,14 +54,17 @@ def pytest_unconfigure(config) -> None:
         os.environ.pop("HANDLE_PEAK_CACHE", None)
 
 
-SLOWEST_FIRST = ("test_learn_doc", "test_distributed", "test_lora_strategies", "test_multinode", "test_sft_strategies",
-                 "test_estimate",
-                 "test_nd_parallel", "test_cross_resume", "test_tensor_parallel", "test_pipeline_parallel", "test_estimate_layout",
-                 "test_pipeline_checkpoint", "test_resume_safety", "test_hang", "test_gpu_check", "test_env",
-                 "test_lost_runs", "test_run_info_stress", "test_tp_encoder_decoder", "test_slurm", "test_hf_export", "test_hf")
-"""Test files by falling duration (`make test --durations`, 2 cores): `make test` hands whole files to two xdist
-workers in collection order (--dist loadfile --no-loadscope-reorder), and the longest first keeps one long file
-from running alone at the end (longest-processing-time-first scheduling)."""
+SLOWEST_FIRST = ("test_learn_doc", "test_distributed", "test_nd_parallel", "test_lora_strategies", "test_multinode",
+                 "test_tensor_parallel", "test_gpu_check", "test_expert_parallel_runs", "test_cross_resume",
+                 "test_pipeline_parallel", "test_qlora_strategies", "test_hf_export", "test_hang", "test_estimate",
+                 "test_lost_runs", "test_sft_strategies", "test_hf", "test_tp_encoder_decoder", "test_bench_comm",
+                 "test_resume_safety", "test_env", "test_plugins_cli", "test_layout_weights", "test_pipeline_checkpoint",
+                 "test_run_info_stress", "test_slurm", "test_bench_scaling", "test_plan", "test_tokens_run",
+                 "test_data_prepare", "test_docs", "test_scratch_fsdp_run", "test_launch_prepare", "test_dpo",
+                 "test_context_parallel", "test_lm_eval", "test_estimate_layout")
+"""Test files by falling duration (CPU seconds, and wall time where a test waits; 2 cores): `make test` hands whole
+files to two xdist workers in collection order (--dist loadfile --no-loadscope-reorder), and the longest first keeps
+one long file from running alone at the end (longest-processing-time-first scheduling)."""
 
 
 def pytest_collection_modifyitems(session, config, items) -> None:
