@@ -15,6 +15,7 @@ How the line reads:
 * with tensor or pipeline parallelism, every degree above 1 after ``dp`` (always there):
   ``dp 1 × tp 2 (tp scratch)``, ``dp 2 × pp 2 (ddp; pp GPipe native)``; the strategy is named only when
   dp > 1 (it runs the data parallelism: one replica has none to run, whatever the preset names);
+* with context parallelism, ``cp`` after ``dp`` (and ``ep``) and its implementation: ``dp 1 × cp 2 (ddp; cp ring)``;
 * with expert parallelism, ``ep`` after ``dp``, whose figure is then the expert-data-parallel degree dp / ep, so
   the degrees still multiply to the world size: ``dp 2 × ep 2 (ddp; ep native)`` is 4 data-parallel ranks in 2 EP
   groups (:mod:`torch_handle.parallel.mesh`);
@@ -80,35 +81,47 @@ class RunLayout:
     """Expert-parallel degree (it divides dp: EP ranks are drawn from the data-parallel ones)."""
     ep_impl: str | None = None
     """``parallel.ep_impl``; None with ep = 1."""
+    cp: int = 1
+    """Context-parallel degree (ranks sharing each sequence; dp = world size / (tp × pp × cp))."""
+    cp_impl: str | None = None
+    """``parallel.cp_impl`` as it runs (``auto`` resolved); None with cp = 1."""
 
     @classmethod
     def from_preset(cls, preset: Any) -> RunLayout:
         """The layout of a loaded :class:`~torch_handle.config.schema.Preset` (read by attribute only)."""
+        from torch_handle.config.context_parallel import chosen_cp_impl
+
         par = preset.parallel
+        cp_impl = chosen_cp_impl(getattr(par, "cp_impl", "auto"), bool(getattr(preset.data.options, "document_mask",
+                                                                                  False)))
         return cls.from_parts(preset.world_size, preset.strategy.name,
                               getattr(preset.strategy.options, "zero_stage", None),
                               par.tp, par.pp, par.tp_impl, par.sequence_parallel, par.pp_impl, par.pp_schedule,
-                              par.pp_stages_per_rank, getattr(par, "ep", 1), getattr(par, "ep_impl", None))
+                              par.pp_stages_per_rank, getattr(par, "ep", 1), getattr(par, "ep_impl", None),
+                              getattr(par, "cp", 1), cp_impl)
 
     @classmethod
     def from_parts(cls, world_size: Any, strategy: Any, zero_stage: Any, tp: Any = 1, pp: Any = 1,
                    tp_impl: Any = None, sequence_parallel: Any = False, pp_impl: Any = None, pp_schedule: Any = None,
-                   pp_stages_per_rank: Any = 1, ep: Any = 1, ep_impl: Any = None) -> RunLayout:
+                   pp_stages_per_rank: Any = 1, ep: Any = 1, ep_impl: Any = None, cp: Any = 1,
+                   cp_impl: Any = None) -> RunLayout:
         """The layout of these values, as a preset or run.json holds them (bad or missing values: not known; the
-        implementations are dropped for a degree of 1; dp = world_size / (tp × pp) when that divides; an ep that
-        does not divide dp: 1)."""
-        world, tp, pp = _degree(world_size), _degree(tp), _degree(pp)
-        known = world is not None and tp is not None and pp is not None and world % (tp * pp) == 0
+        implementations are dropped for a degree of 1; dp = world_size / (tp × pp × cp) when that divides; an ep
+        that does not divide dp: 1)."""
+        world, tp, pp, cp = _degree(world_size), _degree(tp), _degree(pp), _degree(cp) or 1
+        known = world is not None and tp is not None and pp is not None and world % (tp * pp * cp) == 0
         has_tp, has_pp = known and tp > 1, known and pp > 1
+        cp = cp if known else 1
         ep = _degree(ep) or 1
-        ep = ep if known and (world // (tp * pp)) % ep == 0 else 1
+        ep = ep if known and (world // (tp * pp * cp)) % ep == 0 else 1
         return cls(world_size=world, strategy=_text(strategy, 40), zero_stage=_degree_or_zero(zero_stage),
-                   dp=world // (tp * pp) if known else None, tp=tp if known else None, pp=pp if known else None,
+                   dp=world // (tp * pp * cp) if known else None, tp=tp if known else None, pp=pp if known else None,
                    tp_impl=_text(tp_impl) if has_tp else None,
                    sequence_parallel=bool(has_tp and sequence_parallel is True),
                    pp_impl=_text(pp_impl) if has_pp else None, pp_schedule=_text(pp_schedule) if has_pp else None,
                    pp_stages_per_rank=(_degree(pp_stages_per_rank) or 1) if has_pp else 1,
-                   ep=ep, ep_impl=_text(ep_impl) if ep > 1 else None)
+                   ep=ep, ep_impl=_text(ep_impl) if ep > 1 else None, cp=cp,
+                   cp_impl=_text(cp_impl) if cp > 1 else None)
 
     @classmethod
     def from_record(cls, record: Any) -> RunLayout | None:
@@ -118,7 +131,8 @@ class RunLayout:
         return cls.from_parts(record.get("world_size"), record.get("strategy"), record.get("zero_stage"),
                               record.get("tp"), record.get("pp"), record.get("tp_impl"),
                               record.get("sequence_parallel"), record.get("pp_impl"), record.get("pp_schedule"),
-                              record.get("pp_stages_per_rank", 1), record.get("ep", 1), record.get("ep_impl"))
+                              record.get("pp_stages_per_rank", 1), record.get("ep", 1), record.get("ep_impl"),
+                              record.get("cp", 1), record.get("cp_impl"))
 
     @classmethod
     def from_run(cls, run_dir: Path | None, info: dict[str, Any], degrees: Any = None) -> RunLayout:
@@ -137,7 +151,7 @@ class RunLayout:
             found = cls.from_parts(world, strategy, zero, table.get("tp", 1), table.get("pp", 1),
                                    table.get("tp_impl"), table.get("sequence_parallel", False), table.get("pp_impl"),
                                    table.get("pp_schedule"), table.get("pp_stages_per_rank", 1), table.get("ep", 1),
-                                   table.get("ep_impl"))
+                                   table.get("ep_impl"), table.get("cp", 1), table.get("cp_impl"))
         return found.matching(degrees)
 
     def matching(self, degrees: Any) -> RunLayout:
@@ -147,10 +161,10 @@ class RunLayout:
         if not isinstance(degrees, dict):
             return self
         dp, tp, pp = (_degree(degrees.get("dp")), _degree(degrees.get("tp", 1)), _degree(degrees.get("pp", 1)))
-        ep = _degree(degrees.get("ep", 1))
-        if None in (dp, tp, pp, ep) or (self.dp, self.tp, self.pp, self.ep) == (dp, tp, pp, ep):
+        ep, cp = _degree(degrees.get("ep", 1)), _degree(degrees.get("cp", 1))
+        if None in (dp, tp, pp, ep, cp) or (self.dp, self.tp, self.pp, self.ep, self.cp) == (dp, tp, pp, ep, cp):
             return self
-        return RunLayout.from_parts(dp * tp * pp, self.strategy, self.zero_stage, tp, pp, ep=ep)
+        return RunLayout.from_parts(dp * tp * pp * cp, self.strategy, self.zero_stage, tp, pp, ep=ep, cp=cp)
 
     def with_strategy(self, strategy: Any, zero_stage: Any) -> RunLayout:
         """This layout with the strategy the workers reported (their status event's, e.g. scratch-ddp's ZeRO-1
@@ -181,20 +195,22 @@ class RunLayout:
         (pp_rank · dp + dp_rank) · tp + tp_rank, :mod:`torch_handle.parallel.mesh`), with ``"edp"`` and ``"ep"``
         (dp_rank = edp_rank · ep + ep_rank) when ep > 1; None when the degrees are not known or ``rank`` is not in
         ``range(world_size)``."""
-        if self.dp is None or self.tp is None or self.pp is None or not 0 <= rank < self.dp * self.tp * self.pp:
+        if self.dp is None or self.tp is None or self.pp is None or not (
+                0 <= rank < self.dp * self.tp * self.pp * self.cp):
             return None
-        dp_rank = rank // self.tp % self.dp
-        return {"dp": dp_rank, "tp": rank % self.tp, "pp": rank // (self.tp * self.dp),
-                **({"edp": dp_rank // self.ep, "ep": dp_rank % self.ep} if self.ep > 1 else {})}
+        dp_rank = rank // (self.tp * self.cp) % self.dp
+        return {"dp": dp_rank, "tp": rank % self.tp, "pp": rank // (self.tp * self.cp * self.dp),
+                **({"edp": dp_rank // self.ep, "ep": dp_rank % self.ep} if self.ep > 1 else {}),
+                **({"cp": rank // self.tp % self.cp} if self.cp > 1 else {})}
 
-    def global_rank(self, *, dp: int = 0, tp: int = 0, pp: int = 0) -> int | None:
+    def global_rank(self, *, dp: int = 0, tp: int = 0, pp: int = 0, cp: int = 0) -> int | None:
         """The global rank at these coordinates (each in ``range`` of its degree), or None when the degrees are not
         known or a coordinate is out of range. Pipeline rank ``i`` of rank 0's pipeline (what a step event's
         ``pipeline`` describes) is ``global_rank(pp=i)``."""
         if self.dp is None or self.tp is None or self.pp is None or not (
-                0 <= dp < self.dp and 0 <= tp < self.tp and 0 <= pp < self.pp):
+                0 <= dp < self.dp and 0 <= tp < self.tp and 0 <= pp < self.pp and 0 <= cp < self.cp):
             return None
-        return (pp * self.dp + dp) * self.tp + tp
+        return ((pp * self.dp + dp) * self.cp + cp) * self.tp + tp
 
     def pipeline_ranks(self) -> list[int] | None:
         """The global ranks of rank 0's pipeline (dp 0, tp 0), by pipeline rank: what a step event's ``pipeline``
@@ -207,12 +223,13 @@ class RunLayout:
         """``dp0 tp0 pp1``: ``rank``'s coordinate in each dimension of degree > 1, or ``""`` when the run has
         model parallelism in no dimension (its rank is its dp rank) or the degrees are not known."""
         where = self.coordinates(rank)
-        if where is None or (self.tp == 1 and self.pp == 1 and self.ep == 1):
+        if where is None or (self.tp == 1 and self.pp == 1 and self.ep == 1 and self.cp == 1):
             return ""
         if self.ep > 1:  # the dp coordinate is the expert-data-parallel one (the line's dp figure is dp / ep)
             where = {**where, "dp": where["edp"]}
-        degrees = {"dp": self.dp // self.ep, "ep": self.ep, "tp": self.tp, "pp": self.pp}
-        return " ".join(f"{dim}{where[dim]}" for dim in ("dp", "ep", "tp", "pp") if degrees[dim] > 1)
+        degrees = {"dp": self.dp // self.ep, "ep": self.ep, "cp": self.cp, "tp": self.tp, "pp": self.pp}
+        return " ".join(f"{dim}{where[dim]}" for dim in ("dp", "ep", "cp", "tp", "pp")
+                        if degrees[dim] > 1 or (dim == "dp" and self.cp > 1))
 
     def rank_name(self, rank: int) -> str:
         """How every view names a rank: ``rank 4 (dp0 tp0 pp1)`` with tp or pp > 1, ``rank 3 (dp1 ep1)`` with ep > 1,
@@ -226,6 +243,7 @@ class RunLayout:
             world = f", world size {self.world_size}" if self.world_size is not None else ""
             return f"{self.strategy_text}{world}"
         degrees = " × ".join([f"dp {self.dp // self.ep}", *([f"ep {self.ep}"] if self.ep > 1 else []),
+                              *([f"cp {self.cp}"] if self.cp > 1 else []),
                               *([f"tp {self.tp}"] if self.tp > 1 else []), *([f"pp {self.pp}"] if self.pp > 1 else [])])
         if degrees == "dp 1" and self.world_size == 1:
             degrees = "1 rank"
@@ -233,6 +251,8 @@ class RunLayout:
         parts = [self.strategy_text] if self.strategy and (self.dp > 1 or alone) else []
         if self.ep > 1 and self.ep_impl:
             parts.append(f"ep {self.ep_impl}")
+        if self.cp > 1 and self.cp_impl:
+            parts.append(f"cp {self.cp_impl}")
         if self.tp > 1 and (self.tp_impl or self.sequence_parallel):  # not known (an old run's events): left out
             parts.append(" ".join(["tp", *([self.tp_impl] if self.tp_impl else [])])
                          + (" + sp" if self.sequence_parallel else ""))

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from torch_handle.config.context_parallel import context_parallel_problems
 from torch_handle.config.loss_impl import chunked_loss_problem
 from torch_handle.config.schema import PLUGIN_TABLES, PP_V_SHAPED, Preset
 from torch_handle.config.tp_impl import native_tp_problem
@@ -197,7 +198,8 @@ def _loss_impl(preset: Preset, registry: Any) -> Iterator[PresetError]:
 
 LAYOUT_CHECKS: tuple[Callable[[Preset, Any], Iterator[PresetError]], ...] = (
     _world_size, _plugin_supports("model"), _plugin_supports("strategy"), _native_tp, _tied_v_shape,
-    _pipeline_precision, _microbatches, _expert_parallel, _finetune, _objective, _loss_impl)
+    _pipeline_precision, _microbatches, _expert_parallel, _finetune, _objective, _loss_impl,
+    context_parallel_problems)
 """The ``[parallel]`` checks, structure first; each ``check(preset, registry)`` yields its problems."""
 
 

@@ -31,7 +31,8 @@ def chunked_loss_problem(preset: Any) -> str | None:
     if model.name != "transformer" or getattr(model.options, "kind", "decoder") != "decoder":
         return (f"needs the from-scratch decoder (model.name = 'transformer', kind = 'decoder'), not "
                 f"{model.name!r} of kind {getattr(model.options, 'kind', '?')!r}")
-    split = [f"parallel.{name} = {degree}" for name, degree in (("tp", par.tp), ("pp", par.pp), ("ep", par.ep))
+    split = [f"parallel.{name} = {degree}" for name, degree in (("tp", par.tp), ("pp", par.pp), ("ep", par.ep),
+                                                                  ("cp", getattr(par, "cp", 1)))
              if degree > 1]
     if split:
         return (f"runs on unsplit models only, not with {' and '.join(split)} (the split model's loss is computed "

@@ -252,6 +252,15 @@ class ParallelConfig:
     """How an empty pp_layers balances the stages: equal layers, or equal parameters (the embedding counts on the
     first stage, the head on the last)."""
 
+    cp: int = param(1, ge=1)
+    """Context-parallel degree: each sequence split over this many ranks, which read the same samples and each keep
+    2 of its 2 x cp chunks (head-tail balanced, per packed document); attention meets the other ranks' keys by
+    cp_impl (docs/context-parallel.md). data.seq_len must divide by 2 x cp; dp = world size / cp."""
+    cp_impl: Literal["auto", "ring", "allgather", "ulysses", "native"] = "auto"
+    """ring: K/V blocks passed around the ring (Liu et al. 2023); allgather: K/V gathered once per layer (Llama 3);
+    ulysses: all-to-all from sequence to head shards (n_heads and n_kv_heads divisible by cp); native: torch's
+    context parallel (CUDA SDPA only); auto: ring, or allgather with packed documents (data.document_mask)."""
+
     def check(self) -> Iterator[InvalidValue]:
         """Every problem of the table (a generator: the walk reports them all, one per key)."""
         if self.sequence_parallel and self.tp == 1:

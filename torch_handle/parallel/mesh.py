@@ -1,12 +1,17 @@
-"""How a run's ranks are arranged: pipeline × data parallel × tensor parallel on one device mesh, the data-parallel
-ranks split again into expert-data-parallel × expert parallel.
+"""How a run's ranks are arranged: pipeline × data parallel × context parallel × tensor parallel on one device mesh, the
+data-parallel ranks split again into expert-data-parallel × expert parallel.
 
 Ranks are laid out with tensor parallelism varying fastest and pipeline parallelism slowest, as in Megatron-LM,
 picotron and torchtitan: with tp = 2 and world_size = 4, ranks (0, 1) split one model replica and (2, 3) the
 other, so a TP group is consecutive ranks and stays inside a node (TP sends activations every layer; data
 parallelism sends gradients once a step; a pipeline sends one activation per stage boundary and micro-batch).
 
-    rank = (pp_rank · dp + dp_rank) · tp + tp_rank
+    rank = ((pp_rank · dp + dp_rank) · cp + cp_rank) · tp + tp_rank
+
+Context parallelism (cp ranks sharing one sequence) sits between dp and tp, as in picotron's grid and torchtitan's
+ParallelDims: its ring or all-gather moves K/V every layer, more often than data parallelism's once-a-step
+gradients, less than TP's every-linear activations. The cp ranks of a replica read the same samples (the samplers
+use ``dp_rank`` and ``dp``), and the data-parallel strategy reduces over dp × cp (torchtitan's ``dp_shard_cp``).
 
 Expert parallelism draws its ranks from the data-parallel ones, as torchtitan does: the dp ranks of a (pp, tp)
 coordinate are edp × ep, ep varying fastest,
@@ -36,25 +41,29 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Layout:
-    """``world_size`` ranks as pp × dp × tp, dp as edp × ep. Raises ValueError (naming ``tp`` and ``pp``, or
-    ``ep``) when tp · pp does not divide world_size or ep the data-parallel degree."""
+    """``world_size`` ranks as pp × dp × cp × tp, dp as edp × ep. Raises ValueError (naming ``tp`` and ``pp``, ``cp``
+    or ``ep``) when tp · pp, or tp · pp · cp, does not divide world_size, or ep the data-parallel degree."""
 
     world_size: int
     tp: int = 1
     pp: int = 1
     ep: int = 1
+    cp: int = 1
 
     def __post_init__(self) -> None:
         if self.tp < 1 or self.pp < 1 or self.world_size % (self.tp * self.pp):
             raise ValueError(f"tp x pp = {self.tp} x {self.pp} must divide the world size {self.world_size} "
                              f"(launch.nproc_per_node x launch.nnodes)")
+        if self.cp < 1 or self.world_size % (self.tp * self.pp * self.cp):
+            raise ValueError(f"cp x tp x pp = {self.cp} x {self.tp} x {self.pp} must divide the world size "
+                             f"{self.world_size} (launch.nproc_per_node x launch.nnodes)")
         if self.ep < 1 or self.dp % self.ep:
             raise ValueError(f"ep = {self.ep} must divide the data-parallel degree {self.dp} (world size / (tp x pp))")
 
     @property
     def dp(self) -> int:
-        """Model replicas: world_size / (tp · pp)."""
-        return self.world_size // (self.tp * self.pp)
+        """Model replicas: world_size / (tp · pp · cp)."""
+        return self.world_size // (self.tp * self.pp * self.cp)
 
     @property
     def edp(self) -> int:
@@ -62,7 +71,11 @@ class Layout:
         return self.dp // self.ep
 
     def dp_rank(self, rank: int) -> int:
-        return rank // self.tp % self.dp
+        return rank // (self.tp * self.cp) % self.dp
+
+    def cp_rank(self, rank: int) -> int:
+        """Which share of each sequence ``rank`` holds (0 .. cp - 1)."""
+        return rank // self.tp % self.cp
 
     def ep_rank(self, rank: int) -> int:
         """Which slice of the experts ``rank`` holds: dp_rank mod ep."""
@@ -75,28 +88,29 @@ class Layout:
         return rank % self.tp
 
     def pp_rank(self, rank: int) -> int:
-        return rank // (self.tp * self.dp)
+        return rank // (self.tp * self.cp * self.dp)
 
-    def rank(self, pp_rank: int = 0, dp_rank: int = 0, tp_rank: int = 0) -> int:
+    def rank(self, pp_rank: int = 0, dp_rank: int = 0, tp_rank: int = 0, cp_rank: int = 0) -> int:
         """The global rank at these coordinates."""
-        return (pp_rank * self.dp + dp_rank) * self.tp + tp_rank
+        return ((pp_rank * self.dp + dp_rank) * self.cp + cp_rank) * self.tp + tp_rank
 
     def describe(self) -> dict[str, int]:
         """The layout as telemetry writes it: ``{"dp": .., "tp": ..}``, plus ``"pp"`` with a pipeline and ``"ep"``
-        with expert parallelism (dp stays the data-parallel degree, ep of it)."""
+        with expert parallelism (dp stays the data-parallel degree, ep of it) and ``"cp"`` with context parallelism."""
         return {"dp": self.dp, "tp": self.tp, **({"pp": self.pp} if self.pp > 1 else {}),
-                **({"ep": self.ep} if self.ep > 1 else {})}
+                **({"ep": self.ep} if self.ep > 1 else {}), **({"cp": self.cp} if self.cp > 1 else {})}
 
 
 def build_mesh(layout: Layout, device_type: str) -> DeviceMesh:
-    """The ("dp", "tp") device mesh of ``layout`` over the default process group (already initialised), and
-    ("pp", "dp", "tp") with a pipeline. ``mesh["tp"]`` is this rank's TP group, ``mesh["dp"]`` its data-parallel
-    group, ``mesh["pp"]`` its pipeline."""
+    """The ("dp", "tp") device mesh of ``layout`` over the default process group (already initialised), with "pp"
+    first for a pipeline and "cp" before "tp" for context parallelism. ``mesh["tp"]`` is this rank's TP group,
+    ``mesh["dp"]`` its data-parallel group, ``mesh["pp"]`` its pipeline, ``mesh["cp"]`` the ranks sharing its
+    sequences."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    if layout.pp == 1:
-        return init_device_mesh(device_type, (layout.dp, layout.tp), mesh_dim_names=("dp", "tp"))
-    return init_device_mesh(device_type, (layout.pp, layout.dp, layout.tp), mesh_dim_names=("pp", "dp", "tp"))
+    dims = [(n, d) for n, d in (("pp", layout.pp), ("dp", layout.dp), ("cp", layout.cp), ("tp", layout.tp))
+            if d > 1 or n in ("dp", "tp")]
+    return init_device_mesh(device_type, tuple(d for _, d in dims), mesh_dim_names=tuple(n for n, _ in dims))
 
 
 def build_expert_mesh(layout: Layout, device_type: str) -> DeviceMesh:
@@ -117,10 +131,18 @@ def attach_layout(ctx: Any, parallel: ParallelConfig) -> Any:
     ``ctx.dp_size``) and the expert-parallel implementation and mesh (ep > 1). With tp = pp = ep = 1: ``ctx``
     unchanged (dp = world size). Collective: every rank calls it (the mesh's process groups).
 
+    With cp > 1 alone (context parallelism composes with data parallelism only, so far): the layout and the
+    ("dp", "cp", "tp") mesh as ``ctx.cp_mesh``, ``ctx.mesh`` left None, so that the data-parallel strategy reduces
+    over its default group, dp × cp (torchtitan's ``dp_shard_cp``), while the samplers read ``ctx.dp_rank``.
+
     Raises:
-        ValueError: tp · pp does not divide the world size, or ep the data-parallel degree (:class:`Layout`)."""
+        ValueError: tp · pp (· cp) does not divide the world size, or ep the data-parallel degree (:class:`Layout`)."""
+    cp = getattr(parallel, "cp", 1)
     if parallel.tp == 1 and parallel.pp == 1 and parallel.ep == 1:
-        return ctx
+        if cp == 1:
+            return ctx
+        layout = Layout(ctx.world_size, cp=cp)
+        return replace(ctx, layout=layout, cp_mesh=build_mesh(layout, ctx.device.type))
     layout = Layout(ctx.world_size, parallel.tp, parallel.pp, parallel.ep)
     mesh = build_mesh(layout, ctx.device.type)
     tp_group = None

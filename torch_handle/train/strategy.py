@@ -57,6 +57,9 @@ class DistContext:
     """``parallel.ep_impl``: how the experts are split when ``layout.ep`` > 1."""
     ep_mesh: Any = None
     """The ("edp", "ep", "tp") or ("pp", "edp", "ep", "tp") ``DeviceMesh`` when ``layout.ep`` > 1, else None."""
+    cp_mesh: Any = None
+    """The ("dp", "cp", "tp") ``DeviceMesh`` when ``parallel.cp`` > 1 (``cp_mesh["cp"]``: the ranks that share this
+    rank's sequences); ``mesh`` stays None then, so the strategy reduces over dp × cp, the default group."""
     ep_share: Any = None
     """This rank's :class:`~torch_handle.train.expert_parallel.ExpertParallel` share when ``layout.ep`` > 1, its
     experts already split (built with the run's other shares: :func:`torch_handle.train.compose.build_shares`), for
@@ -73,12 +76,17 @@ class DistContext:
 
     @property
     def dp_size(self) -> int:
-        """Model replicas: world_size / (tp · pp)."""
+        """Model replicas: world_size / (tp · pp · cp)."""
         return self.world_size if self.layout is None else self.layout.dp
 
     @property
     def tp_rank(self) -> int:
         return 0 if self.layout is None else self.layout.tp_rank(self.rank)
+
+    @property
+    def cp_rank(self) -> int:
+        """Which share of each sequence this rank holds (0 without context parallelism)."""
+        return 0 if self.layout is None else self.layout.cp_rank(self.rank)
 
     @property
     def pp_rank(self) -> int:

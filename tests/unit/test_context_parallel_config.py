@@ -1,0 +1,108 @@
+"""``parallel.cp`` (issue 48): a preset's every context-parallel problem at once, one line each naming its key and
+what is valid, exit 2, nothing started (in-process: click's CliRunner); ``cp_impl = "auto"``'s choice; the degrees
+and rank coordinates of a dp × cp layout; the batch sharded as the CP share shards it."""
+
+from __future__ import annotations
+
+import pytest
+from click.testing import CliRunner
+
+from handle_cli.main import cli
+from torch_handle.common.run_layout import RunLayout
+from torch_handle.config.context_parallel import chosen_cp_impl
+from torch_handle.parallel.mesh import Layout
+
+BAD = """\
+[run]
+output_dir = "out"
+[model]
+d_model = 64
+n_heads = 8
+n_kv_heads = 2
+n_layers = 2
+d_ff = 128
+dropout = 0.1
+[data]
+seq_len = 30
+[strategy]
+name = "deepspeed"
+[parallel]
+cp = 4
+cp_impl = "ulysses"
+pp = 2
+[launch]
+nproc_per_node = 2
+"""
+
+
+@pytest.fixture
+def runner(tmp_path, monkeypatch, no_launch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("HANDLE_DEBUG", raising=False)
+    return CliRunner()
+
+
+def test_every_context_parallel_problem_is_one_line(runner, tmp_path):
+    (tmp_path / "p.toml").write_text(BAD)
+    result = runner.invoke(cli, ["validate", "p.toml"])
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.splitlines()
+    assert "Traceback" not in result.stderr and not (tmp_path / "out").exists()
+    expected = [
+        ("error: p.toml:15: parallel.cp: cp x tp x pp = 4 x 1 x 2 does not divide the world size 2 "
+        "(launch.nproc_per_node x launch.nnodes); dp is the rest (valid cp: 1)"),
+        ("error: p.toml:11: data.seq_len: 30 is not divisible by 2 x cp x tp = 8 (head-tail balancing cuts each "
+        "sequence into 2 x cp chunks; e.g. 24)"),
+        ("error: p.toml:16: parallel.cp_impl: \"ulysses\" gives each of the cp x tp = 4 ranks whole heads: "
+        "model.n_heads = 8 and n_kv_heads = 2 must both divide by it (valid: ring, allgather)"),
+        ("error: p.toml:17: parallel.pp: parallel.cp > 1 does not compose with a pipeline yet (valid with cp > 1: "
+        "parallel.pp = 1)"),
+        "error: p.toml:13: strategy.name: 'deepspeed' with parallel.cp > 1 is not supported yet (valid: ddp, fsdp)",
+        ("error: p.toml:9: model.dropout: 0.1: the context-parallel attentions apply no attention dropout (valid "
+        "with parallel.cp > 1: 0)"),
+    ]
+    for line in expected:
+        assert line in lines, (line, lines)
+
+
+def _fixed(runner, tmp_path, cp_impl: str):
+    """``handle validate`` of :data:`BAD` with every problem fixed and ``parallel.cp_impl = cp_impl``."""
+    (tmp_path / "p.toml").write_text(BAD)
+    fixes = ("parallel.cp=2", "parallel.pp=1", "data.seq_len=32", "model.dropout=0.0", "strategy.name=ddp",
+             f"parallel.cp_impl={cp_impl}")
+    return runner.invoke(cli, ["validate", "p.toml", *(a for fix in fixes for a in ("--set", fix))])
+
+
+def test_native_is_refused_on_cpu_naming_the_hand_written_ones(runner, tmp_path):
+    result = _fixed(runner, tmp_path, "native")
+    assert result.exit_code == 2, result.output
+    assert result.stderr.splitlines() == [
+        ("error: p.toml (--set): parallel.cp_impl: \"native\": torch's context parallel needs CUDA SDPA or "
+        "FlexAttention, and this machine has no CUDA device (valid: ring, allgather, ulysses, or auto)")]
+
+
+def test_a_good_cp_preset_validates_with_its_layout(runner, tmp_path):
+    result = _fixed(runner, tmp_path, "ring")
+    assert result.exit_code == 0, result.output
+    assert "dp 1 × cp 2 (ddp; cp ring)" in result.output
+
+
+def test_auto_takes_allgather_for_packed_documents_and_ring_otherwise():
+    assert chosen_cp_impl("auto", True) == "allgather"
+    assert chosen_cp_impl("auto", False) == "ring"
+    assert chosen_cp_impl("ulysses", True) == "ulysses"
+
+
+def test_cp_sits_between_dp_and_tp_in_the_mesh_and_the_run_layout():
+    """rank = ((pp_rank · dp + dp_rank) · cp + cp_rank) · tp + tp_rank: 8 ranks as dp 2 × cp 2 × tp 2."""
+    layout = Layout(8, tp=2, cp=2)
+    assert layout.dp == 2
+    assert [(layout.dp_rank(r), layout.cp_rank(r), layout.tp_rank(r)) for r in range(8)] == [
+        (0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1), (1, 0, 0), (1, 0, 1), (1, 1, 0), (1, 1, 1)]
+    assert layout.describe() == {"dp": 2, "tp": 2, "cp": 2}
+    run = RunLayout.from_parts(4, "ddp", None, cp=2, cp_impl="ring")
+    assert (run.dp, run.cp, run.label()) == (2, 2, "dp 2 × cp 2 (ddp; cp ring)")
+    assert [run.rank_name(r) for r in range(4)] == ["rank 0 (dp0 cp0)", "rank 1 (dp0 cp1)", "rank 2 (dp1 cp0)",
+                                                    "rank 3 (dp1 cp1)"]
+    with pytest.raises(ValueError, match="cp"):
+        Layout(6, cp=4)

@@ -1,0 +1,104 @@
+"""``parallel.cp``: the layouts context parallelism runs, what ``cp_impl = "auto"`` picks, and every problem of a
+preset with cp > 1 (one line each, before anything starts; :data:`torch_handle.config.layout.LAYOUT_CHECKS` runs
+:func:`context_parallel_problems`).
+
+Context parallelism splits each sequence over cp ranks (docs/context-parallel.md). In this version it composes
+with data parallelism only -- DDP or FSDP2, which reduce (and FSDP2 shards) over dp × cp, torchtitan's
+``dp_shard_cp`` -- under the ``lm`` objective, for the from-scratch decoder. What it refuses, and why:
+
+* ``seq_len`` not divisible by 2 × cp × tp: head-tail balancing cuts every sequence into 2 × cp chunks;
+* ``ulysses`` with heads (or key/value heads) not divisible by cp × tp: each rank takes whole heads;
+* cp × tp × pp not dividing the world size (the rest is dp);
+* ``native`` (torch's ``context_parallel``: CUDA SDPA and FlexAttention only, pytorch#147793): not on a CPU, and
+  not wired into ``handle run`` yet on a GPU either; the hand-written ``ring``, ``allgather``, ``ulysses`` run
+  everywhere;
+* tp, pp, ep > 1, an encoder-decoder, another model plugin, sft/dpo, another strategy, ``training.compile`` and
+  attention dropout: not supported with cp yet (each named in its line).
+
+Standard library only (``torch.cuda`` is asked only when ``native`` is named).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from torch_handle.errors import PresetError
+
+IMPLS = ("ring", "allgather", "ulysses")
+"""The hand-written context-parallel attentions (``torch_handle/parallel/context/``)."""
+
+STRATEGIES = ("ddp", "fsdp")
+"""The data-parallel strategies that run with cp > 1: their gradients are reduced (and FSDP2's parameters sharded)
+over the dp × cp ranks, the default process group, and their clipping measures the whole model's norm."""
+
+
+def chosen_cp_impl(requested: str, document_mask: bool) -> str:
+    """The implementation ``cp_impl = requested`` runs: itself, or for ``"auto"`` ``allgather`` with packed
+    documents (every key in hand makes the document mask one ordinary masked attention: Llama 3, §3.3.2) and
+    ``ring`` without (K/V never held whole: the least memory)."""
+    if requested != "auto":
+        return requested
+    return "allgather" if document_mask else "ring"
+
+
+def _native_problem() -> str:
+    try:
+        import torch
+
+        cuda = torch.cuda.is_available()
+    except ImportError:  # pragma: no cover - torch is a dependency
+        cuda = False
+    where = ("torch's context parallel is not wired into handle run yet" if cuda else
+             "torch's context parallel needs CUDA SDPA or FlexAttention, and this machine has no CUDA device")
+    return f"\"native\": {where} (valid: ring, allgather, ulysses, or auto)"
+
+
+def context_parallel_problems(preset: Any, registry: Any = None) -> Iterator[PresetError]:
+    """Every problem of ``preset``'s layout with ``parallel.cp > 1`` (none with cp = 1), one per line, each naming
+    its key and what is valid (the module's list)."""
+    par, model, data = preset.parallel, preset.model.options, preset.data.options
+    cp = par.cp
+    if cp == 1:
+        return
+    world, split = preset.world_size, cp * par.tp * par.pp
+    if world % split:
+        valid = ", ".join(str(d) for d in range(1, world + 1) if world % (d * par.tp * par.pp) == 0)
+        yield PresetError(f"cp x tp x pp = {cp} x {par.tp} x {par.pp} does not divide the world size {world} "
+                          f"(launch.nproc_per_node x launch.nnodes); dp is the rest (valid cp: {valid})",
+                          key="parallel.cp")
+    seq_len = getattr(data, "seq_len", None)
+    if isinstance(seq_len, int) and seq_len % (2 * cp * par.tp):
+        yield PresetError(f"{seq_len} is not divisible by 2 x cp x tp = {2 * cp * par.tp} (head-tail "
+                          f"balancing cuts each sequence into 2 x cp chunks; e.g. {seq_len - seq_len % (2 * cp * par.tp)})",
+                          key="data.seq_len")
+    impl = chosen_cp_impl(par.cp_impl, bool(getattr(data, "document_mask", False)))
+    heads = getattr(model, "n_heads", None)
+    kv_heads = getattr(model, "n_kv_heads", None) or heads
+    if impl == "ulysses" and isinstance(heads, int) and (heads % (cp * par.tp) or kv_heads % (cp * par.tp)):
+        yield PresetError(f"\"ulysses\" gives each of the cp x tp = {cp * par.tp} ranks whole heads: "
+                          f"model.n_heads = {heads} and n_kv_heads = {kv_heads} must both divide by it (valid: ring, "
+                          f"allgather)", key="parallel.cp_impl")
+    if impl == "native":
+        yield PresetError(_native_problem(), key="parallel.cp_impl")
+    for dim, why in (("tp", "tensor parallelism"), ("pp", "a pipeline"), ("ep", "expert parallelism")):
+        if getattr(par, dim) > 1:
+            yield PresetError(f"parallel.cp > 1 does not compose with {why} yet (valid with cp > 1: parallel.{dim} "
+                              f"= 1)", key=f"parallel.{dim}")
+    if preset.model.name != "transformer" or getattr(model, "kind", "decoder") != "decoder":
+        yield PresetError("parallel.cp > 1 splits the from-scratch decoder's attention (model.name = 'transformer', "
+                          "kind = 'decoder'); an encoder-decoder or another model plugin is not split by cp yet",
+                          key="model.kind" if preset.model.name == "transformer" else "model.name")
+    if preset.finetune.objective != "lm":
+        yield PresetError(f"{preset.finetune.objective!r} with parallel.cp > 1 is not supported "
+                          f"yet (valid: 'lm')", key="finetune.objective")
+    if preset.strategy.name not in STRATEGIES:
+        yield PresetError(f"{preset.strategy.name!r} with parallel.cp > 1 is not supported yet (valid: "
+                          f"{', '.join(STRATEGIES)})", key="strategy.name")
+    if preset.training.compile:
+        yield PresetError("true with parallel.cp > 1 is not supported yet (valid: false)",
+                          key="training.compile")
+    dropout = getattr(model, "dropout", 0.0)
+    if isinstance(dropout, float) and dropout > 0:
+        yield PresetError(f"{dropout}: the context-parallel attentions apply no attention dropout "
+                          f"(valid with parallel.cp > 1: 0)", key="model.dropout")
