@@ -188,6 +188,35 @@ def _objective(preset: Preset, registry: Any) -> Iterator[PresetError]:
                           key="model.kind")
 
 
+COPY_SHARDED = {"single": "a plain copy", "ddp": "a plain copy on every rank", "scratch-ddp": "a plain copy on "
+                "every rank", "deepspeed": "a plain copy (ZeRO-1/2 keep every parameter)", "fsdp": "fully_shard"}
+"""The strategies under which ``[finetune.preference] reference = "copy"`` runs, and how the copy is held."""
+
+
+def reference_copy_problem(preset: Preset) -> tuple[str, str] | None:
+    """(what, the key) when ``preset`` cannot keep a frozen reference copy (``reference = "copy"``): a layout with
+    tp, pp or ep > 1, ZeRO-3 or scratch-fsdp (their sharding is the engine's own); None when it can."""
+    if preset.finetune.objective != "dpo" or preset.finetune.preference.reference != "copy":
+        return None
+    instead = "reference = 'precomputed', no reference model"
+    for dim in ("tp", "pp", "ep"):
+        if getattr(preset.parallel, dim) > 1:
+            return f"reference = 'copy' is not split over parallel.{dim} > 1 (valid: {instead})", f"parallel.{dim}"
+    name, stage = preset.strategy.name, getattr(preset.strategy.options, "zero_stage", 0)
+    if name not in COPY_SHARDED or (name == "deepspeed" and stage == 3):
+        which = f"strategy {name!r}" + (" with zero_stage 3" if name == "deepspeed" else "")
+        return (f"reference = 'copy' under {which}: not sharded as that strategy shards (valid strategies: "
+                f"{', '.join(COPY_SHARDED)} with ZeRO-1/2; or {instead})"), "strategy.name"
+    return None
+
+
+def _reference_copy(preset: Preset, registry: Any) -> Iterator[PresetError]:
+    """``[finetune.preference] reference = "copy"`` where the layout cannot hold it (:func:`reference_copy_problem`)."""
+    problem = reference_copy_problem(preset)
+    if problem is not None:
+        yield PresetError(f"finetune.preference.{problem[0]}", key=problem[1])
+
+
 def _loss_impl(preset: Preset, registry: Any) -> Iterator[PresetError]:
     """``training.loss_impl = "chunked"`` where the layout cannot run it (:mod:`torch_handle.config.loss_impl`)."""
     if preset.training.loss_impl == "chunked":
@@ -198,7 +227,7 @@ def _loss_impl(preset: Preset, registry: Any) -> Iterator[PresetError]:
 
 LAYOUT_CHECKS: tuple[Callable[[Preset, Any], Iterator[PresetError]], ...] = (
     _world_size, _plugin_supports("model"), _plugin_supports("strategy"), _native_tp, _tied_v_shape,
-    _pipeline_precision, _microbatches, _expert_parallel, _finetune, _objective, _loss_impl,
+    _pipeline_precision, _microbatches, _expert_parallel, _finetune, _objective, _loss_impl, _reference_copy,
     context_parallel_problems)
 """The ``[parallel]`` checks, structure first; each ``check(preset, registry)`` yields its problems."""
 

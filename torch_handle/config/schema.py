@@ -312,11 +312,19 @@ class PreferenceConfig:
     """ε: the chance a pair's labels are flipped (conservative DPO; sigmoid and simpo)."""
     gamma: float = 0.0
     """SimPO's target reward margin γ (0.5 to 1.5 in its paper)."""
-    reference: Literal["auto", "adapters_off", "precomputed", "none"] = "auto"
+    reference: Literal["auto", "adapters_off", "copy", "precomputed", "none"] = "auto"
     """The reference model's log-probabilities: adapters_off (LoRA/QLoRA: the same model with its adapters switched
-    off, no second copy), precomputed (once, from the model as built, before step 1; kept in the run directory, no
-    reference model), none (a reference-free loss), auto (adapters_off with LoRA/QLoRA, precomputed for a full
-    fine-tune, none for a reference-free loss)."""
+    off, no second copy), copy (a full fine-tune: a frozen copy of the model as built, sharded like the policy,
+    every step), precomputed (once, from the model as built, before step 1; kept in the run directory and cached
+    under the data's and the base's hashes, no reference model), none (a reference-free loss), auto (adapters_off
+    with LoRA/QLoRA, precomputed for a full fine-tune, none for a reference-free loss)."""
+
+    def resolved(self, method: str) -> str:
+        """The reference a run of ``finetune.method`` keeps: ``reference``, or what ``auto`` stands for."""
+        if self.reference != "auto":
+            return self.reference
+        return "none" if self.loss in REFERENCE_FREE_LOSSES else "adapters_off" if method in ("lora", "qlora") \
+            else "precomputed"
 
     def check(self) -> Iterator[InvalidValue]:
         if self.beta <= 0:
@@ -327,7 +335,7 @@ class PreferenceConfig:
             yield InvalidValue("reference", f"'none': loss {self.loss!r} compares with a reference model (valid: "
                                             f"adapters_off, auto; or a reference-free loss: "
                                             f"{', '.join(REFERENCE_FREE_LOSSES)})")
-        if self.reference in ("adapters_off", "precomputed") and free:
+        if self.reference in ("adapters_off", "copy", "precomputed") and free:
             yield InvalidValue("reference", f"{self.reference!r}: loss {self.loss!r} is reference-free (valid: none, "
                                             f"auto)")
 
@@ -361,7 +369,12 @@ class FinetuneConfig:
     def check(self) -> Iterator[InvalidValue]:
         if self.objective == "dpo" and self.method == "none" and self.preference.reference == "adapters_off":
             yield InvalidValue("preference.reference", "'adapters_off' needs adapters (method = 'lora' or 'qlora'); "
-                                                       "a full fine-tune takes 'precomputed' (or auto)")
+                                                       "a full fine-tune takes 'copy' or 'precomputed' (or auto)")
+        if self.objective == "dpo" and self.method != "none" and self.preference.reference == "copy":
+            yield InvalidValue("preference.reference", f"'copy' is a full fine-tune's (method = 'none'); under "
+                                                       f"method = {self.method!r} the reference is the same model "
+                                                       f"with its adapters off (valid: adapters_off, precomputed, "
+                                                       f"auto)")
         for target in self.target_modules:
             if target not in FINETUNE_TARGETS:
                 yield InvalidValue("target_modules", f"{target!r} is not a linear of the Transformer (valid: "

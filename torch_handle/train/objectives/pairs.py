@@ -103,17 +103,18 @@ def precompute_reference(trainer: Any) -> dict[str, torch.Tensor]:
 
 class DirectPreference:
     """``dpo``: the preference loss of ``options`` (a :class:`~torch_handle.config.schema.PreferenceConfig`) on
-    pairs, for a model fine-tuned by ``method``. ``reference``: ``adapters_off``, ``precomputed`` or ``none``
-    (``auto``: none for a reference-free loss, adapters_off under lora and qlora, else precomputed)."""
+    pairs, for a model fine-tuned by ``method``. ``reference``: ``adapters_off``, ``copy``
+    (:mod:`~torch_handle.train.objectives.reference`), ``precomputed`` or ``none`` (``auto``: none for a
+    reference-free loss, adapters_off under lora and qlora, else precomputed)."""
 
     name = "dpo"
 
     def __init__(self, options: Any, method: str = "lora") -> None:
         self.loss: PreferenceLoss = preference_loss(options.loss, options.beta, options.label_smoothing,
                                                     options.gamma)
-        auto = "none" if self.loss.reference_free else "adapters_off" if method in ("lora", "qlora") else \
-            "precomputed"
-        self.reference = auto if options.reference == "auto" else options.reference
+        self.reference = options.resolved(method)
+        self.copy: Any = None
+        """``copy``'s frozen model (:class:`~torch_handle.train.objectives.reference.ReferenceCopy`), once built."""
         self.table: dict[str, torch.Tensor] | None = None
         """The precomputed reference (:func:`precompute_reference`), once read or computed."""
         self.sums: torch.Tensor | None = None
@@ -144,6 +145,13 @@ class DirectPreference:
         elif self.reference == "precomputed":
             rows = self.reference_table(trainer)["train" if train else "valid"][index].to(policy.dtype)  # (B, 2)
             ref = (rows[:, 0], rows[:, 1])
+        elif self.reference == "copy":
+            if self.copy is None:  # built at the first micro-batch: step 0's evaluation, or a resume's first step
+                from torch_handle.train.objectives.reference import build_reference_copy
+
+                self.copy = build_reference_copy(trainer)
+            logps = self.copy.logps(ids, labels, trainer.loss_impl)
+            ref = (logps[:B], logps[B:])
         lengths = counts.to(policy.dtype)
         losses, metrics = self.loss(PairLogps(policy[:B], policy[B:], lengths[:B], lengths[B:], *ref))
         once = float(trainer.ctx.tp_rank == 0)
@@ -167,8 +175,10 @@ class DirectPreference:
                                         f"{trainer.training.lr:g}; finetune.preference.beta = {self.loss.beta:g})")
 
     def reference_table(self, trainer: Any) -> dict[str, torch.Tensor]:
-        """The precomputed reference: read from the run directory (a resume), else computed now (before step 1:
-        the first call is the step-0 evaluation's) and written there. Collective the first time.
+        """The precomputed reference: read from the run directory (a resume), else read from the cache of the same
+        data and base or computed now (before step 1: the first call is the step-0 evaluation's;
+        :func:`~torch_handle.train.objectives.reference.cached_reference`) and written there. Collective the first
+        time.
 
         Raises:
             RuntimeError: a run past step 0 without the file, or a file for other data (other pair counts)."""
@@ -182,7 +192,9 @@ class DirectPreference:
             elif trainer.step > 0:
                 raise RuntimeError(f"{path}: missing, and the model is past step 0 (no longer the reference)")
             else:
-                self.table = precompute_reference(trainer)
+                from torch_handle.train.objectives.reference import cached_reference
+
+                self.table = cached_reference(trainer, precompute_reference)  # or read from the shared cache
                 if trainer.is_dir_main:
                     torch.save({k: v.cpu() for k, v in self.table.items()}, path)
         return self.table
