@@ -79,6 +79,30 @@ def test_chunked_equals_full_in_loss_and_every_gradient_in_fp32(variant, eps):
         torch.testing.assert_close(grad, full[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
+def test_the_weight_cast_a_block_at_a_time_gives_the_same_loss_and_gradients(monkeypatch):
+    """Where a whole copy of the output weight in the compute dtype would be large (``COPY_SHARE``), each chunk
+    reads it a block of rows at a time (the logits' columns, the hidden states' gradient summed over the blocks in
+    fp32): forced here in fp32, the loss and every gradient equal the full path's within 1e-6, and the
+    per-sequence log-probabilities' gradients too."""
+    monkeypatch.setattr(lce, "cast_whole", lambda *_: False)
+    monkeypatch.setattr(lce, "CHUNK_ELEMENTS", {"cpu": 5 * VOCAB, "cuda": 5 * VOCAB})  # blocks of 3 weight rows
+    torch.manual_seed(0)
+    model = DecoderLM(TransformerArgs(VOCAB, **LLAMA))
+    full_loss, _, full = _step(copy.deepcopy(model), "full", 0.1)
+    loss, _, grads = _step(model, "chunked", 0.1)
+    torch.testing.assert_close(loss, full_loss, rtol=0, atol=1e-6)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, full[name], rtol=1e-5, atol=1e-6, msg=name)
+    hidden = torch.randn(2, SEQ, 8, requires_grad=True)
+    weight = torch.randn(VOCAB, 8, requires_grad=True)
+    labels = _batch()["labels"]
+    lce.sequence_logps(hidden, weight, labels).sum().backward()
+    want = torch.autograd.grad(-F.cross_entropy((hidden @ weight.T).flatten(0, 1), labels.flatten(),
+                                                reduction="sum"), (hidden, weight))
+    for got, w in zip((hidden.grad, weight.grad), want):
+        torch.testing.assert_close(got, w, rtol=1e-5, atol=1e-6)
+
+
 def test_chunked_equals_full_under_bf16_autocast():
     """The chunk's logits rounded to bf16 as the output layer rounds them, the gradients back through bf16: the
     values of the whole logits' loss to bf16's rounding (the output weight's gradient is summed over chunks in

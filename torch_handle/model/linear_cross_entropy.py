@@ -30,21 +30,46 @@ import torch
 from torch import Tensor
 
 CHUNK_ELEMENTS = {"cuda": 1 << 26, "cpu": 1 << 24}
-"""Logit elements per chunk by device type (``chunk_rows``): 256 MiB of fp32 on CUDA (523 rows of Llama 3's 128,256
-vocabulary), 64 MiB on CPU; other devices take CUDA's. Every chunk reads the whole weight twice and reads and
-writes its fp32 gradient (about 14 bytes per weight element in bf16), so fewer, larger chunks keep the matmuls
+"""The most logit elements a chunk holds by device type (``chunk_rows``): 256 MiB of fp32 on CUDA (523 rows of Llama
+3's 128,256 vocabulary), 64 MiB on CPU; other devices take CUDA's. Every chunk reads the whole weight twice and reads
+and writes its fp32 gradient (about 14 bytes per weight element in bf16), so fewer, larger chunks keep the matmuls
 compute bound: at 16 rows a chunk the CPU loss path took 3.1x the full one's time (``benchmarks/loss_memory.py``,
 on a shared machine)."""
 MIN_CHUNK_ROWS = 128
 """No chunk is smaller than this (unless the input is), whatever the vocabulary."""
+LOGITS_SHARE = 4
+"""A chunk holds at most 1/4 of the whole (N, V) logits: at least four chunks, so the working set is a fraction of
+what the full path makes at any N (B·T). Without it a short input was one chunk: at 2,048 tokens of a 32,000
+vocabulary the chunk was every token, and the loss path's peak 0.88x the full one's (docs/performance.md)."""
+COPY_SHARE = 8
+"""The output weight is cast to the compute dtype once, whole, only where that copy (V x C x 2 bytes in bf16) is at
+most 1/8 of the fp32 logits' bytes (N x V x 4: N >= 4C at bf16); else each chunk casts one block of ``weight_rows``
+rows at a time. At B·T = d_model (2,048 tokens of Llama 3.2 1B) a whole bf16 copy is half the fp32 logits and was
+half the chunked path's transient memory (0.41x the full path's where the target is 0.25x)."""
 
 
 def chunk_rows(n_rows: int, vocab: int, device: torch.device | str = "cpu") -> int:
-    """Rows (tokens) per chunk: ``CHUNK_ELEMENTS`` of the device over ``vocab``, at least ``MIN_CHUNK_ROWS``, at
-    most ``n_rows`` (and at least 1)."""
+    """Rows (tokens) per chunk of ``n_rows`` over ``vocab``: ``CHUNK_ELEMENTS`` of the device over ``vocab``, and
+    at most 1/``LOGITS_SHARE`` of ``n_rows``; at least ``MIN_CHUNK_ROWS``, at most ``n_rows`` (and at least 1)."""
+    kind = torch.device(device).type
+    budget = CHUNK_ELEMENTS[kind if kind in CHUNK_ELEMENTS else "cuda"] // max(1, vocab)
+    return max(1, min(n_rows, max(MIN_CHUNK_ROWS, min(budget, -(-n_rows // LOGITS_SHARE)))))
+
+
+def weight_rows(vocab: int, width: int, device: torch.device | str = "cpu") -> int:
+    """Rows of the (V, C) output weight per block (its gradient's accumulation; its cast where not whole): a quarter
+    of a chunk's elements (``CHUNK_ELEMENTS`` / 4 / C), at most V."""
     kind = torch.device(device).type
     budget = CHUNK_ELEMENTS[kind if kind in CHUNK_ELEMENTS else "cuda"]
-    return max(1, min(n_rows, max(MIN_CHUNK_ROWS, budget // max(1, vocab))))
+    return max(1, min(vocab, budget // (4 * max(1, width))))
+
+
+def cast_whole(n_rows: int, weight: Tensor, dtype: torch.dtype) -> bool:
+    """Whether the chunked loss casts ``weight`` (V, C) to ``dtype`` once (``COPY_SHARE``) rather than a block per
+    chunk; True where no cast is needed (``weight`` already in ``dtype``: no copy either way)."""
+    if weight.dtype == dtype:
+        return True
+    return weight.numel() * dtype.itemsize * COPY_SHARE <= n_rows * weight.shape[0] * 4
 
 
 def compute_dtype(hidden: Tensor) -> torch.dtype:
@@ -56,15 +81,45 @@ def compute_dtype(hidden: Tensor) -> torch.dtype:
     return hidden.dtype
 
 
-def accumulate_weight_grad(grad_w: Tensor, g: Tensor, h: Tensor, rows: int) -> None:
-    """grad_w (V, C) fp32 += gᵀ · h for g (r, V) and h (r, C) in the compute dtype, ``rows`` rows of grad_w at a time:
-    each block's product (rows, C) is the only temporary (one (V, C) product in bf16 would be half the fp32
-    gradient again, and on CPU its upcast for the add another whole copy)."""
-    if g.dtype == grad_w.dtype:
-        grad_w.addmm_(g.T, h)
-        return
-    for s in range(0, grad_w.shape[0], rows):
-        grad_w[s:s + rows].add_(g[:, s:s + rows].T @ h)  # (rows, C)
+class _Weight:
+    """The output weight (V, C) as the chunked loss reads it in ``dtype``: whole (one cast, or none) or a block of
+    ``rows`` rows at a time, cast when read (``cast_whole``)."""
+
+    def __init__(self, weight: Tensor, dtype: torch.dtype, whole: bool, rows: int) -> None:
+        self.dtype, self.rows = dtype, rows
+        self.whole = weight.to(dtype) if whole else None  # (V, C) in dtype, or None: blocks of weight
+        self.weight = weight
+
+    def logits(self, h_c: Tensor) -> Tensor:
+        """(r, V) fp32: h_c (r, C) @ Wᵀ computed in ``dtype`` (rounded as ``nn.Linear`` rounds it), then fp32."""
+        if self.whole is not None:
+            return (h_c @ self.whole.T).float()
+        z = torch.empty(h_c.shape[0], self.weight.shape[0], dtype=torch.float32, device=h_c.device)  # (r, V)
+        for s in range(0, self.weight.shape[0], self.rows):
+            z[:, s:s + self.rows] = h_c @ self.weight[s:s + self.rows].to(self.dtype).T  # (r, rows)
+        return z
+
+    def grads(self, g: Tensor, h_c: Tensor, grad_h: Tensor | None, grad_w: Tensor | None) -> None:
+        """The chunk's gradients from g = d loss / d z (r, V) in ``dtype``: grad_h (r, C) = g · W written, grad_w
+        (V, C) fp32 += gᵀ · h_c a block of ``rows`` rows at a time (each block's (rows, C) product the only
+        temporary: a (V, C) product in bf16 would be half the fp32 gradient again)."""
+        if self.whole is not None and grad_h is not None:
+            grad_h.copy_(g @ self.whole)  # (r, C)
+        if self.whole is not None and (grad_w is None or grad_w.dtype == g.dtype):
+            if grad_w is not None:
+                grad_w.addmm_(g.T, h_c)
+            return
+        acc = None
+        if self.whole is None and grad_h is not None:  # Σ over blocks of g_b · W_b, summed in fp32
+            acc = torch.zeros(g.shape[0], self.weight.shape[1], dtype=torch.float32, device=g.device)  # (r, C)
+        for s in range(0, self.weight.shape[0], self.rows):
+            g_b = g[:, s:s + self.rows]  # (r, rows)
+            if acc is not None:
+                acc += g_b @ self.weight[s:s + self.rows].to(self.dtype)  # (r, C)
+            if grad_w is not None:
+                grad_w[s:s + self.rows].add_(g_b.T @ h_c)  # (rows, C)
+        if acc is not None:
+            grad_h.copy_(acc)
 
 
 def _softmax_(z: Tensor) -> tuple[Tensor, Tensor]:
@@ -94,19 +149,19 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, labels: Tensor, eps: float, ignore_index: int, rows: int,
                 dtype: torch.dtype, need_hidden: bool, need_weight: bool) -> Tensor:
-        h, w = hidden.to(dtype), weight.to(dtype)  # (N, C), (V, C): one cast of each, as autocast's linear makes
-        n_rows, vocab = h.shape[0], w.shape[0]
+        h = hidden.to(dtype)  # (N, C): one cast, as autocast's linear makes
+        n_rows, vocab = h.shape[0], weight.shape[0]
+        w = _Weight(weight, dtype, cast_whole(n_rows, weight, dtype), weight_rows(vocab, weight.shape[1], h.device))
         valid = labels != ignore_index  # (N,)
         safe = torch.where(valid, labels, 0)[:, None]  # (N, 1): ignored rows point at class 0, then weigh 0
         n = valid.sum()
         row_weight = valid / n  # (N,) fp32: d loss / d row loss
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         grad_h = torch.empty_like(hidden) if need_hidden else None  # (N, C)
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=w.device) if need_weight else None  # (V, C)
-        w_rows = chunk_rows(vocab, 4 * w.shape[1], w.device)  # blocks of the weight gradient: a quarter chunk
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=h.device) if need_weight else None  # (V, C)
         for s in range(0, n_rows, rows):
             h_c, idx = h[s:s + rows], safe[s:s + rows]
-            z = (h_c @ w.T).float()  # (r, V): rounded to dtype as nn.Linear rounds, then fp32
+            z = w.logits(h_c)  # (r, V) fp32: rounded to dtype as nn.Linear rounds
             z_label, z_mean = z.gather(1, idx).squeeze(1), z.mean(dim=-1) if eps else None  # (r,), (r,)
             p, lse = _softmax_(z)  # (r, V) in place of the logits, (r,): no second (r, V) buffer
             row = lse - z_label  # (r,): -log p_label
@@ -120,10 +175,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             p.scatter_add_(1, idx, torch.full_like(idx, eps - 1.0, dtype=p.dtype))
             g = p.mul_(row_weight[s:s + rows, None]).to(dtype)  # (r, V): d loss / d z, in the compute dtype
             del z, p
-            if grad_h is not None:
-                grad_h[s:s + rows] = g @ w  # (r, C)
-            if grad_w is not None:
-                accumulate_weight_grad(grad_w, g, h_c, w_rows)
+            w.grads(g, h_c, None if grad_h is None else grad_h[s:s + rows], grad_w)
         ctx.grads = [grad_h, grad_w]
         ctx.weight_dtype = weight.dtype
         return total / n
@@ -187,13 +239,14 @@ class ChunkedSequenceLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, labels: Tensor, sequence: Tensor, n_sequences: int,
                 ignore_index: int, rows: int, dtype: torch.dtype) -> Tensor:
-        h, w = hidden.to(dtype), weight.to(dtype)
+        h = hidden.to(dtype)
+        w = _Weight(weight, dtype, cast_whole(h.shape[0], weight, dtype), weight_rows(*weight.shape, h.device))
         valid = labels != ignore_index
         safe = torch.where(valid, labels, 0)[:, None]  # (N, 1)
         lse = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)  # (N,)
         logp = torch.empty_like(lse)  # (N,)
         for s in range(0, h.shape[0], rows):
-            z = (h[s:s + rows] @ w.T).float()  # (r, V)
+            z = w.logits(h[s:s + rows])  # (r, V)
             z_label = z.gather(1, safe[s:s + rows]).squeeze(1)
             lse[s:s + rows] = _softmax_(z)[1]
             logp[s:s + rows] = z_label - lse[s:s + rows]
@@ -208,21 +261,18 @@ class ChunkedSequenceLogProbs(torch.autograd.Function):
         hidden, weight, safe, valid, sequence, lse = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[:2]
         dtype, rows = ctx.dtype, ctx.rows
-        h, w = hidden.to(dtype), weight.to(dtype)
+        h = hidden.to(dtype)
+        w = _Weight(weight, dtype, cast_whole(h.shape[0], weight, dtype), weight_rows(*weight.shape, h.device))
         row_weight = grad.float()[sequence] * valid  # (N,): d out[b] / d log p of each counted token
         grad_h = torch.empty_like(hidden) if need_h else None
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=w.device) if need_w else None
-        w_rows = chunk_rows(w.shape[0], 4 * w.shape[1], w.device)
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=h.device) if need_w else None
         for s in range(0, h.shape[0], rows):
             h_c, idx = h[s:s + rows], safe[s:s + rows]
-            p = (h_c @ w.T).float().sub_(lse[s:s + rows, None]).exp_()  # (r, V) softmax
+            p = w.logits(h_c).sub_(lse[s:s + rows, None]).exp_()  # (r, V) softmax
             p.scatter_add_(1, idx, torch.full_like(idx, -1.0, dtype=p.dtype))  # softmax - onehot
             g = p.mul_(-row_weight[s:s + rows, None]).to(dtype)  # (r, V): d out / d z
             del p
-            if grad_h is not None:
-                grad_h[s:s + rows] = g @ w
-            if grad_w is not None:
-                accumulate_weight_grad(grad_w, g, h_c, w_rows)
+            w.grads(g, h_c, None if grad_h is None else grad_h[s:s + rows], grad_w)
         return (grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None, None, None, None)
 
 
