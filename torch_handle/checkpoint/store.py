@@ -149,13 +149,13 @@ def verify_weights_only(paths: list[Path], allowed_globals: list[Any] = ()) -> N
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def seed_everything(seed: int, tp_rank: int = 0) -> None:
+def seed_everything(seed: int, tp_rank: int = 0, tp_size: int = 1) -> None:
     """Seed every generator :func:`rng_state` captures: Python's, NumPy's and torch's with ``seed``, the
-    tensor-parallel dropout stream with ``seed + 2718 + tp_rank``
+    tensor-parallel dropout stream with ``seed + 2718 + tp_rank``, one of ``tp_size``
     (:func:`~torch_handle.parallel.tensor.random.seed_tensor_parallel_rng`)."""
     random.seed(seed)
     np.random.seed(seed % 2**32)
-    seed_tensor_parallel_rng(seed, tp_rank)
+    seed_tensor_parallel_rng(seed, tp_rank, tp_size)
 
 
 def rng_state() -> dict[str, Any]:

@@ -119,7 +119,7 @@ def load_position(trainer: Any, path: Path, layout: dict[str, Any]) -> Position:
     own = ckpt.own_rng_state(path, ctx.rank, layout, preset.parallel.tp)
     state = ckpt.load_trainer_state(path, ctx.rank if own else 0, restore_rng=own)
     if not own:
-        ckpt.seed_everything(preset.run.seed + 1000 * ctx.dp_rank + state.step, ctx.tp_rank)
+        ckpt.seed_everything(preset.run.seed + 1000 * ctx.dp_rank + state.step, ctx.tp_rank, preset.parallel.tp)
     if ctx.is_main and (not own or (layout.get("world_size") or ctx.world_size) < ctx.world_size):
         trainer.note(Level.INFO, f"ranks with no RNG state of their own in the checkpoint (written on "
                                  f"{layout.get('world_size')} ranks, tp = {layout.get('tp', 1)}) are seeded from "

@@ -142,7 +142,7 @@ class Trainer:
             log.info("training.compile: %s", compile_for_training(model, p, self.share))
         # From here on each replica and pipeline stage draws its own dropout masks; a replica's TP ranks the same
         # ones, but in the TP regions each its own (torch_handle.parallel.tensor.random)
-        ckpt.seed_everything(p.run.seed + 1000 * ctx.dp_rank + 100_003 * ctx.pp_rank, ctx.tp_rank)
+        ckpt.seed_everything(p.run.seed + 1000 * ctx.dp_rank + 100_003 * ctx.pp_rank, ctx.tp_rank, p.parallel.tp)
 
         strategy_plugin = self.registry.get("strategy", p.strategy.name)
         self.strategy: Strategy = strategy_plugin.factory(p.strategy.options, self.training, ctx, model)

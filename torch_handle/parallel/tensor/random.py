@@ -23,6 +23,13 @@ The stream is state that must survive what replays or resumes the default genera
 them (:func:`torch_handle.checkpoint.store.rng_state`). Activation checkpointing recomputes a block's forward, and
 ``torch.utils.checkpoint`` restores only the default generators' states for it; :func:`checkpoint_rng_contexts`,
 its ``context_fn``, restores this stream too (what Megatron's own ``CheckpointFunction`` does).
+
+Compiled (``training.compile``): swapping the generators' states is a side effect Dynamo cannot trace
+(``torch.get_rng_state`` is on its skip list: each fork was a graph break, two in every block with dropout). Where
+the process is the only TP rank of its replica (tp = 1) there is no other rank's mask to differ from, so inside a
+compiled region :func:`tensor_parallel_rng` draws from the default generators and the graph stays whole (Inductor
+draws its own masks there anyway, not eager's). With tp > 1 the fork stays, and with it one break per
+tensor-parallel dropout: without it the TP ranks, seeded alike, would draw the same masks for their different heads.
 """
 
 from __future__ import annotations
@@ -63,6 +70,9 @@ class RNGTracker:
     def __init__(self) -> None:
         self._seeds: dict[str, int] = {}
         self._states: dict[str, dict[str, Tensor]] = {}
+        self.tp_size = 1
+        """The TP ranks of this process's replica (:func:`seed_tensor_parallel_rng`): with 1, a compiled region
+        need not fork (:func:`tensor_parallel_rng`)."""
 
     def add(self, name: str, seed: int) -> None:
         """Start (or restart) stream ``name`` at ``seed``; the default generators are not touched."""
@@ -124,18 +134,23 @@ def get_rng_tracker() -> RNGTracker:
     return _TRACKER
 
 
-def seed_tensor_parallel_rng(seed: int, tp_rank: int = 0) -> None:
+def seed_tensor_parallel_rng(seed: int, tp_rank: int = 0, tp_size: int = 1) -> None:
     """Seed the default torch generators with ``seed`` and this process's tensor-parallel stream with
-    ``seed + 2718 + tp_rank`` (Megatron's ``model_parallel_cuda_manual_seed``). Call it with the same ``seed`` on
-    the TP ranks of a replica, after the model is built (and on its device)."""
+    ``seed + 2718 + tp_rank`` (Megatron's ``model_parallel_cuda_manual_seed``), of ``tp_size`` TP ranks. Call it
+    with the same ``seed`` on the TP ranks of a replica, after the model is built (and on its device)."""
     torch.manual_seed(seed)
     _TRACKER.add(TP_STREAM, seed + TP_SEED_OFFSET + tp_rank)
+    _TRACKER.tp_size = tp_size
 
 
 def tensor_parallel_rng(enabled: bool = True) -> ContextManager:
     """The context a dropout inside a tensor-parallel region runs in: this rank's own stream (when ``enabled`` and
-    seeded), else the default generators. The model wraps its attention-probability and FFN-hidden dropouts in it."""
-    return _TRACKER.fork() if enabled else contextlib.nullcontext()
+    seeded), else the default generators; the default generators also inside a compiled region at tp = 1 (the
+    module's "Compiled": the fork would break the graph). The model wraps its attention-probability and FFN-hidden
+    dropouts in it."""
+    if not enabled or (_TRACKER.tp_size == 1 and torch.compiler.is_compiling()):
+        return contextlib.nullcontext()
+    return _TRACKER.fork()
 
 
 class _Replay:
