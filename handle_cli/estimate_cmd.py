@@ -159,16 +159,22 @@ def sft_line(preset) -> str:
             f"path computes every position's logits (untrained labels are ignored, not skipped){source}")
 
 
-def dpo_line(preset) -> str:
+def dpo_line(preset, row=None) -> str:
     """What a DPO preset (``finetune.objective = "dpo"``) is priced as: each micro-batch's pairs as one forward of
     twice the rows, and what its reference adds (no activation bytes:
-    :func:`torch_handle.plan.estimate_model.rows_per_sample`)."""
-    from torch_handle.train.objectives import objective_for
-
+    :func:`torch_handle.plan.estimate_model.rows_per_sample`; its own bytes on ``row``'s rank, an
+    :class:`~torch_handle.plan.estimate.Estimate`: :mod:`torch_handle.plan.estimate_reference`)."""
     b, seq = preset.training.micro_batch_size, preset.data.options.seq_len
-    reference = objective_for(preset).reference
-    adds = {"adapters_off": "runs after the policy's under no_grad: no saved activation, its logits freed with it",
-            "precomputed": "is read from a float64 table on the device (16 bytes a pair of both splits), no forward",
+    reference = preset.finetune.preference.resolved(preset.finetune.method)
+    held = "" if row is None or row.reference_bytes is None else \
+        f" ({fmt_bytes(row.reference_bytes, precise=True)} on rank {row.rank}, part of its total)"
+    adds = {"adapters_off": "runs after the policy's under no_grad: no saved activation, its logits freed with it, "
+                            "no second copy",
+            "copy": f"is a frozen copy of the model held as the strategy holds the policy's parameters{held}: no "
+                    f"gradients, no optimizer state; its forward runs after the policy's under no_grad, no saved "
+                    f"activation",
+            "precomputed": f"is read from a float64 table on the device (16 bytes a pair of both splits{held}), no "
+                           f"forward, no reference model",
             "none": "is not computed (a reference-free loss)"}[reference]
     return (f"dpo: each micro-batch is {b} pair(s), one forward of {2 * b} rows of {seq} positions (chosen and "
             f"rejected, each padded to seq_len), priced as {2 * b} samples; the reference ({reference}) {adds}")
@@ -332,7 +338,7 @@ def estimate(preset: str, overrides: tuple[str, ...], nproc: str, nnodes: int | 
         for line in textwrap.wrap(sft_line(loaded), 110, subsequent_indent="  "):
             click.echo(line)
     if loaded.finetune.objective == "dpo":
-        for line in textwrap.wrap(dpo_line(loaded), 110, subsequent_indent="  "):
+        for line in textwrap.wrap(dpo_line(loaded, rows[0]), 110, subsequent_indent="  "):
             click.echo(line)
     if tp > 1 or pp > 1:  # the line every view shows (handle validate, handle runs, the dashboard)
         click.echo(f"layout: {RunLayout.from_preset(loaded).label()} at the preset's world size "

@@ -120,7 +120,7 @@ def test_the_precomputed_reference_is_cached_under_the_data_and_the_base(pairs, 
     from safetensors.torch import load_file, save_file
 
     weights = load_file(str(other / "model.safetensors"))
-    name = sorted(weights)[0]
+    name = min(weights)
     weights[name] = weights[name] + 1e-3
     save_file(weights, str(other / "model.safetensors"), metadata={"format": "pt"})
     moved, _ = _run(tmp_path, (other, data), process_group, "other-base", 1)

@@ -63,7 +63,7 @@ def test_the_estimate_prices_what_a_dpo_micro_batch_saves(prepared):
     assert objective.reference == "adapters_off"
     strategy = SimpleNamespace(model=model, unwrapped=lambda: model,
                                autocast=lambda: torch.autocast("cpu", enabled=False))
-    trainer = SimpleNamespace(strategy=strategy, loss_impl="full", ctx=SimpleNamespace(tp_rank=0),
+    trainer = SimpleNamespace(strategy=strategy, loss_impl="full", ctx=SimpleNamespace(tp_rank=0), share=None,
                               training=preset.training, aux_loss_scale=SimpleNamespace(probe=lambda loss: loss))
 
     def step():
@@ -91,3 +91,37 @@ def test_the_cli_says_what_a_dpo_estimate_assumes(prepared):
     assert "reference (adapters_off)" in text
     result = CliRunner().invoke(cli, ["estimate", str(prepared / "dpo.toml"), "--nproc", "1", "--json"])
     assert result.exit_code == 0 and json.loads(result.output.splitlines()[0])["objective"] == "dpo"
+
+
+def test_the_estimate_prices_each_reference(prepared):
+    """A full fine-tune's ``copy`` holds the policy's parameters as the strategy shards them (whole on one process,
+    half each under fsdp on 2) and nothing else; ``precomputed`` the table (16 bytes a pair of both splits);
+    adapters off and a reference-free loss nothing. Each is part of the rank's device total."""
+    registry = get_registry()
+    full = ["finetune.method=none"]
+
+    def row(*overrides: str, world: int = 1):
+        return estimate_preset(load_preset(prepared / "dpo.toml", [*overrides]), registry, [world])[0]
+
+    copy, precomputed = row(*full, "finetune.preference.reference=copy"), row(*full)
+    data = open_prepared(prepared / "data")
+    pairs = len(PreferencePairs(data.train, SEQ)) + len(PreferencePairs(data.valid, SEQ))
+    assert precomputed.reference == "precomputed" and precomputed.reference_bytes == 16 * pairs > 0
+    assert copy.reference == "copy" and copy.reference_bytes == copy.param_bytes > 1000 * pairs
+    assert copy.device_bytes - precomputed.device_bytes == copy.param_bytes - 16 * pairs
+    assert (copy.grad_bytes, copy.optimizer_bytes, copy.activation) == (precomputed.grad_bytes,
+                                                                        precomputed.optimizer_bytes,
+                                                                        precomputed.activation)
+    sharded = row(*full, "finetune.preference.reference=copy", "strategy.name=fsdp", world=2)
+    assert sharded.reference_bytes == sharded.param_bytes <= copy.param_bytes // 2 + 4096
+    lora = row()
+    assert (lora.reference, lora.reference_bytes) == ("adapters_off", 0)
+    assert (row("finetune.preference.loss=simpo").reference_bytes, row(*full).as_dict()["reference"]) == (
+        0, "precomputed")
+    assert "reference" not in estimate_preset(load_preset(prepared / "dpo.toml", ["finetune.objective=lm"]),
+                                              registry, [1])[0].as_dict()
+    result = CliRunner().invoke(cli, ["estimate", str(prepared / "dpo.toml"), "--nproc", "1", "--set",
+                                      "finetune.method=none", "--set", "finetune.preference.reference=copy"])
+    assert result.exit_code == 0, result.output
+    assert "the reference (copy) is a frozen copy of the model held as the strategy holds the policy's " \
+           "parameters" in " ".join(result.output.split())

@@ -35,6 +35,7 @@ from torch_handle.plan.estimate_activations import ActivationBytes, activation_b
 from torch_handle.plan.estimate_layout import estimate_layout, with_layout
 from torch_handle.plan.estimate_model import model_shape
 from torch_handle.plan.estimate_moe import MoEShape, expert_param_bytes, moe_step, preset_moe, rank_state_bytes
+from torch_handle.plan.estimate_reference import reference_bytes
 from torch_handle.plan.model_states import (BUILTIN, COMPARE_VARIANTS, MEASURED, States, Variant, model_state_bytes,
                                             preset_variant, shards_parameters)
 
@@ -124,6 +125,12 @@ class Estimate:
     NF4 storage counted by neither, as the run's ``model_params`` leaves it out) and
     ``flops_per_token`` (training FLOPs, what the run's tflops and MFU count: :func:`~torch_handle.finetune.lora.
     lora_flops_per_token`); ``as_dict`` gives them as top-level keys. None for a full training run."""
+    reference: str | None = None
+    """A DPO preset's reference (``none``, ``adapters_off``, ``copy`` or ``precomputed``:
+    :mod:`~torch_handle.plan.estimate_reference`); None (and absent from ``as_dict``) for another objective."""
+    reference_bytes: int | None = None
+    """What that reference holds on this rank, part of ``device_bytes``: a copy's parameters (sharded like the
+    policy's, no gradients or optimizer state), the precomputed table, or 0."""
 
     @property
     def trainable_param_bytes(self) -> int | None:
@@ -164,7 +171,7 @@ class Estimate:
 
 
 _MOE_FIELDS = ("ep", "expert_param_bytes", "all_to_all_bytes", "token_buffer_bytes")
-_FINETUNE_FIELDS = ("nf4_bytes", "nf4_layout", "finetune_runs")
+_FINETUNE_FIELDS = ("nf4_bytes", "nf4_layout", "finetune_runs", "reference", "reference_bytes")
 
 
 def supports_tensor_parallel(registry: PluginRegistry, strategy: str) -> bool:
@@ -236,11 +243,14 @@ def estimate_preset(preset: Preset, registry: PluginRegistry, world_sizes: Seque
                 if v.strategy in ("single", "ddp") or (v.strategy == "scratch-ddp" and not v.shard_optimizer):
                     break  # every rank holds the same
             device, r, s = best
+            reference, held = reference_bytes(preset, s.param)  # DPO: a copy's parameters, or the table
+            device += held or 0
             params = whole.n_params + sum(whole.frozen_numels)
             rows.append(Estimate(v.label, world, r, precision, params, s.param, s.grad, s.optimizer, act,
                                  device, s.host, None if device_memory is None else device <= device_memory,
                                  {k: val for k, val in asdict(v).items() if k not in ("label",)}, tp,
                                  shape.n_params if tp > 1 else None, preset.parallel.sequence_parallel))
+            rows[-1].reference, rows[-1].reference_bytes = reference, held
             if finetune is not None:
                 _set_finetune(rows[-1], preset, v, s, finetune)
             if moe is not None:
