@@ -349,6 +349,12 @@ class MultiHeadAttention(nn.Module):
 
     # ---- kernels: (B, H, T, d_k) q, (B, H_kv, S, d_k) k and v in; (B, H, T, d_k) out ------------------------
 
+    context_parallel: Callable[[Tensor, Tensor, Tensor, bool], Tensor] | None = None
+    """Context parallelism's attention, installed by its share (``torch_handle.train.context_parallel``): called
+    as ``context_parallel(q, k, v, causal)`` in place of the kernel, with q (B, H, T/cp, d_k) and k, v (B, H_kv,
+    T/cp, d_k) this rank's tokens; it knows their positions and documents (the model's ``attn_mask``, built from
+    the local tokens alone, is not used). None: the kernel below."""
+
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None, causal: bool,
                 offset: int, attn_mask: Tensor | None = None) -> Tensor:
         """Run the kernel ``self.attention`` names, in one of three ways:
@@ -362,6 +368,8 @@ class MultiHeadAttention(nn.Module):
         * SDPA with a mask tensor otherwise (padding, a causal mask shifted by cached keys, or ``attn_mask``: the
           block-causal mask of packed documents).
         """
+        if self.context_parallel is not None:  # this rank's share of the sequence against every cp rank's keys
+            return self.context_parallel(q, k, v, causal or attn_mask is not None)
         dropout_p = self.dropout if self.training else 0.0
         with tensor_parallel_rng(dropout_p > 0.0):  # under TP these are this rank's heads: masks of its own
             if self.attention == "reference" or (dropout_p > 0.0 and q.device.type == "cpu"):

@@ -26,12 +26,15 @@ class Shares:
     tp: Any = None
     pp: Any = None
     ep: Any = None
+    cp: Any = None
+    """:class:`~torch_handle.train.context_parallel.ContextParallel` (cp > 1; with data parallelism only, so far)."""
 
     @property
     def run(self) -> ParallelShare | None:
         """The run's one share: the pipeline's (it delegates to the TP and EP shares of its stages), else the TP
-        share, else the EP share; None for a data-parallel run (the strategy holds the whole model)."""
-        return self.pp or self.tp or self.ep
+        share, else the EP share, else the CP share; None for a data-parallel run (the strategy holds the whole
+        model)."""
+        return self.pp or self.tp or self.ep or self.cp
 
 
 def build_shares(preset: Preset, ctx: Any) -> Shares:
@@ -40,9 +43,13 @@ def build_shares(preset: Preset, ctx: Any) -> Shares:
     Raises:
         ValueError: the layout does not fit the world size (:class:`~torch_handle.parallel.mesh.Layout`)."""
     par = preset.parallel
-    if max(par.tp, par.pp, par.ep) == 1:
+    if max(par.tp, par.pp, par.ep, par.cp) == 1:
         return Shares(ctx)
     ctx = attach_layout(ctx, par)
+    if par.cp > 1:  # alone (handle validate refuses cp with tp, pp or ep)
+        from torch_handle.train.context_parallel import ContextParallel
+
+        return Shares(ctx, cp=ContextParallel(par, ctx, bool(getattr(preset.data.options, "document_mask", False))))
     tp = ep = pp = None
     if par.tp > 1:
         from torch_handle.train.tensor_parallel import TensorParallel

@@ -1,0 +1,179 @@
+"""What a training process does differently when ``parallel.cp > 1``: each micro-batch's sequences split over the cp
+ranks, the model's attention run by a context-parallel algorithm, the loss over the whole sequence's labels, and the
+load balance in the step event (docs/context-parallel.md).
+
+The cp ranks of a replica read the same samples (the samplers use the data-parallel rank and size,
+:mod:`torch_handle.parallel.mesh`). Each micro-batch reaches the model whole, and a forward pre-hook cuts it:
+
+* the whole sequence's positions (``position_ids``, or 0 .. T - 1) and documents (``position_ids`` restarting at 0,
+  :func:`~torch_handle.parallel.context.sharding.document_ids_of`) are computed first, then the head-tail order
+  (per document) of :func:`~torch_handle.parallel.context.sharding.shard_order`, and the input ids and positions
+  are sharded by it: RoPE rotates each token by its true position;
+* every ``MultiHeadAttention`` calls :meth:`ContextParallel.attend` in place of its kernel (its
+  ``context_parallel`` hook), which runs ring, all-gather or Ulysses attention on this rank's q, k, v with the
+  local tokens' positions and documents, so the causal and document masks are the whole sequence's;
+* the labels, already shifted on the whole sequence by the data, are sharded by the same order in :meth:`loss`.
+
+The loss of a micro-batch is this rank's sum over the labelled tokens of the whole sequence: each rank returns
+``cp · local_sum / n`` (n: the sequence's labelled tokens) with ``n / cp`` as its count, so that the strategy's
+average over the dp × cp ranks is each replica's token mean (Megatron-LM and torchtitan divide by the global count
+the same way), and the trainer's sums over ranks are the step's loss · tokens and tokens.
+
+The model is not split: the data-parallel strategy (DDP or FSDP2) holds it over the dp × cp ranks, reduces the
+gradients over all of them (and FSDP2 shards over them, torchtitan's ``dp_shard_cp``), clips and checkpoints it as
+it would without cp; its checkpoint is already a whole model's, so a cp 2 run resumes at cp 1 (or under another
+strategy) through the strategy's own load or the portable form.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from torch_handle.config.context_parallel import chosen_cp_impl
+from torch_handle.config.schema import ParallelConfig
+from torch_handle.data.datasets import IGNORE_INDEX
+from torch_handle.parallel.context.blocks import Tokens
+from torch_handle.parallel.context.sharding import attention_pairs, document_ids_of, imbalance, shard, shard_order
+from torch_handle.train.loss import loss_fn
+from torch_handle.train.share import PortableShare
+
+
+def _attention_function(impl: str) -> Any:
+    """The hand-written attention ``impl`` names (:mod:`torch_handle.parallel.context`)."""
+    if impl == "ring":
+        from torch_handle.parallel.context.ring import ring_attention
+
+        return ring_attention
+    if impl == "allgather":
+        from torch_handle.parallel.context.allgather import allgather_attention
+
+        return allgather_attention
+    if impl == "ulysses":
+        from torch_handle.parallel.context.ulysses import ulysses_attention
+
+        return ulysses_attention
+    raise ValueError(f"parallel.cp_impl = {impl!r} does not run in handle run (valid: ring, allgather, ulysses)")
+
+
+class ContextParallel(PortableShare):
+    """One process's share of context parallelism (``parallel.cp > 1``), for the trainer (see the module).
+
+    Args:
+        parallel: ``[parallel]`` (``cp``, ``cp_impl``).
+        ctx: the rank's ``DistContext`` with the layout and ``cp_mesh`` (:func:`~torch_handle.parallel.mesh
+            .attach_layout`).
+        document_mask: ``data.document_mask`` (what ``cp_impl = "auto"`` picks by).
+
+    Raises:
+        ValueError: ``cp_impl`` that does not run here (``native``)."""
+
+    def __init__(self, parallel: ParallelConfig, ctx: Any, document_mask: bool = False) -> None:
+        self.impl = chosen_cp_impl(parallel.cp_impl, document_mask)
+        self.function = _attention_function(self.impl)
+        self.ctx, self.cp, self.rank = ctx, ctx.layout.cp, ctx.cp_rank
+        self.group = ctx.cp_mesh["cp"].get_group()
+        self.strategy: Any = None
+        self.tokens: Tokens | None = None
+        """The local tokens' positions and documents (B, T/cp) of the micro-batch in the model now."""
+        self.order: Tensor | None = None
+        """That micro-batch's permutation (B, T): rank r holds ``order[:, r·T/cp : (r+1)·T/cp]``."""
+        self.documents: Tensor | None = None
+        """Its whole sequence's documents (B, T), None for one document per row."""
+
+    # -- build ----------------------------------------------------------------------------------------------------
+    def parallelize(self, model: nn.Module) -> nn.Module:
+        """Hook ``model`` (unsplit, in place): its inputs are sharded before its forward and every
+        ``MultiHeadAttention`` attends through :meth:`attend`.
+
+        Raises:
+            ValueError: the model has no ``MultiHeadAttention``, or one with attention dropout."""
+        from torch_handle.model.attention import MultiHeadAttention
+
+        layers = [m for m in model.modules() if isinstance(m, MultiHeadAttention)]
+        if not layers:
+            raise ValueError(f"parallel.cp > 1: {type(model).__name__} has no MultiHeadAttention to split")
+        for layer in layers:
+            if layer.dropout > 0:
+                raise ValueError(f"parallel.cp > 1: attention dropout {layer.dropout} is not applied by the "
+                                 f"context-parallel attentions (set model.dropout = 0)")
+            layer.context_parallel = self.attend
+        model.register_forward_pre_hook(self._shard_inputs, with_kwargs=True)
+        return model
+
+    def bind(self, strategy: Any) -> ContextParallel:
+        """Work with ``strategy``: it clips in :meth:`before_step`, whose norm the trainer reports. Returns self."""
+        self.strategy = strategy
+        strategy.clips_gradients = False
+        return self
+
+    # -- each micro-batch ----------------------------------------------------------------------------------------
+    def _shard_inputs(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+        """The model's forward pre-hook: the whole micro-batch's ``input_ids`` (B, T) and ``position_ids`` (B, T) or
+        None in, this rank's (B, T/cp) of both out (positions always: RoPE needs the true ones)."""
+        if args:  # input_ids given by position
+            kwargs = {**kwargs, "input_ids": args[0]}
+        input_ids, position_ids = kwargs["input_ids"], kwargs.get("position_ids")
+        B, T = input_ids.shape
+        self.documents = None if position_ids is None else document_ids_of(position_ids)
+        positions = torch.arange(T, device=input_ids.device).expand(B, T) if position_ids is None else position_ids
+        self.order = shard_order(B, T, self.cp, self.documents)
+        local_documents = None if self.documents is None else shard(self.documents, self.order, self.cp, self.rank)
+        self.tokens = Tokens(shard(positions, self.order, self.cp, self.rank), local_documents)
+        return args[1:], {**kwargs, "input_ids": shard(input_ids, self.order, self.cp, self.rank),
+                          "position_ids": self.tokens.positions}
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, causal: bool) -> Tensor:
+        """A layer's attention of this rank's q (B, H, T/cp, d_k) to the keys k, v (B, H_kv, T/cp, d_k) of every cp
+        rank, by ``cp_impl``: (B, H, T/cp, d_k)."""
+        tokens = self.tokens
+        return self.function(q, k, v, tokens.positions, self.group, document_ids=tokens.documents, causal=causal)
+
+    def loss(self, logits: Any, labels: Tensor, label_smoothing: float) -> tuple[Tensor, Tensor]:
+        """(cp · local sum / n, n / cp) of this rank's logits (B, T/cp, V) and the whole micro-batch's labels
+        (B, T), sharded here by the micro-batch's order; n: the labelled tokens of the whole micro-batch (see the
+        module). Summed over the cp ranks, loss · count is the micro-batch's loss sum and count its tokens."""
+        local = shard(labels, self.order, self.cp, self.rank)  # (B, T/cp)
+        mean, n_local = loss_fn(logits, local, label_smoothing)
+        n = (labels != IGNORE_INDEX).sum()
+        return mean * n_local * self.cp / n.clamp(min=1), n / self.cp
+
+    def before_step(self, max_norm: float) -> float:
+        """Clip by the strategy's own norm (DDP: the replicated gradients'; FSDP2: over its shards), then leave the
+        step to it. Returns the norm before clipping (``max_norm`` is the strategy's ``training.grad_clip``)."""
+        self.strategy.clips_gradients = True
+        try:
+            return float(self.strategy.clip_grad_norm())
+        finally:
+            self.strategy.clips_gradients = False
+
+    def step_stats(self, timeline: bool = False) -> dict[str, Any]:
+        """The layout, ``cp_impl`` and ``cp_imbalance``: max ÷ mean over the cp ranks of the unmasked query-key
+        pairs of the step's last micro-batch (:func:`~torch_handle.parallel.context.sharding.imbalance`; 1.0 is
+        perfect balance)."""
+        out: dict[str, Any] = {"layout": self.ctx.layout.describe(), "cp_impl": self.impl}
+        if self.order is not None:
+            out["cp_imbalance"] = round(imbalance(attention_pairs(self.order, self.cp, self.documents)), 4)
+        return out
+
+    # -- checkpoints and export: the strategy's (the model is whole on every cp rank) ---------------------------
+    def checkpoint_layout(self) -> dict[str, Any]:
+        return {**self.strategy.checkpoint_layout(), "cp": self.cp, "cp_impl": self.impl}
+
+    def loads_natively(self, layout: dict[str, Any]) -> bool:
+        return self.strategy.loads_natively(layout)
+
+    def save(self, ckpt_dir: Path) -> None:
+        self.strategy.save(ckpt_dir)
+
+    def load(self, ckpt_dir: Path) -> None:
+        self.strategy.load(ckpt_dir)
+
+    def load_portable(self, portable: Path) -> None:
+        self.strategy.load_portable(portable)
+
+    def full_state_dict(self, model: nn.Module | None = None) -> dict[str, Tensor] | None:
+        return self.strategy.full_state_dict()
