@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from torch_handle.api import Kind, Sink, hookimpl
-from torch_handle.observe.fields import (BREAKDOWN, COMM_S, PREFERENCE_METRICS, TRAINED_SHARE,
+from torch_handle.observe.fields import (BREAKDOWN, COMM_S, PREFERENCE_METRICS, TASK_SCORES, TRAINED_SHARE,
                                         TRAINED_TOKENS_PER_S)
 
 TRAIN_SCALARS = ("loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", COMM_S, "mfu", TRAINED_TOKENS_PER_S,
@@ -25,9 +25,20 @@ TIME_SCALARS = BREAKDOWN
 """The step breakdown, written as ``time/<field>`` (seconds) so TensorBoard groups the parts in one section."""
 
 
+def task_scalars(event: dict[str, Any]) -> dict[str, float]:
+    """A ``tasks`` event's scores as ``tasks/<task>/<metric>`` -> value (the in-loop downstream evaluation's:
+    acc, acc_norm 0..1, ``exact_match,strip``, perplexities); what is not a number is left out."""
+    scores = event.get(TASK_SCORES)
+    return {f"tasks/{task}/{metric}": float(value)
+            for task, metrics in (scores.items() if isinstance(scores, dict) else ())
+            if isinstance(metrics, dict)
+            for metric, value in metrics.items() if isinstance(value, (int, float)) and not isinstance(value, bool)}
+
+
 class TensorBoardSink(Sink):
     """``train/<field>`` and ``time/<part>`` for every step, ``valid/loss`` (and a DPO run's ``valid/rewards/*``,
-    ``valid/logps/*``) for every eval after step 0 (the untrained baseline at step 0 is in events.jsonl only);
+    ``valid/logps/*``) for every eval after step 0 (the untrained baseline at step 0 is in events.jsonl only),
+    ``tasks/<task>/<metric>`` for every in-loop downstream evaluation (:func:`task_scalars`);
     x axis: the step, wall time: the event's time."""
 
     def __init__(self, writer: Any):
@@ -51,6 +62,9 @@ class TensorBoardSink(Sink):
                 if key in event:
                     value = event[key]
                     self.writer.add_scalar(f"valid/{key}", math.nan if value is None else value, step, walltime=t)
+        elif kind == Kind.TASKS:
+            for key, value in task_scalars(event).items():
+                self.writer.add_scalar(key, value, step, walltime=t)
 
     def close(self) -> None:
         self.writer.close()
@@ -65,4 +79,4 @@ def build_tensorboard(run_dir: Path, preset: Any) -> TensorBoardSink:
 @hookimpl
 def handle_register_sinks(register):
     register("tensorboard", build_tensorboard,
-             "TensorBoard scalars (train/*, time/*, valid/*) in <run_dir>/tensorboard")
+             "TensorBoard scalars (train/*, time/*, valid/*, tasks/*) in <run_dir>/tensorboard")

@@ -34,7 +34,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from handle_plugins.sinks import TIME_SCALARS, TRAIN_SCALARS, VALID_SCALARS
+from handle_plugins.sinks import TIME_SCALARS, TRAIN_SCALARS, VALID_SCALARS, task_scalars
 
 from torch_handle.api import Kind, Sink, Status, hookimpl
 
@@ -121,6 +121,8 @@ class WandbSink(Sink):
             data = {"valid/loss": _finite(event.get("val_loss"))}
             data.update({f"valid/{k}": _finite(event[k]) for k in VALID_SCALARS if k in event})
             self.run.log(data, step=step)
+        elif kind == Kind.TASKS:
+            self.run.log(task_scalars(event), step=step)
         elif kind == Kind.STATUS:
             self.status = event.get("status")
             fields = {k: event[k] for k in ("status", "step", "message", "world_size", "strategy", "zero_stage",

@@ -59,7 +59,7 @@ def same(a, b) -> bool:
 
 
 def test_one_dataclass_per_table():
-    assert set(CORE_TABLES) == {"run", "training", "parallel", "launch", "finetune"}
+    assert set(CORE_TABLES) == {"run", "training", "parallel", "launch", "finetune", "eval"}
     assert set(PLUGIN_TABLES) == {"model", "data", "strategy", "profiler"}
     reg = get_registry()
     for cls in CORE_TABLES.values():

@@ -384,6 +384,42 @@ class FinetuneConfig:
 
 
 @dataclass
+class EvalConfig:
+    """``[eval]``: downstream tasks of EleutherAI's lm-evaluation-harness scored during training, on the workers with
+    the model being trained (docs/evaluation.md#during-training); each rank of the data-parallel group scores its
+    share of the documents. Needs the ``eval`` extra."""
+
+    tasks: list[str] = field(default_factory=list)
+    """Harness task names (``hellaswag``, ``arc_easy``) or those of ``include_paths`` directories; empty: none."""
+    every: int = param(0, ge=0)
+    """Score the tasks every this many optimizer steps, and after the last step; 0: after the last step only."""
+    limit: int | None = param(None, ge=1)
+    """Documents per task (the first ones; the harness's ``--limit``); unset: every document."""
+    include_paths: list[str] = field(default_factory=list)
+    """Directories of local task YAML files (the harness's ``--include_path``), relative to the working directory."""
+    batch_size: int = param(16, ge=1)
+    """Requests per forward."""
+
+    def check(self) -> Iterator[InvalidValue]:
+        if not self.tasks:
+            return
+        try:  # the harness's task index: only for a preset that names tasks (seconds; not standard library)
+            from torch_handle.infer.downstream import resolve_tasks
+        except ImportError:
+            yield InvalidValue("tasks", "needs the eval extra: pip install 'torch-handle[eval]'")
+            return
+        from torch_handle.errors import DataError
+
+        try:
+            resolve_tasks(self.tasks, self.include_paths)
+        except ImportError:
+            yield InvalidValue("tasks", "needs the eval extra (lm-eval): pip install 'torch-handle[eval]'")
+        except DataError as e:
+            key = "include_paths" if str(e).startswith("--include-path") else "tasks"
+            yield InvalidValue(key, str(e).removeprefix("--tasks: ").removeprefix("--include-path "))
+
+
+@dataclass
 class PluginSection:
     """A ``[model]``/``[data]``/``[strategy]``/``[profiler]`` table: the plugin ``name`` and its options."""
 
@@ -397,8 +433,8 @@ PLUGIN_TABLES: dict[str, str] = {"model": "model", "data": "dataset", "strategy"
 
 DEFAULT_PLUGINS: dict[str, str] = {"model": "transformer", "data": "pydoc", "strategy": "single", "profiler": "none"}
 CORE_TABLES: dict[str, type] = {"run": RunConfig, "training": TrainingConfig, "launch": LaunchConfig,
-                                "parallel": ParallelConfig, "finetune": FinetuneConfig}
-TABLE_ORDER = ("run", "model", "data", "training", "finetune", "strategy", "parallel", "launch", "profiler")
+                                "parallel": ParallelConfig, "finetune": FinetuneConfig, "eval": EvalConfig}
+TABLE_ORDER = ("run", "model", "data", "training", "finetune", "eval", "strategy", "parallel", "launch", "profiler")
 
 
 def plugin_name(table: str, values: Any) -> Any:
@@ -421,6 +457,7 @@ class Preset:
     profiler: PluginSection
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     source: str = "<preset>"
     """Where the preset came from (for messages)."""
     resolved: dict[str, str] = field(default_factory=dict, compare=False)

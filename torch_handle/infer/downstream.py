@@ -192,8 +192,15 @@ def handle_version() -> str:
 
 def evaluate_run(loaded: Any, specs: list[Any], manager: Any, *, num_fewshot: int | None = None,
                  limit: int | None = None, batch_size: int = 16, step: int | None = None,
-                 log_samples: bool = False) -> dict[str, Any]:
-    """Run the harness on a loaded decoder run (``torch_handle.infer.generate.load_run``).
+                 log_samples: bool = False, tasks: dict[str, Any] | None = None, lm: Any = None
+                 ) -> dict[str, Any] | None:
+    """Run the harness on a loaded decoder run (``torch_handle.infer.generate.load_run``, or the model a trainer
+    holds: :mod:`torch_handle.train.eval_tasks`).
+
+    ``tasks``: the task objects when :func:`load_tasks` has already built them. ``lm``: the
+    :class:`~torch_handle.infer.lm_eval_model.HandleLM` to score with (default: one over ``loaded.model``); one over
+    a process group splits the documents among its ranks: every rank calls this, and only the group's rank 0 gets
+    the results (the others None).
 
     Returns:
         ``lm_eval.simple_evaluate``'s results (``results``: per task ``acc,none``, ``acc_norm,none``,
@@ -213,11 +220,13 @@ def evaluate_run(loaded: Any, specs: list[Any], manager: Any, *, num_fewshot: in
         raise RunDirError(f"{loaded.run_dir}: the harness scores decoder (language-model) runs; this is an "
                           f"{loaded.kind} run (use handle eval --split test for BLEU/chrF)")
     started = time.perf_counter()
-    tasks = load_tasks(specs, manager)
-    lm = HandleLM(loaded.model, loaded.tokenizer, batch_size=batch_size)
+    tasks = tasks if tasks is not None else load_tasks(specs, manager)
+    lm = lm if lm is not None else HandleLM(loaded.model, loaded.tokenizer, batch_size=batch_size)
     with offline():
         results = lm_eval.simple_evaluate(model=lm, tasks=list(tasks.values()), num_fewshot=num_fewshot,
                                           limit=limit, task_manager=manager, log_samples=log_samples)
+    if results is None:  # not the group's rank 0: the scores are computed there
+        return None
     results["handle"] = {"run": str(loaded.run_dir), "weights": str(loaded.weights), "step": step,
                          "version": handle_version(), "tasks": list(tasks), "num_fewshot": num_fewshot,
                          "limit": limit, "batch_size": batch_size,
@@ -240,7 +249,8 @@ def scores(results: dict[str, Any]) -> dict[str, dict[str, float]]:
 
 
 def write_results(run_dir: Path, results: dict[str, Any]) -> Path:
-    """Write ``results`` to ``RUN/evals/<UTC time>-<tasks>.json`` (through a temporary file: whole or absent);
+    """Write ``results`` to ``RUN/evals/<UTC time>-<tasks>.json`` (``<UTC time>-step<8 digits>-<tasks>.json`` for
+    an in-loop evaluation: two in one second stay apart) through a temporary file: whole or absent;
     ``samples``, when there, go to ``...-samples.jsonl`` beside it (one request a line: the document, the
     arguments, the model's responses). Returns the JSON's path."""
     from lm_eval.utils import handle_non_serializable
@@ -248,7 +258,9 @@ def write_results(run_dir: Path, results: dict[str, Any]) -> Path:
     out = Path(run_dir) / EVALS_DIR
     out.mkdir(exist_ok=True)
     tasks = "+".join(results.get("handle", {}).get("tasks", []))[:80] or "tasks"
-    stem = f"{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{re.sub(r'[^A-Za-z0-9_.+-]', '_', tasks)}"
+    step = results["handle"].get("step") if results.get("handle", {}).get("in_loop") else None
+    when = time.strftime('%Y%m%dT%H%M%S', time.gmtime()) + (f"-step{step:08d}" if step is not None else "")
+    stem = f"{when}-{re.sub(r'[^A-Za-z0-9_.+-]', '_', tasks)}"
     samples = results.pop("samples", None)
     if samples is not None:
         lines = [json.dumps({"task": task, **s}, default=handle_non_serializable)

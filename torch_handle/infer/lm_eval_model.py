@@ -31,6 +31,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from lm_eval.api.model import TemplateLM
 from lm_eval.models.utils import Collator, handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
@@ -57,15 +58,24 @@ class HandleLM(TemplateLM):
             ``torch_handle.data.datasets`` numbers them: ``<pad>`` 0, ``<bos>`` 1, ``<eos>`` 2, ``<unk>`` 3.
         batch_size: requests per forward (loglikelihood windows, generation rows).
         seed: of the sampler when a task asks for sampling (``do_sample``).
+        group: a ``torch.distributed`` process group whose ranks share the work (in-loop evaluation over the
+            data-parallel ranks, :mod:`torch_handle.train.eval_tasks`): the harness gives rank r of W the documents
+            r, r + W, ... of each task (``Task.build_all_requests``), pads the ranks to the same number of requests,
+            gathers the per-document metrics on the group's rank 0 (:meth:`gather_object`) and computes the scores
+            there; None: one process scores everything.
     """
 
     backend = "causal"
 
-    def __init__(self, model: DecoderLM, tokenizer: Any, batch_size: int = 16, seed: int = 1234) -> None:
+    def __init__(self, model: DecoderLM, tokenizer: Any, batch_size: int = 16, seed: int = 1234,
+                 group: Any = None) -> None:
         super().__init__()
         if not isinstance(model, DecoderLM):
             raise TypeError(f"HandleLM needs a DecoderLM, got {type(model).__name__}")
         self.model, self.tokenizer = model, tokenizer
+        self.group = group
+        if group is not None:
+            self._rank, self._world_size = dist.get_rank(group), dist.get_world_size(group)
         self.batch_size = max(1, int(batch_size))
         self._device = next(model.parameters()).device
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
@@ -73,6 +83,27 @@ class HandleLM(TemplateLM):
         """Positions enter attention only as differences (RoPE): generation may batch left-padded prompts."""
         self.counts: dict[str, int] = {}
         """Requests answered, by type (``loglikelihood``, ``loglikelihood_rolling``, ``generate_until``)."""
+
+    # ------------------------------------------------------------------------ the harness's collectives (group)
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``tensor`` (a count: shape ()), stacked in rank order: (W,) -- (W·n, ...) for (n, ...)."""
+        if self.group is None:
+            return tensor
+        parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        dist.all_gather(parts, tensor.contiguous(), group=self.group)
+        return torch.stack(parts) if tensor.dim() == 0 else torch.cat(parts)
+
+    def gather_object(self, obj: Any, dst: int = 0) -> list[Any] | None:
+        """Every rank's ``obj`` on the group's rank ``dst`` (a list in rank order), None on the others."""
+        if self.group is None:
+            return [obj]
+        out = [None] * self.world_size if self.rank == dst else None
+        dist.gather_object(obj, out, dst=dist.get_global_rank(self.group, dst), group=self.group)
+        return out
+
+    def barrier(self) -> None:
+        if self.group is not None:
+            dist.barrier(group=self.group)
 
     def _count(self, kind: str, requests: list[Any]) -> None:
         self.counts[kind] = self.counts.get(kind, 0) + len(requests)

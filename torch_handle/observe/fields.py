@@ -14,6 +14,9 @@ class Kind:
     CHECKPOINT = "checkpoint"
     LOG = "log"
     HANG = "hang"
+    TASKS = "tasks"
+    """Downstream task scores of an in-loop evaluation (``[eval]``, :mod:`torch_handle.train.eval_tasks`):
+    ``step``, :data:`TASK_SCORES`, ``seconds``, ``requests``, ``ranks``."""
 
 
 class Status:
@@ -116,3 +119,6 @@ MOE_Z_LOSS = "z_loss"  # [layer] router z-loss value, likewise
 MOE_MAX_LOAD_RATIO = "max_load_ratio"  # [layer] the busiest expert's tokens / the mean per expert (1 = uniform)
 MOE_A2A_BYTES = "a2a_bytes"  # [layer] bytes sent in the expert all-to-alls, all ranks (expert parallelism)
 MOE_A2A_WAIT_MS = "a2a_wait_ms"  # [layer] ms waited in them, mean over the dp ranks (expert parallelism)
+
+# tasks events (in-loop downstream evaluation, train.eval_tasks)
+TASK_SCORES = "scores"  # {task: {metric: value}}: lm-eval's metrics (acc, acc_norm 0..1; exact_match,strip; ...)

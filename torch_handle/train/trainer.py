@@ -46,6 +46,7 @@ from torch_handle.train.objectives import objective_for
 from torch_handle.train.phases import PhaseTimer
 from torch_handle.train.compiled import compile_for_training
 from torch_handle.train.compose import build_shares
+from torch_handle.train.eval_tasks import InLoopTasks
 from torch_handle.train.resume import resume
 from torch_handle.train.share import Checkpointer, ParallelShare
 from torch_handle.train.routing import RoutingTelemetry
@@ -135,7 +136,7 @@ class Trainer:
         log.info("training.loss_impl: %s (%s)", self.loss_impl, self.training.loss_impl)
         model.to(ctx.device)
         self.aux_loss_scale = AuxLossScale(model)  # what the MoE layers' attached losses get in backward
-        self.objective, self.eval_fields = objective_for(p), {}  # lm, sft, dpo: the loss and its metrics
+        self.objective, self.eval_fields, self.tasks = objective_for(p), {}, InLoopTasks(p.eval)  # lm/sft/dpo; [eval]
         if self.share is not None:
             model = self.share.parallelize(model)  # TP split, the pipeline's stages, the experts split over "ep"
         if self.training.compile:
@@ -200,8 +201,7 @@ class Trainer:
 
     # -- resume --------------------------------------------------------------------------------------------------
     def maybe_resume(self) -> None:
-        """Continue from the newest checkpoint every run directory holds, if any (:func:`torch_handle.train.resume
-        .resume`)."""
+        """Continue from the newest checkpoint every run directory holds, if any (:func:`~.resume.resume`)."""
         position = resume(self)
         if position is not None:
             self.step = position.step
@@ -409,6 +409,7 @@ class Trainer:
                 if last or (t.eval_every and self.step % t.eval_every == 0):
                     val = self.evaluate()
                     self.events.emit(Kind.EVAL, step=self.step, val_loss=val, **self.eval_fields)
+                self.tasks.maybe_run(self, last)  # [eval]'s downstream tasks (train.eval_tasks)
                 if last or stop or (t.checkpoint_every and self.step % t.checkpoint_every == 0):
                     self.save_checkpoint()
                 if stop and not last:
