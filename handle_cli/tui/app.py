@@ -28,6 +28,7 @@ from torch_handle.common.text import clean
 from handle_cli.tui.model import Batch, RunTailer
 from handle_cli.tui.pipeline_panel import PipelinePanel, PipelineTracker
 from handle_cli.tui.preference_panel import PreferencePanel
+from handle_cli.tui.tasks_panel import TasksPanel
 from handle_cli.tui.routing_panel import RoutingMap, RoutingMarks, RoutingTracker, routing_subtitle, routing_title
 from handle_cli.tui.screens import HelpScreen, RunPicker
 from handle_cli.tui.charts import Chart, Series
@@ -92,6 +93,10 @@ class HandleDashboard(App[None]):
     Screen.-preference #lr { display: none; }
     Screen.-preference #preference { display: block; }
     Screen.-memory #preference, Screen.-routing #preference { display: none; }
+    #tasks { display: none; border: round $primary 50%; border-title-color: $text; border-title-style: bold; }
+    Screen.-tasks #lr { display: none; }
+    Screen.-tasks #tasks { display: block; }
+    Screen.-memory #tasks, Screen.-routing #tasks { display: none; }
     """
     BINDINGS = [
         Binding("q", "quit", "Quit"),
@@ -140,6 +145,7 @@ class HandleDashboard(App[None]):
             with Horizontal(classes="row"):
                 yield Chart("learning rate", id="lr")
                 yield PreferencePanel(id="preference")  # in the lr chart's place once a step carries rewards/*
+                yield TasksPanel(id="tasks")  # there once a tasks event arrives (a DPO run keeps its preference)
                 with Vertical(id="routing-panel"):  # in the lr chart's place once a step event carries ``moe``
                     yield RoutingMarks(id="routing-marks")  # the hot and dead experts: stay in view
                     with VerticalScroll(id="routing-scroll") as scroll:  # Tab focuses it; e expands the panel
@@ -167,6 +173,7 @@ class HandleDashboard(App[None]):
         self.query_one("#memory-panel").border_title = "memory per rank"
         self.time_panel = self.query_one(TimePanel)
         self.preference_panel = self.query_one(PreferencePanel)
+        self.tasks_panel = self.query_one(TasksPanel)
         self.pipeline_panel = self.query_one(PipelinePanel)
         self.routing_marks, self.routing_map = self.query_one(RoutingMarks), self.query_one(RoutingMap)
         self.state.info = _read_info(self.run_dir)  # the header is right from the first frame
@@ -304,6 +311,10 @@ class HandleDashboard(App[None]):
         self.header_widget.screen.set_class(preference, "-preference")
         if preference:
             self.preference_panel.set_state(s)
+        tasks = bool(s.task_steps) and not (preference or moe)  # in-loop downstream scores ([eval])
+        self.header_widget.screen.set_class(tasks, "-tasks")
+        if tasks:
+            self.tasks_panel.set_state(s)
         layout = s.run_layout
         self.memory_bars.set_memory(s.memory, layout)
         self.memory_summary.set_memory(s.memory, layout)

@@ -42,7 +42,26 @@ def sparkline(values: list[float | None], width: int) -> str:
     return "".join(" " if v is None else SPARKS[round((v - low) / (high - low) * top)] for v in values)
 
 
-class PreferencePanel(Widget):
+class LinesPanel(Widget):
+    """A panel drawn as the lines of its ``lines(width, height)`` (a header line first, which goes first when the
+    height is short: :meth:`fit_height`)."""
+
+    def lines(self, width: int, height: int) -> list[Text]:
+        raise NotImplementedError
+
+    @staticmethod
+    def fit_height(out: list[Text], height: int) -> list[Text]:
+        """``out`` (header first) in ``height`` lines: without the header when short, then the first lines."""
+        if height < len(out):  # the header goes first
+            out = out[1:]
+        return out[:max(1, height)]
+
+    def render(self) -> Text:
+        return Text("\n", no_wrap=True, overflow="ellipsis", end="").join(
+            self.lines(max(20, self.size.width), max(1, self.size.height)))
+
+
+class PreferencePanel(LinesPanel):
     """A header line, then one line per metric of :data:`ROWS`: ``label  newest  sparkline  newest eval``, then,
     with room, the newest log-probabilities of both completions (nats, summed or averaged as the loss reads them).
     The sparklines span every step so far (:func:`sparkline`); the header names the steps and the eval's step."""
@@ -100,13 +119,7 @@ class PreferencePanel(Widget):
                 text = f"ch {_number(chosen)}  rej {_number(rejected)}"
             line.append(text, style="dim")
             out.append(line)
-        if height < len(out):  # the header goes first
-            out = out[1:]
-        return out[:max(1, height)]
-
-    def render(self) -> Text:
-        return Text("\n", no_wrap=True, overflow="ellipsis", end="").join(
-            self.lines(max(20, self.size.width), max(1, self.size.height)))
+        return self.fit_height(out, height)
 
 
 def _number(value: float | None) -> str:

@@ -16,8 +16,8 @@ from torch_handle.common.text import clean, finetune_label, strategy_label
 from torch_handle.observe.comm import read_comm
 from torch_handle.observe.data_mix import SOURCE_TOKENS, add_source_tokens
 from torch_handle.observe.fields import (ACTIVATION_BYTES, ACTIVATION_SAVED_BYTES, BREAKDOWN, COMM, DATA_S, MEMORY,
-                                         PREFERENCE_METRICS, TRAINED_SHARE, TRAINED_TOKENS_PER_S, WAIT_S, Kind,
-                                         Level, Status)
+                                         PREFERENCE_METRICS, TASK_SCORES, TRAINED_SHARE, TRAINED_TOKENS_PER_S,
+                                         WAIT_S, Kind, Level, Status)
 from torch_handle.observe.tail import BadLine, integer, number
 
 FINETUNE_KEY = "finetune"
@@ -121,6 +121,12 @@ class RunState:
     empty for a run without them (the dashboard's preference panel shows only when it is not)."""
     val_preference: list[dict[str, float | None] | None] = field(default_factory=list)
     """Each evaluation's preference metrics (one per :attr:`val_steps`; None for an eval without them)."""
+    task_steps: list[int] = field(default_factory=list)
+    """The steps of the in-loop downstream evaluations (``tasks`` events: ``[eval]``)."""
+    task_scores: dict[str, list[float | None]] = field(default_factory=dict)
+    """``"<task> <metric>"`` -> its score at each of :attr:`task_steps` (None where an evaluation lacked it), in
+    the order first seen; empty for a run without ``[eval]`` tasks (the dashboard's tasks panel shows only when it
+    is not)."""
     layout_degrees: dict[str, Any] | None = None
     """The newest step event's ``layout`` as it carries it (``{"dp": 2, "tp": 2}``), or None; :attr:`run_layout`
     is how it reads."""
@@ -218,6 +224,8 @@ class RunState:
             self.val_loss.append(number(event.get("val_loss")))
             self.val_preference.append({k: number(event.get(k)) for k in PREFERENCE_METRICS}
                                        if any(k in event for k in PREFERENCE_METRICS) else None)
+        elif kind == Kind.TASKS:
+            self._apply_tasks(event)
         elif kind == Kind.STATUS:
             self._apply_status(event, notices)
         elif kind == Kind.LOG:
@@ -231,6 +239,25 @@ class RunState:
             self.hang = {**event, "message": message}
             self.hang_current = True
             notices.append(Notice(Level.ERROR, message))
+
+    def _apply_tasks(self, event: dict[str, Any]) -> None:
+        step, scores = integer(event.get("step")), event.get(TASK_SCORES)
+        if step is None or not isinstance(scores, dict):
+            return
+        self._drop_tasks(step)  # a restart scored these steps again: the new attempt wins
+        self.task_steps.append(step)
+        for task, metrics in scores.items():
+            for metric, value in (metrics.items() if isinstance(metrics, dict) else ()):
+                name = f"{clean(str(task), 80)} {clean(str(metric), 40)}"
+                self.task_scores.setdefault(name, [None] * (len(self.task_steps) - 1)).append(number(value))
+        for series in self.task_scores.values():
+            series.extend([None] * (len(self.task_steps) - len(series)))
+
+    def _drop_tasks(self, step: int) -> None:
+        while self.task_steps and self.task_steps[-1] >= step:
+            self.task_steps.pop()
+            for series in self.task_scores.values():
+                series.pop()
 
     def _apply_step(self, event: dict[str, Any]) -> None:
         step = integer(event.get("step"))
@@ -331,6 +358,7 @@ class RunState:
             self.val_steps.pop()
             self.val_loss.pop()
             self.val_preference.pop()
+        self._drop_tasks(step)
 
     # -- derived ---------------------------------------------------------------------------------------------
 
