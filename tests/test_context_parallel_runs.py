@@ -1,0 +1,106 @@
+"""Context parallelism through `handle run` (issue 48): a tiny Llama-shaped decoder (RMSNorm, RoPE, SwiGLU, 4 query
+heads on 2 key/value heads) on packed documents with document masks, fp32, 10 steps of 8 sequences of 32 tokens.
+cp 2 by ring and by all-gather (DDP, 2 processes) and dp 2 × cp 2 by Ulysses (FSDP2 sharding over the 4 dp × cp
+ranks) give the one-process losses and gradient norms within 1e-5 at every step, and the cp 2 ring run's step-5
+checkpoint resumed at cp 1 (one process) continues them.
+
+The corpus is 240 text files of 2-30 words, one document each, so nearly every 32-token window holds several
+documents (the mask changes the loss: without it the first step's is 6.68, with it 6.57), and a shard's tokens come
+from several documents' head and tail chunks. Five launches, module-scoped; the bad-input lines are
+tests/unit/test_context_parallel_config.py, the attentions alone tests/test_context_parallel.py.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.helpers import handle_at_once, handle_runs
+
+pytestmark = pytest.mark.dist
+
+LLAMA = {"norm": '"rmsnorm"', "position": '"rope"', "mlp": '"swiglu"', "n_kv_heads": 2, "bias": "false",
+         "norm_first": "true", "dropout": 0}
+WORDS = "the a dog cat runs sleeps big small red man eats green house tree river stone light dark".split()
+RUNS = {
+    "one": (),
+    "cp2-ring": ("--set", "launch.nproc_per_node=2", "--set", "strategy.name=ddp", "--set", "parallel.cp=2",
+                 "--set", "parallel.cp_impl=ring", "--set", "training.checkpoint_every=5"),
+    "cp2-allgather": ("--set", "launch.nproc_per_node=2", "--set", "strategy.name=ddp", "--set", "parallel.cp=2",
+                      "--set", "parallel.cp_impl=allgather"),
+    "dp2xcp2-ulysses": ("--set", "launch.nproc_per_node=4", "--set", "strategy.name=fsdp", "--set", "parallel.cp=2",
+                        "--set", "parallel.cp_impl=ulysses", "--set", "training.grad_accum=1"),
+}
+LABELS = {"cp2-ring": "dp 1 × cp 2 (ddp; cp ring)", "cp2-allgather": "dp 1 × cp 2 (ddp; cp allgather)",
+          "dp2xcp2-ulysses": "dp 2 × cp 2 (fsdp; cp ulysses)"}
+
+
+def _documents(root: Path) -> Path:
+    rng = random.Random(0)
+    root.mkdir()
+    for i in range(240):
+        (root / f"doc{i:03d}.txt").write_text(" ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 30))) + ".\n")
+    return root
+
+
+def _steps(run_dir: Path) -> dict[int, dict]:
+    events = map(json.loads, (run_dir / "events.jsonl").read_text().splitlines())
+    return {e["step"]: e for e in events if e["kind"] == "step"}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    """Every run of :data:`RUNS`, two at a time, then the ring run's step-5 checkpoint resumed at cp 1."""
+    root = tmp_path_factory.mktemp("cp-runs")
+    common = (*(a for k, v in LLAMA.items() for a in ("--set", f"model.{k}={v}")),
+              "--set", "model.n_layers=2", "--set", "data.name=text", "--set", f"data.path={_documents(root / 'docs')}",
+              "--set", "data.vocab_size=300", "--set", "data.document_mask=true", "--set", "training.grad_accum=2",
+              "--set", "training.log_every=1")
+    done = handle_runs(root, RUNS, common, at_once=2)
+    stopped = root / "cp2-as-one"
+    shutil.copytree(done["cp2-ring"], stopped)
+    shutil.rmtree(stopped / "checkpoints" / "step-10")  # what a stop after step 5's checkpoint leaves
+    (stopped / "events.jsonl").write_text("")
+    resumed = handle_at_once({"resume": ("run", "--resume", str(stopped), "--set", "parallel.cp=1",
+                                         "--set", "strategy.name=single", "--set", "launch.nproc_per_node=1")}, 1)
+    code, out = resumed["resume"]
+    assert code == 0, out[-3000:]
+    return {**done, "cp2-as-one": stopped}
+
+
+def _assert_steps_equal(one: dict[int, dict], split: dict[int, dict], steps: list[int], name: str) -> None:
+    assert sorted(split) == steps, (name, sorted(split))
+    for step in steps:
+        for key in ("loss", "grad_norm"):
+            want, got = one[step][key], split[step][key]
+            assert abs(got - want) <= 1e-5 * abs(want), (name, step, key, got, want)
+
+
+@pytest.mark.parametrize("name", ["cp2-ring", "cp2-allgather", "dp2xcp2-ulysses"])
+def test_context_parallel_layouts_train_as_one_process(runs, name) -> None:
+    one, split = _steps(runs["one"]), _steps(runs[name])
+    _assert_steps_equal(one, split, list(range(1, 11)), name)
+    for event in split.values():
+        assert event["layout"]["cp"] == 2 and event["tokens"] == one[event["step"]]["tokens"]
+        # head-tail per document: every rank attends as many query-key pairs, to the pool's few tokens
+        assert 1.0 <= event["cp_imbalance"] <= 1.05, event
+    assert json.loads((runs[name] / "run.json").read_text())["layout"]["label"] == LABELS[name]
+
+
+def test_final_weights_are_the_one_process_model(runs) -> None:
+    want, got = load_file(runs["one"] / "model.safetensors"), load_file(runs["cp2-ring"] / "model.safetensors")
+    assert got.keys() == want.keys()
+    for key, value in want.items():
+        torch.testing.assert_close(got[key], value, rtol=0, atol=1e-4, msg=lambda m: f"{key}: {m}")
+
+
+def test_a_cp2_checkpoint_resumes_at_cp1(runs) -> None:
+    layout = json.loads((runs["cp2-as-one"] / "checkpoints" / "step-5" / "layout.json").read_text())
+    assert (layout["cp"], layout["cp_impl"], layout["world_size"]) == (2, "ring", 2)
+    _assert_steps_equal(_steps(runs["one"]), _steps(runs["cp2-as-one"]), list(range(6, 11)), "cp2-as-one")
