@@ -42,7 +42,7 @@ def _part(value: str | None) -> tuple[int, int] | None:
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="Directory to write the shards into.")
 @click.option("--tokenizer", metavar="PATH", help="Encode with this tokenizer.json (or a directory holding one: "
                                                   "a `handle export`, a Hugging Face model) instead of training one.")
-@click.option("--vocab-size", type=click.IntRange(min=260), default=4096, show_default=True,
+@click.option("--vocab-size", type=click.IntRange(min=262), default=4096, show_default=True,
               help="Vocabulary of the byte-level BPE trained when no --tokenizer is given.")
 @click.option("--tokenizer-sample-bytes", type=click.IntRange(min=1), default=64 << 20, show_default=True,
               help="Train the BPE on the first this many bytes of the training documents.")
@@ -146,6 +146,10 @@ def _prepare_chat(sources, out, tokenizer, template, train_on, valid, valid_frac
     with contextlib.nullcontext(None) if as_json else progress_bar() as show:
         result = prepare_preference(list(sources), out, progress=show, **common) if preference else \
             prepare_chat(list(sources), out, train_on=train_on, messages_field=messages_field, progress=show, **common)
+    if result.get("added_tokens"):  # the base lacked the template's tokens: its rows grow when the run loads it
+        added = ", ".join(f"{t} (id {i})" for t, i in result["added_tokens"].items())
+        click.echo(f"note: added {added} to the tokenizer in {result['directory']}: a run on its base grows the "
+                   f"embedding and output rows to match (mean-initialised, trained)", err=True)
     if not result["end_of_turn_trained"]:  # a model trained on it never stops (trl #1623)
         click.echo(f"warning: {result['directory']}: no trained token ends a turn (template {result['template']} ends "
                    f"its turns with text, not a token of this vocabulary): a model trained on it never learns to "

@@ -18,8 +18,8 @@ class PydocConfig:
     task: ClassVar[str] = "lm"
     seq_len: int = param(128, ge=2)
     """Tokens per language-modelling sample."""
-    vocab_size: int = param(4096, ge=260)
-    """BPE vocabulary size (including the 4 special tokens and the 256 byte symbols)."""
+    vocab_size: int = param(4096, ge=262)
+    """BPE vocabulary size (including the 6 special tokens, ChatML's two among them, and the 256 byte symbols)."""
     valid_fraction: float = param(0.05, gt=0.0, le=0.5)
     """Share held out for validation: whole documents (picked by a hash of their source and number), or the tail
     of the last document when there are too few (docs/data.md)."""
@@ -59,7 +59,7 @@ class ParallelConfig:
     """Target-language file suffix."""
     seq_len: int = param(64, ge=4)
     """Maximum tokens per source or target sentence (longer ones are truncated)."""
-    vocab_size: int = param(8000, ge=260)
+    vocab_size: int = param(8000, ge=262)
     """Joint BPE vocabulary for both languages."""
     max_pairs: int = param(0, ge=0)
     """Use only the first N training pairs (0 = all)."""

@@ -123,7 +123,8 @@ def preflight(options: TokensConfig) -> None:
 
 def check_vocabulary(options: TokensConfig, preset: Any) -> Iterator[InvalidValue]:
     """The prepared vocabulary fits the model: a ``model.init_from`` base's ``vocab_size`` (its config.json) is at
-    least the prepared tokenizer's."""
+    least the prepared tokenizer's, or at least that of the tokenizer it extends (``meta.json``'s
+    ``tokenizer.extends``: a chat template's tokens added, :mod:`torch_handle.finetune.vocab`)."""
     init_from = getattr(preset.model.options, "init_from", None)
     if not init_from:
         return
@@ -136,9 +137,13 @@ def check_vocabulary(options: TokensConfig, preset: Any) -> Iterator[InvalidValu
         return  # the model's own pre-flight reports an unreadable base
     for _, path, _ in options.source_list():
         try:
-            ours = _open(path).vocab_size
+            prepared = _open(path)
+            ours = prepared.vocab_size
         except DataError:
             continue  # the pre-flight reports it
+        extends = prepared.meta["tokenizer"].get("extends") or {}
+        if isinstance(theirs, int) and extends.get("vocab_size", ours) <= theirs:
+            continue  # a chat template's tokens added to the base's tokenizer: the run grows the base's rows
         if isinstance(theirs, int) and ours > theirs:
             yield InvalidValue("path" if options.path else "sources",
                                f"{path}: a vocabulary of {ours} tokens, more than model.init_from's {theirs} "

@@ -154,19 +154,23 @@ def test_a_base_without_a_template_needs_one(tmp_path):
 
 
 def test_a_template_that_ends_turns_with_text_is_warned_of(tmp_path):
-    """handle's own BPE has no ChatML tokens: ChatML's <|im_end|> is text there, no trained token ends a turn and a
-    model trained on it never stops (trl #1623); Zephyr's template ends each turn with the tokenizer's <eos>."""
+    """Phi-3's template ends each turn with <|end|>, text in handle's own BPE: no trained token ends a turn and a
+    model trained on it never stops (trl #1623). Zephyr's ends each turn with the tokenizer's <eos>, ChatML's with
+    <|im_end|>, which handle's BPE reserves (id 5)."""
     tok = train_tokenizer([(DATA / "tinyshakespeare" / "input.txt").read_text(encoding="utf-8")[:20_000]], 300)
     tok.save(str(tmp_path / "tokenizer.json"))
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<eos>"}))
     rows = tmp_path / "chat.jsonl"
     rows.write_text("".join(json.dumps({"messages": m}) + "\n" for m in _conversations()[60:]), encoding="utf-8")
-    for template, warned in (("chatml", True), ("zephyr", False)):
+    phi3 = tmp_path / "phi3.jinja"
+    phi3.write_text("{% for message in messages %}{{'<|' + message['role'] + '|>\\n' + message['content'] + "
+                    "'<|end|>\\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}")
+    for template, warned in ((str(phi3), True), ("zephyr", False), ("chatml", False)):
         res = CliRunner().invoke(cli, ["data", "prepare", str(rows), "--chat", "--tokenizer", str(tmp_path),
                                        "--template", template, "--valid-fraction", "0.3", "--json",
-                                       "--out", str(tmp_path / template)])
+                                       "--out", str(tmp_path / Path(template).stem)])
         assert res.exit_code == 0, res.output
         assert ("no trained token ends a turn" in res.stderr) == warned, res.stderr
-        meta = json.loads((tmp_path / template / "meta.json").read_text())
+        meta = json.loads((tmp_path / Path(template).stem / "meta.json").read_text())
         documents = meta["splits"]["train"]["documents"]
         assert meta["chat"]["end_of_turn_trained"] == (0 if warned else 3 * documents)  # 3 answers a conversation

@@ -30,6 +30,7 @@ from torch_handle.common.names import TOKENIZER_FILE
 from torch_handle.checkpoint.resume import flat_keys
 from torch_handle.common.fsio import read_json_object, replace_problem, replacing_dir
 from torch_handle.errors import CheckpointError
+from torch_handle.finetune.vocab import grow_vocab
 from torch_handle.model.args import DATASET_FIELDS, TransformerArgs
 from torch_handle.model.hf_names import Inexpressible, from_hf_config, to_hf_config
 
@@ -167,7 +168,8 @@ def read_weights(directory: Path | str) -> dict[str, Tensor]:
 
 def load_into(model: torch.nn.Module, directory: Path | str) -> str:
     """Copy a Hugging Face directory's weights into ``model`` (a ``DecoderLM``, before any wrapping or sharding),
-    cast to its dtype. Returns a line for the run's log.
+    cast to its dtype. Returns a line for the run's log. A model with more token rows than the base (a chat
+    template's tokens added to its tokenizer) gets the new rows of :func:`torch_handle.finetune.vocab.grow_vocab`.
 
     Raises:
         CheckpointError: a config that does not describe ``model.args`` (the first mismatch named), or weights
@@ -181,12 +183,16 @@ def load_into(model: torch.nn.Module, directory: Path | str) -> str:
     if mismatch is not None:
         raise CheckpointError(mismatch)
     family = read_config(directory)["model_type"]
+    weights = read_weights(directory)
+    grown = grow_vocab(weights, args.vocab_size)  # a chat template's tokens added to the base's tokenizer
     try:
-        state = from_hf_state_dict(read_weights(directory), args, family)
+        state = from_hf_state_dict(weights, args, family)
     except CheckpointError as e:
         raise CheckpointError(f"{directory}: {e}") from None
     model.load_state_dict(state)
-    return f"weights from {directory} ({family}, {sum(p.numel() for p in model.parameters()):,} parameters)"
+    rows = "" if grown is None else (f"; vocabulary {grown} -> {args.vocab_size}: rows {grown}-{args.vocab_size - 1} "
+                                     f"mean-initialised as transformers' resize_token_embeddings")
+    return f"weights from {directory} ({family}, {sum(p.numel() for p in model.parameters()):,} parameters){rows}"
 
 
 def special_tokens(tokenizer_path: Path, names: Mapping[str, str]) -> dict[str, tuple[str, int]]:

@@ -2,8 +2,10 @@
 
 - Corpora: the embedded default (the CPython documentation topics in ``pydoc_data.topics``, which every Python
   install ships), local text files (a glob), and aligned parallel files for translation.
-- Tokenizer: byte-level BPE trained with HF ``tokenizers`` on the training split only, with ``<pad>``,
-  ``<bos>``, ``<eos>``, ``<unk>`` special tokens; cached by content hash and reused. One rank per cache directory
+- Tokenizer: byte-level BPE trained with HF ``tokenizers`` on the training split only, with the special tokens
+  ``<pad>`` 0, ``<bos>`` 1, ``<eos>`` 2, ``<unk>`` 3 and ChatML's ``<|im_start|>`` 4, ``<|im_end|>`` 5 (reserved
+  so that every model pretrained here can be chat-tuned with ``--template chatml``: docs/fine-tuning.md); cached by
+  content hash and reused. One rank per cache directory
   builds it (rank 0; on several nodes without a shared filesystem, each node's first rank) while the others wait
   at a barrier.
 - Datasets return dicts of LongTensors whose keys match the model's forward arguments, plus ``labels``
@@ -24,12 +26,19 @@ import torch
 from torch.utils.data import Dataset, DistributedSampler, Sampler
 
 from torch_handle.common.fsio import replacing
+from torch_handle.data.chat.template import CHATML_TOKENS
 from torch_handle.errors import DataError
 
 SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 PAD_ID, BOS_ID, EOS_ID, UNK_ID = range(4)
+RESERVED_TOKENS = [*SPECIAL_TOKENS, *CHATML_TOKENS]
+"""The special tokens of every tokenizer :func:`train_tokenizer` trains, ids 0-5: the four roles, then ChatML's
+``<|im_start|>`` (:data:`IM_START_ID`) and ``<|im_end|>`` (:data:`IM_END_ID`). Within ``vocab_size``: the BPE learns
+two merges fewer than with the roles alone."""
+IM_START_ID, IM_END_ID = 4, 5
 IGNORE_INDEX = -100
-TOKENIZER_VERSION = "bpe-bytelevel-v1"
+TOKENIZER_VERSION = "bpe-bytelevel-v2"
+"""In the cache's fingerprint: v2 reserves ChatML's tokens (v1 tokenizers cached before are not reused)."""
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -45,13 +54,14 @@ def corpus_fingerprint(texts: Sequence[str], vocab_size: int) -> str:
 
 
 def train_tokenizer(texts: Sequence[str], vocab_size: int):
-    """Train a byte-level BPE tokenizer (Sennrich et al. 2016; GPT-2's byte-level variant) on ``texts``."""
+    """Train a byte-level BPE tokenizer (Sennrich et al. 2016; GPT-2's byte-level variant) on ``texts``: at most
+    ``vocab_size`` ids, the :data:`RESERVED_TOKENS` first (ids 0-5), then the 256 byte symbols, then the merges."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=RESERVED_TOKENS, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(texts, trainer=trainer)
     return tok

@@ -4,7 +4,9 @@ reader of a run uses (the trainer on every rank, ``handle generate`` / ``export`
 A full fine-tune reads ``init_from`` once, into a new run; a resumed run starts from its checkpoint. A LoRA run
 reads it every time (checkpoints hold the adapters alone: the frozen base comes from ``init_from`` again, checked
 against the hash the adapters were trained on), then wraps the targeted linears (:func:`apply_lora`). A QLoRA run
-then stores its frozen base linears in NF4 (:func:`quantize_base`), rebuilt the same way on every load.
+then stores its frozen base linears in NF4 (:func:`quantize_base`), rebuilt the same way on every load. A base
+whose vocabulary a chat template grew (:mod:`torch_handle.finetune.vocab`) gets its new rows when it loads, and a
+LoRA run on it trains the embedding and output projection whole beside the adapters.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from torch import nn
 
 from torch_handle.finetune.lora import apply_lora
 from torch_handle.finetune.nf4 import quantize_linears
+from torch_handle.finetune.vocab import TRAINED_MODULES
 
 QLORA_SKIP = ("lm_head", "*.lora_A.*", "*.lora_B.*")
 """Linears QLoRA leaves in the compute precision: the output projection (transformers' bitsandbytes integration
@@ -42,15 +45,27 @@ def prepare_model(model: nn.Module, preset: Any, *, new_run: bool, load_base: Ca
         note(notes[-1])
     if finetune.method in ("lora", "qlora"):
         quantize = quantize_base if finetune.method == "qlora" else None
+        grown = bool(init_from) and grown_vocab(model, init_from)
         info = apply_lora(model, finetune.rank, finetune.alpha, finetune.dropout, finetune.target_modules,
-                          quantize=quantize)
+                          quantize=quantize, modules_to_save=TRAINED_MODULES if grown else ())
         share = info["trainable"] / (info["trainable"] + info["frozen"])
         name, stored = ("QLoRA", " (linears in NF4)") if quantize else ("LoRA", "")
-        notes.append(f"{name} rank {finetune.rank} on {info['adapted']} linears: {info['trainable']:,} trainable "
-                     f"parameters ({share:.2%}), {info['frozen']:,} frozen{stored} (base sha256 "
+        saved = f" and {' and '.join(TRAINED_MODULES)} whole (the vocabulary grew)" if grown else ""
+        notes.append(f"{name} rank {finetune.rank} on {info['adapted']} linears{saved}: {info['trainable']:,} "
+                     f"trainable parameters ({share:.2%}), {info['frozen']:,} frozen{stored} (base sha256 "
                      f"{info['base_sha256'][:12]})")
         note(notes[-1])
     return notes
+
+
+def grown_vocab(model: nn.Module, init_from: str) -> bool:
+    """Whether ``model`` has more token rows than its base ``init_from`` (a Hugging Face directory's
+    ``config.json`` ``vocab_size``): a chat template's tokens were added (:mod:`torch_handle.finetune.vocab`)."""
+    from torch_handle.checkpoint.hf_dir import read_config
+
+    args = getattr(model, "args", None)
+    rows = read_config(init_from).get("vocab_size")
+    return args is not None and isinstance(rows, int) and rows < args.vocab_size
 
 
 def nf4_digest(model: nn.Module, local_shard: Callable[[torch.Tensor], torch.Tensor]) -> tuple[str, int] | None:

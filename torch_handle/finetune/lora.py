@@ -238,7 +238,8 @@ def wrap_lora(model: nn.Module, rank: int, alpha: float, dropout: float, target_
 
 
 def apply_lora(model: nn.Module, rank: int, alpha: float, dropout: float, target_modules: Sequence[str], *,
-               quantize: Callable[[nn.Module], Any] | None = None) -> dict[str, Any]:
+               quantize: Callable[[nn.Module], Any] | None = None,
+               modules_to_save: Sequence[str] = ()) -> dict[str, Any]:
     """Wrap ``model``'s targeted linears in :class:`LoRALinear` in place and freeze everything else, with a
     ``flops_per_token`` that counts what is computed (:func:`wrap_lora`); register the state-dict hooks that keep
     the frozen base out of saved state (see the module's docstring) and the base's hash buffer. Call it on the
@@ -247,6 +248,10 @@ def apply_lora(model: nn.Module, rank: int, alpha: float, dropout: float, target
     ``quantize(model)``, if given, runs after the hash is taken and the adapters are in place, and may replace
     frozen linears by quantised ones (QLoRA: ``finetune/build.py``); the buffers it adds are base storage, kept
     out of saved state like the frozen parameters and rebuilt from the hash-checked base on every load.
+
+    ``modules_to_save`` (this model's module names) stay trainable whole and are saved with the adapters, as
+    peft's ``modules_to_save``: the embedding and output projection of a base whose vocabulary grew
+    (:mod:`torch_handle.finetune.vocab`).
 
     Returns:
         ``{"adapted": n linears, "trainable": parameters, "frozen": parameters, "base_sha256": hex}``.
@@ -257,6 +262,8 @@ def apply_lora(model: nn.Module, rank: int, alpha: float, dropout: float, target
     frozen = [n for n, _ in model.named_parameters(remove_duplicate=False)]
     digest = base_hash(model, frozen)
     adapted = wrap_lora(model, rank, alpha, dropout, target_modules)
+    for name in modules_to_save:
+        model.get_submodule(name).requires_grad_(True)
     counts = {"trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
               "frozen": sum(p.numel() for p in model.parameters() if not p.requires_grad)}
     buffers = {n for n, _ in model.named_buffers()}

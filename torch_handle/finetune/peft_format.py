@@ -6,6 +6,10 @@
                                 directory where both are local), task_type CAUSAL_LM
     adapter_model.safetensors   base_model.model.<Hugging Face module path>.lora_A.weight  (r, in_features)
                                 base_model.model.<Hugging Face module path>.lora_B.weight  (out_features, r)
+    base_model.model.model.embed_tokens.weight   (V, C) and base_model.model.lm_head.weight (tied: the same
+                                tensor, peft's ensure_weight_tying): only when a chat template's tokens grew the
+                                base's vocabulary (peft's modules_to_save; load on
+                                ``base.resize_token_embeddings(V)``: :mod:`torch_handle.finetune.vocab`)
     tokenizer.json              the run's tokenizer, as the base's export has it (``AutoTokenizer`` loads the
     tokenizer_config.json       directory), written by the caller (``extra``)
 
@@ -27,6 +31,7 @@ from torch import Tensor, nn
 from torch_handle.common.fsio import replace_problem, replacing_dir
 from torch_handle.errors import CheckpointError
 from torch_handle.finetune.lora import DEFAULT_ADAPTER, adapter_modules
+from torch_handle.finetune.vocab import TRAINED_MODULES
 from torch_handle.model.args import TransformerArgs
 from torch_handle.model.hf_names import hf_names
 
@@ -58,7 +63,19 @@ def peft_state_dict(model: nn.Module, args: TransformerArgs) -> dict[str, Tensor
             theirs = PREFIX + names[ours].removesuffix(".weight")
             state[f"{theirs}.lora_A.weight"] = module.lora_A[part].weight.detach()
             state[f"{theirs}.lora_B.weight"] = module.lora_B[part].weight.detach()
+    for ours in saved_modules(model, args):  # a grown vocabulary's embedding and output rows, trained whole
+        state[PREFIX + names[ours]] = model.get_parameter(ours).detach()
+        if args.tie_embeddings:  # peft's ensure_weight_tying loads the tied lm_head from its own key
+            state[PREFIX + "lm_head.weight"] = state[PREFIX + names[ours]]
     return state
+
+
+def saved_modules(model: nn.Module, args: TransformerArgs) -> list[str]:
+    """The weights (this model's names) of the modules a LoRA run trains whole, peft's ``modules_to_save``: the
+    embedding and, untied, the output projection of a base whose vocabulary grew
+    (:mod:`torch_handle.finetune.vocab`); empty otherwise."""
+    return [f"{m}.weight" for m in TRAINED_MODULES if not (m == "lm_head" and args.tie_embeddings)
+            and hasattr(model, m) and getattr(model, m).weight.requires_grad]
 
 
 def adapter_config(model: nn.Module, args: TransformerArgs, *, dropout: float, base: str | None) -> dict[str, Any]:
@@ -68,11 +85,13 @@ def adapter_config(model: nn.Module, args: TransformerArgs, *, dropout: float, b
     names = hf_names(args)
     targets = sorted({names[_linear_name(n, part) + ".weight"].split(".")[-2]
                       for n, m in modules.items() for part in m.parts})
+    saved = [names[w].split(".")[-2] for w in saved_modules(model, args)] or None  # embed_tokens, lm_head
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": first.rank, "lora_alpha": first.alpha,
             "lora_dropout": dropout, "target_modules": targets, "bias": "none", "fan_in_fan_out": False,
-            "init_lora_weights": True, "inference_mode": True, "modules_to_save": None, "use_rslora": False,
+            "init_lora_weights": True, "inference_mode": True, "modules_to_save": saved, "use_rslora": False,
             "use_dora": False, "layers_to_transform": None, "rank_pattern": {}, "alpha_pattern": {},
-            "base_model_name_or_path": base, "revision": None}
+            "base_model_name_or_path": base, "revision": None,
+            "ensure_weight_tying": bool(saved) and args.tie_embeddings}
 
 
 def write_adapter(out: Path | str, state: dict[str, Tensor], config: dict[str, Any], *, force: bool = False,

@@ -5,7 +5,10 @@ Hugging Face model directory) therefore decides the tokenizer:
 * a dataset that would train its own (``text``/``pydoc`` with no ``data.tokenizer``) gets the base's instead,
   written into the resolved preset (``preset.toml`` shows what ran) and said in one ``note:`` line;
 * a dataset that names another tokenizer (``data.tokenizer``, or prepared token directories made with another
-  one) is refused with one line, before anything starts: the base's embeddings would meet unrelated ids.
+  one) is refused with one line, before anything starts: the base's embeddings would meet unrelated ids;
+* conversations prepared on the base's tokenizer with a template's special tokens added (``meta.json``'s
+  ``tokenizer.extends`` holds the base's hash) are the base's ids plus new ones at the end: accepted, and the run
+  grows the base's embedding and output rows (:mod:`torch_handle.finetune.vocab`).
 
 Tokenizers are compared by the SHA-256 of their JSON file. No torch import.
 """
@@ -58,9 +61,12 @@ def tokenizer_conflicts(preset: Preset) -> list[str]:
         problems.append(problem)
     for d in _prepared_dirs(options):
         try:
-            sha = open_prepared(d).identity().tokenizer_sha256
+            prepared = open_prepared(d)
+            sha = prepared.identity().tokenizer_sha256
         except DataError:
             continue  # the dataset's own checks report an unreadable directory
+        if (prepared.meta["tokenizer"].get("extends") or {}).get("sha256") == want:
+            continue  # the base's tokenizer plus a template's tokens (--chat): the run grows the base's rows
         if problem := tokenizer_problem(f"{d} was prepared with", sha, want, f"model.init_from's ({base})",
                                         f"prepare it again with: handle data prepare ... --tokenizer {base.parent}"):
             problems.append(problem)

@@ -7,7 +7,12 @@ whole conversations out by a hash of their source and number, as a plain-text pr
 than ``max_len + 1`` tokens is truncated from the left (its earliest tokens: the system turn and the first
 prompts) or dropped (``max_len_policy``); one left with no trained token is refused. ``meta.json`` gains
 ``"chat"``: the template (its name and SHA-256; the template itself is written as ``chat_template.jinja``),
-``train_on``, and the counts of conversations, truncated and dropped ones. No torch import.
+``train_on``, and the counts of conversations, truncated and dropped ones. A tokenizer whose vocabulary lacks the
+template's special tokens (ChatML's ``<|im_start|>`` / ``<|im_end|>``) gets them added after its last id
+(:func:`~torch_handle.data.chat.template.add_template_tokens`): the ``tokenizer.json`` written beside the shards is
+the extended one, and ``meta.json``'s ``"tokenizer"`` records ``"extends"``: the given tokenizer's SHA-256 and
+vocabulary and the ids added (a run on ``model.init_from`` that tokenizer's base grows its embedding and output
+rows to match: :mod:`torch_handle.finetune.vocab`). No torch import.
 """
 
 from __future__ import annotations
@@ -23,8 +28,8 @@ import numpy as np
 from torch_handle.common.fsio import replace_problem, replacing_dir
 from torch_handle.common.names import TOKENIZER_FILE
 from torch_handle.data.chat.rows import conversations, read_rows
-from torch_handle.data.chat.template import (TEMPLATE_FILE, TRAIN_ON, ChatTemplate, end_of_turn_ids, load_template,
-                                             trained_of, turn_spans)
+from torch_handle.data.chat.template import (TEMPLATE_FILE, TRAIN_ON, ChatTemplate, add_template_tokens,
+                                             end_of_turn_ids, load_template, trained_of, turn_spans)
 from torch_handle.data.shards import META_FILE, ShardWriter, file_sha256, token_dtype, write_meta
 from torch_handle.data.sources import path_bytes, path_sha256
 from torch_handle.data.prepare import held_out
@@ -106,6 +111,8 @@ def prepare_rendered(sources: Sequence[str], out: str | Path,
     tok_path = tokenizer_path(tokenizer)
     tok = load_tokenizer(tok_path)
     chat = load_template(template, tok_path)
+    base_vocab = vocab_size_of(tok)
+    added = add_template_tokens(tok, chat)  # ChatML's tokens, where the base lacks them
     eos = eos_id(tok, tok_path)
     vocab = vocab_size_of(tok)
     dtype = token_dtype(vocab)
@@ -114,7 +121,10 @@ def prepare_rendered(sources: Sequence[str], out: str | Path,
     total = sum(path_bytes(f) for f in [*train_files, *valid_files])
     counts = {unit: 0, "truncated": 0, "dropped": 0}
     with replacing_dir(out) as tmp:
-        shutil.copyfile(tok_path, tmp / TOKENIZER_FILE)
+        if added:
+            tok.save(str(tmp / TOKENIZER_FILE))
+        else:
+            shutil.copyfile(tok_path, tmp / TOKENIZER_FILE)
         (tmp / TEMPLATE_FILE).write_text(chat.source, encoding="utf-8")
         if (tok_path.parent / "tokenizer_config.json").is_file():  # the special tokens the template reads
             shutil.copyfile(tok_path.parent / "tokenizer_config.json", tmp / "tokenizer_config.json")
@@ -176,7 +186,9 @@ def prepare_rendered(sources: Sequence[str], out: str | Path,
         ends = trained_ends(tmp, splits["train"], dtype, end_of_turn_ids(tok, chat))
         info = {"dtype": dtype.name, "splits": splits,
                 "tokenizer": {"file": TOKENIZER_FILE, "sha256": file_sha256(tmp / TOKENIZER_FILE), "vocab_size": vocab,
-                              "eos_id": eos, "pad_id": pad_id_of(tok, tok_path, eos), "given": str(tok_path)},
+                              "eos_id": eos, "pad_id": pad_id_of(tok, tok_path, eos), "given": str(tok_path),
+                              **({"extends": {"sha256": file_sha256(tok_path), "vocab_size": base_vocab,
+                                              "added": added}} if added else {})},
                 "sources": [{"path": str(f), "format": "chat", "sha256": path_sha256(f), "bytes": path_bytes(f),
                              "split": "valid" if f in valid_files else "both"} for f in [*train_files, *valid_files]],
                 "valid": {"method": "source" if valid_files else "documents",
@@ -188,7 +200,7 @@ def prepare_rendered(sources: Sequence[str], out: str | Path,
         write_meta(tmp, info)
     return {"directory": str(out), "splits": {s: {"tokens": v["tokens"], "documents": v["documents"],
                                                   "trained_tokens": trained[s]} for s, v in splits.items()},
-            **counts, "template": chat.name, **meta, "end_of_turn_trained": ends,
+            **counts, "template": chat.name, **meta, "end_of_turn_trained": ends, "added_tokens": added,
             "seconds": round(time.perf_counter() - t0, 3)}
 
 

@@ -35,7 +35,9 @@ CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n
           " + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 """ChatML (OpenAI; Qwen's templates are its descendants): what ``--template chatml`` renders."""
 CHATML_TOKENS = ("<|im_start|>", "<|im_end|>")
-"""The special tokens ChatML needs; tokenizers that handle trains reserve them."""
+"""The special tokens ChatML needs; tokenizers that handle trains reserve them (ids 4 and 5:
+:data:`torch_handle.data.datasets.RESERVED_TOKENS`); a base whose vocabulary lacks them gets them added
+(:func:`add_template_tokens`)."""
 ZEPHYR = ("{% for message in messages %}\n{% if message['role'] == 'user' %}\n{{ '<|user|>\\n' + "
           "message['content'] + eos_token }}\n{% elif message['role'] == 'system' %}\n{{ '<|system|>\\n' + "
           "message['content'] + eos_token }}\n"
@@ -56,6 +58,25 @@ def copy_chat_files(source: Path, run_dir: Path) -> None:
     for name in CHAT_FILES:
         if (Path(source) / name).is_file():
             shutil.copyfile(Path(source) / name, Path(run_dir) / name)
+
+
+def template_tokens(template: ChatTemplate) -> tuple[str, ...]:
+    """The special tokens ``template`` writes that a vocabulary must hold whole, each one id: those of
+    :data:`CHATML_TOKENS` its source writes (ChatML's and its descendants'). Other markers (Zephyr's ``<|user|>``)
+    are text that the base tokenizes as it does any text."""
+    return tuple(t for t in CHATML_TOKENS if t in template.source)
+
+
+def add_template_tokens(tokenizer: Any, template: ChatTemplate) -> dict[str, int]:
+    """Add to ``tokenizer`` (a ``tokenizers.Tokenizer``, in place) the :func:`template_tokens` its vocabulary lacks,
+    as special tokens (never split, never merged), after its last id, in :data:`CHATML_TOKENS`' order: what
+    transformers' ``tokenizer.add_special_tokens`` does. Returns ``{token: id}`` of those added (empty: none
+    lacked); the model's embedding and output rows then grow to the new vocabulary
+    (:func:`torch_handle.finetune.vocab.grow_rows`)."""
+    missing = [t for t in template_tokens(template) if tokenizer.token_to_id(t) is None]
+    if missing:
+        tokenizer.add_special_tokens(missing)
+    return {t: int(tokenizer.token_to_id(t)) for t in missing}
 
 
 END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<|endoftext|>", "</s>", "<eos>")
