@@ -103,7 +103,12 @@ class InLoopTasks:
         trainer.events.emit(Kind.LOG, level=Level.WARNING, message=message)
 
     def run(self, trainer: Any) -> dict[str, Any] | None:
-        """Score the tasks now; returns the harness's results on rank 0 (None elsewhere, or when nothing ran)."""
+        """Score the tasks now; returns the harness's results on rank 0 (None elsewhere, or when nothing ran). The
+        random generators are as they were after it (loading a task's data draws from them too)."""
+        with kept_rng(trainer.ctx.device):
+            return self._run(trainer)
+
+    def _run(self, trainer: Any) -> dict[str, Any] | None:
         reason = scorable(trainer)
         if reason is not None:
             self.enabled = False
@@ -122,7 +127,7 @@ class InLoopTasks:
         model = _model(trainer)
         was_training = model.training
         try:
-            with busy("tasks"), kept_rng(trainer.ctx.device):
+            with busy("tasks"):
                 trainer.strategy.train(False)
                 return self._score(trainer, model, tasks, manager, step, started)
         except Exception as e:  # noqa: BLE001 - a task's failure is a warning; the training goes on
@@ -137,10 +142,12 @@ class InLoopTasks:
         from torch_handle.infer import downstream
 
         logging.getLogger("lm_eval").setLevel(logging.ERROR)
-        if self._resolved is None:
-            self._resolved = downstream.resolve_tasks(self.config.tasks, self.config.include_paths)
-        specs, manager = self._resolved
         loaded, errors = [], []
+        try:  # validated with the preset, but a data file may have gone since: then no task this time
+            specs, manager = self._resolved or downstream.resolve_tasks(self.config.tasks, self.config.include_paths)
+            self._resolved = specs, manager
+        except downstream.DataError as e:
+            specs, manager, errors = [], None, [str(e)] * len(self.config.tasks)
         for spec in specs:
             try:
                 loaded.append(downstream.load_tasks([spec], manager))
@@ -148,6 +155,7 @@ class InLoopTasks:
             except Exception as e:  # noqa: BLE001 - a task the harness cannot build: a warning
                 loaded.append({})
                 errors.append(" ".join(str(e).split())[:300] or type(e).__name__)
+        loaded += [{}] * (len(errors) - len(loaded))
         ok = torch.tensor([float(not err) for err in errors], device=trainer.ctx.device)
         if trainer.ctx.distributed:
             dist.all_reduce(ok, op=dist.ReduceOp.MIN)  # a task is scored only where every rank built it
