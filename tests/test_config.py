@@ -594,3 +594,19 @@ def test_nccl_needs_a_cuda_device_per_process(repo_root):
     n = torch.cuda.device_count()
     with pytest.raises(PresetError, match=rf"launch.nproc_per_node: {n + 1} processes but {n} CUDA device"):
         load_preset(repo_root / "presets" / "ddp.toml", ["launch.backend=nccl", f"launch.nproc_per_node={n + 1}"])
+
+
+def test_the_eval_table_names_an_unknown_task_a_missing_directory_and_a_bad_limit(tmp_path):
+    """``[eval]`` (issue 50) is checked with the preset: task names against the include directories and the
+    harness's own (the close names listed), each include directory, ``limit`` >= 1; a preset without tasks never
+    imports the harness."""
+    pytest.importorskip("lm_eval", reason="needs the eval extra")
+    tasks = REPO / "tests" / "fixtures" / "eval_tasks"
+    path = write(tmp_path / "p.toml", f'[eval]\ntasks = ["handle_wikitext_clze"]\ninclude_paths = ["{tasks}"]\n')
+    assert str(err(path)) == (f"{path}:2: eval.tasks: unknown task 'handle_wikitext_clze' (close: "
+                              "handle_wikitext_cloze, handle_wikitext_ppl, paloma_wikitext_103)")
+    assert str(err(path, [f"eval.include_paths=['{tmp_path / 'none'}']", "eval.tasks=['arc_easy']"])) == (
+        f"{path} (--set): eval.include_paths: {tmp_path / 'none'}: no such directory")
+    assert "eval.limit: 0 must be >= 1" in str(err(path, ["eval.tasks=['handle_wikitext_cloze']", "eval.limit=0"]))
+    p = load_preset(path, ["eval.tasks=['handle_wikitext_cloze', 'arc_easy']", "eval.every=5"])
+    assert p.eval.tasks == ["handle_wikitext_cloze", "arc_easy"] and p.eval.every == 5 and p.eval.limit is None

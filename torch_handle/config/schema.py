@@ -411,7 +411,7 @@ class EvalConfig:
         from torch_handle.errors import DataError
 
         try:
-            resolve_tasks(self.tasks, self.include_paths)
+            resolve_tasks(self.tasks, self.include_paths, names_only=True)
         except ImportError:
             yield InvalidValue("tasks", "needs the eval extra (lm-eval): pip install 'torch-handle[eval]'")
         except DataError as e:
