@@ -176,6 +176,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             g = p.mul_(row_weight[s:s + rows, None]).to(dtype)  # (r, V): d loss / d z, in the compute dtype
             del z, p
             w.grads(g, h_c, None if grad_h is None else grad_h[s:s + rows], grad_w)
+            del g  # before the next chunk's: the name would hold this one while that one is made
         ctx.grads = [grad_h, grad_w]
         ctx.weight_dtype = weight.dtype
         return total / n
@@ -273,6 +274,7 @@ class ChunkedSequenceLogProbs(torch.autograd.Function):
             g = p.mul_(-row_weight[s:s + rows, None]).to(dtype)  # (r, V): d out / d z
             del p
             w.grads(g, h_c, None if grad_h is None else grad_h[s:s + rows], grad_w)
+            del g
         return (grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None, None, None, None)
 
 
