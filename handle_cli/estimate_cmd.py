@@ -88,7 +88,7 @@ def row_layouts(rows: list, preset, registry) -> dict[tuple[str, int], str]:
         named = (None, None) if compare else (strategy, getattr(preset.strategy.options, "zero_stage", None))
         out[r.strategy, r.world_size] = RunLayout.from_parts(
             r.world_size, *named, r.tp, r.pp, impl, p.sequence_parallel, p.pp_impl, p.pp_schedule,
-            p.pp_stages_per_rank).label()
+            p.pp_stages_per_rank, cp=r.cp, cp_impl=r.cp_impl).label()
     return out
 
 
@@ -328,6 +328,11 @@ def estimate(preset: str, overrides: tuple[str, ...], nproc: str, nnodes: int | 
     if rows[0].moe is not None:
         for line in textwrap.wrap(moe_line(rows[0]), 110, subsequent_indent="  "):
             click.echo(line)
+    if rows[0].cp > 1:
+        r = rows[0]
+        click.echo(f"cp: {r.cp} ranks per sequence ({r.cp_impl}): activations of seq_len / {r.cp} = "
+                   f"{loaded.data.options.seq_len // r.cp} tokens per rank, + {fmt_bytes(r.cp_buffer_bytes or 0, precise=True)}"
+                   f" of {r.cp_impl} buffers for one layer (in the device total)")
     if rows[0].finetune is not None:
         for line in textwrap.wrap(finetune_line(rows[0], loaded), 110, subsequent_indent="  "):
             click.echo(line)

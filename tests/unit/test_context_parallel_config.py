@@ -106,3 +106,34 @@ def test_cp_sits_between_dp_and_tp_in_the_mesh_and_the_run_layout():
                                                     "rank 3 (dp1 cp1)"]
     with pytest.raises(ValueError, match="cp"):
         Layout(6, cp=4)
+
+
+def _preset(tmp_path, *sets: str):
+    from tests.helpers import tiny_preset
+    from torch_handle.config.loader import load_preset
+
+    (tmp_path / "p.toml").write_text(tiny_preset(tmp_path / "out"))
+    return load_preset(tmp_path / "p.toml", ["model.n_kv_heads=2", "model.dropout=0.0", "data.seq_len=64", *sets])
+
+
+def test_estimate_prices_one_cp_rank_and_its_buffers(tmp_path):
+    """A cp 2 rank's activations are the model's on seq_len / 2 tokens (the same fake-tensor measure as without
+    cp), plus its attention's buffers for one layer; model states are the strategy's over dp × cp."""
+    from torch_handle.plan.estimate import estimate_preset
+    from torch_handle.plan.estimate_cp import cp_buffer_bytes
+    from torch_handle.registry import get_registry
+
+    registry = get_registry()
+    half = estimate_preset(_preset(tmp_path, "data.seq_len=32"), registry, [2])[0]
+    rows = estimate_preset(_preset(tmp_path, "parallel.cp=2", "parallel.cp_impl=ring"), registry, [2, 3, 4])
+    assert [r.world_size for r in rows] == [2, 4]  # cp must divide the world size
+    cp2 = rows[0]
+    assert (cp2.cp, cp2.cp_impl, cp2.dp) == (2, "ring", 1)
+    assert cp2.activation.saved == half.activation.saved and cp2.activation.logits == half.activation.logits
+    assert cp2.cp_buffer_bytes == cp_buffer_bytes("ring", 4, 4, 2, 64, 2, 16, 4)
+    assert cp2.device_bytes == half.device_bytes + cp2.cp_buffer_bytes
+    assert cp2.as_dict()["cp_buffer_bytes"] == cp2.cp_buffer_bytes and "cp" not in half.as_dict()
+    # B 4, H 4, H_kv 2, T 64, D 16, fp32 compute and accumulation (4 + 4 bytes)
+    assert {impl: cp_buffer_bytes(impl, 4, 4, 2, 64, 2, 16, 4) for impl in ("ring", "allgather", "ulysses")} == {
+        "ring": 2 * 2 * 2 * 4 * 32 * 16 * 8, "allgather": 2 * 2 * 4 * 64 * 16 * 8,
+        "ulysses": 2 * (8 + 4) * 4 * 32 * 16 * 4}

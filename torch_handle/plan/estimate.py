@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 from torch_handle.plan.estimate_activations import ActivationBytes, activation_bytes, compute_mode, loss_impl_of
+from torch_handle.plan.estimate_cp import cp_activation_bytes
 from torch_handle.plan.estimate_layout import estimate_layout, with_layout
 from torch_handle.plan.estimate_model import model_shape
 from torch_handle.plan.estimate_moe import MoEShape, expert_param_bytes, moe_step, preset_moe, rank_state_bytes
@@ -131,6 +132,12 @@ class Estimate:
     reference_bytes: int | None = None
     """What that reference holds on this rank, part of ``device_bytes``: a copy's parameters (sharded like the
     policy's, no gradients or optimizer state), the precomputed table, or 0."""
+    cp: int = 1
+    """Context-parallel degree: the activations are one cp rank's (T/cp tokens of each sequence); absent from
+    ``as_dict`` with cp = 1 (:mod:`torch_handle.plan.estimate_cp`)."""
+    cp_impl: str | None = None
+    cp_buffer_bytes: int | None = None
+    """The context-parallel attention's transient buffers of one layer (part of ``device_bytes``)."""
 
     @property
     def trainable_param_bytes(self) -> int | None:
@@ -142,8 +149,8 @@ class Estimate:
 
     @property
     def dp(self) -> int:
-        """Data-parallel degree: model replicas, world_size / (tp x pp)."""
-        return self.world_size // (self.tp * self.pp)
+        """Data-parallel degree: model replicas, world_size / (tp x pp x cp)."""
+        return self.world_size // (self.tp * self.pp * self.cp)
 
     def as_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -156,7 +163,7 @@ class Estimate:
                 if value is not None:
                     out.update({k: v for k, v in value.as_dict().items() if k not in ("d_model", "params")})
             elif (self.moe is None and f.name in _MOE_FIELDS) or f.name == "frozen_param_bytes" or (
-                    f.name in _FINETUNE_FIELDS and value is None):
+                    f.name in _FINETUNE_FIELDS and value is None) or (self.cp == 1 and f.name.startswith("cp")):
                 continue
             elif f.name == "finetune":
                 out.update(value or {})
@@ -218,26 +225,27 @@ def estimate_preset(preset: Preset, registry: PluginRegistry, world_sizes: Seque
     whole = model_shape(preset, registry, tp=1)
     shape = model_shape(preset, registry) if tp > 1 else whole
     precision = preset.training.precision
-    ep, moe = preset.parallel.ep, preset_moe(preset, registry)
+    ep, moe, cp = preset.parallel.ep, preset_moe(preset, registry), preset.parallel.cp
     extra = moe_step(moe, preset) if moe is not None else {}
     finetune = _finetune_info(preset, registry, whole)
-    acts: dict[tuple[str, str], ActivationBytes] = {}
+    acts: dict[tuple[str, str], tuple[ActivationBytes, int, str | None]] = {}
     rows = []
     for v in variants:
         mode = compute_mode(v.strategy, precision)
         loss_impl = loss_impl_of(preset, registry, v.strategy, v.zero_stage)
         if (mode, loss_impl) not in acts:
-            acts[mode, loss_impl] = activation_bytes(preset, registry, v.strategy, loss_impl)
-        act = acts[mode, loss_impl]
+            acts[mode, loss_impl] = (cp_activation_bytes(preset, registry, v.strategy, loss_impl) if cp > 1 else
+                                     (activation_bytes(preset, registry, v.strategy, loss_impl), 0, None))
+        act, cp_buffers, cp_impl = acts[mode, loss_impl]
         for world in world_sizes:
-            dp = world // tp
-            if world % tp or (v.strategy == "single" and dp != 1) or dp % ep:
+            dp = world // tp  # the ranks the strategy holds the model over: dp x cp
+            if world % (tp * cp) or (v.strategy == "single" and dp != 1) or dp % ep:
                 continue
             ranks = [rank] if rank is not None else range(0, world, tp)
             best: tuple[int, int, States] | None = None
             for r in ranks:
                 s = rank_state_bytes(shape, v, precision, dp, r // tp, ep)
-                device = s.param + s.grad + s.optimizer - s.host + act.total
+                device = s.param + s.grad + s.optimizer - s.host + act.total + cp_buffers
                 if best is None or device > best[0]:
                     best = (device, r, s)
                 if v.strategy in ("single", "ddp") or (v.strategy == "scratch-ddp" and not v.shard_optimizer):
@@ -251,6 +259,8 @@ def estimate_preset(preset: Preset, registry: PluginRegistry, world_sizes: Seque
                                  {k: val for k, val in asdict(v).items() if k not in ("label",)}, tp,
                                  shape.n_params if tp > 1 else None, preset.parallel.sequence_parallel))
             rows[-1].reference, rows[-1].reference_bytes = reference, held
+            if cp > 1:
+                rows[-1].cp, rows[-1].cp_impl, rows[-1].cp_buffer_bytes = cp, cp_impl, cp_buffers
             if finetune is not None:
                 _set_finetune(rows[-1], preset, v, s, finetune)
             if moe is not None:

@@ -43,10 +43,11 @@ def build_shares(preset: Preset, ctx: Any) -> Shares:
     Raises:
         ValueError: the layout does not fit the world size (:class:`~torch_handle.parallel.mesh.Layout`)."""
     par = preset.parallel
-    if max(par.tp, par.pp, par.ep, par.cp) == 1:
+    cp = getattr(par, "cp", 1)
+    if max(par.tp, par.pp, par.ep, cp) == 1:
         return Shares(ctx)
     ctx = attach_layout(ctx, par)
-    if par.cp > 1:  # alone (handle validate refuses cp with tp, pp or ep)
+    if cp > 1:  # alone (handle validate refuses cp with tp, pp or ep)
         from torch_handle.train.context_parallel import ContextParallel
 
         return Shares(ctx, cp=ContextParallel(par, ctx, bool(getattr(preset.data.options, "document_mask", False))))
