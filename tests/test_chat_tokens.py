@@ -149,27 +149,31 @@ def test_new_rows_are_mean_initialised_as_transformers_does(grown):
     assert grow_vocab(state, old + 2) is None  # nothing to grow
 
 
-def _preset_file(directory: Path, base: Path, data: Path) -> Path:
-    """test_sft's SFT preset on ``(base, data)`` (4 conversations a step, 3 steps), made a rank-4 LoRA one, its
-    ``tie_embeddings`` the base's."""
+def _preset_file(directory: Path, base: Path, data: Path, method: str = "lora") -> Path:
+    """test_sft's SFT preset on ``(base, data)`` (4 conversations a step, 3 steps), its ``tie_embeddings`` the
+    base's, made a rank-4 LoRA or QLoRA one (``method``), or a full fine-tune (``none``)."""
     directory.mkdir(parents=True, exist_ok=True)
     path = preset_file(directory, (base, data), micro_batch_size=4, grad_accum=1, steps=3, eval_steps=1)
     tie = json.loads((base / "config.json").read_text())["tie_word_embeddings"]
     text = path.read_text(encoding="utf-8").replace("[model]\n", f"[model]\ntie_embeddings = {str(tie).lower()}\n")
     assert text.rstrip().endswith('objective = "sft"')  # [finetune] is the last table
-    path.write_text(text + 'method = "lora"\nrank = 4\nalpha = 8.0\ntarget_modules = ["all"]\n', encoding="utf-8")
+    adapters = f'method = "{method}"\nrank = 4\nalpha = 8.0\ntarget_modules = ["all"]\n' if method != "none" else ""
+    path.write_text(text + adapters, encoding="utf-8")
     return path
 
 
-def test_lora_trains_the_new_rows_and_exports_load_in_transformers_and_peft(grown, tmp_path, process_group):
-    from torch_handle.infer.adapter_export import export_adapters
+def _trained(tmp_path: Path, grown, method: str, process_group) -> tuple[Path, torch.Tensor, torch.Tensor, bool]:
+    """``(run_dir, ids, logits, tied)``: a 3-step ``method`` run on the grown base, the first validation window
+    (1, SEQ), and the logits (1, SEQ, V + 2) of the run's model on it, loaded as ``handle generate`` loads it.
+    Checked here: the loss fell,
+    and every new row of the embedding (and of an untied output projection) moved from its grown start, so the
+    rows had gradient."""
     from torch_handle.infer.generate import load_run
-    from torch_handle.infer.hf_export import export_hf
 
     base, data, summary = grown
     old = summary["added_tokens"]["<|im_start|>"]
-    preset = load_preset(_preset_file(tmp_path, base, data))
-    run_dir = create_run_dir(tmp_path / "runs", "grown", dump_preset(preset), {"status": "starting"})
+    preset = load_preset(_preset_file(tmp_path, base, data, method))
+    run_dir = create_run_dir(tmp_path / "runs", method, dump_preset(preset), {"status": "starting"})
     assert _train(preset, run_dir, process_group) == "finished"
     losses = [e["loss"] for e in _events(run_dir) if e["kind"] == "step"]
     assert len(losses) == 3 and losses[-1] < losses[0]
@@ -181,23 +185,36 @@ def test_lora_trains_the_new_rows_and_exports_load_in_transformers_and_peft(grow
     grow_vocab(start_rows, old + 2)  # the rows the run started from
     loaded = load_run(run_dir)
     trained = {"model.embed_tokens.weight": loaded.model.embed.weight, "lm_head.weight": loaded.model.lm_head.weight}
-    for key in start_rows:  # every new row moved: they had gradient
+    for key in start_rows:
         rows = trained[key]
         moved = (rows.detach()[old:] - start_rows[key][old:]).abs().amax(dim=1)
-        assert rows.shape[0] == old + 2 and bool((moved > 1e-4).all()), (key, moved)
+        assert rows.shape[0] == old + 2 and bool((moved > 1e-4).all()), (method, key, moved)
 
     ids = torch.from_numpy(open_prepared(data).valid.window(0, SEQ).astype("int64"))[None]
     assert int(ids.max()) >= old  # the new tokens are in the input
     with torch.no_grad():
-        want = loaded.model(ids)
-    want = want.logits if hasattr(want, "logits") else want
+        return run_dir, ids, loaded.model(ids), tied
 
-    export_hf(run_dir, tmp_path / "merged", merge=True)  # the resized vocabulary and the extended tokenizer
-    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
-    assert merged.config.vocab_size == old + 2
-    assert transformers.AutoTokenizer.from_pretrained(tmp_path / "merged").convert_tokens_to_ids("<|im_end|>") == old + 1
+
+def _hf_logits(directory: Path, ids: torch.Tensor) -> torch.Tensor:
+    """The logits of the Hugging Face export ``directory`` under transformers, checked to hold the grown vocabulary
+    and the extended tokenizer."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    tok = transformers.AutoTokenizer.from_pretrained(directory)
+    assert model.config.vocab_size == len(tok) and tok.convert_tokens_to_ids("<|im_end|>") == len(tok) - 1
     with torch.no_grad():
-        assert torch.allclose(merged(ids).logits, want, rtol=0, atol=1e-5)
+        return model(ids).logits
+
+
+def test_lora_trains_the_new_rows_and_exports_load_in_transformers_and_peft(grown, tmp_path, process_group):
+    from torch_handle.infer.adapter_export import export_adapters
+    from torch_handle.infer.hf_export import export_hf
+
+    base, _, summary = grown
+    old = summary["added_tokens"]["<|im_start|>"]
+    run_dir, ids, want, tied = _trained(tmp_path, grown, "lora", process_group)
+    export_hf(run_dir, tmp_path / "merged", merge=True)  # the grown vocabulary and the extended tokenizer
+    assert torch.allclose(_hf_logits(tmp_path / "merged", ids), want, rtol=0, atol=1e-5)
 
     export_adapters(run_dir, tmp_path / "adapter")
     config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
@@ -207,3 +224,13 @@ def test_lora_trains_the_new_rows_and_exports_load_in_transformers_and_peft(grow
     adapted = peft.PeftModel.from_pretrained(hf, tmp_path / "adapter").eval()
     with torch.no_grad():
         assert torch.allclose(adapted(ids).logits, want, rtol=0, atol=1e-5)
+
+
+def test_qlora_and_a_full_fine_tune_train_and_export_the_new_rows(grown, tmp_path, process_group):
+    """QLoRA on the untied base (its NF4 linears dequantised by the merge), a full fine-tune on the tied one."""
+    from torch_handle.infer.hf_export import export_hf
+
+    method = "none" if json.loads((grown[0] / "config.json").read_text())["tie_word_embeddings"] else "qlora"
+    run_dir, ids, want, _ = _trained(tmp_path, grown, method, process_group)
+    export_hf(run_dir, tmp_path / "hf", merge=method == "qlora")
+    assert torch.allclose(_hf_logits(tmp_path / "hf", ids), want, rtol=0, atol=1e-5)
