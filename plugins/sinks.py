@@ -6,6 +6,7 @@ Importing this module is cheap: TensorBoard (and torch) are imported by the fact
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -27,9 +28,11 @@ TIME_SCALARS = BREAKDOWN
 
 def task_scalars(event: dict[str, Any]) -> dict[str, float]:
     """A ``tasks`` event's scores as ``tasks/<task>/<metric>`` -> value (the in-loop downstream evaluation's:
-    acc, acc_norm 0..1, ``exact_match,strip``, perplexities); what is not a number is left out."""
+    acc, acc_norm 0..1, perplexities; ``exact_match,strip`` as ``exact_match_strip``: every character but a
+    letter, digit or one of ``_-/.`` becomes ``_``, as TensorBoard would rename it with a warning); what is not a
+    number is left out."""
     scores = event.get(TASK_SCORES)
-    return {f"tasks/{task}/{metric}": float(value)
+    return {re.sub(r"[^-/\w.]", "_", f"tasks/{task}/{metric}"): float(value)
             for task, metrics in (scores.items() if isinstance(scores, dict) else ())
             if isinstance(metrics, dict)
             for metric, value in metrics.items() if isinstance(value, (int, float)) and not isinstance(value, bool)}

@@ -97,7 +97,8 @@ class _Events:
 
 def test_a_failing_task_is_a_warning_and_the_others_are_scored(run: Path, tmp_path: Path) -> None:
     """In this process, over the run's final weights: a task whose data file went after the preset was
-    validated is skipped with a warning naming it; a model too short for a task's requests is a warning."""
+    validated is skipped with a warning naming it; a model too short for a task's requests is a warning; a model
+    split over the ranks is one warning, and no evaluation after it."""
     from torch_handle.config.schema import EvalConfig
     from torch_handle.infer.generate import load_run
     from torch_handle.train.eval_tasks import InLoopTasks
@@ -135,3 +136,10 @@ def test_a_failing_task_is_a_warning_and_the_others_are_scored(run: Path, tmp_pa
     assert short.run(third) is None and model.training
     (warning,) = [e for e in third.events.emitted if e["kind"] == "log"]
     assert warning["message"].startswith("eval.tasks at step 3: DataError: a continuation of"), warning
+    split = trainer(4)
+    split.share = object()  # a tp/pp/ep/cp share: the ranks hold parts of the model
+    assert tasks.due(4, last=True) and tasks.run(split) is None and not tasks.due(5, last=True)
+    (warning,) = [e for e in split.events.emitted if e["kind"] == "log"]
+    assert warning["message"] == ("eval.tasks: not scored during training: each rank holds a part of the model "
+                                  "(parallel layout) (score the final weights with handle eval RUN --tasks "
+                                  "handle_wikitext_cloze,handle_wikitext_ppl)")

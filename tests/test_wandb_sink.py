@@ -296,3 +296,21 @@ def test_a_dpo_run_logs_its_rewards_and_logps_under_train_and_valid(offline, tmp
     assert {k: history[1][f"train/{k}"] for k in METRICS} == metrics
     assert {k: history[1][f"valid/{k}"] for k in METRICS} == {k: -v for k, v in metrics.items()}
     assert history[1]["valid/loss"] == 0.6
+
+
+def test_a_tasks_event_logs_its_scores_under_tasks():
+    """An in-loop evaluation's ``tasks`` event (issue 50) as ``tasks/<task>/<metric>`` at its step, the metric's
+    filter joined with ``_`` (TensorBoard's tag characters); what is not a number left out."""
+    from handle_plugins.wandb_sink import WandbSink
+
+    class Run:
+        def __init__(self):
+            self.logged = []
+
+        def log(self, data, step):
+            self.logged.append((step, data))
+
+    run = Run()
+    WandbSink(run).emit({"kind": "tasks", "step": 4, "scores": {"cloze": {"acc": 0.5, "note": "x"},
+                                                                "answers": {"exact_match,strip": 1}}})
+    assert run.logged == [(4, {"tasks/cloze/acc": 0.5, "tasks/answers/exact_match_strip": 1.0})]

@@ -49,7 +49,11 @@ def scorable(trainer: Any) -> str | None:
     model = _model(trainer)
     if not isinstance(model, DecoderLM):
         return f"the harness scores decoders, this model is a {type(model).__name__}"
-    if any(trainer.strategy.local_shard(p) is not p for p in model.parameters()):
+    try:
+        sharded = any(trainer.strategy.local_shard(p) is not p for p in model.parameters())
+    except Exception:  # noqa: BLE001 - a strategy that cannot say (scratch-fsdp: a parameter outside its units)
+        sharded = True
+    if sharded:
         return f"strategy {trainer.preset.strategy.name} shards the parameters"
     if trainer.data.tokenizer_path is None:
         return "the data has no tokenizer.json"
