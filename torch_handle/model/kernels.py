@@ -77,13 +77,14 @@ class ChunkedCrossEntropy(torch.autograd.Function):
     q = (1 - eps) · onehot(label) + eps / V, as ``F.cross_entropy(label_smoothing=eps)``: each row's loss is
     (1 - eps) · (-log p_label) + eps · mean_j(-log p_j).
 
-    forward(logits (N, V) float, labels (N,) long, rows int, eps float in [0, 1), ignore_index int) -> scalar fp32
-    mean over labels != ignore_index (NaN when none, like ``F.cross_entropy``).
+    forward(logits (N, V) float, labels (N,) long, rows int, eps float in [0, 1), ignore_index int, mean bool) ->
+    scalar fp32 mean over labels != ignore_index (NaN when none, like ``F.cross_entropy``); ``mean=False``: each
+    row's loss (N,) fp32, 0 where ignored (``reduction="none"``: :func:`token_cross_entropy`).
     """
 
     @staticmethod
-    def forward(ctx, logits: Tensor, labels: Tensor, rows: int, eps: float = 0.0, ignore_index: int = -100
-                ) -> Tensor:
+    def forward(ctx, logits: Tensor, labels: Tensor, rows: int, eps: float = 0.0, ignore_index: int = -100,
+                mean: bool = True) -> Tensor:
         valid = labels != ignore_index  # (N,)
         safe = torch.where(valid, labels, 0)[:, None]  # (N, 1): ignored rows point at class 0, then weigh 0
         nll = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)  # (N,)
@@ -94,15 +95,16 @@ class ChunkedCrossEntropy(torch.autograd.Function):
                 nll[s:s + rows].mul_(1.0 - eps).sub_(log_p.mean(dim=-1), alpha=eps)
         n = valid.sum()
         ctx.save_for_backward(logits, safe, valid, n)
-        ctx.rows, ctx.eps = rows, eps
-        return nll.masked_fill_(~valid, 0.0).sum() / n
+        ctx.rows, ctx.eps, ctx.mean = rows, eps, mean
+        nll.masked_fill_(~valid, 0.0)
+        return nll.sum() / n if mean else nll
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         logits, safe, valid, n = ctx.saved_tensors
         eps = ctx.eps
         uniform = eps / logits.shape[-1]
-        weight = (valid * (grad / n)).float()[:, None]  # (N, 1): d loss / d row loss
+        weight = (valid * (grad / n if ctx.mean else grad)).float()[:, None]  # (N, 1): d loss / d row loss
         out = torch.empty_like(logits)
         for s in range(0, logits.shape[0], ctx.rows):
             x, idx = logits[s:s + ctx.rows], safe[s:s + ctx.rows]
@@ -113,7 +115,7 @@ class ChunkedCrossEntropy(torch.autograd.Function):
             p.scatter_add_(1, idx, torch.full_like(idx, eps - 1.0, dtype=p.dtype)).mul_(weight[s:s + ctx.rows])
             if p.data_ptr() != out[s:s + ctx.rows].data_ptr():
                 out[s:s + ctx.rows] = p
-        return out, None, None, None, None
+        return out, None, None, None, None, None
 
 
 CE_CHUNK_ELEMENTS = 1 << 18
@@ -156,6 +158,18 @@ def cross_entropy(logits: Tensor, labels: Tensor, label_smoothing: float = 0.0, 
         rows = max(1, CE_CHUNK_ELEMENTS // logits.shape[-1])
         return ChunkedCrossEntropy.apply(logits, labels, rows, float(label_smoothing), ignore_index)
     return _fp32_cross_entropy(logits, labels, float(label_smoothing), ignore_index)
+
+
+def token_cross_entropy(logits: Tensor, labels: Tensor, ignore_index: int = -100) -> Tensor:
+    """Each row's cross-entropy in fp32, exactly ``F.cross_entropy(logits.float(), labels, ignore_index=...,
+    reduction="none")``: logits (N, V) float, labels (N,) long -> (N,) fp32, 0 where ignored. On CPU computed by
+    ``ChunkedCrossEntropy`` (``mean=False``), which keeps only the logits for backward: ``F.cross_entropy`` keeps
+    the (N, V) fp32 log-softmax too and builds a zero-filled (N, V) gradient in backward, one logits-sized buffer
+    more at a DPO step's peak than the token-mean loss of the same rows (benchmarks/preference.py)."""
+    if logits.device.type == "cpu":
+        rows = max(1, CE_CHUNK_ELEMENTS // logits.shape[-1])
+        return ChunkedCrossEntropy.apply(logits, labels, rows, 0.0, ignore_index, False)
+    return F.cross_entropy(logits.float(), labels, ignore_index=ignore_index, reduction="none")
 
 
 EXPLICIT_ATTENTION_MAX_LEN = 128

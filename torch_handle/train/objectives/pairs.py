@@ -19,10 +19,10 @@ import contextlib
 from typing import Any, Iterator
 
 import torch
-import torch.nn.functional as F
 
 from torch_handle.data.datasets import IGNORE_INDEX
 from torch_handle.finetune.lora import adapters_disabled
+from torch_handle.model.kernels import token_cross_entropy
 from torch_handle.model.linear_cross_entropy import sequence_logps as chunked_sequence_logps
 from torch_handle.train.objectives.preference import METRICS, PairLogps, PreferenceLoss, preference_loss
 
@@ -50,8 +50,8 @@ def sequence_logps(strategy: Any, input_ids: torch.Tensor, labels: torch.Tensor,
             hidden = strategy.model(**inputs, return_hidden=True)  # (N, T, C)
             return chunked_sequence_logps(hidden, model.lm_head.weight, labels, IGNORE_INDEX)
         logits = strategy.model(**inputs)  # (N, T, V)
-    token = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX,
-                            reduction="none")  # (N·T,), 0 where ignored
+    # (N·T,) fp32, 0 where ignored; chunked on CPU: F.cross_entropy's log-softmax would add a logits-sized buffer
+    token = token_cross_entropy(logits.flatten(0, 1), labels.flatten(), IGNORE_INDEX)
     return -token.view_as(labels).sum(1)
 
 
