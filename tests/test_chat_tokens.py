@@ -25,6 +25,8 @@ from torch_handle.data.chat.prepare import prepare_chat  # noqa: E402
 from torch_handle.data.datasets import IM_END_ID, IM_START_ID, RESERVED_TOKENS, train_tokenizer  # noqa: E402
 from torch_handle.data.shards import file_sha256, open_prepared  # noqa: E402
 from torch_handle.finetune.vocab import EPSILON, GROW_SEED, grow_vocab, mean_rows  # noqa: E402
+from torch_handle.plan.estimate_model import model_shape  # noqa: E402
+from torch_handle.registry import get_registry  # noqa: E402
 from torch_handle.rundir import create_run_dir  # noqa: E402
 
 
@@ -189,6 +191,10 @@ def _trained(tmp_path: Path, grown, method: str, process_group) -> tuple[Path, t
         rows = trained[key]
         moved = (rows.detach()[old:] - start_rows[key][old:]).abs().amax(dim=1)
         assert rows.shape[0] == old + 2 and bool((moved > 1e-4).all()), (method, key, moved)
+
+    if method != "none":  # handle estimate prices what trains: the adapters, embed_tokens and lm_head whole
+        trainable = sum(p.numel() for p in loaded.model.parameters() if p.requires_grad)
+        assert sum(model_shape(preset, get_registry()).numels) == trainable > (old + 2) * loaded.model.args.d_model
 
     ids = torch.from_numpy(open_prepared(data).valid.window(0, SEQ).astype("int64"))[None]
     assert int(ids.max()) >= old  # the new tokens are in the input

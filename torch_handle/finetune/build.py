@@ -45,7 +45,7 @@ def prepare_model(model: nn.Module, preset: Any, *, new_run: bool, load_base: Ca
         note(notes[-1])
     if finetune.method in ("lora", "qlora"):
         quantize = quantize_base if finetune.method == "qlora" else None
-        grown = bool(init_from) and grown_vocab(model, init_from)
+        grown = grown_vocab(init_from, model.args.vocab_size) if hasattr(model, "args") else False
         info = apply_lora(model, finetune.rank, finetune.alpha, finetune.dropout, finetune.target_modules,
                           quantize=quantize, modules_to_save=TRAINED_MODULES if grown else ())
         share = info["trainable"] / (info["trainable"] + info["frozen"])
@@ -58,14 +58,20 @@ def prepare_model(model: nn.Module, preset: Any, *, new_run: bool, load_base: Ca
     return notes
 
 
-def grown_vocab(model: nn.Module, init_from: str) -> bool:
-    """Whether ``model`` has more token rows than its base ``init_from`` (a Hugging Face directory's
-    ``config.json`` ``vocab_size``): a chat template's tokens were added (:mod:`torch_handle.finetune.vocab`)."""
+def grown_vocab(init_from: str | None, vocab_size: int) -> bool:
+    """Whether a model of ``vocab_size`` token rows has more than its base ``init_from`` (a Hugging Face directory's
+    ``config.json`` ``vocab_size``): a chat template's tokens were added (:mod:`torch_handle.finetune.vocab`). False
+    without a base, or one without a readable config (its loading reports that)."""
     from torch_handle.checkpoint.hf_dir import read_config
+    from torch_handle.errors import CheckpointError
 
-    args = getattr(model, "args", None)
-    rows = read_config(init_from).get("vocab_size")
-    return args is not None and isinstance(rows, int) and rows < args.vocab_size
+    if not init_from:
+        return False
+    try:
+        rows = read_config(init_from).get("vocab_size")
+    except CheckpointError:
+        return False
+    return isinstance(rows, int) and rows < vocab_size
 
 
 def nf4_digest(model: nn.Module, local_shard: Callable[[torch.Tensor], torch.Tensor]) -> tuple[str, int] | None:

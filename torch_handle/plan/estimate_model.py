@@ -189,8 +189,9 @@ def build_model(build: ModelBuild, tp_group: TPGroup | None = None) -> torch.nn.
     rank 0 of a :class:`ShapeTPGroup`, whose collectives only compute shapes).
 
     With ``build.finetune``, the full model is adapted first, as the run's ``prepare_model`` does it: LoRA's
-    adapters on the targeted linears, everything else frozen, and under QLoRA every block linear of the base in
-    NF4 (the linears :func:`torch_handle.finetune.build.quantize_base` replaces, each with a ``weight_nf4`` of the stored size,
+    adapters on the targeted linears, everything else frozen (but the embedding and output projection of a base
+    whose vocabulary a chat template grew: :mod:`torch_handle.finetune.vocab`), and under QLoRA every block
+    linear of the base in NF4 (the linears :func:`torch_handle.finetune.build.quantize_base` replaces, each with a ``weight_nf4`` of the stored size,
     4 bits a weight plus the double-quantised constants, and no values: nothing is quantised).
 
     Raises:
@@ -210,12 +211,16 @@ def build_model(build: ModelBuild, tp_group: TPGroup | None = None) -> torch.nn.
 def _finetuned(model: torch.nn.Module, build: ModelBuild) -> torch.nn.Module:
     if build.finetune is None:
         return model
-    from torch_handle.finetune.build import QLORA_SKIP
+    from torch_handle.finetune.build import QLORA_SKIP, grown_vocab
     from torch_handle.finetune.lora import wrap_lora
     from torch_handle.finetune.nf4 import quantize_linears
+    from torch_handle.finetune.vocab import TRAINED_MODULES
 
     method, rank, alpha, dropout, targets = build.finetune
     wrap_lora(model, rank, alpha, dropout, targets)
+    if grown_vocab(getattr(build.options, "init_from", None), build.vocab_size):  # a chat template's tokens added
+        for name in TRAINED_MODULES:  # trained whole beside the adapters, as prepare_model keeps them
+            model.get_submodule(name).requires_grad_(True)
     if method == "qlora":  # the linears quantize_base replaces, weight_nf4 of the stored size
         quantize_linears(model, skip=QLORA_SKIP, shapes_only=True)
     return model
