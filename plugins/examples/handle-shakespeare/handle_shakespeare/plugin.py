@@ -24,8 +24,8 @@ class ShakespeareConfig:
     """A UTF-8 text file; empty = the bundled sample (12 of Shakespeare's sonnets)."""
     tokenizer: Literal["char", "bpe"] = "char"
     """char = one token per character of the training split; bpe = torch-handle's byte-level BPE."""
-    vocab_size: int = param(512, ge=260)
-    """BPE vocabulary size (tokenizer = 'bpe' only)."""
+    vocab_size: int = param(512, ge=262)
+    """BPE vocabulary size (tokenizer = 'bpe' only; its 6 special tokens and 256 byte symbols included)."""
     seq_len: int = param(64, ge=2)
     """Tokens per sample."""
     valid_fraction: float = param(0.1, gt=0.0, le=0.5)
