@@ -118,6 +118,10 @@ def test_prepare_adds_the_template_tokens_a_base_lacks(grown):
 
     from handle_cli.main import cli
 
+    res = CliRunner().invoke(cli, ["data", "prepare", str(data.parent / "chat.jsonl"), "--chat", "--tokenizer",
+                                   str(base), "--template", "chatml", "--out", str(data.parent / "again")])
+    assert res.exit_code == 0 and f"note: added <|im_start|> (id {old}), <|im_end|> (id {old + 1}) to the " \
+        f"tokenizer in {data.parent / 'again'}" in res.stderr, res.output
     res = CliRunner().invoke(cli, ["validate", str(_preset_file(data.parent / "ok", base, data))])
     assert res.exit_code == 0, res.output
     other = write_base(data.parent / "other", tie=False, text_from=200_000)
