@@ -149,6 +149,9 @@ def _plan(preset: str, user: list[str], n: int, k: int, memory: int | None, peak
             check_inputs(base)
     except USER_ERRORS as e:
         fail(str(e))
+    if base.parallel.cp > 1:  # the planner's layouts are dp x tp x pp (x ep): it would price them at this cp
+        fail(f"{preset}: parallel.cp = {base.parallel.cp}: handle plan does not enumerate context parallelism yet "
+             f"(plan with --set parallel.cp=1; handle estimate prices a cp layout)")
     per_node = n // k
     backend = backend or (base.launch.backend if base.launch.backend != "auto" else ("nccl" if cuda else "gloo"))
     cores = usable_cores()
