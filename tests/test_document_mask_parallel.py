@@ -102,6 +102,7 @@ def _pipeline_step(rank: int) -> None:
     one-process loss and every gradient of this rank's stage."""
     import torch.distributed as dist
 
+    from torch_handle.train.objectives.tokens import TokenLoss
     from torch_handle.train.phases import PhaseTimer
     from torch_handle.train.pipeline_parallel import PipelineParallel
     from torch_handle.train.strategy import DistContext
@@ -123,10 +124,10 @@ def _pipeline_step(rank: int) -> None:
         strategy = SimpleNamespace(autocast=contextlib.nullcontext, clips_gradients=True,
                                    pipeline_grad_sync=lambda: None, ep_share=None)
         pp.bind(strategy)
-        val = torch.stack(pp.evaluate(dict(batch)))
-        dist.all_reduce(val)
         trainer = SimpleNamespace(timer=PhaseTimer(), training=SimpleNamespace(grad_accum=1), step=1,
-                                  strategy=strategy)
+                                  strategy=strategy, objective=TokenLoss(), share=pp, loss_weight=None)
+        val = torch.stack(pp.evaluate(dict(batch), trainer))
+        dist.all_reduce(val)
         trainer.timer.begin()
         stats = torch.zeros(2, dtype=torch.float64)
         pp.run(trainer, iter([dict(batch)]), stats)

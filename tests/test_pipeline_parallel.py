@@ -109,6 +109,7 @@ def _pipeline_step(args: TransformerArgs, impl: str, schedule: str, v: int
                    ) -> tuple[torch.Tensor, float, dict[str, torch.Tensor], float]:
     """One evaluation and one step of PipelineParallel on this rank: (Σ loss·tokens, tokens), the norm before_step
     returns, the gradients of this rank's shard by their one-process names, and the evaluation loss."""
+    from torch_handle.train.objectives.tokens import TokenLoss
     from torch_handle.train.pipeline_parallel import PipelineParallel
     from torch_handle.train.strategy import DistContext
     from torch_handle.parallel.mesh import attach_layout
@@ -125,8 +126,8 @@ def _pipeline_step(args: TransformerArgs, impl: str, schedule: str, v: int
                                ep_share=None)
     pp.bind(strategy)
     trainer = SimpleNamespace(timer=PhaseTimer(), training=SimpleNamespace(grad_accum=ACCUM), step=1,
-                              strategy=strategy)
-    val = torch.stack(pp.evaluate(_eval_batch()))
+                              strategy=strategy, objective=TokenLoss(), share=pp, loss_weight=None)
+    val = torch.stack(pp.evaluate(_eval_batch(), trainer))
     dist.all_reduce(val)
     trainer.timer.begin()
     stats = torch.zeros(2, dtype=torch.float64)

@@ -191,13 +191,13 @@ def test_the_loss_is_the_global_mean_over_trained_tokens_for_any_accumulation(ch
     assert losses[(4, 1)][0] != pytest.approx(losses[(4, 1)][2], abs=1e-3)  # it trains
 
 
-def test_sft_needs_conversations_and_data_parallelism(chat, tmp_path):
+def test_sft_needs_conversations_and_takes_every_layout(chat, tmp_path):
     preset = _preset(tmp_path, chat, micro_batch_size=2, grad_accum=1, steps=1)
     text = (tmp_path / "p2x1.toml").read_text()
     (tmp_path / "bad.toml").write_text(text.replace('name = "tokens"', 'name = "pydoc"').replace(
         f'path = "{chat[1]}"\n', ""))
     with pytest.raises(PresetError, match="objective = 'sft' trains on .*prepared with .handle data prepare --chat."):
         load_preset(tmp_path / "bad.toml")
-    with pytest.raises(PresetError, match="parallel.tp > 1 is not supported yet"):
-        load_preset(tmp_path / "p2x1.toml", ("parallel.tp=2", "launch.nproc_per_node=2"))
+    for split in (("parallel.tp=2",), ("parallel.pp=2", "parallel.pp_microbatches=2")):  # tests/test_objectives_split
+        load_preset(tmp_path / "p2x1.toml", (*split, "launch.nproc_per_node=2", "model.n_layers=2"))
     check_inputs(preset)

@@ -48,8 +48,10 @@ TRAIN = Path(inspect.getsourcefile(trainer_module)).parent
 
 
 def _trainer_sources() -> dict[str, str]:
-    """The trainer's modules (torch_handle/train/*.py: the trainer and what it hands the share to), by name."""
-    return {path.name: path.read_text(encoding="utf-8") for path in sorted(TRAIN.glob("*.py"))}
+    """The trainer's modules (torch_handle/train/*.py: the trainer and what it hands the share to; the objectives,
+    which compute a split model's losses through it), by name."""
+    paths = sorted([*TRAIN.glob("*.py"), *TRAIN.glob("objectives/*.py")])
+    return {str(path.relative_to(TRAIN)): path.read_text(encoding="utf-8") for path in paths}
 
 
 def _uses(sources: dict[str, str]) -> dict[str, set[str]]:

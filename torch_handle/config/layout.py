@@ -170,8 +170,8 @@ def _finetune(preset: Preset, registry: Any) -> Iterator[PresetError]:
 
 def _objective(preset: Preset, registry: Any) -> Iterator[PresetError]:
     """``finetune.objective = "sft"`` or ``"dpo"``: conversations prepared with ``handle data prepare --chat`` or
-    pairs prepared with ``--preference`` (the ``tokens`` dataset), on the layouts whose loss takes the global
-    batch's mean (dp, with any strategy), for a decoder (dpo)."""
+    pairs prepared with ``--preference`` (the ``tokens`` dataset), for a decoder (dpo); every layout (dp with any
+    strategy, tp, pp) takes the global batch's mean."""
     objective = preset.finetune.objective
     if objective not in ("sft", "dpo"):
         return
@@ -179,10 +179,6 @@ def _objective(preset: Preset, registry: Any) -> Iterator[PresetError]:
     if preset.data.name != "tokens":
         yield PresetError(f"finetune.objective = {objective!r} trains on data prepared with `handle data prepare "
                           f"{flag}` (data.name = 'tokens'), not data.name = {preset.data.name!r}", key="data.name")
-    for dim in ("tp", "pp"):
-        if getattr(preset.parallel, dim) > 1:
-            yield PresetError(f"finetune.objective = {objective!r} runs with data parallelism (any strategy); "
-                              f"parallel.{dim} > 1 is not supported yet (valid: 1)", key=f"parallel.{dim}")
     if objective == "dpo" and getattr(preset.model.options, "kind", "decoder") != "decoder":
         yield PresetError("finetune.objective = 'dpo' tunes a decoder-only model (valid: model.kind = 'decoder')",
                           key="model.kind")

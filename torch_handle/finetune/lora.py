@@ -124,8 +124,12 @@ class LoRALinear(nn.Module):
         index = range(len(self.part_features))[parts or slice(None)]
         whole = sum(self.part_features[i] for i in index)
         by_index = {i: name for name, i in self.parts.items()}
-        blocks = [self.lora_B[by_index[i]](self.lora_A[by_index[i]](h)) * self.scaling if i in by_index
-                  else h.new_zeros(*h.shape[:-1], self.part_features[i] * (width or whole) // whole) for i in index]
+        done = {i: self.lora_B[by_index[i]](self.lora_A[by_index[i]](h)) * self.scaling for i in index
+                if i in by_index}
+        # the zero blocks take the adapters' leading shape: under sequence parallelism B's layer gathers the sequence
+        lead = next(iter(done.values())).shape[:-1] if done else h.shape[:-1]
+        blocks = [done[i] if i in done else h.new_zeros(*lead, self.part_features[i] * (width or whole) // whole)
+                  for i in index]
         return torch.cat(blocks, dim=-1)
 
     def forward(self, x: Tensor, parts: slice | None = None) -> Tensor:

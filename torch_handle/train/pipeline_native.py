@@ -32,6 +32,7 @@ class TimedStage(PipelineStage):
         super().__init__(*args, **kwargs)
         self.timeline, self.grad_sync = timeline, grad_sync or data_parallel.NoSync()
         self.count_saved = False
+        self.inferring = False
         self.saved_bytes: dict[int, int] = {}
         self.peak_saved_bytes = 0
 
@@ -42,6 +43,15 @@ class TimedStage(PipelineStage):
         not counted (``torch_handle.train.routing.uncounted``)."""
         with data_parallel.forward_context(self.submod), uncounted(self.submod):
             return super()._forward_metadata_inference(*args, **kwargs)
+
+    def _prepare_backward_infra(self, *args: Any, **kwargs: Any) -> Any:
+        """torch 2.13 infers the backward's shapes by calling the schedule's ``loss_fn`` on that forward's outputs
+        (the last stage): ``inferring`` tells the loss it is not a micro-batch's (its metrics are not counted)."""
+        self.inferring = True
+        try:
+            return super()._prepare_backward_infra(*args, **kwargs)
+        finally:
+            self.inferring = False
 
     def get_fwd_recv_ops(self, fwd_chunk_id: int) -> list:
         if not self.is_first:

@@ -7,11 +7,15 @@ step's ``grad_accum`` micro-batches, and the pipeline re-splits their ``micro_ba
 into ``m`` pipeline micro-batches and runs them through its schedule: hand-written (``pp_impl = "scratch"``:
 :mod:`torch_handle.parallel.pipeline.scratch`) or torch's (``"native"``: ``torch.distributed.pipelining``).
 
-The loss of micro-batch i is its summed token losses over the step's token count N, so the gradients summed over
-the m micro-batches are those of the step's token-mean loss (the one-process loss of the same samples; no
-rescaling afterwards, ``scale_grads=False`` for torch's schedules). With ``grad_accum`` > 1 and micro-batches of
-unequal token counts (padding) this weights tokens equally where gradient accumulation weights micro-batches
-equally; the language-model data has equal counts, so the two agree.
+The objective (:mod:`torch_handle.train.objectives`) cuts each micro-batch into the model's inputs and the loss's
+target (``split``: a preference pair's chosen and rejected rows stay in one micro-batch), readies the targets
+before the schedule (``prepare``: a reference's log-probabilities, from a forward-only pass) and computes the last
+stage's loss (``output_loss``: a mean over ``units``, tokens or pairs). The loss of micro-batch i is that mean
+times its units over the step's units N, so the gradients summed over the m micro-batches are those of the step's
+mean (the one-process loss of the same samples; no rescaling afterwards, ``scale_grads=False`` for torch's
+schedules). N is the replica's count, or the global batch's over the data-parallel degree where the data counts
+labels per sample (:func:`~torch_handle.train.loss.global_mean_weight`: packed conversations), so that the
+replicas' averaged gradients are those of the global batch's mean over its trained tokens.
 """
 
 from __future__ import annotations
@@ -30,9 +34,7 @@ from torch import nn
 from torch_handle.checkpoint.convert import load_schedule, read_portable, write_portable
 from torch_handle.common.testhooks import HANG_ENV, parse_test_stall
 from torch_handle.config.schema import ParallelConfig
-from torch_handle.data.datasets import IGNORE_INDEX
 from torch_handle.errors import CheckpointError
-from torch_handle.model.kernels import cross_entropy
 from torch_handle.model.pipeline import split_decoder, split_layers, tied_names
 from torch_handle.observe.heartbeat import beat
 from torch_handle.parallel.pipeline import data_parallel
@@ -89,7 +91,9 @@ class PipelineParallel(PortableShare):
         self.tied: dict[str, str] = {}
         self._tie_group = self._tie_groups()
         self._tokens = torch.ones((), dtype=torch.float64)  # N of the running step (the loss's denominator)
-        self.smoothing = label_smoothing  # of the running schedule (evaluation: 0)
+        self._trainer: Any = None  # the running step's (or evaluation's): its objective computes the loss
+        self._targets: list[dict[str, torch.Tensor]] = []  # the running schedule's micro-batch targets
+        self._train = True  # a training step's schedule (else an evaluation's)
         self.first_stage_saved_bytes: int | None = None
         self.peak_saved_bytes: int | None = None
         self.activation_saved_bytes: int | None = None  # the loop's figure: this rank's first stage, first micro-batch
@@ -177,10 +181,13 @@ class PipelineParallel(PortableShare):
     def has_last(self) -> bool:
         return self.n_stages - 1 in self.my_stages
 
-    def _chunks(self, batch: dict[str, torch.Tensor]) -> tuple[list[dict[str, torch.Tensor]], list[torch.Tensor]]:
-        labels = batch.pop("labels")
-        inputs = [dict(zip(batch, values)) for values in zip(*(v.chunk(self.m) for v in batch.values()))]
-        return inputs, list(labels.chunk(self.m))
+    def _chunks(self, batch: dict[str, torch.Tensor], objective: Any
+                ) -> tuple[list[dict[str, torch.Tensor]], list[dict[str, torch.Tensor]]]:
+        """The samples of ``batch`` as m micro-batches: each one's model inputs and loss target (the objective's
+        ``split``)."""
+        parts = [dict(zip(batch, values)) for values in zip(*(v.chunk(self.m) for v in batch.values()))]
+        split = [objective.split(part) for part in parts]
+        return [x for x, _ in split], [y for _, y in split]
 
     def begin_step(self) -> None:
         if self.tp is not None:
@@ -190,19 +197,38 @@ class PipelineParallel(PortableShare):
         return super().loss(logits, labels, label_smoothing) if self.tp is None else self.tp.loss(logits, labels,
                                                                                                   label_smoothing)
 
-    def native_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """The ``loss_fn(output, target)`` of torch's schedules."""
-        return self._loss(logits, labels, self.smoothing)
+    def token_losses(self, logits: Any, labels: torch.Tensor) -> torch.Tensor:
+        return super().token_losses(logits, labels) if self.tp is None else self.tp.token_losses(logits, labels)
 
-    def _loss(self, logits: torch.Tensor, labels: torch.Tensor, label_smoothing: float) -> torch.Tensor:
-        """Micro-batch loss: its summed token losses / the step's tokens N (see the module docstring); the
-        vocabulary-parallel loss of logits split over the TP ranks."""
-        n = (labels != IGNORE_INDEX).sum()
-        if self.tp is not None:
-            mean = self.tp.loss(logits, labels, label_smoothing)[0]
-        else:
-            mean = cross_entropy(logits.flatten(0, 1), labels.flatten(), label_smoothing, IGNORE_INDEX)
+    def native_loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The ``loss_fn(output, target)`` of torch's schedules: ``target`` is the micro-batch's index (1,). The
+        call of torch's shape inference (``TimedStage.inferring``: outputs of uninitialised inputs) leaves no
+        metrics: the objective's sums since the last sync, its own alone, are dropped."""
+        loss = self._loss(logits, int(target[0]))
+        if any(stage.inferring for stage in self.engine.stages):
+            self._trainer.objective.attach(loss.new_zeros(0, dtype=torch.float64))
+        return loss
+
+    def _loss(self, output: Any, i: int) -> torch.Tensor:
+        """Micro-batch i's loss: the objective's mean loss of the last stage's ``output`` times its units over the
+        step's N (see the module docstring)."""
+        mean, n = self._trainer.objective.output_loss(self._trainer, output, self._targets[i], train=self._train)
         return mean * n / self._tokens
+
+    def _begin(self, trainer: Any, batch: dict[str, torch.Tensor], *, train: bool
+               ) -> tuple[list[dict[str, torch.Tensor]], torch.Tensor]:
+        """Ready a schedule of ``batch``'s micro-batches: their inputs (returned), targets (prepared by the
+        objective, under the step's autocast and TP context) and units N (returned)."""
+        objective = trainer.objective
+        inputs, self._targets = self._chunks(batch, objective)
+        count = sum(objective.units(t) for t in self._targets)
+        weight = trainer.loss_weight if train else None  # the global batch's mean over dp replicas
+        self._tokens = count.double() if weight is None else torch.tensor(
+            trainer.training.grad_accum / weight, dtype=torch.float64, device=count.device)
+        self._trainer, self._train = trainer, train
+        with trainer.strategy.autocast(), self.micro_batch():
+            objective.prepare(trainer, inputs, self._targets, self.forward_only, train=train)
+        return inputs, count
 
     def run(self, trainer: Any, batches: Iterator[dict[str, torch.Tensor]], stats: torch.Tensor) -> None:
         """The step's micro-batches through the schedule (see :class:`~torch_handle.train.loop.MicroBatchLoop`)."""
@@ -211,15 +237,13 @@ class PipelineParallel(PortableShare):
         with timer.phase("data"):
             parts = [next(batches) for _ in range(trainer.training.grad_accum)]
             batch = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
-        inputs, labels = self._chunks(batch)
-        tokens = sum((y != IGNORE_INDEX).sum() for y in labels)
-        self._tokens = tokens.double()
+        inputs, count = self._begin(trainer, batch, train=True)
         self._running, self._forwards = trainer.step + 1, 0
         self.timeline.begin()
         counting = self.first_stage_saved_bytes is None
         self.engine.count_saved = counting
         with trainer.strategy.autocast(), self.micro_batch():
-            losses = self._step(inputs, labels)
+            losses = self._step(inputs)
         if counting:
             self.first_stage_saved_bytes = self.engine.saved_bytes[0] if 0 in self.my_stages else 0
             self.peak_saved_bytes = self.engine.peak_saved_bytes
@@ -229,39 +253,41 @@ class PipelineParallel(PortableShare):
                 "backward": sum(b - a for k, *_, a, b in spans if k in ("B", "W"))}
         timer.lap_shared(busy if any(busy.values()) else {"forward": 1.0})
         if self.has_last and self.ctx.tp_rank == 0:  # a stage's TP ranks hold the same loss: count it once
-            stats[0] += plain(torch.stack([plain(x) for x in losses]).sum()).double() * tokens
-            stats[1] += tokens
+            stats[0] += plain(torch.stack([plain(x) for x in losses]).sum()).double() * self._tokens
+            stats[1] += count
 
-    def _step(self, inputs: list[dict[str, torch.Tensor]], labels: list[torch.Tensor]) -> list[torch.Tensor]:
-        eps = self.label_smoothing
+    def _step(self, inputs: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
         if self.impl == "scratch":
-            return self.engine.step(inputs, lambda out, i: self._loss(out, labels[i], eps))
+            return self.engine.step(inputs, self._loss)
         losses: list[torch.Tensor] = []
         kwargs = {k: torch.cat([x[k] for x in inputs]) for k in inputs[0]}
-        target = torch.cat(labels) if self.has_last else None
-        self.smoothing = eps
+        target = torch.arange(len(inputs), device=self.ctx.device) if self.has_last else None  # native_loss's i
         self.engine.step(**kwargs, target=target, losses=losses)
         return [x.detach() for x in losses]
 
     @torch.no_grad()
-    def evaluate(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(Σ token losses, tokens) of one evaluation batch, on the rank of the last stage (zeros elsewhere);
-        plain cross-entropy, forwards only."""
-        inputs, labels = self._chunks(dict(batch))
-        tokens = sum((y != IGNORE_INDEX).sum() for y in labels)
-        self._tokens = tokens.double()
-        with self.strategy.autocast() if self.strategy else contextlib.nullcontext(), self.micro_batch():
-            if self.impl == "scratch":
-                losses = self.engine.evaluate(inputs, lambda out, i: self._loss(out, labels[i], 0.0))
-            else:
-                losses = self._forward_only(inputs, labels)
+    def evaluate(self, batch: dict[str, torch.Tensor], trainer: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """(Σ losses · units, units) of one evaluation batch, on the rank of the last stage (zeros elsewhere);
+        the objective's evaluation loss (``train=False``), forwards only."""
+        inputs, count = self._begin(trainer, dict(batch), train=False)
+        with trainer.strategy.autocast(), self.micro_batch():
+            losses = self.forward_only(inputs, self._loss)
         if not self.has_last or self.ctx.tp_rank > 0:  # counted once per replica
             return torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
-        return plain(torch.stack([plain(x) for x in losses]).sum()).double() * tokens, tokens.double()
+        return plain(torch.stack([plain(x) for x in losses]).sum()).double() * count, count.double()
 
-    def _forward_only(self, inputs: list[dict[str, torch.Tensor]], labels: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Every micro-batch through this rank's stages, stage after stage: the last stage's losses. Evaluation on
-        the native path: torch's ``schedule.eval`` needs exactly m micro-batches (an evaluation batch of
+    @torch.no_grad()
+    def forward_only(self, inputs: list[dict[str, torch.Tensor]], fn: Any) -> list[Any]:
+        """``fn(output, i)`` of every micro-batch's last-stage output, on the last stage's ranks (empty
+        elsewhere), forwards only, no graph kept (evaluation; a reference's log-probabilities). Collective over the
+        pipeline group; the caller sets the autocast and TP context."""
+        if self.impl == "scratch":
+            return self.engine.evaluate(inputs, fn)
+        return self._forward_only(inputs, fn)
+
+    def _forward_only(self, inputs: list[dict[str, torch.Tensor]], fn: Any) -> list[Any]:
+        """Every micro-batch through this rank's stages, stage after stage: the last stage's ``fn(output, i)``.
+        The native path's: torch's ``schedule.eval`` needs exactly m micro-batches (an evaluation batch of
         ``micro_batch_size`` samples may have fewer) and fails for ZBV (torch 2.13: "can't steal_bwd_input")."""
         ranks = [self.group_ranks[r] for r in self.stage_to_rank]  # global rank of every stage
         off = Timeline(enabled=False)
@@ -274,7 +300,7 @@ class PipelineParallel(PortableShare):
                     h = links[s].recv_activation(i)
                 h = module(h, **kwargs)
                 if s == self.n_stages - 1:
-                    losses.append(self._loss(h, labels[i], 0.0))
+                    losses.append(fn(h, i))
                 elif ranks[s + 1] != self.ctx.rank:
                     links[s].send_activation(h, i)
         for link in links.values():

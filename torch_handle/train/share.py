@@ -29,7 +29,7 @@ from typing import Any, ContextManager, Protocol, runtime_checkable
 import torch
 from torch import nn
 
-from torch_handle.train.loss import loss_fn
+from torch_handle.train.loss import loss_fn, token_losses
 
 COMPOSITION = ("pipeline", "tensor", "expert")
 """The order a composed share delegates in (tp × pp, pp × ep, dp × tp × pp): the pipeline's stages (joined by name
@@ -90,6 +90,10 @@ class ParallelShare(Checkpointer, Protocol):
     def loss(self, logits: Any, labels: torch.Tensor, label_smoothing: float) -> tuple[torch.Tensor, torch.Tensor]:
         """(token-mean loss, labelled tokens) of this share's logits (B, T, V or V/tp) and labels (B, T)."""
 
+    def token_losses(self, logits: Any, labels: torch.Tensor) -> torch.Tensor:
+        """Each token's cross-entropy (B, T) fp32 (0 where ignored), differentiable, of this share's logits and
+        labels as :meth:`loss` takes them, the same on every rank that computes it."""
+
     def before_step(self, max_norm: float) -> float:
         """After a step's last backward, before the strategy's optimizer step: finish the gradients (what the
         strategy does not reduce) and clip them all by the norm over every part of the model. Returns that norm
@@ -119,6 +123,9 @@ class PortableShare:
 
     def loss(self, logits: Any, labels: torch.Tensor, label_smoothing: float) -> tuple[torch.Tensor, torch.Tensor]:
         return loss_fn(logits, labels, label_smoothing)
+
+    def token_losses(self, logits: Any, labels: torch.Tensor) -> torch.Tensor:
+        return token_losses(logits, labels)
 
     def loads_natively(self, layout: dict[str, Any]) -> bool:
         return False  # every checkpoint reaches a split model through its portable form (load_portable)

@@ -21,7 +21,7 @@ from torch_handle.config.schema import ParallelConfig
 from torch_handle.data.datasets import IGNORE_INDEX
 from torch_handle.model.parallelize import parallelize_tensor, tensor_parallel_plan
 from torch_handle.parallel.tensor.checkpoint import full_model_state, full_optimizer_state, load_full_state
-from torch_handle.parallel.tensor.cross_entropy import vocab_parallel_cross_entropy
+from torch_handle.parallel.tensor.cross_entropy import vocab_parallel_cross_entropy, vocab_parallel_token_losses
 from torch_handle.parallel.tensor.layers import all_reduce_grads
 from torch_handle.parallel.tensor.plan import partial_grad
 from torch_handle.train.grad_norm import clip_, local, mesh_grad_norm
@@ -107,6 +107,19 @@ class TensorParallel(PortableShare):
         loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
                                label_smoothing=label_smoothing)
         return loss, (labels != IGNORE_INDEX).sum()
+
+    def token_losses(self, logits: Any, labels: torch.Tensor) -> torch.Tensor:
+        """Each token's cross-entropy (B, T) fp32 of vocabulary-split logits (B, T, V/tp), 0 where ignored,
+        replicated on the TP ranks and differentiable: :func:`vocab_parallel_token_losses`, or native
+        ``F.cross_entropy(reduction="none")`` under ``loss_parallel()`` (torch 2.13: a replicated DTensor on the
+        one-dimensional TP mesh), as a plain tensor."""
+        if self.impl == "scratch":
+            return vocab_parallel_token_losses(logits, labels, self.tp)
+        import torch.nn.functional as F
+
+        token = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
+                                reduction="none")
+        return token.to_local().view_as(labels)
 
     def begin_step(self) -> None:
         """Start counting this step's TP traffic (evaluation's forwards are not the step's)."""

@@ -311,7 +311,7 @@ class Trainer:
                 break
             batch = {k: v.to(self.ctx.device, non_blocking=True) for k, v in batch.items()}
             if self.pipeline is not None:
-                loss_sum, n = self.pipeline.evaluate(batch)  # on the last stage; zeros elsewhere
+                loss_sum, n = self.pipeline.evaluate(batch, self)  # on the last stage; zeros elsewhere
                 total += torch.stack([loss_sum, n]).to(total)
                 continue
             with self.micro_batch():

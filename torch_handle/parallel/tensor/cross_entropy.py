@@ -29,7 +29,7 @@ IGNORE_INDEX = -100
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits: Tensor, labels: Tensor, tp: TPGroup, eps: float) -> Tensor:
+    def forward(ctx, logits: Tensor, labels: Tensor, tp: TPGroup, eps: float, per_token: bool = False) -> Tensor:
         x = logits.float()  # (N, V/tp)
         n_local = x.shape[-1]
         vocab = n_local * tp.size
@@ -50,8 +50,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         row = (1.0 - eps) * (log_z - sums[:, 1]) + eps * (log_z - sums[:, 2] / vocab)  # (N,)
         n = valid.sum()
         ctx.save_for_backward(exp.div_(sums[:, :1]), local, mine, valid, n)  # softmax (N, V/tp)
-        ctx.eps, ctx.vocab, ctx.dtype = eps, vocab, logits.dtype
-        return row.masked_fill(~valid, 0.0).sum() / n
+        ctx.eps, ctx.vocab, ctx.dtype, ctx.per_token = eps, vocab, logits.dtype, per_token
+        row = row.masked_fill(~valid, 0.0)
+        return row if per_token else row.sum() / n
 
     @staticmethod
     def backward(ctx, grad: Tensor):
@@ -61,8 +62,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             g = g - ctx.eps / ctx.vocab
         rows = mine.nonzero().squeeze(1)
         g[rows, local[rows]] -= 1.0 - ctx.eps
-        g = g * (valid * (grad / n)).float()[:, None]
-        return g.to(ctx.dtype), None, None, None
+        g = g * (valid * (grad if ctx.per_token else grad / n)).float()[:, None]
+        return g.to(ctx.dtype), None, None, None, None
 
 
 def vocab_parallel_cross_entropy(logits: Tensor, labels: Tensor, tp: TPGroup,
@@ -77,3 +78,12 @@ def vocab_parallel_cross_entropy(logits: Tensor, labels: Tensor, tp: TPGroup,
     flat, targets = logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)
     return (_VocabParallelCrossEntropy.apply(flat, targets, tp, float(label_smoothing)),
             (targets != IGNORE_INDEX).sum())
+
+
+def vocab_parallel_token_losses(logits: Tensor, labels: Tensor, tp: TPGroup) -> Tensor:
+    """Each token's cross-entropy (``F.cross_entropy(reduction="none")``) of vocabulary-parallel logits, in fp32:
+    logits (B, T, V/tp) and labels (B, T) as :func:`vocab_parallel_cross_entropy` takes them -> (B, T), 0 where the
+    label is ``IGNORE_INDEX``, replicated on every TP rank and differentiable (a preference loss sums a row's). The
+    same two all-reduces per call."""
+    flat, targets = logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)
+    return _VocabParallelCrossEntropy.apply(flat, targets, tp, 0.0, True).view(labels.shape)

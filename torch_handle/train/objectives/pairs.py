@@ -22,8 +22,8 @@ import torch
 
 from torch_handle.data.datasets import IGNORE_INDEX
 from torch_handle.finetune.lora import adapters_disabled
-from torch_handle.model.kernels import token_cross_entropy
 from torch_handle.model.linear_cross_entropy import sequence_logps as chunked_sequence_logps
+from torch_handle.train.loss import token_losses
 from torch_handle.train.objectives.preference import METRICS, PairLogps, PreferenceLoss, preference_loss
 
 STUCK_STEPS = 3
@@ -36,23 +36,31 @@ TRAINED_TOKENS = "tokens"
 positions computed beside them)."""
 
 
-def sequence_logps(strategy: Any, input_ids: torch.Tensor, labels: torch.Tensor, loss_impl: str) -> torch.Tensor:
+def sequence_logps(strategy: Any, input_ids: torch.Tensor, labels: torch.Tensor, loss_impl: str,
+                   share: Any = None) -> torch.Tensor:
     """Σ_t log π(labels_t | input_ids_≤t) over each row's labels other than ``IGNORE_INDEX``: input_ids, labels
     (N, T) -> (N,) fp32, differentiable. The forward of ``strategy.model`` under ``strategy.autocast()``, as
     :func:`~torch_handle.train.loss.micro_batch_loss` runs it: ``"chunked"`` from the hidden states a chunk of
     tokens at a time (:func:`~torch_handle.model.linear_cross_entropy.sequence_logps`), else from the logits
-    (N, T, V) in fp32."""
+    (N, T, V) in fp32 (:func:`row_logps`; ``share``: a model split over tensor-parallel ranks, whose logits are
+    vocabulary-split)."""
     model = strategy.unwrapped()
-    checked = getattr(model, "checked_inputs", None)
+    checked = getattr(model, "checked_inputs", None) if share is None else None  # a split model checks its own
     inputs = {"input_ids": input_ids} if checked is None else checked(input_ids=input_ids)
     with strategy.autocast():
         if loss_impl == "chunked":
             hidden = strategy.model(**inputs, return_hidden=True)  # (N, T, C)
             return chunked_sequence_logps(hidden, model.lm_head.weight, labels, IGNORE_INDEX)
         logits = strategy.model(**inputs)  # (N, T, V)
-    # (N·T,) fp32, 0 where ignored; chunked on CPU: F.cross_entropy's log-softmax would add a logits-sized buffer
-    token = token_cross_entropy(logits.flatten(0, 1), labels.flatten(), IGNORE_INDEX)
-    return -token.view_as(labels).sum(1)
+    return row_logps(logits, labels, share)
+
+
+def row_logps(logits: Any, labels: torch.Tensor, share: Any = None) -> torch.Tensor:
+    """Each row's summed log-probability of its labels: logits (N, T, V), or this rank's vocabulary slice
+    (N, T, V/tp) with ``share`` (:meth:`~torch_handle.train.share.ParallelShare.token_losses`: the vocabulary-parallel
+    cross-entropy per token), labels (N, T) -> (N,) fp32, differentiable."""
+    token = token_losses(logits, labels) if share is None else share.token_losses(logits, labels)  # (N, T)
+    return -token.sum(1)
 
 
 @contextlib.contextmanager
@@ -66,6 +74,19 @@ def reference_model(model: torch.nn.Module) -> Iterator[None]:
             yield
     finally:
         model.train(training)
+
+
+def reference_rows(trainer: Any, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor | None:
+    """Summed log-probabilities (N,) of rows ``ids``, ``labels`` (N, T) from the trainer's model as it is (the
+    caller sets the reference up: :func:`reference_model`), through whatever split it has: the TP share's
+    vocabulary-split logits, or a pipeline's forward-only pass (``forward_only``). On one rank of each TP group
+    and on the last pipeline stage; None on the others. Collective under tp or pp."""
+    if trainer.pipeline is None:
+        logps = sequence_logps(trainer.strategy, ids, labels, trainer.loss_impl, trainer.share)
+    else:
+        out = trainer.pipeline.forward_only([{"input_ids": ids}], lambda o, i: row_logps(o, labels, trainer.share))
+        logps = out[0] if out else None
+    return logps if trainer.ctx.tp_rank == 0 else None
 
 
 def precompute_reference(trainer: Any) -> dict[str, torch.Tensor]:
@@ -88,8 +109,10 @@ def precompute_reference(trainer: Any) -> dict[str, torch.Tensor]:
             items = [dataset[i] for i in index]
             ids, labels = (torch.stack([it[k] for it in items]).to(ctx.device) for k in ("input_ids", "labels"))
             with reference_model(strategy.unwrapped()):
-                logps = sequence_logps(strategy, ids.transpose(0, 1).reshape(2 * len(index), -1),
-                                       labels.transpose(0, 1).reshape(2 * len(index), -1), trainer.loss_impl)
+                logps = reference_rows(trainer, ids.transpose(0, 1).reshape(2 * len(index), -1),
+                                       labels.transpose(0, 1).reshape(2 * len(index), -1))
+            if logps is None:  # a TP rank but the first, a pipeline stage but the last: the others write
+                continue
             owned = [k for k, i in enumerate(index) if ctx.dp_rank + ctx.dp_size * (start + k) < len(dataset)]
             rows = logps.view(2, len(index)).T.double()  # (pairs, 2)
             table[[index[k] for k in owned]] = rows[owned]
@@ -131,16 +154,15 @@ class DirectPreference:
         if train:
             self.check_stuck(trainer)
         self.training = train
-        ids, labels, index = batch.pop("input_ids"), batch.pop("labels"), batch.pop("pair", None)
-        B = ids.shape[0]
-        ids, labels = (x.transpose(0, 1).reshape(2 * B, -1) for x in (ids, labels))  # (2B, T): chosen, rejected
+        inputs, target = self.split(batch)
+        ids, labels, index = inputs["input_ids"], target["labels"], target.get("pair")  # (2B, T): chosen, rejected
+        B = ids.shape[0] // 2
         strategy = trainer.strategy
-        policy = sequence_logps(strategy, ids, labels, trainer.loss_impl)  # (2B,)
-        counts = (labels != IGNORE_INDEX).sum(1)
+        policy = sequence_logps(strategy, ids, labels, trainer.loss_impl, trainer.share)  # (2B,)
         ref: tuple[torch.Tensor, ...] = ()
         if self.reference == "adapters_off":
             with reference_model(strategy.unwrapped()):
-                logps = sequence_logps(strategy, ids, labels, trainer.loss_impl)
+                logps = sequence_logps(strategy, ids, labels, trainer.loss_impl, trainer.share)
             ref = (logps[:B], logps[B:])
         elif self.reference == "precomputed":
             rows = self.reference_table(trainer)["train" if train else "valid"][index].to(policy.dtype)  # (B, 2)
@@ -152,12 +174,68 @@ class DirectPreference:
                 self.copy = build_reference_copy(trainer)
             logps = self.copy.logps(ids, labels, trainer.loss_impl)
             ref = (logps[:B], logps[B:])
+        loss, pairs = self.pair_loss(trainer, policy, labels, ref)
+        return trainer.aux_loss_scale.probe(loss), pairs
+
+    def pair_loss(self, trainer: Any, policy: torch.Tensor, labels: torch.Tensor, ref: tuple[torch.Tensor, ...]
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the mean of the per-pair losses, pairs B) from the policy's summed log-probabilities ``policy`` (2B,),
+        the chosen rows first, their ``labels`` (2B, T) and the reference's (chosen (B,), rejected (B,)) or ``()``;
+        adds the metric sums (once per TP group)."""
+        B = policy.shape[0] // 2
+        counts = (labels != IGNORE_INDEX).sum(1)
         lengths = counts.to(policy.dtype)
-        losses, metrics = self.loss(PairLogps(policy[:B], policy[B:], lengths[:B], lengths[B:], *ref))
+        losses, metrics = self.loss(PairLogps(policy[:B], policy[B:], lengths[:B], lengths[B:],
+                                              *(r.to(policy.dtype) for r in ref)))
         once = float(trainer.ctx.tp_rank == 0)
         sums = torch.stack([*(metrics[k].sum() for k in METRICS), counts.sum().float()]).double() * once
         self.sums = sums if self.sums is None else self.sums + sums
-        return trainer.aux_loss_scale.probe(losses.mean()), torch.tensor(B, device=losses.device)
+        return losses.mean(), torch.tensor(B, device=losses.device)
+
+    # -- a pipeline's micro-batches (parallel.pp > 1): the schedule calls these pieces -------------------------
+    def split(self, batch: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """(the model's inputs: ``input_ids`` (2B, T), the B chosen rows first; the loss's target: ``labels``
+        (2B, T), and ``pair`` (B,) when the batch has it) of a micro-batch of B pairs (B, 2, T)."""
+        ids, labels = batch.pop("input_ids"), batch.pop("labels")
+        B = ids.shape[0]
+        target = {"labels": labels.transpose(0, 1).reshape(2 * B, -1)}
+        if "pair" in batch:
+            target["pair"] = batch.pop("pair")
+        return {"input_ids": ids.transpose(0, 1).reshape(2 * B, -1), **batch}, target
+
+    def units(self, target: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The pairs of a micro-batch's target (what its loss is the mean over)."""
+        return torch.tensor(target["labels"].shape[0] // 2, device=target["labels"].device)
+
+    def prepare(self, trainer: Any, inputs: list[dict[str, torch.Tensor]], targets: list[dict[str, torch.Tensor]],
+                forward: Any, *, train: bool = True) -> None:
+        """Before a pipeline runs a step's (or an evaluation's) micro-batches: each target gets its rows'
+        reference log-probabilities (``reference``: (2B,)), on the ranks of the last stage. ``adapters_off``: one
+        forward-only pass of the micro-batches with the adapters off (``forward(inputs, fn)``: ``fn(output, i)``
+        of micro-batch i's last-stage output, for each i; empty elsewhere); ``precomputed``: the table's rows by
+        pair index."""
+        if train:
+            self.check_stuck(trainer)
+        self.training = train
+        if self.reference == "adapters_off":
+            with reference_model(trainer.strategy.unwrapped()):
+                rows = forward(inputs, lambda out, i: row_logps(out, targets[i]["labels"], trainer.share))
+        elif self.reference == "precomputed":
+            table = self.reference_table(trainer)["train" if train else "valid"]
+            rows = [table[t["pair"]].T.reshape(-1) for t in targets]  # (B, 2) -> (2B,)
+        else:
+            return
+        for target, row in zip(targets, rows):
+            target["reference"] = row
+
+    def output_loss(self, trainer: Any, output: Any, target: dict[str, torch.Tensor], *, train: bool = True
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mean loss, pairs) of the last stage's ``output`` (logits (2B, T, V), or V/tp under tensor
+        parallelism) for a micro-batch's ``target`` (:meth:`split`, :meth:`prepare`)."""
+        policy = row_logps(output, target["labels"], trainer.share)
+        ref = target.get("reference")
+        B = policy.shape[0] // 2
+        return self.pair_loss(trainer, policy, target["labels"], () if ref is None else (ref[:B], ref[B:]))
 
     def check_stuck(self, trainer: Any) -> None:
         """Once, :data:`STUCK_STEPS` steps past the warm-up: a warning when every step's reward margin was zero (the

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from torch_handle.data.datasets import IGNORE_INDEX
 from torch_handle.train.loss import micro_batch_loss
 
 
@@ -25,6 +26,25 @@ class TokenLoss:
                                    self.label_smoothing if train else 0.0, share=trainer.share,
                                    compiled=trainer.training.compile)
         return trainer.aux_loss_scale.probe(loss), n
+
+    # -- a pipeline's micro-batches (parallel.pp > 1) --------------------------------------------------------
+    def split(self, batch: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """(the model's inputs, ``{"labels": (B, T)}``) of a micro-batch."""
+        labels = batch.pop("labels")
+        return batch, {"labels": labels}
+
+    def units(self, target: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The labelled tokens of a micro-batch's target."""
+        return (target["labels"] != IGNORE_INDEX).sum()
+
+    def prepare(self, trainer: Any, inputs: list[dict[str, torch.Tensor]], targets: list[dict[str, torch.Tensor]],
+                forward: Any, *, train: bool = True) -> None:
+        return None
+
+    def output_loss(self, trainer: Any, output: Any, target: dict[str, torch.Tensor], *, train: bool = True
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(token-mean loss, tokens) of the last stage's logits (B, T, V or V/tp): the share's loss."""
+        return trainer.share.loss(output, target["labels"], self.label_smoothing if train else 0.0)
 
     def attach(self, vector: torch.Tensor) -> torch.Tensor:
         return vector
