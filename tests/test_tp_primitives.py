@@ -14,7 +14,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from torch_handle.parallel.tensor.cross_entropy import IGNORE_INDEX, vocab_parallel_cross_entropy
+from torch_handle.parallel.tensor.cross_entropy import (IGNORE_INDEX, vocab_parallel_cross_entropy,
+                                                        vocab_parallel_token_losses)
 from torch_handle.parallel.tensor.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                                  all_reduce_sp_grads, mark_sequence_parallel)
 from torch_handle.parallel.tensor.mappings import TPGroup, gather_sequence, split_to_sp
@@ -129,6 +130,24 @@ def check_embedding_and_loss(tp: TPGroup, eps: float) -> None:
     assert tp.stats.calls == 4  # + the head's f in backward; the loss sends nothing backward
 
 
+def check_token_losses(tp: TPGroup) -> None:
+    """The per-token vocabulary-parallel cross-entropy (a preference loss's row sums) equals ``F.cross_entropy(
+    reduction="none")`` in value, 0 where ignored, and in the gradient of a weighted sum of rows."""
+    torch.manual_seed(3)
+    logits = torch.randn(B, S, V, requires_grad=True)
+    labels = torch.randint(0, V, (B, S))
+    labels[1, :2] = IGNORE_INDEX
+    weights = torch.randn(B)  # a different gradient for each row
+    ref = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="none")
+    (ref.view(B, S).sum(1) * weights).sum().backward()
+    mine = logits.detach()[..., tp.rank * V // tp.size:(tp.rank + 1) * V // tp.size].clone().requires_grad_()
+    token = vocab_parallel_token_losses(mine, labels, tp)
+    (token.sum(1) * weights).sum().backward()
+    torch.testing.assert_close(token, ref.view(B, S), rtol=1e-5, atol=1e-6)
+    assert (token[1, :2] == 0).all()
+    torch.testing.assert_close(_gather(mine.grad, tp, -1), logits.grad, rtol=1e-5, atol=1e-6)
+
+
 def _checks(rank: int, tmp: Path) -> None:
     tp = TPGroup()
     check_mlp(tp, sequence_parallel=False)
@@ -137,6 +156,7 @@ def _checks(rank: int, tmp: Path) -> None:
     check_fused_gqa(tp)
     check_embedding_and_loss(tp, eps=0.0)
     check_embedding_and_loss(tp, eps=0.1)
+    check_token_losses(tp)
 
 
 def test_tp_pieces_equal_one_process(tmp_path: Path) -> None:
