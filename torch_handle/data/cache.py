@@ -27,6 +27,7 @@ from typing import Any, Callable, Sequence
 from torch_handle.common.fsio import write_text_atomic
 from torch_handle.data.shards import META_FILE, VERSION, file_sha256
 from torch_handle.data.sources import Source
+from torch_handle.data.tokenizer_file import TOKENIZER_VERSION
 from torch_handle.errors import DataError
 
 CACHE_ENV = "HANDLE_DATA_CACHE"
@@ -57,7 +58,7 @@ class Corpus:
 
     def _common(self) -> list[str]:
         return [f"v{VERSION}", f"valid_fraction={self.valid_fraction if not self.valid else 0}",
-                f"vocab_size={self.vocab_size if self.tokenizer is None else 'given'}"]
+                f"vocab_size={f'{self.vocab_size}/{TOKENIZER_VERSION}' if self.tokenizer is None else 'given'}"]
 
     def stat_key(self) -> str:
         """The cheap key: paths, sizes and modification times (in-memory sources: their content, which is small)."""

@@ -27,6 +27,7 @@ from torch.utils.data import Dataset, DistributedSampler, Sampler
 
 from torch_handle.common.fsio import replacing
 from torch_handle.data.chat.template import CHATML_TOKENS
+from torch_handle.data.tokenizer_file import TOKENIZER_VERSION
 from torch_handle.errors import DataError
 
 SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<unk>"]
@@ -37,8 +38,6 @@ RESERVED_TOKENS = [*SPECIAL_TOKENS, *CHATML_TOKENS]
 two merges fewer than with the roles alone."""
 IM_START_ID, IM_END_ID = 4, 5
 IGNORE_INDEX = -100
-TOKENIZER_VERSION = "bpe-bytelevel-v2"
-"""In the cache's fingerprint: v2 reserves ChatML's tokens (v1 tokenizers cached before are not reused)."""
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -16,6 +16,9 @@ from typing import Any
 from torch_handle.common.names import TOKENIZER_FILE
 from torch_handle.errors import DataError
 
+TOKENIZER_VERSION = "bpe-bytelevel-v2"
+"""The byte-level BPE that :func:`torch_handle.data.datasets.train_tokenizer` trains, in the keys of what is cached
+from it (trained tokenizers, prepared corpora): v2 reserves ChatML's tokens, so nothing cached with v1 is reused."""
 EOS_NAMES = ("<eos>", "</s>", "<|endoftext|>", "<|end_of_text|>", "<|im_end|>")
 """End-of-document tokens looked up by name when no ``tokenizer_config.json`` names one."""
 PAD_NAMES = ("<pad>", "[PAD]", "<|pad|>")
