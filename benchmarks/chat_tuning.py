@@ -12,8 +12,8 @@ assistant ``<de>`` (29,000 conversations, rendered with ChatML).
   The plain prepare runs as ``handle data prepare`` does (an encoding process per usable core) and in one process
   (``workers = 0``); the target: conversations within 20 % of plain text.
 
-The tokenizer is a byte-level BPE (8,192 tokens) trained on the Multi30k training text with ChatML's
-``<|im_start|>`` and ``<|im_end|>`` added (``--tokenizer``: another one). Everything is written under ``--work``
+The tokenizer is handle's byte-level BPE (8,192 tokens) trained on the Multi30k training text, which reserves
+ChatML's ``<|im_start|>`` and ``<|im_end|>`` (ids 4 and 5; ``--tokenizer``: another one). Everything is written under ``--work``
 (default: a temporary directory)::
 
     python benchmarks/chat_tuning.py [--seq-lens 128,256,512,1024] [--rounds 2] [--json]
@@ -51,15 +51,14 @@ def write_rows(directory: Path, data: Path, limit: int | None = None) -> tuple[P
 
 
 def train_chat_tokenizer(directory: Path, data: Path, vocab_size: int = 8192) -> Path:
-    """A byte-level BPE trained on the Multi30k training text, with ChatML's tokens: ``directory/tokenizer.json``."""
+    """handle's byte-level BPE trained on the Multi30k training text (ChatML's tokens reserved, ids 4 and 5):
+    ``directory/tokenizer.json``."""
     from torch_handle.data.datasets import train_tokenizer
 
     path = directory / "tokenizer.json"
     if not path.is_file():
         texts = [(data / f"train.{x}").read_text(encoding="utf-8") for x in ("en", "de")]
-        tok = train_tokenizer(texts, vocab_size)
-        tok.add_special_tokens(["<|im_start|>", "<|im_end|>"])
-        tok.save(str(path))
+        train_tokenizer(texts, vocab_size).save(str(path))
     return path
 
 
