@@ -224,7 +224,7 @@ def test_the_estimate_prices_the_loss_path_the_run_takes(monkeypatch):
     their gradient plus the hidden states' gradient, and none of the (B, T, V) tensors the full loss saves; a
     ``--compare`` row whose strategy shards the output weight (ZeRO-3) priced ``full``."""
     from torch_handle.config.loader import load_preset
-    from torch_handle.plan.estimate_activations import activation_bytes, loss_impl_of
+    from torch_handle.plan.estimate_activations import activation_bytes, chunked_loss_bytes, loss_impl_of
     from torch_handle.registry import get_registry
 
     monkeypatch.setattr(lce, "CHUNK_ELEMENTS", SHIPPED[0])  # a GPU's chunk: a few, not thousands, on fake tensors
@@ -242,6 +242,13 @@ def test_the_estimate_prices_the_loss_path_the_run_takes(monkeypatch):
     rows = lce.chunk_rows(tokens, vocab, "cuda")
     assert chunked.logits == rows * vocab * (4 + 4) + tokens * 32 * 4
     assert full.saved - chunked.saved >= tokens * vocab * 4  # the log-probabilities the full loss keeps
+    # bf16 autocast over fp32 weights (Llama 3's head): the whole bf16 copy of the weight only from 4·C tokens,
+    # below that a block of it (``weight_rows``) beside the chunk
+    bf16, fp32, C, V = torch.bfloat16, torch.float32, 2048, 128_256
+    for n, weight_part in ((2048, lce.weight_rows(V, C, "cuda") * C * 2), (8192, V * C * 2)):
+        assert chunked_loss_bytes(n, V, C, bf16, fp32, 4) == (lce.chunk_rows(n, V, "cuda") * V * 6 + weight_part
+                                                               + n * C * 4)
+    assert chunked_loss_bytes(2048, V, C, bf16, bf16, 2) == lce.chunk_rows(2048, V, "cuda") * V * 6 + 2048 * C * 2
 
 
 def test_a_run_with_the_chunked_loss_trains_as_the_full_one(tmp_path, process_group):

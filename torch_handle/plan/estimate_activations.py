@@ -39,8 +39,27 @@ if TYPE_CHECKING:
     from torch_handle.config.schema import Preset
     from torch_handle.registry import PluginRegistry
 
-__all__ = ["ActivationBytes", "PartSaved", "activation_bytes", "compute_mode", "fake_activations", "korthikanti_layer_bytes",
-           "saved_activation_bytes"]
+__all__ = ["ActivationBytes", "PartSaved", "activation_bytes", "chunked_loss_bytes", "compute_mode", "fake_activations",
+           "korthikanti_layer_bytes", "saved_activation_bytes"]
+
+
+def chunked_loss_bytes(tokens: int, vocab: int, width: int, dtype: Any, weight_dtype: Any, hidden_itemsize: int
+                       ) -> int:
+    """Bytes the chunked loss (``model.linear_cross_entropy``) holds beside what autograd saves, at a GPU's chunk:
+    one chunk's fp32 logits and their gradient in ``dtype`` (``chunk_rows`` rows of ``vocab``), the (V, C) output
+    weight in ``dtype`` where it is cast whole (``cast_whole``; else one block of ``weight_rows`` rows), and the
+    hidden states' gradient (tokens x ``width`` x ``hidden_itemsize``), computed in forward and held until
+    backward. ``ActivationBytes.logits`` of a chunked row; ``benchmarks/loss_memory.py`` prints it against the
+    measured loss path."""
+    import torch
+
+    from torch_handle.model.linear_cross_entropy import cast_whole, chunk_rows, weight_rows
+
+    rows, itemsize = chunk_rows(tokens, vocab, "cuda"), dtype.itemsize
+    weight = torch.empty((vocab, width), dtype=weight_dtype, device="meta")
+    copy = vocab if cast_whole(tokens, weight, dtype) and weight_dtype != dtype else 0
+    block = 0 if copy or weight_dtype == dtype else weight_rows(vocab, width, "cuda")
+    return rows * vocab * (4 + itemsize) + (copy + block) * width * itemsize + tokens * width * hidden_itemsize
 
 
 def saved_activation_bytes(run_forward_backward: Callable[[], Any], model: torch.nn.Module | None = None) -> int:
@@ -264,7 +283,6 @@ def fake_activations(build: ModelBuild, batch: int, seq_len: int, precision: str
     from torch_handle.parallel.tensor.cross_entropy import vocab_parallel_cross_entropy
     from torch_handle.plan.shape_tp_group import ShapeTPGroup
 
-    from torch_handle.model.linear_cross_entropy import chunk_rows
     from torch_handle.plan.estimate_moe import dropless, fake_grouped_matmuls
     from torch_handle.train.loss import chunked_loss_fn
 
@@ -298,9 +316,10 @@ def fake_activations(build: ModelBuild, batch: int, seq_len: int, precision: str
                         with autocast:
                             hidden = model(**inputs, return_hidden=True)  # (B, T, C)
                             loss, _ = chunked_loss_fn(hidden, model.lm_head.weight, labels)
-                        vocab = model.lm_head.weight.shape[0]
-                        rows = chunk_rows(batch * seq_len, vocab, "cuda")  # a GPU's chunk, where memory is scarce
-                        loss_path.append(rows * vocab * (4 + dtype.itemsize) + hidden.numel() * hidden.element_size())
+                        weight = model.lm_head.weight  # (V, C)
+                        loss_path.append(chunked_loss_bytes(batch * seq_len, weight.shape[0], weight.shape[1],
+                                                            dtype if mode == "autocast" else weight.dtype,
+                                                            weight.dtype, hidden.element_size()))
                         if backward:
                             loss.backward()
                         return
