@@ -91,6 +91,8 @@ def test_the_copy_is_the_precomputed_reference_and_a_resume_rebuilds_it(pairs, t
     moved = [n for n, p in policy.named_parameters() if not torch.equal(p, base[n])]
     assert moved, "the resumed policy has moved; the copy is the base's"
     assert trainer.objective.copy.nbytes() == sum(p.numel() * 4 for p in policy.parameters())
+    built = [e["message"] for e in _events(copy) if "a frozen copy of the model as built" in e.get("message", "")]
+    assert len(built) == 2 and f"{trainer.objective.copy.nbytes():,} bytes on rank 0" in built[-1], built
 
 
 def test_the_precomputed_reference_is_cached_under_the_data_and_the_base(pairs, tmp_path, process_group, fake_peak,

@@ -80,8 +80,9 @@ def build_reference_copy(trainer: Any) -> ReferenceCopy:
         ValueError: a layout :func:`~torch_handle.config.layout.reference_copy_problem` refuses (``handle
             validate`` says so first)."""
     from torch_handle.checkpoint import hf_dir
-    from torch_handle.config.layout import reference_copy_problem
+    from torch_handle.config.layout import COPY_SHARDED, reference_copy_problem
     from torch_handle.finetune.build import prepare_model
+    from torch_handle.observe.fields import Level
 
     p, data = trainer.preset, trainer.data
     problem = reference_copy_problem(p)
@@ -100,7 +101,10 @@ def build_reference_copy(trainer: Any) -> ReferenceCopy:
     else:  # the dtype the policy's parameters have (DeepSpeed casts them to bf16/fp16 itself)
         dtype = next((q.dtype for q in strategy.unwrapped().parameters() if q.is_floating_point()), None)
         model = model.to(trainer.ctx.device, dtype=dtype)
-    return ReferenceCopy(model, strategy.autocast)
+    copy = ReferenceCopy(model, strategy.autocast)
+    trainer.note(Level.INFO, f"finetune.preference.reference: a frozen copy of the model as built "
+                             f"({COPY_SHARDED[p.strategy.name]}), {copy.nbytes():,} bytes on rank {trainer.ctx.rank}")
+    return copy
 
 
 def base_identity(preset: Any) -> dict[str, Any]:
