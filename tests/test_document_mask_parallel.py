@@ -119,7 +119,7 @@ def _pipeline_step(rank: int) -> None:
         parallel = ParallelConfig(pp=2, pp_impl=impl, pp_schedule="1f1b")
         ctx = attach_layout(DistContext(rank=rank, local_rank=rank, world_size=2, device=torch.device("cpu"),
                                         backend="gloo"), parallel)
-        pp = PipelineParallel(parallel, ctx, n_microbatches=2, label_smoothing=0.0)
+        pp = PipelineParallel(parallel, ctx, n_microbatches=2)
         shard = pp.split(_model("llama", n_layers=4))
         strategy = SimpleNamespace(autocast=contextlib.nullcontext, clips_gradients=True,
                                    pipeline_grad_sync=lambda: None, ep_share=None)

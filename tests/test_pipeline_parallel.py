@@ -119,7 +119,7 @@ def _pipeline_step(args: TransformerArgs, impl: str, schedule: str, v: int
     parallel = ParallelConfig(pp=2, pp_impl=impl, pp_schedule=schedule, pp_stages_per_rank=v)
     ctx = attach_layout(DistContext(rank=dist.get_rank(), local_rank=dist.get_rank(), world_size=2,
                                     device=torch.device("cpu"), backend="gloo"), parallel)
-    pp = PipelineParallel(parallel, ctx, n_microbatches=4, label_smoothing=0.0)
+    pp = PipelineParallel(parallel, ctx, n_microbatches=4)
     torch.manual_seed(0)
     shard = pp.split(DecoderLM(args))
     strategy = SimpleNamespace(autocast=contextlib.nullcontext, clips_gradients=True, pipeline_grad_sync=lambda: None,

@@ -63,5 +63,5 @@ def build_shares(preset: Preset, ctx: Any) -> Shares:
     if par.pp > 1:
         from torch_handle.train.pipeline_parallel import PipelineParallel
 
-        pp = PipelineParallel(par, ctx, pipeline_microbatches(preset), preset.training.label_smoothing, tp, ep)
+        pp = PipelineParallel(par, ctx, pipeline_microbatches(preset), tp, ep)
     return Shares(replace(ctx, ep_share=ep), tp, pp, ep)

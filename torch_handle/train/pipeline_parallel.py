@@ -65,7 +65,6 @@ class PipelineParallel(PortableShare):
         parallel: the ``[parallel]`` table.
         ctx: this rank's place, with its layout (``attach_layout``).
         n_microbatches: m (``parallel.pp_microbatches``, or ``grad_accum``).
-        label_smoothing: the training loss's ``training.label_smoothing``.
         tp: the :class:`~torch_handle.train.tensor_parallel.TensorParallel` share of this rank, or None.
         ep: the :class:`~torch_handle.train.expert_parallel.ExpertParallel` share of this rank, or None.
 
@@ -73,10 +72,9 @@ class PipelineParallel(PortableShare):
     stages, then their TP split (``tp``), then their experts (``ep``).
     """
 
-    def __init__(self, parallel: ParallelConfig, ctx: DistContext, n_microbatches: int, label_smoothing: float,
-                 tp: Any = None, ep: Any = None):
-        self.parallel, self.ctx, self.m, self.label_smoothing, self.tp = parallel, ctx, n_microbatches, \
-            label_smoothing, tp
+    def __init__(self, parallel: ParallelConfig, ctx: DistContext, n_microbatches: int, tp: Any = None,
+                 ep: Any = None):
+        self.parallel, self.ctx, self.m, self.tp = parallel, ctx, n_microbatches, tp
         self.impl, self.schedule_name = parallel.pp_impl, parallel.pp_schedule
         self.pp, self.v = parallel.pp, parallel.pp_stages_per_rank
         self.n_stages = self.pp * self.v
