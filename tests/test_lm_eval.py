@@ -236,3 +236,33 @@ def test_bad_input_is_one_line_exit_2_nothing_written(runs, run, args, message, 
     assert result.exit_code == 2 and result.output.startswith(message.format(run=runs[run], gone=gone)), result.output
     assert len(result.output.strip().splitlines()) == 1
     assert (sorted(evals.iterdir()) if evals.exists() else None) == before
+
+
+def test_an_export_opens_the_run_once(runs, tmp_path, monkeypatch):
+    """One loaded run (issue 50): ``handle export`` of a LoRA run, merged, reads its preset and its weights once
+    (it read the preset 4 times: the method, two exportability checks, the model), through one ``OpenedRun``
+    whose files are each read on first use; ``load_run`` is that object's ``load``."""
+    import safetensors.torch
+
+    from torch_handle.config import loader
+    from torch_handle.infer.adapter_export import export_run
+    from torch_handle.infer.generate import OpenedRun
+
+    reads = {"preset": 0, "weights": 0}
+    load_preset, load_file = loader.load_preset, safetensors.torch.load_file
+
+    def counted_preset(*a, **k):
+        reads["preset"] += 1
+        return load_preset(*a, **k)
+
+    def counted_weights(path, *a, **k):
+        reads["weights"] += str(path).startswith(str(runs["lora"]))  # the base's weights are the export's, read apart
+        return load_file(path, *a, **k)
+
+    monkeypatch.setattr(loader, "load_preset", counted_preset)
+    monkeypatch.setattr(safetensors.torch, "load_file", counted_weights)
+    out = export_run(runs["lora"], tmp_path / "merged", merge=True)
+    assert out["step"] == 2 and reads == {"preset": 1, "weights": 1}, reads
+    run = OpenedRun(runs["llama"], checkpoint=2)
+    assert run.load() is run.load() and run.step == 2 and run.template is None
+    assert run.preset is run.load().preset and run.tokenizer is run.load().tokenizer

@@ -15,22 +15,19 @@ from typing import Any
 
 from torch_handle.errors import CheckpointError
 from torch_handle.finetune import peft_format
-from torch_handle.infer.generate import TOKENIZER_FILE, load_run
+from torch_handle.infer.generate import TOKENIZER_FILE, OpenedRun
 from torch_handle.infer.hf_export import ROLES, chat_files, check_exportable, export_hf
-from torch_handle.rundir import PRESET_FILE
 
 
-def finetune_method(run_dir: Path) -> str:
+def finetune_method(run: OpenedRun) -> str:
     """The run's ``finetune.method`` (``"none"`` for a run from before the table). Raises as
     :func:`check_exportable`."""
-    from torch_handle.config.loader import load_preset
-
-    check_exportable(run_dir)
-    return load_preset(run_dir / PRESET_FILE).finetune.method
+    check_exportable(run.run_dir, run.preset)
+    return run.preset.finetune.method
 
 
 def export_adapters(run_dir: Path | str, out: Path | str, *, checkpoint: int | None = None,
-                    force: bool = False) -> dict[str, Any]:
+                    force: bool = False, run: OpenedRun | None = None) -> dict[str, Any]:
     """Write a LoRA run's adapters to ``out`` as peft's ``save_pretrained`` does (``adapter_config.json``,
     ``adapter_model.safetensors``; :mod:`torch_handle.finetune.peft_format`) with the run's tokenizer beside them
     (``tokenizer.json``, ``tokenizer_config.json``: ``AutoTokenizer.from_pretrained(out)`` loads it) and, for a
@@ -38,7 +35,7 @@ def export_adapters(run_dir: Path | str, out: Path | str, *, checkpoint: int | N
     on) and a ``generation_config.json`` listing its end-of-turn ids, as the Hugging Face export writes them
     (:func:`~torch_handle.infer.hf_export.chat_files`);
     ``base_model_name_or_path`` is the run's ``model.init_from`` relative to ``out`` (``../llama``), so the two
-    directories move together.
+    directories move together. ``run``: ``run_dir`` opened already (:class:`~torch_handle.infer.generate.OpenedRun`).
 
     Returns:
         ``{"directory", "format": "peft", "base", "base_dir", "r", "lora_alpha", "target_modules", "params",
@@ -52,7 +49,7 @@ def export_adapters(run_dir: Path | str, out: Path | str, *, checkpoint: int | N
     from torch_handle.checkpoint import hf_dir
 
     run_dir, out = Path(run_dir), Path(out)
-    loaded = load_run(run_dir, checkpoint)
+    loaded = (run or OpenedRun(run_dir, checkpoint)).load()
     init_from = getattr(loaded.preset.model.options, "init_from", None)
     base = os.path.relpath(Path(init_from).resolve(), out.resolve()) if init_from else None
     state = peft_format.peft_state_dict(loaded.model, loaded.model.args)
@@ -85,10 +82,11 @@ def export_run(run_dir: Path | str, out: Path | str, *, checkpoint: int | None =
         CheckpointError: ``merge`` for a run without adapters; as :func:`export_hf` and :func:`export_adapters`.
     """
     run_dir = Path(run_dir)
-    method = finetune_method(run_dir)
+    run = OpenedRun(run_dir, checkpoint)  # preset, tokenizer and weights read once for the whole export
+    method = finetune_method(run)
     if merge and method == "none":
         raise CheckpointError(f"{run_dir}: --merge folds LoRA adapters into their base, and this run has none "
                               f"(finetune.method = 'none'): export it without --merge")
     if method != "none" and not merge:
-        return export_adapters(run_dir, out, checkpoint=checkpoint, force=force)
-    return export_hf(run_dir, out, checkpoint=checkpoint, dtype=dtype, force=force, merge=merge)
+        return export_adapters(run_dir, out, checkpoint=checkpoint, force=force, run=run)
+    return export_hf(run_dir, out, checkpoint=checkpoint, dtype=dtype, force=force, merge=merge, run=run)

@@ -19,6 +19,7 @@ Every problem a user can fix raises one of ``torch_handle.errors.USER_ERRORS`` (
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -124,8 +125,111 @@ def _max_len(state: dict[str, Tensor], preset: Any, weights: Path) -> int:
     return seq_len + (1 if getattr(options, "kind", "decoder") == "encoder-decoder" else 0)
 
 
+class OpenedRun:
+    """A run directory opened once for every command that uses it (export, generate, chat, eval): each of its files
+    is read at most once, when first asked for, and handed down (issue 50, "one loaded run").
+
+    Attributes (each read on first use): :attr:`preset` (``preset.toml``), :attr:`tokenizer`
+    (``tokenizer.json``), :attr:`weights` (the file of the final weights or of ``checkpoint``), :attr:`step` (the
+    checkpoint's, or the one the final weights' metadata records), :attr:`template` (a conversation run's chat
+    template, or None); :meth:`load` builds the model (adapters applied) once.
+
+    Args:
+        run_dir: a directory ``handle run`` created.
+        checkpoint: a step of ``checkpoints/``; None: the final ``model.safetensors``.
+
+    Raises:
+        RunDirError: not a run directory (no ``preset.toml``).
+    """
+
+    def __init__(self, run_dir: Path | str, checkpoint: int | None = None):
+        self.run_dir, self.checkpoint = Path(run_dir), checkpoint
+        if not (self.run_dir / PRESET_FILE).is_file():
+            raise RunDirError(f"{self.run_dir}: not a run directory (no {PRESET_FILE})")
+        self._loaded: dict[str, LoadedRun] = {}
+
+    @functools.cached_property
+    def preset(self) -> Any:
+        """The run's ``Preset``. Raises PresetError: it no longer validates (a plugin is missing)."""
+        from torch_handle.config.loader import load_preset
+
+        return load_preset(self.run_dir / PRESET_FILE)
+
+    @functools.cached_property
+    def tokenizer(self) -> Any:
+        """The run's ``tokenizers.Tokenizer``. Raises RunDirError: no ``tokenizer.json``, or an unreadable one."""
+        from tokenizers import Tokenizer
+
+        path = self.run_dir / TOKENIZER_FILE
+        if not path.is_file():
+            raise RunDirError(f"{self.run_dir}: no {TOKENIZER_FILE} (the run stopped before its data was built)")
+        try:
+            return Tokenizer.from_file(str(path))
+        except Exception as e:  # noqa: BLE001 - tokenizers raises its own Exception type
+            raise RunDirError(f"{path}: unreadable ({' '.join(str(e).split())})") from None
+
+    @functools.cached_property
+    def weights(self) -> Path:
+        """The weights' file. Raises CheckpointError: none, or an unsupported checkpoint format."""
+        return _weights_path(self.run_dir, self.checkpoint)
+
+    @functools.cached_property
+    def step(self) -> int | None:
+        """The step the weights are from: the checkpoint's, else the ``step`` the final weights' metadata holds."""
+        if self.checkpoint is not None:
+            return self.checkpoint
+        from safetensors import safe_open
+
+        with safe_open(str(self.weights), "pt") as f:
+            step = (f.metadata() or {}).get("step")
+        return int(step) if step and step.isdigit() else None
+
+    @functools.cached_property
+    def template(self) -> Any:
+        """A run fine-tuned on conversations: its chat template (``torch_handle.infer.chat.run_template``); None."""
+        from torch_handle.data.chat.template import TEMPLATE_FILE
+        from torch_handle.infer.chat import run_template
+
+        return run_template(self.run_dir) if (self.run_dir / TEMPLATE_FILE).is_file() else None
+
+    def load(self, device: str | torch.device = "cpu") -> LoadedRun:
+        """The run's model (eval mode, fp32) on ``device``, built once per device; the tokenizer file is checked
+        before anything is read.
+
+        Raises:
+            RunDirError: no or an unreadable run.json, no tokenizer.json, a model that is not the project's
+                Transformer.
+            PresetError: the run's preset.toml no longer validates.
+            CheckpointError: no weights, an unsupported checkpoint format, or weights that do not fit the model.
+        """
+        key = str(device)
+        if key in self._loaded:
+            return self._loaded[key]
+        from torch_handle.registry import get_registry
+
+        read_run_info(self.run_dir)
+        if not (self.run_dir / TOKENIZER_FILE).is_file():
+            raise RunDirError(f"{self.run_dir}: no {TOKENIZER_FILE} (the run stopped before its data was built)")
+        weights, preset, tokenizer = self.weights, self.preset, self.tokenizer
+        state = _read_weights(weights)
+        factory = get_registry().get("model", preset.model.name).factory
+        with torch.random.fork_rng(devices=[]):  # the run's initial weights: a LoRA run without init_from froze them
+            torch.manual_seed(preset.run.seed)
+            model = factory(preset.model.options, tokenizer.get_vocab_size(), PAD_ID, _max_len(state, preset, weights))
+        if not isinstance(model, (DecoderLM, EncoderDecoder)):
+            raise RunDirError(f"{self.run_dir}: model {preset.model.name!r} is not the project's Transformer")
+        prepare_model(model, preset, new_run=False, load_base=load_into)  # LoRA: the frozen base, then the adapters
+        try:
+            model.load_state_dict({k: v.float() for k, v in state.items()})
+        except RuntimeError as e:
+            first = next((line.strip() for line in str(e).splitlines()[1:] if line.strip()), str(e))
+            raise CheckpointError(f"{weights}: does not fit the run's model ({first})") from None
+        self._loaded[key] = LoadedRun(self.run_dir, model.to(device).eval(), tokenizer, preset, weights)
+        return self._loaded[key]
+
+
 def load_run(run_dir: Path | str, checkpoint: int | None = None, device: str | torch.device = "cpu") -> LoadedRun:
-    """Load a run directory's model, tokenizer and preset.
+    """Load a run directory's model, tokenizer and preset (:meth:`OpenedRun.load` of a run opened for it alone).
 
     Args:
         run_dir: a directory ``handle run`` created.
@@ -137,37 +241,7 @@ def load_run(run_dir: Path | str, checkpoint: int | None = None, device: str | t
         PresetError: the run's preset.toml no longer validates (a plugin is missing).
         CheckpointError: no weights, an unsupported checkpoint format, or weights that do not fit the model.
     """
-    from tokenizers import Tokenizer
-
-    from torch_handle.config.loader import load_preset
-    from torch_handle.registry import get_registry
-
-    run_dir = Path(run_dir)
-    read_run_info(run_dir)
-    if not (run_dir / PRESET_FILE).is_file():
-        raise RunDirError(f"{run_dir}: not a run directory (no {PRESET_FILE})")
-    if not (run_dir / TOKENIZER_FILE).is_file():
-        raise RunDirError(f"{run_dir}: no {TOKENIZER_FILE} (the run stopped before its data was built)")
-    weights = _weights_path(run_dir, checkpoint)
-    preset = load_preset(run_dir / PRESET_FILE)
-    try:
-        tokenizer = Tokenizer.from_file(str(run_dir / TOKENIZER_FILE))
-    except Exception as e:  # noqa: BLE001 - tokenizers raises its own Exception type
-        raise RunDirError(f"{run_dir / TOKENIZER_FILE}: unreadable ({' '.join(str(e).split())})") from None
-    state = _read_weights(weights)
-    factory = get_registry().get("model", preset.model.name).factory
-    with torch.random.fork_rng(devices=[]):  # the run's initial weights: a LoRA run without init_from froze them
-        torch.manual_seed(preset.run.seed)
-        model = factory(preset.model.options, tokenizer.get_vocab_size(), PAD_ID, _max_len(state, preset, weights))
-    if not isinstance(model, (DecoderLM, EncoderDecoder)):
-        raise RunDirError(f"{run_dir}: model {preset.model.name!r} is not the project's Transformer")
-    prepare_model(model, preset, new_run=False, load_base=load_into)  # LoRA: the frozen base, then the adapters
-    try:
-        model.load_state_dict({k: v.float() for k, v in state.items()})
-    except RuntimeError as e:
-        first = next((line.strip() for line in str(e).splitlines()[1:] if line.strip()), str(e))
-        raise CheckpointError(f"{weights}: does not fit the run's model ({first})") from None
-    return LoadedRun(run_dir, model.to(device).eval(), tokenizer, preset, weights)
+    return OpenedRun(run_dir, checkpoint).load(device)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from torch_handle.checkpoint import hf_dir
 from torch_handle.data.datasets import PAD_ID, SPECIAL_TOKENS
 from torch_handle.errors import CheckpointError, PresetError, RunDirError
 from torch_handle.finetune.lora import merge_lora
-from torch_handle.infer.generate import TOKENIZER_FILE, load_run
+from torch_handle.infer.generate import TOKENIZER_FILE, OpenedRun
 from torch_handle.model.hf_names import Inexpressible, Problem, to_hf_config, to_hf_state_dict
 from torch_handle.rundir import PRESET_FILE
 
@@ -67,8 +67,9 @@ def export_preset_errors(preset: Any) -> list[PresetError]:
                         f"{note}", key=key) for key, have, need, note in problems]
 
 
-def check_exportable(run_dir: Path) -> str:
-    """The Hugging Face architecture a run's model exports as (``LlamaForCausalLM``), from its preset alone.
+def check_exportable(run_dir: Path, preset: Any = None) -> str:
+    """The Hugging Face architecture a run's model exports as (``LlamaForCausalLM``), from its preset alone
+    (``preset``: the run's, already read).
 
     Raises:
         RunDirError: not a run directory.
@@ -79,25 +80,15 @@ def check_exportable(run_dir: Path) -> str:
     """
     from torch_handle.config.loader import load_preset
 
-    if not (run_dir / PRESET_FILE).is_file():
+    if preset is None and not (run_dir / PRESET_FILE).is_file():
         raise RunDirError(f"{run_dir}: not a run directory (no {PRESET_FILE})")
-    architecture, problems = export_problems(load_preset(run_dir / PRESET_FILE))
+    architecture, problems = export_problems(preset or load_preset(run_dir / PRESET_FILE))
     where = f"{run_dir}: cannot export to Hugging Face format"
     if architecture is None:
         raise CheckpointError(f"{where}: model.name = {problems[0][1]!r} ({HF_PLUGIN})")
     if problems:
         raise CheckpointError(f"{where}: {Inexpressible(architecture, problems)}")
     return architecture
-
-
-def _step(weights: Path, checkpoint: int | None) -> int | None:
-    if checkpoint is not None:
-        return checkpoint
-    from safetensors import safe_open
-
-    with safe_open(str(weights), "pt") as f:
-        step = (f.metadata() or {}).get("step")
-    return int(step) if step and step.isdigit() else None
 
 
 def chat_files(run_dir: Path, tokenizer: Any) -> dict[str, str]:
@@ -115,7 +106,7 @@ def chat_files(run_dir: Path, tokenizer: Any) -> dict[str, str]:
 
 
 def export_hf(run_dir: Path | str, out: Path | str, *, checkpoint: int | None = None, dtype: str = "float32",
-              force: bool = False, merge: bool = False) -> dict[str, Any]:
+              force: bool = False, merge: bool = False, run: OpenedRun | None = None) -> dict[str, Any]:
     """Write run ``run_dir``'s decoder as a Hugging Face model directory ``out``.
 
     Args:
@@ -127,6 +118,7 @@ def export_hf(run_dir: Path | str, out: Path | str, *, checkpoint: int | None = 
         force: replace ``out`` when it is a Hugging Face model directory already.
         merge: a LoRA run's adapters folded into its base (W + (α/r)·B·A; ``finetune.lora.merge_lora``): the
             adapted model as a plain one (``torch_handle.infer.adapter_export`` decides when).
+        run: ``run_dir`` opened already (its preset, tokenizer and weights read once for the whole export).
 
     Returns:
         ``{"directory", "format", "architecture", "model_type", "params", "dtype", "weights", "step", "files"}``
@@ -141,15 +133,16 @@ def export_hf(run_dir: Path | str, out: Path | str, *, checkpoint: int | None = 
     if dtype not in hf_dir.DTYPES:
         raise CheckpointError(f"dtype {dtype!r}: expected one of {', '.join(hf_dir.DTYPES)}")
     hf_dir.check_out(out, force)
-    check_exportable(run_dir)
-    loaded = load_run(run_dir, checkpoint)
+    run = run or OpenedRun(run_dir, checkpoint)
+    check_exportable(run_dir, run.preset)
+    loaded = run.load()
     if merge:
         merge_lora(loaded.model)
     args = loaded.model.args
     config = to_hf_config(args)
     state = to_hf_state_dict(loaded.model.state_dict(), args)
     specials = hf_dir.special_tokens(run_dir / TOKENIZER_FILE, ROLES)
-    step = _step(loaded.weights, checkpoint)
+    step = run.step
     weights = str(loaded.weights.relative_to(run_dir))
     files = hf_dir.write(out, config, state, run_dir / TOKENIZER_FILE, specials, dtype=dtype, force=force,
                          metadata={"source": str(run_dir.resolve()), "weights": weights, "step": str(step)},
