@@ -7,8 +7,10 @@ its trained tokens (the completion's) is the policy's ``s``. The reference model
 the same model with its LoRA adapters switched off (:func:`~torch_handle.finetune.lora.adapters_disabled`, no second
 copy; peft's ``disable_adapter`` as TRL and torchtune use it), in evaluation mode (no dropout), under ``no_grad``;
 or ``precomputed`` (:func:`precompute_reference`): computed once for every pair, from the model as built, before
-step 1 (TRL's ``precompute_ref_log_probs``; no reference model kept, so a full fine-tune has one too), and kept in
-the run directory (:data:`REFERENCE_FILE`) for a resume. The loss is the mean over pairs; a step's and an
+step 1 (TRL's ``precompute_ref_log_probs``; no reference model kept, so a full fine-tune has one too), kept in
+the run directory (:data:`REFERENCE_FILE`) for a resume and cached for other runs on the same data and base; or, for
+a full fine-tune, ``copy``: a frozen copy of the model as built, held like the policy
+(:mod:`~torch_handle.train.objectives.reference`). The loss is the mean over pairs; a step's and an
 evaluation's metrics are the means over the pairs of every data-parallel rank (their sums ride on the trainer's one
 all-reduce: :meth:`DirectPreference.attach`).
 """
