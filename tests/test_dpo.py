@@ -208,6 +208,13 @@ def test_two_ranks_give_the_single_process_losses_and_metrics(dpo_runs, run):
         assert [e[key] for e in steps] == pytest.approx([e[key] for e in single], abs=1e-4), key
     assert single[0]["trained_tokens"] == steps[0]["trained_tokens"] > 0
     assert single[0]["tokens"] == 4 * 2 * SEQ, "positions computed: 4 pairs of 2 rows"
+    # the evaluations at steps 0 and 10, over the same held-out pairs (the same trained tokens)
+    single, evals = ([e for e in _events(dpo_runs[key]) if e["kind"] == "eval"] for key in (("single", run[1]), run))
+    assert [(e["step"], e["tokens"]) for e in evals] == [(e["step"], e["tokens"]) for e in single]
+    assert [e["step"] for e in single] == [0, STEPS]
+    assert [e["val_loss"] for e in evals] == pytest.approx([e["val_loss"] for e in single], abs=1e-5)
+    for key in METRICS:
+        assert [e[key] for e in evals] == pytest.approx([e[key] for e in single], abs=1e-4), key
 
 
 @pytest.mark.dist
