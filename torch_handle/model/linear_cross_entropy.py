@@ -12,12 +12,16 @@
 
 Why: at Llama 3's vocabulary (128,256) and 2,048 tokens the fp32 logits alone are 1.05 GB a sequence, again for
 their gradient, plus the 16-bit copy the output layer writes under autocast. Here the working set is one chunk's
-logits (``chunk_rows`` rows: 256 MiB of fp32 on CUDA) plus the output weight's fp32 gradient and its copy in the
-compute dtype, both of which the full path also makes. Measured in docs/performance.md (``benchmarks/loss_memory.py``).
+logits and their gradient (``chunk_rows`` rows: at most 256 MiB of fp32 on CUDA and a quarter of the whole logits)
+plus the output weight's fp32 gradient, which the full path also makes and the step keeps; the weight's copy in the
+compute dtype only where it is small beside the logits (``cast_whole``), else one block of it at a time. Measured in
+docs/performance.md (``benchmarks/loss_memory.py``).
 
 Precision: the chunk's logits are computed in the compute dtype (autocast's, else the hidden states'), exactly as
 ``nn.Linear`` under autocast rounds them, then upcast to fp32 for the log-sum-exp; the gradients go back through the
-same dtype; the output weight's gradient is accumulated over the chunks in fp32. In fp32 the values equal the
+same dtype; the output weight's gradient is accumulated over the chunks in fp32; where the weight is read a block
+at a time, the hidden states' gradient is summed over the blocks in fp32, each block's product rounded to the
+compute dtype first (one product rounds once on the full path: within bf16's tolerance). In fp32 the values equal the
 whole-logits loss (``torch_handle.model.kernels.cross_entropy``) to rounding order (tests/unit/test_chunked_loss.py).
 
 Shape letters: N tokens (B·T flattened), C = d_model, V vocabulary, B batch, T sequence length. Only ``torch``

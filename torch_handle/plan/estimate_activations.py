@@ -47,19 +47,18 @@ def chunked_loss_bytes(tokens: int, vocab: int, width: int, dtype: Any, weight_d
                        ) -> int:
     """Bytes the chunked loss (``model.linear_cross_entropy``) holds beside what autograd saves, at a GPU's chunk:
     one chunk's fp32 logits and their gradient in ``dtype`` (``chunk_rows`` rows of ``vocab``), the (V, C) output
-    weight in ``dtype`` where it is cast whole (``cast_whole``; else one block of ``weight_rows`` rows), and the
-    hidden states' gradient (tokens x ``width`` x ``hidden_itemsize``), computed in forward and held until
-    backward. ``ActivationBytes.logits`` of a chunked row; ``benchmarks/loss_memory.py`` prints it against the
-    measured loss path."""
+    weight in ``dtype`` where it is cast whole (``cast_whole``; the block a chunk casts otherwise is read after the
+    chunk's fp32 logits are freed, and is smaller), and the hidden states' gradient (tokens x ``width`` x
+    ``hidden_itemsize``), computed in forward and held until backward. ``ActivationBytes.logits`` of a chunked row;
+    ``benchmarks/loss_memory.py`` prints it against the measured loss path."""
     import torch
 
-    from torch_handle.model.linear_cross_entropy import cast_whole, chunk_rows, weight_rows
+    from torch_handle.model.linear_cross_entropy import cast_whole, chunk_rows
 
     rows, itemsize = chunk_rows(tokens, vocab, "cuda"), dtype.itemsize
     weight = torch.empty((vocab, width), dtype=weight_dtype, device="meta")
-    copy = vocab if cast_whole(tokens, weight, dtype) and weight_dtype != dtype else 0
-    block = 0 if copy or weight_dtype == dtype else weight_rows(vocab, width, "cuda")
-    return rows * vocab * (4 + itemsize) + (copy + block) * width * itemsize + tokens * width * hidden_itemsize
+    copy = vocab * width * itemsize if weight_dtype != dtype and cast_whole(tokens, weight, dtype) else 0
+    return rows * vocab * (4 + itemsize) + copy + tokens * width * hidden_itemsize
 
 
 def saved_activation_bytes(run_forward_backward: Callable[[], Any], model: torch.nn.Module | None = None) -> int:
