@@ -185,7 +185,7 @@ def _objective(preset: Preset, registry: Any) -> Iterator[PresetError]:
 
 
 COPY_SHARDED = {"single": "a plain copy", "ddp": "a plain copy on every rank", "scratch-ddp": "a plain copy on "
-                "every rank", "deepspeed": "a plain copy (ZeRO-1/2 keep every parameter)", "fsdp": "fully_shard"}
+                "every rank", "deepspeed": "a plain copy: ZeRO-1/2 keep every parameter", "fsdp": "fully_shard"}
 """The strategies under which ``[finetune.preference] reference = "copy"`` runs, and how the copy is held."""
 
 
