@@ -1,8 +1,8 @@
 """Context parallelism through `handle run` (issue 48): a tiny Llama-shaped decoder (RMSNorm, RoPE, SwiGLU, 4 query
 heads on 2 key/value heads) on packed documents with document masks, fp32, 10 steps of 8 sequences of 32 tokens.
-cp 2 by ring and by all-gather (DDP, 2 processes) and dp 2 × cp 2 by Ulysses (FSDP2 sharding over the 4 dp × cp
-ranks) give the one-process losses and gradient norms within 1e-5 at every step, and the cp 2 ring run's step-5
-checkpoint resumed at cp 1 (one process) continues them.
+cp 2 by ring (DDP) and by all-gather (DeepSpeed ZeRO-2), 2 processes each, and dp 2 × cp 2 by Ulysses (FSDP2
+sharding over the 4 dp × cp ranks) give the one-process losses and gradient norms within 1e-5 at every step, and
+the cp 2 ring run's step-5 checkpoint resumed at cp 1 (one process) continues them.
 
 The corpus is 240 text files of 2-30 words, one document each, so nearly every 32-token window holds several
 documents (the mask changes the loss: without it the first step's is 6.68, with it 6.57), and a shard's tokens come
@@ -33,12 +33,12 @@ RUNS = {
     "one": (),
     "cp2-ring": ("--set", "launch.nproc_per_node=2", "--set", "strategy.name=ddp", "--set", "parallel.cp=2",
                  "--set", "parallel.cp_impl=ring", "--set", "training.checkpoint_every=5"),
-    "cp2-allgather": ("--set", "launch.nproc_per_node=2", "--set", "strategy.name=ddp", "--set", "parallel.cp=2",
-                      "--set", "parallel.cp_impl=allgather"),
+    "cp2-allgather-zero2": ("--set", "launch.nproc_per_node=2", "--set", "strategy.name=deepspeed",
+                            "--set", "strategy.zero_stage=2", "--set", "parallel.cp=2", "--set", "parallel.cp_impl=allgather"),
     "dp2xcp2-ulysses": ("--set", "launch.nproc_per_node=4", "--set", "strategy.name=fsdp", "--set", "parallel.cp=2",
                         "--set", "parallel.cp_impl=ulysses", "--set", "training.grad_accum=1"),
 }
-LABELS = {"cp2-ring": "dp 1 × cp 2 (ddp; cp ring)", "cp2-allgather": "dp 1 × cp 2 (ddp; cp allgather)",
+LABELS = {"cp2-ring": "dp 1 × cp 2 (ddp; cp ring)", "cp2-allgather-zero2": "dp 1 × cp 2 (deepspeed ZeRO-2; cp allgather)",
           "dp2xcp2-ulysses": "dp 2 × cp 2 (fsdp; cp ulysses)"}
 
 
@@ -83,7 +83,7 @@ def _assert_steps_equal(one: dict[int, dict], split: dict[int, dict], steps: lis
             assert abs(got - want) <= 1e-5 * abs(want), (name, step, key, got, want)
 
 
-@pytest.mark.parametrize("name", ["cp2-ring", "cp2-allgather", "dp2xcp2-ulysses"])
+@pytest.mark.parametrize("name", ["cp2-ring", "cp2-allgather-zero2", "dp2xcp2-ulysses"])
 def test_context_parallel_layouts_train_as_one_process(runs, name) -> None:
     one, split = _steps(runs["one"]), _steps(runs[name])
     _assert_steps_equal(one, split, list(range(1, 11)), name)

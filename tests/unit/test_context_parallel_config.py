@@ -25,7 +25,7 @@ dropout = 0.1
 [data]
 seq_len = 30
 [strategy]
-name = "deepspeed"
+name = "scratch-ddp"
 [parallel]
 cp = 4
 cp_impl = "ulysses"
@@ -57,7 +57,8 @@ def test_every_context_parallel_problem_is_one_line(runner, tmp_path):
         "model.n_heads = 8 and n_kv_heads = 2 must both divide by it (valid: ring, allgather)"),
         ("error: p.toml:17: parallel.pp: parallel.cp > 1 does not compose with a pipeline yet (valid with cp > 1: "
         "parallel.pp = 1)"),
-        "error: p.toml:13: strategy.name: 'deepspeed' with parallel.cp > 1 is not supported yet (valid: ddp, fsdp)",
+        ("error: p.toml:13: strategy.name: 'scratch-ddp' with parallel.cp > 1 is not supported yet (valid: ddp, "
+         "fsdp, deepspeed)"),
         ("error: p.toml:9: model.dropout: 0.1: the context-parallel attentions apply no attention dropout (valid "
         "with parallel.cp > 1: 0)"),
     ]

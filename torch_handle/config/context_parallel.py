@@ -3,7 +3,7 @@ preset with cp > 1 (one line each, before anything starts; :data:`torch_handle.c
 :func:`context_parallel_problems`).
 
 Context parallelism splits each sequence over cp ranks (docs/context-parallel.md). In this version it composes
-with data parallelism only -- DDP or FSDP2, which reduce (and FSDP2 shards) over dp × cp, torchtitan's
+with data parallelism only -- DDP, FSDP2 or DeepSpeed ZeRO, which reduce (and shard) over dp × cp, torchtitan's
 ``dp_shard_cp`` -- under the ``lm`` objective, for the from-scratch decoder. What it refuses, and why:
 
 * ``seq_len`` not divisible by 2 × cp × tp: head-tail balancing cuts every sequence into 2 × cp chunks;
@@ -28,9 +28,11 @@ from torch_handle.errors import PresetError
 IMPLS = ("ring", "allgather", "ulysses")
 """The hand-written context-parallel attentions (``torch_handle/parallel/context/``)."""
 
-STRATEGIES = ("ddp", "fsdp")
-"""The data-parallel strategies that run with cp > 1: their gradients are reduced (and FSDP2's parameters sharded)
-over the dp × cp ranks, the default process group, and their clipping measures the whole model's norm."""
+STRATEGIES = ("ddp", "fsdp", "deepspeed")
+"""The data-parallel strategies that run with cp > 1: their gradients are reduced (and FSDP2's and ZeRO's parameters,
+gradients or optimizer states sharded) over the dp × cp ranks, the default process group, and their clipping
+measures the whole model's norm. The hand-written scratch-ddp divides by the data-parallel degree and scratch-fsdp
+clips inside its step: not yet."""
 
 
 def chosen_cp_impl(requested: str, document_mask: bool) -> str:

@@ -19,9 +19,10 @@ The loss of a micro-batch is this rank's sum over the labelled tokens of the who
 average over the dp × cp ranks is each replica's token mean (Megatron-LM and torchtitan divide by the global count
 the same way), and the trainer's sums over ranks are the step's loss · tokens and tokens.
 
-The model is not split: the data-parallel strategy (DDP or FSDP2) holds it over the dp × cp ranks, reduces the
-gradients over all of them (and FSDP2 shards over them, torchtitan's ``dp_shard_cp``), clips and checkpoints it as
-it would without cp; its checkpoint is already a whole model's, so a cp 2 run resumes at cp 1 (or under another
+The model is not split: the data-parallel strategy (DDP, FSDP2 or DeepSpeed ZeRO) holds it over the dp × cp ranks,
+reduces the gradients over all of them (and FSDP2 and ZeRO shard over them, torchtitan's ``dp_shard_cp``), clips
+and checkpoints it as it would without cp (DeepSpeed clips inside its step; its norm reaches the step event through
+:meth:`ContextParallel.step_stats`); its checkpoint is already a whole model's, so a cp 2 run resumes at cp 1 (or under another
 strategy) through the strategy's own load or the portable form.
 """
 
@@ -77,6 +78,7 @@ class ContextParallel(PortableShare):
         self.ctx, self.cp, self.rank = ctx, ctx.layout.cp, ctx.cp_rank
         self.group = ctx.cp_mesh["cp"].get_group()
         self.strategy: Any = None
+        self._engine: Any = None
         self.tokens: Tokens | None = None
         """The local tokens' positions and documents (B, T/cp) of the micro-batch in the model now."""
         self.order: Tensor | None = None
@@ -108,6 +110,7 @@ class ContextParallel(PortableShare):
         """Work with ``strategy``: it clips in :meth:`before_step`, whose norm the trainer reports. Returns self."""
         self.strategy = strategy
         strategy.clips_gradients = False
+        self._engine = getattr(strategy, "engine", None)  # DeepSpeed: ZeRO's partitioned gradients are its own
         return self
 
     # -- each micro-batch ----------------------------------------------------------------------------------------
@@ -143,7 +146,10 @@ class ContextParallel(PortableShare):
 
     def before_step(self, max_norm: float) -> float:
         """Clip by the strategy's own norm (DDP: the replicated gradients'; FSDP2: over its shards), then leave the
-        step to it. Returns the norm before clipping (``max_norm`` is the strategy's ``training.grad_clip``)."""
+        step to it. Returns the norm before clipping (``max_norm`` is the strategy's ``training.grad_clip``); NaN
+        for DeepSpeed, whose engine reduces and clips inside its step (:meth:`step_stats` reports its norm)."""
+        if self._engine is not None:
+            return float("nan")
         self.strategy.clips_gradients = True
         try:
             return float(self.strategy.clip_grad_norm())
@@ -155,6 +161,9 @@ class ContextParallel(PortableShare):
         pairs of the step's last micro-batch (:func:`~torch_handle.parallel.context.sharding.imbalance`; 1.0 is
         perfect balance)."""
         out: dict[str, Any] = {"layout": self.ctx.layout.describe(), "cp_impl": self.impl}
+        if self._engine is not None:  # the norm the engine measured in the step that just ran
+            norm = self._engine.get_global_grad_norm()
+            out["grad_norm"] = float(norm) if norm is not None else float("nan")
         if self.order is not None:
             out["cp_imbalance"] = round(imbalance(attention_pairs(self.order, self.cp, self.documents)), 4)
         return out
