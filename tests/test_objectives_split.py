@@ -119,5 +119,6 @@ def test_a_split_model_gives_the_single_process_losses(runs, name):
     assert len([e for e in reference if e["kind"] == "step"]) == STEPS
     # rel: a row's summed log-probability is some -250 nats, which fp32 holds to 1.5e-5
     assert _values(runs[name], keys) == pytest.approx(_values(reference, keys), rel=1e-7, abs=1e-5)
-    assert [e.get("tokens") for e in runs[name]] == [e.get("tokens") for e in reference]  # trained tokens, counted once
+    for key in ("tokens", "trained_tokens"):  # counted once per TP group and pipeline
+        assert [e.get(key) for e in runs[name]] == [e.get(key) for e in reference], key
     assert reference[1]["loss"] != pytest.approx(reference[-2]["loss"], abs=1e-3)  # it trains
