@@ -15,6 +15,21 @@ import click
 
 from handle_cli.common import fail
 
+
+def tasks_line(event: dict[str, Any]) -> str:
+    """A ``tasks`` event (in-loop evaluation, ``[eval]``) as one console line: ``step 2: tasks cloze acc 0.250
+    acc_norm 0.500 | answers exact_match,strip 0.000 (1.6 s)``; names and metrics cleaned of control characters."""
+    from torch_handle.common.text import clean
+
+    scores = event.get("scores") if isinstance(event.get("scores"), dict) else {}
+    parts = [clean(str(task), 80) + "".join(f" {clean(str(m), 40)} {v:.3f}" for m, v in metrics.items()
+                                            if isinstance(v, (int, float)) and not isinstance(v, bool))
+             for task, metrics in scores.items() if isinstance(metrics, dict)]
+    seconds = event.get("seconds")
+    took = f" ({seconds:.1f} s)" if isinstance(seconds, (int, float)) else ""
+    return f"step {event.get('step')}: tasks {' | '.join(parts) or '-'}{took}"
+
+
 TASK_OPTIONS = ("num_fewshot", "limit", "batch_size", "include_paths", "log_samples")
 """The options that mean something only with --tasks."""
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import click
 
 from handle_cli.common import EXIT_FAILED, EXIT_FINISHED, EXIT_STOPPED
+from handle_cli.eval_tasks import tasks_line
 from torch_handle.config.loader import Preset
 from torch_handle.errors import RunDirError
 from torch_handle.launch.run import Interrupt, SupervisedRun
@@ -159,6 +160,8 @@ def supervise(preset: Preset, run_dir: Path, *, quiet: bool = False) -> int:
                                + f"{clean(event['level'])}: {clean(event.get('message', ''))}")
                 elif event.get("kind") == Kind.EVAL and not tty:
                     click.echo(f"step {event.get('step')}: val loss {_fmt_loss(event.get('val_loss'))}")
+                elif event.get("kind") == Kind.TASKS:  # an in-loop evaluation's scores ([eval]): seldom, worth a line
+                    click.echo(("\r\033[K" if tty else "") + tasks_line(event))
                 elif event.get("kind") == Kind.HANG:  # the watchdog's (launch.hang_timeout_s): where ranks wait
                     click.echo(("\r\033[K" if tty else "") + f"error: {clean(event.get('message', 'hang'))}")
             now = time.monotonic()

@@ -52,6 +52,7 @@ def run(tmp_path_factory) -> Path:
     out = subprocess.run([sys.executable, "-m", "handle_cli", "run", str(preset)], capture_output=True, text=True,
                          timeout=400, check=False)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    (root / "stdout.txt").write_text(out.stdout)
     return Path(next(ln for ln in out.stdout.splitlines() if ln.startswith("run directory: ")).split(": ", 1)[1])
 
 
@@ -61,6 +62,9 @@ def test_each_rank_scores_half_and_the_scores_equal_handle_eval(run: Path) -> No
     events = _events(run, "tasks")
     assert [e["step"] for e in events] == [1, 2]
     assert not [e for e in _events(run, "log") if e.get("level") == "warning" and "eval.tasks" in e["message"]]
+    printed = (run.parent.parent / "stdout.txt").read_text()  # handle run prints each evaluation's scores
+    cloze = events[1]["scores"]["handle_wikitext_cloze"]
+    assert f"step 2: tasks handle_wikitext_cloze acc {cloze['acc']:.3f} acc_norm {cloze['acc_norm']:.3f} |" in printed
     # handle runs shows the newest evaluation: the in-loop one of step 2, its file tagged with the step
     listed = CliRunner().invoke(cli, ["runs", str(run.parent), "--json"])
     assert listed.exit_code == 0, listed.output
