@@ -73,8 +73,11 @@ def test_the_estimate_prices_what_a_dpo_micro_batch_saves(prepared):
 
     saved = saved_activation_bytes(step, model)
     # the estimate's loss is the token mean over the 2B rows; the pair loss adds its own (B,) tensors (the sigmoid
-    # loss: 4 fp32 a pair, 32 bytes here), which the estimate leaves out: ≤ 16 bytes a pair of 1.3 MB
-    assert 0 <= saved - row.activation.saved <= 16 * PAIRS, (row.activation.saved, saved)
+    # loss: 4 fp32 a pair, 32 bytes here), and the CPU's chunked per-row cross-entropy (kernels.token_cross_entropy)
+    # its (2B·T,) bool mask of labelled positions and their count beside what F.cross_entropy saves; the estimate
+    # leaves both out: ≤ 16 bytes a pair and 1 byte a position (+ 8) of 1.3 MB
+    extra = 16 * PAIRS + 2 * PAIRS * SEQ + 8
+    assert 0 <= saved - row.activation.saved <= extra, (row.activation.saved, saved)
     lm = estimate_preset(load_preset(prepared / "dpo.toml", ["finetune.objective=lm"]), registry, [1])[0]
     assert row.activation.saved > 1.9 * lm.activation.saved  # twice the rows (the lm row adds no pair tail)
     assert row.activation.logits == 2 * lm.activation.logits == 2 * PAIRS * SEQ * model.lm_head.weight.shape[0] * 4
@@ -125,3 +128,19 @@ def test_the_estimate_prices_each_reference(prepared):
     assert result.exit_code == 0, result.output
     assert "the reference (copy) is a frozen copy of the model held as the strategy holds the policy's " \
            "parameters" in " ".join(result.output.split())
+
+
+def test_the_estimate_prices_dpo_under_tp_and_pp(prepared):
+    """tp 2: each TP rank holds half the vocabulary's logits of the micro-batch's 2B rows; pp 2: the last stage
+    holds the logits of a pipeline micro-batch's rows, two per pair (the first stage none)."""
+    registry = get_registry()
+
+    def rows(*overrides: str):
+        preset = load_preset(prepared / "dpo.toml", ["model.n_layers=2", "launch.nproc_per_node=2",
+                                                     "strategy.name=ddp", *overrides])
+        return estimate_preset(preset, registry, [2])
+
+    whole, (tp,) = rows()[0], rows("parallel.tp=2")
+    assert tp.activation.logits * 2 == whole.activation.logits == 2 * PAIRS * SEQ * 302 * 4
+    first, last = rows("parallel.pp=2", "training.grad_accum=2")  # m = 2 micro-batches of B pairs
+    assert (first.activation.logits, last.activation.logits) == (0, whole.activation.logits)
