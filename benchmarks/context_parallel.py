@@ -1,6 +1,8 @@
-"""Context parallelism measured (a first version: the algorithms, not yet a training run; docs/context-parallel.md).
+"""Context parallelism measured: the algorithms' balance and speed, and a run's memory per rank as ``handle
+estimate`` prices it (docs/context-parallel.md).
 
     python benchmarks/context_parallel.py [--seq-lens 512 1024 2048] [--ranks 4] [--iters 3] [--balance-len 131072]
+                                          [--memory-preset presets/long-context.toml --memory-len 8192 --budget 4GiB]
 
 1. Balance: the attention work per rank (unmasked query-key pairs, ``sharding.attention_pairs``) as max ÷ mean over
    the cp ranks, for a causal sequence of ``--balance-len`` tokens and for packed documents of random lengths
@@ -11,6 +13,11 @@
    median over ``--iters`` iterations after one warm-up of the slowest rank's wall time, and of the slowest rank's
    CPU time (what it computed, not what it waited: steadier on a shared machine); beside them the same attention
    on one process (the ring's kernel at cp 1, the whole sequence).
+3. Memory: ``handle estimate``'s bytes per rank for ``--memory-preset`` at ``--memory-len`` tokens, cp 1, 2 and 4
+   (cp 1: one process; cp > 1: cp ranks, dp 1, the preset's strategy; bf16): activations on fake tensors at seq_len / cp
+   plus the attention's buffers (``plan/estimate_cp.py``; against a run's measured activations: +4 to +11% fp32,
+   +10 to +15% bf16, docs/context-parallel.md), and the longest power-of-two seq_len whose device total fits
+   ``--budget`` per rank. Skipped with ``--memory-len 0``.
 
 A table for people, then one JSON line per row.
 """
@@ -146,14 +153,58 @@ def speed_rows(seq_lens: list[int], world_size: int, iters: int) -> list[dict]:
     return rows
 
 
+def _estimate(preset_path: str, seq_len: int, cp: int):
+    from torch_handle.config.loader import load_preset
+    from torch_handle.plan.estimate import estimate_preset
+    from torch_handle.registry import get_registry
+
+    overrides = [f"data.seq_len={seq_len}", f"parallel.cp={cp}", f"launch.nproc_per_node={cp}",
+                 "training.precision=bf16"]
+    preset = load_preset(preset_path, overrides + (["strategy.name=single"] if cp == 1 else []))
+    return estimate_preset(preset, get_registry(), [cp])[0]
+
+
+def memory_rows(preset_path: str, seq_len: int, cps: list[int], budget: int) -> list[dict]:
+    """One row per cp: the estimate at ``seq_len`` and the longest power-of-two seq_len that fits ``budget``."""
+    rows = []
+    for cp in cps:
+        est = _estimate(preset_path, seq_len, cp)
+        fits, n = None, 2 * cp * 64
+        while n <= 1 << 22 and _estimate(preset_path, n, cp).device_bytes <= budget:
+            fits, n = n, n * 2
+        rows.append({"bench": "memory", "seq_len": seq_len, "cp": cp, "cp_impl": est.cp_impl,
+                     "activation_bytes": est.activation.total, "cp_buffer_bytes": est.cp_buffer_bytes or 0,
+                     "device_bytes": est.device_bytes, "budget_bytes": budget, "longest_fitting_seq_len": fits})
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seq-lens", type=int, nargs="+", default=[512, 1024, 2048])
+    parser.add_argument("--seq-lens", type=int, nargs="*", default=[512, 1024, 2048],
+                        help="speed at these seq_lens (none: no speed measurement)")
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--iters", type=int, default=3)
     parser.add_argument("--balance-len", type=int, default=131072)
     parser.add_argument("--balance-cps", type=int, nargs="+", default=[2, 4, 8])
+    parser.add_argument("--memory-preset", default=str(Path(__file__).resolve().parents[1] / "presets" /
+                                                       "long-context.toml"))
+    parser.add_argument("--memory-len", type=int, default=8192)
+    parser.add_argument("--budget", default="4GiB", help="device bytes per rank for the longest seq_len that fits")
     args = parser.parse_args()
+
+    memory: list[dict] = []
+    if args.memory_len:
+        from torch_handle.common.units import parse_bytes
+
+        memory = memory_rows(args.memory_preset, args.memory_len, [1, 2, 4], parse_bytes(args.budget))
+        print(f"bytes per rank, {Path(args.memory_preset).name} at seq_len {args.memory_len} (handle estimate)")
+        print(f"{'cp':>3} {'impl':>9} {'activations':>12} {'buffers':>9} {'device':>12} {'vs cp 1':>8} "
+              f"{'longest seq_len in ' + args.budget:>26}")
+        for r in memory:
+            print(f"{r['cp']:>3} {r['cp_impl'] or '-':>9} {r['activation_bytes'] / 2**20:>10.1f}Mi "
+                  f"{r['cp_buffer_bytes'] / 2**20:>7.1f}Mi {r['device_bytes'] / 2**20:>10.1f}Mi "
+                  f"{r['activation_bytes'] / memory[0]['activation_bytes']:>8.2f} {r['longest_fitting_seq_len']:>26}")
+        print()
 
     balance = balance_rows(args.balance_len, args.balance_cps)
     print(f"attention work per rank, max ÷ mean (seq_len {args.balance_len}, causal)")
@@ -161,8 +212,16 @@ def main() -> None:
     for r in balance:
         print(f"{r['cp']:>3} {r['mask']:<21} {r['documents']:>9} {r['contiguous']:>10.3f} "
               f"{r['head_tail_whole']:>15.3f} {r['head_tail_per_document']:>12.3f}")
-    speed = speed_rows(args.seq_lens, args.ranks, args.iters)
-    print(f"\nforward + backward ms, slowest of {args.ranks} ranks (gloo, 1 thread each), H {N_HEADS}, H_kv "
+    speed = speed_rows(args.seq_lens, args.ranks, args.iters) if args.seq_lens else []
+    if speed:
+        _print_speed(speed, args.ranks)
+    print()
+    for r in memory + balance + speed:
+        print(json.dumps(r))
+
+
+def _print_speed(speed: list[dict], ranks: int) -> None:
+    print(f"\nforward + backward ms, slowest of {ranks} ranks (gloo, 1 thread each), H {N_HEADS}, H_kv "
           f"{N_KV_HEADS}, D {HEAD_DIM}, fp32, causal")
     print("(wall ms / the slowest rank's CPU ms: what it computed, without waiting)")
     print(f"{'seq_len':>7} " + " ".join(f"{v:>15}" for v in ("1 process", *VARIANTS)))
@@ -170,9 +229,6 @@ def main() -> None:
         cells = [f"{r[v + '_ms']:.0f} / {r[v + '_cpu_ms']:.0f}"
                  for v in ("one_process", *(v.replace(" ", "_") for v in VARIANTS))]
         print(f"{r['seq_len']:>7} " + " ".join(f"{c:>15}" for c in cells))
-    print()
-    for r in balance + speed:
-        print(json.dumps(r))
 
 
 if __name__ == "__main__":
