@@ -140,6 +140,10 @@ def test_a_failing_task_is_a_warning_and_the_others_are_scored(run: Path, tmp_pa
     assert short.run(third) is None and model.training
     (warning,) = [e for e in third.events.emitted if e["kind"] == "log"]
     assert warning["message"].startswith("eval.tasks at step 3: DataError: a continuation of"), warning
+    shots = InLoopTasks(EvalConfig(tasks=["handle_wikitext_cloze"], limit=2, num_fewshot=1,
+                                   include_paths=[str(TASKS_DIR)]))
+    model.args = dataclasses.replace(model.args, max_len=128)
+    assert shots.run(trainer(3))["n-shot"] == {"handle_wikitext_cloze": 1}  # the harness got num_fewshot
     split = trainer(4)
     split.share = object()  # a tp/pp/ep/cp share: the ranks hold parts of the model
     assert tasks.due(4, last=True) and tasks.run(split) is None and not tasks.due(5, last=True)

@@ -399,6 +399,9 @@ class EvalConfig:
     """Directories of local task YAML files (the harness's ``--include_path``), relative to the working directory."""
     batch_size: int = param(16, ge=1)
     """Requests per forward."""
+    num_fewshot: int | None = param(None, ge=0)
+    """Examples from the task's few-shot split put before each question (the harness's ``--num_fewshot``); unset:
+    the task's own setting."""
 
     def check(self) -> Iterator[InvalidValue]:
         if not self.tasks:

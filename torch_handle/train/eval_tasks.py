@@ -83,7 +83,7 @@ class InLoopTasks:
     """The ``[eval]`` table's tasks, scored by :meth:`maybe_run` at the steps it names (every rank calls it).
 
     Args:
-        config: the preset's ``[eval]`` table (tasks, every, limit, include_paths, batch_size).
+        config: the preset's ``[eval]`` table (tasks, every, limit, include_paths, batch_size, num_fewshot).
     """
 
     def __init__(self, config: EvalConfig):
@@ -186,7 +186,8 @@ class InLoopTasks:
         lm = HandleLM(model, self._tokenizer, batch_size=self.config.batch_size, group=group)
         loaded = LoadedRun(trainer.run_dir, model, self._tokenizer, trainer.preset, trainer.run_dir / "checkpoints")
         results = downstream.evaluate_run(loaded, list(tasks), manager, limit=self.config.limit,
-                                          batch_size=self.config.batch_size, step=step, tasks=tasks, lm=lm)
+                                          num_fewshot=self.config.num_fewshot, batch_size=self.config.batch_size,
+                                          step=step, tasks=tasks, lm=lm)
         counts = lm.gather_object(dict(lm.counts)) if group is not None else [dict(lm.counts)]
         if results is None:  # not rank 0
             return None
