@@ -142,12 +142,28 @@ def check_vocabulary(options: TokensConfig, preset: Any) -> Iterator[InvalidValu
         except DataError:
             continue  # the pre-flight reports it
         extends = prepared.meta["tokenizer"].get("extends") or {}
+        added = extends.get("added") or {}
+        if extends and isinstance(theirs, int) and ours > theirs and _drifting_reference(preset):
+            yield InvalidValue("path" if options.path else "sources",
+                               f"{path}: adds {', '.join(sorted(added, key=added.get))} to model.init_from's "
+                               f"tokenizer, so LoRA trains embed_tokens and lm_head whole, and the adapters_off "
+                               f"reference would move with them: give finetune.preference.reference = "
+                               f"'precomputed', or tune on conversations first and run DPO on that export")
         if isinstance(theirs, int) and extends.get("vocab_size", ours) <= theirs:
             continue  # a chat template's tokens added to the base's tokenizer: the run grows the base's rows
         if isinstance(theirs, int) and ours > theirs:
             yield InvalidValue("path" if options.path else "sources",
                                f"{path}: a vocabulary of {ours} tokens, more than model.init_from's {theirs} "
                                f"({config}): prepare with the base's tokenizer")
+
+
+def _drifting_reference(preset: Any) -> bool:
+    """A DPO run whose reference is the policy with its adapters off: the embedding and output rows a grown
+    vocabulary trains (:mod:`torch_handle.finetune.vocab`) are no adapter, so that reference would not stay the
+    model as built."""
+    finetune = preset.finetune
+    return getattr(finetune, "objective", "lm") == "dpo" and finetune.method in ("lora", "qlora") and \
+        finetune.preference.resolved(finetune.method) == "adapters_off"
 
 
 def check_objective(options: TokensConfig, preset: Any) -> Iterator[InvalidValue]:

@@ -244,3 +244,26 @@ def test_qlora_and_a_full_fine_tune_train_and_export_the_new_rows(grown, tmp_pat
     run_dir, ids, want, _ = _trained(tmp_path, grown, method, process_group)
     export_hf(run_dir, tmp_path / "hf", merge=method == "qlora")
     assert torch.allclose(_hf_logits(tmp_path / "hf", ids), want, rtol=0, atol=1e-5)
+
+
+def test_dpo_with_an_adapters_off_reference_on_a_grown_vocabulary_is_refused(grown):
+    """The embedding and output rows train whole under LoRA, and adapters_off does not switch them off: that
+    reference would drift. One line; a precomputed reference (the model as built) is accepted."""
+    from torch_handle.data.chat.pairs import prepare_preference
+    from torch_handle.errors import PresetError
+
+    base, data, _ = grown
+    chats = _conversations()
+    rows = data.parent / "pairs.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": c[-2]["content"], "chosen": c[-1]["content"],
+                                        "rejected": chats[i - 1][-1]["content"]}) + "\n"
+                            for i, c in enumerate(chats)), encoding="utf-8")
+    pairs = data.parent / "pairs"
+    assert prepare_preference([str(rows)], pairs, tokenizer=base, template="chatml", valid_fraction=0.25,
+                              max_len=SEQ)["added_tokens"]
+    path = _preset_file(data.parent / "dpo", base, pairs)
+    path.write_text(path.read_text().replace('objective = "sft"', 'objective = "dpo"'), encoding="utf-8")
+    with pytest.raises(PresetError, match=r"adds <\|im_start\|>, <\|im_end\|> to model.init_from's tokenizer, so "
+                                          r"LoRA trains embed_tokens and lm_head whole.*'precomputed'"):
+        load_preset(path)
+    assert load_preset(path, ["finetune.preference.reference=precomputed"]).finetune.method == "lora"
