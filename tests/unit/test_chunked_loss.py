@@ -244,9 +244,11 @@ def test_the_estimate_prices_the_loss_path_the_run_takes(monkeypatch):
     assert full.saved - chunked.saved >= tokens * vocab * 4  # the log-probabilities the full loss keeps
     # bf16 autocast over fp32 weights (Llama 3's head): the whole bf16 copy of the weight only from 4·C tokens
     bf16, fp32, C, V = torch.bfloat16, torch.float32, 2048, 128_256
-    for n, weight_part in ((2048, 0), (8192, V * C * 2)):
+    for n, weight_part in ((2048, 0), (8192, V * C * 2)):  # the chunk's bf16 gradient outweighs two blocks here
         assert chunked_loss_bytes(n, V, C, bf16, fp32, 4) == (lce.chunk_rows(n, V, "cuda") * V * 6 + weight_part
                                                                + n * C * 4)
+    two_blocks = 2 * lce.weight_rows(32_000, C, "cuda") * C * 2  # at 32,000 two blocks outweigh the gradient
+    assert chunked_loss_bytes(2048, 32_000, C, bf16, fp32, 4) == 512 * 32_000 * 4 + two_blocks + 2048 * C * 4
     assert chunked_loss_bytes(2048, V, C, bf16, bf16, 2) == lce.chunk_rows(2048, V, "cuda") * V * 6 + 2048 * C * 2
 
 

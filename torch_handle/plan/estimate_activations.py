@@ -46,19 +46,22 @@ __all__ = ["ActivationBytes", "PartSaved", "activation_bytes", "chunked_loss_byt
 def chunked_loss_bytes(tokens: int, vocab: int, width: int, dtype: Any, weight_dtype: Any, hidden_itemsize: int
                        ) -> int:
     """Bytes the chunked loss (``model.linear_cross_entropy``) holds beside what autograd saves, at a GPU's chunk:
-    one chunk's fp32 logits and their gradient in ``dtype`` (``chunk_rows`` rows of ``vocab``), the (V, C) output
-    weight in ``dtype`` where it is cast whole (``cast_whole``; the block a chunk casts otherwise is read after the
-    chunk's fp32 logits are freed, and is smaller), and the hidden states' gradient (tokens x ``width`` x
+    one chunk's fp32 logits (``chunk_rows`` rows of ``vocab``) and beside them the larger of their gradient in
+    ``dtype`` and, where the weight is read a block at a time (not ``cast_whole``), twice a block of ``weight_rows``
+    rows in ``dtype`` (the cast block and what its product with the chunk takes while the logits are filled); the
+    (V, C) weight in ``dtype`` where it is cast whole; and the hidden states' gradient (tokens x ``width`` x
     ``hidden_itemsize``), computed in forward and held until backward. ``ActivationBytes.logits`` of a chunked row;
     ``benchmarks/loss_memory.py`` prints it against the measured loss path."""
     import torch
 
-    from torch_handle.model.linear_cross_entropy import cast_whole, chunk_rows
+    from torch_handle.model.linear_cross_entropy import cast_whole, chunk_rows, weight_rows
 
     rows, itemsize = chunk_rows(tokens, vocab, "cuda"), dtype.itemsize
     weight = torch.empty((vocab, width), dtype=weight_dtype, device="meta")
-    copy = vocab * width * itemsize if weight_dtype != dtype and cast_whole(tokens, weight, dtype) else 0
-    return rows * vocab * (4 + itemsize) + copy + tokens * width * hidden_itemsize
+    whole = weight_dtype == dtype or cast_whole(tokens, weight, dtype)
+    copy = vocab * width * itemsize if weight_dtype != dtype and whole else 0
+    blocks = 0 if whole else 2 * weight_rows(vocab, width, "cuda") * width * itemsize
+    return rows * vocab * 4 + max(rows * vocab * itemsize, blocks) + copy + tokens * width * hidden_itemsize
 
 
 def saved_activation_bytes(run_forward_backward: Callable[[], Any], model: torch.nn.Module | None = None) -> int:
