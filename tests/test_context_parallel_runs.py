@@ -1,8 +1,8 @@
 """Context parallelism through `handle run` (issue 48): a tiny Llama-shaped decoder (RMSNorm, RoPE, SwiGLU, 4 query
 heads on 2 key/value heads) on packed documents with document masks, fp32, 10 steps of 8 sequences of 32 tokens.
 cp 2 by ring (DDP) and by all-gather (DeepSpeed ZeRO-2), 2 processes each, and dp 2 × cp 2 by Ulysses (FSDP2
-sharding over the 4 dp × cp ranks) give the one-process losses and gradient norms within 1e-5 at every step, and
-the cp 2 ring run's step-5 checkpoint resumed at cp 1 (one process) continues them.
+sharding over the 4 dp × cp ranks) give the one-process losses and gradient norms within 1e-5 at every step (and the
+validation losses), and the cp 2 ring run's step-5 checkpoint resumed at cp 1 (one process) continues them.
 
 The corpus is 240 text files of 2-30 words, one document each, so nearly every 32-token window holds several
 documents (the mask changes the loss: without it the first step's is 6.68, with it 6.57), and a shard's tokens come
@@ -50,9 +50,13 @@ def _documents(root: Path) -> Path:
     return root
 
 
-def _steps(run_dir: Path) -> dict[int, dict]:
+def _events(run_dir: Path, kind: str) -> dict[int, dict]:
     events = map(json.loads, (run_dir / "events.jsonl").read_text().splitlines())
-    return {e["step"]: e for e in events if e["kind"] == "step"}
+    return {e["step"]: e for e in events if e["kind"] == kind}
+
+
+def _steps(run_dir: Path) -> dict[int, dict]:
+    return _events(run_dir, "step")
 
 
 @pytest.fixture(scope="module")
@@ -92,6 +96,12 @@ def test_context_parallel_layouts_train_as_one_process(runs, name) -> None:
         # head-tail per document: every rank attends as many query-key pairs, to the pool's few tokens
         assert 1.0 <= event["cp_imbalance"] <= 1.05, event
     assert json.loads((runs[name] / "run.json").read_text())["layout"]["label"] == LABELS[name]
+    # evaluation (steps 0 and 10) goes through the same sharded forward and loss; the 4 validation windows fill
+    # no micro-batch of 4 on each of dp 2 replicas, so dp 2 has no validation loss to compare
+    want, got = _events(runs["one"], "eval"), _events(runs[name], "eval")
+    assert sorted(got) == sorted(want) == [0, 10]
+    for step, event in want.items() if split[1]["layout"]["dp"] == 1 else ():
+        assert abs(got[step]["val_loss"] - event["val_loss"]) <= 1e-5 * event["val_loss"], (name, step)
 
 
 def test_final_weights_are_the_one_process_model(runs) -> None:
