@@ -143,7 +143,30 @@ def _check_experts_layout(options: TransformerConfig, preset) -> Iterator[Invali
                                       "DeepSpeed's optimizer does not run; use 'aux_loss' or another strategy")
 
 
-CHECKS = (_check_pipeline, _check_widths, _check_data_split, _check_experts_layout, _check_task)
+def _check_eval_tasks(options: TransformerConfig, preset) -> Iterator[InvalidValue]:
+    """``[eval] tasks`` (scored during training, issue 50): a decoder's, with known names (the close ones listed),
+    existing include directories and local data files; the harness's own names are read from its YAML files (about
+    1 s), not from its task index."""
+    tasks = preset.eval
+    if not tasks.tasks:
+        return
+    if options.kind != "decoder":
+        yield InvalidValue("eval.tasks", f"the harness scores decoders, this model is kind = {options.kind!r} "
+                                         f"(handle eval RUN --split test gives its BLEU and chrF)")
+        return
+    from torch_handle.errors import DataError
+    from torch_handle.infer.downstream import resolve_tasks
+
+    try:
+        resolve_tasks(tasks.tasks, tasks.include_paths, names_only=True)
+    except ImportError:
+        yield InvalidValue("eval.tasks", "needs the eval extra (lm-eval): pip install 'torch-handle[eval]'")
+    except DataError as e:
+        key = "eval.include_paths" if str(e).startswith("--include-path") else "eval.tasks"
+        yield InvalidValue(key, str(e).removeprefix("--tasks: ").removeprefix("--include-path "))
+
+
+CHECKS = (_check_pipeline, _check_widths, _check_data_split, _check_experts_layout, _check_task, _check_eval_tasks)
 """The cross-table checks (``check_preset``), each run on its own, so a problem in one table hides no other."""
 
 

@@ -12,7 +12,7 @@ modules) may import only the parts its row of ``LAYERS`` names, so a new edge is
 From the bottom:
 
     common < errors < hookspecs < registry < config < rundir < observe < parallel < model, data < checkpoint
-           < launch < train < plan < infer;   api (the plugins' facade) on top
+           < launch, infer < train < plan;   api (the plugins' facade) on top
 
 ``launch`` sits below ``train``: the launcher starts workers by module name (``-m torch_handle.train.worker``) and
 never imports them; both use the process helpers of ``common.procs`` (``die_with_parent``).
@@ -43,8 +43,9 @@ LAYERS: dict[str, set[str]] = {
     # parallel: the TP dropout stream; model: hf_names, for the Hugging Face directory (hf_dir)
     "checkpoint": _BASE | {"registry", "config", "rundir", "observe", "parallel", "model"},
     "launch": _BASE | {"registry", "config", "rundir", "observe", "checkpoint", "data"},
+    # infer: the in-loop downstream evaluation (train.eval_tasks scores lm-eval tasks through infer's HandleLM)
     "train": _BASE | {"registry", "config", "rundir", "observe", "parallel", "model", "data", "finetune", "checkpoint",
-                      "launch"},
+                      "launch", "infer"},
     "plan": _BASE | {"registry", "config", "rundir", "observe", "parallel", "model", "data", "finetune", "checkpoint",
                      "launch", "train"},
     "infer": _BASE | {"registry", "config", "rundir", "observe", "model", "data", "finetune", "checkpoint"},

@@ -387,7 +387,8 @@ class FinetuneConfig:
 class EvalConfig:
     """``[eval]``: downstream tasks of EleutherAI's lm-evaluation-harness scored during training, on the workers with
     the model being trained (docs/evaluation.md#during-training); each rank of the data-parallel group scores its
-    share of the documents. Needs the ``eval`` extra."""
+    share of the documents. Needs the ``eval`` extra. The task names, include directories and local data files are
+    checked with the preset by the transformer model plugin's ``check_preset`` (the harness is not imported here)."""
 
     tasks: list[str] = field(default_factory=list)
     """Harness task names (``hellaswag``, ``arc_easy``) or those of ``include_paths`` directories; empty: none."""
@@ -402,24 +403,6 @@ class EvalConfig:
     num_fewshot: int | None = param(None, ge=0)
     """Examples from the task's few-shot split put before each question (the harness's ``--num_fewshot``); unset:
     the task's own setting."""
-
-    def check(self) -> Iterator[InvalidValue]:
-        if not self.tasks:
-            return
-        try:  # the harness's task index: only for a preset that names tasks (seconds; not standard library)
-            from torch_handle.infer.downstream import resolve_tasks
-        except ImportError:
-            yield InvalidValue("tasks", "needs the eval extra: pip install 'torch-handle[eval]'")
-            return
-        from torch_handle.errors import DataError
-
-        try:
-            resolve_tasks(self.tasks, self.include_paths, names_only=True)
-        except ImportError:
-            yield InvalidValue("tasks", "needs the eval extra (lm-eval): pip install 'torch-handle[eval]'")
-        except DataError as e:
-            key = "include_paths" if str(e).startswith("--include-path") else "tasks"
-            yield InvalidValue(key, str(e).removeprefix("--tasks: ").removeprefix("--include-path "))
 
 
 @dataclass

@@ -186,11 +186,13 @@ class OpenedRun:
 
     @functools.cached_property
     def template(self) -> Any:
-        """A run fine-tuned on conversations: its chat template (``torch_handle.infer.chat.run_template``); None."""
-        from torch_handle.data.chat.template import TEMPLATE_FILE
-        from torch_handle.infer.chat import run_template
+        """A run fine-tuned on conversations: its chat template (``data.chat.template.ChatTemplate``, as
+        ``torch_handle.infer.chat.run_template`` reads it); None for other runs."""
+        from torch_handle.data.chat.template import TEMPLATE_FILE, load_template
 
-        return run_template(self.run_dir) if (self.run_dir / TEMPLATE_FILE).is_file() else None
+        if not (self.run_dir / TEMPLATE_FILE).is_file():
+            return None
+        return load_template(None, self.run_dir / TOKENIZER_FILE)
 
     def load(self, device: str | torch.device = "cpu") -> LoadedRun:
         """The run's model (eval mode, fp32) on ``device``, built once per device; the tokenizer file is checked
