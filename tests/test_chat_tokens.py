@@ -112,8 +112,7 @@ def test_prepare_adds_the_template_tokens_a_base_lacks(grown):
         return_dict=True)["input_ids"][-len(first):] == first.tolist())
     assert messages and old + 1 in first.tolist()  # (truncated from the left to its last SEQ + 1 tokens)
     assert {old, old + 1} <= set(prepared.train.window(0, prepared.train.n_tokens).tolist())
-    # handle validate (the launcher's checks) accepts the extended tokenizer on its base; on another base whose
-    # tokenizer (trained on other text) has the same size it is bad input: one line, exit 2
+    # the CLI says what it added
     from click.testing import CliRunner
 
     from handle_cli.main import cli
@@ -122,6 +121,8 @@ def test_prepare_adds_the_template_tokens_a_base_lacks(grown):
                                    str(base), "--template", "chatml", "--out", str(data.parent / "again")])
     assert res.exit_code == 0 and f"note: added <|im_start|> (id {old}), <|im_end|> (id {old + 1}) to the " \
         f"tokenizer in {data.parent / 'again'}" in res.stderr, res.output
+    # handle validate (the launcher's checks) accepts the extended tokenizer on its base; on another base whose
+    # tokenizer (trained on other text) has the same size it is bad input: one line, exit 2
     res = CliRunner().invoke(cli, ["validate", str(_preset_file(data.parent / "ok", base, data))])
     assert res.exit_code == 0, res.output
     other = write_base(data.parent / "other", tie=False, text_from=200_000)
