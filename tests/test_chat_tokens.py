@@ -24,7 +24,7 @@ from torch_handle.config.loader import dump_preset, load_preset  # noqa: E402
 from torch_handle.data.chat.prepare import prepare_chat  # noqa: E402
 from torch_handle.data.datasets import IM_END_ID, IM_START_ID, RESERVED_TOKENS, train_tokenizer  # noqa: E402
 from torch_handle.data.shards import file_sha256, open_prepared  # noqa: E402
-from torch_handle.finetune.vocab import EPSILON, GROW_SEED, grow_vocab, mean_rows  # noqa: E402
+from torch_handle.checkpoint.vocab_rows import EPSILON, GROW_SEED, grow_vocab, mean_rows  # noqa: E402
 from torch_handle.plan.estimate_model import model_shape  # noqa: E402
 from torch_handle.registry import get_registry  # noqa: E402
 from torch_handle.rundir import create_run_dir  # noqa: E402

@@ -28,9 +28,9 @@ from torch import Tensor
 
 from torch_handle.common.names import TOKENIZER_FILE
 from torch_handle.checkpoint.resume import flat_keys
+from torch_handle.checkpoint.vocab_rows import grow_vocab
 from torch_handle.common.fsio import read_json_object, replace_problem, replacing_dir
 from torch_handle.errors import CheckpointError
-from torch_handle.finetune.vocab import grow_vocab
 from torch_handle.model.args import DATASET_FIELDS, TransformerArgs
 from torch_handle.model.hf_names import Inexpressible, from_hf_config, to_hf_config
 
@@ -169,7 +169,8 @@ def read_weights(directory: Path | str) -> dict[str, Tensor]:
 def load_into(model: torch.nn.Module, directory: Path | str) -> str:
     """Copy a Hugging Face directory's weights into ``model`` (a ``DecoderLM``, before any wrapping or sharding),
     cast to its dtype. Returns a line for the run's log. A model with more token rows than the base (a chat
-    template's tokens added to its tokenizer) gets the new rows of :func:`torch_handle.finetune.vocab.grow_vocab`.
+    template's tokens added to its tokenizer) gets the new rows of
+    :func:`torch_handle.checkpoint.vocab_rows.grow_vocab`.
 
     Raises:
         CheckpointError: a config that does not describe ``model.args`` (the first mismatch named), or weights

@@ -19,7 +19,7 @@ from torch import nn
 
 from torch_handle.finetune.lora import apply_lora
 from torch_handle.finetune.nf4 import quantize_linears
-from torch_handle.finetune.vocab import TRAINED_MODULES
+from torch_handle.finetune.vocab import TRAINED_MODULES, grown_vocab
 
 QLORA_SKIP = ("lm_head", "*.lora_A.*", "*.lora_B.*")
 """Linears QLoRA leaves in the compute precision: the output projection (transformers' bitsandbytes integration
@@ -56,22 +56,6 @@ def prepare_model(model: nn.Module, preset: Any, *, new_run: bool, load_base: Ca
                      f"{info['base_sha256'][:12]})")
         note(notes[-1])
     return notes
-
-
-def grown_vocab(init_from: str | None, vocab_size: int) -> bool:
-    """Whether a model of ``vocab_size`` token rows has more than its base ``init_from`` (a Hugging Face directory's
-    ``config.json`` ``vocab_size``): a chat template's tokens were added (:mod:`torch_handle.finetune.vocab`). False
-    without a base, or one without a readable config (its loading reports that)."""
-    from torch_handle.checkpoint.hf_dir import read_config
-    from torch_handle.errors import CheckpointError
-
-    if not init_from:
-        return False
-    try:
-        rows = read_config(init_from).get("vocab_size")
-    except CheckpointError:
-        return False
-    return isinstance(rows, int) and rows < vocab_size
 
 
 def nf4_digest(model: nn.Module, local_shard: Callable[[torch.Tensor], torch.Tensor]) -> tuple[str, int] | None:

@@ -136,8 +136,8 @@ def model_build(preset: Preset, registry: PluginRegistry) -> ModelBuild:
 def rows_per_sample(preset: Preset) -> int:
     """Rows each sample puts through the model: 2 for ``finetune.objective = "dpo"`` (a pair's chosen and rejected
     completions, each of ``seq_len`` positions, in one forward of 2 x ``micro_batch_size`` rows), else 1. The
-    reference's forward (``reference = "adapters_off"``) runs after the policy's under ``no_grad``: it saves
-    nothing, and its logits buffer is freed with it, no larger than the policy's; ``"precomputed"`` and ``"none"``
+    reference's forward (``reference = "adapters_off"`` or ``"copy"``) runs before the policy's under ``no_grad``:
+    it saves nothing, and its buffers are freed before the policy saves anything; ``"precomputed"`` and ``"none"``
     run none."""
     return 2 if preset.finetune.objective == "dpo" else 1
 
@@ -211,10 +211,10 @@ def build_model(build: ModelBuild, tp_group: TPGroup | None = None) -> torch.nn.
 def _finetuned(model: torch.nn.Module, build: ModelBuild) -> torch.nn.Module:
     if build.finetune is None:
         return model
-    from torch_handle.finetune.build import QLORA_SKIP, grown_vocab
+    from torch_handle.finetune.build import QLORA_SKIP
     from torch_handle.finetune.lora import wrap_lora
     from torch_handle.finetune.nf4 import quantize_linears
-    from torch_handle.finetune.vocab import TRAINED_MODULES
+    from torch_handle.finetune.vocab import TRAINED_MODULES, grown_vocab
 
     method, rank, alpha, dropout, targets = build.finetune
     wrap_lora(model, rank, alpha, dropout, targets)

@@ -72,7 +72,7 @@ def add_template_tokens(tokenizer: Any, template: ChatTemplate) -> dict[str, int
     as special tokens (never split, never merged), after its last id, in :data:`CHATML_TOKENS`' order: what
     transformers' ``tokenizer.add_special_tokens`` does. Returns ``{token: id}`` of those added (empty: none
     lacked); the model's embedding and output rows then grow to the new vocabulary
-    (:func:`torch_handle.finetune.vocab.grow_rows`)."""
+    (:func:`torch_handle.checkpoint.vocab_rows.grow_vocab`)."""
     missing = [t for t in template_tokens(template) if tokenizer.token_to_id(t) is None]
     if missing:
         tokenizer.add_special_tokens(missing)
