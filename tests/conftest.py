@@ -56,14 +56,17 @@ def pytest_unconfigure(config) -> None:
 
 SLOWEST_FIRST = ("test_learn_doc", "test_distributed", "test_nd_parallel", "test_lora_strategies", "test_multinode",
                  "test_tensor_parallel", "test_gpu_check", "test_expert_parallel_runs", "test_cross_resume",
-                 "test_pipeline_parallel", "test_qlora_strategies", "test_hf_export", "test_hang", "test_estimate",
-                 "test_lost_runs", "test_sft_strategies",
+                 "test_pipeline_parallel",
+                 "test_dpo",  # 90 CPU s (2 cores under load, as the next two): 6 runs of 2 ranks, 12 in-process
+                 "test_sft_strategies",  # 83 CPU s: 6 runs of 2 ranks, 3 in-process
+                 "test_qlora_strategies",  # 79 CPU s: 6 runs of 2 ranks, 1 in-process
+                 "test_hf_export", "test_hang", "test_estimate", "test_lost_runs",
                  "test_objectives_split",  # 78 CPU s: 6 runs of 2 ranks and 2 in-process
                  "test_context_parallel_runs",  # 64 CPU s: 5 runs
                  "test_hf", "test_tp_encoder_decoder", "test_bench_comm",
                  "test_resume_safety", "test_env", "test_plugins_cli", "test_layout_weights", "test_pipeline_checkpoint",
                  "test_run_info_stress", "test_slurm", "test_bench_scaling", "test_plan", "test_tokens_run",
-                 "test_data_prepare", "test_docs", "test_scratch_fsdp_run", "test_launch_prepare", "test_dpo",
+                 "test_data_prepare", "test_docs", "test_scratch_fsdp_run", "test_launch_prepare",
                  "test_context_parallel", "test_lm_eval", "test_lm_eval_in_loop",  # 23 CPU s: a 2-rank run
                  "test_estimate_layout")
 """Test files by falling duration (CPU seconds, and wall time where a test waits; 2 cores): `make test` hands whole
