@@ -168,10 +168,10 @@ def dpo_line(preset, row=None) -> str:
     reference = preset.finetune.preference.resolved(preset.finetune.method)
     held = "" if row is None or row.reference_bytes is None else \
         f" ({fmt_bytes(row.reference_bytes, precise=True)} on rank {row.rank}, part of its total)"
-    adds = {"adapters_off": "runs after the policy's under no_grad: no saved activation, its logits freed with it, "
+    adds = {"adapters_off": "runs before the policy's under no_grad: no saved activation, its logits freed with it, "
                             "no second copy",
             "copy": f"is a frozen copy of the model held as the strategy holds the policy's parameters{held}: no "
-                    f"gradients, no optimizer state; its forward runs after the policy's under no_grad, no saved "
+                    f"gradients, no optimizer state; its forward runs before the policy's under no_grad, no saved "
                     f"activation",
             "precomputed": f"is read from a float64 table on the device (16 bytes a pair of both splits{held}), no "
                            f"forward, no reference model",

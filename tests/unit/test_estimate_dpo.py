@@ -1,6 +1,6 @@
 """``handle estimate`` of a DPO preset (``finetune.objective = "dpo"``, issue 47): a micro-batch of B pairs is one
 forward of 2B rows of ``seq_len`` positions (chosen and rejected), priced as such; the reference's forward
-(adapters off, under ``no_grad``, after the policy's) saves nothing. A real LoRA DPO micro-batch, policy and
+(adapters off, under ``no_grad``, before the policy's) saves nothing. A real LoRA DPO micro-batch, policy and
 reference forwards as :class:`~torch_handle.train.objectives.pairs.DirectPreference` runs them, saves the
 estimate's bytes. In-process: a small tokenizer, 24 pairs built from Multi30k translations."""
 

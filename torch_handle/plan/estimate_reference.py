@@ -7,7 +7,7 @@ none            0 (a reference-free loss)
 adapters_off    0: the policy's own base with its LoRA adapters switched off (no second copy)
 copy            the model's parameters as the strategy holds the policy's (whole under single/ddp/ZeRO-1/2,
                 1/dp under fsdp), and nothing else: no gradients, no optimizer state, no saved activations (its
-                forward runs under ``no_grad``, after the policy's)
+                forward runs under ``no_grad``, before the policy's)
 precomputed     the table: 16 bytes a pair of both splits (two float64 sums), on the device; no model
 ==============  ==============================================================================================
 

@@ -4,7 +4,7 @@ precomputed table shared between runs.
 ``copy`` (:func:`build_reference_copy`): a second model built as the run built its policy at step 0 (the seed's
 weights, or ``model.init_from``'s), frozen (no gradients, evaluation mode), held as the strategy holds the policy's
 parameters (:data:`~torch_handle.config.layout.COPY_SHARDED`: a plain copy under single, ddp, scratch-ddp and
-DeepSpeed ZeRO-1/2, ``fully_shard`` under fsdp), and run under ``no_grad`` on every micro-batch after the policy
+DeepSpeed ZeRO-1/2, ``fully_shard`` under fsdp), and run under ``no_grad`` on every micro-batch before the policy
 (torchtune's full-fine-tune DPO recipe keeps such a ``_ref_model``). It is the objective's, not the strategy's: never
 in the optimizer or a checkpoint; a resumed run builds it again from the same base, not from the moved policy.
 
