@@ -140,6 +140,8 @@ def test_the_precomputed_reference_is_cached_under_the_data_and_the_base(pairs, 
     (["strategy.name=deepspeed", "strategy.zero_stage=3", "launch.nproc_per_node=2", "training.grad_accum=1"],
      "under strategy 'deepspeed' with zero_stage 3"),
     (["finetune.preference.loss=simpo"], "'copy': loss 'simpo' is reference-free"),
+    (["parallel.tp=2", "launch.nproc_per_node=2", "training.grad_accum=1"],
+     "finetune.preference.reference = 'copy' is not split over parallel.tp > 1 (valid: reference = 'precomputed'"),
 ])
 def test_a_copy_the_layout_cannot_hold_is_one_line(pairs, tmp_path, overrides, says):
     base, data = pairs
