@@ -62,7 +62,7 @@ SLOWEST_FIRST = ("test_learn_doc", "test_distributed", "test_nd_parallel", "test
                  "test_qlora_strategies",  # 79 CPU s: 6 runs of 2 ranks, 1 in-process
                  "test_hf_export", "test_hang", "test_estimate", "test_lost_runs",
                  "test_objectives_split",  # 78 CPU s: 6 runs of 2 ranks and 2 in-process
-                 "test_context_parallel_runs",  # 64 CPU s: 5 runs
+                 "test_context_parallel_runs",  # 74 CPU s: 5 runs
                  "test_hf", "test_tp_encoder_decoder", "test_bench_comm",
                  "test_resume_safety", "test_env", "test_plugins_cli", "test_layout_weights", "test_pipeline_checkpoint",
                  "test_run_info_stress", "test_slurm", "test_bench_scaling", "test_plan", "test_tokens_run",

@@ -1,8 +1,9 @@
 """Context parallelism through `handle run` (issue 48): a tiny Llama-shaped decoder (RMSNorm, RoPE, SwiGLU, 4 query
 heads on 2 key/value heads) on packed documents with document masks, fp32, 10 steps of 8 sequences of 32 tokens.
-cp 2 by ring (DDP) and by all-gather (DeepSpeed ZeRO-2), 2 processes each, and dp 2 × cp 2 by Ulysses (FSDP2
-sharding over the 4 dp × cp ranks) give the one-process losses and gradient norms within 1e-5 at every step (and the
-validation losses), and the cp 2 ring run's step-5 checkpoint resumed at cp 1 (one process) continues them.
+tp 2 × cp 2 by ring (hand-written TP with sequence parallelism, DDP; 4 processes), cp 2 by all-gather (DeepSpeed
+ZeRO-2; 2 processes) and dp 2 × cp 2 by Ulysses (FSDP2 sharding over the 4 dp × cp ranks) give the one-process losses and gradient norms within 1e-5 at every step (and the
+validation losses), and the tp 2 × cp 2 run's step-5 checkpoint resumed at tp 1, cp 1 (one process) continues
+them.
 
 The corpus is 240 text files of 2-30 words, one document each, so nearly every 32-token window holds several
 documents (the mask changes the loss: without it the first step's is 6.68, with it 6.57), and a shard's tokens come
@@ -31,14 +32,16 @@ WORDS = ("the", "a", "dog", "cat", "runs", "sleeps", "big", "small", "red", "man
          "river", "stone", "light", "dark")
 RUNS = {
     "one": (),
-    "cp2-ring": ("--set", "launch.nproc_per_node=2", "--set", "strategy.name=ddp", "--set", "parallel.cp=2",
-                 "--set", "parallel.cp_impl=ring", "--set", "training.checkpoint_every=5"),
+    "tp2xcp2-ring": ("--set", "launch.nproc_per_node=4", "--set", "strategy.name=ddp", "--set", "parallel.cp=2",
+                     "--set", "parallel.cp_impl=ring", "--set", "parallel.tp=2", "--set", "parallel.tp_impl=scratch",
+                     "--set", "parallel.sequence_parallel=true", "--set", "training.checkpoint_every=5"),
     "cp2-allgather-zero2": ("--set", "launch.nproc_per_node=2", "--set", "strategy.name=deepspeed",
                             "--set", "strategy.zero_stage=2", "--set", "parallel.cp=2", "--set", "parallel.cp_impl=allgather"),
     "dp2xcp2-ulysses": ("--set", "launch.nproc_per_node=4", "--set", "strategy.name=fsdp", "--set", "parallel.cp=2",
                         "--set", "parallel.cp_impl=ulysses", "--set", "training.grad_accum=1"),
 }
-LABELS = {"cp2-ring": "dp 1 × cp 2 (ddp; cp ring)", "cp2-allgather-zero2": "dp 1 × cp 2 (deepspeed ZeRO-2; cp allgather)",
+LABELS = {"tp2xcp2-ring": "dp 1 × cp 2 × tp 2 (cp ring; tp scratch + sp)",
+          "cp2-allgather-zero2": "dp 1 × cp 2 (deepspeed ZeRO-2; cp allgather)",
           "dp2xcp2-ulysses": "dp 2 × cp 2 (fsdp; cp ulysses)"}
 
 
@@ -61,7 +64,7 @@ def _steps(run_dir: Path) -> dict[int, dict]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
-    """Every run of :data:`RUNS`, two at a time, then the ring run's step-5 checkpoint resumed at cp 1."""
+    """Every run of :data:`RUNS`, two at a time, then the tp 2 × cp 2 run's step-5 checkpoint resumed at cp 1."""
     root = tmp_path_factory.mktemp("cp-runs")
     common = (*(a for k, v in LLAMA.items() for a in ("--set", f"model.{k}={v}")),
               "--set", "model.n_layers=2", "--set", "data.name=text", "--set", f"data.path={_documents(root / 'docs')}",
@@ -69,10 +72,11 @@ def runs(tmp_path_factory) -> dict[str, Path]:
               "--set", "training.log_every=1")
     done = handle_runs(root, RUNS, common, at_once=2)
     stopped = root / "cp2-as-one"
-    shutil.copytree(done["cp2-ring"], stopped)
+    shutil.copytree(done["tp2xcp2-ring"], stopped)
     shutil.rmtree(stopped / "checkpoints" / "step-10")  # what a stop after step 5's checkpoint leaves
     (stopped / "events.jsonl").write_text("")
     resumed = handle_at_once({"resume": ("run", "--resume", str(stopped), "--set", "parallel.cp=1",
+                                         "--set", "parallel.tp=1", "--set", "parallel.sequence_parallel=false",
                                          "--set", "strategy.name=single", "--set", "launch.nproc_per_node=1")}, 1)
     code, out = resumed["resume"]
     assert code == 0, out[-3000:]
@@ -87,12 +91,13 @@ def _assert_steps_equal(one: dict[int, dict], split: dict[int, dict], steps: lis
             assert abs(got - want) <= 1e-5 * abs(want), (name, step, key, got, want)
 
 
-@pytest.mark.parametrize("name", ["cp2-ring", "cp2-allgather-zero2", "dp2xcp2-ulysses"])
+@pytest.mark.parametrize("name", ["tp2xcp2-ring", "cp2-allgather-zero2", "dp2xcp2-ulysses"])
 def test_context_parallel_layouts_train_as_one_process(runs, name) -> None:
     one, split = _steps(runs["one"]), _steps(runs[name])
     _assert_steps_equal(one, split, list(range(1, 11)), name)
     for event in split.values():
         assert event["layout"]["cp"] == 2 and event["tokens"] == one[event["step"]]["tokens"]
+        assert ("tp_comm_calls" in event) == (name == "tp2xcp2-ring")  # the TP share's traffic, through cp's
         # head-tail per document: every rank attends as many query-key pairs, to the pool's few tokens
         assert 1.0 <= event["cp_imbalance"] <= 1.05, event
     assert json.loads((runs[name] / "run.json").read_text())["layout"]["label"] == LABELS[name]
@@ -105,7 +110,7 @@ def test_context_parallel_layouts_train_as_one_process(runs, name) -> None:
 
 
 def test_final_weights_are_the_one_process_model(runs) -> None:
-    want, got = load_file(runs["one"] / "model.safetensors"), load_file(runs["cp2-ring"] / "model.safetensors")
+    want, got = load_file(runs["one"] / "model.safetensors"), load_file(runs["tp2xcp2-ring"] / "model.safetensors")
     assert got.keys() == want.keys()
     for key, value in want.items():
         torch.testing.assert_close(got[key], value, rtol=0, atol=1e-4, msg=lambda m, key=key: f"{key}: {m}")
@@ -113,5 +118,5 @@ def test_final_weights_are_the_one_process_model(runs) -> None:
 
 def test_a_cp2_checkpoint_resumes_at_cp1(runs) -> None:
     layout = json.loads((runs["cp2-as-one"] / "checkpoints" / "step-5" / "layout.json").read_text())
-    assert (layout["cp"], layout["cp_impl"], layout["world_size"]) == (2, "ring", 2)
+    assert (layout["cp"], layout["cp_impl"], layout["tp"], layout["world_size"]) == (2, "ring", 2, 4)
     _assert_steps_equal(_steps(runs["one"]), _steps(runs["cp2-as-one"]), list(range(6, 11)), "cp2-as-one")

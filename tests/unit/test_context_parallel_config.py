@@ -66,11 +66,11 @@ def test_every_context_parallel_problem_is_one_line(runner, tmp_path):
         assert line in lines, (line, lines)
 
 
-def _fixed(runner, tmp_path, cp_impl: str):
+def _fixed(runner, tmp_path, cp_impl: str, *more: str):
     """``handle validate`` of :data:`BAD` with every problem fixed and ``parallel.cp_impl = cp_impl``."""
     (tmp_path / "p.toml").write_text(BAD)
     fixes = ("parallel.cp=2", "parallel.pp=1", "data.seq_len=32", "model.dropout=0.0", "strategy.name=ddp",
-             f"parallel.cp_impl={cp_impl}")
+             f"parallel.cp_impl={cp_impl}", *more)
     return runner.invoke(cli, ["validate", "p.toml", *(a for fix in fixes for a in ("--set", fix))])
 
 
@@ -86,6 +86,19 @@ def test_a_good_cp_preset_validates_with_its_layout(runner, tmp_path):
     result = _fixed(runner, tmp_path, "ring")
     assert result.exit_code == 0, result.output
     assert "dp 1 × cp 2 (ddp; cp ring)" in result.output
+
+
+def test_tp_with_cp_is_hand_written_tp_only(runner, tmp_path):
+    result = _fixed(runner, tmp_path, "ring", "parallel.tp=2", "parallel.tp_impl=native", "strategy.name=fsdp",
+                    "launch.nproc_per_node=4")
+    assert result.exit_code == 2, result.output
+    assert result.stderr.splitlines() == [
+        ("error: p.toml (--set): parallel.tp_impl: parallel.cp > 1 composes with the hand-written tensor parallelism "
+        "only (tp_impl = 'native'; valid: 'scratch')")]
+    result = _fixed(runner, tmp_path, "ring", "parallel.tp=2", "parallel.tp_impl=scratch", "launch.nproc_per_node=4",
+                    "parallel.sequence_parallel=true")
+    assert result.exit_code == 0, result.output
+    assert "dp 1 × cp 2 × tp 2 (cp ring; tp scratch + sp)" in result.output
 
 
 def test_auto_takes_allgather_for_packed_documents_and_ring_otherwise():

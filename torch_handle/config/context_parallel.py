@@ -3,8 +3,8 @@ preset with cp > 1 (one line each, before anything starts; :data:`torch_handle.c
 :func:`context_parallel_problems`).
 
 Context parallelism splits each sequence over cp ranks (docs/context-parallel.md). In this version it composes
-with data parallelism only -- DDP, FSDP2 or DeepSpeed ZeRO, which reduce (and shard) over dp × cp, torchtitan's
-``dp_shard_cp`` -- under the ``lm`` objective, for the from-scratch decoder. What it refuses, and why:
+with data parallelism -- DDP, FSDP2 or DeepSpeed ZeRO, which reduce (and shard) over dp × cp, torchtitan's
+``dp_shard_cp`` -- and the hand-written tensor parallelism (with or without sequence parallelism), under the ``lm`` objective, for the from-scratch decoder. What it refuses, and why:
 
 * ``seq_len`` not divisible by 2 × cp × tp: head-tail balancing cuts every sequence into 2 × cp chunks;
 * ``ulysses`` with heads (or key/value heads) not divisible by cp × tp: each rank takes whole heads;
@@ -12,7 +12,8 @@ with data parallelism only -- DDP, FSDP2 or DeepSpeed ZeRO, which reduce (and sh
 * ``native`` (torch's ``context_parallel``: CUDA SDPA and FlexAttention only, pytorch#147793): not on a CPU, and
   not wired into ``handle run`` yet on a GPU either; the hand-written ``ring``, ``allgather``, ``ulysses`` run
   everywhere;
-* tp, pp, ep > 1, an encoder-decoder, another model plugin, sft/dpo, another strategy, ``training.compile`` and
+* DTensor tensor parallelism (``tp_impl = "native"``: its loss is a DTensor under ``loss_parallel``), pp, ep > 1,
+  an encoder-decoder, another model plugin, sft/dpo, another strategy, ``training.compile`` and
   attention dropout: not supported with cp yet (each named in its line).
 
 Standard library only (``torch.cuda`` is asked only when ``native`` is named).
@@ -83,7 +84,10 @@ def context_parallel_problems(preset: Any, registry: Any = None) -> Iterator[Pre
                           f"allgather)", key="parallel.cp_impl")
     if impl == "native":
         yield PresetError(_native_problem(), key="parallel.cp_impl")
-    for dim, why in (("tp", "tensor parallelism"), ("pp", "a pipeline"), ("ep", "expert parallelism")):
+    if par.tp > 1 and par.tp_impl != "scratch":
+        yield PresetError(f"parallel.cp > 1 composes with the hand-written tensor parallelism only (tp_impl = "
+                          f"{par.tp_impl!r}; valid: 'scratch')", key="parallel.tp_impl")
+    for dim, why in (("pp", "a pipeline"), ("ep", "expert parallelism")):
         if getattr(par, dim) > 1:
             yield PresetError(f"parallel.cp > 1 does not compose with {why} yet (valid with cp > 1: parallel.{dim} "
                               f"= 1)", key=f"parallel.{dim}")

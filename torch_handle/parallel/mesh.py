@@ -143,6 +143,15 @@ def attach_layout(ctx: Any, parallel: ParallelConfig) -> Any:
             return ctx
         layout = Layout(ctx.world_size, cp=cp)
         return replace(ctx, layout=layout, cp_mesh=build_mesh(layout, ctx.device.type))
+    if cp > 1:  # with tp (pp, ep: refused): ctx.mesh's "dp" is dp x cp, the strategy's ranks, TP innermost
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from torch_handle.parallel.tensor.mappings import TPGroup
+
+        layout = Layout(ctx.world_size, parallel.tp, cp=cp)
+        mesh = init_device_mesh(ctx.device.type, (layout.dp * cp, layout.tp), mesh_dim_names=("dp", "tp"))
+        return replace(ctx, layout=layout, mesh=mesh, tp_group=TPGroup(mesh["tp"].get_group()),
+                       cp_mesh=build_mesh(layout, ctx.device.type))
     layout = Layout(ctx.world_size, parallel.tp, parallel.pp, parallel.ep)
     mesh = build_mesh(layout, ctx.device.type)
     tp_group = None

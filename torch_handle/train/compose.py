@@ -27,14 +27,14 @@ class Shares:
     pp: Any = None
     ep: Any = None
     cp: Any = None
-    """:class:`~torch_handle.train.context_parallel.ContextParallel` (cp > 1; with data parallelism only, so far)."""
+    """:class:`~torch_handle.train.context_parallel.ContextParallel` (cp > 1; around the TP share when tp > 1)."""
 
     @property
     def run(self) -> ParallelShare | None:
-        """The run's one share: the pipeline's (it delegates to the TP and EP shares of its stages), else the TP
-        share, else the EP share, else the CP share; None for a data-parallel run (the strategy holds the whole
-        model)."""
-        return self.pp or self.tp or self.ep or self.cp
+        """The run's one share: the pipeline's (it delegates to the TP and EP shares of its stages), else the CP
+        share (it delegates to the TP share), else the TP share, else the EP share; None for a data-parallel run
+        (the strategy holds the whole model)."""
+        return self.pp or self.cp or self.tp or self.ep
 
 
 def build_shares(preset: Preset, ctx: Any) -> Shares:
@@ -47,10 +47,16 @@ def build_shares(preset: Preset, ctx: Any) -> Shares:
     if max(par.tp, par.pp, par.ep, cp) == 1:
         return Shares(ctx)
     ctx = attach_layout(ctx, par)
-    if cp > 1:  # alone (handle validate refuses cp with tp, pp or ep)
+    if cp > 1:  # alone or around tp (handle validate refuses cp with pp or ep)
         from torch_handle.train.context_parallel import ContextParallel
 
-        return Shares(ctx, cp=ContextParallel(par, ctx, bool(getattr(preset.data.options, "document_mask", False))))
+        tp = None
+        if par.tp > 1:
+            from torch_handle.train.tensor_parallel import TensorParallel
+
+            tp = TensorParallel(par, ctx)
+        document_mask = bool(getattr(preset.data.options, "document_mask", False))
+        return Shares(ctx, tp=tp, cp=ContextParallel(par, ctx, document_mask, inner=tp))
     tp = ep = pp = None
     if par.tp > 1:
         from torch_handle.train.tensor_parallel import TensorParallel

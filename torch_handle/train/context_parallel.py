@@ -68,16 +68,20 @@ class ContextParallel(PortableShare):
         ctx: the rank's ``DistContext`` with the layout and ``cp_mesh`` (:func:`~torch_handle.parallel.mesh
             .attach_layout`).
         document_mask: ``data.document_mask`` (what ``cp_impl = "auto"`` picks by).
+        inner: the :class:`~torch_handle.train.tensor_parallel.TensorParallel` share when tp > 1 (hand-written):
+            it splits the model first (each rank attends its heads of its tokens), and the loss over a split
+            vocabulary, the norm over split gradients, the step's TP traffic and the checkpoints are its own.
 
     Raises:
         ValueError: ``cp_impl`` that does not run here (``native``)."""
 
-    def __init__(self, parallel: ParallelConfig, ctx: Any, document_mask: bool = False) -> None:
+    def __init__(self, parallel: ParallelConfig, ctx: Any, document_mask: bool = False, inner: Any = None) -> None:
         self.impl = chosen_cp_impl(parallel.cp_impl, document_mask)
         self.function = _attention_function(self.impl)
         self.ctx, self.cp, self.rank = ctx, ctx.layout.cp, ctx.cp_rank
         self.group = ctx.cp_mesh["cp"].get_group()
         self.strategy: Any = None
+        self.inner = inner
         self._engine: Any = None
         self.tokens: Tokens | None = None
         """The local tokens' positions and documents (B, T/cp) of the micro-batch in the model now."""
@@ -88,12 +92,15 @@ class ContextParallel(PortableShare):
 
     # -- build ----------------------------------------------------------------------------------------------------
     def parallelize(self, model: nn.Module) -> nn.Module:
-        """Hook ``model`` (unsplit, in place): its inputs are sharded before its forward and every
-        ``MultiHeadAttention`` attends through :meth:`attend`.
+        """Hook ``model`` (split over tp first by the inner share, in place): its inputs are sharded before its
+        forward and every ``MultiHeadAttention`` attends through :meth:`attend`.
 
         Raises:
             ValueError: the model has no ``MultiHeadAttention``, or one with attention dropout."""
         from torch_handle.model.attention import MultiHeadAttention
+
+        if self.inner is not None:
+            model = self.inner.parallelize(model)
 
         layers = [m for m in model.modules() if isinstance(m, MultiHeadAttention)]
         if not layers:
@@ -111,6 +118,8 @@ class ContextParallel(PortableShare):
         self.strategy = strategy
         strategy.clips_gradients = False
         self._engine = getattr(strategy, "engine", None)  # DeepSpeed: ZeRO's partitioned gradients are its own
+        if self.inner is not None:
+            self.inner.bind(strategy)
         return self
 
     # -- each micro-batch ----------------------------------------------------------------------------------------
@@ -140,7 +149,8 @@ class ContextParallel(PortableShare):
         (B, T), sharded here by the micro-batch's order; n: the labelled tokens of the whole micro-batch (see the
         module). Summed over the cp ranks, loss · count is the micro-batch's loss sum and count its tokens."""
         local = shard(labels, self.order, self.cp, self.rank)  # (B, T/cp)
-        mean, n_local = loss_fn(logits, local, label_smoothing)
+        split = self.inner.loss if self.inner is not None else loss_fn  # a vocabulary split over tp: its own
+        mean, n_local = split(logits, local, label_smoothing)
         n = (labels != IGNORE_INDEX).sum()
         return mean * n_local * self.cp / n.clamp(min=1), n / self.cp
 
@@ -150,6 +160,8 @@ class ContextParallel(PortableShare):
         for DeepSpeed, whose engine reduces and clips inside its step (:meth:`step_stats` reports its norm)."""
         if self._engine is not None:
             return float("nan")
+        if self.inner is not None:
+            return self.inner.before_step(max_norm)
         self.strategy.clips_gradients = True
         try:
             return float(self.strategy.clip_grad_norm())
@@ -160,7 +172,8 @@ class ContextParallel(PortableShare):
         """The layout, ``cp_impl`` and ``cp_imbalance``: max ÷ mean over the cp ranks of the unmasked query-key
         pairs of the step's last micro-batch (:func:`~torch_handle.parallel.context.sharding.imbalance`; 1.0 is
         perfect balance)."""
-        out: dict[str, Any] = {"layout": self.ctx.layout.describe(), "cp_impl": self.impl}
+        out: dict[str, Any] = {**(self.inner.step_stats(timeline) if self.inner is not None else {}),
+                               "layout": self.ctx.layout.describe(), "cp_impl": self.impl}
         if self._engine is not None:  # the norm the engine measured in the step that just ran
             norm = self._engine.get_global_grad_norm()
             out["grad_norm"] = float(norm) if norm is not None else float("nan")
@@ -168,21 +181,29 @@ class ContextParallel(PortableShare):
             out["cp_imbalance"] = round(imbalance(attention_pairs(self.order, self.cp, self.documents)), 4)
         return out
 
-    # -- checkpoints and export: the strategy's (the model is whole on every cp rank) ---------------------------
+    # -- checkpoints and export: the TP share's (the portable form), else the strategy's (a whole model) ----------
+    @property
+    def _holder(self) -> Any:
+        return self.inner if self.inner is not None else self.strategy
+
+    def begin_step(self) -> None:
+        if self.inner is not None:
+            self.inner.begin_step()  # TP's traffic counters
+
     def checkpoint_layout(self) -> dict[str, Any]:
-        return {**self.strategy.checkpoint_layout(), "cp": self.cp, "cp_impl": self.impl}
+        return {**self._holder.checkpoint_layout(), "cp": self.cp, "cp_impl": self.impl}
 
     def loads_natively(self, layout: dict[str, Any]) -> bool:
-        return self.strategy.loads_natively(layout)
+        return self._holder.loads_natively(layout)
 
     def save(self, ckpt_dir: Path) -> None:
-        self.strategy.save(ckpt_dir)
+        self._holder.save(ckpt_dir)
 
     def load(self, ckpt_dir: Path) -> None:
-        self.strategy.load(ckpt_dir)
+        self._holder.load(ckpt_dir)
 
     def load_portable(self, portable: Path) -> None:
-        self.strategy.load_portable(portable)
+        self._holder.load_portable(portable)
 
     def full_state_dict(self, model: nn.Module | None = None) -> dict[str, Tensor] | None:
-        return self.strategy.full_state_dict()
+        return self.inner.full_state_dict(model) if self.inner is not None else self.strategy.full_state_dict()
