@@ -73,7 +73,9 @@ def cp_activation_bytes(preset: Preset, registry: PluginRegistry, strategy: str 
                            loss_impl=loss_impl or loss_impl_of(preset, registry))
     n_heads = model.n_heads
     head_dim = getattr(model, "head_dim", None) or model.d_model // n_heads
+    kv_heads = getattr(model, "n_kv_heads", None) or n_heads
     element = 4 if mode == "fp32" else _DTYPE_BYTES.get(t.precision, 4)
-    buffers = cp_buffer_bytes(impl, t.micro_batch_size, n_heads, getattr(model, "n_kv_heads", None) or n_heads,
-                              data.seq_len, par.cp, head_dim, element)
+    # with tp, a rank attends its H/tp query heads and H_kv/tp key/value heads (one when H_kv < tp: replicated)
+    buffers = cp_buffer_bytes(impl, t.micro_batch_size, n_heads // par.tp, max(1, kv_heads // par.tp), data.seq_len,
+                              par.cp, head_dim, element)
     return act, buffers, impl
