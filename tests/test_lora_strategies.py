@@ -1,8 +1,9 @@
 """LoRA under the strategies and layouts: one module-scoped set of real 2-process torchrun runs (tiny Llama-shaped
 decoder, adapters on every linear, fp32, dropout 0, 4 steps: the adapters' B leaves zero at step 1, so steps 2-4
 compare adapted models) against the single-process run of the same preset in this process (grad_accum 2: the same
-samples per step). The data-parallel strategies (ddp, fsdp, ZeRO-2/3, scratch-ddp's ZeRO-1, scratch-fsdp) run
-dp 2; tensor parallelism (hand-written and DTensor) and the pipeline run dp 1 with grad_accum 2. Each gives the
+samples per step). The data-parallel strategies (fsdp, ZeRO-2/3, scratch-ddp's ZeRO-1, scratch-fsdp) run dp 2
+(LoRA under ddp: the SFT and DPO matrices of tests/test_sft_strategies.py and tests/test_dpo.py); tensor
+parallelism (hand-written and DTensor) and the pipeline run dp 1 with grad_accum 2. Each gives the
 single-process losses within 1e-5, leaves every frozen base weight bitwise as it started (the final weights are
 the adapters; the base is rebuilt from the seed and compared), holds optimizer state for the adapters alone (per
 rank exactly what the accounting of the trainable parameters says for its strategy and split), and exports
@@ -42,7 +43,7 @@ rank = 4
 alpha = 8.0
 target_modules = ["all"]
 """
-STRATEGIES = {"ddp": ["strategy.name=ddp"], "fsdp": ["strategy.name=fsdp"],
+STRATEGIES = {"fsdp": ["strategy.name=fsdp"],
               "zero2": ["strategy.name=deepspeed", "strategy.zero_stage=2"],
               "zero3": ["strategy.name=deepspeed", "strategy.zero_stage=3"],
               "scratch-zero1": ["strategy.name=scratch-ddp", "strategy.shard_optimizer=true"],
@@ -147,10 +148,10 @@ def test_optimizer_bytes_are_the_adapters_alone(lora_runs):
     """AdamW: exp_avg and exp_avg_sq (8 bytes per trainable parameter) and a 4-byte step per tensor; DeepSpeed
     keeps its fp32 master copy too (12 bytes) and shards it; FSDP2, scratch-fsdp and ZeRO-1 shard the 8 bytes; tp 2
     halves the split adapters, pp 2 keeps each stage's own. Nothing for the frozen base (13x the adapters here)."""
-    adapters = list(_adapters(lora_runs["ddp"]).values())
+    adapters = list(_adapters(lora_runs["single"]).values())
     n, tensors = sum(t.numel() for t in adapters), len(adapters)
     memory = {name: [e for e in events(run, "step") if "memory" in e][-1]["memory"] for name, run in lora_runs.items()}
-    assert memory["single"][0]["optimizer_bytes"] == memory["ddp"][0]["optimizer_bytes"] == 8 * n + 4 * tensors
+    assert memory["single"][0]["optimizer_bytes"] == 8 * n + 4 * tensors
     for name in ("zero2", "zero3"):
         assert [m["optimizer_bytes"] for m in memory[name]] == [12 * n // 2 + 4] * 2, name
     # FSDP2 and scratch-fsdp (per parameter): every rank half of each tensor's moments (the widths are even) and
@@ -162,7 +163,7 @@ def test_optimizer_bytes_are_the_adapters_alone(lora_runs):
     info = json.loads((lora_runs["zero3"] / "run.json").read_text())
     assert info["zero_stage"] == 3 and info["world_size"] == 2
     # tp 2: B of a column-parallel linear and A of a row-parallel one split in half, the other adapter whole
-    split = sum(t.numel() for k, t in _adapters(lora_runs["ddp"]).items()
+    split = sum(t.numel() for k, t in _adapters(lora_runs["single"]).items()
                 if (".lora_B." in k and any(c in k for c in COLUMN_PARALLEL))
                 or (".lora_A." in k and any(r in k for r in ROW_PARALLEL)))
     assert 0 < split < n
@@ -213,7 +214,7 @@ def assert_exports_match(runs: dict[str, Path], name: str, tmp_path: Path) -> No
 
 def test_the_estimate_is_the_telemetry_to_the_byte(lora_runs):
     """``handle estimate`` of each run's own preset.toml: rank 0's trainable and frozen parameter bytes, gradients
-    and optimizer state equal its memory telemetry exactly (DDP: the base whole; FSDP2 and ZeRO-3: the base
+    and optimizer state equal its memory telemetry exactly (one process: the base whole; FSDP2 and ZeRO-3: the base
     sharded like any parameter; ZeRO-2: the base whole beside the flat adapters; scratch-fsdp: each rank's rows of
     every frozen tensor; tp 2: base and adapters split by the plan; pp 2: each stage's own layers, the tied
     embedding on both ends), and its FLOPs per token are
@@ -224,10 +225,11 @@ def test_the_estimate_is_the_telemetry_to_the_byte(lora_runs):
 
     registry = get_registry()
     keys = ("trainable_param_bytes", "frozen_param_bytes", "grad_bytes", "optimizer_bytes")
-    for name in ("ddp", "fsdp", "zero2", "zero3", "scratch-fsdp", "tp-scratch", "tp-native", "pp"):
+    for name in ("single", "fsdp", "zero2", "zero3", "scratch-fsdp", "tp-scratch", "tp-native", "pp"):
         run = lora_runs[name]
         step = [e for e in events(run, "step") if "memory" in e][-1]
-        rows = estimate_preset(load_preset(run / "preset.toml", [], registry), registry, [2], rank=0)
+        rows = estimate_preset(load_preset(run / "preset.toml", [], registry), registry, [1 if name == "single" else 2],
+                               rank=0)
         assert len(rows) == (2 if name == "pp" else 1), name  # pp: one row per stage
         for row in rows:
             estimated = {k: row.as_dict()[k] for k in keys}
