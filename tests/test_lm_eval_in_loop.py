@@ -102,7 +102,7 @@ class _Events:
 def test_a_failing_task_is_a_warning_and_the_others_are_scored(run: Path, tmp_path: Path) -> None:
     """In this process, over the run's final weights: a task whose data file went after the preset was
     validated is skipped with a warning naming it; a model too short for a task's requests is a warning; a model
-    split over the ranks is one warning, and no evaluation after it."""
+    split over the ranks, or fewer documents than ranks, is one warning, and no evaluation after it."""
     from torch_handle.config.schema import EvalConfig
     from torch_handle.infer.generate import load_run
     from torch_handle.train.eval_tasks import InLoopTasks
@@ -144,6 +144,11 @@ def test_a_failing_task_is_a_warning_and_the_others_are_scored(run: Path, tmp_pa
                                    include_paths=[str(TASKS_DIR)]))
     model.args = dataclasses.replace(model.args, max_len=128)
     assert shots.run(trainer(3))["n-shot"] == {"handle_wikitext_cloze": 1}  # the harness got num_fewshot
+    crowded = trainer(4)  # 2 data-parallel ranks, 1 document a task: a rank would have none
+    crowded.ctx = dataclasses.replace(crowded.ctx, world_size=2)
+    few = InLoopTasks(EvalConfig(tasks=["handle_wikitext_cloze"], limit=1, include_paths=[str(TASKS_DIR)]))
+    assert few.run(crowded) is None and "eval.limit 1 leaves some of the 2 ranks no document (use >= 2)" in \
+        crowded.events.emitted[-1]["message"]
     split = trainer(4)
     split.share = object()  # a tp/pp/ep/cp share: the ranks hold parts of the model
     assert tasks.due(4, last=True) and tasks.run(split) is None and not tasks.due(5, last=True)
@@ -151,3 +156,43 @@ def test_a_failing_task_is_a_warning_and_the_others_are_scored(run: Path, tmp_pa
     assert warning["message"] == ("eval.tasks: not scored during training: each rank holds a part of the model "
                                   "(parallel layout) (score the final weights with handle eval RUN --tasks "
                                   "handle_wikitext_cloze,handle_wikitext_ppl)")
+
+
+def _one_rank_fails(rank: int, tmp: Path) -> None:
+    """On a gloo group of 2: HandleLM over the group, rank 1's share raises; what each rank raised goes to a file."""
+    import torch.distributed as dist
+    from tokenizers import Tokenizer
+
+    from torch_handle.errors import DataError
+    from torch_handle.infer.lm_eval_model import HandleLM
+    from torch_handle.model.args import TransformerArgs
+    from torch_handle.model.transformer import build_transformer
+
+    tokenizer = Tokenizer.from_file((tmp / "tokenizer-path").read_text())
+    model = build_transformer(TransformerArgs(vocab_size=tokenizer.get_vocab_size(), d_model=16, n_heads=2,
+                                              n_layers=1, d_ff=32, max_len=32)).eval()
+    lm = HandleLM(model, tokenizer, group=dist.group.WORLD)
+    if rank == 1:
+        def too_long(*args, **kwargs):
+            raise DataError("a continuation of 52 tokens does not fit the model's 32 positions")
+
+        lm._loglikelihood_tokens = too_long
+    try:
+        lm.loglikelihood([types.SimpleNamespace(args=("The cat", " sat"))])
+        raised = "nothing"
+    except DataError as e:
+        raised = str(e)
+    (tmp / f"raised{rank}").write_text(raised)
+
+
+def test_an_error_on_one_rank_is_raised_on_every_rank(run: Path, tmp_path: Path) -> None:
+    """A rank whose share of the requests fails (a continuation too long for the model) would leave the other ranks
+    waiting in the harness's next collective: HandleLM over a group raises on every rank, naming the rank that
+    failed and its error (2 gloo processes)."""
+    from tests.helpers import run_on_gloo
+
+    (tmp_path / "tokenizer-path").write_text(str(run / "tokenizer.json"))
+    run_on_gloo(_one_rank_fails, tmp_path)
+    assert (tmp_path / "raised1").read_text() == "a continuation of 52 tokens does not fit the model's 32 positions"
+    assert (tmp_path / "raised0").read_text() == ("rank 1 of the evaluation failed: DataError: a continuation of 52 "
+                                                  "tokens does not fit the model's 32 positions")

@@ -105,6 +105,29 @@ class HandleLM(TemplateLM):
         if self.group is not None:
             dist.barrier(group=self.group)
 
+    def _agreed(self, answer: Any) -> Any:
+        """``answer()`` on every rank of the group, an error on any rank raised on all: a rank that failed alone
+        (its share held a continuation too long for the model) would leave the others waiting in the harness's next
+        collective. One ``all_gather_object`` of each rank's error (or None) per request type.
+
+        Raises:
+            Exception: this rank's own error; else DataError naming the first rank that failed and its error."""
+        if self.group is None:
+            return answer()
+        out, error = None, None
+        try:
+            out = answer()
+        except Exception as e:  # noqa: BLE001 - re-raised below, after the other ranks have heard of it
+            error = e
+        errors: list[Any] = [None] * self.world_size
+        dist.all_gather_object(errors, None if error is None else f"{type(error).__name__}: {error}", group=self.group)
+        if error is not None:
+            raise error
+        failed = next(((rank, e) for rank, e in enumerate(errors) if e is not None), None)
+        if failed is not None:
+            raise DataError(f"rank {failed[0]} of the evaluation failed: {failed[1]}")
+        return out
+
     def _count(self, kind: str, requests: list[Any]) -> None:
         self.counts[kind] = self.counts.get(kind, 0) + len(requests)
 
@@ -161,7 +184,8 @@ class HandleLM(TemplateLM):
     def loglikelihood(self, requests: list[Any], disable_tqdm: bool = False) -> list[tuple[float, bool]]:
         """Each request's ``(context, continuation)`` -> (log P(continuation | context) in nats, is greedy)."""
         self._count("loglikelihood", requests)
-        return super().loglikelihood(requests, disable_tqdm=True)
+        parent = super().loglikelihood
+        return self._agreed(lambda: parent(requests, disable_tqdm=True))
 
     def _loglikelihood_tokens(self, requests: list[tuple[tuple[str, str], list[int], list[int]]],
                               disable_tqdm: bool = False, **kwargs: Any) -> list[tuple[float, bool]]:
@@ -192,6 +216,9 @@ class HandleLM(TemplateLM):
     def loglikelihood_rolling(self, requests: list[Any], disable_tqdm: bool = False) -> list[float]:
         """Each request's ``(text,)`` -> log P(text) in nats, summed over disjoint windows of ``max_length``."""
         self._count("loglikelihood_rolling", requests)
+        return self._agreed(lambda: self._rolling(requests))
+
+    def _rolling(self, requests: list[Any]) -> list[float]:
         windows, counts = [], []
         for (text,) in (req.args for req in requests):
             mine = [make_disjoint_window(w) for w in get_rolling_token_windows(
@@ -210,6 +237,9 @@ class HandleLM(TemplateLM):
     def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
         """Each request's ``(context, gen_kwargs)`` -> the generated text up to its first stop sequence."""
         self._count("generate_until", requests)
+        return self._agreed(lambda: self._generate_all(requests))
+
+    def _generate_all(self, requests: list[Any]) -> list[str]:
         encoded = {}
 
         def by_length(req):

@@ -38,9 +38,10 @@ from torch_handle.observe.heartbeat import busy
 log = logging.getLogger("torch_handle")
 
 
-def scorable(trainer: Any) -> str | None:
+def scorable(trainer: Any, limit: int | None = None) -> str | None:
     """Why ``trainer``'s model cannot be scored in the loop (one phrase), or None when every rank holds the whole
-    decoder: no parallel share (tp, pp, ep), data parallelism over every rank, whole parameters."""
+    decoder (no parallel share: tp, pp, ep, cp; data parallelism over every rank; whole parameters) and ``limit``
+    (documents per task) gives every rank at least one."""
     from torch_handle.model.transformer import DecoderLM
 
     ctx = trainer.ctx
@@ -57,6 +58,8 @@ def scorable(trainer: Any) -> str | None:
         return f"strategy {trainer.preset.strategy.name} shards the parameters"
     if trainer.data.tokenizer_path is None:
         return "the data has no tokenizer.json"
+    if limit is not None and limit < ctx.world_size:  # a rank without a task's documents skips its collectives
+        return f"eval.limit {limit} leaves some of the {ctx.world_size} ranks no document (use >= {ctx.world_size})"
     return None
 
 
@@ -113,7 +116,7 @@ class InLoopTasks:
             return self._run(trainer)
 
     def _run(self, trainer: Any) -> dict[str, Any] | None:
-        reason = scorable(trainer)
+        reason = scorable(trainer, self.config.limit)
         if reason is not None:
             self.enabled = False
             self._warn(trainer, f"eval.tasks: not scored during training: {reason} (score the final weights with "
