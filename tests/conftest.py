@@ -67,7 +67,7 @@ SLOWEST_FIRST = ("test_learn_doc", "test_distributed", "test_nd_parallel", "test
                  "test_resume_safety", "test_env", "test_plugins_cli", "test_layout_weights", "test_pipeline_checkpoint",
                  "test_run_info_stress", "test_slurm", "test_bench_scaling", "test_plan", "test_tokens_run",
                  "test_data_prepare", "test_docs", "test_scratch_fsdp_run", "test_launch_prepare",
-                 "test_context_parallel", "test_lm_eval", "test_lm_eval_in_loop",  # 23 CPU s: a 2-rank run
+                 "test_context_parallel", "test_lm_eval", "test_lm_eval_in_loop",  # 30 CPU s: a 2-rank run
                  "test_estimate_layout")
 """Test files by falling duration (CPU seconds, and wall time where a test waits; 2 cores): `make test` hands whole
 files to two xdist workers in collection order (--dist loadfile --no-loadscope-reorder), and the longest first keeps
