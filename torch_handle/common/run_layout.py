@@ -45,6 +45,16 @@ LAYOUT_KEY = "layout"
 """run.json's key holding :meth:`RunLayout.record`."""
 
 
+def chosen_cp_impl(requested: str, document_mask: bool) -> str:
+    """The context-parallel attention ``parallel.cp_impl = requested`` runs: itself, or for ``"auto"`` ``allgather``
+    with packed documents (every key in hand makes the document mask one ordinary masked attention: Llama 3,
+    §3.3.2) and ``ring`` without (K/V never held whole: the least memory). Here, below config, so that the layout
+    line names what runs (:mod:`torch_handle.config.context_parallel` checks the choice)."""
+    if requested != "auto":
+        return requested
+    return "allgather" if document_mask else "ring"
+
+
 def _degree(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else None
 
@@ -89,8 +99,6 @@ class RunLayout:
     @classmethod
     def from_preset(cls, preset: Any) -> RunLayout:
         """The layout of a loaded :class:`~torch_handle.config.schema.Preset` (read by attribute only)."""
-        from torch_handle.config.context_parallel import chosen_cp_impl
-
         par = preset.parallel
         cp_impl = chosen_cp_impl(getattr(par, "cp_impl", "auto"), bool(getattr(preset.data.options, "document_mask",
                                                                                   False)))

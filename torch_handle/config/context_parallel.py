@@ -24,7 +24,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+from torch_handle.common.run_layout import chosen_cp_impl
 from torch_handle.errors import PresetError
+
+__all__ = ["IMPLS", "STRATEGIES", "chosen_cp_impl", "context_parallel_problems"]
 
 IMPLS = ("ring", "allgather", "ulysses")
 """The hand-written context-parallel attentions (``torch_handle/parallel/context/``)."""
@@ -34,15 +37,6 @@ STRATEGIES = ("ddp", "fsdp", "deepspeed")
 gradients or optimizer states sharded) over the dp × cp ranks, the default process group, and their clipping
 measures the whole model's norm. The hand-written scratch-ddp divides by the data-parallel degree and scratch-fsdp
 clips inside its step: not yet."""
-
-
-def chosen_cp_impl(requested: str, document_mask: bool) -> str:
-    """The implementation ``cp_impl = requested`` runs: itself, or for ``"auto"`` ``allgather`` with packed
-    documents (every key in hand makes the document mask one ordinary masked attention: Llama 3, §3.3.2) and
-    ``ring`` without (K/V never held whole: the least memory)."""
-    if requested != "auto":
-        return requested
-    return "allgather" if document_mask else "ring"
 
 
 def _native_problem() -> str:
