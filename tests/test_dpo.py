@@ -172,9 +172,9 @@ DPO_RUNS = (("ddp", "lora"), ("zero2", "lora"), ("fsdp", "full"), ("zero3", "ful
             ("zero3", "qlora"))
 """(strategy, method) of the 2-rank DPO runs (tests/test_sft_strategies.py's SFT_RUNS fill most other cells); a
 full fine-tune's reference is precomputed (every rank runs the forwards of its share of the pairs, sharded)."""
-FULL_LR = "training.lr=0.001"
+FULL = ("training.lr=0.001", "finetune.preference.reference=precomputed")
 """A full fine-tune's learning rate (LoRA's 0.01 has it swing from a loss of 0.55 to 0.74 and back to 0.02 in 10
-steps, the two ranks' last bits of difference growing to 5e-6)."""
+steps, the two ranks' last bits of difference growing to 5e-6) and its reference, precomputed (what auto means)."""
 
 
 @pytest.fixture(scope="module")
@@ -187,7 +187,7 @@ def dpo_runs(pairs, tmp_path_factory) -> dict[tuple[str, str], Path]:
     base, data = pairs
     root = tmp_path_factory.mktemp("dpo-runs")
     preset = dpo_preset(root, base, data, steps=STEPS)
-    overrides, methods = (*DPO, "training.eval_every=0"), {**METHOD, "full": (*METHOD["full"], FULL_LR)}
+    overrides, methods = (*DPO, "training.eval_every=0"), {**METHOD, "full": (*METHOD["full"], *FULL)}
     return {**single_runs(preset, overrides, root, methods), **launched(preset, DPO_RUNS, overrides, root, methods)}
 
 
