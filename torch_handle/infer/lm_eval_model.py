@@ -83,6 +83,8 @@ class HandleLM(TemplateLM):
         """Positions enter attention only as differences (RoPE): generation may batch left-padded prompts."""
         self.counts: dict[str, int] = {}
         """Requests answered, by type (``loglikelihood``, ``loglikelihood_rolling``, ``generate_until``)."""
+        self.counts_per_rank: list[dict[str, int]] = [self.counts]
+        """With a group, on its rank 0 after the harness gathered the metrics: every rank's :attr:`counts`."""
 
     # ------------------------------------------------------------------------ the harness's collectives (group)
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -94,12 +96,17 @@ class HandleLM(TemplateLM):
         return torch.stack(parts) if tensor.dim() == 0 else torch.cat(parts)
 
     def gather_object(self, obj: Any, dst: int = 0) -> list[Any] | None:
-        """Every rank's ``obj`` on the group's rank ``dst`` (a list in rank order), None on the others."""
+        """Every rank's ``obj`` on the group's rank ``dst`` (a list in rank order), None on the others. Each rank's
+        :attr:`counts` travel with it (:attr:`counts_per_rank` on ``dst``): the harness's last collective carries
+        them, so nothing collective follows the scores' computation on ``dst`` alone (which may raise)."""
         if self.group is None:
             return [obj]
         out = [None] * self.world_size if self.rank == dst else None
-        dist.gather_object(obj, out, dst=dist.get_global_rank(self.group, dst), group=self.group)
-        return out
+        dist.gather_object((obj, dict(self.counts)), out, dst=dist.get_global_rank(self.group, dst), group=self.group)
+        if out is None:
+            return None
+        self.counts_per_rank = [counts for _, counts in out]
+        return [o for o, _ in out]
 
     def barrier(self) -> None:
         if self.group is not None:

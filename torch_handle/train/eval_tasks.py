@@ -191,9 +191,9 @@ class InLoopTasks:
         results = downstream.evaluate_run(loaded, list(tasks), manager, limit=self.config.limit,
                                           num_fewshot=self.config.num_fewshot, batch_size=self.config.batch_size,
                                           step=step, tasks=tasks, lm=lm)
-        counts = lm.gather_object(dict(lm.counts)) if group is not None else [dict(lm.counts)]
-        if results is None:  # not rank 0
+        if results is None:  # not rank 0: the scores are computed there, and nothing collective follows
             return None
+        counts = [dict(c) for c in lm.counts_per_rank]
         seconds = round(time.perf_counter() - started, 3)
         results["handle"].update(in_loop=True, weights=f"the training model at step {step}", seconds=seconds,
                                  requests_per_rank=counts)
