@@ -163,6 +163,13 @@ class InLoopTasks:
                 loaded.append({})
                 errors.append(" ".join(str(e).split())[:300] or type(e).__name__)
         loaded += [{}] * (len(errors) - len(loaded))
+        if self._tokenizer is None:  # read here, where the ranks agree on what failed, not alone in _score
+            from tokenizers import Tokenizer
+
+            try:
+                self._tokenizer = Tokenizer.from_file(str(trainer.data.tokenizer_path))
+            except Exception as e:  # noqa: BLE001 - tokenizers raises its own Exception type
+                errors = [f"{trainer.data.tokenizer_path}: unreadable ({' '.join(str(e).split())[:200]})"] * len(errors)
         ok = torch.tensor([float(not err) for err in errors], device=trainer.ctx.device)
         if trainer.ctx.distributed:
             dist.all_reduce(ok, op=dist.ReduceOp.MIN)  # a task is scored only where every rank built it
@@ -177,14 +184,10 @@ class InLoopTasks:
 
     def _score(self, trainer: Any, model: torch.nn.Module, tasks: dict[str, Any], manager: Any, step: int,
                started: float) -> dict[str, Any] | None:
-        from tokenizers import Tokenizer
-
         from torch_handle.infer import downstream
         from torch_handle.infer.generate import LoadedRun
         from torch_handle.infer.lm_eval_model import HandleLM
 
-        if self._tokenizer is None:
-            self._tokenizer = Tokenizer.from_file(str(trainer.data.tokenizer_path))
         group = dist.group.WORLD if trainer.ctx.distributed else None
         lm = HandleLM(model, self._tokenizer, batch_size=self.config.batch_size, group=group)
         loaded = LoadedRun(trainer.run_dir, model, self._tokenizer, trainer.preset, trainer.run_dir / "checkpoints")
