@@ -19,9 +19,10 @@ from torch_handle.infer.generate import TOKENIZER_FILE, OpenedRun
 from torch_handle.infer.hf_export import ROLES, chat_files, check_exportable, export_hf
 
 
-def finetune_method(run: OpenedRun) -> str:
-    """The run's ``finetune.method`` (``"none"`` for a run from before the table). Raises as
-    :func:`check_exportable`."""
+def finetune_method(run: OpenedRun | Path | str) -> str:
+    """The run's ``finetune.method`` (``"none"`` for a run from before the table); ``run``: opened already, or its
+    directory. Raises as :func:`check_exportable`."""
+    run = run if isinstance(run, OpenedRun) else OpenedRun(run)
     check_exportable(run.run_dir, run.preset)
     return run.preset.finetune.method
 
