@@ -98,6 +98,9 @@ def test_context_parallel_layouts_train_as_one_process(runs, name) -> None:
     for event in split.values():
         assert event["layout"]["cp"] == 2 and event["tokens"] == one[event["step"]]["tokens"]
         assert ("tp_comm_calls" in event) == (name == "tp2xcp2-ring")  # the TP share's traffic, through cp's
+        assert event["cp_comm_bytes"] > 0 and event["comm"]["cp"] == event["cp_comm_s"] > 0, event
+        if name == "cp2-allgather-zero2":  # per layer and micro-batch: K, V, positions, documents gathered, then
+            assert event["cp_comm_calls"] == 8 * 2 * 2  # K, V again and dK, dV reduce-scattered; 2 layers, 2 each
         # head-tail per document: every rank attends as many query-key pairs, to the pool's few tokens
         assert 1.0 <= event["cp_imbalance"] <= 1.05, event
     assert json.loads((runs[name] / "run.json").read_text())["layout"]["label"] == LABELS[name]

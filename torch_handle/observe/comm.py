@@ -7,7 +7,10 @@ from what the event already carries (rank 0's figures, seconds of the step):
   reports none);
 - ``pp``: rank 0's blocked receives in the pipeline schedule, ``pipeline.ranks[0].wait_s``
   (:func:`torch_handle.parallel.pipeline.timeline.summarize`; ``pp_impl = "scratch"``: torch's schedules wait
-  inside the schedule, where a stage cannot observe it, and report 0, so ``pipeline.impl = "native"`` gives none).
+  inside the schedule, where a stage cannot observe it, and report 0, so ``pipeline.impl = "native"`` gives none);
+- ``cp``: rank 0's seconds blocked in the context-parallel attention's communication, ``cp_comm_s`` (a collective's
+  call, a ring pass's wait after the compute it overlapped: :mod:`torch_handle.parallel.context.comms`). Not one
+  of :data:`DIMENSIONS` (the degrees ``handle bench scaling`` varies): it follows them.
 
 Only the dimensions of degree > 1 in the event's ``layout`` appear. Standard library only.
 """
@@ -16,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from torch_handle.observe.fields import COMM, COMM_S, TP_COMM_S
+from torch_handle.observe.fields import COMM, COMM_S, CP_COMM_S, TP_COMM_S
 from torch_handle.observe.tail import integer, number
 
 DIMENSIONS = ("dp", "tp", "pp")
@@ -38,8 +41,9 @@ def comm_fields(record: dict[str, Any]) -> dict[str, Any]:
     layout = record.get("layout")
     if not isinstance(layout, dict):
         return {}
-    seconds = {"dp": record.get(COMM_S), "tp": record.get(TP_COMM_S), "pp": _pipeline_wait(record.get("pipeline"))}
-    wide = [dim for dim in DIMENSIONS if (integer(layout.get(dim)) or 1) > 1]
+    seconds = {"dp": record.get(COMM_S), "tp": record.get(TP_COMM_S), "pp": _pipeline_wait(record.get("pipeline")),
+               "cp": record.get(CP_COMM_S)}
+    wide = [dim for dim in (*DIMENSIONS, "cp") if (integer(layout.get(dim)) or 1) > 1]
     out = {dim: value for dim in wide if (value := number(seconds[dim])) is not None and value >= 0}
     return {COMM: out} if out else {}
 

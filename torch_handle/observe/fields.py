@@ -62,6 +62,7 @@ SYNC_S = "sync_s"  # the trainer's loss/stop all-reduce
 OPTIMIZER_S = "optimizer_s"  # clip, step, schedule
 COMM_S = "comm_s"  # gradient communication not hidden behind backward (a strategy's step_stats, scratch-ddp)
 TP_COMM_S = "tp_comm_s"  # rank 0's seconds in the step's tensor-parallel collectives (tp_impl = "scratch")
+CP_COMM_S = "cp_comm_s"  # rank 0's seconds blocked in the step's context-parallel communication (parallel.cp > 1)
 COMM = "comm"  # {"dp": s, "tp": s, "pp": s}: communication per dimension of the layout (observe.comm)
 
 # step events of a run whose labels are a part of the positions it computes (SFT's packed conversations):

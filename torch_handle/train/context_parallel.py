@@ -37,7 +37,9 @@ from torch import Tensor, nn
 from torch_handle.config.context_parallel import chosen_cp_impl
 from torch_handle.config.schema import ParallelConfig
 from torch_handle.data.datasets import IGNORE_INDEX
+from torch_handle.observe.fields import CP_COMM_S
 from torch_handle.parallel.context.blocks import Tokens
+from torch_handle.parallel.context.comms import STATS
 from torch_handle.parallel.context.sharding import attention_pairs, document_ids_of, imbalance, shard, shard_order
 from torch_handle.train.loss import loss_fn
 from torch_handle.train.share import PortableShare
@@ -169,11 +171,13 @@ class ContextParallel(PortableShare):
             self.strategy.clips_gradients = False
 
     def step_stats(self, timeline: bool = False) -> dict[str, Any]:
-        """The layout, ``cp_impl`` and ``cp_imbalance``: max ÷ mean over the cp ranks of the unmasked query-key
-        pairs of the step's last micro-batch (:func:`~torch_handle.parallel.context.sharding.imbalance`; 1.0 is
-        perfect balance)."""
+        """The layout, ``cp_impl``, this step's CP communication (``cp_comm_calls``, ``cp_comm_bytes`` sent,
+        ``cp_comm_s`` blocked: :class:`~torch_handle.parallel.context.comms.CommStats`; evaluation's forwards are not
+        the step's) and ``cp_imbalance``: max ÷ mean over the cp ranks of the unmasked query-key pairs of the step's
+        last micro-batch (:func:`~torch_handle.parallel.context.sharding.imbalance`; 1.0 is perfect balance)."""
         out: dict[str, Any] = {**(self.inner.step_stats(timeline) if self.inner is not None else {}),
-                               "layout": self.ctx.layout.describe(), "cp_impl": self.impl}
+                               "layout": self.ctx.layout.describe(), "cp_impl": self.impl,
+                               "cp_comm_calls": STATS.calls, "cp_comm_bytes": STATS.bytes, CP_COMM_S: STATS.wait_s}
         if self._engine is not None:  # the norm the engine measured in the step that just ran
             norm = self._engine.get_global_grad_norm()
             out["grad_norm"] = float(norm) if norm is not None else float("nan")
@@ -187,8 +191,10 @@ class ContextParallel(PortableShare):
         return self.inner if self.inner is not None else self.strategy
 
     def begin_step(self) -> None:
+        """Start counting this step's CP traffic (and TP's)."""
+        STATS.reset()
         if self.inner is not None:
-            self.inner.begin_step()  # TP's traffic counters
+            self.inner.begin_step()
 
     def checkpoint_layout(self) -> dict[str, Any]:
         return {**self._holder.checkpoint_layout(), "cp": self.cp, "cp_impl": self.impl}

@@ -10,7 +10,9 @@ Shape letters: B batch, H heads, T/cp the local share of the sequence, D channel
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -19,6 +21,31 @@ from torch import Tensor
 # torch 2.13 renamed the tensor collectives (the old names warn); older torch has only the old ones.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+@dataclass
+class CommStats:
+    """What this process's context-parallel communication did since :meth:`reset`: ``calls``, ``bytes`` (what it
+    sent: a ring pass's tensors, an all-gather's or all-to-all's input, a reduce-scatter's input) and ``wait_s``,
+    host seconds blocked in it (a collective's call; a ring pass's ``wait``, after the compute it overlapped). On
+    CUDA the host does not wait for NCCL's kernels, so ``wait_s`` is the launch time there."""
+
+    calls: int = 0
+    bytes: int = 0
+    wait_s: float = 0.0
+
+    def reset(self) -> None:
+        self.calls, self.bytes, self.wait_s = 0, 0, 0.0
+
+    def add(self, tensors: Sequence[Tensor], seconds: float) -> None:
+        self.calls += 1
+        self.bytes += sum(t.numel() * t.element_size() for t in tensors)
+        self.wait_s += seconds
+
+
+STATS = CommStats()
+"""The process's counters (one cp group per process): the CP share resets them each step and reports them in its
+step event (``cp_comm_calls``, ``cp_comm_bytes``, ``cp_comm_s``)."""
 
 
 def cp_size(group: dist.ProcessGroup | None) -> int:
@@ -58,18 +85,24 @@ class Ring:
         received = [torch.empty_like(t) for t in tensors]
         ops = [dist.P2POp(dist.isend, t, self.next, self.group) for t in tensors]
         ops += [dist.P2POp(dist.irecv, t, self.prev, self.group) for t in received]
-        return Pass(received, dist.batch_isend_irecv(ops))
+        return Pass(received, dist.batch_isend_irecv(ops), sum(t.numel() * t.element_size() for t in tensors))
 
 
 class Pass:
     """One ring pass in flight: :meth:`wait` returns the received tensors once they have arrived."""
 
-    def __init__(self, received: list[Tensor], requests: list) -> None:
-        self.received, self.requests = received, requests
+    def __init__(self, received: list[Tensor], requests: list, sent_bytes: int = 0) -> None:
+        self.received, self.requests, self.sent_bytes = received, requests, sent_bytes
 
     def wait(self) -> list[Tensor]:
+        t0 = time.perf_counter()
         for request in self.requests:
             request.wait()
+        if not self.requests:  # a ring of one rank: nothing travelled
+            return self.received
+        STATS.calls += 1
+        STATS.bytes += self.sent_bytes
+        STATS.wait_s += time.perf_counter() - t0
         return self.received
 
 
@@ -80,7 +113,9 @@ def all_gather(x: Tensor, dim: int, group: dist.ProcessGroup | None) -> Tensor:
         return x
     moved = x.movedim(dim, 0).contiguous()  # all_gather_into_tensor fills dim 0
     out = moved.new_empty((cp * moved.shape[0], *moved.shape[1:]))
+    t0 = time.perf_counter()
     _all_gather_single(out, moved, group=group)
+    STATS.add([moved], time.perf_counter() - t0)
     return out.movedim(0, dim)
 
 
@@ -92,7 +127,9 @@ def reduce_scatter(x: Tensor, dim: int, group: dist.ProcessGroup | None) -> Tens
         return x
     moved = x.movedim(dim, 0).contiguous()
     out = moved.new_empty((moved.shape[0] // cp, *moved.shape[1:]))
+    t0 = time.perf_counter()
     _reduce_scatter_single(out, moved, group=group)
+    STATS.add([moved], time.perf_counter() - t0)
     return out.movedim(0, dim)
 
 
@@ -105,5 +142,7 @@ def all_to_all(x: Tensor, scatter_dim: int, gather_dim: int, group: dist.Process
         return x
     pieces = torch.stack(x.tensor_split(cp, dim=scatter_dim)).contiguous()  # (cp, ...): piece j for rank j
     out = torch.empty_like(pieces)
+    t0 = time.perf_counter()
     dist.all_to_all_single(out, pieces, group=group)  # out[i]: rank i's piece for this rank
+    STATS.add([pieces], time.perf_counter() - t0)
     return torch.cat(out.unbind(0), dim=gather_dim)
