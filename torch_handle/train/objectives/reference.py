@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from torch_handle.train.objectives.logps import sequence_logps
+
 REFERENCE_CACHE = "reference-logps"
 """The cache's subdirectory of precomputed reference tables, one ``<KEY>.pt`` each."""
 COUNTS = {"computed": 0, "cached": 0}
@@ -37,7 +39,7 @@ COUNTS = {"computed": 0, "cached": 0}
 
 class ReferenceCopy:
     """A frozen copy of the policy as built, with the strategy's face that
-    :func:`~torch_handle.train.objectives.pairs.sequence_logps` reads: ``model`` (what is called: the module,
+    :func:`~torch_handle.train.objectives.logps.sequence_logps` reads: ``model`` (what is called: the module,
     ``fully_shard``-ed in place under fsdp), :meth:`unwrapped` and :meth:`autocast` (the policy strategy's)."""
 
     def __init__(self, model: torch.nn.Module, autocast: Any) -> None:
@@ -54,8 +56,6 @@ class ReferenceCopy:
         """The copy's summed log-probabilities of rows ``ids``, ``labels`` (N, T) -> (N,) fp32, without gradients;
         a sharded copy's parameters are sharded again afterwards (FSDP2 keeps its root unit gathered after a forward
         when a backward is expected: none comes). Collective under fsdp."""
-        from torch_handle.train.objectives.pairs import sequence_logps
-
         with torch.no_grad():
             out = sequence_logps(self, ids, labels, loss_impl)
         reshard = getattr(self.model, "reshard", None)
