@@ -164,7 +164,7 @@ def test_a_dpo_preset_on_pairs_is_valid(pairs, tmp_path):
     (("finetune.objective=sft",), "holds preference pairs"),
     (("data.path=", "data.sources=[{path=\"DIR\"}]"), "data.sources: finetune.objective = 'dpo' reads one prepared "
                                                        "directory"),
-], ids=["beta-0", "beta-negative", "reference-none", "free-with-reference", "full-fine-tune", "tp", "pp", "sft",
+], ids=["beta-0", "beta-negative", "reference-none", "free-with-reference", "full-fine-tune", "sft",
         "mixture"])
 def test_bad_dpo_presets_are_one_line_exit_2(pairs, tmp_path, overrides, message):
     res = _validate(tmp_path, pairs[0], *(o.replace("DIR", str(pairs[0])) for o in overrides))
