@@ -159,8 +159,6 @@ def test_a_dpo_preset_on_pairs_is_valid(pairs, tmp_path):
     (("finetune.preference.loss=orpo", "finetune.preference.reference=adapters_off"), "is reference-free"),
     (("finetune.method=none", "finetune.preference.reference=adapters_off"),
      "finetune.preference.reference: 'adapters_off' needs adapters"),
-    (("parallel.tp=2", "launch.nproc_per_node=2"), "parallel.tp > 1 is not supported yet"),
-    (("parallel.pp=2", "launch.nproc_per_node=2", "training.grad_accum=2"), "parallel.pp > 1 is not supported yet"),
     (("finetune.objective=sft",), "holds preference pairs"),
     (("data.path=", "data.sources=[{path=\"DIR\"}]"), "data.sources: finetune.objective = 'dpo' reads one prepared "
                                                        "directory"),
