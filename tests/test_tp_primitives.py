@@ -149,11 +149,11 @@ def check_token_losses(tp: TPGroup) -> None:
     torch.testing.assert_close(_gather(mine.grad, tp, -1), logits.grad, rtol=1e-5, atol=1e-6)
 
 
-def check_chunked_loss(tp: TPGroup, eps: float, sequence_parallel: bool, native: bool) -> None:
+def check_chunked_loss(tp: TPGroup, eps: float, sequence_parallel: bool, mesh=None) -> None:
     """The chunked vocabulary-parallel loss (chunks of 3 of the 8 tokens) equals the column-parallel output layer's
     logits through ``vocab_parallel_cross_entropy`` within 1e-6 in fp32: loss, hidden states' gradient (summed over
-    the group) and the local weight rows' gradient; ``native``: the weight a ``Shard(0)`` DTensor. Two all-reduces
-    per chunk forward."""
+    the group) and the local weight rows' gradient; with a ``mesh`` (native TP) the weight a ``Shard(0)`` DTensor.
+    Two all-reduces per chunk forward."""
     torch.manual_seed(4)
     head = nn.Linear(H, V, bias=False)
     x = torch.randn(B, S, H)
@@ -165,20 +165,42 @@ def check_chunked_loss(tp: TPGroup, eps: float, sequence_parallel: bool, native:
     ref, _ = vocab_parallel_cross_entropy(col(enter(x_ref)), labels, tp, label_smoothing=eps)
     ref.backward()
     weight = nn.Parameter(col.weight.detach().clone())
-    if native:
+    if mesh is not None:
         from torch.distributed.tensor import Shard, distribute_tensor
 
-        weight = nn.Parameter(distribute_tensor(head.weight.detach(), tp_mesh()[0], [Shard(0)]))
+        weight = nn.Parameter(distribute_tensor(head.weight.detach(), mesh, [Shard(0)]))
     tp.stats.reset()
     loss = vocab_parallel_linear_cross_entropy(enter(x_new), weight, labels, tp, eps,
                                                sequence_parallel=sequence_parallel, rows=3)
     assert tp.stats.by_op == {"all_reduce": 6} | ({"all_gather": 1} if sequence_parallel else {}), tp.stats.by_op
     loss.backward()
-    grad_w = weight.grad.to_local() if native else weight.grad
+    grad_w = weight.grad if mesh is None else weight.grad.to_local()
     exact = {"rtol": 1e-6, "atol": 1e-6}
     torch.testing.assert_close(loss, ref, **exact)
     torch.testing.assert_close(x_new.grad, x_ref.grad, **exact)
     torch.testing.assert_close(grad_w, col.weight.grad, **exact)
+
+
+def check_chunked_loss_uneven(tp: TPGroup, mesh) -> None:
+    """Native TP splits a vocabulary tp does not divide (9 rows: 5 and 4, ``torch.chunk``'s split): the chunked loss
+    equals the one-process ``F.cross_entropy`` of the whole logits within 1e-6 in loss and gradients."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    torch.manual_seed(5)
+    head = nn.Linear(H, V - 1, bias=False)
+    x = torch.randn(B, S, H, requires_grad=True)
+    labels = torch.randint(0, V - 1, (B, S))
+    labels[1, 0] = IGNORE_INDEX
+    ref = F.cross_entropy(head(x).flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, label_smoothing=0.1)
+    ref.backward()
+    weight = nn.Parameter(distribute_tensor(head.weight.detach(), mesh, [Shard(0)]))
+    x_new = x.detach().clone().requires_grad_()
+    loss = vocab_parallel_linear_cross_entropy(x_new, weight, labels, tp, 0.1, rows=3)
+    loss.backward()
+    exact = {"rtol": 1e-6, "atol": 1e-6}
+    torch.testing.assert_close(loss, ref, **exact)
+    torch.testing.assert_close(x_new.grad, x.grad, **exact)
+    torch.testing.assert_close(weight.grad.full_tensor(), head.weight.grad, **exact)
 
 
 def _checks(rank: int, tmp: Path) -> None:
@@ -190,8 +212,10 @@ def _checks(rank: int, tmp: Path) -> None:
     check_embedding_and_loss(tp, eps=0.0)
     check_embedding_and_loss(tp, eps=0.1)
     check_token_losses(tp)
+    mesh = tp_mesh()[0]
     for eps, sequence_parallel, native in ((0.1, False, False), (0.0, True, False), (0.1, True, True)):
-        check_chunked_loss(tp, eps, sequence_parallel, native)
+        check_chunked_loss(tp, eps, sequence_parallel, mesh if native else None)
+    check_chunked_loss_uneven(tp, mesh)
 
 
 def test_tp_pieces_equal_one_process(tmp_path: Path) -> None:

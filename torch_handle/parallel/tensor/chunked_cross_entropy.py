@@ -46,18 +46,18 @@ class VocabParallelLinearCrossEntropy(torch.autograd.Function):
     """Token-mean cross-entropy of the logits ``hidden @ weight.T`` whose vocabulary rows are split over the TP
     group, ``rows`` tokens at a time, the gradients computed in forward (as ``ChunkedLinearCrossEntropy``).
 
-    forward(hidden (N, C) the same on every TP rank, weight (V/tp, C) this rank's rows [rank·V/tp, (rank+1)·V/tp),
-    labels (N,) long over the whole vocabulary, tp TPGroup, eps float in [0, 1), ignore_index int, rows int, dtype
+    forward(hidden (N, C) the same on every TP rank, weight (V_r, C) this rank's rows [start, start + V_r) of the
+    vocab V, labels (N,) long over the whole vocabulary, tp TPGroup, vocab int, start int, eps float in [0, 1),
+    ignore_index int, rows int, dtype
     torch.dtype, need_hidden bool, need_weight bool) -> scalar fp32 loss, the same on every TP rank (NaN when every
     label is ignored). Backward returns this rank's partial d hidden (N, C) (the caller sums it over the group) and
     the local weight's gradient (V/tp, C); it runs once (a second backward raises RuntimeError)."""
 
     @staticmethod
-    def forward(ctx, hidden: Tensor, weight: Tensor, labels: Tensor, tp: TPGroup, eps: float, ignore_index: int,
-                rows: int, dtype: torch.dtype, need_hidden: bool, need_weight: bool) -> Tensor:
+    def forward(ctx, hidden: Tensor, weight: Tensor, labels: Tensor, tp: TPGroup, vocab: int, start: int, eps: float,
+                ignore_index: int, rows: int, dtype: torch.dtype, need_hidden: bool, need_weight: bool) -> Tensor:
         h = hidden.to(dtype)  # (N, C)
         n_rows, n_local = h.shape[0], weight.shape[0]
-        vocab, start = n_local * tp.size, tp.rank * n_local
         w = _Weight(weight, dtype, cast_whole(n_rows, weight, dtype), weight_rows(n_local, weight.shape[1], h.device))
         valid = labels != ignore_index  # (N,)
         local = labels - start
@@ -97,17 +97,19 @@ class VocabParallelLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor):
         # the gradients were computed in forward: scaled by ``grad`` and handed over once, as the one-process
-        # function's; None more, for ``tp``
-        return (*ChunkedLinearCrossEntropy.backward(ctx, grad), None)
+        # function's; None more, for ``tp``, ``vocab`` and ``start``
+        return (*ChunkedLinearCrossEntropy.backward(ctx, grad), None, None, None)
 
 
-def _local_inputs(hidden: Any, weight: Any, tp: TPGroup, sequence_parallel: bool) -> tuple[Tensor, Tensor]:
-    """The hidden states (N.., C) replicated and entering the TP region, and this rank's weight rows, as plain
-    tensors. A plain ``hidden`` (both implementations: native TP's final norm hands back local tensors) enters as
+def _local_inputs(hidden: Any, weight: Any, tp: TPGroup, sequence_parallel: bool
+                  ) -> tuple[Tensor, Tensor, int, int]:
+    """(hidden, weight rows, V, the first row's index): the hidden states (..., C) replicated and entering the TP
+    region, and this rank's weight rows, as plain tensors. A plain ``hidden`` (both implementations: native TP's final norm hands back local tensors) enters as
     the column-parallel output layer's input enters: :func:`copy_to_tp`, or :func:`gather_from_sp` of a sequence
     shard, whose backward sums the ranks' partial gradients. A DTensor ``hidden`` is made replicated and local, its
     gradient handed back as a ``Partial`` sum that DTensor reduces. A DTensor ``weight`` (native: ``Shard(0)`` over
-    the vocabulary rows) gives its local rows; its gradient goes back as the same shard."""
+    the vocabulary rows, ``torch.chunk``'s split: ceil(V/tp) rows a rank, the last ranks fewer where tp does not divide
+    V) gives its local rows; its gradient goes back as the same shard."""
     if hasattr(hidden, "to_local"):
         from torch.distributed.tensor import Partial, Replicate
 
@@ -115,7 +117,10 @@ def _local_inputs(hidden: Any, weight: Any, tp: TPGroup, sequence_parallel: bool
         hidden = hidden.redistribute(placements=placements).to_local(grad_placements=[Partial()] * len(placements))
     else:
         hidden = gather_from_sp(hidden, tp) if sequence_parallel else copy_to_tp(hidden, tp)
-    return hidden, weight.to_local() if hasattr(weight, "to_local") else weight
+    if hasattr(weight, "to_local"):
+        vocab = weight.shape[0]
+        return hidden, weight.to_local(), vocab, min(vocab, tp.rank * -(-vocab // tp.size))
+    return hidden, weight, weight.shape[0] * tp.size, tp.rank * weight.shape[0]
 
 
 def vocab_parallel_linear_cross_entropy(hidden: Any, weight: Any, labels: Tensor, tp: TPGroup,
@@ -128,7 +133,8 @@ def vocab_parallel_linear_cross_entropy(hidden: Any, weight: Any, labels: Tensor
     Args:
         hidden: (B, T, C) the final hidden states, the same on every TP rank; with ``sequence_parallel`` this
             rank's (B, T/tp, C) sequence shard, gathered here as the output layer gathers it (``_local_inputs``).
-        weight: (V/tp, C) this rank's output-weight rows, or the (V, C) DTensor sharded over rows (``Shard(0)``).
+        weight: (V/tp, C) this rank's output-weight rows (tp divides V), or the (V, C) DTensor sharded over rows
+            (``Shard(0)``, any V).
         labels: (B, T) long over the whole vocabulary; ``ignore_index`` entries are left out of the mean.
         tp: the TP group (its counters record the collectives).
         label_smoothing: eps in [0, 1).
@@ -140,7 +146,7 @@ def vocab_parallel_linear_cross_entropy(hidden: Any, weight: Any, labels: Tensor
     Raises:
         ValueError: ``labels``' shape is not the (gathered) hidden states' leading shape, or the widths differ.
     """
-    hidden, weight = _local_inputs(hidden, weight, tp, sequence_parallel)
+    hidden, weight, vocab, start = _local_inputs(hidden, weight, tp, sequence_parallel)
     if labels.shape != hidden.shape[:-1] or weight.shape[-1] != hidden.shape[-1]:
         raise ValueError(f"vocab_parallel_linear_cross_entropy: hidden {tuple(hidden.shape)}, weight "
                          f"{tuple(weight.shape)} and labels {tuple(labels.shape)} do not fit ((..., C), (V/tp, C), "
@@ -148,6 +154,6 @@ def vocab_parallel_linear_cross_entropy(hidden: Any, weight: Any, labels: Tensor
     flat, targets = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)  # (N, C), (N,)
     grad = torch.is_grad_enabled()
     rows = rows or chunk_rows(flat.shape[0], weight.shape[0], flat.device)
-    return VocabParallelLinearCrossEntropy.apply(flat, weight, targets, tp, float(label_smoothing), ignore_index,
-                                                 rows, compute_dtype(hidden), grad and flat.requires_grad,
+    return VocabParallelLinearCrossEntropy.apply(flat, weight, targets, tp, vocab, start, float(label_smoothing),
+                                                 ignore_index, rows, compute_dtype(hidden), grad and flat.requires_grad,
                                                  grad and weight.requires_grad)
