@@ -149,9 +149,6 @@ def _plan(preset: str, user: list[str], n: int, k: int, memory: int | None, peak
             check_inputs(base)
     except USER_ERRORS as e:
         fail(str(e))
-    if base.parallel.cp > 1:  # the planner's layouts are dp x tp x pp (x ep): it would price them at this cp
-        fail(f"{preset}: parallel.cp = {base.parallel.cp}: handle plan does not enumerate context parallelism yet "
-             f"(plan with --set parallel.cp=1; handle estimate prices a cp layout)")
     per_node = n // k
     backend = backend or (base.launch.backend if base.launch.backend != "auto" else ("nccl" if cuda else "gloo"))
     cores = usable_cores()
@@ -316,7 +313,7 @@ def _comm(nbytes: int, seconds: float) -> str:
     return "-" if not nbytes else f"{fmt_bytes(nbytes)} {seconds * 1e3:,.1f} ms"
 
 
-_DROP_FIRST = ("EP comm", "PP comm", "DP comm", "TP comm", "bubble", "step ms", "mbs×ga", "strategy", "largest rank")
+_DROP_FIRST = ("CP comm", "EP comm", "PP comm", "DP comm", "TP comm", "bubble", "step ms", "mbs×ga", "strategy", "largest rank")
 """The columns a terminal too narrow for the whole table leaves out, in this order (# and layout, which name a
 row, and tokens/s, which ranks it, always stay)."""
 
@@ -329,6 +326,7 @@ def plan_table(rows: list[dict[str, Any]], width: int | None = None):
     from rich.table import Table
 
     ep = any(r.get("ep", 1) > 1 for r in rows)  # the all-to-alls' column only where a layout has them
+    cp = any(r.get("cp", 1) > 1 for r in rows)
     cells: dict[str, tuple[str, list[str]]] = {
         "#": ("right", [str(i) for i in range(1, len(rows) + 1)]), "layout": ("left", [r["label"] for r in rows]),
         "strategy": ("left", [r["strategy"] + (f", tp {r['tp_impl']}" if r.get("tp_impl") else "") for r in rows]),
@@ -338,7 +336,7 @@ def plan_table(rows: list[dict[str, Any]], width: int | None = None):
         "step ms": ("right", [f"{r['step_s'] * 1e3:,.1f}" for r in rows]),
         "bubble": ("right", ["-" if r["pp"] == 1 else f"{r['bubble']:.0%}" for r in rows]),
         **{f"{d.upper()} comm": ("right", [_comm(r[f"{d}_bytes"], r[f"{d}_s"]) for r in rows])
-           for d in ("tp", "dp", "pp", *(("ep",) if ep else ()))}}
+           for d in ("tp", "dp", "pp", *(("ep",) if ep else ()), *(("cp",) if cp else ()))}}
     left_out: list[str] = []
     while True:
         table = Table(header_style="bold")

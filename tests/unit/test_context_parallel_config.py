@@ -152,10 +152,3 @@ def test_estimate_prices_one_cp_rank_and_its_buffers(tmp_path):
         "ring": 2 * 2 * 2 * 4 * 32 * 16 * 8, "allgather": 2 * 2 * 4 * 64 * 16 * 8,
         "ulysses": 2 * (8 + 4) * 4 * 32 * 16 * 4}
 
-
-def test_plan_refuses_a_cp_preset_in_one_line(runner, repo_root):
-    result = runner.invoke(cli, ["plan", str(repo_root / "presets" / "long-context.toml"), "--nproc", "2"])
-    assert result.exit_code == 2 and "Traceback" not in result.stderr
-    assert result.stderr.splitlines() == [
-        (f"error: {repo_root / 'presets' / 'long-context.toml'}: parallel.cp = 2: handle plan does not enumerate "
-        "context parallelism yet (plan with --set parallel.cp=1; handle estimate prices a cp layout)")]

@@ -62,20 +62,72 @@ def cp_activation_bytes(preset: Preset, registry: PluginRegistry, strategy: str 
 
     Raises:
         PresetError: a dataset without ``vocab_size``/``seq_len`` options."""
-    from torch_handle.config.context_parallel import chosen_cp_impl
-
     par, model, data, t = preset.parallel, preset.model.options, preset.data.options, preset.training
-    impl = chosen_cp_impl(par.cp_impl, bool(getattr(data, "document_mask", False)))
     build = model_build(preset, registry)
     mode = compute_mode(strategy or preset.strategy.name, t.precision)
     act = fake_activations(build, t.micro_batch_size, data.seq_len // par.cp, t.precision, mode,
                            bool(getattr(model, "activation_checkpointing", False)),
                            loss_impl=loss_impl or loss_impl_of(preset, registry))
-    n_heads = model.n_heads
-    head_dim = getattr(model, "head_dim", None) or model.d_model // n_heads
-    kv_heads = getattr(model, "n_kv_heads", None) or n_heads
-    element = 4 if mode == "fp32" else _DTYPE_BYTES.get(t.precision, 4)
-    # with tp, a rank attends its H/tp query heads and H_kv/tp key/value heads (one when H_kv < tp: replicated)
-    buffers = cp_buffer_bytes(impl, t.micro_batch_size, n_heads // par.tp, max(1, kv_heads // par.tp), data.seq_len,
-                              par.cp, head_dim, element)
+    buffers, impl = preset_cp_buffer_bytes(preset, mode)
     return act, buffers, impl
+
+
+def _attention_heads(preset: Preset) -> tuple[int, int]:
+    """(query heads, key/value heads) one rank attends: with tp its H/tp and H_kv/tp (one when H_kv < tp: the
+    key/value heads replicated)."""
+    model, tp = preset.model.options, preset.parallel.tp
+    kv_heads = getattr(model, "n_kv_heads", None) or model.n_heads
+    return model.n_heads // tp, max(1, kv_heads // tp)
+
+
+def _head_dim(preset: Preset) -> int:
+    model = preset.model.options
+    return getattr(model, "head_dim", None) or model.d_model // model.n_heads
+
+
+def preset_cp_buffer_bytes(preset: Preset, mode: str) -> tuple[int, str]:
+    """(:func:`cp_buffer_bytes` of ``preset``'s attention on one rank, the ``cp_impl`` priced) computing in ``mode``
+    (:func:`~torch_handle.plan.estimate_activations.compute_mode`'s)."""
+    from torch_handle.config.context_parallel import chosen_cp_impl
+
+    par, data, t = preset.parallel, preset.data.options, preset.training
+    impl = chosen_cp_impl(par.cp_impl, bool(getattr(data, "document_mask", False)))
+    element = 4 if mode == "fp32" else _DTYPE_BYTES.get(t.precision, 4)
+    return cp_buffer_bytes(impl, t.micro_batch_size, *_attention_heads(preset), data.seq_len, par.cp,
+                           _head_dim(preset), element), impl
+
+
+def cp_step_volume(preset: Preset, element_bytes: int, micro_batch_size: int, microbatches: int,
+                   accumulation_bytes: int = 4) -> dict[str, int]:
+    """``{"bytes", "calls"}``: what one rank of ``preset``'s cp group sends in one optimizer step of
+    ``microbatches`` micro-batches of ``micro_batch_size`` sequences, for ``handle plan``'s step time. Per layer
+    and micro-batch, with ``s = B · H_kv/tp · T/cp · D`` one head group's shard (values, not bytes):
+
+    * ring: forward, cp − 1 passes of the K/V block (``2s`` values of ``e`` bytes); backward, the same passes and
+      cp of the travelling dK/dV sums (``2s`` of ``a`` bytes; the last brings them home): ``2s · ((cp − 1) · 2e +
+      cp · a)`` bytes, ``3cp − 2`` passes;
+    * allgather: the K/V all-gathered in forward and again in backward (a ring all-gather sends cp − 1 shards per
+      rank), their gradients reduce-scattered (cp − 1 shards): ``2s · (cp − 1) · (2e + a)``, 8 calls (the run's
+      ``cp_comm_calls``: docs/context-parallel.md);
+    * ulysses: q, k, v and the output all-to-all'd in forward and their gradients in backward, (cp − 1)/cp of each
+      rank's ``B · (2H + 2H_kv)/tp · T/cp · D`` values: ``2 · (cp − 1)/cp · B · (2H + 2H_kv)/tp · T/cp · D · e``,
+      8 calls.
+
+    Raises:
+        ValueError: a ``cp_impl`` other than ring, allgather, ulysses (or auto)."""
+    from torch_handle.config.context_parallel import chosen_cp_impl
+
+    par, data = preset.parallel, preset.data.options
+    cp, layers = par.cp, int(getattr(preset.model.options, "n_layers", 0))
+    impl = chosen_cp_impl(par.cp_impl, bool(getattr(data, "document_mask", False)))
+    heads, kv_heads = _attention_heads(preset)
+    local = micro_batch_size * (data.seq_len // cp) * _head_dim(preset)
+    if impl == "ring":
+        per, calls = 2 * kv_heads * local * ((cp - 1) * 2 * element_bytes + cp * accumulation_bytes), 3 * cp - 2
+    elif impl == "allgather":
+        per, calls = 2 * kv_heads * local * (cp - 1) * (2 * element_bytes + accumulation_bytes), 8
+    elif impl == "ulysses":
+        per, calls = 2 * (cp - 1) * (2 * heads + 2 * kv_heads) * local * element_bytes // cp, 8
+    else:
+        raise ValueError(f"no communication model for cp_impl {impl!r} (valid: ring, allgather, ulysses)")
+    return {"bytes": per * layers * microbatches, "calls": calls * layers * microbatches}

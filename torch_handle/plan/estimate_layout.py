@@ -15,7 +15,9 @@ on fake tensors, :class:`~torch_handle.plan.estimate_activations.PartSaved`: the
 the loss) times the micro-batches the schedule keeps in flight (:func:`torch_handle.plan.estimate_pipeline.
 in_flight_peak`), plus the fp32 logits buffer on the last stage and, with activation checkpointing, one
 recomputed block. What is split by tp is measured on the split model: without sequence parallelism a TP region's
-input is full size on every TP rank, only the split layers' own tensors are 1/tp.
+input is full size on every TP rank, only the split layers' own tensors are 1/tp. With context parallelism (cp > 1, pp = 1) a
+rank's activations are those of ``seq_len / cp`` tokens plus one layer's CP buffers
+(:mod:`~torch_handle.plan.estimate_cp`), and its model states the strategy's over the dp x cp ranks.
 
 The model is measured (on the meta device and on fake tensors: nothing is allocated) once per model and tp, at
 2 and 4 samples per micro-batch and on 3 of its layers, and cached; each layout is arithmetic on those numbers,
@@ -129,6 +131,12 @@ class LayoutEstimate:
     """Parameters of one TP rank's shard of the whole model (= ``params`` when tp = 1)."""
     ep: int = 1
     """Expert-parallel degree (each MoE layer's experts split over ep of the dp ranks)."""
+    cp: int = 1
+    """Context-parallel degree: each sequence split over cp ranks, the model states sharded over dp x cp."""
+    cp_impl: str | None = None
+    cp_buffer_bytes: int = 0
+    """One layer's transient context-parallel buffers (:func:`~torch_handle.plan.estimate_cp.cp_buffer_bytes`),
+    part of every rank's ``activations_bytes``."""
 
     @property
     def largest(self) -> RankMemory:
@@ -389,11 +397,12 @@ def estimate_layout(preset: Preset, registry: PluginRegistry, *, every_rank: boo
     """
     from torch_handle.parallel.mesh import Layout
     from torch_handle.parallel.pipeline.schedules import stage_ranks
+    from torch_handle.plan.estimate_cp import preset_cp_buffer_bytes
     from torch_handle.plan.estimate_pipeline import in_flight_peak
 
     par, t = preset.parallel, preset.training
     layout = Layout(preset.world_size, par.tp, par.pp)
-    dp, tp, pp = layout.dp, par.tp, par.pp
+    dp, tp, pp, cp = layout.dp, par.tp, par.pp, par.cp  # dp: the ranks states shard over, dp x cp
     variant = variant or preset_variant(preset)
     if variant.strategy not in BUILTIN:
         raise ValueError(f"strategy {variant.strategy!r} has no memory model (built in: {', '.join(BUILTIN)})")
@@ -413,8 +422,9 @@ def estimate_layout(preset: Preset, registry: PluginRegistry, *, every_rank: boo
     key = _cached_build(model_build(preset, registry))
     params = _params(key)
     # a DPO pair: its chosen and rejected rows in one forward
-    acts = _activations(key, batch * rows_per_sample(preset), preset.data.options.seq_len, t.precision, mode,
+    acts = _activations(key, batch * rows_per_sample(preset), preset.data.options.seq_len // cp, t.precision, mode,
                         checkpointing)
+    cp_buffers, cp_impl = preset_cp_buffer_bytes(preset, mode) if cp > 1 else (0, None)
     whole_params = _params(_cached_build(dataclasses.replace(_BUILDS[key], tp=1, sequence_parallel=False)))
 
     if pp == 1:
@@ -445,7 +455,7 @@ def estimate_layout(preset: Preset, registry: PluginRegistry, *, every_rank: boo
             gathered = sum(acts.parts.stage_bytes(*stage_parts[x], params=True) for x in stages) if acts.parts else 0
         logits = acts.whole.logits if last else 0
         act_saved = peaks[pp_rank][0]
-        act = act_saved + logits + acts.whole.recompute
+        act = act_saved + logits + acts.whole.recompute + cp_buffers
         for dp_rank, s in _dp_states(shape, variant, t.precision, dp, every_rank, par.ep):
             for tp_rank in range(tp):
                 rows.append(RankMemory(
@@ -454,6 +464,6 @@ def estimate_layout(preset: Preset, registry: PluginRegistry, *, every_rank: boo
                     tuple(peaks[pp_rank][1]), act_saved, logits, acts.whole.recompute, loss, gathered,
                     s.frozen_param, s.nf4))
     rows.sort(key=lambda r: r.rank)
-    return LayoutEstimate(preset.world_size, dp, tp, pp, par.pp_schedule if pp > 1 else None, m, checkpointing,
+    return LayoutEstimate(preset.world_size, dp // cp, tp, pp, par.pp_schedule if pp > 1 else None, m, checkpointing,
                           variant.label, rows, t.precision, whole_params.whole.n_params, v, batch,
-                          par.sequence_parallel, params.whole.n_params, par.ep)
+                          par.sequence_parallel, params.whole.n_params, par.ep, cp, cp_impl, cp_buffers)

@@ -2,7 +2,7 @@
 model's FLOPs, a matmul peak and the bandwidth of the links (an alpha-beta model: every collective costs a latency
 alpha plus its bytes over the bus bandwidth). Standard library only.
 
-step = compute + bubble + TP communication + DP communication + pipeline sends, with
+step = compute + bubble + TP, DP, pipeline, EP and CP communication, with
 
 * compute = FLOPs per token x tokens per step / (world size x peak FLOP/s per rank), x 4/3 with activation
   checkpointing (the forward runs twice: 8N instead of 6N FLOPs per token; Chen et al. 2016, Korthikanti et al.
@@ -19,7 +19,10 @@ step = compute + bubble + TP communication + DP communication + pipeline sends, 
 * EP (models with experts, ep > 1): per MoE layer and micro-batch the dispatch and combine all-to-alls and their
   transposes in backward, the bytes that leave the rank (:func:`torch_handle.plan.estimate_moe.all_to_all_bytes`:
   (ep - 1)/ep of N·k rows of d_model under uniform routing) over the link, one latency per all-to-all and per
-  exchange of the split sizes (nccl-tests' alltoall busbw is algbw·(n - 1)/n: the same bytes).
+  exchange of the split sizes (nccl-tests' alltoall busbw is algbw·(n - 1)/n: the same bytes);
+* CP (cp > 1): per layer and micro-batch the context-parallel attention's passes, all-gathers, reduce-scatters or
+  all-to-alls, the bytes that leave the rank (:func:`torch_handle.plan.estimate_cp.cp_step_volume`) over the link,
+  one latency per call. The ring overlaps its passes with the block's compute; the model does not.
 
 Nothing overlaps in the model (DDP's bucketed all-reduce really hides behind backward), so the step time is an upper
 bound on what the communication costs and a lower bound on compute (the matmul peak is the best case).
@@ -130,10 +133,12 @@ class StepCost:
     pp_s: float
     ep_bytes: int = 0
     ep_s: float = 0.0
+    cp_bytes: int = 0
+    cp_s: float = 0.0
 
     @property
     def step_s(self) -> float:
-        return self.compute_s + self.bubble_s + self.tp_s + self.dp_s + self.pp_s + self.ep_s
+        return self.compute_s + self.bubble_s + self.tp_s + self.dp_s + self.pp_s + self.ep_s + self.cp_s
 
     def as_dict(self) -> dict[str, Any]:
         return {**asdict(self), "step_s": self.step_s}

@@ -5,7 +5,11 @@ Enumeration: every (dp, tp, pp) with dp·tp·pp = N (tp inside a node when there
 schedules gpipe, 1f1b and interleaved-1f1b (v = 2), each with m = pp, 2pp and 4pp micro-batches where m divides
 the replica's samples; activation checkpointing off and on; for a model with experts, every expert-parallel degree
 ep > 1 that divides both dp and n_experts beside ep = 1 (ep ranks are drawn from the dp ones: the experts split,
-the batch does not). The global batch stays the preset's
+the batch does not); for a preset that asks for context parallelism (``parallel.cp > 1``), every cp > 1 that
+divides dp·cp with pp = 1 and ep = 1 (what cp composes with: :mod:`torch_handle.config.context_parallel`), each with
+the preset's ``cp_impl`` or, for ``auto``, each of ring, allgather and ulysses, beside cp = 1 (cp ranks share their
+samples: the batch splits over dp alone). The loader drops those whose ``seq_len`` 2·cp·tp does not divide, or
+whose heads cp·tp does not divide for Ulysses, with its own line. The global batch stays the preset's
 (micro_batch_size x grad_accum x its own dp), split over each layout's dp replicas as ``bench scaling --strong``
 splits it (:func:`~torch_handle.plan.bench_scaling.strong_batch`). The data-parallel strategy is the preset's,
 ``ddp`` when the preset's is ``single`` and dp > 1, and ``single`` when dp = 1.
@@ -61,20 +65,26 @@ class Candidate:
     """The ``[strategy] name`` (``single`` when dp = 1)."""
     ep: int = 1
     """Expert-parallel degree: each MoE layer's experts split over ep of the dp ranks."""
+    cp: int = 1
+    """Context-parallel degree: each sequence split over cp ranks (pp = 1, ep = 1)."""
+    cp_impl: str | None = None
+    """``parallel.cp_impl`` with cp > 1: ring, allgather or ulysses."""
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.cp * self.tp * self.pp
 
     @property
     def mesh(self) -> str:
-        """``dp 2 × tp 1 × pp 2``, ``dp 4 × tp 1 × pp 1 (ep 2)``"""
-        return f"dp {self.dp} × tp {self.tp} × pp {self.pp}" + (f" (ep {self.ep})" if self.ep > 1 else "")
+        """``dp 2 × tp 1 × pp 2``, ``dp 4 × tp 1 × pp 1 (ep 2)``, ``dp 1 × cp 2 × tp 1 × pp 1``"""
+        cp = f" × cp {self.cp}" if self.cp > 1 else ""
+        return f"dp {self.dp}{cp} × tp {self.tp} × pp {self.pp}" + (f" (ep {self.ep})" if self.ep > 1 else "")
 
     @property
     def label(self) -> str:
-        """``dp 1 × tp 1 × pp 4, 1f1b m 8, ac`` -- the mesh, the schedule and m, activation checkpointing."""
-        parts = [self.mesh]
+        """``dp 1 × tp 1 × pp 4, 1f1b m 8, ac``, ``dp 2 × cp 2 × tp 1 × pp 1, ring`` -- the mesh, the schedule and
+        m or the context-parallel attention, activation checkpointing."""
+        parts = [self.mesh] + ([self.cp_impl] if self.cp > 1 and self.cp_impl else [])
         if self.pp > 1:
             parts.append(f"{self.schedule}{f' v {self.v}' if self.v > 1 else ''} m {self.microbatches}")
         if self.activation_checkpointing:
@@ -84,7 +94,8 @@ class Candidate:
     def as_dict(self) -> dict[str, Any]:
         return {"label": self.label, "mesh": self.mesh, "dp": self.dp, "tp": self.tp, "pp": self.pp,
                 "schedule": self.schedule, "v": self.v, "microbatches": self.microbatches,
-                "activation_checkpointing": self.activation_checkpointing, "strategy": self.strategy, "ep": self.ep}
+                "activation_checkpointing": self.activation_checkpointing, "strategy": self.strategy, "ep": self.ep,
+                "cp": self.cp, "cp_impl": self.cp_impl}
 
 
 @dataclass(frozen=True)
@@ -106,15 +117,20 @@ def layout_overrides(layout: Candidate, batch: Batch, nproc_per_node: int, nnode
                 f"parallel.pp_microbatches={layout.microbatches}"]
     if layout.ep > 1:
         out.append(f"parallel.ep={layout.ep}")
+    if layout.cp > 1:
+        out += [f"parallel.cp={layout.cp}", f"parallel.cp_impl={layout.cp_impl}"]
     return out
 
 
 def adapted_overrides(base: Preset, layout: Candidate) -> list[str]:
     """The preset's ``[parallel]`` choices that cannot run ``layout``, set to what can, as the resume rules do
     (docs/resume.md): ``sequence_parallel`` off where tp = 1 (no TP group to split over), and ``pp_impl`` native
-    for a schedule the hand-written pipeline does not have. Without them those layouts were dropped for the
+    for a schedule the hand-written pipeline does not have, ``cp`` 1 for a layout without context parallelism, and
+    ``tp_impl`` scratch under cp > 1 where the preset left it to auto (cp composes with the hand-written tensor
+    parallelism only). Without them those layouts were dropped for the
     preset's setting alone, never tried."""
     from torch_handle.config.schema import PP_SCRATCH
+    from torch_handle.config.tp_impl import AUTO, requested_tp_impl
 
     par, out = base.parallel, []
     if layout.tp == 1 and par.sequence_parallel:
@@ -123,6 +139,10 @@ def adapted_overrides(base: Preset, layout: Candidate) -> list[str]:
         out.append("parallel.pp_impl=native")
     if layout.ep == 1 and par.ep > 1:
         out.append("parallel.ep=1")
+    if layout.cp == 1 and par.cp > 1:
+        out.append("parallel.cp=1")
+    if layout.cp > 1 and layout.tp > 1 and requested_tp_impl(base) == AUTO:
+        out.append("parallel.tp_impl=scratch")
     return out
 
 
@@ -220,23 +240,40 @@ def expert_degrees(dp: int, n_experts: int) -> list[int]:
     return [1] + [ep for ep in range(2, dp + 1) if n_experts and dp % ep == 0 and n_experts % ep == 0]
 
 
-def candidate_layouts(n: int, strategy: str, samples: Callable[[int], int | None], n_experts: int = 0
-                      ) -> list[Candidate]:
+def context_degrees(dp: int, pp: int, cp_impls: tuple[str, ...]) -> list[tuple[int, str | None]]:
+    """The ``(cp, cp_impl)`` tried where ``dp`` ranks are left after tp and pp: ``(1, None)``, and with pp = 1
+    every cp > 1 dividing ``dp`` with each of ``cp_impls`` (none when it is empty: a preset without cp)."""
+    more = [(cp, impl) for cp in range(2, dp + 1) if pp == 1 and dp % cp == 0 for impl in cp_impls]
+    return [(1, None), *more]
+
+
+def candidate_layouts(n: int, strategy: str, samples: Callable[[int], int | None], n_experts: int = 0,
+                      cp_impls: tuple[str, ...] = ()) -> list[Candidate]:
     """Every layout tried on ``n`` ranks; ``samples(dp)`` is a replica's samples per step (None: the global batch
     does not divide over dp, the layout is still listed to be dropped); ``n_experts``: E of a model with experts,
-    whose layouts are tried with every ep of :func:`expert_degrees` too."""
+    whose layouts are tried with every ep of :func:`expert_degrees` too; ``cp_impls``: the context-parallel
+    attentions tried at every cp of :func:`context_degrees` (ep = 1 there)."""
     out = []
-    for dp, tp, pp in factorizations(n):
-        name = "single" if dp == 1 else strategy
-        pipes: list[tuple[str | None, int, int]] = [(None, 1, 0)]
-        if pp > 1:
-            s = samples(dp)
-            ms = sorted({f * pp for f in MICROBATCH_FACTORS if s is None or s % (f * pp) == 0}) or [pp]
-            pipes = [(sched, v, m) for sched, v in PP_SCHEDULES for m in ms]
-        for ep in expert_degrees(dp, n_experts):
-            for sched, v, m in pipes:
-                for ac in (False, True):
-                    out.append(Candidate(dp, tp, pp, sched, v, m, ac, name, ep))
+    for ranks, tp, pp in factorizations(n):
+        for cp, impl in context_degrees(ranks, pp, cp_impls):
+            out += _layouts(ranks // cp, tp, pp, cp, impl, strategy, samples, n_experts if cp == 1 else 0)
+    return out
+
+
+def _layouts(dp: int, tp: int, pp: int, cp: int, cp_impl: str | None, strategy: str,
+             samples: Callable[[int], int | None], n_experts: int) -> list[Candidate]:
+    """The candidates of one ``dp × cp × tp × pp`` mesh: its schedules, m, ep and checkpointing."""
+    out = []
+    name = "single" if dp * cp == 1 else strategy
+    pipes: list[tuple[str | None, int, int]] = [(None, 1, 0)]
+    if pp > 1:
+        s = samples(dp)
+        ms = sorted({f * pp for f in MICROBATCH_FACTORS if s is None or s % (f * pp) == 0}) or [pp]
+        pipes = [(sched, v, m) for sched, v in PP_SCHEDULES for m in ms]
+    for ep in expert_degrees(dp, n_experts):
+        for sched, v, m in pipes:
+            for ac in (False, True):
+                out.append(Candidate(dp, tp, pp, sched, v, m, ac, name, ep, cp, cp_impl))
     return out
 
 
@@ -262,7 +299,7 @@ def plan_layouts(base: Preset, registry: PluginRegistry, *, nproc: int, nnodes: 
         raise ValueError(f"--nproc {nproc} is not a multiple of --nnodes {nnodes}")
     per_node = nproc // nnodes
     t, par = base.training, base.parallel
-    base_dp = max(1, base.world_size // (par.tp * par.pp))
+    base_dp = max(1, base.world_size // (par.tp * par.pp * par.cp))
     global_batch = t.micro_batch_size * t.grad_accum * base_dp
     seq_len = int(getattr(base.data.options, "seq_len", 0) or 0)
     flops_per_token = model_flops_per_token(base, registry)
@@ -286,10 +323,17 @@ def plan_layouts(base: Preset, registry: PluginRegistry, *, nproc: int, nnodes: 
                           f"tried where it divides dp and {moe.n_experts}; EP comm: 4 all-to-alls per MoE layer "
                           f"and micro-batch, uniform routing")
 
+    cp_impls = context_impls(base)
+    if cp_impls:
+        plan.notes.append(f"context parallelism (the preset's cp {par.cp}): cp tried at every divisor of the ranks "
+                          f"left after tp, with pp = 1 and ep = 1, cp_impl {', '.join(cp_impls)}; seq_len "
+                          f"{seq_len} must divide by 2 x cp x tp, heads by cp x tp for ulysses; activations of "
+                          "seq_len / cp tokens plus one layer's CP buffers, CP comm per layer and micro-batch")
+
     def samples(dp: int) -> int | None:
         return global_batch // dp if global_batch % dp == 0 else None
 
-    for layout in candidate_layouts(nproc, strategy, samples, moe.n_experts if moe else 0):
+    for layout in candidate_layouts(nproc, strategy, samples, moe.n_experts if moe else 0, cp_impls):
         if nnodes > 1 and per_node % layout.tp:
             plan.dropped.append((layout, f"tp {layout.tp} spans nodes ({per_node} ranks per node): tensor "
                                          "parallelism stays inside a node"))
@@ -323,7 +367,44 @@ def plan_layouts(base: Preset, registry: PluginRegistry, *, nproc: int, nnodes: 
         plan.rows.append(Row(layout, batch, est, cost, global_batch * seq_len, overrides,
                              preset.parallel.tp_impl if layout.tp > 1 else None))
     plan.rows.sort(key=lambda r: (-r.tokens_per_s, r.estimate.largest.total_bytes))
+    if cp_impls:
+        plan.notes.append(choice_note(plan))
     return plan
+
+
+def context_impls(base: Preset) -> tuple[str, ...]:
+    """The ``cp_impl`` values a plan of ``base`` tries at cp > 1: none when the preset does not ask for context
+    parallelism (``parallel.cp = 1``: it only pays at long sequences), its own when it names one, and the three
+    hand-written attentions for ``auto`` (``native`` is named to be refused: the loader's line says why)."""
+    from torch_handle.config.context_parallel import IMPLS
+
+    par = base.parallel
+    if par.cp == 1:
+        return ()
+    return IMPLS if par.cp_impl == "auto" else (par.cp_impl,)
+
+
+def choice_note(plan: Plan) -> str:
+    """Why the plan's first layout was chosen, against the fastest one of the other context-parallel degree (cp 1
+    against cp > 1): which fits the memory, and by how many tokens/s."""
+    if not plan.rows:
+        return "chose nothing: no layout fits (the dropped lines say why)"
+    first = plan.rows[0]
+    others = [r for r in plan.rows if (r.layout.cp > 1) != (first.layout.cp > 1)]
+    cp = first.layout.cp
+    said = (f"chose {first.layout.label}: the fastest predicted ({first.tokens_per_s:,.0f} tokens/s, largest rank "
+            f"{fmt_bytes(first.estimate.largest.total_bytes)}" + (f", CP comm {fmt_bytes(first.cost.cp_bytes)} "
+                                                                  f"{first.cost.cp_s * 1e3:,.1f} ms" if cp > 1 else "")
+            + ")")
+    if others:
+        other = others[0]
+        return (f"{said}; the fastest {'without' if cp > 1 else 'with'} cp, {other.layout.label}, "
+                f"{other.tokens_per_s:,.0f} tokens/s")
+    kind = "without cp" if cp > 1 else "with cp > 1"
+    memory = [reason for layout, reason in plan.dropped if (layout.cp > 1) != (cp > 1)
+              and reason.startswith("largest rank needs")]
+    return f"{said}; no layout {kind} fits" + (f" ({len(memory)} too large for the memory, e.g. {memory[0]})"
+                                                 if memory else "")
 
 
 def step_cost(layout: Candidate, batch: Batch, preset: Preset, est: Any, flops_per_token: float, peak_flops: float,
@@ -332,6 +413,7 @@ def step_cost(layout: Candidate, batch: Batch, preset: Preset, est: Any, flops_p
     """The :class:`~torch_handle.plan.plan_cost.StepCost` of ``layout`` (module docstring of
     :mod:`~torch_handle.plan.plan_cost` for the formulas); ``moe``: the experts, for the all-to-alls of ep > 1."""
     from torch_handle.parallel.tensor.mappings import step_volume
+    from torch_handle.plan.estimate_cp import cp_step_volume
 
     options = preset.model.options
     d_model, n_layers = int(getattr(options, "d_model", 0)), int(getattr(options, "n_layers", 0))
@@ -347,8 +429,9 @@ def step_cost(layout: Candidate, batch: Batch, preset: Preset, est: Any, flops_p
                              sequence_parallel=preset.parallel.sequence_parallel, element_bytes=element)
         tp_bytes, tp_s = volume["bytes"], plan_cost.tp_seconds(volume, layout.tp, links)
     grad_bytes = max(_grad_bytes(r, preset) for r in est.ranks)
-    dp_s = plan_cost.dp_seconds(grad_bytes, layout.dp, _strategy_label(preset), links,
-                                plan_cost.crosses_nodes(layout.dp, layout.tp, per_node))
+    replicas = layout.dp * layout.cp  # the strategy reduces (and shards) over dp x cp
+    dp_s = plan_cost.dp_seconds(grad_bytes, replicas, _strategy_label(preset), links,
+                                plan_cost.crosses_nodes(replicas, layout.tp, per_node))
     pp_bytes, pp_s = 0, 0.0
     if layout.pp > 1:
         samples = batch.micro_batch_size * batch.grad_accum
@@ -362,8 +445,14 @@ def step_cost(layout: Candidate, batch: Batch, preset: Preset, est: Any, flops_p
         ep_bytes = per_step // layout.pp
         calls = 5 * -(-moe.moe_layers // layout.pp) * batch.grad_accum  # 4 all-to-alls + the counts, per layer
         ep_s = plan_cost.pp_seconds(ep_bytes, calls, links, plan_cost.crosses_nodes(layout.ep, layout.tp, per_node))
-    return plan_cost.StepCost(compute, bubble, bubble_s, tp_bytes, tp_s, grad_bytes if layout.dp > 1 else 0, dp_s,
-                              pp_bytes, pp_s, ep_bytes, ep_s)
+    cp_bytes, cp_s = 0, 0.0
+    if layout.cp > 1:
+        cp_volume = cp_step_volume(preset, element, batch.micro_batch_size, batch.grad_accum)
+        cp_bytes = cp_volume["bytes"]
+        cp_s = plan_cost.pp_seconds(cp_bytes, cp_volume["calls"], links,
+                                    plan_cost.crosses_nodes(layout.cp, layout.tp, per_node))
+    return plan_cost.StepCost(compute, bubble, bubble_s, tp_bytes, tp_s, grad_bytes if replicas > 1 else 0, dp_s,
+                              pp_bytes, pp_s, ep_bytes, ep_s, cp_bytes, cp_s)
 
 
 def _strategy_label(preset: Preset) -> str:
