@@ -55,7 +55,7 @@ def _rank(rank: int, world: int, tmp: str, tokens: int, iters: int, out: str) ->
     from torch_handle.model.args import TransformerArgs
     from torch_handle.model.moe import MoEFeedForward
     from torch_handle.parallel.mesh import Layout, build_expert_mesh
-    from torch_handle.train.expert_parallel import apply_expert_parallel
+    from torch_handle.train.shares.expert import apply_expert_parallel
     from torch_handle.train.routing import reset_stats
 
     torch.set_num_threads(1)

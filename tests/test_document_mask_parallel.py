@@ -104,7 +104,7 @@ def _pipeline_step(rank: int) -> None:
 
     from torch_handle.train.objectives.tokens import TokenLoss
     from torch_handle.train.phases import PhaseTimer
-    from torch_handle.train.pipeline_parallel import PipelineParallel
+    from torch_handle.train.shares.pipeline import PipelineParallel
     from torch_handle.train.strategy import DistContext
     from torch_handle.parallel.mesh import attach_layout
 
@@ -167,7 +167,7 @@ def _expert_parallel(rank: int) -> None:
     dispatched to the other rank's experts): each row's documents are its own."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from torch_handle.train.expert_parallel import apply_expert_parallel
+    from torch_handle.train.shares.expert import apply_expert_parallel
 
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("ep",))
     ids, positions, spans = packed_documents(4, T)

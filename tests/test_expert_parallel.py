@@ -145,7 +145,7 @@ def _decoder(rank: int, meshes, impl: str, forced: bool) -> None:
     from torch_handle.model.moe import moe_layers
     from torch_handle.model.transformer import DecoderLM
     from torch_handle.parallel.tensor.checkpoint import load_full_state
-    from torch_handle.train.expert_parallel import ExpertParallel
+    from torch_handle.train.shares.expert import ExpertParallel
     from torch_handle.train.grad_norm import mesh_grad_norm
     from torch_handle.train.loss import AuxLossScale
 

@@ -42,7 +42,7 @@ def test_a_stalled_stage_is_found_in_its_schedule(tmp_path: Path) -> None:
     assert by_rank[1]["phase"] == "recv activation mb 1 from stage 0", by_rank[1]
     assert by_rank[1]["where"].startswith("p2p.py:") and by_rank[1]["where"].endswith(" _recv"), by_rank[1]
     assert all(r["step"] == 1 for r in hang["ranks"])
-    assert "rank 0 in time.sleep (pipeline_parallel.py:" in hang["message"], hang["message"]
+    assert "rank 0 in time.sleep (pipeline.py:" in hang["message"], hang["message"]
     assert "rank 1 in dist.irecv (p2p.py:" in hang["message"], hang["message"]
     stacks = (run / hang["stacks"]).read_text()
     assert "after step 1 · phase forward mb 1 ·" in stacks

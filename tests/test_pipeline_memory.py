@@ -47,7 +47,7 @@ def _measure(rank: int, tmp: Path) -> None:
     from torch_handle.parallel.pipeline.timeline import Timeline
     from torch_handle.plan.estimate_model import build_model, model_build
     from torch_handle.plan.estimate_pipeline import _ranges
-    from torch_handle.train.pipeline_native import TimedStage
+    from torch_handle.train.shares.pipeline_native import TimedStage
 
     preset = _preset(tmp / f"preset{rank}", "gpipe")
     build = model_build(preset, get_registry())

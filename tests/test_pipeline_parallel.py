@@ -1,7 +1,7 @@
 """The decoder split into pipeline stages trains as one process does (nanotron's check, gradient by gradient).
 
 In-process: 2 gloo ranks run one step of a tiny decoder (fp32, dropout 0, tied embeddings) through
-:class:`~torch_handle.train.pipeline_parallel.PipelineParallel` (the trainer's glue: the re-split into m
+:class:`~torch_handle.train.shares.pipeline.PipelineParallel` (the trainer's glue: the re-split into m
 micro-batches, the schedule, the tied gradients summed, the norm over both stages) with every schedule, hand-written
 and torch's; each rank computes the one-process reference itself. Then real runs through ``handle run``.
 """
@@ -110,7 +110,7 @@ def _pipeline_step(args: TransformerArgs, impl: str, schedule: str, v: int
     """One evaluation and one step of PipelineParallel on this rank: (Σ loss·tokens, tokens), the norm before_step
     returns, the gradients of this rank's shard by their one-process names, and the evaluation loss."""
     from torch_handle.train.objectives.tokens import TokenLoss
-    from torch_handle.train.pipeline_parallel import PipelineParallel
+    from torch_handle.train.shares.pipeline import PipelineParallel
     from torch_handle.train.strategy import DistContext
     from torch_handle.parallel.mesh import attach_layout
 

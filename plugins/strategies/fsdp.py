@@ -63,7 +63,7 @@ class FSDPStrategy(Strategy):
         sharded over the ranks that hold the same experts ("edp", dp / ep of them), before their block is sharded
         over "dp" (which then leaves them out). Their gradients are reduce-scattered over "edp" and divided by dp,
         not edp: summed over edp they hold every dp rank's tokens (the all-to-all's backward brought the EP group's),
-        and the one-process scale divides by dp (:mod:`torch_handle.train.expert_parallel`)."""
+        and the one-process scale divides by dp (:mod:`torch_handle.train.shares.expert`)."""
         from torch.distributed.fsdp import fully_shard
 
         from torch_handle.model.moe import moe_layers

@@ -1,5 +1,5 @@
-"""The parallel-share contract (torch_handle/train/share.py): the TP, pipeline and expert-parallel shares each
-implement every call of ``ParallelShare`` with its parameters, the run's one share is resolved in the stated order
+"""The parallel-share contract (torch_handle/train/shares/contract.py): the TP, pipeline and expert-parallel shares
+each implement every call of ``ParallelShare`` with its parameters, the run's one share is resolved in the stated order
 (the pipeline's, which composes the others), and an expert-parallel run imports no tensor parallelism. The
 contract is checked against the calls the trainer's modules make (read from their source), the order against what
 ``build_shares(...).run`` resolves for every layout."""
@@ -19,13 +19,13 @@ from typing import Any
 import pytest
 import torch
 
-from torch_handle.train import compose
 from torch_handle.train import trainer as trainer_module
-from torch_handle.train.expert_parallel import ExpertParallel
-from torch_handle.train.pipeline_parallel import PipelineParallel
-from torch_handle.train.share import COMPOSITION, Checkpointer, ParallelShare
+from torch_handle.train.shares import compose
+from torch_handle.train.shares.contract import COMPOSITION, Checkpointer, ParallelShare
+from torch_handle.train.shares.expert import ExpertParallel
+from torch_handle.train.shares.pipeline import PipelineParallel
+from torch_handle.train.shares.tensor import TensorParallel
 from torch_handle.train.strategy import DistContext, Strategy
-from torch_handle.train.tensor_parallel import TensorParallel
 
 
 def _calls(protocol: type) -> list[str]:
@@ -48,9 +48,9 @@ TRAIN = Path(inspect.getsourcefile(trainer_module)).parent
 
 
 def _trainer_sources() -> dict[str, str]:
-    """The trainer's modules (torch_handle/train/*.py: the trainer and what it hands the share to; the objectives,
-    which compute a split model's losses through it), by name."""
-    paths = sorted([*TRAIN.glob("*.py"), *TRAIN.glob("objectives/*.py")])
+    """The trainer's modules (torch_handle/train/*.py: the trainer and what it hands the share to; the shares, which
+    hand it on; the objectives, which compute a split model's losses through it), by name."""
+    paths = sorted([*TRAIN.glob("*.py"), *TRAIN.glob("shares/*.py"), *TRAIN.glob("objectives/*.py")])
     return {str(path.relative_to(TRAIN)): path.read_text(encoding="utf-8") for path in paths}
 
 
@@ -127,7 +127,7 @@ def test_every_share_implements_the_contract(share: type) -> None:
 def test_the_run_has_one_share_the_first_of_composition_composing_the_others(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """For every layout (tp, pp, ep each 1 or 2), ``build_shares(...).run`` is the share present first in
-    :data:`COMPOSITION` (each name that of its module: ``tensor`` -> torch_handle/train/tensor_parallel.py), and that
+    :data:`COMPOSITION` (each name that of its module: ``tensor`` -> torch_handle/train/shares/tensor.py), and that
     share, where it is COMPOSITION's first (the pipeline's), holds the other present ones in COMPOSITION's order."""
     built: list[Any] = []
 
@@ -138,7 +138,7 @@ def test_the_run_has_one_share_the_first_of_composition_composing_the_others(
         return type(f"Stub{kind.title()}", (), {"__init__": init})
 
     for kind in COMPOSITION:  # built as compose builds them: imported from their modules when needed
-        monkeypatch.setattr(importlib.import_module(f"torch_handle.train.{kind}_parallel"), f"{kind.title()}Parallel",
+        monkeypatch.setattr(importlib.import_module(f"torch_handle.train.shares.{kind}"), f"{kind.title()}Parallel",
                             stub(kind))
     monkeypatch.setattr(compose, "attach_layout", lambda ctx, parallel: ctx)  # no mesh: a collective
     monkeypatch.setattr(compose, "pipeline_microbatches", lambda preset: 2)
@@ -162,9 +162,10 @@ def test_the_run_has_one_share_the_first_of_composition_composing_the_others(
 def test_an_expert_parallel_run_imports_no_tensor_parallelism() -> None:
     """What an EP-only run's trainer imports (the shares' modules only when their degree is above 1) leaves the
     tensor-parallel share out; the check sees it once the trainer does import it."""
-    probe = "print('torch_handle.train.tensor_parallel' in sys.modules)"
-    code = ("import sys; import torch_handle.train.trainer, torch_handle.train.compose, torch_handle.parallel.mesh, "
-            f"torch_handle.train.expert_parallel, torch_handle.train.pipeline_parallel; {probe}; "
-            f"import torch_handle.train.tensor_parallel; {probe}")  # one interpreter: a fresh torch import is seconds
+    probe = "print('torch_handle.train.shares.tensor' in sys.modules)"
+    # one interpreter: a fresh torch import is seconds
+    code = ("import sys; import torch_handle.train.trainer, torch_handle.train.shares.compose, "
+            "torch_handle.parallel.mesh, torch_handle.train.shares.expert, torch_handle.train.shares.pipeline; "
+            f"{probe}; import torch_handle.train.shares.tensor; {probe}")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "True"]

@@ -350,7 +350,7 @@ class MultiHeadAttention(nn.Module):
     # ---- kernels: (B, H, T, d_k) q, (B, H_kv, S, d_k) k and v in; (B, H, T, d_k) out ------------------------
 
     context_parallel: Callable[[Tensor, Tensor, Tensor, bool], Tensor] | None = None
-    """Context parallelism's attention, installed by its share (``torch_handle.train.context_parallel``): called
+    """Context parallelism's attention, installed by its share (``torch_handle.train.shares.context``): called
     as ``context_parallel(q, k, v, causal)`` in place of the kernel, with q (B, H, T/cp, d_k) and k, v (B, H_kv,
     T/cp, d_k) this rank's tokens; it knows their positions and documents (the model's ``attn_mask``, built from
     the local tokens alone, is not used). None: the kernel below."""

@@ -4,7 +4,7 @@ A :class:`MicroBatchLoop` runs the forward, loss and backward of every micro-bat
 the step's summed loss and token count into ``stats`` (``[loss · tokens, tokens, ...]``: the trainer all-reduces
 it once). The trainer does everything around it: the step's timer and TP traffic, the sync, the optimizer step,
 the event. :class:`GradientAccumulation` is the loop of every data-parallel strategy, micro-batch after micro-batch;
-:class:`~torch_handle.train.pipeline_parallel.PipelineParallel` schedules them over the stages of a pipeline.
+:class:`~torch_handle.train.shares.pipeline.PipelineParallel` schedules them over the stages of a pipeline.
 """
 
 from __future__ import annotations

@@ -42,7 +42,7 @@ def token_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Each token's cross-entropy in fp32: logits (B, T, V), labels (B, T) -> (B, T), 0 where the label is
     ``IGNORE_INDEX`` (``F.cross_entropy(reduction="none")``, chunked on CPU: :func:`~torch_handle.model.kernels.
     token_cross_entropy`); a preference loss sums a row's. A split model's share computes the same from its logits
-    (:meth:`~torch_handle.train.share.ParallelShare.token_losses`)."""
+    (:meth:`~torch_handle.train.shares.contract.ParallelShare.token_losses`)."""
     from torch_handle.model.kernels import token_cross_entropy
 
     return token_cross_entropy(logits.flatten(0, 1), labels.flatten(), IGNORE_INDEX).view_as(labels)

@@ -61,9 +61,10 @@ class DistContext:
     """The ("dp", "cp", "tp") ``DeviceMesh`` when ``parallel.cp`` > 1 (``cp_mesh["cp"]``: the ranks that share this
     rank's sequences); ``mesh`` stays None then, so the strategy reduces over dp × cp, the default group."""
     ep_share: Any = None
-    """This rank's :class:`~torch_handle.train.expert_parallel.ExpertParallel` share when ``layout.ep`` > 1, its
-    experts already split (built with the run's other shares: :func:`torch_handle.train.compose.build_shares`), for
-    the strategy (:attr:`Strategy.ep_share`); else None."""
+    """This rank's :class:`~torch_handle.train.shares.expert.ExpertParallel` share when ``layout.ep`` > 1, its
+    experts already split (built with the run's other shares:
+    :func:`torch_handle.train.shares.compose.build_shares`), for the strategy (:attr:`Strategy.ep_share`); else
+    None."""
 
     @property
     def is_main(self) -> bool:
@@ -167,7 +168,7 @@ class Strategy:
 
     name = "base"
     ep_share: Any = None
-    """The :class:`~torch_handle.train.expert_parallel.ExpertParallel` share when ``parallel.ep`` > 1 (``ctx``'s: the
+    """The :class:`~torch_handle.train.shares.expert.ExpertParallel` share when ``parallel.ep`` > 1 (``ctx``'s: the
     model's experts are split before the strategy is built, and :meth:`wrap` leaves their parameters to it), else
     None."""
     clips_gradients = True

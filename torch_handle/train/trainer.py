@@ -45,10 +45,10 @@ from torch_handle.train.loss import AuxLossScale, global_mean_weight, pick_loss_
 from torch_handle.train.objectives import objective_for
 from torch_handle.train.phases import PhaseTimer
 from torch_handle.train.compiled import compile_for_training
-from torch_handle.train.compose import build_shares
+from torch_handle.train.shares.compose import build_shares
 from torch_handle.train.eval_tasks import InLoopTasks
 from torch_handle.train.resume import resume
-from torch_handle.train.share import Checkpointer, ParallelShare
+from torch_handle.train.shares.contract import Checkpointer, ParallelShare
 from torch_handle.train.routing import RoutingTelemetry
 from torch_handle.train.step_report import StepReport, window_tokens
 
@@ -68,8 +68,8 @@ class Trainer:
         self.events = EventWriter(self.run_dir / EVENTS_FILE) if ctx.is_main else NullEventWriter()
         self.step = 0
         self.share: ParallelShare | None = None
-        """The run's parallel share (tp, pp or ep > 1; :func:`~torch_handle.train.compose.build_shares`): build, step,
-        checkpoints and export go through it; None: the strategy holds the whole model."""
+        """The run's parallel share (tp, pp or ep > 1; :func:`~torch_handle.train.shares.compose.build_shares`):
+        build, step, checkpoints and export go through it; None: the strategy holds the whole model."""
         self.pipeline: Any = None  # the PipelineParallel share when parallel.pp > 1: also the loop and the evaluation
         self.loop: MicroBatchLoop = GradientAccumulation()
         self.step_indices: Any = None

@@ -35,7 +35,7 @@ def sequence_logps(strategy: Any, input_ids: torch.Tensor, labels: torch.Tensor,
 
 def row_logps(logits: Any, labels: torch.Tensor, share: Any = None) -> torch.Tensor:
     """Each row's summed log-probability of its labels: logits (N, T, V), or this rank's vocabulary slice
-    (N, T, V/tp) with ``share`` (:meth:`~torch_handle.train.share.ParallelShare.token_losses`: the vocabulary-parallel
-    cross-entropy per token), labels (N, T) -> (N,) fp32, differentiable."""
+    (N, T, V/tp) with ``share`` (:meth:`~torch_handle.train.shares.contract.ParallelShare.token_losses`: the
+    vocabulary-parallel cross-entropy per token), labels (N, T) -> (N,) fp32, differentiable."""
     token = token_losses(logits, labels) if share is None else share.token_losses(logits, labels)  # (N, T)
     return -token.sum(1)

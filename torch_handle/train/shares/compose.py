@@ -1,7 +1,7 @@
 """The run's parallel share, built from its layout: the TP, pipeline and expert-parallel shares side by side (each
 only when its degree is above 1, each module imported only then: an EP-only run imports no tensor parallelism), and
 the one share the trainer uses everywhere (build, step, checkpoint, export), composed in the order of
-:data:`~torch_handle.train.share.COMPOSITION`.
+:data:`~torch_handle.train.shares.contract.COMPOSITION`.
 """
 
 from __future__ import annotations
@@ -12,14 +12,14 @@ from typing import Any
 from torch_handle.config.layout import pipeline_microbatches
 from torch_handle.config.loader import Preset
 from torch_handle.parallel.mesh import attach_layout
-from torch_handle.train.share import ParallelShare
+from torch_handle.train.shares.contract import ParallelShare
 
 
 @dataclass(frozen=True)
 class Shares:
-    """This rank's shares of a layout: ``tp`` (:class:`~torch_handle.train.tensor_parallel.TensorParallel`), ``pp``
-    (:class:`~torch_handle.train.pipeline_parallel.PipelineParallel`, which holds the other two) and ``ep``
-    (:class:`~torch_handle.train.expert_parallel.ExpertParallel`), None where the degree is 1; ``ctx`` is the rank's
+    """This rank's shares of a layout: ``tp`` (:class:`~torch_handle.train.shares.tensor.TensorParallel`), ``pp``
+    (:class:`~torch_handle.train.shares.pipeline.PipelineParallel`, which holds the other two) and ``ep``
+    (:class:`~torch_handle.train.shares.expert.ExpertParallel`), None where the degree is 1; ``ctx`` is the rank's
     ``DistContext`` with the layout's mesh and the EP share (``ctx.ep_share``, for the strategy)."""
 
     ctx: Any
@@ -27,7 +27,7 @@ class Shares:
     pp: Any = None
     ep: Any = None
     cp: Any = None
-    """:class:`~torch_handle.train.context_parallel.ContextParallel` (cp > 1; around the TP share when tp > 1)."""
+    """:class:`~torch_handle.train.shares.context.ContextParallel` (cp > 1; around the TP share when tp > 1)."""
 
     @property
     def run(self) -> ParallelShare | None:
@@ -48,26 +48,26 @@ def build_shares(preset: Preset, ctx: Any) -> Shares:
         return Shares(ctx)
     ctx = attach_layout(ctx, par)
     if cp > 1:  # alone or around tp (handle validate refuses cp with pp or ep)
-        from torch_handle.train.context_parallel import ContextParallel
+        from torch_handle.train.shares.context import ContextParallel
 
         tp = None
         if par.tp > 1:
-            from torch_handle.train.tensor_parallel import TensorParallel
+            from torch_handle.train.shares.tensor import TensorParallel
 
             tp = TensorParallel(par, ctx)
         document_mask = bool(getattr(preset.data.options, "document_mask", False))
         return Shares(ctx, tp=tp, cp=ContextParallel(par, ctx, document_mask, inner=tp))
     tp = ep = pp = None
     if par.tp > 1:
-        from torch_handle.train.tensor_parallel import TensorParallel
+        from torch_handle.train.shares.tensor import TensorParallel
 
         tp = TensorParallel(par, ctx)
     if par.ep > 1:
-        from torch_handle.train.expert_parallel import ExpertParallel
+        from torch_handle.train.shares.expert import ExpertParallel
 
         ep = ExpertParallel(ctx, par.ep_impl)
     if par.pp > 1:
-        from torch_handle.train.pipeline_parallel import PipelineParallel
+        from torch_handle.train.shares.pipeline import PipelineParallel
 
         pp = PipelineParallel(par, ctx, pipeline_microbatches(preset), tp, ep)
     return Shares(replace(ctx, ep_share=ep), tp, pp, ep)

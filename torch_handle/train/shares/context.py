@@ -42,7 +42,7 @@ from torch_handle.parallel.context.blocks import Tokens
 from torch_handle.parallel.context.comms import STATS
 from torch_handle.parallel.context.sharding import attention_pairs, document_ids_of, imbalance, shard, shard_order
 from torch_handle.train.loss import loss_fn
-from torch_handle.train.share import PortableShare
+from torch_handle.train.shares.contract import PortableShare
 
 
 def _attention_function(impl: str) -> Any:
@@ -70,7 +70,7 @@ class ContextParallel(PortableShare):
         ctx: the rank's ``DistContext`` with the layout and ``cp_mesh`` (:func:`~torch_handle.parallel.mesh
             .attach_layout`).
         document_mask: ``data.document_mask`` (what ``cp_impl = "auto"`` picks by).
-        inner: the :class:`~torch_handle.train.tensor_parallel.TensorParallel` share when tp > 1 (hand-written):
+        inner: the :class:`~torch_handle.train.shares.tensor.TensorParallel` share when tp > 1 (hand-written):
             it splits the model first (each rank attends its heads of its tokens), and the loss over a split
             vocabulary, the norm over split gradients, the step's TP traffic and the checkpoints are its own.
 

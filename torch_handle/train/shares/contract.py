@@ -1,10 +1,10 @@
 """The contract of a parallel share: what one process holds of a model split by tensor, pipeline or expert
 parallelism, and what the trainer asks of it.
 
-A run has at most one share (:func:`torch_handle.train.compose.build_shares` resolves it from the layout): the
-:class:`~torch_handle.train.tensor_parallel.TensorParallel` share (tp > 1), the
-:class:`~torch_handle.train.expert_parallel.ExpertParallel` share (ep > 1), or, with a pipeline, the
-:class:`~torch_handle.train.pipeline_parallel.PipelineParallel` share, which composes the other two: each call
+A run has at most one share (:func:`torch_handle.train.shares.compose.build_shares` resolves it from the layout): the
+:class:`~torch_handle.train.shares.tensor.TensorParallel` share (tp > 1), the
+:class:`~torch_handle.train.shares.expert.ExpertParallel` share (ep > 1), or, with a pipeline, the
+:class:`~torch_handle.train.shares.pipeline.PipelineParallel` share, which composes the other two: each call
 goes to the pipeline's stages, then to their TP split, then to their experts (the order of
 :data:`COMPOSITION`). The data-parallel strategy (DDP, FSDP2, ...) wraps what the share leaves it and steps it;
 the share then owns what spans the split: the gradient norm and clipping over every part, the step's layout

@@ -38,7 +38,7 @@ from torch_handle.model.moe import moe_layers, named_moe_layers
 from torch_handle.parallel.tensor.checkpoint import full_model_state, full_optimizer_state, load_full_state
 from torch_handle.train.grad_norm import clip_, local, mesh_grad_norm
 from torch_handle.train.routing import attach_traffic
-from torch_handle.train.share import PortableShare
+from torch_handle.train.shares.contract import PortableShare
 
 _WHOLE = SimpleNamespace(rank=0)  # the TP "group" of a model without tensor parallelism: nothing split
 
@@ -89,10 +89,10 @@ class ExpertParallel(PortableShare):
     """One process's share of expert parallelism (``parallel.ep > 1``), for the trainer and the strategy; ``ctx`` is
     the rank's ``DistContext`` with its layout (``attach_layout``), ``impl`` ``parallel.ep_impl``.
 
-    Built with the run's other shares (:func:`~torch_handle.train.compose.build_shares`) and handed to the strategy
-    (``ctx.ep_share``), which leaves the experts to it when it wraps the model; the trainer uses it as the run's
-    :class:`~torch_handle.train.share.ParallelShare`, unless a pipeline is that share (which calls this one for its
-    experts)."""
+    Built with the run's other shares (:func:`~torch_handle.train.shares.compose.build_shares`) and handed to the
+    strategy (``ctx.ep_share``), which leaves the experts to it when it wraps the model; the trainer uses it as the
+    run's :class:`~torch_handle.train.shares.contract.ParallelShare`, unless a pipeline is that share (which calls this
+    one for its experts)."""
 
     def __init__(self, ctx: Any, impl: str) -> None:
         self.ctx, self.impl, self.mesh, self.ep_mesh = ctx, impl, ctx.mesh, ctx.ep_mesh["ep"]

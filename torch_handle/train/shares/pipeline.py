@@ -46,7 +46,7 @@ from torch_handle.parallel.tensor.checkpoint import full_model_state, full_optim
 from torch_handle.train.grad_norm import clip_, local, mesh_grad_norm
 from torch_handle.train.loop import plain
 from torch_handle.train.loss import AuxLossScale
-from torch_handle.train.share import PortableShare
+from torch_handle.train.shares.contract import PortableShare
 from torch_handle.train.strategy import DistContext
 
 
@@ -65,11 +65,11 @@ class PipelineParallel(PortableShare):
         parallel: the ``[parallel]`` table.
         ctx: this rank's place, with its layout (``attach_layout``).
         n_microbatches: m (``parallel.pp_microbatches``, or ``grad_accum``).
-        tp: the :class:`~torch_handle.train.tensor_parallel.TensorParallel` share of this rank, or None.
-        ep: the :class:`~torch_handle.train.expert_parallel.ExpertParallel` share of this rank, or None.
+        tp: the :class:`~torch_handle.train.shares.tensor.TensorParallel` share of this rank, or None.
+        ep: the :class:`~torch_handle.train.shares.expert.ExpertParallel` share of this rank, or None.
 
-    The composed share of its layout (:data:`~torch_handle.train.share.COMPOSITION`): every call reaches this rank's
-    stages, then their TP split (``tp``), then their experts (``ep``).
+    The composed share of its layout (:data:`~torch_handle.train.shares.contract.COMPOSITION`): every call reaches this
+    rank's stages, then their TP split (``tp``), then their experts (``ep``).
     """
 
     def __init__(self, parallel: ParallelConfig, ctx: DistContext, n_microbatches: int, tp: Any = None,
@@ -169,7 +169,7 @@ class PipelineParallel(PortableShare):
             self.engine: Any = ScratchPipeline(self.stages[0], link, self.n_stages, self.schedule_name, self.timeline,
                                                self.grad_sync)
         else:
-            from torch_handle.train.pipeline_native import native_schedule
+            from torch_handle.train.shares.pipeline_native import native_schedule
 
             self.engine = native_schedule(self)
         return self

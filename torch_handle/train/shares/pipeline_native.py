@@ -123,7 +123,7 @@ class NativeEngine:
 
 
 def native_schedule(pp: Any) -> NativeEngine:
-    """The :class:`NativeEngine` of :class:`~torch_handle.train.pipeline_parallel.PipelineParallel` ``pp`` (its
+    """The :class:`NativeEngine` of :class:`~torch_handle.train.shares.pipeline.PipelineParallel` ``pp`` (its
     stages built, its group set)."""
     stages = [TimedStage(module, index, pp.n_stages, pp.ctx.device, group=pp.group, timeline=pp.timeline,
                          grad_sync=pp.grad_sync) for module, index in zip(pp.stages, pp.my_stages)]

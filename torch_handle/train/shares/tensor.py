@@ -25,7 +25,7 @@ from torch_handle.parallel.tensor.cross_entropy import vocab_parallel_cross_entr
 from torch_handle.parallel.tensor.layers import all_reduce_grads
 from torch_handle.parallel.tensor.plan import partial_grad
 from torch_handle.train.grad_norm import clip_, local, mesh_grad_norm
-from torch_handle.train.share import PortableShare
+from torch_handle.train.shares.contract import PortableShare
 from torch_handle.train.strategy import DistContext
 
 
