@@ -345,16 +345,19 @@ def estimate(preset: str, overrides: tuple[str, ...], nproc: str, nnodes: int | 
     if loaded.finetune.objective == "dpo":
         for line in textwrap.wrap(dpo_line(loaded, rows[0]), 110, subsequent_indent="  "):
             click.echo(line)
-    if tp > 1 or pp > 1:  # the line every view shows (handle validate, handle runs, the dashboard)
+    cp = rows[0].cp
+    if tp > 1 or pp > 1 or cp > 1:  # the line every view shows (handle validate, handle runs, the dashboard)
+        replica = "(pp_rank x dp + dp_rank)" + (" x cp + cp_rank)" if cp > 1 else "")
         click.echo(f"layout: {RunLayout.from_preset(loaded).label()} at the preset's world size "
-                   f"{loaded.world_size}; each row's rank is a global rank, (pp_rank x dp + dp_rank) x tp + tp_rank")
+                   f"{loaded.world_size}; each row's rank is a global rank, {'(' if cp > 1 else ''}{replica} x tp + "
+                   "tp_rank")
     if tp > 1:
         p = loaded.parallel
         sp = "on" if p.sequence_parallel else "off"
         why = f"; {loaded.resolved[TP_KEY]}" if TP_KEY in loaded.resolved else ""
         click.echo(f"tensor parallel: tp = {tp} ({p.tp_impl}, sequence parallelism {sp}{why}), "
                    f"{rows[0].tp_shard_params:,} parameters per TP rank; data parallel: dp = world / "
-                   f"{'(tp x pp)' if pp > 1 else 'tp'}")
+                   f"{'(tp x pp)' if pp > 1 else '(cp x tp), the strategy over dp x cp' if cp > 1 else 'tp'}")
     if pp > 1:
         p, r0 = loaded.parallel, rows[0]
         batch = t.micro_batch_size * t.grad_accum // r0.pp_microbatches

@@ -152,3 +152,21 @@ def test_estimate_prices_one_cp_rank_and_its_buffers(tmp_path):
         "ring": 2 * 2 * 2 * 4 * 32 * 16 * 8, "allgather": 2 * 2 * 4 * 64 * 16 * 8,
         "ulysses": 2 * (8 + 4) * 4 * 32 * 16 * 4}
 
+
+
+def test_estimate_names_the_cp_rank_formula_and_dp_under_tp(runner, tmp_path):
+    """The layout line's rank formula has the cp coordinate between dp and tp (parallel/mesh.py), and the
+    tensor-parallel line's dp divides the world by cp x tp."""
+    from tests.helpers import tiny_preset
+
+    (tmp_path / "p.toml").write_text(tiny_preset(tmp_path / "out"))
+    result = runner.invoke(cli, ["estimate", str(tmp_path / "p.toml"), "--nproc", "4", "--set", "model.n_kv_heads=2",
+                                 "--set", "model.dropout=0.0", "--set", "data.seq_len=64", "--set", "parallel.cp=2",
+                                 "--set", "parallel.tp=2", "--set", "parallel.tp_impl=scratch", "--set", "launch.nproc_per_node=4", "--set",
+                                 "strategy.name=ddp"])
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert any(line.startswith("layout: dp 1 × cp 2 × tp 2") and line.endswith(
+        "each row's rank is a global rank, ((pp_rank x dp + dp_rank) x cp + cp_rank) x tp + tp_rank") for line in lines)
+    assert any(line.startswith("tensor parallel: tp = 2 (scratch") and line.endswith(
+        "data parallel: dp = world / (cp x tp), the strategy over dp x cp") for line in lines)
