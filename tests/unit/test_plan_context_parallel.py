@@ -24,7 +24,7 @@ def _plan(preset, nproc: int, memory: int = 1 << 40):
 
 
 PRESET = Path(__file__).resolve().parents[2] / "presets" / "long-context.toml"
-"""The llama shape (4 layers, 8 heads, 2 key/value heads) at seq_len 1024 with packed documents, cp 2 allgather."""
+"""The llama shape (4 layers, 4 query heads, 2 key/value heads) at seq_len 1024 with packed documents, cp 2 allgather."""
 
 
 def _long_context(*overrides: str):
