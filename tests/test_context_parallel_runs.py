@@ -2,8 +2,8 @@
 heads on 2 key/value heads) on packed documents with document masks, fp32, 10 steps of 8 sequences of 32 tokens.
 tp 2 × cp 2 by ring (hand-written TP with sequence parallelism, DDP; 4 processes), cp 2 by all-gather (DeepSpeed
 ZeRO-2; 2 processes) and dp 2 × cp 2 by Ulysses (FSDP2 sharding over the 4 dp × cp ranks) give the one-process losses and gradient norms within 1e-5 at every step (and the
-validation losses), and the tp 2 × cp 2 run's step-5 checkpoint resumed at tp 1, cp 1 (one process) continues
-them.
+validation losses), and the tp 2 × cp 2 run's step-5 checkpoint resumed at tp 1, cp 1, dp 2 (DDP on 2 processes,
+grad_accum 1: the same global batch) continues them.
 
 The corpus is 240 text files of 2-30 words, one document each, so nearly every 32-token window holds several
 documents (the mask changes the loss: without it the first step's is 6.68, with it 6.57), and a shard's tokens come
@@ -64,23 +64,24 @@ def _steps(run_dir: Path) -> dict[int, dict]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
-    """Every run of :data:`RUNS`, two at a time, then the tp 2 × cp 2 run's step-5 checkpoint resumed at cp 1."""
+    """Every run of :data:`RUNS`, two at a time, then the tp 2 × cp 2 run's step-5 checkpoint resumed at cp 1, dp 2."""
     root = tmp_path_factory.mktemp("cp-runs")
     common = (*(a for k, v in LLAMA.items() for a in ("--set", f"model.{k}={v}")),
               "--set", "model.n_layers=2", "--set", "data.name=text", "--set", f"data.path={_documents(root / 'docs')}",
               "--set", "data.vocab_size=300", "--set", "data.document_mask=true", "--set", "training.grad_accum=2",
               "--set", "training.log_every=1")
     done = handle_runs(root, RUNS, common, at_once=2)
-    stopped = root / "cp2-as-one"
+    stopped = root / "cp2-at-dp2"
     shutil.copytree(done["tp2xcp2-ring"], stopped)
     shutil.rmtree(stopped / "checkpoints" / "step-10")  # what a stop after step 5's checkpoint leaves
     (stopped / "events.jsonl").write_text("")
     resumed = handle_at_once({"resume": ("run", "--resume", str(stopped), "--set", "parallel.cp=1",
                                          "--set", "parallel.tp=1", "--set", "parallel.sequence_parallel=false",
-                                         "--set", "strategy.name=single", "--set", "launch.nproc_per_node=1")}, 1)
+                                         "--set", "strategy.name=ddp", "--set", "launch.nproc_per_node=2",
+                                         "--set", "training.grad_accum=1")}, 1)
     code, out = resumed["resume"]
     assert code == 0, out[-3000:]
-    return {**done, "cp2-as-one": stopped}
+    return {**done, "cp2-at-dp2": stopped}
 
 
 def _assert_steps_equal(one: dict[int, dict], split: dict[int, dict], steps: list[int], name: str) -> None:
@@ -119,7 +120,9 @@ def test_final_weights_are_the_one_process_model(runs) -> None:
         torch.testing.assert_close(got[key], value, rtol=0, atol=1e-4, msg=lambda m, key=key: f"{key}: {m}")
 
 
-def test_a_cp2_checkpoint_resumes_at_cp1(runs) -> None:
-    layout = json.loads((runs["cp2-as-one"] / "checkpoints" / "step-5" / "layout.json").read_text())
+def test_a_cp2_checkpoint_resumes_at_cp1_dp2(runs) -> None:
+    layout = json.loads((runs["cp2-at-dp2"] / "checkpoints" / "step-5" / "layout.json").read_text())
     assert (layout["cp"], layout["cp_impl"], layout["tp"], layout["world_size"]) == (2, "ring", 2, 4)
-    _assert_steps_equal(_steps(runs["one"]), _steps(runs["cp2-as-one"]), list(range(6, 11)), "cp2-as-one")
+    resumed = json.loads((runs["cp2-at-dp2"] / "run.json").read_text())["layout"]
+    assert (resumed["dp"], resumed["cp"], resumed["tp"], resumed["world_size"]) == (2, 1, 1, 2)
+    _assert_steps_equal(_steps(runs["one"]), _steps(runs["cp2-at-dp2"]), list(range(6, 11)), "cp2-at-dp2")
