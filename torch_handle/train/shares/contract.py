@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, ContextManager, Protocol, runtime_checkable
 
 import torch
@@ -36,6 +37,11 @@ COMPOSITION = ("pipeline", "tensor", "expert")
 on rank 0, the tied embedding's gradients summed over the first and last stage), each stage's TP split (partial
 gradients summed, split tensors gathered), its experts (reduced over "edp", gathered over "ep"). Tensor and expert
 parallelism do not compose without a pipeline (``handle validate`` refuses tp > 1 with ep > 1)."""
+
+UNSPLIT_TP = SimpleNamespace(rank=0)
+"""The TP "group" of a share whose model has no tensor parallelism (the ``tp`` argument of
+:mod:`torch_handle.parallel.tensor.checkpoint`'s functions, with impl ``"scratch"`` and an empty plan): rank 0 of
+one, nothing split."""
 
 
 @runtime_checkable

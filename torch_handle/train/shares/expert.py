@@ -26,7 +26,6 @@ so a checkpoint of any ep resumes on any other); the pipeline's share calls :met
 from __future__ import annotations
 
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -38,9 +37,7 @@ from torch_handle.model.moe import moe_layers, named_moe_layers
 from torch_handle.parallel.tensor.checkpoint import full_model_state, full_optimizer_state, load_full_state
 from torch_handle.train.grad_norm import clip_, local, mesh_grad_norm
 from torch_handle.train.routing import attach_traffic
-from torch_handle.train.shares.contract import PortableShare
-
-_WHOLE = SimpleNamespace(rank=0)  # the TP "group" of a model without tensor parallelism: nothing split
+from torch_handle.train.shares.contract import UNSPLIT_TP, PortableShare
 
 
 def _heartbeat_label(name: str, ordinal: int) -> str:
@@ -212,15 +209,15 @@ class ExpertParallel(PortableShare):
     def full_state_dict(self, model: nn.Module | None = None) -> dict[str, torch.Tensor] | None:
         """The one-process state dict on rank 0 (None elsewhere); a collective over the EP group."""
         model = model if model is not None else self.strategy.unwrapped()
-        weights = full_model_state(model, "scratch", {}, _WHOLE)
+        weights = full_model_state(model, "scratch", {}, UNSPLIT_TP)
         self.gather_state(model, weights, None)
         return weights if self.ctx.is_main else None
 
     def save(self, ckpt_dir: Path) -> None:
         """Gather the full model and optimizer state (every rank calls it) and write the portable form on rank 0."""
         model, optimizer = self.strategy.unwrapped(), self.strategy.optimizer
-        weights = full_model_state(model, "scratch", {}, _WHOLE)
-        state = full_optimizer_state(model, optimizer, "scratch", {}, _WHOLE)
+        weights = full_model_state(model, "scratch", {}, UNSPLIT_TP)
+        state = full_optimizer_state(model, optimizer, "scratch", {}, UNSPLIT_TP)
         self.gather_state(model, weights, state)
         if self.ctx.is_main:
             write_portable(Path(ckpt_dir), weights, state, self.strategy.scheduler.state_dict())
@@ -233,6 +230,6 @@ class ExpertParallel(PortableShare):
         weights, state, scheduler = read_portable(Path(portable))
         model = self.strategy.unwrapped()
         self.cut_state(model, weights, state)
-        load_full_state(model, self.strategy.optimizer, weights, state, "scratch", {}, _WHOLE)
+        load_full_state(model, self.strategy.optimizer, weights, state, "scratch", {}, UNSPLIT_TP)
         load_schedule(self.strategy.optimizer, self.strategy.scheduler, scheduler)
 

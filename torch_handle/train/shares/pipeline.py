@@ -24,7 +24,6 @@ import contextlib
 import os
 import time
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any, Iterator
 
 import torch
@@ -46,12 +45,8 @@ from torch_handle.parallel.tensor.checkpoint import full_model_state, full_optim
 from torch_handle.train.grad_norm import clip_, local, mesh_grad_norm
 from torch_handle.train.loop import plain
 from torch_handle.train.loss import AuxLossScale
-from torch_handle.train.shares.contract import PortableShare
+from torch_handle.train.shares.contract import UNSPLIT_TP, PortableShare
 from torch_handle.train.strategy import DistContext
-
-
-_WHOLE = SimpleNamespace(rank=0)
-"""The TP "group" of a rank without tensor parallelism: rank 0 of one, nothing split."""
 
 
 class PipelineParallel(PortableShare):
@@ -365,7 +360,7 @@ class PipelineParallel(PortableShare):
         """(impl, plan, TP target) for the TP checkpoint functions (:mod:`torch_handle.parallel.tensor.checkpoint`):
         this rank's TP split, or none (an empty plan: whole tensors, FSDP's DTensors gathered)."""
         if self.tp is None:
-            return "scratch", {}, _WHOLE
+            return "scratch", {}, UNSPLIT_TP
         return self.tp.impl, self.tp.plan, self.tp._target()
 
     def full_state_dict(self, model: nn.Module | None = None) -> dict[str, torch.Tensor] | None:
