@@ -10,6 +10,7 @@ same seed builds the same model everywhere), so the comparison needs no communic
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import subprocess
@@ -44,6 +45,10 @@ CASES = [(impl, sp, "paper", norm_first, fused) for impl in ("scratch", "native"
          for norm_first, fused in ((False, True), (True, False))]
 CASES += [(impl, sp, shape, True, fused) for impl in ("scratch", "native")
           for sp, shape, fused in ((False, "llama", True), (True, "llama", False), (True, "qwen3", True))]
+# training.loss_impl = "chunked" through the trainer's micro_batch_loss and the TP share: tied and untied, with and
+# without sequence parallelism, both implementations (impl, sp, shape, norm_first, fused)
+CHUNKED = [("native", False, "paper", False, True), ("scratch", True, "llama", True, False),
+           ("native", True, "qwen3", True, True)]
 
 
 def _args(norm_first: bool, fused: bool, shape: str = "paper") -> TransformerArgs:
@@ -70,15 +75,28 @@ def _reference(args: TransformerArgs) -> tuple[float, dict[str, torch.Tensor]]:
     return loss.item(), {n: p.grad for n, p in model.named_parameters()}
 
 
-def _tensor_parallel(args: TransformerArgs, impl: str, sp: bool, tp: TPGroup, mesh
+def _tensor_parallel(args: TransformerArgs, impl: str, sp: bool, tp: TPGroup, mesh, chunked: bool = False
                      ) -> tuple[float, dict[str, torch.Tensor], float]:
-    """(loss, gathered gradients, gradient norm) of the model split over ``mesh``, a ("dp", "tp") mesh of dp 1."""
+    """(loss, gathered gradients, gradient norm) of the model split over ``mesh``, a ("dp", "tp") mesh of dp 1;
+    ``chunked``: the loss the trainer computes with ``training.loss_impl = "chunked"`` (``micro_batch_loss`` and
+    the TP share, under its ``micro_batch`` context)."""
     torch.manual_seed(0)
     model = DecoderLM(args)
     plan = tensor_parallel_plan(model)
     parallelize_tensor(model, impl, tp if impl == "scratch" else mesh["tp"], sequence_parallel=sp)
     ids, labels = _batch()
-    if impl == "scratch":
+    if chunked:
+        from types import SimpleNamespace
+
+        from torch_handle.train.loss import micro_batch_loss
+        from torch_handle.train.shares.tensor import TensorParallel
+
+        share = TensorParallel(SimpleNamespace(tp_impl=impl, sequence_parallel=sp), SimpleNamespace(tp_group=tp))
+        strategy = SimpleNamespace(model=model, unwrapped=lambda: model, autocast=contextlib.nullcontext)
+        with share.micro_batch():
+            loss, _ = micro_batch_loss(strategy, {"input_ids": ids}, labels, "chunked", share=share)
+            loss.backward()
+    elif impl == "scratch":
         loss, _ = vocab_parallel_cross_entropy(model(ids), labels, tp)
         loss.backward()
     else:
@@ -102,11 +120,11 @@ def _cases(rank: int, tmp: Path) -> None:
 
     mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))  # mesh_grad_norm's: a dp and a tp axis
     tp = TPGroup(mesh["tp"].get_group())
-    for impl, sp, shape, norm_first, fused in CASES:
-        case = f"{shape} {impl} sp={sp} norm_first={norm_first} fused_qkv={fused}"
+    for impl, sp, shape, norm_first, fused, chunked in [(*c, False) for c in CASES] + [(*c, True) for c in CHUNKED]:
+        case = f"{shape} {impl} sp={sp} norm_first={norm_first} fused_qkv={fused} chunked={chunked}"
         args = _args(norm_first, fused, shape)
         ref_loss, ref_grads = _reference(args)
-        loss, grads, norm = _tensor_parallel(args, impl, sp, tp, mesh)
+        loss, grads, norm = _tensor_parallel(args, impl, sp, tp, mesh, chunked)
         assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss), (case, loss, ref_loss)
         ref_norm = torch.stack([g.double().pow(2).sum() for g in ref_grads.values()]).sum().sqrt().item()
         assert abs(norm - ref_norm) <= 1e-5 * ref_norm, (case, norm, ref_norm)

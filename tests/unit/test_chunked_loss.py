@@ -203,7 +203,9 @@ def test_auto_takes_the_chunked_loss_for_large_logits_where_it_runs():
 
 
 @pytest.mark.parametrize(("overrides", "why"), [
-    (["parallel.tp=2"], "runs on unsplit models only, not with parallel.tp = 2"),
+    (["parallel.pp=2"], "runs on unsplit or tensor-parallel models only, not with parallel.pp = 2"),
+    (["parallel.tp=2"], None),
+    (["parallel.tp=2", "parallel.tp_impl=native", "parallel.sequence_parallel=true", "strategy.name=single"], None),
     (["strategy.name=fsdp"], "needs whole parameters after the forward pass; strategy 'fsdp'"),
     (["strategy.name=deepspeed", "strategy.zero_stage=3"], "strategy 'deepspeed' holds the output weight"),
     ([], None),
@@ -266,3 +268,20 @@ def test_a_run_with_the_chunked_loss_trains_as_the_full_one(tmp_path, process_gr
         assert _train(preset, run_dir, process_group) == "finished"
         losses[impl] = [e.get("loss", e.get("val_loss")) for e in _events(run_dir) if e["kind"] in ("step", "eval")]
     assert len(losses["full"]) == 4 and losses["chunked"] == pytest.approx(losses["full"], rel=1e-5)
+
+
+def test_under_tp_only_a_preference_loss_is_refused():
+    """Tensor parallelism takes the chunked loss (its vocabulary-parallel form); a preference objective's
+    per-sequence log-probabilities under tp come from the split logits, so ``"chunked"`` is refused there."""
+    from types import SimpleNamespace as NS
+
+    from torch_handle.config.loss_impl import chunked_loss_problem
+
+    preset = NS(model=NS(name="transformer", options=NS(kind="decoder")), parallel=NS(tp=2, pp=1, ep=1, cp=1),
+                strategy=NS(name="ddp", options=NS()), finetune=NS(objective="sft"))
+    assert chunked_loss_problem(preset) is None
+    preset.finetune.objective = "dpo"
+    assert "finetune.objective = 'dpo' with parallel.tp = 2" in chunked_loss_problem(preset)
+    preset.parallel.tp = 1
+    assert chunked_loss_problem(preset) is None
+

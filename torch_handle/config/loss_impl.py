@@ -5,8 +5,11 @@ It takes the model's last hidden states and its output weight *outside* the mode
 
 * the from-scratch decoder (``model.name = "transformer"``, ``kind = "decoder"``: ``DecoderLM.forward`` returns
   its hidden states on request; a plugin's model or the encoder-decoder returns logits only);
-* no parallel share (``parallel.tp``, ``pp`` and ``ep`` = 1): tensor parallelism's loss is vocabulary-parallel over
-  the split logits and a pipeline's loss runs inside its last stage, both from the logits;
+* no parallel share but tensor parallelism (``parallel.pp``, ``ep`` and ``cp`` = 1): under ``parallel.tp`` each rank
+  computes its vocabulary slice of each chunk's logits (:mod:`torch_handle.parallel.tensor.chunked_cross_entropy`,
+  both ``tp_impl``, with or without sequence parallelism; not the per-sequence log-probabilities of a preference
+  objective, ``objective = "dpo"``, which a split model takes from its logits); a pipeline's loss runs inside its
+  last stage, from the logits;
 * a strategy that holds whole parameters after the forward pass: not ``fsdp``, ``scratch-fsdp`` or ``deepspeed``
   with ``zero_stage = 3`` (their output weight is a shard outside the forward).
 
@@ -31,12 +34,16 @@ def chunked_loss_problem(preset: Any) -> str | None:
     if model.name != "transformer" or getattr(model.options, "kind", "decoder") != "decoder":
         return (f"needs the from-scratch decoder (model.name = 'transformer', kind = 'decoder'), not "
                 f"{model.name!r} of kind {getattr(model.options, 'kind', '?')!r}")
-    split = [f"parallel.{name} = {degree}" for name, degree in (("tp", par.tp), ("pp", par.pp), ("ep", par.ep),
+    split = [f"parallel.{name} = {degree}" for name, degree in (("pp", par.pp), ("ep", par.ep),
                                                                   ("cp", getattr(par, "cp", 1)))
              if degree > 1]
     if split:
-        return (f"runs on unsplit models only, not with {' and '.join(split)} (the split model's loss is computed "
-                f"from its logits)")
+        return (f"runs on unsplit or tensor-parallel models only, not with {' and '.join(split)} (that split "
+                f"model's loss is computed from its logits)")
+    objective = getattr(getattr(preset, "finetune", None), "objective", "lm")
+    if par.tp > 1 and objective == "dpo":
+        return (f"does not give a preference loss's per-sequence log-probabilities under tensor parallelism "
+                f"(finetune.objective = 'dpo' with parallel.tp = {par.tp}: they come from the split logits)")
     if strategy.name in SHARDING_STRATEGIES or (strategy.name == "deepspeed"
                                                  and getattr(strategy.options, "zero_stage", 0) == 3):
         return (f"needs whole parameters after the forward pass; strategy {strategy.name!r} holds the output weight "

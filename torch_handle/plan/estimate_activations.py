@@ -282,6 +282,7 @@ def fake_activations(build: ModelBuild, batch: int, seq_len: int, precision: str
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
     from torch_handle.model.parallelize import checkpointed_blocks, model_blocks, set_activation_checkpointing
+    from torch_handle.parallel.tensor.chunked_cross_entropy import vocab_parallel_linear_cross_entropy
     from torch_handle.parallel.tensor.cross_entropy import vocab_parallel_cross_entropy
     from torch_handle.plan.shape_tp_group import ShapeTPGroup
 
@@ -316,8 +317,13 @@ def fake_activations(build: ModelBuild, batch: int, seq_len: int, precision: str
                 with counter:
                     if loss_impl == "chunked":
                         with autocast:
-                            hidden = model(**inputs, return_hidden=True)  # (B, T, C)
-                            loss, _ = chunked_loss_fn(hidden, model.lm_head.weight, labels)
+                            hidden = model(**inputs, return_hidden=True)  # (B, T, C); (B, T/tp, C) under sp
+                            if group is None:
+                                loss, _ = chunked_loss_fn(hidden, model.lm_head.weight, labels)
+                            else:  # each rank its (V/tp, C) rows
+                                loss = vocab_parallel_linear_cross_entropy(
+                                    hidden, model.lm_head.weight, labels, group,
+                                    sequence_parallel=build.sequence_parallel)
                         weight = model.lm_head.weight  # (V, C)
                         loss_path.append(chunked_loss_bytes(batch * seq_len, weight.shape[0], weight.shape[1],
                                                             dtype if mode == "autocast" else weight.dtype,

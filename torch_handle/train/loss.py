@@ -101,7 +101,8 @@ def micro_batch_loss(strategy: Any, batch: dict[str, torch.Tensor], labels: torc
     when the model offers them (``checked_inputs`` of ``strategy.unwrapped()``) and is not split by a ``share``: a
     model compiled whole then runs without a graph break or a host read. ``"chunked"``: the model returns its hidden states (B, T, C)
     (``return_hidden=True``) and :func:`chunked_loss_fn` applies its output layer (``lm_head.weight``), under the
-    autocast, as the output layer would run; ``"full"``: :func:`loss_fn` of the logits (B, T, V), or
+    autocast, as the output layer would run, or ``share.chunked_loss`` for a split model (tensor parallelism: this
+    rank's vocabulary rows); ``"full"``: :func:`loss_fn` of the logits (B, T, V), or
     ``share.loss`` for a split model.
 
     Args:
@@ -115,8 +116,9 @@ def micro_batch_loss(strategy: Any, batch: dict[str, torch.Tensor], labels: torc
     inputs = batch if checked is None else checked(**batch)
     with strategy.autocast():
         if loss_impl == "chunked":  # the output layer inside the loss, chunk by chunk: no logits
-            hidden = strategy.model(**inputs, return_hidden=True)  # (B, T, C)
-            return chunked_loss_fn(hidden, model.lm_head.weight, labels, label_smoothing)
+            hidden = strategy.model(**inputs, return_hidden=True)  # (B, T, C); (B, T/tp, C) under sp
+            chunked = chunked_loss_fn if share is None else share.chunked_loss
+            return chunked(hidden, model.lm_head.weight, labels, label_smoothing)
         logits = strategy.model(**inputs)  # (B, T, V)
     if share is not None:
         return share.loss(logits, labels, label_smoothing)

@@ -21,6 +21,7 @@ from torch_handle.config.schema import ParallelConfig
 from torch_handle.data.datasets import IGNORE_INDEX
 from torch_handle.model.parallelize import parallelize_tensor, tensor_parallel_plan
 from torch_handle.parallel.tensor.checkpoint import full_model_state, full_optimizer_state, load_full_state
+from torch_handle.parallel.tensor.chunked_cross_entropy import vocab_parallel_linear_cross_entropy
 from torch_handle.parallel.tensor.cross_entropy import vocab_parallel_cross_entropy, vocab_parallel_token_losses
 from torch_handle.parallel.tensor.layers import all_reduce_grads
 from torch_handle.parallel.tensor.plan import partial_grad
@@ -106,6 +107,17 @@ class TensorParallel(PortableShare):
 
         loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
                                label_smoothing=label_smoothing)
+        return loss, (labels != IGNORE_INDEX).sum()
+
+    def chunked_loss(self, hidden: Any, weight: Any, labels: torch.Tensor, label_smoothing: float
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``training.loss_impl = "chunked"``: :meth:`loss` of the logits ``hidden @ weight.T`` without them, each
+        rank its vocabulary rows of a chunk of tokens at a time (:func:`vocab_parallel_linear_cross_entropy`).
+        hidden (B, T, C), or this rank's (B, T/tp, C) under sequence parallelism; weight the split output layer's
+        (V/tp, C), or its ``Shard(0)`` DTensor (native); labels (B, T). The same loss and gradients as
+        :meth:`loss` of the output layer's logits (fp32: within 1e-6, tests/test_tp_primitives.py)."""
+        loss = vocab_parallel_linear_cross_entropy(hidden, weight, labels, self.tp, label_smoothing, IGNORE_INDEX,
+                                                   sequence_parallel=self.sequence_parallel)
         return loss, (labels != IGNORE_INDEX).sum()
 
     def token_losses(self, logits: Any, labels: torch.Tensor) -> torch.Tensor:
