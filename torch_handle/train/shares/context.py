@@ -117,8 +117,7 @@ class ContextParallel(PortableShare):
 
     def bind(self, strategy: Any) -> ContextParallel:
         """Work with ``strategy``: it clips in :meth:`before_step`, whose norm the trainer reports. Returns self."""
-        self.strategy = strategy
-        strategy.clips_gradients = False
+        super().bind(strategy)
         self._engine = getattr(strategy, "engine", None)  # DeepSpeed: ZeRO's partitioned gradients are its own
         if self.inner is not None:
             self.inner.bind(strategy)

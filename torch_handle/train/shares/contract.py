@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, ContextManager, Protocol, runtime_checkable
+from typing import Any, ContextManager, Protocol, Self, runtime_checkable
 
 import torch
 from torch import nn
@@ -120,6 +120,13 @@ class PortableShare:
     overrides what it does differently."""
 
     strategy: Any = None
+
+    def bind(self, strategy: Any) -> Self:
+        """Keep ``strategy`` and stop its clipping (the share's ``before_step`` clips, by the norm over every part
+        of the split model). Returns self; a share that holds others binds them as well."""
+        self.strategy = strategy
+        strategy.clips_gradients = False
+        return self
 
     def begin_step(self) -> None:
         return None

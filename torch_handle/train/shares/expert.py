@@ -141,14 +141,6 @@ class ExpertParallel(PortableShare):
         groups = (self.ep_group, self.edp_group) if sharded and self.dp > self.ep else self.ep_group
         return {"experts": set(self.expert_names(module)), "ep_group": groups}
 
-    def bind(self, strategy: Any) -> ExpertParallel:
-        """Work with the data-parallel ``strategy``: it stops clipping (:meth:`before_step` reduces the experts'
-        gradients first, then clips by the norm over every rank's experts); its model's state is saved and loaded
-        here. Returns self."""
-        self.strategy = strategy
-        strategy.clips_gradients = False
-        return self
-
     def before_step(self, max_norm: float) -> float:
         """Reduce the expert gradients (:meth:`sync_grads`), then clip every gradient by the one-process norm
         (the dense ones counted once, each expert once). Returns the norm before clipping."""

@@ -152,8 +152,7 @@ class PipelineParallel(PortableShare):
         """Work with the strategy that steps this rank's shard (it has wrapped the stage modules it syncs, DDP or
         FSDP2) and build the schedule over them: the strategy stops clipping (the norm spans every stage:
         :meth:`before_step`), and its state is saved and loaded here. Returns self."""
-        self.strategy = strategy
-        strategy.clips_gradients = False
+        super().bind(strategy)
         if self.tp is not None:
             self.tp.bind(strategy)
         if self.ep is not None:

@@ -44,13 +44,6 @@ class TensorParallel(PortableShare):
         self.plan: dict[str, Any] = {}
         self.strategy: Any = None  # the data-parallel strategy that steps the split model (set by the trainer)
 
-    def bind(self, strategy: Any) -> TensorParallel:
-        """Work with the data-parallel ``strategy`` that steps the split model: it stops clipping (the norm over the
-        split gradients is :meth:`before_step`'s), and its model's state is saved and loaded here. Returns self."""
-        self.strategy = strategy
-        strategy.clips_gradients = False
-        return self
-
     def parallelize(self, model: nn.Module) -> nn.Module:
         """Split ``model`` (same weights on every rank) over this rank's TP group, in place."""
         self.plan = tensor_parallel_plan(model)
