@@ -26,17 +26,11 @@ import torch
 from torch.utils.data import Dataset, DistributedSampler, Sampler
 
 from torch_handle.common.fsio import replacing
-from torch_handle.data.chat.template import CHATML_TOKENS
-from torch_handle.data.tokenizer_file import TOKENIZER_VERSION
+from torch_handle.data.tokenizer_file import (BOS_ID, EOS_ID, IM_END_ID, IM_START_ID, PAD_ID,  # noqa: F401
+                                             RESERVED_TOKENS, SPECIAL_TOKENS, TOKENIZER_VERSION, UNK_ID,
+                                             train_tokenizer)
 from torch_handle.errors import DataError
 
-SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<unk>"]
-PAD_ID, BOS_ID, EOS_ID, UNK_ID = range(4)
-RESERVED_TOKENS = [*SPECIAL_TOKENS, *CHATML_TOKENS]
-"""The special tokens of every tokenizer :func:`train_tokenizer` trains, ids 0-5: the four roles, then ChatML's
-``<|im_start|>`` (:data:`IM_START_ID`) and ``<|im_end|>`` (:data:`IM_END_ID`). Within ``vocab_size``: the BPE learns
-two merges fewer than with the roles alone."""
-IM_START_ID, IM_END_ID = 4, 5
 IGNORE_INDEX = -100
 
 
@@ -50,20 +44,6 @@ def corpus_fingerprint(texts: Sequence[str], vocab_size: int) -> str:
     for t in texts:
         h.update(hashlib.sha256(t.encode("utf-8", "surrogatepass")).digest())
     return h.hexdigest()[:16]
-
-
-def train_tokenizer(texts: Sequence[str], vocab_size: int):
-    """Train a byte-level BPE tokenizer (Sennrich et al. 2016; GPT-2's byte-level variant) on ``texts``: at most
-    ``vocab_size`` ids, the :data:`RESERVED_TOKENS` first (ids 0-5), then the 256 byte symbols, then the merges."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=RESERVED_TOKENS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(texts, trainer=trainer)
-    return tok
 
 
 def load_or_train_tokenizer(texts: Sequence[str], vocab_size: int, cache_dir: Path, *, is_main: bool,

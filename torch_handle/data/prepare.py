@@ -87,7 +87,7 @@ class Progress:
 
 
 def _train(train_pieces: Iterator[str], vocab_size: int, sample_bytes: int):
-    from torch_handle.data.datasets import train_tokenizer  # imports torch: only when training
+    from torch_handle.data.tokenizer_file import train_tokenizer
 
     sample, size = [], 0
     for piece in train_pieces:

@@ -4,21 +4,31 @@ path's tokenizer is, how many embedding rows its ids need, and which of its ids 
 These facts are decided here once and recorded by ``handle data prepare`` in ``meta.json``
 (:mod:`torch_handle.data.shards`): every reader of a prepared directory takes them from there.
 
-No torch import.
+No torch import: ``handle run`` trains a corpus's tokenizer (:func:`train_tokenizer`) in the launcher, before
+any worker imports torch.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from torch_handle.common.names import TOKENIZER_FILE
+from torch_handle.data.chat.template import CHATML_TOKENS
 from torch_handle.errors import DataError
 
 TOKENIZER_VERSION = "bpe-bytelevel-v2"
-"""The byte-level BPE that :func:`torch_handle.data.datasets.train_tokenizer` trains, in the keys of what is cached
+"""The byte-level BPE that :func:`train_tokenizer` trains, in the keys of what is cached
 from it (trained tokenizers, prepared corpora): v2 reserves ChatML's tokens, so nothing cached with v1 is reused."""
+SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<unk>"]
+PAD_ID, BOS_ID, EOS_ID, UNK_ID = range(4)
+RESERVED_TOKENS = [*SPECIAL_TOKENS, *CHATML_TOKENS]
+"""The special tokens of every tokenizer :func:`train_tokenizer` trains, ids 0-5: the four roles, then ChatML's
+``<|im_start|>`` (:data:`IM_START_ID`) and ``<|im_end|>`` (:data:`IM_END_ID`). Within ``vocab_size``: the BPE learns
+two merges fewer than with the roles alone."""
+IM_START_ID, IM_END_ID = 4, 5
 EOS_NAMES = ("<eos>", "</s>", "<|endoftext|>", "<|end_of_text|>", "<|im_end|>")
 """End-of-document tokens looked up by name when no ``tokenizer_config.json`` names one."""
 PAD_NAMES = ("<pad>", "[PAD]", "<|pad|>")
@@ -102,3 +112,17 @@ def pad_id_of(tok: Any, path: Path, eos: int) -> int | None:
         if name is not None and (i := tok.token_to_id(name)) is not None:
             return None if int(i) == eos else int(i)
     return None
+
+
+def train_tokenizer(texts: Sequence[str], vocab_size: int) -> Any:
+    """Train a byte-level BPE tokenizer (Sennrich et al. 2016; GPT-2's byte-level variant) on ``texts``: at most
+    ``vocab_size`` ids, the :data:`RESERVED_TOKENS` first (ids 0-5), then the 256 byte symbols, then the merges."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=RESERVED_TOKENS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts, trainer=trainer)
+    return tok
