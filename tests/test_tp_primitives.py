@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from torch_handle.parallel.tensor.chunked_cross_entropy import vocab_parallel_linear_cross_entropy
+from torch_handle.model.linear_cross_entropy_tp import vocab_parallel_linear_cross_entropy
 from torch_handle.parallel.tensor.cross_entropy import (IGNORE_INDEX, vocab_parallel_cross_entropy,
                                                         vocab_parallel_token_losses)
 from torch_handle.parallel.tensor.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,

@@ -6,7 +6,7 @@ It takes the model's last hidden states and its output weight *outside* the mode
 * the from-scratch decoder (``model.name = "transformer"``, ``kind = "decoder"``: ``DecoderLM.forward`` returns
   its hidden states on request; a plugin's model or the encoder-decoder returns logits only);
 * no parallel share but tensor parallelism (``parallel.pp``, ``ep`` and ``cp`` = 1): under ``parallel.tp`` each rank
-  computes its vocabulary slice of each chunk's logits (:mod:`torch_handle.parallel.tensor.chunked_cross_entropy`,
+  computes its vocabulary slice of each chunk's logits (:mod:`torch_handle.model.linear_cross_entropy_tp`,
   both ``tp_impl``, with or without sequence parallelism; not the per-sequence log-probabilities of a preference
   objective, ``objective = "dpo"``, which a split model takes from its logits); a pipeline's loss runs inside its
   last stage, from the logits;

@@ -282,7 +282,7 @@ def fake_activations(build: ModelBuild, batch: int, seq_len: int, precision: str
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
     from torch_handle.model.parallelize import checkpointed_blocks, model_blocks, set_activation_checkpointing
-    from torch_handle.parallel.tensor.chunked_cross_entropy import vocab_parallel_linear_cross_entropy
+    from torch_handle.model.linear_cross_entropy_tp import vocab_parallel_linear_cross_entropy
     from torch_handle.parallel.tensor.cross_entropy import vocab_parallel_cross_entropy
     from torch_handle.plan.shape_tp_group import ShapeTPGroup
 

@@ -30,7 +30,7 @@ from typing import Any, ContextManager, Protocol, Self, runtime_checkable
 import torch
 from torch import nn
 
-from torch_handle.train.loss import loss_fn, token_losses
+from torch_handle.train.loss import chunked_loss_fn, loss_fn, token_losses
 
 COMPOSITION = ("pipeline", "tensor", "expert")
 """The order a composed share delegates in (tp × pp, pp × ep, dp × tp × pp): the pipeline's stages (joined by name
@@ -96,6 +96,12 @@ class ParallelShare(Checkpointer, Protocol):
     def loss(self, logits: Any, labels: torch.Tensor, label_smoothing: float) -> tuple[torch.Tensor, torch.Tensor]:
         """(token-mean loss, labelled tokens) of this share's logits (B, T, V or V/tp) and labels (B, T)."""
 
+    def chunked_loss(self, hidden: Any, weight: Any, labels: torch.Tensor, label_smoothing: float
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`loss` of the logits ``hidden @ weight.T`` without making them (``training.loss_impl =
+        "chunked"``): this share's final hidden states (B, T, C), its output layer's weight (V or V/tp, C), labels
+        (B, T)."""
+
     def token_losses(self, logits: Any, labels: torch.Tensor) -> torch.Tensor:
         """Each token's cross-entropy (B, T) fp32 (0 where ignored), differentiable, of this share's logits and
         labels as :meth:`loss` takes them, the same on every rank that computes it."""
@@ -136,6 +142,10 @@ class PortableShare:
 
     def loss(self, logits: Any, labels: torch.Tensor, label_smoothing: float) -> tuple[torch.Tensor, torch.Tensor]:
         return loss_fn(logits, labels, label_smoothing)
+
+    def chunked_loss(self, hidden: Any, weight: Any, labels: torch.Tensor, label_smoothing: float
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        return chunked_loss_fn(hidden, weight, labels, label_smoothing)  # the output layer whole
 
     def token_losses(self, logits: Any, labels: torch.Tensor) -> torch.Tensor:
         return token_losses(logits, labels)

@@ -21,7 +21,7 @@ from torch_handle.config.schema import ParallelConfig
 from torch_handle.data.datasets import IGNORE_INDEX
 from torch_handle.model.parallelize import parallelize_tensor, tensor_parallel_plan
 from torch_handle.parallel.tensor.checkpoint import full_model_state, full_optimizer_state, load_full_state
-from torch_handle.parallel.tensor.chunked_cross_entropy import vocab_parallel_linear_cross_entropy
+from torch_handle.model.linear_cross_entropy_tp import vocab_parallel_linear_cross_entropy
 from torch_handle.parallel.tensor.cross_entropy import vocab_parallel_cross_entropy, vocab_parallel_token_losses
 from torch_handle.parallel.tensor.layers import all_reduce_grads
 from torch_handle.parallel.tensor.plan import partial_grad
