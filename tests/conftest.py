@@ -57,11 +57,11 @@ def pytest_unconfigure(config) -> None:
 SLOWEST_FIRST = ("test_learn_doc", "test_distributed", "test_nd_parallel", "test_lora_strategies", "test_multinode",
                  "test_tensor_parallel", "test_gpu_check", "test_expert_parallel_runs", "test_cross_resume",
                  "test_pipeline_parallel",
-                 "test_dpo",  # 90 CPU s (2 cores under load, as the next two): 6 runs of 2 ranks, 12 in-process
-                 "test_sft_strategies",  # 83 CPU s: 6 runs of 2 ranks, 3 in-process
+                 "test_dpo",  # 80 CPU s (2 cores under load, as the next two): 5 runs of 2 ranks, 12 in-process
+                 "test_sft_strategies",  # 73 CPU s: 5 runs of 2 ranks, 3 in-process
                  "test_qlora_strategies",  # 79 CPU s: 6 runs of 2 ranks, 1 in-process
                  "test_hf_export", "test_hang", "test_estimate", "test_lost_runs",
-                 "test_objectives_split",  # 78 CPU s: 6 runs of 2 ranks and 2 in-process
+                 "test_objectives_split",  # 68 CPU s: 5 runs of 2 ranks and 2 in-process
                  "test_context_parallel_runs",  # 74 CPU s: 5 runs
                  "test_hf", "test_tp_encoder_decoder", "test_bench_comm",
                  "test_resume_safety", "test_env", "test_plugins_cli", "test_layout_weights", "test_pipeline_checkpoint",

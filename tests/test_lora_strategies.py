@@ -1,8 +1,8 @@
 """LoRA under the strategies and layouts: one module-scoped set of real 2-process torchrun runs (tiny Llama-shaped
 decoder, adapters on every linear, fp32, dropout 0, 4 steps: the adapters' B leaves zero at step 1, so steps 2-4
 compare adapted models) against the single-process run of the same preset in this process (grad_accum 2: the same
-samples per step). The data-parallel strategies (fsdp, ZeRO-2/3, scratch-ddp's ZeRO-1, scratch-fsdp) run dp 2
-(LoRA under ddp: the SFT and DPO matrices of tests/test_sft_strategies.py and tests/test_dpo.py); tensor
+samples per step). The data-parallel strategies (fsdp, ZeRO-3, scratch-ddp's ZeRO-1, scratch-fsdp) run dp 2
+(LoRA under ddp and ZeRO-2: the SFT and DPO matrices of tests/test_sft_strategies.py and tests/test_dpo.py); tensor
 parallelism (hand-written and DTensor) and the pipeline run dp 1 with grad_accum 2. Each gives the
 single-process losses within 1e-5, leaves every frozen base weight bitwise as it started (the final weights are
 the adapters; the base is rebuilt from the seed and compared), holds optimizer state for the adapters alone (per
@@ -44,7 +44,6 @@ alpha = 8.0
 target_modules = ["all"]
 """
 STRATEGIES = {"fsdp": ["strategy.name=fsdp"],
-              "zero2": ["strategy.name=deepspeed", "strategy.zero_stage=2"],
               "zero3": ["strategy.name=deepspeed", "strategy.zero_stage=3"],
               "scratch-zero1": ["strategy.name=scratch-ddp", "strategy.shard_optimizer=true"],
               "scratch-fsdp": ["strategy.name=scratch-fsdp"],
@@ -152,8 +151,7 @@ def test_optimizer_bytes_are_the_adapters_alone(lora_runs):
     n, tensors = sum(t.numel() for t in adapters), len(adapters)
     memory = {name: [e for e in events(run, "step") if "memory" in e][-1]["memory"] for name, run in lora_runs.items()}
     assert memory["single"][0]["optimizer_bytes"] == 8 * n + 4 * tensors
-    for name in ("zero2", "zero3"):
-        assert [m["optimizer_bytes"] for m in memory[name]] == [12 * n // 2 + 4] * 2, name
+    assert [m["optimizer_bytes"] for m in memory["zero3"]] == [12 * n // 2 + 4] * 2
     # FSDP2 and scratch-fsdp (per parameter): every rank half of each tensor's moments (the widths are even) and
     # every step counter
     for name in ("fsdp", "scratch-fsdp"):
@@ -215,7 +213,7 @@ def assert_exports_match(runs: dict[str, Path], name: str, tmp_path: Path) -> No
 def test_the_estimate_is_the_telemetry_to_the_byte(lora_runs):
     """``handle estimate`` of each run's own preset.toml: rank 0's trainable and frozen parameter bytes, gradients
     and optimizer state equal its memory telemetry exactly (one process: the base whole; FSDP2 and ZeRO-3: the base
-    sharded like any parameter; ZeRO-2: the base whole beside the flat adapters; scratch-fsdp: each rank's rows of
+    sharded like any parameter; scratch-fsdp: each rank's rows of
     every frozen tensor; tp 2: base and adapters split by the plan; pp 2: each stage's own layers, the tied
     embedding on both ends), and its FLOPs per token are
     what the run's tflops counts (LoRA's: 4 per frozen matmul weight)."""
@@ -225,7 +223,7 @@ def test_the_estimate_is_the_telemetry_to_the_byte(lora_runs):
 
     registry = get_registry()
     keys = ("trainable_param_bytes", "frozen_param_bytes", "grad_bytes", "optimizer_bytes")
-    for name in ("single", "fsdp", "zero2", "zero3", "scratch-fsdp", "tp-scratch", "tp-native", "pp"):
+    for name in ("single", "fsdp", "zero3", "scratch-fsdp", "tp-scratch", "tp-native", "pp"):
         run = lora_runs[name]
         step = [e for e in events(run, "step") if "memory" in e][-1]
         rows = estimate_preset(load_preset(run / "preset.toml", [], registry), registry, [1 if name == "single" else 2],
