@@ -16,7 +16,9 @@ How a command is run:
 
 Before anything runs, every ``handle`` command of the page, in the blocks and in inline code in the prose, is
 resolved against the click command tree: a subcommand or an option that does not exist fails the test with the
-doc line. Each command then has to exit 0 and print what it exists to print.
+doc line. Each command then has to exit 0 and print what it exists to print. A ``handle run`` that repeats a
+preset the page already ran, into a run directory no other command reads (a sync mode, a schedule, an
+implementation: ``Walk.variant``), is checked by ``handle validate`` with its settings instead of a launch.
 """
 
 from __future__ import annotations
@@ -104,6 +106,8 @@ class Walk:
     runs: dict[Path, dict] = field(default_factory=dict)  # run dir (absolute) -> run.json
     timings: list[tuple[float, str]] = field(default_factory=list)
     ports: dict[str, str] = field(default_factory=dict)
+    read: set[str] = field(default_factory=set)  # run directories a command of the page reads (tui, profile, ...)
+    presets_run: set[str] = field(default_factory=set)
 
     def fail(self, cmd: Command, why: str, output: str = "") -> None:
         pytest.fail(f"docs/learn.md:{cmd.line}: `{cmd.text}`: {why}\n{output[-4000:]}", pytrace=False)
@@ -117,12 +121,38 @@ class Walk:
     def _port(self, m: re.Match) -> str:
         return f"{m.group(1)}:{self.ports.setdefault(m.group(2), str(free_port()))}"
 
-    def start(self, cmd: Command) -> subprocess.Popen:
+    def variant(self, cmd: Command) -> bool:
+        """A foreground ``handle run`` of a preset the page already ran, into a run directory no command of the page
+        reads: another setting of a layout the page has just trained (a sync mode, a schedule, an implementation).
+        It is checked with ``handle validate`` (the same preset and ``--set`` values: exit 0, ``ok``) instead of
+        trained again: a launch is ~9 CPU s of start-up, and the suite runs each setting end to end elsewhere
+        (tests/test_scratch_ddp.py, test_tensor_parallel.py, test_pipeline_parallel.py)."""
+        path, _, rest = resolve(cmd.argv)
+        if path != ("run",) or cmd.background:
+            return False
+        run_dir = cmd.argv[cmd.argv.index("--run-dir") + 1] if "--run-dir" in cmd.argv else None
+        preset = rest[0] if rest else None
+        seen = preset in self.presets_run
+        self.presets_run.add(preset)
+        return seen and run_dir is not None and run_dir not in self.read
+
+    def validate_argv(self, cmd: Command) -> list[str]:
+        words, out, skip = cmd.argv[2:], [], False
+        for w in words:
+            if skip:
+                skip = False
+            elif w == "--run-dir":
+                skip = True
+            else:
+                out.append(w)
+        return [sys.executable, "-m", "handle_cli", "validate", *out]
+
+    def start(self, cmd: Command, argv: list[str] | None = None) -> subprocess.Popen:
         """Output goes to a file, not a pipe: a background command must never block on a full pipe."""
         logs = self.cwd / "command-output"
         logs.mkdir(exist_ok=True)
         with open(logs / f"line{cmd.line}.txt", "w", encoding="utf-8") as out:
-            return subprocess.Popen(self.argv(cmd), cwd=self.cwd, env=self.env, stdout=out,
+            return subprocess.Popen(argv or self.argv(cmd), cwd=self.cwd, env=self.env, stdout=out,
                                     stderr=subprocess.STDOUT, start_new_session=True)
 
     def finish(self, cmd: Command, proc: subprocess.Popen, t0: float) -> None:
@@ -138,6 +168,15 @@ class Walk:
         if proc.returncode != 0:
             self.fail(cmd, f"exit code {proc.returncode}", output)
         self.sanity(cmd, output)
+
+    def validated(self, cmd: Command) -> None:
+        """:meth:`variant`'s check: ``handle validate`` of the command's preset and settings exits 0 with ``ok``."""
+        t0 = time.perf_counter()
+        proc = subprocess.run(self.validate_argv(cmd), cwd=self.cwd, env=self.env, capture_output=True, text=True,
+                              timeout=TIMEOUT_S)
+        self.timings.append((time.perf_counter() - t0, f"(validated) {cmd.text}"))
+        if proc.returncode != 0 or ": ok: " not in proc.stdout:
+            self.fail(cmd, f"handle validate exit code {proc.returncode}", proc.stdout + proc.stderr)
 
     def sanity(self, cmd: Command, output: str) -> None:
         """The command printed what it exists to print."""
@@ -238,6 +277,8 @@ class Walk:
                     self.tui(step, monkeypatch)
                 elif step.background:
                     background.append((step, self.start(step), time.perf_counter()))
+                elif self.variant(step):
+                    self.validated(step)
                 else:
                     self.finish(step, self.start(step), time.perf_counter())
             wait_all()
@@ -323,6 +364,8 @@ def test_every_command_of_the_page_runs(tmp_path, monkeypatch):
     env, tag = tagged_env()
     monkeypatch.chdir(tmp_path)  # the in-process `handle tui` resolves the page's relative paths here too
     walk = Walk(tmp_path, env)
+    walk.read = {w for b in read_blocks(text) if b.info == RUN_INFO for c in b.steps if isinstance(c, Command)
+                 and resolve(c.argv)[0] != ("run",) for w in c.argv if w.startswith("runs/")}
     t0 = time.perf_counter()
     try:
         for block in read_blocks(text):
