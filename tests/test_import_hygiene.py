@@ -53,3 +53,19 @@ def test_python_m_handle_cli_help_with_importtime() -> None:
                 for line in result.stderr.splitlines() if line.startswith("import time:")}
     assert imported, "no -X importtime output"
     assert not imported & set(HEAVY), imported & set(HEAVY)
+
+
+def test_preparing_a_corpus_imports_no_torch() -> None:
+    """``handle run`` prepares its corpus in the launcher (a tokenizer trained, the text encoded into shards) before
+    any worker starts: without torch, whose import was half the launcher's CPU (torch_handle.data.tokenizer_file)."""
+    loaded = loaded_after("""
+        import tempfile
+        from pathlib import Path
+        from torch_handle.data.prepare import prepare
+        with tempfile.TemporaryDirectory() as d:
+            (Path(d) / "corpus").mkdir()
+            for i in range(20):  # a document a file
+                (Path(d) / "corpus" / f"{i}.txt").write_text(f"document {i}: the quick brown fox. " * 40)
+            prepare([str(Path(d) / "corpus")], Path(d) / "out", vocab_size=300, valid_fraction=0.1, workers=1)
+    """)
+    assert "torch" not in loaded, "preparing a corpus imported torch"
