@@ -1,7 +1,7 @@
 """One description of a run's layout, for every view: ``dp 2 × tp 2 × pp 2 (ddp; tp scratch + sp; pp 1F1B scratch)``.
 
-:class:`RunLayout` holds the parallel degrees (dp × tp × pp, ranks numbered as in :mod:`torch_handle.parallel.mesh`:
-``rank = (pp_rank · dp + dp_rank) · tp + tp_rank``), their implementations, the data-parallel strategy and the world
+:class:`RunLayout` holds the parallel degrees (dp × cp × tp × pp, with ep of dp; ranks numbered by
+:class:`~torch_handle.common.parallel_dims.ParallelDims`, the training mesh's arithmetic), their implementations, the data-parallel strategy and the world
 size. It is built from a preset (:meth:`RunLayout.from_preset`), from run.json's ``layout`` record
 (:meth:`RunLayout.from_record`), or, for runs made before run.json carried it, from preset.toml's tables or from
 run.json's ``strategy`` and ``world_size`` alone (:meth:`RunLayout.from_run`). :meth:`RunLayout.label` is the line
@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from torch_handle.common.fsio import read_toml
+from torch_handle.common.parallel_dims import ParallelDims
 from torch_handle.common.text import clean, strategy_label
 
 SCHEDULE_NAMES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved-1f1b": "interleaved 1F1B", "zbv": "ZBV",
@@ -116,14 +117,20 @@ class RunLayout:
         """The layout of these values, as a preset or run.json holds them (bad or missing values: not known; the
         implementations are dropped for a degree of 1; dp = world_size / (tp × pp × cp) when that divides; an ep
         that does not divide dp: 1)."""
-        world, tp, pp, cp = _degree(world_size), _degree(tp), _degree(pp), _degree(cp) or 1
-        known = world is not None and tp is not None and pp is not None and world % (tp * pp * cp) == 0
+        world, tp, pp, cp, ep = _degree(world_size), _degree(tp), _degree(pp), _degree(cp) or 1, _degree(ep) or 1
+        dims = None
+        if world is not None and tp is not None and pp is not None:
+            for experts in (ep, 1):  # an ep that does not divide dp: 1
+                try:
+                    dims = ParallelDims(world, tp=tp, pp=pp, cp=cp, ep=experts)
+                    break
+                except ValueError:
+                    continue
+        known = dims is not None
         has_tp, has_pp = known and tp > 1, known and pp > 1
-        cp = cp if known else 1
-        ep = _degree(ep) or 1
-        ep = ep if known and (world // (tp * pp * cp)) % ep == 0 else 1
+        cp, ep = (dims.cp, dims.ep) if known else (1, 1)
         return cls(world_size=world, strategy=_text(strategy, 40), zero_stage=_degree_or_zero(zero_stage),
-                   dp=world // (tp * pp * cp) if known else None, tp=tp if known else None, pp=pp if known else None,
+                   dp=dims.dp if known else None, tp=tp if known else None, pp=pp if known else None,
                    tp_impl=_text(tp_impl) if has_tp else None,
                    sequence_parallel=bool(has_tp and sequence_parallel is True),
                    pp_impl=_text(pp_impl) if has_pp else None, pp_schedule=_text(pp_schedule) if has_pp else None,
@@ -198,27 +205,28 @@ class RunLayout:
 
     # -- ranks: one naming in every view ------------------------------------------------------------------------
 
-    def coordinates(self, rank: int) -> dict[str, int] | None:
-        """Global ``rank``'s place in the mesh, ``{"dp": dp_rank, "tp": tp_rank, "pp": pp_rank}`` (rank =
-        (pp_rank · dp + dp_rank) · tp + tp_rank, :mod:`torch_handle.parallel.mesh`), with ``"edp"`` and ``"ep"``
-        (dp_rank = edp_rank · ep + ep_rank) when ep > 1; None when the degrees are not known or ``rank`` is not in
-        ``range(world_size)``."""
-        if self.dp is None or self.tp is None or self.pp is None or not (
-                0 <= rank < self.dp * self.tp * self.pp * self.cp):
+    def dims(self) -> ParallelDims | None:
+        """The degrees as :class:`~torch_handle.common.parallel_dims.ParallelDims`, the training mesh's arithmetic;
+        None when they are not known."""
+        if self.dp is None or self.tp is None or self.pp is None:
             return None
-        dp_rank = rank // (self.tp * self.cp) % self.dp
-        return {"dp": dp_rank, "tp": rank % self.tp, "pp": rank // (self.tp * self.cp * self.dp),
-                **({"edp": dp_rank // self.ep, "ep": dp_rank % self.ep} if self.ep > 1 else {}),
-                **({"cp": rank // self.tp % self.cp} if self.cp > 1 else {})}
+        return ParallelDims(self.dp * self.tp * self.pp * self.cp, self.tp, self.pp, self.ep, self.cp)
+
+    def coordinates(self, rank: int) -> dict[str, int] | None:
+        """Global ``rank``'s place in the mesh, ``{"dp": dp_rank, "tp": tp_rank, "pp": pp_rank}``, with ``"edp"``
+        and ``"ep"`` when ep > 1 and ``"cp"`` when cp > 1 (:meth:`ParallelDims.coordinates`); None when the degrees
+        are not known or ``rank`` is not in ``range(world_size)``."""
+        dims = self.dims()
+        return None if dims is None else dims.coordinates(rank)
 
     def global_rank(self, *, dp: int = 0, tp: int = 0, pp: int = 0, cp: int = 0) -> int | None:
         """The global rank at these coordinates (each in ``range`` of its degree), or None when the degrees are not
         known or a coordinate is out of range. Pipeline rank ``i`` of rank 0's pipeline (what a step event's
         ``pipeline`` describes) is ``global_rank(pp=i)``."""
-        if self.dp is None or self.tp is None or self.pp is None or not (
-                0 <= dp < self.dp and 0 <= tp < self.tp and 0 <= pp < self.pp and 0 <= cp < self.cp):
+        dims = self.dims()
+        if dims is None or not dims.contains(dp=dp, tp=tp, pp=pp, cp=cp):
             return None
-        return ((pp * self.dp + dp) * self.cp + cp) * self.tp + tp
+        return dims.rank(pp, dp, tp, cp)
 
     def pipeline_ranks(self) -> list[int] | None:
         """The global ranks of rank 0's pipeline (dp 0, tp 0), by pipeline rank: what a step event's ``pipeline``
