@@ -5,8 +5,9 @@ LoRA, fp32, dropout 0, under real torchrun workers, give the single-process loss
   the vocabulary-parallel loss, weighted as the global batch's mean over its trained tokens.
 - SFT, pp 2 hand-written 1F1B (4 micro-batches of unequal trained-token counts): each micro-batch's loss over the
   step's trained tokens.
-- DPO, tp 2 DTensor: the per-row log-probabilities from vocabulary-split logits (``loss_parallel()``,
-  ``reduction="none"``), the reference the base with its adapters off. The metrics counted once per TP group.
+- DPO, tp 2 DTensor with the chunked loss: the per-row log-probabilities of the vocabulary-split output layer a
+  chunk of tokens at a time (``vocab_parallel_sequence_logps``; the one-process run's from its logits), the reference
+  the base with its adapters off. The metrics counted once per TP group.
   (tp 2 hand-written with the reference precomputed, one TP rank writing the table, passed the same check on
   2026-12-06 and was left out of the suite for its time.)
 - DPO, pp 2 torch's 1F1B: a pair's rows in one micro-batch, the reference (adapters off) from a forward-only pass
@@ -39,7 +40,7 @@ RUNS = {  # name -> (objective, --set overrides)
     "sft-tp": ("sft", ("parallel.tp=2", "parallel.tp_impl=scratch", "parallel.sequence_parallel=true")),
     "sft-pp": ("sft", ("parallel.pp=2", "parallel.pp_impl=scratch", "parallel.pp_schedule=1f1b",
                        "parallel.pp_microbatches=4")),
-    "dpo-tp": ("dpo", ("parallel.tp=2", "parallel.tp_impl=native")),
+    "dpo-tp": ("dpo", ("parallel.tp=2", "parallel.tp_impl=native", "training.loss_impl=chunked")),
     "dpo-pp": ("dpo", ("parallel.pp=2", "parallel.pp_impl=native", "parallel.pp_schedule=1f1b")),
     "dpo-pp-precomputed": ("dpo", ("parallel.pp=2", "parallel.pp_impl=scratch", "parallel.pp_schedule=1f1b",
                                    "finetune.preference.reference=precomputed")),

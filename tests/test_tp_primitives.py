@@ -14,7 +14,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from torch_handle.model.linear_cross_entropy_tp import vocab_parallel_linear_cross_entropy
+from torch_handle.model.linear_cross_entropy_tp import (vocab_parallel_linear_cross_entropy,
+                                                        vocab_parallel_sequence_logps)
 from torch_handle.parallel.tensor.cross_entropy import (IGNORE_INDEX, vocab_parallel_cross_entropy,
                                                         vocab_parallel_token_losses)
 from torch_handle.parallel.tensor.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
@@ -203,6 +204,49 @@ def check_chunked_loss_uneven(tp: TPGroup, mesh) -> None:
     torch.testing.assert_close(weight.grad.full_tensor(), head.weight.grad, **exact)
 
 
+def check_chunked_logps(tp: TPGroup, sequence_parallel: bool, mesh=None, vocab: int = V) -> None:
+    """The chunked vocabulary-parallel per-sequence log-probabilities (chunks of 3 of the 8 tokens) equal minus the
+    row sums of ``vocab_parallel_token_losses`` of the column-parallel output layer's logits within 1e-6 in fp32
+    (what DPO takes under tp): values, and the gradients of a weighted sum of rows in the hidden states (summed over
+    the group) and the local weight rows; with a ``mesh`` (native TP) the weight a ``Shard(0)`` DTensor, and a
+    ``vocab`` tp does not divide (9: 5 and 4 rows) against the one-process ``F.cross_entropy``. Two all-reduces per
+    chunk forward, none backward but the hidden states' entry into the TP region."""
+    torch.manual_seed(6)
+    head = nn.Linear(H, vocab, bias=False)
+    x = torch.randn(B, S, H)
+    labels = torch.randint(0, vocab, (B, S))
+    labels[0, 1] = labels[1, 3] = labels[1, 0] = IGNORE_INDEX
+    weights = torch.randn(B)  # a different gradient for each row
+    x_ref, x_new = x.clone().requires_grad_(), x.clone().requires_grad_()
+    if vocab % tp.size:
+        ref = -F.cross_entropy(head(x_ref).flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX,
+                               reduction="none").view(B, S).sum(1)
+        (ref * weights).sum().backward()
+        ref_w = head.weight.grad.chunk(tp.size)[tp.rank]
+    else:
+        col = ColumnParallelLinear.from_linear(head, tp, sequence_parallel=sequence_parallel)
+        enter = (lambda t: split_to_sp(t, tp)) if sequence_parallel else (lambda t: t)
+        ref = -vocab_parallel_token_losses(col(enter(x_ref)), labels, tp).sum(1)
+        (ref * weights).sum().backward()
+        ref_w = col.weight.grad
+    weight = nn.Parameter(head.weight.detach().chunk(tp.size)[tp.rank].clone())
+    if mesh is not None:
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        weight = nn.Parameter(distribute_tensor(head.weight.detach(), mesh, [Shard(0)]))
+    tp.stats.reset()
+    mine = split_to_sp(x_new, tp) if sequence_parallel else x_new
+    logps = vocab_parallel_sequence_logps(mine, weight, labels, tp, sequence_parallel=sequence_parallel, rows=3)
+    assert tp.stats.by_op == {"all_reduce": 6} | ({"all_gather": 1} if sequence_parallel else {}), tp.stats.by_op
+    (logps * weights).sum().backward()
+    grad_w = weight.grad if mesh is None else weight.grad.to_local()
+    exact = {"rtol": 1e-6, "atol": 1e-6}
+    torch.testing.assert_close(logps, ref.detach(), **exact)
+    assert (logps < 0).all() and logps[0] != logps[1]
+    torch.testing.assert_close(x_new.grad, x_ref.grad, **exact)
+    torch.testing.assert_close(grad_w, ref_w, **exact)
+
+
 def _checks(rank: int, tmp: Path) -> None:
     tp = TPGroup()
     check_mlp(tp, sequence_parallel=False)
@@ -216,6 +260,9 @@ def _checks(rank: int, tmp: Path) -> None:
     for eps, sequence_parallel, native in ((0.1, False, False), (0.0, True, False), (0.1, True, True)):
         check_chunked_loss(tp, eps, sequence_parallel, mesh if native else None)
     check_chunked_loss_uneven(tp, mesh)
+    for sequence_parallel, native in ((False, False), (True, False), (True, True)):
+        check_chunked_logps(tp, sequence_parallel, mesh if native else None)
+    check_chunked_logps(tp, False, mesh, vocab=V - 1)
 
 
 def test_tp_pieces_equal_one_process(tmp_path: Path) -> None:

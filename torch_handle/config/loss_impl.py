@@ -7,9 +7,8 @@ It takes the model's last hidden states and its output weight *outside* the mode
   its hidden states on request; a plugin's model or the encoder-decoder returns logits only);
 * no parallel share but tensor parallelism (``parallel.pp``, ``ep`` and ``cp`` = 1): under ``parallel.tp`` each rank
   computes its vocabulary slice of each chunk's logits (:mod:`torch_handle.model.linear_cross_entropy_tp`,
-  both ``tp_impl``, with or without sequence parallelism; not the per-sequence log-probabilities of a preference
-  objective, ``objective = "dpo"``, which a split model takes from its logits); a pipeline's loss runs inside its
-  last stage, from the logits;
+  both ``tp_impl``, with or without sequence parallelism, the token-mean loss and a preference objective's
+  per-sequence log-probabilities alike); a pipeline's loss runs inside its last stage, from the logits;
 * a strategy that holds whole parameters after the forward pass: not ``fsdp``, ``scratch-fsdp`` or ``deepspeed``
   with ``zero_stage = 3`` (their output weight is a shard outside the forward).
 
@@ -40,10 +39,6 @@ def chunked_loss_problem(preset: Any) -> str | None:
     if split:
         return (f"runs on unsplit or tensor-parallel models only, not with {' and '.join(split)} (that split "
                 f"model's loss is computed from its logits)")
-    objective = getattr(getattr(preset, "finetune", None), "objective", "lm")
-    if par.tp > 1 and objective == "dpo":
-        return (f"does not give a preference loss's per-sequence log-probabilities under tensor parallelism "
-                f"(finetune.objective = 'dpo' with parallel.tp = {par.tp}: they come from the split logits)")
     if strategy.name in SHARDING_STRATEGIES or (strategy.name == "deepspeed"
                                                  and getattr(strategy.options, "zero_stage", 0) == 3):
         return (f"needs whole parameters after the forward pass; strategy {strategy.name!r} holds the output weight "

@@ -230,51 +230,68 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, label_s
                                            grad and weight.requires_grad)
 
 
+class WholeVocab:
+    """Where ``ChunkedSequenceLogProbs`` finds the vocabulary: all of it in this process's (V, C) weight. The
+    vocabulary-parallel counterpart (each rank a slice, the log-sum-exp across the group) is
+    :class:`~torch_handle.model.linear_cross_entropy_tp.VocabSlice`."""
+
+    def owned(self, labels: Tensor, valid: Tensor, n_local: int) -> tuple[Tensor, Tensor]:
+        """(idx (N, 1), mine (N,) bool): each counted label's column in the local logits and whether this process
+        holds it (every counted one here); ignored rows point at column 0."""
+        return torch.where(valid, labels, 0)[:, None], valid
+
+    def lse_logp(self, z: Tensor, idx: Tensor, mine: Tensor) -> tuple[Tensor, Tensor]:
+        """(log-sum-exp (r,), log p of the label (r,)) of a chunk's fp32 logits z (r, V), which it overwrites."""
+        z_label = z.gather(1, idx).squeeze(1)
+        lse = _softmax_(z)[1]
+        return lse, z_label - lse
+
+
 class ChunkedSequenceLogProbs(torch.autograd.Function):
     """Summed log p(label) of each row's labelled tokens, ``rows`` tokens at a time; backward recomputes each
     chunk's logits from the saved hidden states and per-token log-sum-exp (torchtune's chunked cross-entropy; Cut
     Cross-Entropy, Wijmans et al. 2024), so only (N,) numbers outlive the forward pass besides the inputs.
 
-    forward(hidden (N, C), weight (V, C), labels (N,) long, sequence (N,) long row -> its sequence in [0, B),
-    n_sequences int B, ignore_index int, rows int, dtype torch.dtype) -> (B,) fp32. Backward: d z = (onehot(y) -
-    softmax(z)) · g[sequence] · valid, then d h = d z · W and d W = Σ d zᵀ · h_c (fp32), as in
-    ``ChunkedLinearCrossEntropy``.
+    forward(hidden (N, C) the rows of B sequences of T = N / B tokens each, one after the other, weight (V_local,
+    C), labels (N,) long, n_sequences int B, ignore_index int, rows int, dtype torch.dtype, vocab ``WholeVocab`` or a
+    ``VocabSlice``) -> (B,) fp32, each sequence's sum over its T tokens as ``Tensor.sum`` orders it (as the full
+    path's row sums). Backward: d z = (onehot(y) - softmax(z)) · g_b · valid (b the token's sequence; onehot where this
+    process holds the label), then d h = d z · W and d W = Σ d zᵀ · h_c (fp32), as ``ChunkedLinearCrossEntropy``;
+    under a ``VocabSlice`` d h is this rank's partial sum (the caller's entry into the TP region sums it).
     """
 
     @staticmethod
-    def forward(ctx, hidden: Tensor, weight: Tensor, labels: Tensor, sequence: Tensor, n_sequences: int,
-                ignore_index: int, rows: int, dtype: torch.dtype) -> Tensor:
+    def forward(ctx, hidden: Tensor, weight: Tensor, labels: Tensor, n_sequences: int, ignore_index: int, rows: int,
+                dtype: torch.dtype, vocab: WholeVocab) -> Tensor:
         h = hidden.to(dtype)
         w = _Weight(weight, dtype, cast_whole(h.shape[0], weight, dtype), weight_rows(*weight.shape, h.device))
         valid = labels != ignore_index
-        safe = torch.where(valid, labels, 0)[:, None]  # (N, 1)
+        idx, mine = vocab.owned(labels, valid, weight.shape[0])  # (N, 1), (N,)
         lse = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)  # (N,)
         logp = torch.empty_like(lse)  # (N,)
         for s in range(0, h.shape[0], rows):
-            z = w.logits(h[s:s + rows])  # (r, V)
-            z_label = z.gather(1, safe[s:s + rows]).squeeze(1)
-            lse[s:s + rows] = _softmax_(z)[1]
-            logp[s:s + rows] = z_label - lse[s:s + rows]
-        logp.masked_fill_(~valid, 0.0)
-        out = torch.zeros(n_sequences, dtype=torch.float32, device=h.device).index_add_(0, sequence, logp)  # (B,)
-        ctx.save_for_backward(hidden, weight, safe, valid, sequence, lse)
+            lse[s:s + rows], logp[s:s + rows] = vocab.lse_logp(w.logits(h[s:s + rows]), idx[s:s + rows],
+                                                                mine[s:s + rows])
+        out = logp.masked_fill_(~valid, 0.0).view(n_sequences, -1).sum(1)  # (B,)
+        ctx.save_for_backward(hidden, weight, idx, valid, mine, lse)
         ctx.rows, ctx.dtype = rows, dtype
         return out
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        hidden, weight, safe, valid, sequence, lse = ctx.saved_tensors
+        hidden, weight, idx, valid, mine, lse = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[:2]
         dtype, rows = ctx.dtype, ctx.rows
         h = hidden.to(dtype)
         w = _Weight(weight, dtype, cast_whole(h.shape[0], weight, dtype), weight_rows(*weight.shape, h.device))
-        row_weight = grad.float()[sequence] * valid  # (N,): d out[b] / d log p of each counted token
+        row_weight = grad.float().repeat_interleave(len(valid) // len(grad)) * valid  # (N,): d out[b] / d log p
+        onehot = -mine.float()[:, None]  # (N, 1): -1 where this process holds the label's logit
         grad_h = torch.empty_like(hidden) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=h.device) if need_w else None
         for s in range(0, h.shape[0], rows):
-            h_c, idx = h[s:s + rows], safe[s:s + rows]
-            p = w.logits(h_c).sub_(lse[s:s + rows, None]).exp_()  # (r, V) softmax
-            p.scatter_add_(1, idx, torch.full_like(idx, -1.0, dtype=p.dtype))  # softmax - onehot
+            h_c = h[s:s + rows]
+            p = w.logits(h_c).sub_(lse[s:s + rows, None]).exp_()  # (r, V) softmax (this rank's columns)
+            p.scatter_add_(1, idx[s:s + rows], onehot[s:s + rows])  # softmax - onehot
             g = p.mul_(-row_weight[s:s + rows, None]).to(dtype)  # (r, V): d out / d z
             del p
             w.grads(g, h_c, None if grad_h is None else grad_h[s:s + rows], grad_w)
@@ -283,14 +300,16 @@ class ChunkedSequenceLogProbs(torch.autograd.Function):
 
 
 def sequence_logps(hidden: Tensor, weight: Tensor, labels: Tensor, ignore_index: int = -100, *,
-                   rows: int | None = None) -> Tensor:
+                   rows: int | None = None, vocab: WholeVocab | None = None) -> Tensor:
     """Per-sequence summed log-probabilities Σ_t log softmax(h_t · Wᵀ)[y_t] over the tokens whose label is not
     ``ignore_index``, without the (B, T, V) logits (``ChunkedSequenceLogProbs``): the policy and reference
     log-likelihoods preference losses compare (DPO, Rafailov et al. 2023; TRL's ``logps/chosen``).
 
     Args:
-        hidden: (B, T, C) float; weight: (V, C); labels: (B, T) long.
+        hidden: (B, T, C) float; weight: (V, C), or this rank's (V_r, C) with ``vocab``; labels: (B, T) long.
         rows: tokens per chunk (default ``chunk_rows``).
+        vocab: where the vocabulary is (default ``WholeVocab``: all of ``weight``; a TP rank's slice,
+            :func:`~torch_handle.model.linear_cross_entropy_tp.vocab_parallel_sequence_logps`).
 
     Returns:
         (B,) fp32, differentiable in ``hidden`` and ``weight``; 0 for a sequence with no counted token.
@@ -303,7 +322,6 @@ def sequence_logps(hidden: Tensor, weight: Tensor, labels: Tensor, ignore_index:
                          f"{tuple(labels.shape)} do not fit ((B, T, C), (V, C), (B, T))")
     B, T = labels.shape
     flat = hidden.reshape(B * T, -1)  # (N, C)
-    sequence = torch.arange(B, device=labels.device).repeat_interleave(T)  # (N,)
     rows = rows or chunk_rows(flat.shape[0], weight.shape[0], flat.device)
-    return ChunkedSequenceLogProbs.apply(flat, weight, labels.reshape(-1), sequence, B, ignore_index, rows,
-                                         compute_dtype(hidden))
+    return ChunkedSequenceLogProbs.apply(flat, weight, labels.reshape(-1), B, ignore_index, rows,
+                                         compute_dtype(hidden), vocab or WholeVocab())

@@ -26,6 +26,10 @@ output layer it replaces. Communication: 2 all-reduces per chunk of (rows,) and 
 all-reduce (or reduce-scatter) of the hidden states' gradient backward, where the full path sends the same
 (N, C) gradient and the same two all-reduces of (N,) and (N, 3) once.
 
+The per-sequence summed log-probabilities a preference loss needs (:func:`vocab_parallel_sequence_logps`) take the
+same per-chunk softmax over the group (:class:`VocabSlice`) inside the one-process ``ChunkedSequenceLogProbs``,
+which saves one log-sum-exp per token and recomputes each chunk's slice of the logits in backward.
+
 Shape letters: N tokens (B·T), C d_model, V vocabulary, V/tp this rank's rows of it.
 """
 
@@ -37,9 +41,40 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from torch_handle.model.linear_cross_entropy import (ChunkedLinearCrossEntropy, _Weight, cast_whole, chunk_rows,
-                                                     compute_dtype, weight_rows)
+from torch_handle.model.linear_cross_entropy import (ChunkedLinearCrossEntropy, WholeVocab, _Weight, cast_whole,
+                                                     chunk_rows, compute_dtype, sequence_logps, weight_rows)
 from torch_handle.parallel.tensor.mappings import TPGroup, copy_to_tp, gather_from_sp
+
+
+class VocabSlice(WholeVocab):
+    """This rank's rows [start, start + V_r) of a vocabulary split over the TP group ``tp``, as the chunked losses
+    read it: which labels' logits it holds, and each chunk's softmax over the whole vocabulary from its slice with
+    two all-reduces of (r,) and (r, 3) fp32 (Megatron-LM's vocabulary-parallel cross-entropy)."""
+
+    def __init__(self, tp: TPGroup, start: int) -> None:
+        self.tp, self.start = tp, start
+
+    def owned(self, labels: Tensor, valid: Tensor, n_local: int) -> tuple[Tensor, Tensor]:
+        local = labels - self.start
+        mine = valid & (local >= 0) & (local < n_local)  # (N,): this rank holds the label's logit
+        return torch.where(mine, local, 0)[:, None], mine
+
+    def exp_sums_(self, z: Tensor, idx: Tensor, mine: Tensor, smoothing: bool = False
+                  ) -> tuple[Tensor, Tensor, Tensor]:
+        """(exp(z - m) written into z (r, V_r), m (r,), sums (r, 3) over the group: [Σ_j exp(z_j - m), z_y - m,
+        Σ_j (z_j - m) where ``smoothing`` else 0]): z (r, V_r) fp32 this rank's logits of a chunk, m each row's max
+        over the group (one all-reduce MAX, then one SUM)."""
+        top = self.tp.all_reduce(z.amax(dim=-1), op=dist.ReduceOp.MAX)  # (r,)
+        z.sub_(top[:, None])
+        z_label = torch.where(mine, z.gather(1, idx).squeeze(1), 0.0)  # (r,)
+        z_sum = z.sum(dim=-1) if smoothing else torch.zeros_like(top)  # (r,)
+        p = z.exp_()  # (r, V_r), in place of the logits
+        return p, top, self.tp.all_reduce(torch.stack([p.sum(dim=-1), z_label, z_sum], dim=1))
+
+    def lse_logp(self, z: Tensor, idx: Tensor, mine: Tensor) -> tuple[Tensor, Tensor]:
+        _, top, sums = self.exp_sums_(z, idx, mine)
+        log_s = sums[:, 0].log()
+        return top + log_s, sums[:, 1] - log_s  # as vocab_parallel_token_losses: log s - (z_y - m)
 
 
 class VocabParallelLinearCrossEntropy(torch.autograd.Function):
@@ -60,9 +95,8 @@ class VocabParallelLinearCrossEntropy(torch.autograd.Function):
         n_rows, n_local = h.shape[0], weight.shape[0]
         w = _Weight(weight, dtype, cast_whole(n_rows, weight, dtype), weight_rows(n_local, weight.shape[1], h.device))
         valid = labels != ignore_index  # (N,)
-        local = labels - start
-        mine = valid & (local >= 0) & (local < n_local)  # (N,): this rank holds the label's logit
-        idx = torch.where(mine, local, 0)[:, None]  # (N, 1)
+        vocab_slice = VocabSlice(tp, start)
+        idx, mine = vocab_slice.owned(labels, valid, n_local)  # (N, 1), (N,)
         n = valid.sum()
         row_weight = valid / n  # (N,) fp32: d loss / d row loss
         total = torch.zeros((), dtype=torch.float32, device=h.device)
@@ -70,13 +104,7 @@ class VocabParallelLinearCrossEntropy(torch.autograd.Function):
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=h.device) if need_weight else None
         for s in range(0, n_rows, rows):
             h_c, idx_c, mine_c = h[s:s + rows], idx[s:s + rows], mine[s:s + rows]
-            z = w.logits(h_c)  # (r, V/tp) fp32
-            top = tp.all_reduce(z.amax(dim=-1), op=dist.ReduceOp.MAX)  # (r,)
-            z.sub_(top[:, None])
-            z_label = torch.where(mine_c, z.gather(1, idx_c).squeeze(1), 0.0)  # (r,)
-            z_sum = z.sum(dim=-1) if eps else torch.zeros_like(top)  # (r,)
-            p = z.exp_()  # (r, V/tp), in place of the logits
-            sums = tp.all_reduce(torch.stack([p.sum(dim=-1), z_label, z_sum], dim=1))  # (r, 3)
+            p, _, sums = vocab_slice.exp_sums_(w.logits(h_c), idx_c, mine_c, bool(eps))  # (r, V/tp), (r, 3)
             log_s = sums[:, 0].log()
             row = (1.0 - eps) * (log_s - sums[:, 1]) + eps * (log_s - sums[:, 2] / vocab)  # (r,)
             total += row.masked_fill_(~valid[s:s + rows], 0.0).sum()
@@ -87,7 +115,7 @@ class VocabParallelLinearCrossEntropy(torch.autograd.Function):
                 p.sub_(eps / vocab)
             p.scatter_add_(1, idx_c, torch.where(mine_c, eps - 1.0, 0.0)[:, None])
             g = p.mul_(row_weight[s:s + rows, None]).to(dtype)  # (r, V/tp): d loss / d z
-            del z, p
+            del p
             w.grads(g, h_c, None if grad_h is None else grad_h[s:s + rows], grad_w)
             del g
         ctx.grads = [grad_h, grad_w]
@@ -104,12 +132,13 @@ class VocabParallelLinearCrossEntropy(torch.autograd.Function):
 def _local_inputs(hidden: Any, weight: Any, tp: TPGroup, sequence_parallel: bool
                   ) -> tuple[Tensor, Tensor, int, int]:
     """(hidden, weight rows, V, the first row's index): the hidden states (..., C) replicated and entering the TP
-    region, and this rank's weight rows, as plain tensors. A plain ``hidden`` (both implementations: native TP's final norm hands back local tensors) enters as
-    the column-parallel output layer's input enters: :func:`copy_to_tp`, or :func:`gather_from_sp` of a sequence
-    shard, whose backward sums the ranks' partial gradients. A DTensor ``hidden`` is made replicated and local, its
-    gradient handed back as a ``Partial`` sum that DTensor reduces. A DTensor ``weight`` (native: ``Shard(0)`` over
-    the vocabulary rows, ``torch.chunk``'s split: ceil(V/tp) rows a rank, the last ranks fewer where tp does not divide
-    V) gives its local rows; its gradient goes back as the same shard."""
+    region, and this rank's weight rows, as plain tensors. A plain ``hidden`` (both implementations: native TP's
+    final norm hands back local tensors) enters as the column-parallel output layer's input enters:
+    :func:`copy_to_tp`, or :func:`gather_from_sp` of a sequence shard, whose backward sums the ranks' partial
+    gradients. A DTensor ``hidden`` is made replicated and local, its gradient handed back as a ``Partial`` sum that
+    DTensor reduces. A DTensor ``weight`` (native: ``Shard(0)`` over the vocabulary rows, ``torch.chunk``'s split:
+    ceil(V/tp) rows a rank, the last ranks fewer where tp does not divide V) gives its local rows; its gradient goes
+    back as the same shard."""
     if hasattr(hidden, "to_local"):
         from torch.distributed.tensor import Partial, Replicate
 
@@ -157,3 +186,34 @@ def vocab_parallel_linear_cross_entropy(hidden: Any, weight: Any, labels: Tensor
     return VocabParallelLinearCrossEntropy.apply(flat, weight, targets, tp, vocab, start, float(label_smoothing),
                                                  ignore_index, rows, compute_dtype(hidden), grad and flat.requires_grad,
                                                  grad and weight.requires_grad)
+
+
+def vocab_parallel_sequence_logps(hidden: Any, weight: Any, labels: Tensor, tp: TPGroup, ignore_index: int = -100,
+                                  *, sequence_parallel: bool = False, rows: int | None = None) -> Tensor:
+    """Per-sequence summed log-probabilities of the vocabulary-parallel logits ``hidden @ weight.T`` without them:
+    exactly the row sums of minus :func:`~torch_handle.parallel.tensor.cross_entropy.vocab_parallel_token_losses`
+    of the column-parallel output layer's logits (a preference loss's policy and reference log-likelihoods under
+    tensor parallelism), a chunk of tokens at a time: ``ChunkedSequenceLogProbs``
+    (:mod:`torch_handle.model.linear_cross_entropy`) over this rank's :class:`VocabSlice` (forward: two all-reduces
+    per chunk; backward recomputes each chunk's slice of the logits from the saved per-token log-sum-exp, with no
+    communication but the hidden states' gradient's, as the token-mean loss).
+
+    Args:
+        hidden: (B, T, C) the final hidden states, the same on every TP rank; with ``sequence_parallel`` this
+            rank's (B, T/tp, C) sequence shard (``_local_inputs``, as :func:`vocab_parallel_linear_cross_entropy`).
+        weight: (V/tp, C) this rank's output-weight rows, or the (V, C) ``Shard(0)`` DTensor (native TP, any V).
+        labels: (B, T) long over the whole vocabulary; ``ignore_index`` entries are left out of the sums.
+        tp: the TP group.
+        rows: tokens per chunk (default ``chunk_rows`` of B·T over V/tp).
+
+    Returns:
+        (B,) fp32, the same on every TP rank, differentiable in ``hidden`` (this rank's partial gradient, summed
+        over the group by the entry into the TP region) and ``weight`` (its local rows); 0 for a sequence with no
+        counted token.
+
+    Raises:
+        ValueError: ``labels`` is not (B, T) of the (gathered) hidden states, or the widths differ
+            (:func:`~torch_handle.model.linear_cross_entropy.sequence_logps`).
+    """
+    hidden, weight, _, start = _local_inputs(hidden, weight, tp, sequence_parallel)
+    return sequence_logps(hidden, weight, labels, ignore_index, rows=rows, vocab=VocabSlice(tp, start))

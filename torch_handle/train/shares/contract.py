@@ -30,6 +30,8 @@ from typing import Any, ContextManager, Protocol, Self, runtime_checkable
 import torch
 from torch import nn
 
+from torch_handle.data.datasets import IGNORE_INDEX
+from torch_handle.model.linear_cross_entropy import sequence_logps
 from torch_handle.train.loss import chunked_loss_fn, loss_fn, token_losses
 
 COMPOSITION = ("pipeline", "tensor", "expert")
@@ -102,6 +104,11 @@ class ParallelShare(Checkpointer, Protocol):
         "chunked"``): this share's final hidden states (B, T, C), its output layer's weight (V or V/tp, C), labels
         (B, T)."""
 
+    def chunked_logps(self, hidden: Any, weight: Any, labels: torch.Tensor) -> torch.Tensor:
+        """Each row's summed log-probability of its labels (B,) fp32, differentiable, from the logits ``hidden @
+        weight.T`` without making them (``training.loss_impl = "chunked"`` of a preference objective), hidden,
+        weight and labels as :meth:`chunked_loss` takes them; the same on every rank that computes it."""
+
     def token_losses(self, logits: Any, labels: torch.Tensor) -> torch.Tensor:
         """Each token's cross-entropy (B, T) fp32 (0 where ignored), differentiable, of this share's logits and
         labels as :meth:`loss` takes them, the same on every rank that computes it."""
@@ -146,6 +153,9 @@ class PortableShare:
     def chunked_loss(self, hidden: Any, weight: Any, labels: torch.Tensor, label_smoothing: float
                      ) -> tuple[torch.Tensor, torch.Tensor]:
         return chunked_loss_fn(hidden, weight, labels, label_smoothing)  # the output layer whole
+
+    def chunked_logps(self, hidden: Any, weight: Any, labels: torch.Tensor) -> torch.Tensor:
+        return sequence_logps(hidden, weight, labels, IGNORE_INDEX)  # the output layer whole
 
     def token_losses(self, logits: Any, labels: torch.Tensor) -> torch.Tensor:
         return token_losses(logits, labels)

@@ -21,7 +21,8 @@ from torch_handle.config.schema import ParallelConfig
 from torch_handle.data.datasets import IGNORE_INDEX
 from torch_handle.model.parallelize import parallelize_tensor, tensor_parallel_plan
 from torch_handle.parallel.tensor.checkpoint import full_model_state, full_optimizer_state, load_full_state
-from torch_handle.model.linear_cross_entropy_tp import vocab_parallel_linear_cross_entropy
+from torch_handle.model.linear_cross_entropy_tp import (vocab_parallel_linear_cross_entropy,
+                                                        vocab_parallel_sequence_logps)
 from torch_handle.parallel.tensor.cross_entropy import vocab_parallel_cross_entropy, vocab_parallel_token_losses
 from torch_handle.parallel.tensor.layers import all_reduce_grads
 from torch_handle.parallel.tensor.plan import partial_grad
@@ -112,6 +113,15 @@ class TensorParallel(PortableShare):
         loss = vocab_parallel_linear_cross_entropy(hidden, weight, labels, self.tp, label_smoothing, IGNORE_INDEX,
                                                    sequence_parallel=self.sequence_parallel)
         return loss, (labels != IGNORE_INDEX).sum()
+
+    def chunked_logps(self, hidden: Any, weight: Any, labels: torch.Tensor) -> torch.Tensor:
+        """A preference objective's per-row summed log-probabilities (B,) fp32 with ``training.loss_impl =
+        "chunked"``: minus the row sums of :meth:`token_losses` of the logits ``hidden @ weight.T`` without them,
+        each rank its vocabulary rows of a chunk of tokens at a time (:func:`vocab_parallel_sequence_logps`);
+        hidden, weight and labels as :meth:`chunked_loss` takes them. Within 1e-6 of the full path in fp32
+        (tests/test_tp_primitives.py)."""
+        return vocab_parallel_sequence_logps(hidden, weight, labels, self.tp, IGNORE_INDEX,
+                                             sequence_parallel=self.sequence_parallel)
 
     def token_losses(self, logits: Any, labels: torch.Tensor) -> torch.Tensor:
         """Each token's cross-entropy (B, T) fp32 of vocabulary-split logits (B, T, V/tp), 0 where ignored,
