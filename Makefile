@@ -43,12 +43,14 @@ demo: install
 # on two cores, each about a core.
 # TEST_WORKERS=0 runs the suite in one process.
 TEST_WORKERS ?= 2
+XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 test: install-dev
-	$(BIN)/python -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
+	$(BIN)/python -m pytest -q $(XDIST)
 
-# The in-process layer (tests/unit): seconds; run it after every edit, `make test` before a commit.
+# The in-process layer (tests/unit): seconds; run it after every edit, `make test` before a commit. Two workers as
+# well: its tests are CPU-bound in one process, so the second core halves them (each worker pays the imports once).
 test-fast: install-dev
-	$(BIN)/python -m pytest -q tests/unit
+	$(BIN)/python -m pytest -q $(XDIST) tests/unit
 
 # Resolve the newest versions that pyproject.toml allows in a scratch environment and pin them here. Run
 # `make test` afterwards: the file records versions the suite passed with.

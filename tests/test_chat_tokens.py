@@ -14,7 +14,6 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers", reason="needs the hf extra: pip install -e '.[dev,hf]'")
-peft = pytest.importorskip("peft", reason="needs peft")
 
 from tests.test_sft import DATA, SEQ, preset_file  # noqa: E402
 from tests.test_sft import write_base as write_sft_base  # noqa: E402
@@ -230,6 +229,7 @@ def test_lora_trains_the_new_rows_and_exports_load_in_transformers_and_peft(grow
     export_adapters(run_dir, tmp_path / "adapter")
     config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     assert config["modules_to_save"] == (["embed_tokens"] if tied else ["embed_tokens", "lm_head"])
+    peft = pytest.importorskip("peft", reason="needs peft")  # here, not at import: it costs ~5 CPU s a collection
     hf = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     hf.resize_token_embeddings(old + 2)
     adapted = peft.PeftModel.from_pretrained(hf, tmp_path / "adapter").eval()

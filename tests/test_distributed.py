@@ -246,9 +246,10 @@ def test_a_diverging_run_stops_or_skips_non_finite_steps(base, tmp_path, on_nan)
 
 
 def test_two_runs_started_together_do_not_collide(base):
-    """Same preset, same name, same second: distinct run directories and rendezvous ports, both finish."""
+    """Same preset, same name, same second: distinct run directories and rendezvous ports, both finish (one worker
+    each: the launchers are what could collide)."""
     args = [sys.executable, "-m", "handle_cli", "run", str(base), "--set", "training.steps=3", "--set",
-            "run.name=twin"]
+            "run.name=twin", "--set", "launch.nproc_per_node=1"]
     procs = [subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
     outs = [p.communicate(timeout=240) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
