@@ -170,3 +170,21 @@ def test_estimate_names_the_cp_rank_formula_and_dp_under_tp(runner, tmp_path):
         "each row's rank is a global rank, ((pp_rank x dp + dp_rank) x cp + cp_rank) x tp + tp_rank") for line in lines)
     assert any(line.startswith("tensor parallel: tp = 2 (scratch") and line.endswith(
         "data parallel: dp = world / (cp x tp), the strategy over dp x cp") for line in lines)
+
+
+def test_sft_and_dpo_run_under_cp_but_a_reference_copy():
+    from types import SimpleNamespace as NS
+
+    from torch_handle.config.context_parallel import context_parallel_problems
+
+    def problems(objective: str, reference: str = "auto") -> list[tuple[str | None, str]]:
+        preset = NS(parallel=NS(cp=2, tp=1, pp=1, ep=1, tp_impl="scratch", cp_impl="allgather"), world_size=2,
+                    model=NS(name="transformer", options=NS(n_heads=2, n_kv_heads=2, dropout=0.0, kind="decoder")),
+                    data=NS(options=NS(seq_len=48)), strategy=NS(name="ddp"), training=NS(compile=False),
+                    finetune=NS(objective=objective, preference=NS(reference=reference)))
+        return [(p.key, p.message) for p in context_parallel_problems(preset)]
+
+    assert problems("sft") == problems("lm") == problems("dpo", "adapters_off") == problems("dpo", "precomputed") == []
+    refusal = ("'copy' with parallel.cp > 1: the frozen copy's attention is not split over the cp ranks (valid: "
+               "'adapters_off', 'precomputed', 'none', 'auto')")
+    assert problems("dpo", "copy") == [("finetune.preference.reference", refusal)]

@@ -4,7 +4,9 @@ preset with cp > 1 (one line each, before anything starts; :data:`torch_handle.c
 
 Context parallelism splits each sequence over cp ranks (docs/context-parallel.md). In this version it composes
 with data parallelism -- DDP, FSDP2 or DeepSpeed ZeRO, which reduce (and shard) over dp × cp, torchtitan's
-``dp_shard_cp`` -- and the hand-written tensor parallelism (with or without sequence parallelism), under the ``lm`` objective, for the from-scratch decoder. What it refuses, and why:
+``dp_shard_cp`` -- and the hand-written tensor parallelism (with or without sequence parallelism), under the
+``lm``, ``sft`` and ``dpo`` objectives (full training or LoRA), for the from-scratch decoder. What it refuses, and
+why:
 
 * ``seq_len`` not divisible by 2 × cp × tp: head-tail balancing cuts every sequence into 2 × cp chunks;
 * ``ulysses`` with heads (or key/value heads) not divisible by cp × tp: each rank takes whole heads;
@@ -13,8 +15,8 @@ with data parallelism -- DDP, FSDP2 or DeepSpeed ZeRO, which reduce (and shard) 
   not wired into ``handle run`` yet on a GPU either; the hand-written ``ring``, ``allgather``, ``ulysses`` run
   everywhere;
 * DTensor tensor parallelism (``tp_impl = "native"``: its loss is a DTensor under ``loss_parallel``), pp, ep > 1,
-  an encoder-decoder, another model plugin, sft/dpo, another strategy, ``training.compile`` and
-  attention dropout: not supported with cp yet (each named in its line).
+  an encoder-decoder, another model plugin, dpo's ``reference = "copy"`` (the copy's attention is not split),
+  another strategy, ``training.compile`` and attention dropout: not supported with cp yet (each named in its line).
 
 Standard library only (``torch.cuda`` is asked only when ``native`` is named).
 """
@@ -89,9 +91,10 @@ def context_parallel_problems(preset: Any, registry: Any = None) -> Iterator[Pre
         yield PresetError("parallel.cp > 1 splits the from-scratch decoder's attention (model.name = 'transformer', "
                           "kind = 'decoder'); an encoder-decoder or another model plugin is not split by cp yet",
                           key="model.kind" if preset.model.name == "transformer" else "model.name")
-    if preset.finetune.objective != "lm":
-        yield PresetError(f"{preset.finetune.objective!r} with parallel.cp > 1 is not supported "
-                          f"yet (valid: 'lm')", key="finetune.objective")
+    if preset.finetune.objective == "dpo" and preset.finetune.preference.reference == "copy":
+        yield PresetError("'copy' with parallel.cp > 1: the frozen copy's attention is not split over the cp ranks "
+                          "(valid: 'adapters_off', 'precomputed', 'none', 'auto')",
+                          key="finetune.preference.reference")
     if preset.strategy.name not in STRATEGIES:
         yield PresetError(f"{preset.strategy.name!r} with parallel.cp > 1 is not supported yet (valid: "
                           f"{', '.join(STRATEGIES)})", key="strategy.name")

@@ -146,3 +146,25 @@ def all_to_all(x: Tensor, scatter_dim: int, gather_dim: int, group: dist.Process
     dist.all_to_all_single(out, pieces, group=group)  # out[i]: rank i's piece for this rank
     STATS.add([pieces], time.perf_counter() - t0)
     return torch.cat(out.unbind(0), dim=gather_dim)
+
+
+class _GatherSequence(torch.autograd.Function):
+    """:func:`all_gather` whose backward is :func:`reduce_scatter`: each rank's gradient of the gathered tensor, summed
+    over the ranks, back to the slice's owner (Megatron-LM's ``_GatherFromSequenceParallelRegion``)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, dim: int, group: dist.ProcessGroup | None) -> Tensor:
+        ctx.dim, ctx.group = dim, group
+        return all_gather(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:
+        return reduce_scatter(grad, ctx.dim, ctx.group), None, None
+
+
+def gather_sequence(x: Tensor, dim: int, group: dist.ProcessGroup | None) -> Tensor:
+    """Every rank's ``x`` concatenated along ``dim`` in rank order, differentiable: (..., n, ...) -> (..., cp · n,
+    ...), and in backward each rank's slice gets the sum over the ranks of the gradient of its slice. When every rank
+    computes the same loss of the gathered tensor, a shard's gradient is then cp times its own term, which the
+    strategy's mean over the dp × cp ranks turns back into the one-process gradient."""
+    return _GatherSequence.apply(x, dim, group) if cp_size(group) > 1 else x

@@ -53,14 +53,14 @@ def reference_model(model: torch.nn.Module) -> Iterator[None]:
 def reference_rows(trainer: Any, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor | None:
     """Summed log-probabilities (N,) of rows ``ids``, ``labels`` (N, T) from the trainer's model as it is (the
     caller sets the reference up: :func:`reference_model`), through whatever split it has: the TP share's
-    vocabulary-split logits, or a pipeline's forward-only pass (``forward_only``). On one rank of each TP group
-    and on the last pipeline stage; None on the others. Collective under tp or pp."""
+    vocabulary-split logits, or a pipeline's forward-only pass (``forward_only``). On one rank of each TP and CP group
+    and on the last pipeline stage; None on the others. Collective under tp, pp or cp."""
     if trainer.pipeline is None:
         logps = sequence_logps(trainer.strategy, ids, labels, trainer.loss_impl, trainer.share)
     else:
         out = trainer.pipeline.forward_only([{"input_ids": ids}], lambda o, i: row_logps(o, labels, trainer.share))
         logps = out[0] if out else None
-    return logps if trainer.ctx.tp_rank == 0 else None
+    return logps if trainer.ctx.tp_rank == 0 and trainer.ctx.cp_rank == 0 else None
 
 
 def precompute_reference(trainer: Any) -> dict[str, torch.Tensor]:
@@ -158,16 +158,18 @@ class DirectPreference:
                   ) -> tuple[torch.Tensor, torch.Tensor]:
         """(the mean of the per-pair losses, pairs B) from the policy's summed log-probabilities ``policy`` (2B,),
         the chosen rows first, their ``labels`` (2B, T) and the reference's (chosen (B,), rejected (B,)) or ``()``;
-        adds the metric sums (once per TP group)."""
+        adds the metric sums (once per TP and CP group); the pairs B (B / cp on each cp rank)."""
         B = policy.shape[0] // 2
         counts = (labels != IGNORE_INDEX).sum(1)
         lengths = counts.to(policy.dtype)
         losses, metrics = self.loss(PairLogps(policy[:B], policy[B:], lengths[:B], lengths[B:],
                                               *(r.to(policy.dtype) for r in ref)))
-        once = float(trainer.ctx.tp_rank == 0)
+        ctx = trainer.ctx
+        once = float(ctx.tp_rank == 0 and ctx.cp_rank == 0)  # a replica's TP and CP ranks hold the same pairs
         sums = torch.stack([*(metrics[k].sum() for k in METRICS), counts.sum().float()]).double() * once
         self.sums = sums if self.sums is None else self.sums + sums
-        return losses.mean(), torch.tensor(B, device=losses.device)
+        cp = getattr(ctx.layout, "cp", 1)  # the loop sums the pairs over a replica's cp ranks: B / cp each
+        return losses.mean(), torch.tensor(B if cp == 1 else B / cp, device=losses.device)
 
     # -- a pipeline's micro-batches (parallel.pp > 1): the schedule calls these pieces -------------------------
     def split(self, batch: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:

@@ -17,13 +17,22 @@ The cp ranks of a replica read the same samples (the samplers use the data-paral
 The loss of a micro-batch is this rank's sum over the labelled tokens of the whole sequence: each rank returns
 ``cp · local_sum / n`` (n: the sequence's labelled tokens) with ``n / cp`` as its count, so that the strategy's
 average over the dp × cp ranks is each replica's token mean (Megatron-LM and torchtitan divide by the global count
-the same way), and the trainer's sums over ranks are the step's loss · tokens and tokens.
+the same way), and the trainer's sums over ranks are the step's loss · tokens and tokens. Packed conversations
+(``sft``) weight each micro-batch by the global batch's trained tokens (:func:`~torch_handle.train.loss
+.global_mean_weight`) over the dp × cp ranks the strategy averages the gradients over, so the gradient is the one
+process's mean over the trained tokens (their labels ``IGNORE_INDEX`` outside the answers, sharded like the others).
+
+A preference loss (``dpo``) needs each row's whole log-probability: :meth:`token_losses` gathers the per-token
+losses of the cp ranks with autograd, every rank computes the same pair losses, and the backward sums the ranks'
+gradients of each token's loss into the rank that holds it (cp times the token's term, which the strategy's mean
+over dp × cp divides back); the reference (adapters off, or the precomputed table, written by the cp rank 0 of each
+replica) goes the same way, and the objective counts its pairs and metrics once per cp group.
 
 The model is not split: the data-parallel strategy (DDP, FSDP2 or DeepSpeed ZeRO) holds it over the dp × cp ranks,
 reduces the gradients over all of them (and FSDP2 and ZeRO shard over them, torchtitan's ``dp_shard_cp``), clips
 and checkpoints it as it would without cp (DeepSpeed clips inside its step; its norm reaches the step event through
-:meth:`ContextParallel.step_stats`); its checkpoint is already a whole model's, so a cp 2 run resumes at cp 1 (or under another
-strategy) through the strategy's own load or the portable form.
+:meth:`ContextParallel.step_stats`); its checkpoint is already a whole model's, so a cp 2 run resumes at cp 1 (or
+under another strategy) through the strategy's own load or the portable form.
 """
 
 from __future__ import annotations
@@ -39,9 +48,9 @@ from torch_handle.config.schema import ParallelConfig
 from torch_handle.data.datasets import IGNORE_INDEX
 from torch_handle.observe.fields import CP_COMM_S
 from torch_handle.parallel.context.blocks import Tokens
-from torch_handle.parallel.context.comms import STATS
+from torch_handle.parallel.context.comms import STATS, gather_sequence
 from torch_handle.parallel.context.sharding import attention_pairs, document_ids_of, imbalance, shard, shard_order
-from torch_handle.train.loss import loss_fn
+from torch_handle.train.loss import loss_fn, token_losses
 from torch_handle.train.shares.contract import PortableShare
 
 
@@ -154,6 +163,18 @@ class ContextParallel(PortableShare):
         mean, n_local = split(logits, local, label_smoothing)
         n = (labels != IGNORE_INDEX).sum()
         return mean * n_local * self.cp / n.clamp(min=1), n / self.cp
+
+    def token_losses(self, logits: Any, labels: Tensor) -> Tensor:
+        """Each token's cross-entropy (B, T) fp32 of the whole sequence, in its own order (0 where ignored), from
+        this rank's logits (B, T/cp, V or V/tp) and the whole micro-batch's labels (B, T): this rank's tokens' losses
+        gathered over the cp group, differentiable (:func:`~torch_handle.parallel.context.comms.gather_sequence`),
+        so every rank sums whole rows (a preference loss's log-probabilities) and the gradient of each token's loss
+        flows back to the rank that holds it (see the module)."""
+        from torch_handle.parallel.context.sharding import unshard
+
+        local = shard(labels, self.order, self.cp, self.rank)  # (B, T/cp)
+        split = self.inner.token_losses if self.inner is not None else token_losses
+        return unshard(gather_sequence(split(logits, local), 1, self.group), self.order)
 
     def before_step(self, max_norm: float) -> float:
         """Clip by the strategy's own norm (DDP: the replicated gradients'; FSDP2: over its shards), then leave the
