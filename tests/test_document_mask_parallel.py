@@ -125,7 +125,8 @@ def _pipeline_step(rank: int) -> None:
                                    pipeline_grad_sync=lambda: None, ep_share=None)
         pp.bind(strategy)
         trainer = SimpleNamespace(timer=PhaseTimer(), training=SimpleNamespace(grad_accum=1), step=1,
-                                  strategy=strategy, objective=TokenLoss(), share=pp, loss_weight=None)
+                                  strategy=strategy, objective=TokenLoss(), share=pp, loss_weight=None,
+                                  loss_impl="full")
         val = torch.stack(pp.evaluate(dict(batch), trainer))
         dist.all_reduce(val)
         trainer.timer.begin()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -37,6 +38,8 @@ LLAMA = {"norm": "rmsnorm", "position": "rope", "mlp": "swiglu", "n_kv_heads": 2
          "scale_embeddings": False, "tie_embeddings": False}
 SHAPES = {"llama": LLAMA, "qwen3": {**LLAMA, "qk_norm": True, "head_dim": 8}}
 SHAPE_CASES = [("scratch", "1f1b", 1), ("native", "interleaved-1f1b", 2)]
+# training.loss_impl = "chunked": the last stage returns its hidden states, the share applies the output layer
+CHUNKED_CASES = [("scratch", "1f1b", 1), ("native", "interleaved-1f1b", 2)]
 
 
 # ---- the schedules' orders ------------------------------------------------------------------------------------
@@ -105,10 +108,11 @@ def _reference(args: TransformerArgs) -> tuple[float, float, dict[str, torch.Ten
     return loss.item(), norm.item(), grads, val_loss
 
 
-def _pipeline_step(args: TransformerArgs, impl: str, schedule: str, v: int
+def _pipeline_step(args: TransformerArgs, impl: str, schedule: str, v: int, loss_impl: str = "full"
                    ) -> tuple[torch.Tensor, float, dict[str, torch.Tensor], float]:
     """One evaluation and one step of PipelineParallel on this rank: (Σ loss·tokens, tokens), the norm before_step
-    returns, the gradients of this rank's shard by their one-process names, and the evaluation loss."""
+    returns, the gradients of this rank's shard by their one-process names, and the evaluation loss. With
+    ``loss_impl = "chunked"`` the last stage's outputs are checked to be hidden states (no logits made)."""
     from torch_handle.train.objectives.tokens import TokenLoss
     from torch_handle.train.shares.pipeline import PipelineParallel
     from torch_handle.train.strategy import DistContext
@@ -126,13 +130,19 @@ def _pipeline_step(args: TransformerArgs, impl: str, schedule: str, v: int
                                ep_share=None)
     pp.bind(strategy)
     trainer = SimpleNamespace(timer=PhaseTimer(), training=SimpleNamespace(grad_accum=ACCUM), step=1,
-                              strategy=strategy, objective=TokenLoss(), share=pp, loss_weight=None)
+                              strategy=strategy, objective=TokenLoss(), share=pp, loss_weight=None, loss_impl=loss_impl)
+    widths: set[int] = set()
+    for stage in pp._stage_modules:
+        if stage.last:
+            stage.register_forward_hook(lambda module, inputs, out: widths.add(out.shape[-1]))
     val = torch.stack(pp.evaluate(_eval_batch(), trainer))
     dist.all_reduce(val)
     trainer.timer.begin()
     stats = torch.zeros(2, dtype=torch.float64)
     pp.run(trainer, iter(_batches()), stats)
     norm = pp.before_step(float("inf"))
+    if pp.has_last:  # the last stage's every output: logits (B, T, V), or hidden states (B, T, C) when chunked
+        assert widths == {args.d_model if loss_impl == "chunked" else args.vocab_size}, (loss_impl, widths)
     dist.all_reduce(stats)  # the trainer's all-reduce of the step's stats
     return stats, norm, {n: p.grad for n, p in shard.named_parameters()}, (val[0] / val[1]).item()
 
@@ -140,15 +150,17 @@ def _pipeline_step(args: TransformerArgs, impl: str, schedule: str, v: int
 def _every_schedule(rank: int, tmp: Path) -> None:
     import torch.distributed as dist
 
-    cases = [("paper", *case) for case in CASES] + [(shape, *case) for shape in SHAPES for case in SHAPE_CASES]
+    cases = [("paper", *case, "full") for case in CASES] + [
+        (shape, *case, "full") for shape in SHAPES for case in SHAPE_CASES] + [
+        ("llama", *case, "chunked") for case in CHUNKED_CASES]
     refs: dict[str, tuple] = {}
-    for shape, impl, schedule, v in cases:
+    for shape, impl, schedule, v, loss_impl in cases:
         args = _args(**SHAPES.get(shape, {}))
         if shape not in refs:
             refs[shape] = _reference(args)
         ref_loss, ref_norm, ref_grads, ref_val = refs[shape]
-        case = f"{shape} {impl} {schedule} v={v} rank {rank}"
-        stats, norm, grads, val_loss = _pipeline_step(args, impl, schedule, v)
+        case = f"{shape} {impl} {schedule} v={v} {loss_impl} rank {rank}"
+        stats, norm, grads, val_loss = _pipeline_step(args, impl, schedule, v, loss_impl)
         assert abs(val_loss - ref_val) <= 1e-6 * ref_val, (case, val_loss, ref_val)
         loss = (stats[0] / stats[1]).item()
         assert abs(loss - ref_loss) <= 1e-6 * abs(ref_loss), (case, loss, ref_loss)
@@ -168,7 +180,9 @@ def test_one_step_of_every_schedule_gives_every_one_process_gradient(tmp_path: P
     """m = 4 over 2 ranks, hand-written GPipe and 1F1B, torch's GPipe, 1F1B, interleaved 1F1B and ZBV (v = 2): the
     step's loss and gradient norm within 1e-6 relative, and every gradient of each stage (the tied embedding after
     summing the first and last stage's copies) within 1e-6; and Llama- and Qwen 3-shaped decoders the same under
-    hand-written 1F1B and torch's interleaved 1F1B."""
+    hand-written 1F1B and torch's interleaved 1F1B; and the Llama-shaped one with the chunked loss (the last stage's
+    hidden states, the output layer applied a chunk at a time by the share) under hand-written 1F1B and torch's
+    interleaved 1F1B."""
     run_on_gloo(_every_schedule, tmp_path)
 
 
@@ -185,13 +199,18 @@ PP2 = ("--set", "launch.nproc_per_node=2", "--set", "parallel.pp=2")
 # GPipe here: hand-written and torch's 1F1B run end to end in tests/test_pipeline_checkpoint.py, and every
 # schedule's step is checked gradient by gradient above.
 PP2_RUNS = (("scratch", "gpipe"), ("native", "gpipe"))
+# the chunked loss on the last stage (training.loss_impl = "chunked") against the one-process run's full loss
+CHUNKED = {"scratch-gpipe", "native-interleaved-1f1b-v2"}
+CHUNK = ("--set", "training.loss_impl=chunked")
 RUNS = {"one": ONE_STEP,
         **{f"{impl}-{schedule}": (*PP2, "--set", f"parallel.pp_impl={impl}",
                                   "--set", f"parallel.pp_schedule={schedule}",
-                                  *STEP_OF_8["resplit" if impl == "scratch" else "accum"])
+                                  *STEP_OF_8["resplit" if impl == "scratch" else "accum"],
+                                  *(CHUNK if f"{impl}-{schedule}" in CHUNKED else ()))
            for impl, schedule in PP2_RUNS},
         **{f"native-{schedule}-v2": (*PP2, "--set", f"parallel.pp_schedule={schedule}",
-                                     "--set", "parallel.pp_stages_per_rank=2", *STEP_OF_8["resplit"])
+                                     "--set", "parallel.pp_stages_per_rank=2", *STEP_OF_8["resplit"],
+                                     *(CHUNK if f"native-{schedule}-v2" in CHUNKED else ()))
            for schedule in ("interleaved-1f1b", "zbv")}}
 
 
@@ -207,6 +226,11 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     return handle_runs(tmp_path_factory.mktemp("pp-runs"), RUNS, COMMON, at_once=4, timeout=300)
 
 
+def _loss_impl(run_dir: Path, rank: int) -> str:
+    """The loss ``rank`` took, as its log names it (``training.loss_impl: chunked (auto)``)."""
+    return re.search(r"training\.loss_impl: (\w+) \(", (run_dir / "logs" / f"rank{rank}.log").read_text()).group(1)
+
+
 def _assert_trains_as_one_process(runs: dict[str, Path], name: str) -> list[dict]:
     one, split = _events(runs["one"], "step"), _events(runs[name], "step")
     assert [e["step"] for e in split] == list(range(1, 11)), name
@@ -214,6 +238,9 @@ def _assert_trains_as_one_process(runs: dict[str, Path], name: str) -> list[dict
         assert abs(b["loss"] - a["loss"]) <= 1e-6 * a["loss"], (name, a["step"], a["loss"], b["loss"])
         assert abs(b["grad_norm"] - a["grad_norm"]) <= 1e-5 * a["grad_norm"], (name, a["step"])
         assert b["tokens"] == a["tokens"] and b["layout"] == {"dp": 1, "tp": 1, "pp": 2}, name
+    # the one-process reference took the full loss, the last stage (rank 1) the loss the run set
+    assert (_loss_impl(runs["one"], 0), _loss_impl(runs[name], 1)) == ("full", "chunked" if name in CHUNKED
+                                                                       else "full"), name
     evals = [(e["step"], e["val_loss"]) for e in _events(runs["one"], "eval")]
     got = [(e["step"], e["val_loss"]) for e in _events(runs[name], "eval")]
     assert [s for s, _ in got] == [s for s, _ in evals] == [0, 5, 10], name

@@ -203,7 +203,10 @@ def test_auto_takes_the_chunked_loss_for_large_logits_where_it_runs():
 
 
 @pytest.mark.parametrize(("overrides", "why"), [
-    (["parallel.pp=2"], "runs on unsplit or tensor-parallel models only, not with parallel.pp = 2"),
+    (["parallel.pp=2", "training.grad_accum=2"], None),  # the last stage applies the output layer itself
+    (["parallel.pp=2", "parallel.pp_impl=native", "parallel.pp_schedule=zbv", "parallel.pp_stages_per_rank=2",
+      "training.grad_accum=2"], "the zero-bubble schedule 'zbv' splits the last stage's backward in two"),
+    (["parallel.ep=2", "model.n_experts=4"], "tensor- or pipeline-parallel models only, not with parallel.ep = 2"),
     (["parallel.tp=2"], None),
     (["parallel.tp=2", "parallel.tp_impl=native", "parallel.sequence_parallel=true", "strategy.name=single"], None),
     (["strategy.name=fsdp"], "needs whole parameters after the forward pass; strategy 'fsdp'"),

@@ -55,8 +55,6 @@ def test_every_context_parallel_problem_is_one_line(runner, tmp_path):
         "sequence into 2 x cp chunks; e.g. 24)"),
         ("error: p.toml:16: parallel.cp_impl: \"ulysses\" gives each of the cp x tp = 4 ranks whole heads: "
         "model.n_heads = 8 and n_kv_heads = 2 must both divide by it (valid: ring, allgather)"),
-        ("error: p.toml:17: parallel.pp: parallel.cp > 1 does not compose with a pipeline yet (valid with cp > 1: "
-        "parallel.pp = 1)"),
         ("error: p.toml:13: strategy.name: 'scratch-ddp' with parallel.cp > 1 is not supported yet (valid: ddp, "
          "fsdp, deepspeed)"),
         ("error: p.toml:9: model.dropout: 0.1: the context-parallel attentions apply no attention dropout (valid "
@@ -99,6 +97,21 @@ def test_tp_with_cp_is_hand_written_tp_only(runner, tmp_path):
                     "parallel.sequence_parallel=true")
     assert result.exit_code == 0, result.output
     assert "dp 1 × cp 2 × tp 2 (cp ring; tp scratch + sp)" in result.output
+
+
+def test_pp_with_cp_validates_with_its_layout(runner, tmp_path):
+    result = _fixed(runner, tmp_path, "allgather", "parallel.pp=2", "parallel.pp_impl=scratch",
+                    "launch.nproc_per_node=4", "training.grad_accum=2")
+    assert result.exit_code == 0, result.output
+    assert "dp 1 × cp 2 × pp 2 (cp allgather; pp 1F1B scratch)" in result.output
+    result = _fixed(runner, tmp_path, "allgather", "parallel.pp=2", "parallel.pp_impl=native",
+                    "parallel.pp_schedule=zbv", "parallel.pp_stages_per_rank=2", "model.n_layers=4",
+                    "model.tie_embeddings=false", "launch.nproc_per_node=4", "training.grad_accum=2")
+    assert result.exit_code == 2, result.output
+    assert result.stderr.splitlines() == [
+        ("error: p.toml (--set): parallel.pp_schedule: 'zbv' with parallel.cp > 1: a zero-bubble schedule splits "
+         "each stage's backward into an input and a weight pass, which the cp attentions' backward (a collective "
+         "over the cp ranks) does not survive (valid: gpipe, 1f1b, interleaved-1f1b, looped-bfs)")]
 
 
 def test_auto_takes_allgather_for_packed_documents_and_ring_otherwise():

@@ -4,8 +4,9 @@ preset with cp > 1 (one line each, before anything starts; :data:`torch_handle.c
 
 Context parallelism splits each sequence over cp ranks (docs/context-parallel.md). In this version it composes
 with data parallelism -- DDP, FSDP2 or DeepSpeed ZeRO, which reduce (and shard) over dp × cp, torchtitan's
-``dp_shard_cp`` -- and the hand-written tensor parallelism (with or without sequence parallelism), under the
-``lm``, ``sft`` and ``dpo`` objectives (full training or LoRA), for the from-scratch decoder. What it refuses, and
+``dp_shard_cp`` -- the hand-written tensor parallelism (with or without sequence parallelism) and pipelines (both
+``pp_impl``: each stage on its T/cp tokens), under the ``lm``, ``sft`` and ``dpo`` objectives (full training or
+LoRA), for the from-scratch decoder. What it refuses, and
 why:
 
 * ``seq_len`` not divisible by 2 × cp × tp: head-tail balancing cuts every sequence into 2 × cp chunks;
@@ -14,7 +15,9 @@ why:
 * ``native`` (torch's ``context_parallel``: CUDA SDPA and FlexAttention only, pytorch#147793): not on a CPU, and
   not wired into ``handle run`` yet on a GPU either; the hand-written ``ring``, ``allgather``, ``ulysses`` run
   everywhere;
-* DTensor tensor parallelism (``tp_impl = "native"``: its loss is a DTensor under ``loss_parallel``), pp, ep > 1,
+* sft or dpo in a pipeline (pp > 1: its stages split by cp run ``lm`` only), and torch's zero-bubble schedules
+  (their split backward gives wrong gradients through the cp attentions: ZBV's norm 7% off at step 1);
+* DTensor tensor parallelism (``tp_impl = "native"``: its loss is a DTensor under ``loss_parallel``), ep > 1,
   an encoder-decoder, another model plugin, dpo's ``reference = "copy"`` (the copy's attention is not split),
   another strategy, ``training.compile`` and attention dropout: not supported with cp yet (each named in its line).
 
@@ -27,6 +30,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from torch_handle.common.run_layout import chosen_cp_impl
+from torch_handle.config.loss_impl import SPLIT_BACKWARD_SCHEDULES
 from torch_handle.errors import PresetError
 
 __all__ = ["IMPLS", "STRATEGIES", "chosen_cp_impl", "context_parallel_problems"]
@@ -83,10 +87,18 @@ def context_parallel_problems(preset: Any, registry: Any = None) -> Iterator[Pre
     if par.tp > 1 and par.tp_impl != "scratch":
         yield PresetError(f"parallel.cp > 1 composes with the hand-written tensor parallelism only (tp_impl = "
                           f"{par.tp_impl!r}; valid: 'scratch')", key="parallel.tp_impl")
-    for dim, why in (("pp", "a pipeline"), ("ep", "expert parallelism")):
-        if getattr(par, dim) > 1:
-            yield PresetError(f"parallel.cp > 1 does not compose with {why} yet (valid with cp > 1: parallel.{dim} "
-                              f"= 1)", key=f"parallel.{dim}")
+    if par.ep > 1:
+        yield PresetError("parallel.cp > 1 does not compose with expert parallelism yet (valid with cp > 1: "
+                          "parallel.ep = 1)", key="parallel.ep")
+    if par.pp > 1 and par.pp_schedule in SPLIT_BACKWARD_SCHEDULES:
+        yield PresetError(f"{par.pp_schedule!r} with parallel.cp > 1: a zero-bubble schedule splits each stage's "
+                          f"backward into an input and a weight pass, which the cp attentions' backward (a collective "
+                          f"over the cp ranks) does not survive (valid: gpipe, 1f1b, interleaved-1f1b, looped-bfs)",
+                          key="parallel.pp_schedule")
+    if par.pp > 1 and preset.finetune.objective != "lm":
+        yield PresetError(f"{preset.finetune.objective!r} with parallel.pp > 1 and parallel.cp > 1 is not supported "
+                          f"yet: a pipeline of cp-split stages runs the lm objective (valid: 'lm', or pp = 1)",
+                          key="finetune.objective")
     if preset.model.name != "transformer" or getattr(model, "kind", "decoder") != "decoder":
         yield PresetError("parallel.cp > 1 splits the from-scratch decoder's attention (model.name = 'transformer', "
                           "kind = 'decoder'); an encoder-decoder or another model plugin is not split by cp yet",

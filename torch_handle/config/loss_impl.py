@@ -5,10 +5,12 @@ It takes the model's last hidden states and its output weight *outside* the mode
 
 * the from-scratch decoder (``model.name = "transformer"``, ``kind = "decoder"``: ``DecoderLM.forward`` returns
   its hidden states on request; a plugin's model or the encoder-decoder returns logits only);
-* no parallel share but tensor parallelism (``parallel.pp``, ``ep`` and ``cp`` = 1): under ``parallel.tp`` each rank
-  computes its vocabulary slice of each chunk's logits (:mod:`torch_handle.model.linear_cross_entropy_tp`,
+* no parallel share but tensor and pipeline parallelism (``parallel.ep`` and ``cp`` = 1): under ``parallel.tp``
+  each rank computes its vocabulary slice of each chunk's logits (:mod:`torch_handle.model.linear_cross_entropy_tp`,
   both ``tp_impl``, with or without sequence parallelism, the token-mean loss and a preference objective's
-  per-sequence log-probabilities alike); a pipeline's loss runs inside its last stage, from the logits;
+  per-sequence log-probabilities alike); under ``parallel.pp`` the last stage returns its hidden states and the
+  pipeline's share applies the output layer (the token-mean loss; not a preference objective's log-probabilities,
+  nor under a zero-bubble schedule, whose split backward would run the loss's backward twice);
 * a strategy that holds whole parameters after the forward pass: not ``fsdp``, ``scratch-fsdp`` or ``deepspeed``
   with ``zero_stage = 3`` (their output weight is a shard outside the forward).
 
@@ -23,6 +25,10 @@ from __future__ import annotations
 
 from typing import Any
 
+SPLIT_BACKWARD_SCHEDULES = ("interleaved-zb", "zbv", "dualpipev")
+"""torch's zero-bubble pipeline schedules: each stage's backward runs as an input-gradient pass, then a weight pass
+through the same graph, where the chunked loss hands its gradients (computed in the forward) over once."""
+
 SHARDING_STRATEGIES = ("fsdp", "scratch-fsdp")
 """Strategies whose parameters are shards outside the forward pass (plus ``deepspeed`` at ZeRO-3)."""
 
@@ -33,12 +39,17 @@ def chunked_loss_problem(preset: Any) -> str | None:
     if model.name != "transformer" or getattr(model.options, "kind", "decoder") != "decoder":
         return (f"needs the from-scratch decoder (model.name = 'transformer', kind = 'decoder'), not "
                 f"{model.name!r} of kind {getattr(model.options, 'kind', '?')!r}")
-    split = [f"parallel.{name} = {degree}" for name, degree in (("pp", par.pp), ("ep", par.ep),
-                                                                  ("cp", getattr(par, "cp", 1)))
+    split = [f"parallel.{name} = {degree}" for name, degree in (("ep", par.ep), ("cp", getattr(par, "cp", 1)))
              if degree > 1]
     if split:
-        return (f"runs on unsplit or tensor-parallel models only, not with {' and '.join(split)} (that split "
-                f"model's loss is computed from its logits)")
+        return (f"runs on unsplit, tensor- or pipeline-parallel models only, not with {' and '.join(split)} (that "
+                f"split model's loss is computed from its logits)")
+    if par.pp > 1 and getattr(par, "pp_schedule", "1f1b") in SPLIT_BACKWARD_SCHEDULES:
+        return (f"runs its backward once, and the zero-bubble schedule {par.pp_schedule!r} splits the last stage's "
+                f"backward in two (input, then weight gradients; valid: gpipe, 1f1b, interleaved-1f1b, looped-bfs)")
+    if par.pp > 1 and getattr(getattr(preset, "finetune", None), "objective", "lm") == "dpo":
+        return (f"does not give a preference loss's per-sequence log-probabilities on a pipeline's last stage "
+                f"(finetune.objective = 'dpo' with parallel.pp = {par.pp}: they come from its logits)")
     if strategy.name in SHARDING_STRATEGIES or (strategy.name == "deepspeed"
                                                  and getattr(strategy.options, "zero_stage", 0) == 3):
         return (f"needs whole parameters after the forward pass; strategy {strategy.name!r} holds the output weight "

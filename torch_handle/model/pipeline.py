@@ -115,8 +115,9 @@ class PipelineShard(nn.Module):
 
 class DecoderStage(nn.Module):
     """One pipeline stage of a decoder: ``forward(h, *, input_ids, position_ids=None)`` -> the next stage's input
-    (B, T, C), or the logits (B, T, V) on the last stage. ``h`` is None on the first stage, which embeds
-    ``input_ids`` (B, T); every stage reads ``input_ids`` for the padding mask of its attention.
+    (B, T, C), or the logits (B, T, V) on the last stage (its hidden states (B, T, C) with :attr:`return_hidden`).
+    ``h`` is None on the first stage, which embeds ``input_ids`` (B, T); every stage reads ``input_ids`` for the
+    padding mask of its attention.
 
     Packed documents (``position_ids`` (B, T), as ``DecoderLM.forward`` takes them): every stage builds the
     block-causal mask (``documents_of``) from the micro-batch's ``position_ids`` itself, once per stage forward,
@@ -137,6 +138,10 @@ class DecoderStage(nn.Module):
         self.layers = nn.ModuleDict({str(i): shard.layers[str(i)] for i in layers})
         if last:
             self.final_norm, self.lm_head = shard.final_norm, shard.lm_head
+        self.return_hidden = False
+        """The last stage's output: its final normalised hidden states (B, T, C) rather than the logits, for a loss
+        that applies ``lm_head`` itself chunk by chunk (``training.loss_impl = "chunked"``, as ``DecoderLM.forward
+        (return_hidden=True)``); set by the pipeline's share."""
         for name in ("rope_cos", "rope_sin"):  # the model's RoPE table (a view of the shard's, not saved)
             if hasattr(shard, name):
                 self.register_buffer(name, getattr(shard, name), persistent=False)
@@ -153,7 +158,10 @@ class DecoderStage(nn.Module):
         for i, layer in self.layers.items():
             x = self._run_block(f"decoder.layer{i}", layer, x, key_padding_mask=padding_mask, **documents,
                                 **self._rope())
-        return self.lm_head(self.final_norm(x)) if self.last else x
+        if not self.last:
+            return x
+        x = self.final_norm(x)
+        return x if self.return_hidden else self.lm_head(x)
 
 
 def split_decoder(model: nn.Module, ranges: list[range], my_stages: Sequence[int]

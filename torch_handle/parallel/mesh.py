@@ -131,9 +131,11 @@ def attach_layout(ctx: Any, parallel: ParallelConfig) -> Any:
     ``ctx.dp_size``) and the expert-parallel implementation and mesh (ep > 1). With tp = pp = ep = 1: ``ctx``
     unchanged (dp = world size). Collective: every rank calls it (the mesh's process groups).
 
-    With cp > 1 alone (context parallelism composes with data parallelism only, so far): the layout and the
-    ("dp", "cp", "tp") mesh as ``ctx.cp_mesh``, ``ctx.mesh`` left None, so that the data-parallel strategy reduces
-    over its default group, dp × cp (torchtitan's ``dp_shard_cp``), while the samplers read ``ctx.dp_rank``.
+    With cp > 1 alone: the layout and the ("dp", "cp", "tp") mesh as ``ctx.cp_mesh``, ``ctx.mesh`` left None, so that
+    the data-parallel strategy reduces over its default group, dp × cp (torchtitan's ``dp_shard_cp``), while the
+    samplers read ``ctx.dp_rank``. With cp > 1 and tp or pp > 1: ``ctx.mesh`` is ("pp", "dp", "tp") with "dp" the
+    dp × cp ranks of a (pp, tp) coordinate (the strategy's), consecutive in the rank order, and ``ctx.cp_mesh`` the
+    ("pp", "dp", "cp", "tp") mesh of the same ranks.
 
     Raises:
         ValueError: tp · pp (· cp) does not divide the world size, or ep the data-parallel degree (:class:`Layout`)."""
@@ -143,15 +145,20 @@ def attach_layout(ctx: Any, parallel: ParallelConfig) -> Any:
             return ctx
         layout = Layout(ctx.world_size, cp=cp)
         return replace(ctx, layout=layout, cp_mesh=build_mesh(layout, ctx.device.type))
-    if cp > 1:  # with tp (pp, ep: refused): ctx.mesh's "dp" is dp x cp, the strategy's ranks, TP innermost
+    if cp > 1:  # with tp and/or pp (ep: refused): ctx.mesh's "dp" is dp x cp, the strategy's ranks, TP innermost
         from torch.distributed.device_mesh import init_device_mesh
 
-        from torch_handle.parallel.tensor.mappings import TPGroup
+        layout = Layout(ctx.world_size, parallel.tp, parallel.pp, cp=cp)
+        pp = ((layout.pp,), ("pp",)) if layout.pp > 1 else ((), ())
+        mesh = init_device_mesh(ctx.device.type, (*pp[0], layout.dp * cp, layout.tp),
+                                mesh_dim_names=(*pp[1], "dp", "tp"))
+        tp_group = None
+        if layout.tp > 1:
+            from torch_handle.parallel.tensor.mappings import TPGroup
 
-        layout = Layout(ctx.world_size, parallel.tp, cp=cp)
-        mesh = init_device_mesh(ctx.device.type, (layout.dp * cp, layout.tp), mesh_dim_names=("dp", "tp"))
-        return replace(ctx, layout=layout, mesh=mesh, tp_group=TPGroup(mesh["tp"].get_group()),
-                       cp_mesh=build_mesh(layout, ctx.device.type))
+            tp_group = TPGroup(mesh["tp"].get_group())
+        return replace(ctx, layout=layout, mesh=mesh, tp_group=tp_group, cp_mesh=build_mesh(layout, ctx.device.type),
+                       pp_group=mesh["pp"].get_group() if layout.pp > 1 else None)
     layout = Layout(ctx.world_size, parallel.tp, parallel.pp, parallel.ep)
     mesh = build_mesh(layout, ctx.device.type)
     tp_group = None

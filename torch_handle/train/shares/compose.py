@@ -27,7 +27,8 @@ class Shares:
     pp: Any = None
     ep: Any = None
     cp: Any = None
-    """:class:`~torch_handle.train.shares.context.ContextParallel` (cp > 1; around the TP share when tp > 1)."""
+    """:class:`~torch_handle.train.shares.context.ContextParallel` (cp > 1; around the TP share when tp > 1, held by
+    the pipeline's share when pp > 1: each stage's inputs sharded, its loss over the whole sequence's labels)."""
 
     @property
     def run(self) -> ParallelShare | None:
@@ -47,21 +48,18 @@ def build_shares(preset: Preset, ctx: Any) -> Shares:
     if max(par.tp, par.pp, par.ep, cp) == 1:
         return Shares(ctx)
     ctx = attach_layout(ctx, par)
-    if cp > 1:  # alone or around tp (handle validate refuses cp with pp or ep)
-        from torch_handle.train.shares.context import ContextParallel
-
-        tp = None
-        if par.tp > 1:
-            from torch_handle.train.shares.tensor import TensorParallel
-
-            tp = TensorParallel(par, ctx)
-        document_mask = bool(getattr(preset.data.options, "document_mask", False))
-        return Shares(ctx, tp=tp, cp=ContextParallel(par, ctx, document_mask, inner=tp))
-    tp = ep = pp = None
+    tp = ep = pp = cp_share = None
     if par.tp > 1:
         from torch_handle.train.shares.tensor import TensorParallel
 
         tp = TensorParallel(par, ctx)
+    if cp > 1:  # around tp; inside a pipeline's stages (handle validate refuses cp with ep)
+        from torch_handle.train.shares.context import ContextParallel
+
+        document_mask = bool(getattr(preset.data.options, "document_mask", False))
+        cp_share = ContextParallel(par, ctx, document_mask, inner=tp)
+        if par.pp == 1:
+            return Shares(ctx, tp=tp, cp=cp_share)
     if par.ep > 1:
         from torch_handle.train.shares.expert import ExpertParallel
 
@@ -69,5 +67,5 @@ def build_shares(preset: Preset, ctx: Any) -> Shares:
     if par.pp > 1:
         from torch_handle.train.shares.pipeline import PipelineParallel
 
-        pp = PipelineParallel(par, ctx, pipeline_microbatches(preset), tp, ep)
-    return Shares(replace(ctx, ep_share=ep), tp, pp, ep)
+        pp = PipelineParallel(par, ctx, pipeline_microbatches(preset), tp, ep, cp_share)
+    return Shares(replace(ctx, ep_share=ep), tp, pp, ep, cp_share)

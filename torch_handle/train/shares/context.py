@@ -108,10 +108,19 @@ class ContextParallel(PortableShare):
 
         Raises:
             ValueError: the model has no ``MultiHeadAttention``, or one with attention dropout."""
-        from torch_handle.model.attention import MultiHeadAttention
-
         if self.inner is not None:
             model = self.inner.parallelize(model)
+        self.hook_attention(model)
+        model.register_forward_pre_hook(self._shard_inputs, with_kwargs=True)
+        return model
+
+    def hook_attention(self, model: nn.Module) -> None:
+        """Make every ``MultiHeadAttention`` of ``model`` attend through :meth:`attend` (a pipeline's share calls it
+        on the whole model before its split, then hooks each stage with :meth:`shard_stage_inputs`).
+
+        Raises:
+            ValueError: the model has no ``MultiHeadAttention``, or one with attention dropout."""
+        from torch_handle.model.attention import MultiHeadAttention
 
         layers = [m for m in model.modules() if isinstance(m, MultiHeadAttention)]
         if not layers:
@@ -121,8 +130,6 @@ class ContextParallel(PortableShare):
                 raise ValueError(f"parallel.cp > 1: attention dropout {layer.dropout} is not applied by the "
                                  f"context-parallel attentions (set model.dropout = 0)")
             layer.context_parallel = self.attend
-        model.register_forward_pre_hook(self._shard_inputs, with_kwargs=True)
-        return model
 
     def bind(self, strategy: Any) -> ContextParallel:
         """Work with ``strategy``: it clips in :meth:`before_step`, whose norm the trainer reports. Returns self."""
@@ -138,6 +145,14 @@ class ContextParallel(PortableShare):
         None in, this rank's (B, T/cp) of both out (positions always: RoPE needs the true ones)."""
         if args:  # input_ids given by position
             kwargs = {**kwargs, "input_ids": args[0]}
+        return args[1:], self.shard_stage_inputs(module, (), kwargs)[1]
+
+    def shard_stage_inputs(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]
+                           ) -> tuple[tuple, dict[str, Any]]:
+        """A pipeline stage's forward pre-hook (``DecoderStage.forward(h, *, input_ids, position_ids)``): its
+        keyword ``input_ids`` and ``position_ids`` of the whole micro-batch (B, T) in, this rank's (B, T/cp) out,
+        ``args`` (the previous stage's output, already this rank's tokens) untouched. Every stage recomputes the
+        micro-batch's order from its positions, so the last stage's :meth:`loss` shards the labels by it."""
         input_ids, position_ids = kwargs["input_ids"], kwargs.get("position_ids")
         B, T = input_ids.shape
         self.documents = None if position_ids is None else document_ids_of(position_ids)
@@ -145,8 +160,8 @@ class ContextParallel(PortableShare):
         self.order = shard_order(B, T, self.cp, self.documents)
         local_documents = None if self.documents is None else shard(self.documents, self.order, self.cp, self.rank)
         self.tokens = Tokens(shard(positions, self.order, self.cp, self.rank), local_documents)
-        return args[1:], {**kwargs, "input_ids": shard(input_ids, self.order, self.cp, self.rank),
-                          "position_ids": self.tokens.positions}
+        return args, {**kwargs, "input_ids": shard(input_ids, self.order, self.cp, self.rank),
+                      "position_ids": self.tokens.positions}
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, causal: bool) -> Tensor:
         """A layer's attention of this rank's q (B, H, T/cp, d_k) to the keys k, v (B, H_kv, T/cp, d_k) of every cp

@@ -16,6 +16,21 @@ mean (the one-process loss of the same samples; no rescaling afterwards, ``scale
 schedules). N is the replica's count, or the global batch's over the data-parallel degree where the data counts
 labels per sample (:func:`~torch_handle.train.loss.global_mean_weight`: packed conversations), so that the
 replicas' averaged gradients are those of the global batch's mean over its trained tokens.
+
+With context parallelism (``cp``: :class:`~torch_handle.train.shares.context.ContextParallel`, composed inside the
+pipeline, around TP) every stage runs on this rank's T/cp tokens of each micro-batch: the CP share hooks every
+attention layer of the whole model before the split, and each stage's forward pre-hook shards its ``input_ids``
+and ``position_ids`` by the micro-batch's head-tail order (computed from the whole sequence's positions, so every
+stage's RoPE rotates by the true positions and its document mask is the whole sequence's: the rotary table is
+sharded per stage, torchtitan PR #792). The last stage's loss is the CP share's: this rank's sum over its labels
+over the micro-batch's count, times cp, since the strategy averages the gradients over dp × cp ranks; N is the
+replica's count over cp (or the trainer's global weight, which counts the dp × cp ranks), so that the step's sums
+over the ranks are the loss · tokens and the tokens of the replica.
+
+With the chunked loss (``training.loss_impl = "chunked"``) the last stage returns its final normalised hidden states
+(B, T, C) rather than the logits, and :meth:`PipelineParallel.loss` applies the output layer a chunk of tokens at a
+time (:func:`~torch_handle.train.loss.chunked_loss_fn`, or the TP share's vocabulary-parallel one): no
+(tokens × vocabulary) logits exist on the last stage, in training or evaluation.
 """
 
 from __future__ import annotations
@@ -62,14 +77,19 @@ class PipelineParallel(PortableShare):
         n_microbatches: m (``parallel.pp_microbatches``, or ``grad_accum``).
         tp: the :class:`~torch_handle.train.shares.tensor.TensorParallel` share of this rank, or None.
         ep: the :class:`~torch_handle.train.shares.expert.ExpertParallel` share of this rank, or None.
+        cp: the :class:`~torch_handle.train.shares.context.ContextParallel` share of this rank (around ``tp``), or
+            None.
 
     The composed share of its layout (:data:`~torch_handle.train.shares.contract.COMPOSITION`): every call reaches this
-    rank's stages, then their TP split (``tp``), then their experts (``ep``).
+    rank's stages, then their sequence split (``cp``), then their TP split (``tp``), then their experts (``ep``).
     """
 
     def __init__(self, parallel: ParallelConfig, ctx: DistContext, n_microbatches: int, tp: Any = None,
-                 ep: Any = None):
-        self.parallel, self.ctx, self.m, self.tp = parallel, ctx, n_microbatches, tp
+                 ep: Any = None, cp: Any = None):
+        self.parallel, self.ctx, self.m, self.tp, self.cp = parallel, ctx, n_microbatches, tp, cp
+        self.inner = cp if cp is not None else tp  # the loss, its traffic and step figures: CP's (around TP's)
+        self.cp_degree = 1 if cp is None else cp.cp
+        self.chunked = False  # training.loss_impl = "chunked": the last stage returns hidden states (set per step)
         self.impl, self.schedule_name = parallel.pp_impl, parallel.pp_schedule
         self.pp, self.v = parallel.pp, parallel.pp_stages_per_rank
         self.n_stages = self.pp * self.v
@@ -102,11 +122,12 @@ class PipelineParallel(PortableShare):
             return None
         layout, mine = self.ctx.layout, None
         for dp_rank in range(layout.dp):
-            for tp_rank in range(layout.tp):
-                ranks = [layout.rank(first, dp_rank, tp_rank), layout.rank(last, dp_rank, tp_rank)]
-                group = dist.new_group(ranks)
-                if self.ctx.rank in ranks:
-                    mine = group
+            for cp_rank in range(layout.cp):
+                for tp_rank in range(layout.tp):
+                    ranks = [layout.rank(stage, dp_rank, tp_rank, cp_rank) for stage in (first, last)]
+                    group = dist.new_group(ranks)
+                    if self.ctx.rank in ranks:
+                        mine = group
         return mine
 
     def split(self, model: nn.Module) -> nn.Module:
@@ -122,6 +143,10 @@ class PipelineParallel(PortableShare):
         self.tied = tied_names(model)
         self._names = [n for n, _ in model.named_parameters()]
         self.shard, stages = split_decoder(model, ranges, self.my_stages)
+        self._stage_modules = stages  # unwrapped (a strategy may wrap the views): where the last stage's output is set
+        if self.cp is not None:  # each stage's tokens: this rank's of the micro-batch, by its positions
+            for stage in stages:
+                stage.register_forward_pre_hook(self.cp.shard_stage_inputs, with_kwargs=True)
         if self.test_stall is not None:
             stages[0].register_forward_pre_hook(self._stall)
         self.stages = self.shard.stage_views  # the modules the schedule calls: a strategy may wrap them (DDP)
@@ -134,6 +159,8 @@ class PipelineParallel(PortableShare):
         micro-batches, 1/m (:class:`~torch_handle.train.loss.AuxLossScale`)."""
         if self.tp is not None:
             self.tp.parallelize(model)
+        if self.cp is not None:
+            self.cp.hook_attention(model)
         shard = self.split(model)
         AuxLossScale(shard, 1.0 / self.m)
         if self.ep is not None:
@@ -153,8 +180,8 @@ class PipelineParallel(PortableShare):
         FSDP2) and build the schedule over them: the strategy stops clipping (the norm spans every stage:
         :meth:`before_step`), and its state is saved and loaded here. Returns self."""
         super().bind(strategy)
-        if self.tp is not None:
-            self.tp.bind(strategy)
+        if self.inner is not None:  # the CP share binds its TP share
+            self.inner.bind(strategy)
         if self.ep is not None:
             self.ep.bind(strategy)
         self.grad_sync = strategy.pipeline_grad_sync() or data_parallel.NoSync()
@@ -182,15 +209,28 @@ class PipelineParallel(PortableShare):
         return [x for x, _ in split], [y for _, y in split]
 
     def begin_step(self) -> None:
-        if self.tp is not None:
-            self.tp.begin_step()
+        if self.inner is not None:
+            self.inner.begin_step()
 
     def loss(self, logits: Any, labels: torch.Tensor, label_smoothing: float) -> tuple[torch.Tensor, torch.Tensor]:
-        return super().loss(logits, labels, label_smoothing) if self.tp is None else self.tp.loss(logits, labels,
-                                                                                                  label_smoothing)
+        """The last stage's (token-mean loss, labelled tokens) of its output: logits (B, T, V, or V/tp), or with the
+        chunked loss its hidden states (B, T, C) (:meth:`chunked_loss` with its output layer's weight). The CP
+        share's (labels sharded; see the module) or the TP share's where there is one."""
+        if self.chunked:
+            return self.chunked_loss(logits, self.shard.lm_head.weight, labels, label_smoothing)
+        inner = self.inner if self.inner is not None else super()
+        return inner.loss(logits, labels, label_smoothing)
+
+    def chunked_loss(self, hidden: Any, weight: Any, labels: torch.Tensor, label_smoothing: float
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`loss` of the logits ``hidden @ weight.T`` without them: hidden (B, T, C) (or T/tp under sequence
+        parallelism), weight (V or V/tp, C): the TP share's vocabulary-parallel chunked loss, else the whole one."""
+        inner = self.tp if self.tp is not None else super()
+        return inner.chunked_loss(hidden, weight, labels, label_smoothing)
 
     def token_losses(self, logits: Any, labels: torch.Tensor) -> torch.Tensor:
-        return super().token_losses(logits, labels) if self.tp is None else self.tp.token_losses(logits, labels)
+        inner = self.inner if self.inner is not None else super()
+        return inner.token_losses(logits, labels)
 
     def native_loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """The ``loss_fn(output, target)`` of torch's schedules: ``target`` is the micro-batch's index (1,). The
@@ -214,8 +254,11 @@ class PipelineParallel(PortableShare):
         objective = trainer.objective
         inputs, self._targets = self._chunks(batch, objective)
         count = sum(objective.units(t) for t in self._targets)
-        weight = trainer.loss_weight if train else None  # the global batch's mean over dp replicas
-        self._tokens = count.double() if weight is None else torch.tensor(
+        self.chunked = trainer.loss_impl == "chunked"
+        for stage in self._stage_modules:
+            stage.return_hidden = self.chunked and stage.last
+        weight = trainer.loss_weight if train else None  # the global batch's mean over dp (× cp) ranks
+        self._tokens = count.double() / self.cp_degree if weight is None else torch.tensor(
             trainer.training.grad_accum / weight, dtype=torch.float64, device=count.device)
         self._trainer, self._train = trainer, train
         with trainer.strategy.autocast(), self.micro_batch():
@@ -246,7 +289,7 @@ class PipelineParallel(PortableShare):
         timer.lap_shared(busy if any(busy.values()) else {"forward": 1.0})
         if self.has_last and self.ctx.tp_rank == 0:  # a stage's TP ranks hold the same loss: count it once
             stats[0] += plain(torch.stack([plain(x) for x in losses]).sum()).double() * self._tokens
-            stats[1] += count
+            stats[1] += count / self.cp_degree  # every cp rank adds its share of the sum (and of the count)
 
     def _step(self, inputs: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
         if self.impl == "scratch":
@@ -264,9 +307,10 @@ class PipelineParallel(PortableShare):
         inputs, count = self._begin(trainer, dict(batch), train=False)
         with trainer.strategy.autocast(), self.micro_batch():
             losses = self.forward_only(inputs, self._loss)
-        if not self.has_last or self.ctx.tp_rank > 0:  # counted once per replica
+        if not self.has_last or self.ctx.tp_rank > 0:  # counted once per replica (each cp rank its share)
             return torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
-        return plain(torch.stack([plain(x) for x in losses]).sum()).double() * count, count.double()
+        return (plain(torch.stack([plain(x) for x in losses]).sum()).double() * self._tokens,
+                count.double() / self.cp_degree)
 
     @torch.no_grad()
     def forward_only(self, inputs: list[dict[str, torch.Tensor]], fn: Any) -> list[Any]:
@@ -326,7 +370,7 @@ class PipelineParallel(PortableShare):
         gathered = self._gather((self.timeline.spans(), self.peak_saved_bytes))
         if not self.ctx.is_main:
             return {}
-        tp = self.tp.step_stats() if self.tp is not None else {}  # its traffic
+        tp = self.inner.step_stats() if self.inner is not None else {}  # its traffic (CP's and TP's)
         pipeline = summarize([s for s, _ in gathered], self.schedule_name, self.pp, self.m, self.v, timeline=timeline)
         pipeline["impl"] = self.impl
         pipeline["layers"] = [len(r) for r in self.ranges]
