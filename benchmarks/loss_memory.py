@@ -20,10 +20,11 @@ the end is kept; the run that is profiled is not timed); on CUDA ``torch.cuda.ma
 allocator's own count) and transient = that peak less what is allocated after backward (an underestimate of the
 full path's, whose weight gradient is made after its peak). ``estimate``: what ``handle estimate`` prices for the
 same loss path (``torch_handle.plan.estimate_activations``: what autograd saves, counted on fake tensors, plus the
-full path's fp32 logits buffer or ``chunked_loss_bytes``), over the measured transient. Time: the median of ``--rounds`` forward + backward passes,
-unprofiled, after one warm-up (``--rounds 0``: memory only). For a CPU, smaller shapes: ``--seq-len 512 --d-model
-256``; ``--as-cuda`` runs on a CPU the paths as CUDA runs them (the full loss ``F.cross_entropy`` on the fp32 logits
-instead of the CPU's in-cache ``ChunkedCrossEntropy``, CUDA's chunk size), whose allocations a GPU makes too.
+full path's two fp32 logits-sized buffers, ``full_loss_bytes``, or ``chunked_loss_bytes``), over the measured
+transient. Time: the median of ``--rounds`` forward + backward passes, unprofiled, after one warm-up
+(``--rounds 0``: memory only). For a CPU, smaller shapes: ``--seq-len 512 --d-model 256``; ``--as-cuda`` runs
+on a CPU the paths as CUDA runs them (the full loss ``F.cross_entropy`` on the fp32 logits instead of the CPU's
+in-cache ``ChunkedCrossEntropy``, CUDA's chunk size), whose allocations a GPU makes too.
 
 Prints a table (the figures side by side, chunked ÷ full) and with ``--json`` one JSON line per row.
 """
@@ -154,12 +155,12 @@ def step_peaks(vocab: int, batch: int, a: argparse.Namespace, dtype, device) -> 
 
 def estimated_bytes(impl: str, hidden, weight, labels, dtype) -> int:
     """What ``handle estimate`` prices for this loss path: the storages autograd saves (counted on fake tensors, the
-    inputs left out, as ``fake_activations`` counts them) plus its loss-path term (``ActivationBytes.logits``): one
-    fp32 (B·T, V) buffer for ``full``, ``chunked_loss_bytes`` for ``chunked``."""
+    inputs left out, as ``fake_activations`` counts them) plus its loss-path term (``ActivationBytes.logits``):
+    ``full_loss_bytes`` (two fp32 (B·T, V) buffers) for ``full``, ``chunked_loss_bytes`` for ``chunked``."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from torch_handle.observe.activations import SavedTensorCounter
-    from torch_handle.plan.estimate_activations import chunked_loss_bytes
+    from torch_handle.plan.estimate_activations import chunked_loss_bytes, full_loss_bytes
 
     with FakeTensorMode():
         h = torch.empty(hidden.shape, dtype=hidden.dtype).requires_grad_()
@@ -168,7 +169,7 @@ def estimated_bytes(impl: str, hidden, weight, labels, dtype) -> int:
             loss_path(impl, h, w, torch.zeros(labels.shape, dtype=labels.dtype), dtype)
     tokens, vocab, width = labels.numel(), weight.shape[0], weight.shape[1]
     if impl == "full":
-        return counter.bytes + tokens * vocab * 4
+        return counter.bytes + full_loss_bytes(tokens, vocab)
     return counter.bytes + chunked_loss_bytes(tokens, vocab, width, dtype, weight.dtype, hidden.element_size())
 
 

@@ -16,19 +16,22 @@ from torch_handle.config.tp_impl import KEY as TP_KEY
 from torch_handle.common.units import fmt_bytes, parse_bytes
 
 DEFAULT_NPROC = "1,2,4,8"
-NOTE = ("activations: one micro-batch's tensors saved for backward (+ the fp32 logits, or with training.loss_impl "
-        "chunked one chunk's logits and the hidden states' gradient, + one recomputed block with "
-        "activation checkpointing), measured on fake tensors; not included: allocator fragmentation and caching, "
-        "communication buffers (DDP/ZeRO buckets, FSDP's gathered block, TP collectives), backward temporaries, "
-        "CUDA context; with tp > 1, every figure is one TP rank's")
+NOTE = ("activations: one micro-batch's tensors saved for backward (+ two fp32 logits-sized buffers of the "
+        "loss, one of V/tp with tp > 1, or with training.loss_impl chunked one chunk's logits and the hidden "
+        "states' gradient, + one recomputed block with activation checkpointing), measured on fake tensors; not "
+        "included: allocator fragmentation and caching, communication buffers (DDP/ZeRO buckets, FSDP's gathered "
+        "block, TP collectives), other backward temporaries, CUDA context; with tp > 1, every figure is one TP "
+        "rank's")
 
 
 def loss_line(rows: list, loss_impl: str) -> str:
     """Which loss path the rows price (``training.loss_impl`` resolved per row: ``estimate_activations.loss_impl_of``)
-    and its bytes: the fp32 logits, or one chunk's logits and the hidden states' gradient."""
+    and its bytes: the full loss's fp32 logits-sized buffers (``full_loss_bytes``), or one chunk's logits and the
+    hidden states' gradient."""
     paths = sorted({r.activation.loss_impl for r in rows})
     size = " / ".join(fmt_bytes(b) for b in sorted({r.activation.logits for r in rows}))
-    what = {"full": "the fp32 logits", "chunked": "one chunk's logits + the hidden states' gradient"}
+    what = {"full": "fp32 logits-sized buffers (the logits, then their gradients)",
+            "chunked": "one chunk's logits + the hidden states' gradient"}
     return (f"loss path: {' and '.join(paths)} (training.loss_impl = {loss_impl}): "
             f"{'; '.join(what[p] for p in paths)}, {size} per micro-batch")
 

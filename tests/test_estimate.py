@@ -114,7 +114,7 @@ def test_fake_activations_match_a_real_forward_backward(precision, mode, checkpo
     real = A.saved_activation_bytes(step, model)
     assert abs(fake.saved - real) <= 0.10 * real, (fake, real)
     assert model.layers[0].ff.linear1.weight.grad is not None  # the counter changed nothing: backward ran
-    assert fake.logits == batch * seq * vocab * 4
+    assert fake.logits == 2 * batch * seq * vocab * 4  # the logits, then their and the log-probs' gradients
     if checkpointing:
         # the recomputed block is one block's saved tensors, measured on the real model without checkpointing
         model.args = dataclasses.replace(args, activation_checkpointing=False)
@@ -132,7 +132,8 @@ def test_tensor_parallel_activations_follow_korthikanti():
     model), against Korthikanti et al. 2022 Table 2. Without sequence parallelism the measured figure is the same
     multiple of sbh(10 + 24/t + 5as/(ht)) for every t (this model saves somewhat more than Megatron-LM's count,
     alike at every t). With it, what leaves the replicated region shrinks as (1 - 1/t), as sbh·10·(1 - 1/t)
-    does; the column-parallel linears' gathered inputs stay whole here. The logits buffer is (b, s, V/t) fp32."""
+    does; the column-parallel linears' gathered inputs stay whole here. The logits buffer is (b, s, V/t) fp32
+    (two at t = 1: ``full_loss_bytes``)."""
     from torch_handle.model.args import TransformerArgs
 
     batch, seq, vocab, h, heads = 2, 64, 256, 128, 4
@@ -150,7 +151,8 @@ def test_tensor_parallel_activations_follow_korthikanti():
     saved_by_sp = {t: plain[t].recompute - sp[t].recompute for t in (2, 4)}
     assert all(v > 0 for v in saved_by_sp.values())
     assert abs(saved_by_sp[4] / saved_by_sp[2] - 1.5) < 0.03, saved_by_sp  # (1 - 1/4) / (1 - 1/2)
-    assert all(plain[t].logits == batch * seq * vocab // t * 4 for t in (1, 2, 4))
+    assert plain[1].logits == 2 * batch * seq * vocab * 4  # F.cross_entropy's two gradients beside the log-probs
+    assert all(plain[t].logits == batch * seq * vocab // t * 4 for t in (2, 4))  # one beside the saved softmax
     assert plain[2].saved < plain[1].saved and sp[2].saved < plain[2].saved
 
 

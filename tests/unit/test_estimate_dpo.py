@@ -80,7 +80,8 @@ def test_the_estimate_prices_what_a_dpo_micro_batch_saves(prepared):
     assert 0 <= saved - row.activation.saved <= extra, (row.activation.saved, saved)
     lm = estimate_preset(load_preset(prepared / "dpo.toml", ["finetune.objective=lm"]), registry, [1])[0]
     assert row.activation.saved > 1.9 * lm.activation.saved  # twice the rows (the lm row adds no pair tail)
-    assert row.activation.logits == 2 * lm.activation.logits == 2 * PAIRS * SEQ * model.lm_head.weight.shape[0] * 4
+    # two fp32 (2B·T, V) buffers beside the saved log-probabilities (full_loss_bytes)
+    assert row.activation.logits == 2 * lm.activation.logits == 2 * 2 * PAIRS * SEQ * model.lm_head.weight.shape[0] * 4
     precomputed = estimate_preset(load_preset(prepared / "dpo.toml", ["finetune.preference.reference=precomputed"]),
                                   registry, [1])[0]
     assert precomputed.activation == row.activation
@@ -141,6 +142,7 @@ def test_the_estimate_prices_dpo_under_tp_and_pp(prepared):
         return estimate_preset(preset, registry, [2])
 
     whole, (tp,) = rows()[0], rows("parallel.tp=2")
-    assert tp.activation.logits * 2 == whole.activation.logits > 0  # 2B rows x SEQ x V fp32 (the test above)
+    # 2B rows x SEQ x V/2 fp32, one buffer beside the saved softmax; two of 2B x SEQ x V on one process
+    assert tp.activation.logits * 4 == whole.activation.logits > 0
     first, last = rows("parallel.pp=2", "training.grad_accum=2")  # m = 2 micro-batches of B pairs
     assert (first.activation.logits, last.activation.logits) == (0, whole.activation.logits)

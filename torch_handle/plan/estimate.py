@@ -70,7 +70,7 @@ class Estimate:
     activation: ActivationBytes
     """In ``as_dict``: ``activation_bytes`` (the total) and its parts, ``activation_saved_bytes`` (what the memory
     telemetry reports), ``activation_logits_bytes``, ``activation_recompute_bytes``, and ``loss_impl`` (the loss
-    path priced: the logits part is the fp32 logits for ``"full"``, one chunk for ``"chunked"``)."""
+    path priced: the logits part is two fp32 logits-sized buffers for ``"full"``, one chunk for ``"chunked"``)."""
     device_bytes: int
     """Everything above that is not in host memory: what must fit on the accelerator."""
     host_bytes: int

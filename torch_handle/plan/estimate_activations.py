@@ -4,10 +4,11 @@ estimate`` (:mod:`torch_handle.plan.estimate`).
 One forward and backward of the real model on fake tensors (``torch._subclasses.fake_tensor.FakeTensorMode``:
 shapes and dtypes only, no memory), counting the distinct storages autograd saves for backward
 (:class:`~torch_handle.observe.activations.SavedTensorCounter`) at the preset's precision, sequence length,
-micro-batch size and activation checkpointing (``activation_saved_bytes``); plus the fp32 logits buffer
-(``activation_logits_bytes``), and with checkpointing the largest block's activations recomputed during backward
-(``activation_recompute_bytes``); ``activation_bytes`` is their total. Like torchtitan's memory estimator (which
-runs the train step under ``FakeTensorMode`` and tracks allocations), nothing is allocated.
+micro-batch size and activation checkpointing (``activation_saved_bytes``); plus the loss path's fp32
+logits-sized buffers beyond those (``activation_logits_bytes``: :func:`full_loss_bytes`, or one chunk's with
+the chunked loss, :func:`chunked_loss_bytes`), and with checkpointing the largest block's activations recomputed
+during backward (``activation_recompute_bytes``); ``activation_bytes`` is their total. Like torchtitan's memory
+estimator (which runs the train step under ``FakeTensorMode`` and tracks allocations), nothing is allocated.
 
 With ``[parallel] tp > 1`` the model measured is one TP rank's split model (:func:`~torch_handle.plan.
 estimate_model.build_model`: the hand-written layers with a shape-only group), its loss the vocabulary-parallel
@@ -15,7 +16,7 @@ cross-entropy, so the figure is what this project's TP code saves, including wha
 with sequence parallelism a column-parallel linear keeps its all-gathered (b, s, h) input for backward, where
 Megatron-LM keeps the 1/tp shard and gathers it again. The analytic figure is Korthikanti et al. 2022,
 "Reducing Activation Recomputation in Large Transformer Models", Table 2 (:func:`korthikanti_layer_bytes`); the
-logits buffer is (b, s, V/tp) with the vocabulary-parallel loss. DTensor's ``native`` split saves the same local
+logits buffers are (b, s, V/tp) with the vocabulary-parallel loss. DTensor's ``native`` split saves the same local
 storages but a few small ones (checked on real 2-rank runs of both, ``tests/test_estimate.py``).
 
 torch is imported inside the functions, so importing this module is cheap.
@@ -40,7 +41,26 @@ if TYPE_CHECKING:
     from torch_handle.registry import PluginRegistry
 
 __all__ = ["ActivationBytes", "PartSaved", "activation_bytes", "chunked_loss_bytes", "compute_mode", "fake_activations",
-           "korthikanti_layer_bytes", "saved_activation_bytes"]
+           "full_loss_bytes", "korthikanti_layer_bytes", "saved_activation_bytes"]
+
+
+FULL_LOSS_BUFFERS = 2
+"""fp32 (tokens x V) buffers the full loss path holds beside what autograd saves, on one process: the logits in
+forward; in backward ``F.cross_entropy``'s ``nll_loss`` writes the log-probabilities' gradient and ``log_softmax``
+the logits' gradient beside the saved log-probabilities (which the saved count has): three logits-sized fp32
+buffers live at once, two of them beyond it. Pricing one (as before) put the estimate at 0.72x the measured full
+path (``benchmarks/loss_memory.py --as-cuda``, docs/performance.md); two, at 0.99-1.00x."""
+SPLIT_LOSS_BUFFERS = 1
+"""The same for the vocabulary-parallel loss (``parallel.tp > 1``, (tokens x V/tp) buffers): its backward writes
+one gradient beside the saved softmax (``parallel.tensor.cross_entropy``), so one beyond the saved count."""
+
+
+def full_loss_bytes(tokens: int, vocab: int, split: bool = False) -> int:
+    """Bytes the full loss path holds beside what autograd saves: ``FULL_LOSS_BUFFERS`` fp32 (``tokens`` x
+    ``vocab``) buffers, ``SPLIT_LOSS_BUFFERS`` for the vocabulary-parallel loss (``split``; ``vocab`` then this
+    rank's V/tp). ``ActivationBytes.logits`` of a full row; ``benchmarks/loss_memory.py`` prints it against the
+    measured loss path."""
+    return (SPLIT_LOSS_BUFFERS if split else FULL_LOSS_BUFFERS) * tokens * vocab * 4
 
 
 def chunked_loss_bytes(tokens: int, vocab: int, width: int, dtype: Any, weight_dtype: Any, hidden_itemsize: int
@@ -94,13 +114,14 @@ class ActivationBytes:
     """Distinct storages autograd saves in forward (inputs of checkpointed blocks included): held until backward
     frees them."""
     logits: int
-    """One fp32 (B, T, V) buffer (V/tp with tensor parallelism): the logits in forward, their gradient in backward,
-    beside the saved log-probabilities."""
+    """The loss path's bytes beside what autograd saves: with the full path two fp32 (B, T, V) buffers (the logits
+    in forward; the log-probabilities' and the logits' gradients in backward, beside the saved log-probabilities),
+    one (B, T, V/tp) with tensor parallelism (its gradient beside the saved softmax): :func:`full_loss_bytes`."""
     recompute: int
     """With activation checkpointing: the largest block's saved tensors, rebuilt in backward; else 0."""
     loss_impl: str = "full"
-    """The loss path priced (``training.loss_impl`` as the run resolves it): ``"full"``, ``logits`` is one fp32
-    (B, T, V) buffer; ``"chunked"``, one chunk's fp32 logits and their gradient in the compute dtype
+    """The loss path priced (``training.loss_impl`` as the run resolves it): ``"full"``, ``logits`` is
+    :func:`full_loss_bytes`; ``"chunked"``, one chunk's fp32 logits and their gradient in the compute dtype
     (``model.linear_cross_entropy.chunk_rows`` rows, at a GPU's chunk) plus the hidden states' gradient, which the
     chunked loss computes in forward and holds until backward."""
 
@@ -334,7 +355,7 @@ def fake_activations(build: ModelBuild, batch: int, seq_len: int, precision: str
                     with autocast:
                         logits = model(**inputs)
                     vocab_local.append(logits.shape[-1])
-                    loss_path.append(batch * seq_len * logits.shape[-1] * 4)
+                    loss_path.append(full_loss_bytes(batch * seq_len, logits.shape[-1], group is not None))  # V/tp
                     if group is None:
                         loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100)
                     else:

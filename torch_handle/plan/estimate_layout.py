@@ -13,7 +13,7 @@ shard parameters, gradients and optimizer state; torchtitan applies FSDP per pip
 Activations: the bytes one micro-batch saves in each stage (its parts' share of one forward of the tp-split model
 on fake tensors, :class:`~torch_handle.plan.estimate_activations.PartSaved`: the embedding, each layer, the head,
 the loss) times the micro-batches the schedule keeps in flight (:func:`torch_handle.plan.estimate_pipeline.
-in_flight_peak`), plus the fp32 logits buffer on the last stage and, with activation checkpointing, one
+in_flight_peak`), plus the loss path's fp32 logits buffers on the last stage and, with checkpointing, one
 recomputed block. What is split by tp is measured on the split model: without sequence parallelism a TP region's
 input is full size on every TP rank, only the split layers' own tensors are 1/tp. With context parallelism (cp > 1, pp = 1) a
 rank's activations are those of ``seq_len / cp`` tokens plus one layer's CP buffers

@@ -23,7 +23,7 @@ stage, the loss) saves for backward, measured on fake tensors as for the whole m
   its full backward, or to its weight-gradient backward (W) where the schedule splits the backward: an upper bound
   for the zero-bubble schedules, whose input-gradient backward already frees part of it.
 
-The transient fp32 logits buffer counts once, on the rank of the last stage; with activation checkpointing the
+The loss path's transient fp32 logits buffers count once, on the rank of the last stage; with checkpointing the
 recomputed block once on every rank.
 
 torch is imported inside the functions, so importing this module is cheap.
