@@ -9,7 +9,8 @@
   within 1e-10, on real gloo groups of 1, 2, 3 and 4 processes: causal, packed documents (shorter than a shard,
   spanning shards, one token long; lengths that 2·cp divides and that it does not), documents
   without the causal mask; MHA, GQA and MQA; head-tail balanced and contiguous. Ulysses refuses heads that cp does
-  not divide, in one line. The ring skips the causal future's tiles: under head-tail balancing every rank computes
+  not divide, in one line. ``gather_sequence`` (DPO's rows under cp) returns the whole sequence's per-token values
+  and cp times each rank's term of the gradient. The ring skips the causal future's tiles: under head-tail balancing every rank computes
   2cp + 1 of its 4cp tiles per pass.
 
 One spawn of 4 processes runs every case, in rounds of disjoint groups (cp 1 beside cp 3, cp 2 twice, cp 4); every
@@ -110,7 +111,7 @@ def _check_case(group, algorithm: str, whole: dict[str, torch.Tensor], position_
     order = shard_order(B, T, cp, documents, balance)
     q, k, v = (shard(whole[name], order, cp, rank, dim=2).requires_grad_() for name in "qkv")
     args = (q, k, v, shard(positions, order, cp, rank), group)
-    kwargs = dict(document_ids=None if documents is None else shard(documents, order, cp, rank), causal=causal)
+    kwargs = {"document_ids": None if documents is None else shard(documents, order, cp, rank), "causal": causal}
     if algorithm == "ulysses" and (heads[0] % cp or heads[1] % cp):
         with pytest.raises(ValueError, match=r"^ulysses needs n_heads .* divisible by cp .*; use ring or allgather$"):
             _attention(algorithm)(*args, **kwargs)
@@ -152,10 +153,31 @@ def _tile_counts(group, balance: bool) -> list[tuple[int, int]]:
     return every
 
 
+def _check_gather_sequence(group) -> None:
+    """``gather_sequence`` (a preference loss's rows under cp): every rank's per-token values, unsharded, are the
+    whole sequence's; each rank's slice gets the gradient of every rank's (identical) loss, cp times its own term."""
+    import torch.distributed as dist
+
+    from torch_handle.parallel.context.comms import gather_sequence
+    from torch_handle.parallel.context.sharding import shard, shard_order, unshard
+
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    g = torch.Generator().manual_seed(cp)
+    whole, weight = torch.randn(B, T, generator=g, dtype=torch.float64), torch.randn(B, T, generator=g,
+                                                                                     dtype=torch.float64)
+    order = shard_order(B, T, cp, torch.stack([torch.arange(T) // 20, torch.arange(T) // 7]))
+    local = shard(whole, order, cp, rank).requires_grad_()
+    rows = unshard(gather_sequence(local, 1, group), order)  # (B, T)
+    _assert_close(rows, whole, f"gather_sequence cp {cp}")
+    (rows * weight).sum().backward()
+    _assert_close(local.grad, cp * shard(weight, order, cp, rank), f"gather_sequence's gradient cp {cp}")
+
+
 def _check_group(group) -> None:
     import torch.distributed as dist
 
     cp = dist.get_world_size(group)
+    _check_gather_sequence(group)
     for seed, (heads, position_ids, causal, balances) in enumerate(_cases(cp)):
         whole = _whole(heads, position_ids, causal, seed)  # one reference for every algorithm and order
         for algorithm in ALGORITHMS:
