@@ -26,6 +26,11 @@ transient. Time: the median of ``--rounds`` forward + backward passes, unprofile
 on a CPU the paths as CUDA runs them (the full loss ``F.cross_entropy`` on the fp32 logits instead of the CPU's
 in-cache ``ChunkedCrossEntropy``, CUDA's chunk size), whose allocations a GPU makes too.
 
+On CUDA each row also checks the chunked path's gradients against the full path's (bf16: within 2e-2 of the
+largest; AssertionError otherwise): the fp32-output ``torch.addmm`` that accumulates the output weight's gradient
+(``linear_cross_entropy.accumulates_in_fp32``, named in the header line) runs there and nowhere on a CPU;
+``--no-fp32-accumulate`` times the blocked path instead.
+
 Prints a table (the figures side by side, chunked ÷ full) and with ``--json`` one JSON line per row.
 """
 
@@ -173,6 +178,20 @@ def estimated_bytes(impl: str, hidden, weight, labels, dtype) -> int:
     return counter.bytes + chunked_loss_bytes(tokens, vocab, width, dtype, weight.dtype, hidden.element_size())
 
 
+def gradient_errors(hidden, weight, labels, dtype) -> dict[str, float]:
+    """The chunked path's gradients against the full path's: max |chunked - full| / max |full| of the output
+    weight's and of the hidden states' (bf16: within 2e-2, as tests/unit/test_chunked_loss.py checks on CPU)."""
+    grads = {}
+    for impl in ("full", "chunked"):
+        _clear(hidden, weight)
+        loss_path(impl, hidden, weight, labels, dtype)
+        grads[impl] = weight.grad.float(), hidden.grad.float()
+    _clear(hidden, weight)
+    (w_full, h_full), (w_chunked, h_chunked) = grads["full"], grads["chunked"]
+    return {"weight_grad_error": ((w_chunked - w_full).abs().max() / w_full.abs().max()).item(),
+            "hidden_grad_error": ((h_chunked - h_full).abs().max() / h_full.abs().max()).item()}
+
+
 def seconds(hidden, weight, labels, dtype, rounds: int) -> dict[str, float]:
     """Median seconds of each implementation's loss path, the two interleaved round by round (a busy machine slows
     both alike), after one warm-up round."""
@@ -207,6 +226,9 @@ def main() -> None:
     ap.add_argument("--step-layers", type=int, default=0,
                     help="also the whole step's peak (forward + backward) of a Llama-shaped decoder of this many layers "
                          "(d_ff 4 x d_model, 64-wide heads, 8 KV heads at most), each implementation (0: not measured)")
+    ap.add_argument("--no-fp32-accumulate", action="store_true",
+                    help="the chunked loss adds each chunk's weight gradient through a 16-bit block product even "
+                         "where torch.addmm(..., out_dtype=torch.float32) runs (CUDA): the time without it")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     if a.as_cuda:
@@ -217,9 +239,14 @@ def main() -> None:
         torch.set_num_threads(a.threads)
     device, dtype = torch.device(a.device), torch.bfloat16 if a.precision == "bf16" else torch.float32
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
+    if a.no_fp32_accumulate:
+        linear_cross_entropy._ADDMM_FP32[device.type] = False
+    fused = linear_cross_entropy.accumulates_in_fp32(torch.zeros(1, 1, dtype=torch.bfloat16, device=device),
+                                                     torch.zeros(1, 1, device=device))
     print(f"loss path (output layer + cross-entropy, forward + backward), d_model {a.d_model}, seq_len {a.seq_len}, "
           f"{a.precision} autocast, fp32 weights; {name}{' (as on CUDA)' if a.as_cuda else ''}; "
-          f"torch {torch.__version__}")
+          f"torch {torch.__version__}; chunked weight gradient accumulated in fp32 inside the matmul: "
+          f"{'yes' if fused else 'no'}")
     print("| V | B | logits fp32 MiB | full peak MiB | chunked peak MiB | chunked ÷ full | full transient MiB | "
           "chunked transient MiB | chunked ÷ full | estimate ÷ full's | estimate ÷ chunked's | full ms | chunked ms "
           "| chunked ÷ full |\n| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
@@ -248,6 +275,12 @@ def main() -> None:
             for impl in ("full", "chunked"):
                 row[f"{impl}_estimate_ratio"] = row[f"{impl}_estimate_bytes"] / row[f"{impl}_transient_bytes"]
             row["time_ratio"] = row["chunked_s"] / row["full_s"]
+            row["fp32_accumulate"] = fused
+            if device.type == "cuda":  # the GPU's kernels, the fp32-output addmm among them, against the full path
+                row.update(gradient_errors(hidden, weight, labels, dtype))
+                print(f"V {vocab:,}, B {batch}: chunked against full, max |difference| / max |full|: weight "
+                      f"gradient {row['weight_grad_error']:.2e}, hidden {row['hidden_grad_error']:.2e}", flush=True)
+                assert max(row["weight_grad_error"], row["hidden_grad_error"]) < 2e-2, row
             if a.step_layers:
                 step = step_peaks(vocab, batch, a, dtype, device)
                 row.update({f"step_{impl}_peak_bytes": b for impl, b in step.items()})

@@ -117,6 +117,34 @@ def test_chunked_equals_full_under_bf16_autocast():
         torch.testing.assert_close(grad, full[name], rtol=0, atol=2e-2 * scale, msg=name)
 
 
+def test_the_weight_gradient_accumulated_inside_the_matmul(monkeypatch):
+    """Where ``torch.addmm(..., out_dtype=torch.float32)`` runs (CUDA in torch 2.13; this CPU has no kernel, so
+    the detection says no), the output weight's fp32 gradient takes each chunk's gᵀ · h in that one call and no
+    block product: here the CPU stands in for it with the same arithmetic (the bf16 inputs' product summed in fp32)
+    and the loss and gradients stay those of the full path, with the weight cast whole and a block at a time.
+    ``benchmarks/loss_memory.py`` checks the real kernel on a GPU."""
+    assert not lce.accumulates_in_fp32(torch.zeros(2, 2, dtype=torch.bfloat16), torch.zeros(2, 2))
+    calls = []
+
+    def addmm_fp32(acc, a, b, out_dtype, *, out):
+        calls.append(a.shape)
+        return out.add_(a.float() @ b.float())
+
+    monkeypatch.setitem(lce._ADDMM_FP32, "cpu", True)
+    monkeypatch.setattr(lce.torch, "addmm", addmm_fp32)
+    torch.manual_seed(0)
+    model = DecoderLM(TransformerArgs(VOCAB, **LLAMA, tie_embeddings=True))
+    full_loss, _, full = _step(copy.deepcopy(model), "full", 0.1, torch.bfloat16)
+    for whole in (True, False):
+        monkeypatch.setattr(lce, "cast_whole", lambda *_, whole=whole: whole)
+        calls.clear()
+        loss, _, grads = _step(copy.deepcopy(model), "chunked", 0.1, torch.bfloat16)
+        assert len(calls) >= 4 and all(shape[0] == VOCAB for shape in calls)  # (V, r) · (r, C): one call a chunk
+        torch.testing.assert_close(loss, full_loss, rtol=1e-3, atol=1e-3)
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, full[name], rtol=0, atol=2e-2 * full[name].abs().max(), msg=name)
+
+
 class _LargestOutput(TorchDispatchMode):
     """The most elements any op returns while active."""
 

@@ -76,6 +76,38 @@ def cast_whole(n_rows: int, weight: Tensor, dtype: torch.dtype) -> bool:
     return weight.numel() * dtype.itemsize * COPY_SHARE <= n_rows * weight.shape[0] * 4
 
 
+_ADDMM_FP32: dict[str, bool] = {}
+"""Per device type, whether ``torch.addmm(acc, a, b, torch.float32, out=acc)`` accumulates a 16-bit product into an
+fp32 ``acc`` in place there (tried once: ``accumulates_in_fp32``)."""
+
+
+def _addmm_fp32_works(device: torch.device) -> bool:
+    """Whether the fp32-output addmm runs on ``device`` and adds in place: ones (2, 2) fp32 += ones (2, 2) bf16 ·
+    ones (2, 2) bf16 must give 3 everywhere (one host read, once per device type)."""
+    try:
+        acc = torch.ones(2, 2, device=device)
+        one = torch.ones(2, 2, dtype=torch.bfloat16, device=device)
+        torch.addmm(acc, one, one, torch.float32, out=acc)
+        return bool((acc == 3).all())
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+
+
+def accumulates_in_fp32(g: Tensor, grad_w: Tensor) -> bool:
+    """Whether the output weight's fp32 gradient ``grad_w`` can take gᵀ · h inside the matmul (``torch.addmm(...,
+    out_dtype=torch.float32)``, cuBLAS accumulating the 16-bit inputs into fp32 output): ``g`` in bf16 or fp16,
+    ``grad_w`` fp32, and a device whose kernel exists and adds in place (torch 2.13: CUDA only; the CPU has none and
+    keeps the blocked path). No (V, C) or (rows, C) 16-bit product is written and read back and no separate fp32
+    add: about 12 bytes less traffic per weight element per chunk (docs/performance.md). Decided once per device
+    type (``_ADDMM_FP32``); under ``torch.compile`` only what was decided eagerly (else False)."""
+    if grad_w.dtype != torch.float32 or g.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    kind = g.device.type
+    if kind not in _ADDMM_FP32 and not torch.compiler.is_compiling():
+        _ADDMM_FP32[kind] = kind == "cuda" and _addmm_fp32_works(g.device)
+    return _ADDMM_FP32.get(kind, False)
+
+
 def compute_dtype(hidden: Tensor) -> torch.dtype:
     """The dtype ``nn.Linear`` would compute ``hidden``'s logits in: autocast's where it is on for ``hidden``'s
     device, else ``hidden``'s own."""
@@ -105,8 +137,12 @@ class _Weight:
 
     def grads(self, g: Tensor, h_c: Tensor, grad_h: Tensor | None, grad_w: Tensor | None) -> None:
         """The chunk's gradients from g = d loss / d z (r, V) in ``dtype``: grad_h (r, C) = g · W written, grad_w
-        (V, C) fp32 += gᵀ · h_c a block of ``rows`` rows at a time (each block's (rows, C) product the only
-        temporary: a (V, C) product in bf16 would be half the fp32 gradient again)."""
+        (V, C) fp32 += gᵀ · h_c in one matmul with fp32 output where the device has it (``accumulates_in_fp32``),
+        else a block of ``rows`` rows at a time (each block's (rows, C) product the only temporary: a (V, C)
+        product in bf16 would be half the fp32 gradient again)."""
+        if grad_w is not None and accumulates_in_fp32(g, grad_w):
+            torch.addmm(grad_w, g.T, h_c, torch.float32, out=grad_w)  # (V, C) fp32 += gᵀ · h_c, no 16-bit product
+            grad_w = None
         if self.whole is not None and grad_h is not None:
             grad_h.copy_(g @ self.whole)  # (r, C)
         if self.whole is not None and (grad_w is None or grad_w.dtype == g.dtype):
@@ -255,8 +291,8 @@ class ChunkedSequenceLogProbs(torch.autograd.Function):
     forward(hidden (N, C) the rows of B sequences of T = N / B tokens each, one after the other, weight (V_local,
     C), labels (N,) long, n_sequences int B, ignore_index int, rows int, dtype torch.dtype, vocab ``WholeVocab`` or a
     ``VocabSlice``) -> (B,) fp32, each sequence's sum over its T tokens as ``Tensor.sum`` orders it (as the full
-    path's row sums). Backward: d z = (onehot(y) - softmax(z)) · g_b · valid (b the token's sequence; onehot where this
-    process holds the label), then d h = d z · W and d W = Σ d zᵀ · h_c (fp32), as ``ChunkedLinearCrossEntropy``;
+    path's row sums). Backward: d z = (onehot(y) - softmax(z)) · g_b · valid (b the token's sequence; the onehot
+    where this process holds the label), then d h = d z · W and d W = Σ d zᵀ · h_c (fp32), as ``ChunkedLinearCrossEntropy``;
     under a ``VocabSlice`` d h is this rank's partial sum (the caller's entry into the TP region sums it).
     """
 
