@@ -384,7 +384,8 @@ class PipelineParallel(PortableShare):
         """A pipeline checkpoint is the portable form (DCP, full tensors by name: ``format = "dcp"``), joined from
         every stage on rank 0, so that any strategy or world size resumes it (torchtitan #474: every stage's
         parameters, not the first stage's only)."""
-        return {"format": "dcp", "strategy": self.strategy.name, "pp": self.pp, "pp_impl": self.impl}
+        cp = {} if self.cp is None else {"cp": self.cp_degree, "cp_impl": self.cp.impl}
+        return {"format": "dcp", "strategy": self.strategy.name, "pp": self.pp, "pp_impl": self.impl, **cp}
 
     def parameter_names(self) -> list[str]:
         """The one-process model's parameter names (every stage's), in its ``named_parameters()`` order: a
