@@ -1,13 +1,15 @@
 """Prove handle's CUDA path on a GPU machine with one command, and measure it: a markdown table and a JSON file.
 
-    python benchmarks/gpu_check.py --out DIR [--only tests,demo,gpt2,multi] [--smoke]
+    python benchmarks/gpu_check.py --out DIR [--only tests,demo,gpt2,multi,long] [--smoke]
 
 The steps (docs/gpu.md: how to install, what each row means): 1 ``tests``, ``python -m pytest -m cuda tests``;
 2 ``demo``, presets/zero2.toml on nccl over every GPU, 300 steps; 3 ``gpt2``, presets/gpt2-small.toml on one GPU
 trained on the Python standard library's source, at the largest micro-batch that fits (two ``handle estimate``
 calls, then the run itself; on CUDA out of memory again at 3/4), eager and with ``training.compile``, and
 benchmarks/attention_mask.py (attention with a mask tensor against ``is_causal`` alone); 4 ``multi``,
-with 2 or more GPUs, ``handle bench comm`` on nccl and 2-rank ZeRO-2 and FSDP2 runs of the GPT-2-small model. MFU
+with 2 or more GPUs, ``handle bench comm`` on nccl and 2-rank ZeRO-2 and FSDP2 runs of the GPT-2-small model;
+5 ``long``, the chunked loss against the whole logits (benchmarks/loss_memory.py) and the longest seq_len of
+presets/long-context.toml on one device (``_gpu_long.py``). MFU
 is reported against the measured bf16 peak (``handle env --peak``, what step events divide by) and against the
 datasheet's dense bf16 peak (``_rows.DATASHEET_BF16``); ``_rows.consistency`` checks that each row's figures multiply.
 
@@ -42,10 +44,11 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # for a module loaded by its path (the tests)
+from _gpu_long import long_context_row, loss_memory_row  # noqa: E402
 from _rows import PARTS, binary, compare, consistency, datasheet_peak, table  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS = ("tests", "demo", "gpt2", "multi")
+STEPS = ("tests", "demo", "gpt2", "multi", "long")
 MEMORY_FRACTION = 0.85
 """Share of the GPU's memory the micro-batch search lets ``handle estimate``'s device bytes fill: the estimate leaves
 out the allocator's caching, backward temporaries (the logits' gradient among them) and the CUDA context."""
@@ -74,7 +77,8 @@ class Plan:
     compile: bool
     multi_steps: int
     multi_runs: tuple[str, ...]
-    """2-rank runs of step 4 (the smoke version's demo is its ZeRO-2 one)."""
+    """2-rank runs of step 4 (none in the smoke version: its demo is a 2-rank ZeRO-2 run already, and the suite
+    runs FSDP2 on 2 processes in many places)."""
     bench_args: list[str]
     test_paths: list[str]
     timeout_s: float
@@ -98,7 +102,7 @@ class Plan:
                    demo_sets=["launch.nproc_per_node=2", "training.steps=4", "training.micro_batch_size=4",
                               "data.seq_len=32", *TINY, *run], demo_skip=1,
                    gpt2_sets=["training.steps=4", "data.seq_len=64", *TINY, *run], gpt2_skip=1,
-                   corpus_bytes=96 << 10, max_micro_batch=16, compile=False, multi_steps=2, multi_runs=("fsdp-2",),
+                   corpus_bytes=96 << 10, max_micro_batch=16, compile=False, multi_steps=2, multi_runs=(),
                    bench_args=["--ops", "all_reduce,all_gather", "--sizes", "1K:2K", "--iters", "2", "--warmup", "1"],
                    test_paths=["tests/test_cuda.py"], timeout_s=300)
 
@@ -281,11 +285,15 @@ class Runner:
         return {**row, "returncode": rc, "command": " ".join(cmd[2:])}
 
     def estimate(self, preset: str, overrides: list[str], micro_batch_size: int) -> dict[str, Any]:
-        cmd = handle("estimate", str(ROOT / preset), "--nproc", "1", "--json",
-                     *sets([*overrides, f"training.micro_batch_size={micro_batch_size}"]))
-        rc, text = run_command(cmd, self.out / "logs" / f"estimate-mb{micro_batch_size}.log", 300)
+        return self.estimate_bytes(preset, [*overrides, f"training.micro_batch_size={micro_batch_size}"],
+                                   f"mb{micro_batch_size}")
+
+    def estimate_bytes(self, preset: str, overrides: list[str], name: str) -> dict[str, Any]:
+        """``handle estimate --json`` of ``preset`` with ``overrides`` on one rank (logged as estimate-NAME.log)."""
+        cmd = handle("estimate", str(ROOT / preset), "--nproc", "1", "--json", *sets(overrides))
+        rc, text = run_command(cmd, self.out / "logs" / f"estimate-{name}.log", 300)
         if rc != 0:
-            raise RuntimeError(f"handle estimate exited {rc}: see logs/estimate-mb{micro_batch_size}.log")
+            raise RuntimeError(f"handle estimate exited {rc}: see logs/estimate-{name}.log")
         return json.loads(text.splitlines()[0])
 
 
@@ -468,7 +476,7 @@ def step_multi(plan: Plan, runner: Runner, out: Path, micro_batch_size: int | No
                              ("fsdp-2", ["strategy.name=fsdp"])):
         if row_id not in plan.multi_runs:
             rows.append({"id": row_id, "step": 4, "title": titles[row_id], "status": "skipped",
-                         "message": "the smoke version's demo row is ZeRO-2 on 2 ranks already"})
+                         "message": "the smoke version's demo row is a 2-rank run already"})
             continue
         row = runner.train(f"{row_id}-mb{micro_batch_size}", "presets/gpt2-small.toml", [*common, *strategy],
                            min(plan.gpt2_skip, plan.multi_steps - 1))
@@ -513,6 +521,11 @@ def run_step(step: str, plan: Plan, runner: Runner, out: Path, done: list[dict[s
             return step_demo(plan, runner)
         if step == "gpt2":
             return step_gpt2(plan, runner, out)
+        if step == "long":  # benchmarks/_gpu_long.py; smoke: a made-up 16 MiB the tiny model fits at 512 tokens
+            start = 512 if plan.smoke else tomllib.loads((ROOT / "presets" / "long-context.toml").read_text(
+                encoding="utf-8"))["data"]["seq_len"]
+            return [loss_memory_row(plan.smoke, out, run_command, plan.timeout_s),
+                    long_context_row(plan.smoke, 16 << 20 if plan.smoke else plan.device_memory, runner, start)]
         known = next((r.get("micro_batch_size") for r in done if r["id"] == "gpt2-eager" and r["status"] == "ok"), None)
         return step_multi(plan, runner, out, known)
     except Exception as e:  # noqa: BLE001 - reported in the row

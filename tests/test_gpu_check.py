@@ -46,7 +46,7 @@ def test_the_smoke_version_runs_every_step_through_the_cli(tmp_path):
     assert report["peak"]["measured_bf16_flops"] > 0 and report["peak"]["datasheet"] is None
     rows = {r["id"]: r for r in report["rows"]}
     assert list(rows) == ["tests", "demo", "gpt2-eager", "gpt2-compile", "llama-eager", "llama-compile", "attention",
-                          "bench-comm", "zero2-2", "fsdp-2"]
+                          "bench-comm", "zero2-2", "fsdp-2", "loss-memory", "long-context"]
 
     tests = rows["tests"]  # the marker selects tests/test_cuda.py's tests, and each skips without CUDA
     assert (tests["status"], tests["passed"], tests["failed"]) == ("skipped", 0, 0) and tests["skipped"] >= 5, tests
@@ -76,7 +76,7 @@ def test_the_smoke_version_runs_every_step_through_the_cli(tmp_path):
     llama = rows["llama-eager"]  # the modern decoder at the GPT-2 run's micro-batch: RMSNorm, RoPE, SwiGLU, GQA
     assert (llama["status"], llama["micro_batch_size"], llama["seq_len"]) == ("ok", fits, 64), llama
     assert llama["params"] != eager["params"] and rows["llama-compile"]["status"] == "skipped"
-    for r in (demo, eager, llama, rows["fsdp-2"]):
+    for r in (demo, eager, llama, rows["long-context"]):
         assert r["flops_per_token"] > 0 and r["peak_flops"] > 0, r
         assert [(c["name"], c["ok"]) for c in r["checks"]] == [("tokens_per_step", True), ("tokens_per_s", True),
                                                                ("mfu", True)], r["checks"]
@@ -93,10 +93,18 @@ def test_the_smoke_version_runs_every_step_through_the_cli(tmp_path):
     bench = rows["bench-comm"]
     assert (bench["status"], bench["world_size"], bench["measurements"], bench["correct"]) == ("ok", 2, 4, 4)
     assert bench["ops"]["all_reduce"]["backend"] == "gloo" and bench["ops"]["all_reduce"]["bytes"] == 2048
-    assert rows["zero2-2"]["status"] == "skipped"
-    fsdp = rows["fsdp-2"]
-    assert (fsdp["status"], fsdp["strategy"], fsdp["world_size"], fsdp["micro_batch_size"]) == ("ok", "fsdp", 2, fits)
-    assert fsdp["tokens_per_step"] == 2 * fits * 64 and fsdp["vs_eager"] > 0 and "per device" in fsdp["note"]
+    assert rows["zero2-2"]["status"] == rows["fsdp-2"]["status"] == "skipped"  # the demo is the 2-rank run
+
+    # step 5 (benchmarks/_gpu_long.py): the loss path's figures, and the longest seq_len the made-up 16 MiB holds
+    (case,) = rows["loss-memory"]["cases"]
+    assert rows["loss-memory"]["status"] == "ok" and (case["vocab"], case["micro_batch"], case["seq_len"]) == (512, 1, 64)
+    assert 0 < case["transient_ratio"] < 1 and case["time_ratio"] > 0 and case["chunked_estimate_ratio"] > 0
+    long = rows["long-context"]
+    fits_long = [e["seq_len"] for e in long["estimates"] if e["device_bytes"] <= long["fraction"] * (16 << 20)]
+    assert long["status"] == "ok" and long["longest_seq_len"] == max(fits_long) == long["seq_len"], long
+    assert long["estimates"][-1]["device_bytes"] > long["fraction"] * (16 << 20)  # the search stopped past the budget
+    assert long["attempts"] == [{"seq_len": long["seq_len"], "status": "ok", "oom": False}]
+    assert (long["world_size"], long["micro_batch_size"], long["tokens_per_step"]) == (1, 1, long["seq_len"])
 
     table = [line for line in proc.stdout.splitlines() if line.startswith("| ")]
     for r in report["rows"]:
@@ -202,3 +210,41 @@ def test_a_row_whose_figures_do_not_multiply_fails(gpu_check):
              "flops_per_token": 0.544e9, "mfu_datasheet": 400_825 * 0.544e9 / 989e12}
     assert all(c["ok"] for c in gpu_check.consistency(built, sheet))
     assert not gpu_check.consistency({**built, "tokens_per_step": 128 * 1024}, sheet)[0]["ok"]
+
+
+def test_two_rank_rows_are_compared_per_device_and_compiled_ones_to_eager(gpu_check):
+    """What the smoke version no longer runs (its demo is the 2-rank run): a multi-GPU row's tokens/s per device
+    over the 1-GPU eager run's, compile over eager."""
+    rows = [{"id": "gpt2-eager", "status": "ok", "tokens_per_s": 1000.0, "world_size": 1},
+            {"id": "gpt2-compile", "status": "ok", "tokens_per_s": 1500.0, "world_size": 1},
+            {"id": "fsdp-2", "status": "ok", "tokens_per_s": 1800.0, "world_size": 2},
+            {"id": "zero2-2", "status": "failed", "tokens_per_s": 1.0, "world_size": 2}]
+    gpu_check.compare(rows)
+    assert rows[1]["vs_eager"] == 1.5 and rows[1]["note"] == "1.50 x eager"
+    assert rows[2]["vs_eager"] == 0.9 and rows[2]["note"] == "per device 0.90 x the 1-device eager run"
+    assert "vs_eager" not in rows[3]
+
+
+def test_the_long_context_search_halves_on_out_of_memory(gpu_check):
+    """The estimate's longest fitting seq_len is run first; CUDA out of memory halves it (at most 3 runs)."""
+    from _gpu_long import long_context_row
+
+    budget, ran = 100, []
+
+    class Runner:
+        def estimate_bytes(self, preset, overrides, name):
+            seq_len = int(next(o for o in overrides if o.startswith("data.seq_len=")).split("=")[1])
+            return {"device_bytes": seq_len // 10}  # fits 0.85 x 100 up to seq_len 850
+
+        def train(self, name, preset, overrides, skip):
+            seq_len = int(overrides[-1].split("=")[1])
+            ran.append(seq_len)
+            oom = seq_len > 256
+            return {"status": "failed" if oom else "ok", "oom": oom, "message": "CUDA out of memory" if oom else None,
+                    "seq_len": seq_len, "tokens_per_s": 10.0}
+
+    row = long_context_row(False, budget, Runner(), 128)
+    assert [e["seq_len"] for e in row["estimates"]] == [128, 256, 512, 1024]
+    assert ran == [512, 256] and row["longest_seq_len"] == 256 and row["status"] == "ok"
+    assert row["attempts"] == [{"seq_len": 512, "status": "failed", "oom": True},
+                               {"seq_len": 256, "status": "ok", "oom": False}]
