@@ -54,13 +54,14 @@ def _rank(rank: int, world: int, tmp: str, tokens: int, iters: int, out: str) ->
 
     from torch_handle.model.args import TransformerArgs
     from torch_handle.model.moe import MoEFeedForward
-    from torch_handle.parallel.mesh import Layout, build_expert_mesh
+    from torch_handle.common.parallel_dims import ParallelDims
+    from torch_handle.parallel.mesh import build_expert_mesh
     from torch_handle.train.shares.expert import apply_expert_parallel
     from torch_handle.train.routing import reset_stats
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=world)
-    mesh = build_expert_mesh(Layout(world, ep=world), "cpu")["ep"]
+    mesh = build_expert_mesh(ParallelDims(world, ep=world), "cpu")["ep"]
     args = TransformerArgs(vocab_size=8, d_model=D_MODEL, n_heads=4, n_layers=1, d_ff=D_FF, n_experts=N_EXPERTS,
                            top_k=TOP_K, mlp="swiglu", dropout=0.0, router_aux_loss=0.01)
     rows = []

@@ -51,9 +51,10 @@ class _Rows(nn.Module):
 
 def _meshes():
     """(layout, mesh, expert mesh) of ep 2 on the 2 ranks."""
-    from torch_handle.parallel.mesh import Layout, build_expert_mesh, build_mesh
+    from torch_handle.common.parallel_dims import ParallelDims
+    from torch_handle.parallel.mesh import build_expert_mesh, build_mesh
 
-    layout = Layout(2, ep=2)
+    layout = ParallelDims(2, ep=2)
     return layout, build_mesh(layout, "cpu"), build_expert_mesh(layout, "cpu")
 
 

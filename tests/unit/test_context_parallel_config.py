@@ -10,7 +10,7 @@ from click.testing import CliRunner
 from handle_cli.main import cli
 from torch_handle.common.run_layout import RunLayout
 from torch_handle.config.context_parallel import chosen_cp_impl
-from torch_handle.parallel.mesh import Layout
+from torch_handle.common.parallel_dims import ParallelDims
 
 BAD = """\
 [run]
@@ -122,7 +122,7 @@ def test_auto_takes_allgather_for_packed_documents_and_ring_otherwise():
 
 def test_cp_sits_between_dp_and_tp_in_the_mesh_and_the_run_layout():
     """rank = ((pp_rank · dp + dp_rank) · cp + cp_rank) · tp + tp_rank: 8 ranks as dp 2 × cp 2 × tp 2."""
-    layout = Layout(8, tp=2, cp=2)
+    layout = ParallelDims(8, tp=2, cp=2)
     assert layout.dp == 2
     assert [(layout.dp_rank(r), layout.cp_rank(r), layout.tp_rank(r)) for r in range(8)] == [
         (0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1), (1, 0, 0), (1, 0, 1), (1, 1, 0), (1, 1, 1)]
@@ -132,7 +132,7 @@ def test_cp_sits_between_dp_and_tp_in_the_mesh_and_the_run_layout():
     assert [run.rank_name(r) for r in range(4)] == ["rank 0 (dp0 cp0)", "rank 1 (dp0 cp1)", "rank 2 (dp1 cp0)",
                                                     "rank 3 (dp1 cp1)"]
     with pytest.raises(ValueError, match="cp"):
-        Layout(6, cp=4)
+        ParallelDims(6, cp=4)
 
 
 def _preset(tmp_path, *sets: str):

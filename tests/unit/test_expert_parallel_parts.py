@@ -11,7 +11,7 @@ from click.testing import CliRunner
 from handle_cli.main import cli
 from torch_handle.common.run_layout import RunLayout
 from torch_handle.parallel.expert.permute import inverse, source_to_expert_order
-from torch_handle.parallel.mesh import Layout
+from torch_handle.common.parallel_dims import ParallelDims
 
 MOE = '[model]\nn_experts = 4\ntop_k = 2\n'
 
@@ -38,13 +38,13 @@ def test_bad_expert_layouts_are_one_line_before_anything_starts(tmp_path, monkey
 
 
 def test_ep_ranks_are_consecutive_data_parallel_ranks():
-    layout = Layout(8, pp=2, ep=2)  # dp 4 per stage: 2 EP groups of 2
+    layout = ParallelDims(8, pp=2, ep=2)  # dp 4 per stage: 2 EP groups of 2
     assert (layout.dp, layout.edp) == (4, 2)
     assert [(layout.pp_rank(r), layout.edp_rank(r), layout.ep_rank(r)) for r in range(8)] == [
         (0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1), (1, 0, 0), (1, 0, 1), (1, 1, 0), (1, 1, 1)]
-    assert Layout(4, ep=2).describe() == {"dp": 4, "tp": 1, "ep": 2}
+    assert ParallelDims(4, ep=2).describe() == {"dp": 4, "tp": 1, "ep": 2}
     with pytest.raises(ValueError, match="ep = 3 must divide the data-parallel degree 4"):
-        Layout(4, ep=3)
+        ParallelDims(4, ep=3)
 
 
 def test_views_name_the_expert_layout_and_its_ranks():

@@ -133,9 +133,9 @@ def test_run_summary_and_dashboard_state_name_the_layout(tmp_path):
 @pytest.mark.parametrize("world, tp, pp", [(8, 2, 2), (8, 1, 4), (6, 3, 1), (4, 1, 1), (12, 2, 3)])
 def test_rank_names_follow_the_mesh_the_workers_build(world, tp, pp):
     """Every view names a rank by its global rank and its coordinates as the training mesh places it."""
-    from torch_handle.parallel.mesh import Layout
+    from torch_handle.common.parallel_dims import ParallelDims
 
-    mesh = Layout(world, tp, pp)
+    mesh = ParallelDims(world, tp, pp)
     layout = RunLayout.from_parts(world, "ddp", None, tp, pp)
     for rank in range(world):
         where = {"dp": mesh.dp_rank(rank), "tp": mesh.tp_rank(rank), "pp": mesh.pp_rank(rank)}

@@ -23,15 +23,19 @@ so ep consecutive dp ranks split the experts (an EP group) and the edp = dp / ep
 inner one because its traffic is the heavier: two all-to-alls of every routed token per MoE layer, forward and
 backward, against one all-reduce of the expert gradients a step; consecutive ranks share a node when they can.
 
-The mesh is torch's ``init_device_mesh`` with the named dimensions ("dp", "tp"), and ("pp", "dp", "tp") with a
+The degrees and a rank's coordinates are :class:`~torch_handle.common.parallel_dims.ParallelDims` (their one home:
+the layout line and the estimate read the same arithmetic). The mesh is torch's ``init_device_mesh`` with the named
+dimensions ("dp", "tp"), and ("pp", "dp", "tp") with a
 pipeline (torchtitan's ParallelDims does the same, with more dimensions); with ep > 1 a second mesh over the same
 ranks splits "dp" into ("edp", "ep") (:func:`build_expert_mesh`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
+
+from torch_handle.common.parallel_dims import ParallelDims
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -39,69 +43,7 @@ if TYPE_CHECKING:
     from torch_handle.config.schema import ParallelConfig
 
 
-@dataclass(frozen=True)
-class Layout:
-    """``world_size`` ranks as pp × dp × cp × tp, dp as edp × ep. Raises ValueError (naming ``tp`` and ``pp``, ``cp``
-    or ``ep``) when tp · pp, or tp · pp · cp, does not divide world_size, or ep the data-parallel degree."""
-
-    world_size: int
-    tp: int = 1
-    pp: int = 1
-    ep: int = 1
-    cp: int = 1
-
-    def __post_init__(self) -> None:
-        if self.tp < 1 or self.pp < 1 or self.world_size % (self.tp * self.pp):
-            raise ValueError(f"tp x pp = {self.tp} x {self.pp} must divide the world size {self.world_size} "
-                             f"(launch.nproc_per_node x launch.nnodes)")
-        if self.cp < 1 or self.world_size % (self.tp * self.pp * self.cp):
-            raise ValueError(f"cp x tp x pp = {self.cp} x {self.tp} x {self.pp} must divide the world size "
-                             f"{self.world_size} (launch.nproc_per_node x launch.nnodes)")
-        if self.ep < 1 or self.dp % self.ep:
-            raise ValueError(f"ep = {self.ep} must divide the data-parallel degree {self.dp} (world size / (tp x pp))")
-
-    @property
-    def dp(self) -> int:
-        """Model replicas: world_size / (tp · pp · cp)."""
-        return self.world_size // (self.tp * self.pp * self.cp)
-
-    @property
-    def edp(self) -> int:
-        """Replicas of each expert: dp / ep."""
-        return self.dp // self.ep
-
-    def dp_rank(self, rank: int) -> int:
-        return rank // (self.tp * self.cp) % self.dp
-
-    def cp_rank(self, rank: int) -> int:
-        """Which share of each sequence ``rank`` holds (0 .. cp - 1)."""
-        return rank // self.tp % self.cp
-
-    def ep_rank(self, rank: int) -> int:
-        """Which slice of the experts ``rank`` holds: dp_rank mod ep."""
-        return self.dp_rank(rank) % self.ep
-
-    def edp_rank(self, rank: int) -> int:
-        return self.dp_rank(rank) // self.ep
-
-    def tp_rank(self, rank: int) -> int:
-        return rank % self.tp
-
-    def pp_rank(self, rank: int) -> int:
-        return rank // (self.tp * self.cp * self.dp)
-
-    def rank(self, pp_rank: int = 0, dp_rank: int = 0, tp_rank: int = 0, cp_rank: int = 0) -> int:
-        """The global rank at these coordinates."""
-        return ((pp_rank * self.dp + dp_rank) * self.cp + cp_rank) * self.tp + tp_rank
-
-    def describe(self) -> dict[str, int]:
-        """The layout as telemetry writes it: ``{"dp": .., "tp": ..}``, plus ``"pp"`` with a pipeline and ``"ep"``
-        with expert parallelism (dp stays the data-parallel degree, ep of it) and ``"cp"`` with context parallelism."""
-        return {"dp": self.dp, "tp": self.tp, **({"pp": self.pp} if self.pp > 1 else {}),
-                **({"ep": self.ep} if self.ep > 1 else {}), **({"cp": self.cp} if self.cp > 1 else {})}
-
-
-def build_mesh(layout: Layout, device_type: str) -> DeviceMesh:
+def build_mesh(layout: ParallelDims, device_type: str) -> DeviceMesh:
     """The ("dp", "tp") device mesh of ``layout`` over the default process group (already initialised), with "pp"
     first for a pipeline and "cp" before "tp" for context parallelism. ``mesh["tp"]`` is this rank's TP group,
     ``mesh["dp"]`` its data-parallel group, ``mesh["pp"]`` its pipeline, ``mesh["cp"]`` the ranks sharing its
@@ -113,7 +55,7 @@ def build_mesh(layout: Layout, device_type: str) -> DeviceMesh:
     return init_device_mesh(device_type, tuple(d for _, d in dims), mesh_dim_names=tuple(n for n, _ in dims))
 
 
-def build_expert_mesh(layout: Layout, device_type: str) -> DeviceMesh:
+def build_expert_mesh(layout: ParallelDims, device_type: str) -> DeviceMesh:
     """The same ranks with dp split: ("edp", "ep", "tp"), ("pp", "edp", "ep", "tp") with a pipeline.
     ``mesh["ep"]`` is this rank's EP group (the ranks that split its experts), ``mesh["edp"]`` the ranks holding the
     same experts. A mesh of its own rather than "dp" split and flattened back in one mesh: torch deprecates slicing
@@ -138,19 +80,19 @@ def attach_layout(ctx: Any, parallel: ParallelConfig) -> Any:
     ("pp", "dp", "cp", "tp") mesh of the same ranks.
 
     Raises:
-        ValueError: tp · pp (· cp) does not divide the world size, or ep the data-parallel degree (:class:`Layout`)."""
+        ValueError: tp · pp (· cp) does not divide the world size, or ep the data-parallel degree (:class:`~torch_handle.common.parallel_dims.ParallelDims`)."""
     cp = getattr(parallel, "cp", 1)
     if parallel.tp == 1 and parallel.pp == 1 and parallel.ep == 1:
         if cp == 1:
             return ctx
-        layout = Layout(ctx.world_size, cp=cp)
+        layout = ParallelDims(ctx.world_size, cp=cp)
         return replace(ctx, layout=layout, cp_mesh=build_mesh(layout, ctx.device.type))
     if cp > 1:  # with tp and/or pp (ep: refused): ctx.mesh's "dp" is dp x cp, the strategy's ranks, TP innermost
         from torch.distributed.device_mesh import init_device_mesh
 
-        layout = Layout(ctx.world_size, parallel.tp, parallel.pp, cp=cp)
+        layout = ParallelDims(ctx.world_size, parallel.tp, parallel.pp, cp=cp)
         pp = ((layout.pp,), ("pp",)) if layout.pp > 1 else ((), ())
-        mesh = init_device_mesh(ctx.device.type, (*pp[0], layout.dp * cp, layout.tp),
+        mesh = init_device_mesh(ctx.device.type, (*pp[0], layout.dp_cp, layout.tp),
                                 mesh_dim_names=(*pp[1], "dp", "tp"))
         tp_group = None
         if layout.tp > 1:
@@ -159,7 +101,7 @@ def attach_layout(ctx: Any, parallel: ParallelConfig) -> Any:
             tp_group = TPGroup(mesh["tp"].get_group())
         return replace(ctx, layout=layout, mesh=mesh, tp_group=tp_group, cp_mesh=build_mesh(layout, ctx.device.type),
                        pp_group=mesh["pp"].get_group() if layout.pp > 1 else None)
-    layout = Layout(ctx.world_size, parallel.tp, parallel.pp, parallel.ep)
+    layout = ParallelDims(ctx.world_size, parallel.tp, parallel.pp, parallel.ep)
     mesh = build_mesh(layout, ctx.device.type)
     tp_group = None
     if layout.tp > 1:  # an EP-only or pipeline-only run imports nothing of tensor parallelism

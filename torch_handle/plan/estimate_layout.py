@@ -1,7 +1,7 @@
 """What every rank of a dp x tp x pp layout holds: ``handle estimate`` for any layout with a pipeline, and the
 memory model a layout planner ranks layouts with (issue 21).
 
-Ranks are laid out as :class:`torch_handle.parallel.mesh.Layout` says (rank = (pp_rank · dp + dp_rank) · tp +
+Ranks are laid out as :class:`torch_handle.common.parallel_dims.ParallelDims` says (rank = (pp_rank · dp + dp_rank) · tp +
 tp_rank). A rank holds the layers of its pipeline stages (:func:`torch_handle.model.pipeline.split_layers`: the
 embedding on the first stage, the final norm and the head on the last, a tied embedding on both), each split by
 the model's tensor-parallel plan (:mod:`torch_handle.plan.estimate_model`: column- and row-parallel weights and
@@ -395,14 +395,14 @@ def estimate_layout(preset: Preset, registry: PluginRegistry, *, every_rank: boo
             not allow, a pipeline of a model without a split, a split tp does not divide.
         PresetError: a dataset without ``vocab_size``/``seq_len`` options.
     """
-    from torch_handle.parallel.mesh import Layout
+    from torch_handle.common.parallel_dims import ParallelDims
     from torch_handle.parallel.pipeline.schedules import stage_ranks
     from torch_handle.plan.estimate_cp import preset_cp_buffer_bytes
     from torch_handle.plan.estimate_pipeline import in_flight_peak
 
     par, t = preset.parallel, preset.training
-    layout = Layout(preset.world_size, par.tp, par.pp)
-    dp, tp, pp, cp = layout.dp, par.tp, par.pp, par.cp  # dp: the ranks states shard over, dp x cp
+    layout = ParallelDims(preset.world_size, par.tp, par.pp, cp=par.cp)
+    dp, tp, pp, cp = layout.dp_cp, par.tp, par.pp, par.cp  # dp: the ranks states shard over, dp x cp
     variant = variant or preset_variant(preset)
     if variant.strategy not in BUILTIN:
         raise ValueError(f"strategy {variant.strategy!r} has no memory model (built in: {', '.join(BUILTIN)})")
@@ -459,7 +459,9 @@ def estimate_layout(preset: Preset, registry: PluginRegistry, *, every_rank: boo
         for dp_rank, s in _dp_states(shape, variant, t.precision, dp, every_rank, par.ep):
             for tp_rank in range(tp):
                 rows.append(RankMemory(
-                    layout.rank(pp_rank, dp_rank, tp_rank), pp_rank, dp_rank, tp_rank, stages, s.param, s.grad,
+                    # dp_rank counts the dp x cp ranks a strategy holds, cp inside dp (ParallelDims' order)
+                    layout.rank(pp_rank, dp_rank // cp, tp_rank, dp_rank % cp), pp_rank, dp_rank, tp_rank, stages,
+                    s.param, s.grad,
                     s.optimizer, act, s.host, shape.n_params, tuple(saved[x] for x in stages),
                     tuple(peaks[pp_rank][1]), act_saved, logits, acts.whole.recompute, loss, gathered,
                     s.frozen_param, s.nf4))

@@ -48,7 +48,7 @@ MICROBATCH_FACTORS = (1, 2, 4)
 
 @dataclass(frozen=True)
 class Candidate:
-    """One way to run the preset on ``dp·tp·pp`` ranks: a layout (``parallel.mesh.Layout``'s degrees) with the
+    """One way to run the preset on ``dp·tp·pp`` ranks: a layout (``common.parallel_dims.ParallelDims``' degrees) with the
     settings that go with it (schedule, micro-batches, checkpointing, strategy)."""
 
     dp: int

@@ -45,7 +45,7 @@ class DistContext:
     device: torch.device
     backend: str
     layout: Any = None
-    """The pp x dp x tp :class:`~torch_handle.parallel.mesh.Layout` when ``parallel.tp``, ``parallel.pp`` or
+    """The pp x dp x tp :class:`~torch_handle.common.parallel_dims.ParallelDims` when ``parallel.tp``, ``parallel.pp`` or
     ``parallel.ep`` > 1, else None (dp = world size)."""
     mesh: Any = None
     """The ("dp", "tp") or ("pp", "dp", "tp") ``DeviceMesh`` of ``layout``."""

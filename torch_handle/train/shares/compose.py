@@ -42,7 +42,7 @@ def build_shares(preset: Preset, ctx: Any) -> Shares:
     """The shares of ``preset.parallel``'s layout on this rank, before the model exists (a collective: the mesh).
 
     Raises:
-        ValueError: the layout does not fit the world size (:class:`~torch_handle.parallel.mesh.Layout`)."""
+        ValueError: the layout does not fit the world size (:class:`~torch_handle.common.parallel_dims.ParallelDims`)."""
     par = preset.parallel
     cp = getattr(par, "cp", 1)
     if max(par.tp, par.pp, par.ep, cp) == 1:
