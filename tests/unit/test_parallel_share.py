@@ -126,14 +126,15 @@ def test_every_share_implements_the_contract(share: type) -> None:
 
 def test_the_run_has_one_share_the_first_of_composition_composing_the_others(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """For every layout (tp, pp, ep each 1 or 2), ``build_shares(...).run`` is the share present first in
-    :data:`COMPOSITION` (each name that of its module: ``tensor`` -> torch_handle/train/shares/tensor.py), and that
-    share, where it is COMPOSITION's first (the pipeline's), holds the other present ones in COMPOSITION's order."""
+    """For every layout (pp, cp, tp, ep each 1 or 2; cp with ep refused by ``handle validate``), ``build_shares(...)
+    .run`` is the share present first in :data:`COMPOSITION` (each name that of its module: ``tensor`` ->
+    torch_handle/train/shares/tensor.py), and it holds the other present ones it composes in COMPOSITION's order:
+    the pipeline every other, the context share the TP share."""
     built: list[Any] = []
 
     def stub(kind: str) -> type:
-        def init(self: Any, *args: Any) -> None:
-            self.kind, self.args = kind, args
+        def init(self: Any, *args: Any, **kwargs: Any) -> None:
+            self.kind, self.args = kind, (*args, *kwargs.values())
             built.append(self)
         return type(f"Stub{kind.title()}", (), {"__init__": init})
 
@@ -142,20 +143,24 @@ def test_the_run_has_one_share_the_first_of_composition_composing_the_others(
                             stub(kind))
     monkeypatch.setattr(compose, "attach_layout", lambda ctx, parallel: ctx)  # no mesh: a collective
     monkeypatch.setattr(compose, "pipeline_microbatches", lambda preset: 2)
-    ctx = DistContext(rank=0, local_rank=0, world_size=8, device=torch.device("cpu"), backend="gloo")
+    ctx = DistContext(rank=0, local_rank=0, world_size=16, device=torch.device("cpu"), backend="gloo")
     seen: set[str] = set()
-    for tp, pp, ep in itertools.product((1, 2), repeat=3):
+    holds = {"pipeline": COMPOSITION[1:], "context": ("tensor",)}
+    for pp, cp, tp, ep in itertools.product((1, 2), repeat=4):
+        if cp > 1 and ep > 1:
+            continue
         built.clear()
-        preset = SimpleNamespace(parallel=SimpleNamespace(tp=tp, pp=pp, ep=ep, ep_impl="native"),
+        preset = SimpleNamespace(parallel=SimpleNamespace(tp=tp, pp=pp, ep=ep, cp=cp, ep_impl="native"),
+                                 data=SimpleNamespace(options=SimpleNamespace(document_mask=True)),
                                  training=SimpleNamespace(label_smoothing=0.0))
         run = compose.build_shares(preset, ctx).run
         present = [share.kind for share in built]
         seen.update(present)
         first = next((kind for kind in COMPOSITION if kind in present), None)
-        assert (run and run.kind) == first, (tp, pp, ep)
-        if first == COMPOSITION[0]:
+        assert (run and run.kind) == first, (pp, cp, tp, ep)
+        if first in holds:
             held = [arg.kind for arg in run.args if any(arg is share for share in built)]
-            assert held == [kind for kind in COMPOSITION[1:] if kind in present], (tp, pp, ep)
+            assert held == [kind for kind in holds[first] if kind in present], (pp, cp, tp, ep)
     assert seen == set(COMPOSITION)  # every name of COMPOSITION is a share some layout builds
 
 

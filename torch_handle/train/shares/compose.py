@@ -1,5 +1,6 @@
-"""The run's parallel share, built from its layout: the TP, pipeline and expert-parallel shares side by side (each
-only when its degree is above 1, each module imported only then: an EP-only run imports no tensor parallelism), and
+"""The run's parallel share, built from its layout: the pipeline, context-, tensor- and expert-parallel shares side by
+side (each only when its degree is above 1, each module imported only then: an EP-only run imports no tensor
+parallelism), and
 the one share the trainer uses everywhere (build, step, checkpoint, export), composed in the order of
 :data:`~torch_handle.train.shares.contract.COMPOSITION`.
 """
@@ -67,5 +68,5 @@ def build_shares(preset: Preset, ctx: Any) -> Shares:
     if par.pp > 1:
         from torch_handle.train.shares.pipeline import PipelineParallel
 
-        pp = PipelineParallel(par, ctx, pipeline_microbatches(preset), tp, ep, cp_share)
+        pp = PipelineParallel(par, ctx, pipeline_microbatches(preset), cp_share, tp, ep)
     return Shares(replace(ctx, ep_share=ep), tp, pp, ep, cp_share)

@@ -1,15 +1,15 @@
-"""The contract of a parallel share: what one process holds of a model split by tensor, pipeline or expert
+"""The contract of a parallel share: what one process holds of a model split by pipeline, context, tensor or expert
 parallelism, and what the trainer asks of it.
 
 A run has at most one share (:func:`torch_handle.train.shares.compose.build_shares` resolves it from the layout): the
-:class:`~torch_handle.train.shares.tensor.TensorParallel` share (tp > 1), the
-:class:`~torch_handle.train.shares.expert.ExpertParallel` share (ep > 1), or, with a pipeline, the
-:class:`~torch_handle.train.shares.pipeline.PipelineParallel` share, which composes the other two: each call
-goes to the pipeline's stages, then to their TP split, then to their experts (the order of
-:data:`COMPOSITION`). The data-parallel strategy (DDP, FSDP2, ...) wraps what the share leaves it and steps it;
-the share then owns what spans the split: the gradient norm and clipping over every part, the step's layout
-figures, and checkpoints and final weights in the one-process form (the portable form: full tensors by name, so
-that any layout resumes them).
+:class:`~torch_handle.train.shares.pipeline.PipelineParallel` share with a pipeline, which composes the others;
+else the :class:`~torch_handle.train.shares.context.ContextParallel` share (cp > 1, around the TP share); else the
+:class:`~torch_handle.train.shares.tensor.TensorParallel` share (tp > 1) or the
+:class:`~torch_handle.train.shares.expert.ExpertParallel` share (ep > 1). Each call goes to the pipeline's stages,
+then to their sequence shards, then to their TP split, then to their experts (the order of :data:`COMPOSITION`).
+The data-parallel strategy (DDP, FSDP2, ...) wraps what the share leaves it and steps it; the share then owns what
+spans the split: the gradient norm and clipping over every part, the step's layout figures, and checkpoints and
+final weights in the one-process form (the portable form: full tensors by name, so that any layout resumes them).
 
 The trainer's calls, in a run's order::
 
@@ -34,11 +34,13 @@ from torch_handle.data.datasets import IGNORE_INDEX
 from torch_handle.model.linear_cross_entropy import sequence_logps
 from torch_handle.train.loss import chunked_loss_fn, loss_fn, token_losses
 
-COMPOSITION = ("pipeline", "tensor", "expert")
-"""The order a composed share delegates in (tp × pp, pp × ep, dp × tp × pp): the pipeline's stages (joined by name
-on rank 0, the tied embedding's gradients summed over the first and last stage), each stage's TP split (partial
-gradients summed, split tensors gathered), its experts (reduced over "edp", gathered over "ep"). Tensor and expert
-parallelism do not compose without a pipeline (``handle validate`` refuses tp > 1 with ep > 1)."""
+COMPOSITION = ("pipeline", "context", "tensor", "expert")
+"""The order a composed share delegates in (tp × pp, pp × cp, cp × tp, pp × ep, dp × tp × pp): the pipeline's stages
+(joined by name on rank 0, the tied embedding's gradients summed over the first and last stage), each stage's
+sequence shards (inputs cut head-tail, the loss over the whole sequence's labels), each stage's TP split (partial
+gradients summed, split tensors gathered), its experts (reduced over "edp", gathered over "ep"). A share holds the
+later ones it composes, and is built with them in this order. Tensor and expert parallelism do not compose without
+a pipeline (``handle validate`` refuses tp > 1 with ep > 1), nor context with expert parallelism."""
 
 UNSPLIT_TP = SimpleNamespace(rank=0)
 """The TP "group" of a share whose model has no tensor parallelism (the ``tp`` argument of

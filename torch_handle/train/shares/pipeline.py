@@ -84,8 +84,8 @@ class PipelineParallel(PortableShare):
     rank's stages, then their sequence split (``cp``), then their TP split (``tp``), then their experts (``ep``).
     """
 
-    def __init__(self, parallel: ParallelConfig, ctx: DistContext, n_microbatches: int, tp: Any = None,
-                 ep: Any = None, cp: Any = None):
+    def __init__(self, parallel: ParallelConfig, ctx: DistContext, n_microbatches: int, cp: Any = None,
+                 tp: Any = None, ep: Any = None):
         self.parallel, self.ctx, self.m, self.tp, self.cp = parallel, ctx, n_microbatches, tp, cp
         self.inner = cp if cp is not None else tp  # the loss, its traffic and step figures: CP's (around TP's)
         self.cp_degree = 1 if cp is None else cp.cp
