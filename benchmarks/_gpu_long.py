@@ -42,7 +42,8 @@ def loss_memory_row(smoke: bool, out: Path, run: Callable[[list[str], Path, floa
     rc, text = run(cmd, out / "logs" / "loss-memory.log", timeout_s)
     cases = [json.loads(line) for line in text.splitlines() if line.startswith("{")]
     keep = ("vocab", "micro_batch", "seq_len", "logits_fp32_bytes", "peak_ratio", "transient_ratio", "time_ratio",
-            "full_estimate_ratio", "chunked_estimate_ratio", "full_s", "chunked_s")
+            "full_estimate_ratio", "chunked_estimate_ratio", "full_s", "chunked_s",
+            "fp32_accumulate", "weight_grad_error", "hidden_grad_error")  # the last two on CUDA only
     cases = [{k: c.get(k) for k in keep} for c in cases]
     note = "; ".join(f"V {c['vocab']:,} B {c['micro_batch']}: transient {c['transient_ratio']:.3f}x, time "
                      f"{c['time_ratio']:.2f}x" for c in cases if c["transient_ratio"] is not None
