@@ -14,11 +14,12 @@ DPO's metrics) within 1e-5.
 - DPO, pp 2 torch's 1F1B: a pair's rows in one micro-batch, the reference (adapters off) from a forward-only pass
   before the schedule (and torch's shape inference's call of the loss left out of the metrics); and pp 2
   hand-written with the reference precomputed through the pipeline.
-- SFT, cp 2 by all-gather (DDP over the 2 cp ranks): the packed conversations' labels and documents sharded head-tail
-  per conversation, each micro-batch weighted by the global batch's trained tokens over the dp × cp ranks.
-- DPO, cp 2 by Ulysses: each row's log-probability summed from the cp ranks' token losses (gathered with autograd),
-  the reference the base with its adapters off; pairs and metrics counted once per cp group.
-
+- SFT, cp 2 by all-gather (the hand-written FSDP, scratch-fsdp, sharding over the 2 cp ranks): the packed
+  conversations' labels and documents sharded head-tail per conversation, each micro-batch weighted by the global
+  batch's trained tokens over the dp × cp ranks.
+- DPO, cp 2 by Ulysses (the hand-written DDP, scratch-ddp, averaging over the 2 cp ranks): each row's log-probability
+  summed from the cp ranks' token losses (gathered with autograd), the reference the base with its adapters off;
+  pairs and metrics counted once per cp group.
 
 The single-process references run in this process (``Trainer`` on a one-rank gloo group). The base has 2 layers (a
 stage each).
@@ -50,8 +51,8 @@ RUNS = {  # name -> (objective, --set overrides)
     "dpo-pp": ("dpo", ("parallel.pp=2", "parallel.pp_impl=native", "parallel.pp_schedule=1f1b")),
     "dpo-pp-precomputed": ("dpo", ("parallel.pp=2", "parallel.pp_impl=scratch", "parallel.pp_schedule=1f1b",
                                    "finetune.preference.reference=precomputed")),
-    "sft-cp": ("sft", ("parallel.cp=2", "parallel.cp_impl=allgather", "strategy.name=ddp")),
-    "dpo-cp": ("dpo", ("parallel.cp=2", "parallel.cp_impl=ulysses", "strategy.name=ddp")),
+    "sft-cp": ("sft", ("parallel.cp=2", "parallel.cp_impl=allgather", "strategy.name=scratch-fsdp")),
+    "dpo-cp": ("dpo", ("parallel.cp=2", "parallel.cp_impl=ulysses", "strategy.name=scratch-ddp")),
 }
 
 

@@ -25,7 +25,7 @@ dropout = 0.1
 [data]
 seq_len = 30
 [strategy]
-name = "scratch-ddp"
+name = "single"
 [parallel]
 cp = 4
 cp_impl = "ulysses"
@@ -55,8 +55,8 @@ def test_every_context_parallel_problem_is_one_line(runner, tmp_path):
         "sequence into 2 x cp chunks; e.g. 24)"),
         ("error: p.toml:16: parallel.cp_impl: \"ulysses\" gives each of the cp x tp = 4 ranks whole heads: "
         "model.n_heads = 8 and n_kv_heads = 2 must both divide by it (valid: ring, allgather)"),
-        ("error: p.toml:13: strategy.name: 'scratch-ddp' with parallel.cp > 1 is not supported yet (valid: ddp, "
-         "fsdp, deepspeed)"),
+        ("error: p.toml:13: strategy.name: 'single' with parallel.cp > 1 is not supported yet (valid: ddp, "
+         "fsdp, deepspeed, scratch-ddp, scratch-fsdp)"),
         ("error: p.toml:9: model.dropout: 0.1: the context-parallel attentions apply no attention dropout (valid "
         "with parallel.cp > 1: 0)"),
     ]

@@ -3,8 +3,8 @@ preset with cp > 1 (one line each, before anything starts; :data:`torch_handle.c
 :func:`context_parallel_problems`).
 
 Context parallelism splits each sequence over cp ranks (docs/context-parallel.md). In this version it composes
-with data parallelism -- DDP, FSDP2 or DeepSpeed ZeRO, which reduce (and shard) over dp × cp, torchtitan's
-``dp_shard_cp`` -- the hand-written tensor parallelism (with or without sequence parallelism) and pipelines (both
+with data parallelism -- DDP, FSDP2, DeepSpeed ZeRO or the hand-written scratch-ddp and scratch-fsdp, which reduce
+(and shard) over dp × cp, torchtitan's ``dp_shard_cp`` -- the hand-written tensor parallelism (with or without sequence parallelism) and pipelines (both
 ``pp_impl``: each stage on its T/cp tokens), under the ``lm``, ``sft`` and ``dpo`` objectives (full training or
 LoRA), for the from-scratch decoder. What it refuses, and
 why:
@@ -38,11 +38,12 @@ __all__ = ["IMPLS", "STRATEGIES", "chosen_cp_impl", "context_parallel_problems"]
 IMPLS = ("ring", "allgather", "ulysses")
 """The hand-written context-parallel attentions (``torch_handle/parallel/context/``)."""
 
-STRATEGIES = ("ddp", "fsdp", "deepspeed")
-"""The data-parallel strategies that run with cp > 1: their gradients are reduced (and FSDP2's and ZeRO's parameters,
-gradients or optimizer states sharded) over the dp × cp ranks, the default process group, and their clipping
-measures the whole model's norm. The hand-written scratch-ddp divides by the data-parallel degree and scratch-fsdp
-clips inside its step: not yet."""
+STRATEGIES = ("ddp", "fsdp", "deepspeed", "scratch-ddp", "scratch-fsdp")
+"""The data-parallel strategies that run with cp > 1: their gradients are reduced (and FSDP2's, ZeRO's and
+scratch-fsdp's parameters, gradients or optimizer states sharded) over the dp × cp ranks (the default process group,
+or the mesh's "dp" of a (pp, tp) coordinate), averaged over that many, and their clipping measures the whole model's
+norm. Which of them a split (tp, pp) takes is the strategy plugin's own check (scratch-ddp: pp; scratch-fsdp:
+neither)."""
 
 
 def _native_problem() -> str:

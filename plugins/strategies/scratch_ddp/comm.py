@@ -45,8 +45,9 @@ class CountedAllReduce:
 
     @property
     def world_size(self) -> int:
-        """The ranks a gradient is averaged over: the data-parallel degree."""
-        return self.ctx.dp_size
+        """The ranks a gradient is averaged over, those it is summed over: the data-parallel degree, times cp under
+        context parallelism (its ranks hold the same replica and see other tokens)."""
+        return dist.get_world_size(self.group) if self.active else 1
 
     def __call__(self, tensor: torch.Tensor, async_op: bool = False) -> Any:
         """Sum ``tensor`` over the ranks in place.
