@@ -1,7 +1,8 @@
 """Context parallelism through `handle run` (issue 48): a tiny Llama-shaped decoder (RMSNorm, RoPE, SwiGLU, 4 query
 heads on 2 key/value heads) on packed documents with document masks, fp32, 10 steps of 8 sequences of 32 tokens.
-tp 2 × cp 2 by ring (hand-written TP with sequence parallelism, DDP; 4 processes), cp 4 by ring (DeepSpeed ZeRO-2;
-4 processes: K/V blocks three hops round the ring), dp 2 × cp 2 by Ulysses (FSDP2 sharding over the 4 dp × cp
+tp 2 × cp 2 by ring (hand-written TP with sequence parallelism, DDP; 4 processes), cp 4 by ring (DeepSpeed ZeRO-2
+and the chunked loss, each rank's T/cp tokens projected a chunk at a time; 4 processes: K/V blocks three hops round
+the ring), dp 2 × cp 2 by Ulysses (FSDP2 sharding over the 4 dp × cp
 ranks) and pp 2 × cp 2 by all-gather (the hand-written 1F1B, each stage on its T/cp tokens; DDP) give the one-process
 losses and gradient norms within 1e-5 at every step (and the validation losses); the
 tp 2 × cp 2 run's step-5 checkpoint resumed at tp 1, cp 1, dp 2 (DDP on 2 processes, grad_accum 1: the same global
@@ -40,7 +41,7 @@ RUNS = {
                      "--set", "parallel.sequence_parallel=true", "--set", "training.checkpoint_every=5"),
     "cp4-ring-zero2": ("--set", "launch.nproc_per_node=4", "--set", "strategy.name=deepspeed", "--set",
                        "strategy.zero_stage=2", "--set", "parallel.cp=4", "--set", "parallel.cp_impl=ring",
-                       "--set", "training.checkpoint_every=5"),
+                       "--set", "training.checkpoint_every=5", "--set", "training.loss_impl=chunked"),
     "dp2xcp2-ulysses": ("--set", "launch.nproc_per_node=4", "--set", "strategy.name=fsdp", "--set", "parallel.cp=2",
                         "--set", "parallel.cp_impl=ulysses", "--set", "training.grad_accum=1"),
     "pp2xcp2-allgather": ("--set", "launch.nproc_per_node=4", "--set", "strategy.name=ddp", "--set", "parallel.pp=2",

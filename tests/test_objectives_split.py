@@ -17,9 +17,10 @@ DPO's metrics) within 1e-5.
 - SFT, cp 2 by all-gather (the hand-written FSDP, scratch-fsdp, sharding over the 2 cp ranks): the packed
   conversations' labels and documents sharded head-tail per conversation, each micro-batch weighted by the global
   batch's trained tokens over the dp × cp ranks.
-- DPO, cp 2 by Ulysses (the hand-written DDP, scratch-ddp, averaging over the 2 cp ranks): each row's log-probability
-  summed from the cp ranks' token losses (gathered with autograd), the reference the base with its adapters off;
-  pairs and metrics counted once per cp group.
+- DPO, cp 2 by Ulysses (the hand-written DDP, scratch-ddp, averaging over the 2 cp ranks) with the chunked loss:
+  each row's log-probability summed from the cp ranks' chunked sums of their tokens (gathered with autograd; the
+  one-process reference takes the logits whole), the reference the base with its adapters off; pairs and metrics
+  counted once per cp group.
 
 The single-process references run in this process (``Trainer`` on a one-rank gloo group). The base has 2 layers (a
 stage each).
@@ -52,7 +53,8 @@ RUNS = {  # name -> (objective, --set overrides)
     "dpo-pp-precomputed": ("dpo", ("parallel.pp=2", "parallel.pp_impl=scratch", "parallel.pp_schedule=1f1b",
                                    "finetune.preference.reference=precomputed")),
     "sft-cp": ("sft", ("parallel.cp=2", "parallel.cp_impl=allgather", "strategy.name=scratch-fsdp")),
-    "dpo-cp": ("dpo", ("parallel.cp=2", "parallel.cp_impl=ulysses", "strategy.name=scratch-ddp")),
+    "dpo-cp": ("dpo", ("parallel.cp=2", "parallel.cp_impl=ulysses", "strategy.name=scratch-ddp",
+                       "training.loss_impl=chunked")),
 }
 
 

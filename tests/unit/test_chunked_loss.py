@@ -234,7 +234,8 @@ def test_auto_takes_the_chunked_loss_for_large_logits_where_it_runs():
     (["parallel.pp=2", "training.grad_accum=2"], None),  # the last stage applies the output layer itself
     (["parallel.pp=2", "parallel.pp_impl=native", "parallel.pp_schedule=zbv", "parallel.pp_stages_per_rank=2",
       "training.grad_accum=2"], "the zero-bubble schedule 'zbv' splits the last stage's backward in two"),
-    (["parallel.ep=2", "model.n_experts=4"], "tensor- or pipeline-parallel models only, not with parallel.ep = 2"),
+    (["parallel.ep=2", "model.n_experts=4"], "pipeline- or context-parallel models only, not with parallel.ep = 2"),
+    (["parallel.cp=2", "model.dropout=0.0"], None),  # each cp rank its tokens, scaled to the whole sequence's count
     (["parallel.tp=2"], None),
     (["parallel.tp=2", "parallel.tp_impl=native", "parallel.sequence_parallel=true", "strategy.name=single"], None),
     (["strategy.name=fsdp"], "needs whole parameters after the forward pass; strategy 'fsdp'"),

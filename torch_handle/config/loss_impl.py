@@ -5,12 +5,14 @@ It takes the model's last hidden states and its output weight *outside* the mode
 
 * the from-scratch decoder (``model.name = "transformer"``, ``kind = "decoder"``: ``DecoderLM.forward`` returns
   its hidden states on request; a plugin's model or the encoder-decoder returns logits only);
-* no parallel share but tensor and pipeline parallelism (``parallel.ep`` and ``cp`` = 1): under ``parallel.tp``
+* no expert parallelism (``parallel.ep = 1``; tensor, pipeline and context parallelism run it): under ``parallel.tp``
   each rank computes its vocabulary slice of each chunk's logits (:mod:`torch_handle.model.linear_cross_entropy_tp`,
   both ``tp_impl``, with or without sequence parallelism, the token-mean loss and a preference objective's
   per-sequence log-probabilities alike); under ``parallel.pp`` the last stage returns its hidden states and the
   pipeline's share applies the output layer (the token-mean loss; not a preference objective's log-probabilities,
-  nor under a zero-bubble schedule, whose split backward would run the loss's backward twice);
+  nor under a zero-bubble schedule, whose split backward would run the loss's backward twice); under ``parallel.cp``
+  each rank applies it to its T/cp tokens, the loss scaled to the whole sequence's count and a preference
+  objective's row sums gathered over the cp ranks;
 * a strategy that holds whole parameters after the forward pass: not ``fsdp``, ``scratch-fsdp`` or ``deepspeed``
   with ``zero_stage = 3`` (their output weight is a shard outside the forward).
 
@@ -39,11 +41,9 @@ def chunked_loss_problem(preset: Any) -> str | None:
     if model.name != "transformer" or getattr(model.options, "kind", "decoder") != "decoder":
         return (f"needs the from-scratch decoder (model.name = 'transformer', kind = 'decoder'), not "
                 f"{model.name!r} of kind {getattr(model.options, 'kind', '?')!r}")
-    split = [f"parallel.{name} = {degree}" for name, degree in (("ep", par.ep), ("cp", getattr(par, "cp", 1)))
-             if degree > 1]
-    if split:
-        return (f"runs on unsplit, tensor- or pipeline-parallel models only, not with {' and '.join(split)} (that "
-                f"split model's loss is computed from its logits)")
+    if par.ep > 1:
+        return (f"runs on unsplit, tensor-, pipeline- or context-parallel models only, not with parallel.ep = "
+                f"{par.ep} (that split model's loss is computed from its logits)")
     if par.pp > 1 and getattr(par, "pp_schedule", "1f1b") in SPLIT_BACKWARD_SCHEDULES:
         return (f"runs its backward once, and the zero-bubble schedule {par.pp_schedule!r} splits the last stage's "
                 f"backward in two (input, then weight gradients; valid: gpipe, 1f1b, interleaved-1f1b, looped-bfs)")

@@ -50,7 +50,7 @@ from torch_handle.observe.fields import CP_COMM_S
 from torch_handle.parallel.context.blocks import Tokens
 from torch_handle.parallel.context.comms import STATS, gather_sequence
 from torch_handle.parallel.context.sharding import attention_pairs, document_ids_of, imbalance, shard, shard_order
-from torch_handle.train.loss import loss_fn, token_losses
+from torch_handle.train.loss import chunked_loss_fn, loss_fn, token_losses
 from torch_handle.train.shares.contract import PortableShare
 
 
@@ -178,6 +178,28 @@ class ContextParallel(PortableShare):
         mean, n_local = split(logits, local, label_smoothing)
         n = (labels != IGNORE_INDEX).sum()
         return mean * n_local * self.cp / n.clamp(min=1), n / self.cp
+
+    def chunked_loss(self, hidden: Any, weight: Any, labels: Tensor, label_smoothing: float
+                     ) -> tuple[Tensor, Tensor]:
+        """:meth:`loss` without the logits (``training.loss_impl = "chunked"``): this rank's final hidden states
+        (B, T/cp, C), the output weight (V, or V/tp with its TP share, C), the whole micro-batch's labels (B, T),
+        sharded here; the chunked loss of the local tokens (the TP share's where there is one), scaled as
+        :meth:`loss` scales its mean."""
+        local = shard(labels, self.order, self.cp, self.rank)  # (B, T/cp)
+        split = self.inner.chunked_loss if self.inner is not None else chunked_loss_fn
+        mean, n_local = split(hidden, weight, local, label_smoothing)
+        n = (labels != IGNORE_INDEX).sum()
+        return mean * n_local * self.cp / n.clamp(min=1), n / self.cp
+
+    def chunked_logps(self, hidden: Any, weight: Any, labels: Tensor) -> Tensor:
+        """Each row's summed log-probability (B,) fp32 of the whole sequence without the logits: this rank's tokens'
+        sums (the chunked per-sequence log-probabilities of its hidden states (B, T/cp, C) and labels, sharded
+        here), gathered over the cp group with autograd and summed, so every rank holds whole rows and the gradient
+        returns to each rank's tokens as :meth:`token_losses`' does."""
+        local = shard(labels, self.order, self.cp, self.rank)  # (B, T/cp)
+        split = self.inner.chunked_logps if self.inner is not None else super().chunked_logps
+        partial = split(hidden, weight, local)  # (B,): this rank's tokens
+        return gather_sequence(partial[:, None], 1, self.group).sum(dim=1)
 
     def token_losses(self, logits: Any, labels: Tensor) -> Tensor:
         """Each token's cross-entropy (B, T) fp32 of the whole sequence, in its own order (0 where ignored), from

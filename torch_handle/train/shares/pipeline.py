@@ -223,9 +223,10 @@ class PipelineParallel(PortableShare):
 
     def chunked_loss(self, hidden: Any, weight: Any, labels: torch.Tensor, label_smoothing: float
                      ) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`loss` of the logits ``hidden @ weight.T`` without them: hidden (B, T, C) (or T/tp under sequence
-        parallelism), weight (V or V/tp, C): the TP share's vocabulary-parallel chunked loss, else the whole one."""
-        inner = self.tp if self.tp is not None else super()
+        """:meth:`loss` of the logits ``hidden @ weight.T`` without them: hidden (B, T, C) (T/cp under context
+        parallelism, T/tp under sequence parallelism), weight (V or V/tp, C): the CP share's (labels sharded), the TP
+        share's vocabulary-parallel chunked loss, else the whole one."""
+        inner = self.inner if self.inner is not None else super()
         return inner.chunked_loss(hidden, weight, labels, label_smoothing)
 
     def token_losses(self, logits: Any, labels: torch.Tensor) -> torch.Tensor:
