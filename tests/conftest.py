@@ -54,20 +54,21 @@ def pytest_unconfigure(config) -> None:
         os.environ.pop("HANDLE_PEAK_CACHE", None)
 
 
-SLOWEST_FIRST = ("test_learn_doc", "test_distributed", "test_nd_parallel", "test_lora_strategies", "test_multinode",
-                 "test_tensor_parallel", "test_gpu_check", "test_expert_parallel_runs", "test_cross_resume",
-                 "test_pipeline_parallel",
-                 "test_dpo",  # 80 CPU s (2 cores under load, as the next two): 5 runs of 2 ranks, 12 in-process
-                 "test_sft_strategies",  # 73 CPU s: 5 runs of 2 ranks, 3 in-process
-                 "test_qlora_strategies",  # 79 CPU s: 6 runs of 2 ranks, 1 in-process
-                 "test_hf_export", "test_hang", "test_estimate", "test_lost_runs",
-                 "test_objectives_split",  # 68 CPU s: 5 runs of 2 ranks and 2 in-process
-                 "test_context_parallel_runs",  # 74 CPU s: 5 runs
-                 "test_hf", "test_tp_encoder_decoder", "test_bench_comm",
-                 "test_resume_safety", "test_env", "test_plugins_cli", "test_layout_weights", "test_pipeline_checkpoint",
-                 "test_run_info_stress", "test_slurm", "test_bench_scaling", "test_plan", "test_tokens_run",
-                 "test_data_prepare", "test_docs", "test_scratch_fsdp_run", "test_launch_prepare",
-                 "test_context_parallel", "test_lm_eval", "test_lm_eval_in_loop",  # 30 CPU s: a 2-rank run
+SLOWEST_FIRST = ("test_learn_doc", "test_distributed", "test_nd_parallel",
+                 "test_context_parallel_runs",  # 103 CPU s: 7 launches, 4 of them 4 ranks (2026-12-06)
+                 "test_objectives_split",  # 84 CPU s: 7 runs of 2 ranks and 2 in-process
+                 "test_multinode", "test_expert_parallel_runs",
+                 "test_dpo",  # 75 CPU s: 5 runs of 2 ranks, 12 in-process
+                 "test_lora_strategies", "test_pipeline_parallel", "test_tensor_parallel", "test_cross_resume",
+                 "test_qlora_strategies",  # 59 CPU s: 6 runs of 2 ranks, 1 in-process
+                 "test_gpu_check",  # 55 CPU s: the CPU smoke version's runs
+                 "test_sft_strategies",  # 55 CPU s: 5 runs of 2 ranks, 3 in-process
+                 "test_hf_export", "test_estimate", "test_hang", "test_lost_runs",
+                 "test_hf", "test_plugins_cli", "test_tp_encoder_decoder", "test_layout_weights", "test_bench_comm",
+                 "test_resume_safety", "test_plan", "test_tokens_run", "test_run_info_stress", "test_env",
+                 "test_pipeline_checkpoint", "test_docs", "test_data_prepare", "test_scratch_fsdp_run", "test_slurm",
+                 "test_lm_eval_in_loop",  # 20 CPU s: a 2-rank run
+                 "test_bench_scaling", "test_launch_prepare", "test_context_parallel", "test_lm_eval",
                  "test_estimate_layout")
 """Test files by falling duration (CPU seconds, and wall time where a test waits; 2 cores): `make test` hands whole
 files to two xdist workers in collection order (--dist loadfile --no-loadscope-reorder), and the longest first keeps
