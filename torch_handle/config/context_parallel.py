@@ -89,8 +89,10 @@ def context_parallel_problems(preset: Any, registry: Any = None) -> Iterator[Pre
         yield PresetError(f"parallel.cp > 1 composes with the hand-written tensor parallelism only (tp_impl = "
                           f"{par.tp_impl!r}; valid: 'scratch')", key="parallel.tp_impl")
     if par.ep > 1:
-        yield PresetError("parallel.cp > 1 does not compose with expert parallelism yet (valid with cp > 1: "
-                          "parallel.ep = 1)", key="parallel.ep")
+        yield PresetError("parallel.cp > 1 with expert parallelism is not built: EP groups are drawn from the "
+                          "data-parallel ranks alone (torchtitan also lends them the cp ranks), and an MoE layer "
+                          "routes the tokens it holds, which cp cuts per rank (valid with cp > 1: parallel.ep = 1)",
+                          key="parallel.ep")
     if par.pp > 1 and par.pp_schedule in SPLIT_BACKWARD_SCHEDULES:
         yield PresetError(f"{par.pp_schedule!r} with parallel.cp > 1: a zero-bubble schedule splits each stage's "
                           f"backward into an input and a weight pass, which the cp attentions' backward (a collective "
