@@ -350,10 +350,10 @@ def estimate(preset: str, overrides: tuple[str, ...], nproc: str, nnodes: int | 
             click.echo(line)
     cp = rows[0].cp
     if tp > 1 or pp > 1 or cp > 1:  # the line every view shows (handle validate, handle runs, the dashboard)
-        replica = "(pp_rank x dp + dp_rank)" + (" x cp + cp_rank)" if cp > 1 else "")
+        replica = "((pp_rank x dp + dp_rank) x cp + cp_rank)" if cp > 1 else "(pp_rank x dp + dp_rank)"
+        rank = f"{replica} x tp + tp_rank"
         click.echo(f"layout: {RunLayout.from_preset(loaded).label()} at the preset's world size "
-                   f"{loaded.world_size}; each row's rank is a global rank, {'(' if cp > 1 else ''}{replica} x tp + "
-                   "tp_rank")
+                   f"{loaded.world_size}; each row's rank is a global rank, {rank}")
     if tp > 1:
         p = loaded.parallel
         sp = "on" if p.sequence_parallel else "off"

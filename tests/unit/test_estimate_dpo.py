@@ -63,7 +63,7 @@ def test_the_estimate_prices_what_a_dpo_micro_batch_saves(prepared):
     assert objective.reference == "adapters_off"
     strategy = SimpleNamespace(model=model, unwrapped=lambda: model,
                                autocast=lambda: torch.autocast("cpu", enabled=False))
-    ctx = SimpleNamespace(tp_rank=0, cp_rank=0, layout=SimpleNamespace(cp=1))  # one process: no tp, no cp
+    ctx = SimpleNamespace(tp_rank=0, cp_rank=0, cp_size=1)  # one process: no tp, no cp
     trainer = SimpleNamespace(strategy=strategy, loss_impl="full", ctx=ctx, share=None,
                               training=preset.training, aux_loss_scale=SimpleNamespace(probe=lambda loss: loss))
 

@@ -45,8 +45,8 @@ class DistContext:
     device: torch.device
     backend: str
     layout: Any = None
-    """The pp x dp x tp :class:`~torch_handle.common.parallel_dims.ParallelDims` when ``parallel.tp``, ``parallel.pp`` or
-    ``parallel.ep`` > 1, else None (dp = world size)."""
+    """The pp × dp × cp × tp :class:`~torch_handle.common.parallel_dims.ParallelDims` when ``parallel.tp``,
+    ``parallel.pp``, ``parallel.ep`` or ``parallel.cp`` > 1, else None (dp = world size)."""
     mesh: Any = None
     """The ("dp", "tp") or ("pp", "dp", "tp") ``DeviceMesh`` of ``layout``."""
     tp_group: Any = None
@@ -79,6 +79,16 @@ class DistContext:
     def dp_size(self) -> int:
         """Model replicas: world_size / (tp · pp · cp)."""
         return self.world_size if self.layout is None else self.layout.dp
+
+    @property
+    def cp_size(self) -> int:
+        """Ranks sharing each sequence (1 without context parallelism)."""
+        return 1 if self.layout is None else self.layout.cp
+
+    @property
+    def dp_cp_size(self) -> int:
+        """The ranks the data-parallel strategy averages the gradients over: dp × cp."""
+        return self.world_size if self.layout is None else self.layout.dp_cp
 
     @property
     def tp_rank(self) -> int:

@@ -250,7 +250,7 @@ class Trainer:
         if self.share is not None:
             self.share.begin_step()
         self.loss_weight = global_mean_weight(self.data.train, self.train_sampler.peek(), t.grad_accum,
-                                              self.ctx.dp_size * getattr(self.ctx.layout, "cp", 1))
+                                              self.ctx.dp_cp_size)
         # [loss * tokens, tokens, stop] stays on the device until the one sync below (nccl needs it there too)
         stats = torch.zeros(3, dtype=torch.float64, device=self.ctx.device)
         self.loop.run(self, batches, stats)  # the micro-batches

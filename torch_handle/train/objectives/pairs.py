@@ -168,7 +168,7 @@ class DirectPreference:
         once = float(ctx.tp_rank == 0 and ctx.cp_rank == 0)  # a replica's TP and CP ranks hold the same pairs
         sums = torch.stack([*(metrics[k].sum() for k in METRICS), counts.sum().float()]).double() * once
         self.sums = sums if self.sums is None else self.sums + sums
-        cp = getattr(ctx.layout, "cp", 1)  # the loop sums the pairs over a replica's cp ranks: B / cp each
+        cp = ctx.cp_size  # the loop sums the pairs over a replica's cp ranks: B / cp each
         return losses.mean(), torch.tensor(B if cp == 1 else B / cp, device=losses.device)
 
     # -- a pipeline's micro-batches (parallel.pp > 1): the schedule calls these pieces -------------------------

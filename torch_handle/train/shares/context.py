@@ -175,7 +175,11 @@ class ContextParallel(PortableShare):
         module). Summed over the cp ranks, loss · count is the micro-batch's loss sum and count its tokens."""
         local = shard(labels, self.order, self.cp, self.rank)  # (B, T/cp)
         split = self.inner.loss if self.inner is not None else loss_fn  # a vocabulary split over tp: its own
-        mean, n_local = split(logits, local, label_smoothing)
+        return self._whole_sequence(*split(logits, local, label_smoothing), labels)
+
+    def _whole_sequence(self, mean: Tensor, n_local: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+        """(cp · local sum / n, n / cp) from this rank's token mean ``mean`` over its ``n_local`` labelled tokens
+        and the whole micro-batch's ``labels`` (B, T) (n: their labelled tokens; see the module)."""
         n = (labels != IGNORE_INDEX).sum()
         return mean * n_local * self.cp / n.clamp(min=1), n / self.cp
 
@@ -187,9 +191,7 @@ class ContextParallel(PortableShare):
         :meth:`loss` scales its mean."""
         local = shard(labels, self.order, self.cp, self.rank)  # (B, T/cp)
         split = self.inner.chunked_loss if self.inner is not None else chunked_loss_fn
-        mean, n_local = split(hidden, weight, local, label_smoothing)
-        n = (labels != IGNORE_INDEX).sum()
-        return mean * n_local * self.cp / n.clamp(min=1), n / self.cp
+        return self._whole_sequence(*split(hidden, weight, local, label_smoothing), labels)
 
     def chunked_logps(self, hidden: Any, weight: Any, labels: Tensor) -> Tensor:
         """Each row's summed log-probability (B,) fp32 of the whole sequence without the logits: this rank's tokens'
