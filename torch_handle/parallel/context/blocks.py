@@ -78,12 +78,6 @@ def visible(queries: Tokens, keys: Tokens, causal: bool) -> Tensor | None:
     return None if mask is None else mask[:, None, None]  # (B, 1, 1, T, S): broadcast over (H_kv, G)
 
 
-def skippable(mask: Tensor | None) -> bool:
-    """Whether a block contributes nothing (no query sees any of its keys: the causal future, other documents), so
-    its compute can be skipped. A host read of one bool."""
-    return mask is not None and not bool(mask.any())
-
-
 def _grouped(x: Tensor, n_kv_heads: int) -> Tensor:
     """(B, H, T, D) -> (B, H_kv, G, T, D): query heads grouped by the K/V head they read."""
     B, H, T, D = x.shape
@@ -187,17 +181,24 @@ def _tiles(n: int, size: int) -> list[slice]:
 def visible_tiles(queries: Tokens, keys: Tokens, causal: bool, size: int,
                   counts: TileCounts | None = None) -> Iterator[tuple[slice, slice, Tensor | None]]:
     """(query slice, key slice, mask) of each tile of ``size`` × ``size`` tokens that has a visible pair; the others
-    are counted in ``counts`` and left out."""
-    for qs in _tiles(len(queries), size):
-        for ks in _tiles(len(keys), size):
-            mask = visible(queries[qs], keys[ks], causal)
-            if skippable(mask):
-                if counts is not None:
-                    counts.skipped += 1
-                continue
+    (no query sees any of their keys: the causal future, other documents) are counted in ``counts`` and left out.
+
+    Which tiles to skip is decided for the whole block with one host read (the tiles' ``any`` stacked), not one per
+    tile: on a GPU each read waits for the device, which would stall the host once per tile (four times a block).
+    The tiles' bool masks, (B, size, size) each, are kept until used: a block's are 1/(4·H) of one tile's fp32
+    scores."""
+    tiles = [(qs, ks, visible(queries[qs], keys[ks], causal))
+             for qs in _tiles(len(queries), size) for ks in _tiles(len(keys), size)]
+    masks = [mask for _, _, mask in tiles if mask is not None]
+    seen = iter(torch.stack([mask.any() for mask in masks]).tolist() if masks else [])
+    for qs, ks, mask in tiles:
+        if mask is not None and not next(seen):
             if counts is not None:
-                counts.computed += 1
-            yield qs, ks, mask
+                counts.skipped += 1
+            continue
+        if counts is not None:
+            counts.computed += 1
+        yield qs, ks, mask
 
 
 def empty_output(q: Tensor) -> tuple[Tensor, Tensor]:
