@@ -94,3 +94,24 @@ def test_the_table_shows_cp_comm_where_a_layout_has_cp():
     assert names[-1] == "CP comm" and "EP comm" not in names
     assert list(plan_table([row]).columns[-1].cells) == ["3.0 MiB 4.2 ms"]
     assert "CP comm" not in [c.header for c in plan_table([{**row, "cp": 1}]).columns]
+
+
+def test_the_estimate_of_a_pipeline_under_cp_prices_each_stage_at_its_share_of_the_sequence():
+    """pp 2 × cp 2: each pipeline rank's row says cp and its buffers, dp counts replicas over tp × pp × cp (4 ranks:
+    dp 1; 8: dp 2; 6: no row), and a stage's activations are T/cp tokens' (the pp 2 × cp 1 rows' share, less than
+    they are) plus the attention's buffers (the cp formula's)."""
+    from torch_handle.plan.estimate import estimate_preset
+    from torch_handle.plan.estimate_cp import preset_cp_buffer_bytes
+
+    args = ("parallel.pp=2", "training.grad_accum=2", "parallel.cp_impl=ring", "launch.nproc_per_node=4")
+    split = _long_context(*args)
+    whole = _long_context(*args, "parallel.cp=1")
+    rows = estimate_preset(split, get_registry(), [4, 6, 8])
+    assert [(r.world_size, r.dp, r.cp, r.pp_rank) for r in rows] == [(4, 1, 2, 0), (4, 1, 2, 1), (8, 2, 2, 0),
+                                                                       (8, 2, 2, 1)]
+    buffers, impl = preset_cp_buffer_bytes(split, "fp32")
+    assert impl == "ring" and buffers > 0 and {(r.cp_impl, r.cp_buffer_bytes) for r in rows} == {("ring", buffers)}
+    full = {r.pp_rank: r.activation.saved for r in estimate_preset(whole, get_registry(), [4]) if r.cp == 1}
+    for r in rows:
+        assert r.activation.saved < 0.6 * full[r.pp_rank]
+        assert r.as_dict()["cp"] == 2 and r.as_dict()["dp"] == r.dp

@@ -310,9 +310,11 @@ def supports_pipeline_parallel(registry: PluginRegistry, strategy: str) -> bool:
 def _pipeline_rows(preset: Preset, registry: PluginRegistry, world_sizes: Sequence[int], variants: list[Variant],
                    device_memory: int | None) -> list[Estimate]:
     """One row per pipeline rank (its stages' model states, split by tp when tp > 1, and activations in flight;
-    :func:`~torch_handle.plan.estimate_layout.estimate_layout`) per variant and world size that tp x pp divides
-    (``single``: dp = 1 only). ``largest`` marks the rank with the most device bytes of each (variant, world)."""
+    :func:`~torch_handle.plan.estimate_layout.estimate_layout`; with cp > 1 a stage's at T/cp tokens plus one
+    layer's cp buffers) per variant and world size that tp x pp x cp divides (``single``: dp = 1 only).
+    ``largest`` marks the rank with the most device bytes of each (variant, world)."""
     par = preset.parallel
+    split = par.tp * par.pp * par.cp
     for v in variants:
         if not supports_pipeline_parallel(registry, v.strategy):
             raise ValueError(f"strategy {v.strategy!r} does not run with parallel.pp = {par.pp}")
@@ -320,8 +322,7 @@ def _pipeline_rows(preset: Preset, registry: PluginRegistry, world_sizes: Sequen
     rows = []
     for v in variants:
         for world in world_sizes:
-            dp = world // (par.tp * par.pp)
-            if world % (par.tp * par.pp) or (v.strategy == "single" and dp != 1):
+            if world % split or (v.strategy == "single" and world != split):
                 continue
             est = estimate_layout(with_layout(preset, nproc_per_node=world, nnodes=1), registry, variant=v)
             largest = est.largest
@@ -338,6 +339,8 @@ def _pipeline_rows(preset: Preset, registry: PluginRegistry, world_sizes: Sequen
                     est.tp_shard_params if par.tp > 1 else None, par.sequence_parallel, par.pp, r.pp_rank,
                     list(r.stages), est.microbatches, list(r.microbatch_saved_bytes), list(r.in_flight),
                     r.pp_rank == largest.pp_rank))
+                if est.cp > 1:
+                    rows[-1].cp, rows[-1].cp_impl, rows[-1].cp_buffer_bytes = est.cp, est.cp_impl, est.cp_buffer_bytes
                 if finetune is not None:
                     _set_finetune(rows[-1], preset, v, States(frozen_param=r.frozen_params_bytes, nf4=r.nf4_bytes),
                                   finetune)

@@ -15,7 +15,7 @@ on fake tensors, :class:`~torch_handle.plan.estimate_activations.PartSaved`: the
 the loss) times the micro-batches the schedule keeps in flight (:func:`torch_handle.plan.estimate_pipeline.
 in_flight_peak`), plus the loss path's fp32 logits buffers on the last stage and, with checkpointing, one
 recomputed block. What is split by tp is measured on the split model: without sequence parallelism a TP region's
-input is full size on every TP rank, only the split layers' own tensors are 1/tp. With context parallelism (cp > 1, pp = 1) a
+input is full size on every TP rank, only the split layers' own tensors are 1/tp. With context parallelism (cp > 1; in a pipeline, each stage) a
 rank's activations are those of ``seq_len / cp`` tokens plus one layer's CP buffers
 (:mod:`~torch_handle.plan.estimate_cp`), and its model states the strategy's over the dp x cp ranks.
 
