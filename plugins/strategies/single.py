@@ -25,7 +25,7 @@ class SingleStrategy(Strategy):
         if self.scaler is None:
             return super().step()
         self.scaler.unscale_(self.optimizer)
-        grad_norm = self.clip_grad_norm()
+        grad_norm = self.clip_for_step()
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.scheduler.step()

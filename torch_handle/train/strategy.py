@@ -182,8 +182,9 @@ class Strategy:
     model's experts are split before the strategy is built, and :meth:`wrap` leaves their parameters to it), else
     None."""
     clips_gradients = True
-    """Whether :meth:`step` clips (and measures) the gradient norm; the trainer turns it off under tensor
-    parallelism, where it computes the norm over the split gradients itself."""
+    """Whether :meth:`step` clips by :meth:`clip_grad_norm` (and reports that norm; NaN when off). A parallel share
+    turns it off when it is bound (``ParallelShare.bind``): it clips in its ``before_step``, by the norm over its
+    split model or by calling :meth:`clip_grad_norm` itself."""
 
     def __init__(self, options: Any, training: TrainingConfig, ctx: DistContext, model: torch.nn.Module):
         self.options, self.training, self.ctx = options, training, ctx
@@ -257,18 +258,23 @@ class Strategy:
         (loss / self.training.grad_accum).backward()
 
     def step(self) -> float:
-        """Clip, step the optimizer and the LR schedule, zero the gradients; return the pre-clip grad norm."""
-        grad_norm = self.clip_grad_norm()
+        """Clip (unless a share did: :attr:`clips_gradients`), step the optimizer and the LR schedule, zero the
+        gradients; return the pre-clip grad norm (NaN when a share clipped)."""
+        grad_norm = self.clip_for_step()
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return float(grad_norm)
 
+    def clip_for_step(self) -> torch.Tensor | float:
+        """What :meth:`step` clips with: :meth:`clip_grad_norm`'s norm, or NaN without clipping when a share clips
+        (:attr:`clips_gradients` off)."""
+        return self.clip_grad_norm() if self.clips_gradients else float("nan")
+
     def clip_grad_norm(self) -> torch.Tensor | float:
-        """Clip the gradients to ``training.grad_clip`` (0: no limit); return their norm before clipping. NaN when
-        ``clips_gradients`` is off (the trainer clips tensor-parallel gradients itself, over the split model)."""
-        if not self.clips_gradients:
-            return float("nan")
+        """Clip the gradients of the strategy's model to ``training.grad_clip`` (0: no limit), by their norm as the
+        strategy holds them (DDP: the replicated gradients'; FSDP2: over its shards); return that norm before
+        clipping. :meth:`step` calls it unless :attr:`clips_gradients` is off."""
         max_norm = self.training.grad_clip if self.training.grad_clip > 0 else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
         return grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # a DTensor: FSDP2

@@ -112,22 +112,24 @@ class ScratchDDPStrategy(SingleStrategy):
         if self.ctx.distributed:
             self.synchronizer.finish_gradient_synchronization()
 
+    def clip_grad_norm(self) -> torch.Tensor:
+        """Clip by the global gradient norm (the sharded optimizer computes it with one all-reduce of per-parameter
+        norms); returns it before clipping."""
+        max_norm = self.training.grad_clip if self.training.grad_clip > 0 else float("inf")
+        if self.sharded:
+            return self.optimizer.clip_grad_norm_(max_norm)
+        return torch.nn.utils.clip_grad_norm_(self.params, max_norm)
+
     def step(self) -> float:
-        """Clip by the global gradient norm (the sharded optimizer computes it with one all-reduce of
-        per-parameter norms; not when ``clips_gradients`` is off: a parallel share clipped), step (through the GradScaler in fp16), step the LR schedule, zero the gradients.
+        """Clip (:meth:`clip_grad_norm`; not when ``clips_gradients`` is off: a parallel share clipped), step
+        (through the GradScaler in fp16), step the LR schedule, zero the gradients.
 
         Returns:
             The global gradient norm before clipping (NaN when a share clipped: its norm is the step's).
         """
-        max_norm = self.training.grad_clip if self.training.grad_clip > 0 else float("inf")
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
-        if not self.clips_gradients:  # a parallel share clipped them already, by the norm over the split model
-            grad_norm = float("nan")
-        elif self.sharded:
-            grad_norm = self.optimizer.clip_grad_norm_(max_norm)
-        else:
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm)
+        grad_norm = self.clip_for_step()
         if self.scaler is not None:
             self.scaler.step(self.optimizer)  # skipped on every rank alike when a gradient is inf/nan
             self.scaler.update()

@@ -111,11 +111,9 @@ class ScratchFSDPStrategy(Strategy):
         order); coefficient as in torch, ``max_norm / (norm + 1e-6)`` capped at 1.
 
         Returns:
-            The global norm before clipping, a float32 scalar tensor; NaN when ``clips_gradients`` is off (a
-            parallel share clips, calling this with it on: :class:`~torch_handle.train.shares.context.ContextParallel`).
+            The global norm before clipping, a float32 scalar tensor (:meth:`step` calls it unless a parallel
+            share clips: :attr:`clips_gradients`).
         """
-        if not self.clips_gradients:
-            return torch.tensor(float("nan"))
         grads = [s.grad for s in self.trainable_shards() if s.grad is not None]
         squares = torch.zeros((), dtype=torch.float32, device=self.ctx.device)
         for g in grads:

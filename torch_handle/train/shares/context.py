@@ -55,7 +55,8 @@ from torch_handle.train.shares.contract import PortableShare
 
 
 def _attention_function(impl: str) -> Any:
-    """The hand-written attention ``impl`` names (:mod:`torch_handle.parallel.context`)."""
+    """The attention ``impl`` names (:mod:`torch_handle.parallel.context`): hand-written, or ``native`` (torch's
+    FlexAttention context parallel, CUDA only: :mod:`torch_handle.config.context_parallel` refuses it elsewhere)."""
     if impl == "ring":
         from torch_handle.parallel.context.ring import ring_attention
 
@@ -68,7 +69,12 @@ def _attention_function(impl: str) -> Any:
         from torch_handle.parallel.context.ulysses import ulysses_attention
 
         return ulysses_attention
-    raise ValueError(f"parallel.cp_impl = {impl!r} does not run in handle run (valid: ring, allgather, ulysses)")
+    if impl == "native":
+        from torch_handle.parallel.context.native import native_attention
+
+        return native_attention
+    raise ValueError(f"parallel.cp_impl = {impl!r} does not run in handle run (valid: ring, allgather, ulysses, "
+                     f"native)")
 
 
 class ContextParallel(PortableShare):
@@ -223,11 +229,7 @@ class ContextParallel(PortableShare):
             return float("nan")
         if self.inner is not None:
             return self.inner.before_step(max_norm)
-        self.strategy.clips_gradients = True
-        try:
-            return float(self.strategy.clip_grad_norm())
-        finally:
-            self.strategy.clips_gradients = False
+        return float(self.strategy.clip_grad_norm())
 
     def step_stats(self, timeline: bool = False) -> dict[str, Any]:
         """The layout, ``cp_impl``, this step's CP communication (``cp_comm_calls``, ``cp_comm_bytes`` sent,
