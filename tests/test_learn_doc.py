@@ -16,9 +16,10 @@ How a command is run:
 
 Before anything runs, every ``handle`` command of the page, in the blocks and in inline code in the prose, is
 resolved against the click command tree: a subcommand or an option that does not exist fails the test with the
-doc line. Each command then has to exit 0 and print what it exists to print. A ``handle run`` that repeats a
-preset the page already ran, into a run directory no other command reads (a sync mode, a schedule, an
-implementation: ``Walk.variant``), is checked by ``handle validate`` with its settings instead of a launch.
+doc line. Each command then has to exit 0 and print what it exists to print. A ``handle run`` into a run directory
+no other command reads, of a preset the page already ran or of one (or its ``extends``) another command of the page
+launches (a sync mode, a schedule, an implementation, a ZeRO stage: ``Walk.variant``), is checked by ``handle
+validate`` with its settings instead of a launch.
 """
 
 from __future__ import annotations
@@ -108,6 +109,7 @@ class Walk:
     ports: dict[str, str] = field(default_factory=dict)
     read: set[str] = field(default_factory=set)  # run directories a command of the page reads (tui, profile, ...)
     presets_run: set[str] = field(default_factory=set)
+    launched: set[str] = field(default_factory=set)  # presets of the runs the page launches whatever comes before
 
     def fail(self, cmd: Command, why: str, output: str = "") -> None:
         pytest.fail(f"docs/learn.md:{cmd.line}: `{cmd.text}`: {why}\n{output[-4000:]}", pytrace=False)
@@ -122,11 +124,13 @@ class Walk:
         return f"{m.group(1)}:{self.ports.setdefault(m.group(2), str(free_port()))}"
 
     def variant(self, cmd: Command) -> bool:
-        """A foreground ``handle run`` of a preset the page already ran, into a run directory no command of the page
-        reads: another setting of a layout the page has just trained (a sync mode, a schedule, an implementation).
-        It is checked with ``handle validate`` (the same preset and ``--set`` values: exit 0, ``ok``) instead of
-        trained again: a launch is ~9 CPU s of start-up, and the suite runs each setting end to end elsewhere
-        (tests/test_scratch_ddp.py, test_tensor_parallel.py, test_pipeline_parallel.py)."""
+        """A foreground ``handle run`` into a run directory no command of the page reads, of a preset the page
+        already ran, or of one whose preset (or the preset it ``extends``) another command of the page launches
+        (:attr:`launched`): another setting of a layout the page trains (a sync mode, a schedule, an
+        implementation, a ZeRO stage, the hand-written ZeRO-1 over the hand-written DDP). It is checked with
+        ``handle validate`` (the same preset and ``--set`` values: exit 0, ``ok``) instead of trained again: a launch
+        is ~9 CPU s of start-up, and the suite runs each setting end to end elsewhere (tests/test_scratch_ddp.py,
+        test_distributed.py's ZeRO-1/2/3 and scratch ZeRO-1, test_tensor_parallel.py, test_pipeline_parallel.py)."""
         path, _, rest = resolve(cmd.argv)
         if path != ("run",) or cmd.background:
             return False
@@ -134,7 +138,9 @@ class Walk:
         preset = rest[0] if rest else None
         seen = preset in self.presets_run
         self.presets_run.add(preset)
-        return seen and run_dir is not None and run_dir not in self.read
+        if run_dir is None or run_dir in self.read:
+            return False
+        return seen or bool(family(self.cwd, preset) & self.launched)
 
     def validate_argv(self, cmd: Command) -> list[str]:
         words, out, skip = cmd.argv[2:], [], False
@@ -289,6 +295,26 @@ class Walk:
                     proc.wait()
 
 
+def family(cwd: Path, preset: str | None) -> set[str]:
+    """``preset`` (a path relative to ``cwd``) and the preset it ``extends``, as the page would name them."""
+    if preset is None or not (cwd / preset).is_file():
+        return set()
+    parent = re.search(r'^extends\s*=\s*"([^"]+)"', (cwd / preset).read_text(encoding="utf-8"), re.MULTILINE)
+    return {preset, *([str(Path(preset).parent / parent.group(1))] if parent else [])}
+
+
+def launched_presets(blocks: list[Block], read: set[str]) -> set[str]:
+    """The presets of the page's ``handle run`` commands that launch whatever comes before them: in the background,
+    or into a run directory a command of the page reads (``read``), or into none named."""
+    found = set()
+    for c in (c for b in blocks if b.info == RUN_INFO for c in b.steps if isinstance(c, Command)):
+        path, _, rest = resolve(c.argv)
+        run_dir = c.argv[c.argv.index("--run-dir") + 1] if "--run-dir" in c.argv else None
+        if path == ("run",) and rest and (c.background or run_dir is None or run_dir in read):
+            found.add(rest[0])
+    return found
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # the tests
 # ---------------------------------------------------------------------------------------------------------------
@@ -366,6 +392,7 @@ def test_every_command_of_the_page_runs(tmp_path, monkeypatch):
     walk = Walk(tmp_path, env)
     walk.read = {w for b in read_blocks(text) if b.info == RUN_INFO for c in b.steps if isinstance(c, Command)
                  and resolve(c.argv)[0] != ("run",) for w in c.argv if w.startswith("runs/")}
+    walk.launched = launched_presets(read_blocks(text), walk.read)
     t0 = time.perf_counter()
     try:
         for block in read_blocks(text):
