@@ -97,6 +97,19 @@ def test_cuda_kernels_nccl_overlap_and_no_memory_events():
     assert s["memory_peak_bytes"] is None
 
 
+def test_a_ring_pass_in_flight_overlaps_the_compute_posted_after_it():
+    """Ring attention on gloo: the autograd function (0-100) posts a send (c10d::send 1-2) whose life is a gloo:send
+    range on the main thread (2-60), computes the block (aten::bmm 10-40) and waits (40-60). The pass is
+    communication in flight for 59 µs, 30 of them beside the block's compute; the function itself is not compute."""
+    trace = {"traceEvents": [ann("ProfilerStep#1", 0, 100), x("_RingAttention", 0, 100), x("c10d::send", 1, 2),
+                             ann("gloo:send", 2, 60), x("aten::bmm", 10, 40), x("aten::add", 70, 80)]}
+    s = summarize(trace)
+    assert s["comm"]["total_ms"] == pytest.approx(0.059)
+    assert s["comm"]["overlapped_ms"] == pytest.approx(0.030)
+    us = {k: round(v * 1e3, 6) for k, v in s["split"].items()}
+    assert us["compute"] == 30 + 10 and us["communication"] == 1 + 8 + 20
+
+
 def test_files_add_up_and_bad_files_raise(tmp_path):
     d = tmp_path / "run" / "traces" / "rank1"
     d.mkdir(parents=True)

@@ -19,6 +19,7 @@ Everything here is interval arithmetic on those events: ``summarize`` returns on
 
 from __future__ import annotations
 
+import bisect
 import gzip
 import json
 import re
@@ -140,6 +141,12 @@ def _span(e: dict) -> Interval:
     return s, s + float(e.get("dur", 0.0))
 
 
+def _contains(starts: list[float], span: Interval) -> bool:
+    """Whether one of the sorted ``starts`` lies inside ``span`` (its end excluded: a launch right after)."""
+    i = bisect.bisect_left(starts, span[0])
+    return i < len(starts) and starts[i] < span[1]
+
+
 def _self_times(events: list[dict]) -> dict[str, list[float]]:
     """name -> [calls, self µs] for ``cpu_op`` events: duration minus that of the events directly nested in it
     (ops and ``record_function`` ranges on the same thread)."""
@@ -195,8 +202,11 @@ def summarize(trace: dict[str, Any], top: int = 10) -> dict[str, Any]:
       rest: Python, logging, evaluation, waits). ``split_source``: ``"handle ranges"`` or ``"operators"`` (the
       trainer's ``handle/...`` ranges were not in the trace).
     * ``comm``: ``total_ms`` (union of collectives running anywhere), ``overlapped_ms`` and ``overlap`` (the share
-      of it during which compute ran: on CPU the main thread inside a non-comm operator while gloo works on its
-      own threads; on CUDA, NCCL kernels against other kernels), ``events`` (comm event names and counts).
+      of it during which compute ran: on CPU the main thread inside a non-comm operator (not one that launches
+      communication and waits for it, like a ring attention's autograd function: the operators inside it count)
+      while gloo works on its own threads or an asynchronous send or receive the main thread posted is in flight
+      (its ``gloo:send``/``gloo:recv`` range: ring attention's passes); on CUDA, NCCL kernels against other
+      kernels), ``events`` (comm event names and counts).
     * ``memory_peak_bytes``: ``{"cpu": ..., "cuda:0": ...}`` the highest ``Total Allocated`` of ``[memory]``
       events, or None without memory events (``profile_memory`` off). On CUDA that is the caching allocator's
       allocated total; on CPU torch counts only the tensors allocated while the profiler records and still live
@@ -222,12 +232,19 @@ def summarize(trace: dict[str, Any], top: int = 10) -> dict[str, Any]:
         return union(_span(e) for e in on_main if pred(str(e["name"])))
 
     ops_main = [e for e in on_main if e.get("cat") == "cpu_op"]
-    busy = union(_span(e) for e in ops_main if not is_comm(e["name"]))  # main thread inside a compute operator
     kernels = [e for e in xs if e.get("cat") == "kernel"]
     comm_events = [e for e in xs if is_comm(str(e["name"])) and e.get("cat") in ("cpu_op", "user_annotation", "kernel")]
-    comm_main = union(_span(e) for e in comm_events if (e.get("pid"), e.get("tid")) == main)
-    comm_elsewhere = union(_span(e) for e in comm_events if (e.get("pid"), e.get("tid")) != main
-                           and e.get("cat") != "kernel")
+    on_main_comm = [e for e in comm_events if (e.get("pid"), e.get("tid")) == main]
+    # an operator that launches communication and waits for it (a ring attention's autograd function) is not
+    # compute for the overlap: its own operators inside are
+    launches = sorted(_span(e)[0] for e in on_main_comm)
+    busy = union(_span(e) for e in ops_main if not is_comm(e["name"]) and not _contains(launches, _span(e)))
+    # the main thread blocks in a comm operator (c10d::allreduce_, a launch); a comm range there (gloo:send,
+    # gloo:recv of batch_isend_irecv) is an asynchronous operation's life, in flight like one on another thread
+    comm_main = union(_span(e) for e in on_main_comm if e.get("cat") == "cpu_op")
+    comm_elsewhere = union([*(_span(e) for e in comm_events if (e.get("pid"), e.get("tid")) != main
+                              and e.get("cat") != "kernel"),
+                            *(_span(e) for e in on_main_comm if e.get("cat") == "user_annotation")])
     has_handle = any(str(e["name"]).startswith("handle/") for e in on_main)
 
     comm = intersect(window, union([*comm_main, *subtract(comm_elsewhere, busy)]))
