@@ -1,6 +1,6 @@
 """Prove handle's CUDA path on a GPU machine with one command, and measure it: a markdown table and a JSON file.
 
-    python benchmarks/gpu_check.py --out DIR [--only tests,demo,gpt2,multi,long] [--smoke]
+    python benchmarks/gpu_check.py --out DIR [--only tests,demo,gpt2,multi,long,native-cp] [--smoke]
 
 The steps (docs/gpu.md: how to install, what each row means): 1 ``tests``, ``python -m pytest -m cuda tests``;
 2 ``demo``, presets/zero2.toml on nccl over every GPU, 300 steps; 3 ``gpt2``, presets/gpt2-small.toml on one GPU
@@ -9,7 +9,8 @@ calls, then the run itself; on CUDA out of memory again at 3/4), eager and with 
 benchmarks/attention_mask.py (attention with a mask tensor against ``is_causal`` alone); 4 ``multi``,
 with 2 or more GPUs, ``handle bench comm`` on nccl and 2-rank ZeRO-2 and FSDP2 runs of the GPT-2-small model;
 5 ``long``, the chunked loss against the whole logits (benchmarks/loss_memory.py) and the longest seq_len of
-presets/long-context.toml on one device (``_gpu_long.py``). MFU
+presets/long-context.toml on one device (``_gpu_long.py``); 6 ``native-cp``, cp_impl native's forward and backward
+against the hand-written attentions on one GPU (``_gpu_native_cp.py``; skipped on a CPU). MFU
 is reported against the measured bf16 peak (``handle env --peak``, what step events divide by) and against the
 datasheet's dense bf16 peak (``_rows.DATASHEET_BF16``); ``_rows.consistency`` checks that each row's figures multiply.
 
@@ -45,10 +46,11 @@ except ModuleNotFoundError:  # Python 3.10
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # for a module loaded by its path (the tests)
 from _gpu_long import long_context_row, loss_memory_row  # noqa: E402
+from _gpu_native_cp import native_cp_row  # noqa: E402
 from _rows import PARTS, binary, compare, consistency, datasheet_peak, table  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS = ("tests", "demo", "gpt2", "multi", "long")
+STEPS = ("tests", "demo", "gpt2", "multi", "long", "native-cp")
 MEMORY_FRACTION = 0.85
 """Share of the GPU's memory the micro-batch search lets ``handle estimate``'s device bytes fill: the estimate leaves
 out the allocator's caching, backward temporaries (the logits' gradient among them) and the CUDA context."""
@@ -526,6 +528,8 @@ def run_step(step: str, plan: Plan, runner: Runner, out: Path, done: list[dict[s
                 encoding="utf-8"))["data"]["seq_len"]
             return [loss_memory_row(plan.smoke, out, run_command, plan.timeout_s),
                     long_context_row(plan.smoke, 16 << 20 if plan.smoke else plan.device_memory, runner, start)]
+        if step == "native-cp":
+            return [native_cp_row(plan.smoke, out, run_command, plan.timeout_s)]
         known = next((r.get("micro_batch_size") for r in done if r["id"] == "gpt2-eager" and r["status"] == "ok"), None)
         return step_multi(plan, runner, out, known)
     except Exception as e:  # noqa: BLE001 - reported in the row

@@ -10,8 +10,13 @@
   spanning shards, one token long; lengths that 2·cp divides and that it does not), documents
   without the causal mask; MHA, GQA and MQA; head-tail balanced and contiguous. Ulysses refuses heads that cp does
   not divide, in one line. ``gather_sequence`` (DPO's rows under cp) returns the whole sequence's per-token values
-  and cp times each rank's term of the gradient. The ring skips the causal future's tiles: under head-tail balancing every rank computes
-  2cp + 1 of its 4cp tiles per pass.
+  and cp times each rank's term of the gradient. The ring skips the causal future's tiles: under head-tail
+  balancing every rank computes 2cp + 1 of its 4cp tiles per pass;
+* ``native`` (torch's FlexAttention context parallel) in its forward only, with inputs that need no gradient, at
+  cp 2 and 4 on a subset (:data:`NATIVE`: causal MHA, documents with GQA and with MQA, documents without the causal
+  mask; balanced and contiguous), within the same 1e-10. Its backward is torch's (``flex_attention``'s and
+  ``flex_cp_allgather``'s reduce-scatter), which torch 2.13 has only on CUDA: not tested here (the test holds that
+  inputs needing a gradient raise on the CPU; benchmarks/_gpu_native_cp.py checks the backward on a GPU).
 
 One spawn of 4 processes runs every case, in rounds of disjoint groups (cp 1 beside cp 3, cp 2 twice, cp 4); every
 rank builds the whole batch from the same seed and checks its share.
@@ -30,7 +35,11 @@ pytestmark = pytest.mark.dist
 
 B, T, D = 2, 48, 8
 HEADS = {"mha": (12, 12), "gqa": (24, 12), "gqa3": (12, 4), "mqa": (4, 1)}  # (n_heads, n_kv_heads)
-ALGORITHMS = ("ring", "allgather", "ulysses")
+ALGORITHMS = ("ring", "allgather", "ulysses", "native")
+NATIVE = {("mha", "causal", True), ("gqa3", "documents", True), ("mqa", "documents", False),
+          ("mha", "documents-bidirectional", True)}
+"""(heads, mask, balance) that ``native`` is checked on, at cp 2 and 4 only: its eager CPU forward costs about 0.15
+CPU s a call (``create_block_mask`` and the math path evaluate the mask_mod under vmap) and 1.8 s once a process."""
 
 
 def _position_ids(lengths: list[int]) -> torch.Tensor:
@@ -77,10 +86,12 @@ def _assert_close(got: torch.Tensor, expected: torch.Tensor, what: str) -> None:
 
 def _attention(name: str):
     from torch_handle.parallel.context.allgather import allgather_attention
+    from torch_handle.parallel.context.native import native_attention
     from torch_handle.parallel.context.ring import ring_attention
     from torch_handle.parallel.context.ulysses import ulysses_attention
 
-    return {"ring": ring_attention, "allgather": allgather_attention, "ulysses": ulysses_attention}[name]
+    return {"ring": ring_attention, "allgather": allgather_attention, "ulysses": ulysses_attention,
+            "native": native_attention}[name]
 
 
 def _whole(heads: tuple[int, int], position_ids, causal: bool, seed: int) -> dict[str, torch.Tensor]:
@@ -116,10 +127,15 @@ def _check_case(group, algorithm: str, whole: dict[str, torch.Tensor], position_
         with pytest.raises(ValueError, match=r"^ulysses needs n_heads .* divisible by cp .*; use ring or allgather$"):
             _attention(algorithm)(*args, **kwargs)
         return
-    out = _attention(algorithm)(*args, **kwargs)
-    _backward(out, shard(whole["dout"], order, cp, rank, dim=2))
     what = f"{algorithm} cp {cp} rank {rank} heads {heads} causal {causal} documents {documents is not None} " \
            f"balance {balance}"
+    if algorithm == "native":  # torch's flex_attention: a forward on the CPU, for inputs that need no gradient
+        with torch.no_grad():
+            out = _attention(algorithm)(*(a.detach() for a in args[:3]), *args[3:], **kwargs)
+        _assert_close(out, shard(whole["out"], order, cp, rank, dim=2), what)
+        return
+    out = _attention(algorithm)(*args, **kwargs)
+    _backward(out, shard(whole["dout"], order, cp, rank, dim=2))
     _assert_close(out, shard(whole["out"], order, cp, rank, dim=2), what)
     for name, mine in zip("qkv", (q, k, v)):
         _assert_close(mine.grad, shard(whole[f"d{name}"], order, cp, rank, dim=2), f"d{name}: {what}")
@@ -129,10 +145,10 @@ def _cases(cp: int):
     """(heads, position_ids, causal, balances) to check: every head layout causal and with documents, balanced and
     contiguous; documents without the causal mask for MHA."""
     masks = _masks(cp)
-    for heads in HEADS.values():
+    for name, heads in HEADS.items():
         for mask in ("causal", "documents"):
-            yield (heads, *masks[mask], (True, False))
-    yield (HEADS["mha"], *masks["documents-bidirectional"], (True,))
+            yield (name, mask), (heads, *masks[mask], (True, False))
+    yield ("mha", "documents-bidirectional"), (HEADS["mha"], *masks["documents-bidirectional"], (True,))
 
 
 def _tile_counts(group, balance: bool) -> list[tuple[int, int]]:
@@ -178,11 +194,16 @@ def _check_group(group) -> None:
 
     cp = dist.get_world_size(group)
     _check_gather_sequence(group)
-    for seed, (heads, position_ids, causal, balances) in enumerate(_cases(cp)):
+    for seed, (name, (heads, position_ids, causal, balances)) in enumerate(_cases(cp)):
         whole = _whole(heads, position_ids, causal, seed)  # one reference for every algorithm and order
         for algorithm in ALGORITHMS:
             for balance in balances:
-                _check_case(group, algorithm, whole, position_ids, causal, balance)
+                if algorithm != "native" or (cp in (2, 4) and (*name, balance) in NATIVE):
+                    _check_case(group, algorithm, whole, position_ids, causal, balance)
+    if cp == 2:  # native's backward is torch's, CUDA only: the reason handle validate refuses it on a CPU
+        q = torch.randn(1, 2, T // cp, D, dtype=torch.float64, requires_grad=True)
+        with pytest.raises(NotImplementedError, match="^FlexAttention does not support backward on CPU"):
+            _attention("native")(q, q, q, torch.arange(T // cp)[None], group)
     balanced, contiguous = _tile_counts(group, True), _tile_counts(group, False)
     # cp blocks of 4 tiles per rank, forward and backward
     assert all(c + s == 2 * 4 * cp for c, s in balanced + contiguous), (balanced, contiguous)

@@ -277,3 +277,22 @@ def test_the_multi_step_skips_on_one_device_and_reads_bench_comm(gpu_check, monk
     assert row["ops"]["all_reduce"] == {"bytes": 2048, "busbw_gbps": 2.048, "backend": "nccl",
                                         "best_busbw_gbps": 2.048}
     assert row["note"] == "all_reduce 2 KiB: busbw 2.05 GB/s; 4/4 correct"
+
+
+def test_the_native_cp_row_reads_its_cases(gpu_check, tmp_path):
+    """Step 6 (benchmarks/_gpu_native_cp.py): skipped on a CPU saying why; on CUDA its ``--json`` cases become the
+    row, a hand-written attention's error noted, native's failing the row."""
+    from _gpu_native_cp import native_cp_row
+
+    assert native_cp_row(True, tmp_path, None, 1)["status"] == "skipped"
+    errors = {"out": 2e-3, "dq": 4e-3, "dk": 3e-3, "dv": 1e-3}
+    cases = [{"seq_len": 2048, "dtype": "bfloat16", "native": errors, "allgather": errors, "ring": {"error": "E: x"},
+              "ms": {"native": 1.5, "allgather": 9.25}},
+             {"seq_len": 1000, "dtype": "float32", "native": {"out": 1e-6}, "allgather": errors, "ring": errors}]
+    row = native_cp_row(False, tmp_path, lambda cmd, log, timeout: (0, "\n".join(map(json.dumps, cases))), 1)
+    assert (row["status"], row["cases"]) == ("ok", cases)
+    assert row["note"] == ("bfloat16 T 2048 ring: E: x; bfloat16: native rel. error 4.00e-03; float32: native rel. "
+                           "error 1.00e-06; bfloat16 T 2048 fwd+bwd ms native 1.50, allgather 9.25")
+    cases[1]["native"] = {"error": "RuntimeError: no"}
+    row = native_cp_row(False, tmp_path, lambda cmd, log, timeout: (0, "\n".join(map(json.dumps, cases))), 1)
+    assert row["status"] == "failed" and row["note"].startswith("bfloat16 T 2048 ring: E: x; float32 T 1000 native")

@@ -72,12 +72,28 @@ def _fixed(runner, tmp_path, cp_impl: str, *more: str):
     return runner.invoke(cli, ["validate", "p.toml", *(a for fix in fixes for a in ("--set", fix))])
 
 
-def test_native_is_refused_on_cpu_naming_the_hand_written_ones(runner, tmp_path):
+def test_native_is_refused_on_cpu_naming_why_and_the_hand_written_ones(runner, tmp_path, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     result = _fixed(runner, tmp_path, "native")
     assert result.exit_code == 2, result.output
     assert result.stderr.splitlines() == [
-        ("error: p.toml (--set): parallel.cp_impl: \"native\": torch's context parallel needs CUDA SDPA or "
-        "FlexAttention, and this machine has no CUDA device (valid: ring, allgather, ulysses, or auto)")]
+        ("error: p.toml (--set): parallel.cp_impl: \"native\" needs CUDA, and this machine has none: FlexAttention "
+         "has no CPU backward in torch 2.13 and SDPA's context parallel is CUDA-only (valid: ring, allgather, "
+         "ulysses, or auto)")]
+
+
+def test_native_is_accepted_where_cuda_is(runner, tmp_path, monkeypatch):
+    import torch
+
+    from torch_handle.train.shares.context import _attention_function
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    result = _fixed(runner, tmp_path, "native")
+    assert result.exit_code == 0, result.output
+    assert "dp 1 × cp 2 (ddp; cp native)" in result.output
+    assert _attention_function("native").__name__ == "native_attention"
 
 
 def test_a_good_cp_preset_validates_with_its_layout(runner, tmp_path):

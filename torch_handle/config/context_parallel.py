@@ -12,9 +12,10 @@ why:
 * ``seq_len`` not divisible by 2 × cp × tp: head-tail balancing cuts every sequence into 2 × cp chunks;
 * ``ulysses`` with heads (or key/value heads) not divisible by cp × tp: each rank takes whole heads;
 * cp × tp × pp not dividing the world size (the rest is dp);
-* ``native`` (torch's ``context_parallel``: CUDA SDPA and FlexAttention only, pytorch#147793): not on a CPU, and
-  not wired into ``handle run`` yet on a GPU either; the hand-written ``ring``, ``allgather``, ``ulysses`` run
-  everywhere;
+* ``native`` (torch's FlexAttention context parallel, :mod:`torch_handle.parallel.context.native`) without CUDA:
+  FlexAttention has no CPU backward in torch 2.13, and SDPA's context parallel is CUDA-only (pytorch#147793); the
+  hand-written ``ring``, ``allgather``, ``ulysses`` run everywhere. On a CUDA machine ``native`` is accepted, but
+  ``auto`` keeps to the hand-written ones: native has not been measured on a GPU here;
 * sft or dpo in a pipeline (pp > 1: its stages split by cp run ``lm`` only), and torch's zero-bubble schedules
   (their split backward gives wrong gradients through the cp attentions: ZBV's norm 7% off at step 1);
 * DTensor tensor parallelism (``tp_impl = "native"``: its loss is a DTensor under ``loss_parallel``), ep > 1,
@@ -36,7 +37,8 @@ from torch_handle.errors import PresetError
 __all__ = ["IMPLS", "STRATEGIES", "chosen_cp_impl", "context_parallel_problems"]
 
 IMPLS = ("ring", "allgather", "ulysses")
-"""The hand-written context-parallel attentions (``torch_handle/parallel/context/``)."""
+"""The hand-written context-parallel attentions (``torch_handle/parallel/context/``): what ``auto`` and ``handle
+plan`` choose among. ``native`` (torch's, CUDA only) runs when named."""
 
 STRATEGIES = ("ddp", "fsdp", "deepspeed", "scratch-ddp", "scratch-fsdp")
 """The data-parallel strategies that run with cp > 1: their gradients are reduced (and FSDP2's, ZeRO's and
@@ -46,16 +48,18 @@ norm. Which of them a split (tp, pp) takes is the strategy plugin's own check (s
 neither)."""
 
 
-def _native_problem() -> str:
+def _native_problem() -> str | None:
+    """Why ``native`` cannot train here (one line), or None on a CUDA machine."""
     try:
         import torch
 
         cuda = torch.cuda.is_available()
     except ImportError:  # pragma: no cover - torch is a dependency
         cuda = False
-    where = ("torch's context parallel is not wired into handle run yet" if cuda else
-             "torch's context parallel needs CUDA SDPA or FlexAttention, and this machine has no CUDA device")
-    return f"\"native\": {where} (valid: ring, allgather, ulysses, or auto)"
+    if cuda:
+        return None
+    return ("\"native\" needs CUDA, and this machine has none: FlexAttention has no CPU backward in torch 2.13 and "
+            "SDPA's context parallel is CUDA-only (valid: ring, allgather, ulysses, or auto)")
 
 
 def context_parallel_problems(preset: Any, registry: Any = None) -> Iterator[PresetError]:
@@ -83,8 +87,9 @@ def context_parallel_problems(preset: Any, registry: Any = None) -> Iterator[Pre
         yield PresetError(f"\"ulysses\" gives each of the cp x tp = {cp * par.tp} ranks whole heads: "
                           f"model.n_heads = {heads} and n_kv_heads = {kv_heads} must both divide by it (valid: ring, "
                           f"allgather)", key="parallel.cp_impl")
-    if impl == "native":
-        yield PresetError(_native_problem(), key="parallel.cp_impl")
+    native = _native_problem() if impl == "native" else None
+    if native:
+        yield PresetError(native, key="parallel.cp_impl")
     if par.tp > 1 and par.tp_impl != "scratch":
         yield PresetError(f"parallel.cp > 1 composes with the hand-written tensor parallelism only (tp_impl = "
                           f"{par.tp_impl!r}; valid: 'scratch')", key="parallel.tp_impl")

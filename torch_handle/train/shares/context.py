@@ -90,7 +90,7 @@ class ContextParallel(PortableShare):
             vocabulary, the norm over split gradients, the step's TP traffic and the checkpoints are its own.
 
     Raises:
-        ValueError: ``cp_impl`` that does not run here (``native``)."""
+        ValueError: a ``cp_impl`` other than ring, allgather, ulysses, native."""
 
     def __init__(self, parallel: ParallelConfig, ctx: Any, document_mask: bool = False, inner: Any = None) -> None:
         self.impl = chosen_cp_impl(parallel.cp_impl, document_mask)
