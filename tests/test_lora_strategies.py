@@ -1,9 +1,10 @@
 """LoRA under the strategies and layouts: one module-scoped set of real 2-process torchrun runs (tiny Llama-shaped
 decoder, adapters on every linear, fp32, dropout 0, 4 steps: the adapters' B leaves zero at step 1, so steps 2-4
 compare adapted models) against the single-process run of the same preset in this process (grad_accum 2: the same
-samples per step). The data-parallel strategies (fsdp, ZeRO-3, scratch-ddp's ZeRO-1, scratch-fsdp) run dp 2
-(LoRA under ddp and ZeRO-2: the SFT and DPO matrices of tests/test_sft_strategies.py and tests/test_dpo.py); tensor
-parallelism (hand-written and DTensor) and the pipeline run dp 1 with grad_accum 2. Each gives the
+samples per step). The data-parallel strategies (fsdp, scratch-ddp's ZeRO-1) run dp 2 (LoRA under ddp and ZeRO-2:
+the SFT and DPO matrices of tests/test_sft_strategies.py and tests/test_dpo.py; under ZeRO-3 and scratch-fsdp: the
+SFT matrix's LoRA runs, which tests/test_sft_strategies.py checks with this module's assertions, :func:`assert_lora_run`);
+tensor parallelism (hand-written and DTensor) and the pipeline run dp 1 with grad_accum 2. Each gives the
 single-process losses within 1e-5, leaves every frozen base weight bitwise as it started (the final weights are
 the adapters; the base is rebuilt from the seed and compared), holds optimizer state for the adapters alone (per
 rank exactly what the accounting of the trainable parameters says for its strategy and split), and exports
@@ -44,9 +45,7 @@ alpha = 8.0
 target_modules = ["all"]
 """
 STRATEGIES = {"fsdp": ["strategy.name=fsdp"],
-              "zero3": ["strategy.name=deepspeed", "strategy.zero_stage=3"],
               "scratch-zero1": ["strategy.name=scratch-ddp", "strategy.shard_optimizer=true"],
-              "scratch-fsdp": ["strategy.name=scratch-fsdp"],
               "tp-scratch": ["parallel.tp=2", "parallel.tp_impl=scratch", "training.grad_accum=2"],
               "tp-native": ["parallel.tp=2", "parallel.tp_impl=native", "strategy.name=fsdp", "training.grad_accum=2"],
               "pp": ["parallel.pp=2", "parallel.pp_impl=scratch", "training.grad_accum=2"]}
@@ -128,38 +127,36 @@ def test_every_layout_hands_on_its_whole_model(lora_runs, name) -> None:
 def test_the_base_stays_bitwise_as_it_started(lora_runs):
     """Every run's final weights hold the adapters and the base's hash; the base rebuilt from the seed (what every
     rank froze) has that hash, and the adapters' own B moved away from zero."""
+    assert len({base_hash(run_dir) for run_dir in lora_runs.values()}) == 1
+
+
+def base_hash(run_dir: Path) -> bytes:
+    """The run's final weights hold the adapters alone (and the base's hash), the adapters' B moved away from
+    zero, and the base rebuilt as the run's ranks froze it (from the seed, or ``model.init_from``) has that hash:
+    the hash."""
     from safetensors.torch import load_file
 
     from torch_handle.finetune.lora import BASE_HASH_BUFFER
     from torch_handle.infer.generate import load_run
 
-    hashes = set()
-    for name, run_dir in lora_runs.items():
-        state = load_file(str(run_dir / "model.safetensors"))
-        assert all(".lora_" in k for k in state if k != BASE_HASH_BUFFER), name
-        assert any(k.endswith("lora_B.default.weight") and t.abs().sum() > 0 for k, t in state.items()), name
-        hashes.add(bytes(state[BASE_HASH_BUFFER].tolist()))
-        load_run(run_dir)  # rebuilds the base from the seed and checks it against the hash: raises if it differs
-    assert len(hashes) == 1
+    state = load_file(str(run_dir / "model.safetensors"))
+    assert all(".lora_" in k for k in state if k != BASE_HASH_BUFFER), run_dir
+    assert any(k.endswith("lora_B.default.weight") and t.abs().sum() > 0 for k, t in state.items()), run_dir
+    load_run(run_dir)  # rebuilds the base and checks it against the hash: raises if it differs
+    return bytes(state[BASE_HASH_BUFFER].tolist())
 
 
 def test_optimizer_bytes_are_the_adapters_alone(lora_runs):
-    """AdamW: exp_avg and exp_avg_sq (8 bytes per trainable parameter) and a 4-byte step per tensor; DeepSpeed
-    keeps its fp32 master copy too (12 bytes) and shards it; FSDP2, scratch-fsdp and ZeRO-1 shard the 8 bytes; tp 2
-    halves the split adapters, pp 2 keeps each stage's own. Nothing for the frozen base (13x the adapters here)."""
+    """AdamW: exp_avg and exp_avg_sq (8 bytes per trainable parameter) and a 4-byte step per tensor; FSDP2 and
+    ZeRO-1 shard the 8 bytes (:func:`assert_sharded_optimizer_bytes`); tp 2 halves the split adapters, pp 2 keeps
+    each stage's own. Nothing for the frozen base (13x the adapters here)."""
     adapters = list(_adapters(lora_runs["single"]).values())
     n, tensors = sum(t.numel() for t in adapters), len(adapters)
-    memory = {name: [e for e in events(run, "step") if "memory" in e][-1]["memory"] for name, run in lora_runs.items()}
+    memory = {name: last_memory(run) for name, run in lora_runs.items()}
     assert memory["single"][0]["optimizer_bytes"] == 8 * n + 4 * tensors
-    assert [m["optimizer_bytes"] for m in memory["zero3"]] == [12 * n // 2 + 4] * 2
-    # FSDP2 and scratch-fsdp (per parameter): every rank half of each tensor's moments (the widths are even) and
-    # every step counter
-    for name in ("fsdp", "scratch-fsdp"):
-        assert [m["optimizer_bytes"] for m in memory[name]] == [8 * n // 2 + 4 * tensors] * 2, name
+    assert_sharded_optimizer_bytes(lora_runs["fsdp"], "fsdp", lora_runs["single"])
     owned = [m["optimizer_bytes"] for m in memory["scratch-zero1"]]  # ZeRO-1: whole tensors, balanced by size
     assert sum(owned) == 8 * n + 4 * tensors and max(owned) <= 0.55 * sum(owned), owned
-    info = json.loads((lora_runs["zero3"] / "run.json").read_text())
-    assert info["zero_stage"] == 3 and info["world_size"] == 2
     # tp 2: B of a column-parallel linear and A of a row-parallel one split in half, the other adapter whole
     split = sum(t.numel() for k, t in _adapters(lora_runs["single"]).items()
                 if (".lora_B." in k and any(c in k for c in COLUMN_PARALLEL))
@@ -169,6 +166,25 @@ def test_optimizer_bytes_are_the_adapters_alone(lora_runs):
         assert [m["optimizer_bytes"] for m in memory[name]] == [8 * (n - split // 2) + 4 * tensors] * 2, name
     # pp 2: each stage steps its own layer's adapters (the embedding and the head, on the two ends, have none)
     assert [m["optimizer_bytes"] for m in memory["pp"]] == [(8 * n + 4 * tensors) // 2] * 2
+
+
+def last_memory(run_dir: Path) -> list[dict]:
+    """Every rank's memory telemetry at the run's last memory-logging step."""
+    return [e for e in events(run_dir, "step") if "memory" in e][-1]["memory"]
+
+
+def assert_sharded_optimizer_bytes(run_dir: Path, strategy: str, single: Path) -> None:
+    """The 2-rank run at ``run_dir`` under ``strategy`` (fsdp, scratch-fsdp or zero3) holds optimizer state for its
+    share of the adapters of the single-process run at ``single`` alone: DeepSpeed ZeRO-3 half of its 12 bytes per
+    adapter parameter (its fp32 master copy beside AdamW's moments) and one 4-byte step; FSDP2 and scratch-fsdp (per
+    parameter) half of each tensor's 8 bytes of moments (the widths are even) and every step counter."""
+    adapters = list(_adapters(single).values())
+    n, tensors = sum(t.numel() for t in adapters), len(adapters)
+    want = {"zero3": 12 * n // 2 + 4, "fsdp": 8 * n // 2 + 4 * tensors, "scratch-fsdp": 8 * n // 2 + 4 * tensors}
+    assert [m["optimizer_bytes"] for m in last_memory(run_dir)] == [want[strategy]] * 2, strategy
+    if strategy == "zero3":
+        info = json.loads((run_dir / "run.json").read_text())
+        assert info["zero_stage"] == 3 and info["world_size"] == 2
 
 
 def _adapters(run_dir: Path) -> dict[str, torch.Tensor]:
@@ -211,27 +227,44 @@ def assert_exports_match(runs: dict[str, Path], name: str, tmp_path: Path) -> No
 
 
 def test_the_estimate_is_the_telemetry_to_the_byte(lora_runs):
-    """``handle estimate`` of each run's own preset.toml: rank 0's trainable and frozen parameter bytes, gradients
-    and optimizer state equal its memory telemetry exactly (one process: the base whole; FSDP2 and ZeRO-3: the base
-    sharded like any parameter; scratch-fsdp: each rank's rows of
-    every frozen tensor; tp 2: base and adapters split by the plan; pp 2: each stage's own layers, the tied
-    embedding on both ends), and its FLOPs per token are
-    what the run's tflops counts (LoRA's: 4 per frozen matmul weight)."""
+    """``handle estimate`` of each run's own preset.toml is its rank 0's telemetry to the byte
+    (:func:`assert_estimate_is_telemetry`): one process (the base whole), FSDP2 (the base sharded like any
+    parameter), tp 2 (base and adapters split by the plan), pp 2 (each stage's own layers, the tied embedding on
+    both ends)."""
+    for name in ("single", "fsdp", "tp-scratch", "tp-native", "pp"):
+        assert_estimate_is_telemetry(lora_runs[name], 1 if name == "single" else 2, stages=2 if name == "pp" else 1)
+
+
+def assert_estimate_is_telemetry(run: Path, world_size: int, stages: int = 1) -> None:
+    """``handle estimate`` of the LoRA run's own preset.toml on ``world_size`` ranks: rank 0's trainable and frozen
+    parameter bytes, gradients and optimizer state equal its memory telemetry exactly (ZeRO-3: the base sharded
+    like any parameter; scratch-fsdp: each rank's rows of every frozen tensor), one row per pipeline stage
+    (``stages``), and its FLOPs per token are what the run's tflops counts (LoRA's: 4 per frozen matmul weight)."""
     from torch_handle.config.loader import load_preset
     from torch_handle.plan.estimate import estimate_preset
     from torch_handle.registry import get_registry
 
     registry = get_registry()
     keys = ("trainable_param_bytes", "frozen_param_bytes", "grad_bytes", "optimizer_bytes")
-    for name in ("single", "fsdp", "zero3", "scratch-fsdp", "tp-scratch", "tp-native", "pp"):
-        run = lora_runs[name]
-        step = [e for e in events(run, "step") if "memory" in e][-1]
-        rows = estimate_preset(load_preset(run / "preset.toml", [], registry), registry, [1 if name == "single" else 2],
-                               rank=0)
-        assert len(rows) == (2 if name == "pp" else 1), name  # pp: one row per stage
-        for row in rows:
-            estimated = {k: row.as_dict()[k] for k in keys}
-            assert estimated == {k: step["memory"][row.rank][k] for k in keys}, (name, row.rank)
-            assert 0 < estimated["trainable_param_bytes"] < estimated["frozen_param_bytes"] / 5, name
-            assert row.finetune["flops_per_token"] == pytest.approx(step["tflops"] * 1e12 / step["tokens_per_s"],
-                                                                    rel=1e-9), name
+    step = [e for e in events(run, "step") if "memory" in e][-1]
+    rows = estimate_preset(load_preset(run / "preset.toml", [], registry), registry, [world_size], rank=0)
+    assert len(rows) == stages, run
+    for row in rows:
+        estimated = {k: row.as_dict()[k] for k in keys}
+        assert estimated == {k: step["memory"][row.rank][k] for k in keys}, (run, row.rank)
+        assert 0 < estimated["trainable_param_bytes"] < estimated["frozen_param_bytes"] / 5, run
+        assert row.finetune["flops_per_token"] == pytest.approx(step["tflops"] * 1e12 / step["tokens_per_s"],
+                                                                rel=1e-9), run
+
+
+def assert_lora_run(run: Path, single: Path, strategy: str) -> None:
+    """This module's checks of a 2-rank LoRA run at ``run`` under a sharding ``strategy`` (zero3 or scratch-fsdp:
+    tests/test_sft_strategies.py's runs) against its single-process run ``single`` (the losses are the caller's):
+    the whole model handed on, the adapters alone in the final weights over the unchanged base, optimizer state
+    for its share of the adapters alone, and the estimate to the byte."""
+    from tests.whole_weights import assert_whole_weights
+
+    assert_whole_weights(run)
+    assert base_hash(run) == base_hash(single)
+    assert_sharded_optimizer_bytes(run, strategy, single)
+    assert_estimate_is_telemetry(run, 2)

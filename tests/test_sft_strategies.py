@@ -4,7 +4,8 @@ within 1e-5 (fp32, 10 steps, the same global batch of packed conversations, the 
 its trained tokens), each strategy once and each of the three methods (full, LoRA, QLoRA) among them. The single-process runs, one
 a method, run in this process (:func:`single_runs`). tests/test_dpo.py runs the DPO matrix with the same helpers
 (the matrix of both: docs/fine-tuning.md); tests/test_lora_strategies.py and tests/test_qlora_strategies.py run
-LoRA and QLoRA under every strategy and layout on plain text."""
+LoRA and QLoRA under every strategy and layout on plain text, LoRA under ZeRO-3 and scratch-fsdp excepted: their
+checks run here on the LoRA runs of this matrix (:func:`test_lora_under_a_sharding_strategy`)."""
 
 from __future__ import annotations
 
@@ -92,16 +93,21 @@ def single_runs(preset: Path, overrides: tuple[str, ...], root: Path, methods: d
 
 
 @pytest.fixture(scope="module")
-def sft_steps(tmp_path_factory) -> dict:
-    """(strategy, method) -> the step events of its 2-rank run, and ("single", method) -> the single process's."""
+def sft_runs(tmp_path_factory) -> dict[tuple[str, str], Path]:
+    """(strategy, method) -> the run directory of its 2-rank run, and ("single", method) -> the single process's."""
     from tests.test_sft import preset_file, write_base, write_conversations
 
     root = tmp_path_factory.mktemp("sft-strategies")
     base = write_base(root / "base")
     write_conversations(root, base)
     preset = preset_file(root, (base, root / "data"), micro_batch_size=2, grad_accum=2, steps=STEPS)
-    runs = {**single_runs(preset, SFT, root), **launched(preset, SFT_RUNS, SFT, root)}
-    return {key: steps_of(run_dir) for key, run_dir in runs.items()}
+    return {**single_runs(preset, SFT, root), **launched(preset, SFT_RUNS, SFT, root)}
+
+
+@pytest.fixture(scope="module")
+def sft_steps(sft_runs) -> dict:
+    """(strategy, method) -> the step events of its 2-rank run, and ("single", method) -> the single process's."""
+    return {key: steps_of(run_dir) for key, run_dir in sft_runs.items()}
 
 
 def assert_matrix(runs: tuple[tuple[str, str], ...]) -> None:
@@ -137,3 +143,13 @@ def test_the_methods_train_differently(sft_steps):
     last = {m: sft_steps[("single", m)][-1]["loss"] for m in METHOD}
     assert first["full"] == pytest.approx(first["lora"], abs=1e-6) and abs(first["qlora"] - first["lora"]) > 1e-5
     assert abs(last["full"] - last["lora"]) > 1e-3, last
+
+
+@pytest.mark.parametrize("strategy", ["zero3", "scratch-fsdp"])
+def test_lora_under_a_sharding_strategy(sft_runs, strategy):
+    """The LoRA runs under ZeRO-3 and scratch-fsdp are tests/test_lora_strategies.py's cells for those strategies
+    (it runs the others): the whole model handed on, the adapters alone over the unchanged base, optimizer state for
+    the rank's share of the adapters alone, and ``handle estimate`` to the byte (its :func:`assert_lora_run`)."""
+    from tests.test_lora_strategies import assert_lora_run
+
+    assert_lora_run(sft_runs[(strategy, "lora")], sft_runs[("single", "lora")], strategy)
