@@ -180,6 +180,8 @@ def test_estimate_prices_one_cp_rank_and_its_buffers(tmp_path):
     assert {impl: cp_buffer_bytes(impl, 4, 4, 2, 64, 2, 16, 4) for impl in ("ring", "allgather", "ulysses")} == {
         "ring": 2 * 2 * 2 * 4 * 32 * 16 * 8, "allgather": 2 * 2 * 4 * 64 * 16 * 8,
         "ulysses": 2 * (8 + 4) * 4 * 32 * 16 * 4}
+    # native: the gathered K/V of 3 layers held until backward (the other rank's half), dK/dV of all 64 keys
+    assert cp_buffer_bytes("native", 4, 4, 2, 64, 2, 16, 4, layers=3) == 2 * 2 * 4 * 16 * (3 * 32 + 64) * 4
 
 
 

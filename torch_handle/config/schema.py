@@ -259,7 +259,8 @@ class ParallelConfig:
     cp_impl: Literal["auto", "ring", "allgather", "ulysses", "native"] = "auto"
     """ring: K/V blocks passed around the ring (Liu et al. 2023); allgather: K/V gathered once per layer (Llama 3);
     ulysses: all-to-all from sequence to head shards (n_heads and n_kv_heads divisible by cp); native: torch's
-    context parallel (CUDA SDPA only); auto: ring, or allgather with packed documents (data.document_mask)."""
+    FlexAttention context parallel, the all-gather algorithm (CUDA only); auto: ring, or allgather with packed
+    documents (data.document_mask)."""
 
     def check(self) -> Iterator[InvalidValue]:
         """Every problem of the table (a generator: the walk reports them all, one per key)."""

@@ -17,7 +17,12 @@ On top of them, transient and held for one layer at a time (:func:`cp_buffer_byt
 * allgather: the gathered K/V of the whole sequence, and in backward their gradients before the reduce-scatter:
   ``2 · B · H_kv · T · D · (e + a)``;
 * ulysses: the all-to-all's send and receive copies of q, k, v (and of the output):
-  ``2 · B · (2H + 2H_kv) · T/cp · D · e``.
+  ``2 · B · (2H + 2H_kv) · T/cp · D · e``;
+* native (torch's FlexAttention context parallel, :mod:`torch_handle.parallel.context.native`): ``flex_attention``
+  saves the *gathered* K/V for its backward, so each of the L layers a rank runs holds the other ranks' K/V from
+  forward to backward (L = 1 under activation checkpointing, which recomputes them a layer at a time), and the
+  backward's dK/dV of the whole sequence wait for their reduce-scatter in the compute dtype:
+  ``2 · B · H_kv · D · e · (L · (T − T/cp) + T)``. Not measured: no GPU has run it.
 
 Model states are the strategy's over dp × cp ranks (DDP replicates, FSDP2 shards over all of them), as without cp.
 """
@@ -37,13 +42,14 @@ _DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "auto": 4, "fp64": 8}
 
 
 def cp_buffer_bytes(impl: str, batch: int, n_heads: int, n_kv_heads: int, seq_len: int, cp: int, head_dim: int,
-                    element_bytes: int, accumulation_bytes: int = 4) -> int:
+                    element_bytes: int, accumulation_bytes: int = 4, layers: int = 1) -> int:
     """The transient bytes of one layer's context-parallel attention on one rank (the module's formulas): ``batch``
     sequences of ``seq_len`` tokens (the whole sequence, T), ``n_heads`` query and ``n_kv_heads`` key/value heads of
-    ``head_dim`` channels, ``element_bytes`` per value in compute, ``accumulation_bytes`` per accumulated one.
+    ``head_dim`` channels, ``element_bytes`` per value in compute, ``accumulation_bytes`` per accumulated one; for
+    ``native``, with the gathered K/V of ``layers`` layers held until backward.
 
     Raises:
-        ValueError: an ``impl`` other than ring, allgather, ulysses."""
+        ValueError: an ``impl`` other than ring, allgather, ulysses, native."""
     local = batch * (seq_len // cp) * head_dim  # one head's shard of the sequence
     if impl == "ring":
         return 2 * 2 * n_kv_heads * local * (element_bytes + accumulation_bytes)
@@ -51,7 +57,9 @@ def cp_buffer_bytes(impl: str, batch: int, n_heads: int, n_kv_heads: int, seq_le
         return 2 * n_kv_heads * local * cp * (element_bytes + accumulation_bytes)
     if impl == "ulysses":
         return 2 * (2 * n_heads + 2 * n_kv_heads) * local * element_bytes
-    raise ValueError(f"no buffer model for cp_impl {impl!r} (valid: ring, allgather, ulysses)")
+    if impl == "native":
+        return 2 * n_kv_heads * local * (layers * (cp - 1) + cp) * element_bytes
+    raise ValueError(f"no buffer model for cp_impl {impl!r} (valid: ring, allgather, ulysses, native)")
 
 
 def cp_activation_bytes(preset: Preset, registry: PluginRegistry, strategy: str | None = None,
@@ -90,11 +98,12 @@ def preset_cp_buffer_bytes(preset: Preset, mode: str) -> tuple[int, str]:
     (:func:`~torch_handle.plan.estimate_activations.compute_mode`'s)."""
     from torch_handle.config.context_parallel import chosen_cp_impl
 
-    par, data, t = preset.parallel, preset.data.options, preset.training
+    par, data, t, model = preset.parallel, preset.data.options, preset.training, preset.model.options
     impl = chosen_cp_impl(par.cp_impl, bool(getattr(data, "document_mask", False)))
     element = 4 if mode == "fp32" else _DTYPE_BYTES.get(t.precision, 4)
+    held = 1 if getattr(model, "activation_checkpointing", False) else -(-int(getattr(model, "n_layers", 1)) // par.pp)
     return cp_buffer_bytes(impl, t.micro_batch_size, *_attention_heads(preset), data.seq_len, par.cp,
-                           _head_dim(preset), element), impl
+                           _head_dim(preset), element, layers=held), impl
 
 
 def cp_step_volume(preset: Preset, element_bytes: int, micro_batch_size: int, microbatches: int,
@@ -111,10 +120,13 @@ def cp_step_volume(preset: Preset, element_bytes: int, micro_batch_size: int, mi
       ``cp_comm_calls``: docs/context-parallel.md);
     * ulysses: q, k, v and the output all-to-all'd in forward and their gradients in backward, (cp − 1)/cp of each
       rank's ``B · (2H + 2H_kv)/tp · T/cp · D`` values: ``2 · (cp − 1)/cp · B · (2H + 2H_kv)/tp · T/cp · D · e``,
-      8 calls.
+      8 calls;
+    * native: K/V all-gathered in forward (torch's ``flex_cp_allgather``: one all-gather each), their gradients
+      reduce-scattered in the compute dtype (its autograd): ``2s · (cp − 1) · 2e``, 4 calls (the positions'
+      gather, once per micro-batch, left out).
 
     Raises:
-        ValueError: a ``cp_impl`` other than ring, allgather, ulysses (or auto)."""
+        ValueError: a ``cp_impl`` other than ring, allgather, ulysses, native (or auto)."""
     from torch_handle.config.context_parallel import chosen_cp_impl
 
     par, data = preset.parallel, preset.data.options
@@ -128,6 +140,8 @@ def cp_step_volume(preset: Preset, element_bytes: int, micro_batch_size: int, mi
         per, calls = 2 * kv_heads * local * (cp - 1) * (2 * element_bytes + accumulation_bytes), 8
     elif impl == "ulysses":
         per, calls = 2 * (cp - 1) * (2 * heads + 2 * kv_heads) * local * element_bytes // cp, 8
+    elif impl == "native":
+        per, calls = 2 * kv_heads * local * (cp - 1) * 2 * element_bytes, 4
     else:
-        raise ValueError(f"no communication model for cp_impl {impl!r} (valid: ring, allgather, ulysses)")
+        raise ValueError(f"no communication model for cp_impl {impl!r} (valid: ring, allgather, ulysses, native)")
     return {"bytes": per * layers * microbatches, "calls": calls * layers * microbatches}
