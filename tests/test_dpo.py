@@ -6,7 +6,8 @@ exported adapters (the reference: the same model with its adapter disabled) and 
 log-probabilities. Under real torchrun workers (issue 47, done-when 3): every data-parallel strategy on 2 ranks gives
 the single-process losses within 1e-5 and metrics within 1e-4 (fp32, 10 steps), full, LoRA and QLoRA among them
 (:data:`DPO_RUNS`; tests/test_sft_strategies.py's helpers and SFT matrix), a sharded full fine-tune
-precomputing the single process's reference table."""
+precomputing the single process's reference table; the QLoRA run under scratch-fsdp also takes
+tests/test_qlora_strategies.py's checks of that strategy."""
 
 from __future__ import annotations
 
@@ -244,6 +245,16 @@ def test_a_sharded_full_fine_tune_precomputes_the_single_process_reference(dpo_r
         assert got.keys() == want.keys() == {"train", "valid"}
         for split in want:
             torch.testing.assert_close(got[split], want[split], rtol=0, atol=1e-4, msg=f"{strategy} {split}")
+
+
+@pytest.mark.dist
+def test_qlora_under_scratch_fsdp(dpo_runs, tmp_path):
+    """The QLoRA run under scratch-fsdp is tests/test_qlora_strategies.py's cell for that strategy (it runs the
+    others): each rank's chunk of the NF4 base unchanged, its memory ``handle estimate``'s to the byte, and its
+    adapters exported as the single process's (its :func:`assert_qlora_run`)."""
+    from tests.test_qlora_strategies import assert_qlora_run
+
+    assert_qlora_run(dpo_runs[("scratch-fsdp", "qlora")], dpo_runs[("single", "qlora")], "scratch-fsdp", tmp_path)
 
 
 def test_a_loss_stuck_at_ln2_says_why(pairs, tmp_path, process_group):
