@@ -174,17 +174,67 @@ def handle_at_once(commands: dict[str, tuple[str, ...]], at_once: int, timeout: 
     return done
 
 
+def run_here(preset: Path, args: tuple[str, ...]) -> Path:
+    """``handle run PRESET ARGS`` (``--set`` pairs alone) of one process, trained in this process instead of
+    launched (a launch's start-up, about 4 CPU seconds: the CLI's imports, torchrun's agent, the worker's): the
+    launcher's checks, data and run directory (:func:`torch_handle.launch.run.prepare_run`), then what the worker
+    does with ``preset.toml`` on a gloo group of world size 1 (:mod:`torch_handle.train.worker`), its log lines in
+    ``logs/rank0.log``. Returns the run directory; fails unless the run finished."""
+    import logging
+    import shutil
+    import tempfile
+
+    import torch
+    import torch.distributed as dist
+
+    from torch_handle.config.loader import load_preset
+    from torch_handle.launch.run import prepare_run
+    from torch_handle.registry import get_registry
+    from torch_handle.train.strategy import DistContext
+    from torch_handle.train.trainer import Trainer
+
+    assert all(a == "--set" for a in args[::2]) and len(args) % 2 == 0, args
+    assert not dist.is_initialized(), "a process group is already up in this process"
+    loaded, run_dir = prepare_run(str(preset), tuple(args[1::2]), None, None)
+    assert loaded.world_size == 1, f"{run_dir}: {loaded.world_size} processes: launch it"
+    handler, logger = logging.FileHandler(run_dir / "logs" / "rank0.log"), logging.getLogger("torch_handle")
+    handler.setFormatter(logging.Formatter("%(asctime)s rank0 %(levelname)s %(name)s: %(message)s"))
+    logger.addHandler(handler)
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    store = Path(tempfile.mkdtemp(prefix="handle-store-"))
+    dist.init_process_group("gloo", init_method=f"file://{store / 'store'}", rank=0, world_size=1)
+    try:
+        registry = get_registry()
+        trainer = Trainer(load_preset(run_dir / "preset.toml", registry=registry), run_dir,
+                          DistContext(0, 0, 1, torch.device("cpu"), "gloo"), registry)
+        trainer.build()
+        status = trainer.train()
+        trainer.close(status)
+    finally:
+        dist.destroy_process_group()
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+        handler.close()
+        shutil.rmtree(store, ignore_errors=True)
+    assert status == "finished", f"{run_dir}: {status}"
+    return run_dir
+
+
 def handle_runs(root: Path, runs: dict[str, tuple[str, ...]], common: tuple[str, ...], at_once: int,
-                timeout: float = 400, env: dict[str, str] | None = None) -> dict[str, Path]:
+                timeout: float = 400, env: dict[str, str] | None = None, here: tuple[str, ...] = ()
+                ) -> dict[str, Path]:
     """``handle run`` of the 1-rank tiny preset (written to ``root``) once per entry of ``runs`` (name -> its
     ``--set`` arguments, after ``common``), ``at_once`` at a time (:func:`handle_at_once`); name -> run
-    directory. A run that printed no run directory fails the calling fixture with its output's tail."""
+    directory. A run that printed no run directory fails the calling fixture with its output's tail. The runs
+    named in ``here`` (of one process: a reference) train in this process (:func:`run_here`), before the
+    launches."""
     preset = root / "tiny.toml"
     preset.write_text(tiny_preset(root / "runs", strategy="single").replace("nproc_per_node = 2",
                                                                             "nproc_per_node = 1"))
+    done = {name: run_here(preset, ("--set", f"run.name={name}", *common, *runs[name])) for name in here}
     commands = {name: ("run", str(preset), "--set", f"run.name={name}", *common, *overrides)
-                for name, overrides in runs.items()}
-    done = {}
+                for name, overrides in runs.items() if name not in here}
     for name, (_, out) in handle_at_once(commands, at_once, timeout, env).items():
         lines = [ln for ln in out.splitlines() if ln.startswith("run directory: ")]
         assert lines, f"{name}:\n{out[-3000:]}"

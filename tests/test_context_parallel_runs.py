@@ -80,7 +80,7 @@ def runs(tmp_path_factory) -> dict[str, Path]:
               "--set", "model.n_layers=2", "--set", "data.name=text", "--set", f"data.path={_documents(root / 'docs')}",
               "--set", "data.vocab_size=300", "--set", "data.document_mask=true", "--set", "training.grad_accum=2",
               "--set", "training.log_every=1")
-    done = handle_runs(root, RUNS, common, at_once=2)
+    done = handle_runs(root, RUNS, common, at_once=2, here=("one",))  # the reference in this process
     resumes = {"cp2-at-dp2": ("tp2xcp2-ring", "parallel.tp=1", "parallel.sequence_parallel=false",
                               "strategy.name=ddp", "launch.nproc_per_node=2", "training.grad_accum=1"),
                "cp4-at-one": ("cp4-ring-zero2", "strategy.name=single", "launch.nproc_per_node=1")}

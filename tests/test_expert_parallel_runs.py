@@ -52,7 +52,7 @@ def _steps(run_dir: Path) -> dict[int, dict]:
 def runs(tmp_path_factory) -> dict[str, Path]:
     """Every run of :data:`RUNS`, two at a time, then the two resumes from step 2."""
     root = tmp_path_factory.mktemp("ep-runs")
-    done = handle_runs(root, RUNS, COMMON, at_once=2)
+    done = handle_runs(root, RUNS, COMMON, at_once=2, here=("one",))  # the reference in this process
     resumes = {"ep2-as-tp2": ("ep2-scratch", ("--set", "launch.nproc_per_node=2", "--set", "parallel.ep=1",
                                               "--set", "parallel.tp=2", "--set", "training.grad_accum=4")),
                "one-as-ep2-fsdp": ("one", ("--set", "launch.nproc_per_node=2", *EP2, "--set", "strategy.name=fsdp",

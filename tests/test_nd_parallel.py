@@ -68,7 +68,7 @@ def _losses(run_dir: Path) -> dict[int, float]:
 def runs(tmp_path_factory) -> dict[str, Path]:
     """Every run of :data:`RUNS`, two at a time (4 ranks each on 2 cores), then the two resumes of dp 2 × tp 2."""
     root = tmp_path_factory.mktemp("nd-runs")
-    done = handle_runs(root, RUNS, COMMON, at_once=2)
+    done = handle_runs(root, RUNS, COMMON, at_once=2, here=("one",))  # the reference in this process
     resumes = {"as-pp2": ("--set", "launch.nproc_per_node=2", "--set", "parallel.pp=2", "--set", "parallel.tp=1",
                           "--set", "strategy.name=single"),
                "as-single": ("--set", "launch.nproc_per_node=1", "--set", "parallel.tp=1",

@@ -223,7 +223,7 @@ def _events(run_dir: Path, kind: str) -> list[dict]:
 def runs(tmp_path_factory) -> dict[str, Path]:
     """Every run of :data:`RUNS` (the tiny preset with 4 layers, fp32, dropout 0, 10 steps of 8 sequences, evals at
     steps 0, 5 and 10), at most four at a time: each costs seconds, mostly starting up."""
-    return handle_runs(tmp_path_factory.mktemp("pp-runs"), RUNS, COMMON, at_once=4, timeout=300)
+    return handle_runs(tmp_path_factory.mktemp("pp-runs"), RUNS, COMMON, at_once=4, timeout=300, here=("one",))
 
 
 def _loss_impl(run_dir: Path, rank: int) -> str:

@@ -30,7 +30,7 @@ from torch_handle.parallel.tensor.mappings import TPGroup, step_volume
 from torch_handle.parallel.tensor.plan import unshard
 from torch_handle.train.grad_norm import mesh_grad_norm
 
-from tests.helpers import run_on_gloo, tiny_preset
+from tests.helpers import run_here, run_on_gloo, tiny_preset
 
 pytestmark = pytest.mark.dist
 
@@ -168,7 +168,7 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     preset = root / "tiny.toml"
     preset.write_text(tiny_preset(root / "runs", strategy="single").replace("nproc_per_node = 2",
                                                                             "nproc_per_node = 1"))
-    return {"preset": preset, "one": _run(preset, "one"),
+    return {"preset": preset, "one": run_here(preset, ("--set", "run.name=one", *TINY)),  # in this process
             "scratch": _run(preset, "scratch", *TP2, "--set", "parallel.tp_impl=scratch",
                             "--set", "parallel.sequence_parallel=true")}
 
