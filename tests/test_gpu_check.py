@@ -288,7 +288,8 @@ def test_the_native_cp_row_reads_its_cases(gpu_check, tmp_path):
     errors = {"out": 2e-3, "dq": 4e-3, "dk": 3e-3, "dv": 1e-3}
     cases = [{"seq_len": 2048, "dtype": "bfloat16", "native": errors, "allgather": errors, "ring": {"error": "E: x"},
               "ms": {"native": 1.5, "allgather": 9.25}},
-             {"seq_len": 1000, "dtype": "float32", "native": {"out": 1e-6}, "allgather": errors, "ring": errors}]
+             {"seq_len": 1000, "dtype": "float32", "native": {"out": 1e-6}, "allgather": errors, "ring": errors},
+             {"seq_len": 1000, "dtype": "bfloat16", "native": {"out": 1e-3}, "allgather": errors, "ring": errors}]
     row = native_cp_row(False, tmp_path, lambda cmd, log, timeout: (0, "\n".join(map(json.dumps, cases))), 1)
     assert (row["status"], row["cases"]) == ("ok", cases)
     assert row["note"] == ("bfloat16 T 2048 ring: E: x; bfloat16: native rel. error 4.00e-03; float32: native rel. "
