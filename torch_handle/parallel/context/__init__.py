@@ -7,6 +7,7 @@
 * ``ring`` -- ring attention: K/V blocks around the ring, dK/dV back to their owners (Liu et al. 2023);
 * ``allgather`` -- K/V all-gathered, dK/dV reduce-scattered (Llama 3, §3.3.2);
 * ``ulysses`` -- all-to-all from sequence shards to head shards and back (Jacobs et al. 2023);
+* ``native`` -- the all-gather algorithm by torch's FlexAttention context parallel (CUDA; its forward on a CPU);
 * ``comms`` -- the ring's passes and the collectives along one dimension.
 
 Each attention takes the local q (B, H, T/cp, D), k and v (B, H_kv, T/cp, D), the local tokens' positions and

@@ -29,8 +29,9 @@ pieces instead of the hand-written ones, as torchtitan applies it (``apply_cp(..
   ``repeat_kv``). On CUDA both ``flex_attention`` and ``create_block_mask`` are compiled (``torch.compile``, as
   torchtitan's ``models/attention.py`` does: the fused kernel, its backward, and a block mask that never
   materialises T/cp × T booleans); elsewhere they run eagerly, which computes the forward (the whole score matrix
-  at once) but has no backward: torch 2.13 raises "FlexAttention does not support backward on CPU". So
-  ``handle validate`` refuses ``native`` without CUDA (:mod:`torch_handle.config.context_parallel`).
+  at once) but has no backward: torch 2.13 raises "FlexAttention does not support backward on CPU" as soon as an
+  input needs a gradient. So ``handle validate`` refuses ``native`` without CUDA
+  (:mod:`torch_handle.config.context_parallel`).
 
 **Cost.** One all-gather of K and V per layer in forward, a reduce-scatter of dK/dV in backward, like the
 hand-written all-gather; but ``flex_attention`` saves the *gathered* K and V for its backward, so every layer holds
@@ -172,7 +173,8 @@ def native_attention(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, group: 
         which needs CUDA.
 
     Raises:
-        RuntimeError: from torch when backward runs off CUDA ("FlexAttention does not support backward on CPU").
+        NotImplementedError: from torch off CUDA when q, k or v needs a gradient ("FlexAttention does not support
+            backward on CPU"); under ``torch.no_grad`` with inputs that need none, the CPU computes the forward.
     """
     group = group if group is not None else dist.distributed_c10d._get_default_group()
     key, (last, block_mask) = (positions, document_ids, group, causal, q.shape[0], q.shape[2]), _LAST
