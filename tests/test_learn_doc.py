@@ -115,10 +115,13 @@ class Walk:
         pytest.fail(f"docs/learn.md:{cmd.line}: `{cmd.text}`: {why}\n{output[-4000:]}", pytrace=False)
 
     def argv(self, cmd: Command) -> list[str]:
-        """The command as run: ports made free, tiny options appended, ``handle`` -> this interpreter."""
+        """The command as run: ports made free, tiny options appended, ``handle`` -> this interpreter; a node other
+        than 0 of a multi-node ``handle env --check-dist`` answers in ``--json`` (:meth:`sanity` reads which rank
+        reported)."""
         words = [re.sub(r"\b(127\.0\.0\.1|localhost):(\d+)\b", self._port, w) for w in cmd.argv]
         path, _, _ = resolve(words)
-        return [sys.executable, "-m", "handle_cli", *words[1:], *tiny_args(path, words)]
+        return [sys.executable, "-m", "handle_cli", *words[1:], *tiny_args(path, words),
+                *(["--json"] if check_dist_node(path, words) else [])]
 
     def _port(self, m: re.Match) -> str:
         return f"{m.group(1)}:{self.ports.setdefault(m.group(2), str(free_port()))}"
@@ -219,8 +222,7 @@ class Walk:
             if "time split" not in output or "top operators" not in output:
                 self.fail(cmd, "no profile summary", output)
         elif path == ("env",) and "--check-dist" in rest:
-            if "check-dist: ok" not in output:
-                self.fail(cmd, "no `check-dist: ok`", output)
+            self.check_dist(cmd, path, output)
         elif path == ("slurm",):
             m = re.search(r"^(\S+\.sbatch)$", output, re.MULTILINE)
             script = (self.cwd / m.group(1)) if m else None
@@ -233,6 +235,30 @@ class Walk:
                     self.fail(cmd, f"{run_dir.name} is not listed", output)
         elif not output.strip():
             self.fail(cmd, "printed nothing")
+
+    def check_dist(self, cmd: Command, path: tuple[str, ...], output: str) -> None:
+        """``handle env --check-dist N``: one all-reduce over every process, the right sum. On several nodes (what
+        tests/test_multinode.py ran on its own): node 0's line names the world, the nodes and itself; another
+        node's ``--json`` report is its own first rank's (global rank = node rank, one process a node)."""
+        nnodes = int(cmd.argv[cmd.argv.index("--nnodes") + 1]) if "--nnodes" in cmd.argv else 1
+        world = nnodes * int(cmd.argv[cmd.argv.index("--check-dist") + 1])
+        total = world * (world + 1) // 2  # every rank adds rank + 1
+        node = check_dist_node(path, cmd.argv)
+        if node:
+            try:
+                check = json.loads(output)["check_dist"]
+                report = (check["ok"], check["node_rank"], check["nnodes"], check["result"]["world_size"],
+                          check["result"]["sum"], check["result"]["rank"])
+            except (ValueError, KeyError, TypeError):
+                report = None
+            if report != (True, node, nnodes, world, total, node):
+                self.fail(cmd, f"not node {node}'s own report of a {nnodes}-node all-reduce", output)
+        elif nnodes > 1:
+            if not re.search(rf"^check-dist: ok: {world} processes on {nnodes} nodes \(.*; this is node 0\), .* "
+                             rf"all_reduce sum {total} == {total}$", output, re.MULTILINE):
+                self.fail(cmd, f"no `check-dist: ok` line of node 0 of a {nnodes}-node all-reduce", output)
+        elif "check-dist: ok" not in output:
+            self.fail(cmd, "no `check-dist: ok`", output)
 
     def tui(self, cmd: Command, monkeypatch: pytest.MonkeyPatch) -> None:
         from click.testing import CliRunner
@@ -293,6 +319,13 @@ class Walk:
                 if proc.poll() is None:
                     os.killpg(proc.pid, signal.SIGKILL)
                     proc.wait()
+
+
+def check_dist_node(path: tuple[str, ...], words: list[str]) -> int:
+    """The node rank of a multi-node ``handle env --check-dist`` other than node 0, else 0."""
+    if path != ("env",) or "--check-dist" not in words or "--nnodes" not in words or "--node-rank" not in words:
+        return 0
+    return int(words[words.index("--node-rank") + 1])
 
 
 def family(cwd: Path, preset: str | None) -> set[str]:
