@@ -3,8 +3,9 @@ heads on 2 key/value heads) on packed documents with document masks, fp32, 10 st
 tp 2 × cp 2 by ring (hand-written TP with sequence parallelism, DDP; 4 processes), cp 4 by ring (DeepSpeed ZeRO-2
 and the chunked loss, each rank's T/cp tokens projected a chunk at a time; 4 processes: K/V blocks three hops round
 the ring), dp 2 × cp 2 by Ulysses (FSDP2 sharding over the 4 dp × cp
-ranks) and pp 2 × cp 2 by all-gather (the hand-written 1F1B, each stage on its T/cp tokens; DDP) give the one-process
-losses and gradient norms within 1e-5 at every step (and the validation losses); the
+ranks) and pp 2 × cp 2 by all-gather (the hand-written 1F1B, each stage on its T/cp tokens; the hand-written DDP,
+which syncs each stage's gradients once a step over the cp ranks: tests/test_nd_parallel.py's hand-written DDP under
+a pipeline) give the one-process losses and gradient norms within 1e-5 at every step (and the validation losses); the
 tp 2 × cp 2 run's step-5 checkpoint resumed at tp 1, cp 1, dp 2 (DDP on 2 processes, grad_accum 1: the same global
 batch) and the cp 4 run's (ZeRO-2) resumed by one process continue them. The all-gather attention runs end to end
 under SFT and DPO with LoRA (tests/test_objectives_split.py).
@@ -44,7 +45,7 @@ RUNS = {
                        "--set", "training.checkpoint_every=5", "--set", "training.loss_impl=chunked"),
     "dp2xcp2-ulysses": ("--set", "launch.nproc_per_node=4", "--set", "strategy.name=fsdp", "--set", "parallel.cp=2",
                         "--set", "parallel.cp_impl=ulysses", "--set", "training.grad_accum=1"),
-    "pp2xcp2-allgather": ("--set", "launch.nproc_per_node=4", "--set", "strategy.name=ddp", "--set", "parallel.pp=2",
+    "pp2xcp2-allgather": ("--set", "launch.nproc_per_node=4", "--set", "strategy.name=scratch-ddp", "--set", "parallel.pp=2",
                           "--set", "parallel.pp_impl=scratch", "--set", "parallel.cp=2",
                           "--set", "parallel.cp_impl=allgather"),
 }
@@ -124,6 +125,30 @@ def test_context_parallel_layouts_train_as_one_process(runs, name) -> None:
     assert sorted(got) == sorted(want) == [0, 10]
     for step, event in want.items() if split[1]["layout"]["dp"] == 1 else ():
         assert abs(got[step]["val_loss"] - event["val_loss"]) <= 1e-5 * event["val_loss"], (name, step)
+
+
+def test_a_stage_syncs_its_gradients_once_a_step(runs) -> None:
+    """The hand-written DDP under a pipeline (pp 2 × cp 2) all-reduces rank 0's stage (its first layer and the
+    embedding) once a step in its one bucket over the cp ranks: exactly the stage's parameter bytes, not once per
+    micro-batch (picotron #5). Its final weights are the whole model (tests/whole_weights.py), and ``handle
+    estimate``'s every-rank memory is every rank's telemetry (tests/test_nd_parallel.py's check of its layouts)."""
+    from tests.test_nd_parallel import _disagreements
+    from tests.whole_weights import assert_whole_weights
+    from torch_handle.config.loader import load_preset
+    from torch_handle.plan import estimate_layout
+    from torch_handle.registry import get_registry
+
+    weights = load_file(runs["one"] / "model.safetensors")  # the one-process model's tensors
+    stage0 = sum(t.numel() for k, t in weights.items() if k == "embed.weight" or k.startswith("layers.0."))
+    assert stage0 > weights["embed.weight"].numel(), sorted(weights)
+    for e in _steps(runs["pp2xcp2-allgather"]).values():
+        assert (e["allreduce_calls"], e["allreduce_bytes"]) == (1, 4 * stage0), (e["step"], stage0)
+    assert_whole_weights(runs["pp2xcp2-allgather"])
+    registry = get_registry()
+    preset = load_preset(runs["pp2xcp2-allgather"] / "preset.toml", [], registry)
+    step = [e for e in _steps(runs["pp2xcp2-allgather"]).values() if e.get("memory")][-1]
+    bad = _disagreements(estimate_layout.estimate_layout(preset, registry, every_rank=True), step)
+    assert not bad, "\n".join(bad)
 
 
 def test_final_weights_are_the_one_process_model(runs) -> None:
