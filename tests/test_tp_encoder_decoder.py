@@ -28,7 +28,7 @@ from torch_handle.parallel.tensor.layers import all_reduce_sp_grads
 from torch_handle.parallel.tensor.mappings import TPGroup, step_volume
 from torch_handle.parallel.tensor.plan import unshard
 
-from tests.helpers import parallel_corpus, run_on_gloo, tp_mesh
+from tests.helpers import parallel_corpus, run_here, run_on_gloo, tp_mesh
 
 pytestmark = pytest.mark.dist
 
@@ -195,7 +195,7 @@ checkpoint_every = 0
 [strategy]
 name = "single"
 """)
-    one = _run(preset, "one")
+    one = _steps(run_here(preset, ("--set", "run.name=one")))  # the one-process reference, in this process
     split = _run(preset, "tp", "--set", "launch.nproc_per_node=2", "--set", "parallel.tp=2",
                  "--set", "parallel.tp_impl=scratch", "--set", "parallel.sequence_parallel=true")
     assert [(e["kind"], e["step"]) for e in split] == [(e["kind"], e["step"]) for e in one]
