@@ -17,6 +17,9 @@ DPO's metrics) within 1e-5.
 - SFT, cp 2 by all-gather (the hand-written FSDP, scratch-fsdp, sharding over the 2 cp ranks): the packed
   conversations' labels and documents sharded head-tail per conversation, each micro-batch weighted by the global
   batch's trained tokens over the dp × cp ranks.
+- SFT, pp 2 × cp 2 (the hand-written 1F1B, 4 micro-batches of one sample, all-gather, DDP; 4 processes): the cp
+  share's loss on the last stage; a rank's shard of one conversation often holds no answer token, whose loss and
+  gradients are 0 (tests/unit/test_loss_without_labels.py; this run stopped on a NaN loss at step 5 before).
 - DPO, cp 2 by Ulysses (the hand-written DDP, scratch-ddp, averaging over the 2 cp ranks) with the chunked loss:
   each row's log-probability summed from the cp ranks' chunked sums of their tokens (gathered with autograd; the
   one-process reference takes the logits whole), the reference the base with its adapters off; pairs and metrics
@@ -53,6 +56,9 @@ RUNS = {  # name -> (objective, --set overrides)
     "dpo-pp-precomputed": ("dpo", ("parallel.pp=2", "parallel.pp_impl=scratch", "parallel.pp_schedule=1f1b",
                                    "finetune.preference.reference=precomputed")),
     "sft-cp": ("sft", ("parallel.cp=2", "parallel.cp_impl=allgather", "strategy.name=scratch-fsdp")),
+    "sft-pp-cp": ("sft", ("parallel.pp=2", "parallel.pp_impl=scratch", "parallel.pp_schedule=1f1b",
+                          "parallel.pp_microbatches=4", "parallel.cp=2", "parallel.cp_impl=allgather",
+                          "strategy.name=ddp", "launch.nproc_per_node=4")),
     "dpo-cp": ("dpo", ("parallel.cp=2", "parallel.cp_impl=ulysses", "strategy.name=scratch-ddp",
                        "training.loss_impl=chunked")),
 }

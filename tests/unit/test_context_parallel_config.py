@@ -203,13 +203,14 @@ def test_estimate_names_the_cp_rank_formula_and_dp_under_tp(runner, tmp_path):
         "data parallel: dp = world / (cp x tp), the strategy over dp x cp") for line in lines)
 
 
-def test_sft_and_dpo_run_under_cp_but_a_reference_copy():
+def test_sft_and_dpo_run_under_cp_but_a_reference_copy_and_dpo_in_a_pipeline():
     from types import SimpleNamespace as NS
 
     from torch_handle.config.context_parallel import context_parallel_problems
 
-    def problems(objective: str, reference: str = "auto") -> list[tuple[str | None, str]]:
-        preset = NS(parallel=NS(cp=2, tp=1, pp=1, ep=1, tp_impl="scratch", cp_impl="allgather"), world_size=2,
+    def problems(objective: str, reference: str = "auto", pp: int = 1) -> list[tuple[str | None, str]]:
+        preset = NS(parallel=NS(cp=2, tp=1, pp=pp, ep=1, tp_impl="scratch", cp_impl="allgather",
+                                pp_schedule="1f1b"), world_size=2 * pp,
                     model=NS(name="transformer", options=NS(n_heads=2, n_kv_heads=2, dropout=0.0, kind="decoder")),
                     data=NS(options=NS(seq_len=48)), strategy=NS(name="ddp"), training=NS(compile=False),
                     finetune=NS(objective=objective, preference=NS(reference=reference)))
@@ -219,3 +220,7 @@ def test_sft_and_dpo_run_under_cp_but_a_reference_copy():
     refusal = ("'copy' with parallel.cp > 1: the frozen copy's attention is not split over the cp ranks (valid: "
                "'adapters_off', 'precomputed', 'none', 'auto')")
     assert problems("dpo", "copy") == [("finetune.preference.reference", refusal)]
+    assert problems("sft", pp=2) == problems("lm", pp=2) == []
+    assert problems("dpo", "adapters_off", pp=2) == [("finetune.objective", (
+        "'dpo' with parallel.pp > 1 and parallel.cp > 1 is not supported yet: a cp-split pipeline's pair losses differ "
+        "from one process's (valid: 'lm', 'sft', or pp = 1)"))]

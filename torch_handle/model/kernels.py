@@ -104,7 +104,9 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         logits, safe, valid, n = ctx.saved_tensors
         eps = ctx.eps
         uniform = eps / logits.shape[-1]
-        weight = (valid * (grad / n if ctx.mean else grad)).float()[:, None]  # (N, 1): d loss / d row loss
+        # n clamped: with every label ignored the forward is NaN (as F.cross_entropy's) but the gradient 0, not
+        # 0/0 (what a caller that weighs that NaN by its 0 tokens, a cp shard with no labels, backpropagates)
+        weight = (valid * (grad / n.clamp(min=1) if ctx.mean else grad)).float()[:, None]  # (N, 1): d loss / d row loss
         out = torch.empty_like(logits)
         for s in range(0, logits.shape[0], ctx.rows):
             x, idx = logits[s:s + ctx.rows], safe[s:s + ctx.rows]

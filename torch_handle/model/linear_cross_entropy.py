@@ -195,7 +195,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         valid = labels != ignore_index  # (N,)
         safe = torch.where(valid, labels, 0)[:, None]  # (N, 1): ignored rows point at class 0, then weigh 0
         n = valid.sum()
-        row_weight = valid / n  # (N,) fp32: d loss / d row loss
+        row_weight = valid / n.clamp(min=1)  # (N,) fp32: d loss / d row loss (0, not 0/0, when none counts)
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         grad_h = torch.empty_like(hidden) if need_hidden else None  # (N, C)
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=h.device) if need_weight else None  # (V, C)

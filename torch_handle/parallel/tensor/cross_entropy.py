@@ -62,7 +62,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             g = g - ctx.eps / ctx.vocab
         rows = mine.nonzero().squeeze(1)
         g[rows, local[rows]] -= 1.0 - ctx.eps
-        g = g * (valid * (grad if ctx.per_token else grad / n)).float()[:, None]
+        g = g * (valid * (grad if ctx.per_token else grad / n.clamp(min=1))).float()[:, None]  # 0 when none counts
         return g.to(ctx.dtype), None, None, None, None
 
 

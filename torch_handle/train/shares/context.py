@@ -187,7 +187,10 @@ class ContextParallel(PortableShare):
         """(cp · local sum / n, n / cp) from this rank's token mean ``mean`` over its ``n_local`` labelled tokens
         and the whole micro-batch's ``labels`` (B, T) (n: their labelled tokens; see the module)."""
         n = (labels != IGNORE_INDEX).sum()
-        return mean * n_local * self.cp / n.clamp(min=1), n / self.cp
+        # a shard with no labelled token (a packed conversation's prompt, cut T/cp at a time) sums to 0: its mean is
+        # NaN, as F.cross_entropy's over no labels, and its gradient 0
+        local_sum = torch.where(n_local > 0, mean * n_local, torch.zeros_like(mean))
+        return local_sum * self.cp / n.clamp(min=1), n / self.cp
 
     def chunked_loss(self, hidden: Any, weight: Any, labels: Tensor, label_smoothing: float
                      ) -> tuple[Tensor, Tensor]:
