@@ -11,9 +11,10 @@ DPO's metrics) within 1e-5.
   the base with its adapters off. The metrics counted once per TP group.
   (tp 2 hand-written with the reference precomputed, one TP rank writing the table, passed the same check on
   2026-12-06 and was left out of the suite for its time.)
-- DPO, pp 2 torch's 1F1B: a pair's rows in one micro-batch, the reference (adapters off) from a forward-only pass
-  before the schedule (and torch's shape inference's call of the loss left out of the metrics); and pp 2
-  hand-written with the reference precomputed through the pipeline.
+- DPO, pp 2 × cp 2 torch's 1F1B by ring (4 processes): a pair's rows in one micro-batch, each row's log-probability
+  gathered over the cp ranks on the last stage, the reference (adapters off) from a forward-only pass before the
+  schedule (and torch's shape inference's call of the loss left out of the metrics); and pp 2 hand-written with the
+  reference precomputed through the pipeline.
 - SFT, cp 2 by all-gather (the hand-written FSDP, scratch-fsdp, sharding over the 2 cp ranks): the packed
   conversations' labels and documents sharded head-tail per conversation, each micro-batch weighted by the global
   batch's trained tokens over the dp × cp ranks.
@@ -52,7 +53,8 @@ RUNS = {  # name -> (objective, --set overrides)
     "sft-pp": ("sft", ("parallel.pp=2", "parallel.pp_impl=scratch", "parallel.pp_schedule=1f1b",
                        "parallel.pp_microbatches=4")),
     "dpo-tp": ("dpo", ("parallel.tp=2", "parallel.tp_impl=native", "training.loss_impl=chunked")),
-    "dpo-pp": ("dpo", ("parallel.pp=2", "parallel.pp_impl=native", "parallel.pp_schedule=1f1b")),
+    "dpo-pp-cp": ("dpo", ("parallel.pp=2", "parallel.pp_impl=native", "parallel.pp_schedule=1f1b", "parallel.cp=2",
+                          "parallel.cp_impl=ring", "strategy.name=ddp", "launch.nproc_per_node=4")),
     "dpo-pp-precomputed": ("dpo", ("parallel.pp=2", "parallel.pp_impl=scratch", "parallel.pp_schedule=1f1b",
                                    "finetune.preference.reference=precomputed")),
     "sft-cp": ("sft", ("parallel.cp=2", "parallel.cp_impl=allgather", "strategy.name=scratch-fsdp")),

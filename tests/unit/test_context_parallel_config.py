@@ -203,7 +203,7 @@ def test_estimate_names_the_cp_rank_formula_and_dp_under_tp(runner, tmp_path):
         "data parallel: dp = world / (cp x tp), the strategy over dp x cp") for line in lines)
 
 
-def test_sft_and_dpo_run_under_cp_but_a_reference_copy_and_dpo_in_a_pipeline():
+def test_sft_and_dpo_run_under_cp_with_a_pipeline_or_without_but_a_reference_copy():
     from types import SimpleNamespace as NS
 
     from torch_handle.config.context_parallel import context_parallel_problems
@@ -220,7 +220,4 @@ def test_sft_and_dpo_run_under_cp_but_a_reference_copy_and_dpo_in_a_pipeline():
     refusal = ("'copy' with parallel.cp > 1: the frozen copy's attention is not split over the cp ranks (valid: "
                "'adapters_off', 'precomputed', 'none', 'auto')")
     assert problems("dpo", "copy") == [("finetune.preference.reference", refusal)]
-    assert problems("sft", pp=2) == problems("lm", pp=2) == []
-    assert problems("dpo", "adapters_off", pp=2) == [("finetune.objective", (
-        "'dpo' with parallel.pp > 1 and parallel.cp > 1 is not supported yet: a cp-split pipeline's pair losses differ "
-        "from one process's (valid: 'lm', 'sft', or pp = 1)"))]
+    assert problems("sft", pp=2) == problems("lm", pp=2) == problems("dpo", "precomputed", pp=2) == []

@@ -16,8 +16,7 @@ why:
   FlexAttention has no CPU backward in torch 2.13, and SDPA's context parallel is CUDA-only (pytorch#147793); the
   hand-written ``ring``, ``allgather``, ``ulysses`` run everywhere. On a CUDA machine ``native`` is accepted, but
   ``auto`` keeps to the hand-written ones: native has not been measured on a GPU here;
-* dpo in a pipeline (pp > 1; checked by hand on 2026-12-06: 3.5e-3 relative off one process's metrics with the
-  adapters-off reference, far off with the precomputed one; ``sft`` and ``lm`` run), and torch's zero-bubble schedules
+* torch's zero-bubble schedules
   (their split backward gives wrong gradients through the cp attentions: ZBV's norm 7% off at step 1);
 * DTensor tensor parallelism (``tp_impl = "native"``: its loss is a DTensor under ``loss_parallel``), ep > 1,
   an encoder-decoder, another model plugin, dpo's ``reference = "copy"`` (the copy's attention is not split),
@@ -104,10 +103,6 @@ def context_parallel_problems(preset: Any, registry: Any = None) -> Iterator[Pre
                           f"backward into an input and a weight pass, which the cp attentions' backward (a collective "
                           f"over the cp ranks) does not survive (valid: gpipe, 1f1b, interleaved-1f1b, looped-bfs)",
                           key="parallel.pp_schedule")
-    if par.pp > 1 and preset.finetune.objective == "dpo":
-        yield PresetError("'dpo' with parallel.pp > 1 and parallel.cp > 1 is not supported yet: a cp-split pipeline's "
-                          "pair losses differ from one process's (valid: 'lm', 'sft', or pp = 1)",
-                          key="finetune.objective")
     if preset.model.name != "transformer" or getattr(model, "kind", "decoder") != "decoder":
         yield PresetError("parallel.cp > 1 splits the from-scratch decoder's attention (model.name = 'transformer', "
                           "kind = 'decoder'); an encoder-decoder or another model plugin is not split by cp yet",
