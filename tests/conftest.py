@@ -55,14 +55,16 @@ def pytest_unconfigure(config) -> None:
 
 
 SLOWEST_FIRST = ("test_learn_doc", "test_distributed", "test_nd_parallel",
-                 "test_context_parallel_runs",  # 103 CPU s: 7 launches, 4 of them 4 ranks (2026-12-06)
+                 "test_context_parallel_runs",  # ~99 CPU s: 6 launches, 4 of them 4 ranks, and 1 in-process
                  "test_objectives_split",  # 84 CPU s: 7 runs of 2 ranks and 2 in-process
-                 "test_multinode", "test_expert_parallel_runs",
                  "test_dpo",  # 75 CPU s: 5 runs of 2 ranks, 12 in-process
-                 "test_lora_strategies", "test_pipeline_parallel", "test_tensor_parallel", "test_cross_resume",
-                 "test_qlora_strategies",  # 59 CPU s: 6 runs of 2 ranks, 1 in-process
-                 "test_gpu_check",  # 55 CPU s: the CPU smoke version's runs
-                 "test_sft_strategies",  # 55 CPU s: 5 runs of 2 ranks, 3 in-process
+                 "test_sft_strategies",  # 67 CPU s: 5 runs of 2 ranks, 3 in-process
+                 "test_gpu_check",  # 64 CPU s, ~88 s wall: the CPU smoke version's runs
+                 "test_expert_parallel_runs",
+                 "test_multinode",  # ~62 CPU s, ~75 s wall: 2-node launches that wait for each other
+                 "test_cross_resume",  # 59 CPU s, ~80 s wall
+                 "test_lora_strategies",  # ~56 CPU s: 5 runs of 2 ranks, 1 in-process (2026-12-06, later)
+                 "test_tensor_parallel", "test_qlora_strategies", "test_pipeline_parallel",
                  "test_hf_export", "test_estimate", "test_hang", "test_lost_runs",
                  "test_hf", "test_plugins_cli", "test_tp_encoder_decoder", "test_layout_weights", "test_bench_comm",
                  "test_resume_safety", "test_plan", "test_tokens_run", "test_run_info_stress", "test_env",
