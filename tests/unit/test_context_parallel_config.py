@@ -102,13 +102,11 @@ def test_a_good_cp_preset_validates_with_its_layout(runner, tmp_path):
     assert "dp 1 × cp 2 (ddp; cp ring)" in result.output
 
 
-def test_tp_with_cp_is_hand_written_tp_only(runner, tmp_path):
+def test_tp_with_cp_validates_by_hand_and_dtensor(runner, tmp_path):
     result = _fixed(runner, tmp_path, "ring", "parallel.tp=2", "parallel.tp_impl=native", "strategy.name=fsdp",
                     "launch.nproc_per_node=4")
-    assert result.exit_code == 2, result.output
-    assert result.stderr.splitlines() == [
-        ("error: p.toml (--set): parallel.tp_impl: parallel.cp > 1 composes with the hand-written tensor parallelism "
-        "only (tp_impl = 'native'; valid: 'scratch')")]
+    assert result.exit_code == 0, result.output
+    assert "dp 1 × cp 2 × tp 2 (cp ring; tp native)" in result.output
     result = _fixed(runner, tmp_path, "ring", "parallel.tp=2", "parallel.tp_impl=scratch", "launch.nproc_per_node=4",
                     "parallel.sequence_parallel=true")
     assert result.exit_code == 0, result.output

@@ -4,7 +4,8 @@ preset with cp > 1 (one line each, before anything starts; :data:`torch_handle.c
 
 Context parallelism splits each sequence over cp ranks (docs/context-parallel.md). In this version it composes
 with data parallelism -- DDP, FSDP2, DeepSpeed ZeRO or the hand-written scratch-ddp and scratch-fsdp, which reduce
-(and shard) over dp × cp, torchtitan's ``dp_shard_cp`` -- the hand-written tensor parallelism (with or without sequence parallelism) and pipelines (both
+(and shard) over dp × cp, torchtitan's ``dp_shard_cp`` -- tensor parallelism (either ``tp_impl``, with or without
+sequence parallelism; DTensor's under FSDP2, its loss under ``loss_parallel``) and pipelines (both
 ``pp_impl``: each stage on its T/cp tokens), under the ``lm``, ``sft`` and ``dpo`` objectives (full training or
 LoRA), for the from-scratch decoder. What it refuses, and
 why:
@@ -18,8 +19,7 @@ why:
   ``auto`` keeps to the hand-written ones: native has not been measured on a GPU here;
 * torch's zero-bubble schedules
   (their split backward gives wrong gradients through the cp attentions: ZBV's norm 7% off at step 1);
-* DTensor tensor parallelism (``tp_impl = "native"``: its loss is a DTensor under ``loss_parallel``), ep > 1,
-  an encoder-decoder, another model plugin, dpo's ``reference = "copy"`` (the copy's attention is not split),
+* ep > 1, an encoder-decoder, another model plugin, dpo's ``reference = "copy"`` (the copy's attention is not split),
   another strategy, ``training.compile`` and attention dropout: not supported with cp yet (each named in its line).
 
 Standard library only (``torch.cuda`` is asked only when ``native`` is named).
@@ -90,9 +90,6 @@ def context_parallel_problems(preset: Any, registry: Any = None) -> Iterator[Pre
     native = _native_problem() if impl == "native" else None
     if native:
         yield PresetError(native, key="parallel.cp_impl")
-    if par.tp > 1 and par.tp_impl != "scratch":
-        yield PresetError(f"parallel.cp > 1 composes with the hand-written tensor parallelism only (tp_impl = "
-                          f"{par.tp_impl!r}; valid: 'scratch')", key="parallel.tp_impl")
     if par.ep > 1:
         yield PresetError("parallel.cp > 1 with expert parallelism is not built: EP groups are drawn from the "
                           "data-parallel ranks alone (torchtitan also lends them the cp ranks), and an MoE layer "

@@ -37,8 +37,9 @@ under another strategy) through the strategy's own load or the portable form.
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
-from typing import Any
+from typing import Any, ContextManager
 
 import torch
 from torch import Tensor, nn
@@ -50,6 +51,7 @@ from torch_handle.observe.fields import CP_COMM_S
 from torch_handle.parallel.context.blocks import Tokens
 from torch_handle.parallel.context.comms import STATS, gather_sequence
 from torch_handle.parallel.context.sharding import attention_pairs, document_ids_of, imbalance, shard, shard_order
+from torch_handle.train.loop import plain
 from torch_handle.train.loss import chunked_loss_fn, loss_fn, token_losses
 from torch_handle.train.shares.contract import PortableShare
 
@@ -187,6 +189,7 @@ class ContextParallel(PortableShare):
         """(cp · local sum / n, n / cp) from this rank's token mean ``mean`` over its ``n_local`` labelled tokens
         and the whole micro-batch's ``labels`` (B, T) (n: their labelled tokens; see the module)."""
         n = (labels != IGNORE_INDEX).sum()
+        mean = plain(mean)  # DTensor TP's loss, replicated: a plain tensor (differentiable)
         # a shard with no labelled token (a packed conversation's prompt, cut T/cp at a time) sums to 0: its mean is
         # NaN, as F.cross_entropy's over no labels, and its gradient 0
         local_sum = torch.where(n_local > 0, mean * n_local, torch.zeros_like(mean))
@@ -253,6 +256,10 @@ class ContextParallel(PortableShare):
     @property
     def _holder(self) -> Any:
         return self.inner if self.inner is not None else self.strategy
+
+    def micro_batch(self) -> ContextManager:
+        """The TP share's context of a micro-batch (DTensor TP: ``loss_parallel()``), none without one."""
+        return self.inner.micro_batch() if self.inner is not None else contextlib.nullcontext()
 
     def begin_step(self) -> None:
         """Start counting this step's CP traffic (and TP's)."""
