@@ -3,7 +3,8 @@ heads on 2 key/value heads) on packed documents with document masks, fp32, 10 st
 tp 2 × cp 2 by ring (hand-written TP with sequence parallelism, DDP; 4 processes), cp 4 by ring (DeepSpeed ZeRO-2
 and the chunked loss, each rank's T/cp tokens projected a chunk at a time; 4 processes: K/V blocks three hops round
 the ring), dp 2 × cp 2 by Ulysses (FSDP2 sharding over the 4 dp × cp
-ranks) and pp 2 × cp 2 by all-gather (the hand-written 1F1B, each stage on its T/cp tokens; the hand-written DDP,
+ranks), tp 2 × cp 2 by all-gather under DTensor's TP with sequence parallelism (FSDP2; the TP share's
+``loss_parallel()`` entered by the cp share) and pp 2 × cp 2 by all-gather (the hand-written 1F1B, each stage on its T/cp tokens; the hand-written DDP,
 which syncs each stage's gradients once a step over the cp ranks: tests/test_nd_parallel.py's hand-written DDP under
 a pipeline) give the one-process losses and gradient norms within 1e-5 at every step (and the validation losses); the
 tp 2 × cp 2 run's step-5 checkpoint resumed at tp 1, cp 1, dp 2 (DDP on 2 processes, grad_accum 1: the same global
@@ -12,7 +13,8 @@ under SFT and DPO with LoRA (tests/test_objectives_split.py).
 
 The corpus is 240 text files of 2-30 words, one document each, so nearly every 32-token window holds several
 documents (the mask changes the loss: without it the first step's is 6.68, with it 6.57), and a shard's tokens come
-from several documents' head and tail chunks. Seven launches, module-scoped; the bad-input lines are
+from several documents' head and tail chunks. Seven launches (the one-process reference in this process),
+module-scoped; the bad-input lines are
 tests/unit/test_context_parallel_config.py, the attentions alone tests/test_context_parallel.py.
 """
 
@@ -45,6 +47,9 @@ RUNS = {
                        "--set", "training.checkpoint_every=5", "--set", "training.loss_impl=chunked"),
     "dp2xcp2-ulysses": ("--set", "launch.nproc_per_node=4", "--set", "strategy.name=fsdp", "--set", "parallel.cp=2",
                         "--set", "parallel.cp_impl=ulysses", "--set", "training.grad_accum=1"),
+    "tp2xcp2-dtensor": ("--set", "launch.nproc_per_node=4", "--set", "strategy.name=fsdp", "--set", "parallel.cp=2",
+                        "--set", "parallel.cp_impl=allgather", "--set", "parallel.tp=2", "--set",
+                        "parallel.tp_impl=native", "--set", "parallel.sequence_parallel=true"),
     "pp2xcp2-allgather": ("--set", "launch.nproc_per_node=4", "--set", "strategy.name=scratch-ddp", "--set", "parallel.pp=2",
                           "--set", "parallel.pp_impl=scratch", "--set", "parallel.cp=2",
                           "--set", "parallel.cp_impl=allgather"),
@@ -52,6 +57,7 @@ RUNS = {
 LABELS = {"tp2xcp2-ring": "dp 1 × cp 2 × tp 2 (cp ring; tp scratch + sp)",
           "cp4-ring-zero2": "dp 1 × cp 4 (deepspeed ZeRO-2; cp ring)",
           "dp2xcp2-ulysses": "dp 2 × cp 2 (fsdp; cp ulysses)",
+          "tp2xcp2-dtensor": "dp 1 × cp 2 × tp 2 (cp allgather; tp native + sp)",
           "pp2xcp2-allgather": "dp 1 × cp 2 × pp 2 (cp allgather; pp 1F1B scratch)"}
 
 
@@ -105,7 +111,8 @@ def _assert_steps_equal(one: dict[int, dict], split: dict[int, dict], steps: lis
             assert abs(got - want) <= 1e-5 * abs(want), (name, step, key, got, want)
 
 
-@pytest.mark.parametrize("name", ["tp2xcp2-ring", "cp4-ring-zero2", "dp2xcp2-ulysses", "pp2xcp2-allgather"])
+@pytest.mark.parametrize("name", ["tp2xcp2-ring", "cp4-ring-zero2", "dp2xcp2-ulysses", "tp2xcp2-dtensor",
+                                  "pp2xcp2-allgather"])
 def test_context_parallel_layouts_train_as_one_process(runs, name) -> None:
     one, split = _steps(runs["one"]), _steps(runs[name])
     _assert_steps_equal(one, split, list(range(1, 11)), name)
