@@ -125,12 +125,9 @@ def layout_overrides(layout: Candidate, batch: Batch, nproc_per_node: int, nnode
 def adapted_overrides(base: Preset, layout: Candidate) -> list[str]:
     """The preset's ``[parallel]`` choices that cannot run ``layout``, set to what can, as the resume rules do
     (docs/resume.md): ``sequence_parallel`` off where tp = 1 (no TP group to split over), and ``pp_impl`` native
-    for a schedule the hand-written pipeline does not have, ``cp`` 1 for a layout without context parallelism, and
-    ``tp_impl`` scratch under cp > 1 where the preset left it to auto (cp composes with the hand-written tensor
-    parallelism only). Without them those layouts were dropped for the
-    preset's setting alone, never tried."""
+    for a schedule the hand-written pipeline does not have, and ``cp`` 1 for a layout without context parallelism.
+    Without them those layouts were dropped for the preset's setting alone, never tried."""
     from torch_handle.config.schema import PP_SCRATCH
-    from torch_handle.config.tp_impl import AUTO, requested_tp_impl
 
     par, out = base.parallel, []
     if layout.tp == 1 and par.sequence_parallel:
@@ -141,8 +138,6 @@ def adapted_overrides(base: Preset, layout: Candidate) -> list[str]:
         out.append("parallel.ep=1")
     if layout.cp == 1 and par.cp > 1:
         out.append("parallel.cp=1")
-    if layout.cp > 1 and layout.tp > 1 and requested_tp_impl(base) == AUTO:
-        out.append("parallel.tp_impl=scratch")
     return out
 
 
