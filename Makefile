@@ -26,9 +26,12 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml $(CONSTRAINTS)
 	touch $@
 
 # The optional extras too (hf: transformers, wandb, eval: lm-eval), so that the suite runs the tests of their plugins.
-$(VENV)/.installed-dev: $(VENV)/.installed
+# From a fresh environment in one editable install with the extras (what `install` holds is part of it), not after
+# `install`'s: one build of handle and one dependency resolution fewer.
+$(VENV)/.installed-dev: $(BIN)/python pyproject.toml $(CONSTRAINTS)
+	$(if $(wildcard $(VENV)/.installed),,$(BIN)/python -m pip install --quiet $(TORCH_SPEC))
 	$(EDITABLE) ".[dev,hf,wandb,eval]"
-	touch $@
+	touch $(VENV)/.installed $@
 
 install: $(VENV)/.installed
 install-dev: $(VENV)/.installed-dev

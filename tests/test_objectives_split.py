@@ -4,8 +4,6 @@ DPO's metrics) within 1e-5.
 
 - SFT, tp 2 hand-written with sequence parallelism: packed conversations (``position_ids``, document masks) through
   the vocabulary-parallel loss, weighted as the global batch's mean over its trained tokens.
-- SFT, pp 2 hand-written 1F1B (4 micro-batches of unequal trained-token counts): each micro-batch's loss over the
-  step's trained tokens.
 - DPO, tp 2 DTensor with the chunked loss: the per-row log-probabilities of the vocabulary-split output layer a
   chunk of tokens at a time (``vocab_parallel_sequence_logps``; the one-process run's from its logits), the reference
   the base with its adapters off. The metrics counted once per TP group.
@@ -18,9 +16,11 @@ DPO's metrics) within 1e-5.
 - SFT, cp 2 by all-gather (the hand-written FSDP, scratch-fsdp, sharding over the 2 cp ranks): the packed
   conversations' labels and documents sharded head-tail per conversation, each micro-batch weighted by the global
   batch's trained tokens over the dp × cp ranks.
-- SFT, pp 2 × cp 2 (the hand-written 1F1B, 4 micro-batches of one sample, all-gather, DDP; 4 processes): the cp
-  share's loss on the last stage; a rank's shard of one conversation often holds no answer token, whose loss and
-  gradients are 0 (tests/unit/test_loss_without_labels.py; this run stopped on a NaN loss at step 5 before).
+- SFT, pp 2 × cp 2 (the hand-written 1F1B, 4 micro-batches of one sample and unequal trained-token counts, each
+  micro-batch's loss over the step's trained tokens; all-gather, DDP; 4 processes): the cp share's loss on the last
+  stage; a rank's shard of one conversation often holds no answer token, whose loss and gradients are 0
+  (tests/unit/test_loss_without_labels.py; this run stopped on a NaN loss at step 5 before). It was a pp 2 run
+  without cp, whose path this one takes with a cp share inside.
 - DPO, cp 2 by Ulysses (the hand-written DDP, scratch-ddp, averaging over the 2 cp ranks) with the chunked loss:
   each row's log-probability summed from the cp ranks' chunked sums of their tokens (gathered with autograd; the
   one-process reference takes the logits whole), the reference the base with its adapters off; pairs and metrics
@@ -50,8 +50,6 @@ METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/
 LORA = ("model.n_layers=2", "finetune.method=lora", "finetune.rank=4", "launch.nproc_per_node=2")
 RUNS = {  # name -> (objective, --set overrides)
     "sft-tp": ("sft", ("parallel.tp=2", "parallel.tp_impl=scratch", "parallel.sequence_parallel=true")),
-    "sft-pp": ("sft", ("parallel.pp=2", "parallel.pp_impl=scratch", "parallel.pp_schedule=1f1b",
-                       "parallel.pp_microbatches=4")),
     "dpo-tp": ("dpo", ("parallel.tp=2", "parallel.tp_impl=native", "training.loss_impl=chunked")),
     "dpo-pp-cp": ("dpo", ("parallel.pp=2", "parallel.pp_impl=native", "parallel.pp_schedule=1f1b", "parallel.cp=2",
                           "parallel.cp_impl=ring", "strategy.name=ddp", "launch.nproc_per_node=4")),
