@@ -87,9 +87,10 @@ class ContextParallel(PortableShare):
         ctx: the rank's ``DistContext`` with the layout and ``cp_mesh`` (:func:`~torch_handle.parallel.mesh
             .attach_layout`).
         document_mask: ``data.document_mask`` (what ``cp_impl = "auto"`` picks by).
-        inner: the :class:`~torch_handle.train.shares.tensor.TensorParallel` share when tp > 1 (hand-written):
-            it splits the model first (each rank attends its heads of its tokens), and the loss over a split
-            vocabulary, the norm over split gradients, the step's TP traffic and the checkpoints are its own.
+        inner: the :class:`~torch_handle.train.shares.tensor.TensorParallel` share when tp > 1 (hand-written or
+            DTensor): it splits the model first (each rank attends its heads of its tokens), and the loss over a
+            split vocabulary (in its micro-batch context: DTensor's ``loss_parallel()``), the norm over split
+            gradients, the step's TP traffic and the checkpoints are its own.
 
     Raises:
         ValueError: a ``cp_impl`` other than ring, allgather, ulysses, native."""
