@@ -333,10 +333,10 @@ def estimate(preset: str, overrides: tuple[str, ...], nproc: str, nnodes: int | 
             click.echo(line)
     if rows[0].cp > 1:
         r = rows[0]
+        held = "holding every layer's gathered K/V until backward" if r.cp_impl == "native" else "for one layer"
         click.echo(f"cp: {r.cp} ranks per sequence ({r.cp_impl}): activations of seq_len / {r.cp} = "
                    f"{loaded.data.options.seq_len // r.cp} tokens per rank, + {fmt_bytes(r.cp_buffer_bytes or 0, precise=True)}"
-                   f" of {r.cp_impl} buffers " + ("(every layer's gathered K/V, held for backward; " if r.cp_impl ==
-                                                 "native" else "for one layer (") + "in the device total)")
+                   f" of {r.cp_impl} buffers {held} (in the device total)")
     if rows[0].finetune is not None:
         for line in textwrap.wrap(finetune_line(rows[0], loaded), 110, subsequent_indent="  "):
             click.echo(line)

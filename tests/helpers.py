@@ -6,6 +6,7 @@ import os
 import random
 import uuid
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -174,6 +175,29 @@ def handle_at_once(commands: dict[str, tuple[str, ...]], at_once: int, timeout: 
     return done
 
 
+def train_here(preset: Any, run_dir: Path, ctx: Any, *, prepare: bool = True) -> str:
+    """What a worker does with a loaded ``preset`` in ``run_dir``, in this process on ``ctx``'s (already
+    initialised) group: build, resume if the run directory has a checkpoint, train, close. ``prepare``: prepare the
+    data first, as the launcher does before the workers start. Returns the final status."""
+    return trainer_here(preset, run_dir, ctx, prepare=prepare)[0]
+
+
+def trainer_here(preset: Any, run_dir: Path, ctx: Any, *, prepare: bool = True) -> tuple[str, Any]:
+    """:func:`train_here`, returning (the final status, the closed ``Trainer``)."""
+    from torch_handle.launch.run import prepare_data
+    from torch_handle.registry import get_registry
+    from torch_handle.train.trainer import Trainer
+
+    if prepare:
+        prepare_data(preset)
+    trainer = Trainer(preset, run_dir, ctx, get_registry())
+    trainer.build()
+    trainer.maybe_resume()
+    status = trainer.train()
+    trainer.close(status)
+    return status, trainer
+
+
 def run_here(preset: Path, args: tuple[str, ...]) -> Path:
     """``handle run PRESET ARGS`` (``--set`` pairs alone) of one process, trained in this process instead of
     launched (a launch's start-up, about 4 CPU seconds: the CLI's imports, torchrun's agent, the worker's): the
@@ -189,9 +213,7 @@ def run_here(preset: Path, args: tuple[str, ...]) -> Path:
 
     from torch_handle.config.loader import load_preset
     from torch_handle.launch.run import prepare_run
-    from torch_handle.registry import get_registry
     from torch_handle.train.strategy import DistContext
-    from torch_handle.train.trainer import Trainer
 
     assert all(a == "--set" for a in args[::2]) and len(args) % 2 == 0, args
     assert not dist.is_initialized(), "a process group is already up in this process"
@@ -205,12 +227,8 @@ def run_here(preset: Path, args: tuple[str, ...]) -> Path:
     store = Path(tempfile.mkdtemp(prefix="handle-store-"))
     dist.init_process_group("gloo", init_method=f"file://{store / 'store'}", rank=0, world_size=1)
     try:
-        registry = get_registry()
-        trainer = Trainer(load_preset(run_dir / "preset.toml", registry=registry), run_dir,
-                          DistContext(0, 0, 1, torch.device("cpu"), "gloo"), registry)
-        trainer.build()
-        status = trainer.train()
-        trainer.close(status)
+        status = train_here(load_preset(run_dir / "preset.toml"), run_dir,
+                            DistContext(0, 0, 1, torch.device("cpu"), "gloo"), prepare=False)  # prepare_run did
     finally:
         dist.destroy_process_group()
         logger.removeHandler(handler)

@@ -19,13 +19,12 @@ pytest.importorskip("transformers", reason="needs the hf extra: pip install -e '
 from click.testing import CliRunner  # noqa: E402
 
 from handle_cli.main import cli  # noqa: E402
+from tests.helpers import trainer_here  # noqa: E402
 from tests.test_dpo import DPO, SEQ, dpo_preset, pairs  # noqa: E402,F401
 from tests.unit.test_trainer_step import _events, fake_peak, process_group  # noqa: E402,F401
 from torch_handle.config.loader import dump_preset, load_preset  # noqa: E402
 from torch_handle.data.cache import CACHE_ENV  # noqa: E402
 from torch_handle.data.chat.pairs import prepare_preference  # noqa: E402
-from torch_handle.launch.run import prepare_data  # noqa: E402
-from torch_handle.registry import get_registry  # noqa: E402
 from torch_handle.rundir import create_run_dir  # noqa: E402
 from torch_handle.train.objectives import reference  # noqa: E402
 from torch_handle.train.trainer import Trainer  # noqa: E402
@@ -48,12 +47,7 @@ def _run(root: Path, pairs_: tuple[Path, Path], ctx, name: str, steps: int, *ove
     base, data = pairs_
     preset = load_preset(dpo_preset(root, base, data, steps=steps), [*FULL, *overrides])
     run_dir = run_dir or create_run_dir(root / "runs", name, dump_preset(preset), {"status": "starting"})
-    prepare_data(preset)
-    trainer = Trainer(preset, run_dir, ctx, get_registry())
-    trainer.build()
-    trainer.maybe_resume()
-    status = trainer.train()
-    trainer.close(status)
+    status, trainer = trainer_here(preset, run_dir, ctx)
     assert status == "finished"
     return run_dir, trainer
 

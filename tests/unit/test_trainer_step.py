@@ -12,14 +12,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests.helpers import train_here
 from torch_handle.config.loader import dump_preset, load_preset
 from torch_handle.data.corpus import pydoc_corpus
 from torch_handle.plan.estimate import activation_bytes
 from torch_handle.registry import get_registry
 from torch_handle.rundir import STOP_FILE, create_run_dir, read_run_info
 from torch_handle.train.strategy import DistContext
-from torch_handle.train.trainer import Trainer
-from torch_handle.launch.run import prepare_data
 
 VOCAB = 300
 
@@ -71,14 +70,7 @@ def _events(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
 
 
-def _train(preset, run_dir: Path, ctx: DistContext) -> str:
-    prepare_data(preset)  # what the launcher does before the workers start
-    trainer = Trainer(preset, run_dir, ctx, get_registry())
-    trainer.build()
-    trainer.maybe_resume()
-    status = trainer.train()
-    trainer.close(status)
-    return status
+_train = train_here  # the modules that train in process import it from here
 
 
 def test_one_step_writes_what_a_run_writes(tmp_path, process_group, caplog):

@@ -185,8 +185,8 @@ def visible_tiles(queries: Tokens, keys: Tokens, causal: bool, size: int,
 
     Which tiles to skip is decided for the whole block with one host read (the tiles' ``any`` stacked), not one per
     tile: on a GPU each read waits for the device, which would stall the host once per tile (four times a block).
-    The tiles' bool masks, (B, size, size) each, are kept until used: a block's are 1/(4·H) of one tile's fp32
-    scores."""
+    The tiles' bool masks, (B, size, size) each, are kept until used: each is 1/(4·H) of its tile's fp32 scores
+    (B, H, size, size), a block's four together 1/H of one tile's."""
     tiles = [(qs, ks, visible(queries[qs], keys[ks], causal))
              for qs in _tiles(len(queries), size) for ks in _tiles(len(keys), size)]
     masks = [mask for _, _, mask in tiles if mask is not None]
